@@ -1,0 +1,27 @@
+//! The backend layer: device memory, copies, streams and typed kernel entry points.
+//!
+//! Invariants every caller can rely on:
+//! - A [`DevicePtr`] is a plain address (`Copy`, no `Drop`): whoever allocated it frees it.
+//! - Every backend records its allocations in an [`AllocationLedger`]; a double free, a free
+//!   of an unknown pointer, or a copy that leaves one live allocation is an error, never a crash.
+//! - Streams are `u64` ids; stream `0` always exists. On the CPU every stream runs in order,
+//!   so work is complete when the call returns.
+
+mod cpu;
+mod device_ptr;
+mod dtype;
+mod error;
+mod kernels;
+mod ledger;
+mod traits;
+
+pub use cpu::CpuBackend;
+pub use device_ptr::DevicePtr;
+pub use dtype::Dtype;
+pub use error::BackendError;
+pub use kernels::Kernels;
+pub use ledger::{AllocationLedger, LiveAllocation};
+pub use traits::{GpuBackend, GpuBackendExt};
+
+/// The default stream every backend provides.
+pub const DEFAULT_STREAM: u64 = 0;

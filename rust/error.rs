@@ -1,0 +1,32 @@
+//! The crate-wide error: every layer's own error folded into one enum.
+//!
+//! Each layer has its own `thiserror` enum ([`BackendError`], [`MemoryError`],
+//! [`ConfigError`], [`ProposerError`]); `?` converts any of them into [`Error`], which is
+//! the `Result` type the `DraftProposer` protocol uses.
+
+use thiserror::Error as ThisError;
+
+pub use crate::backend::BackendError;
+pub use crate::memory::MemoryError;
+pub use crate::model::ConfigError;
+pub use crate::speculative::ProposerError;
+
+/// Any error specdraft returns.
+#[derive(Debug, ThisError)]
+pub enum Error {
+    /// Device memory, copies, streams or kernels failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The KV block pool or the forward scratch failed.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// A model configuration could not be read or is inconsistent.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A proposer broke its contract or failed.
+    #[error(transparent)]
+    Proposer(#[from] ProposerError),
+}
+
+/// `Result` with [`Error`], as the protocol's signatures use it.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,418 @@
+//! `ModelConfig`: the sizes and switches of a target model, read from a Hugging Face
+//! `config.json` (or built by hand, or from GGUF metadata by the loaders).
+
+use serde_json::{Map, Value};
+use std::path::Path;
+use thiserror::Error;
+
+/// What is wrong with a model configuration.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {message}")]
+    Io { path: String, message: String },
+    /// The text is not JSON, or not a JSON object.
+    #[error("{path} is not a JSON object: {message}")]
+    Json { path: String, message: String },
+    /// A required key is absent.
+    #[error("config is missing required key {key:?} (model_type {model_type:?})")]
+    MissingKey { key: String, model_type: String },
+    /// A key has the wrong type or an impossible value.
+    #[error("config key {key:?}: {message}")]
+    BadValue { key: String, message: String },
+    /// A `model_type` this crate does not know.
+    #[error("unknown model_type {0:?}; known: llama, qwen2, qwen3, qwen3_next, mimo, deepseek_v3, glm4_moe")]
+    UnknownModelType(String),
+}
+
+/// The model family, which decides layer details (biases, q/k norm, MTP layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ModelFamily {
+    /// Llama, SmolLM2 and other `model_type: llama` models.
+    Llama,
+    /// Qwen2 / Qwen2.5: q/k/v projections carry a bias.
+    Qwen2,
+    /// Qwen3: per-head RMSNorm on q and k.
+    Qwen3,
+    /// Qwen3-Next: gated attention, q/k norm, MTP as `mtp.*`.
+    Qwen3Next,
+    /// MiMo: a Qwen2-style base with `model.mtp_layers.*`.
+    Mimo,
+    /// DeepSeek-V3: MTP as `model.layers.{num_hidden_layers}.*`.
+    DeepseekV3,
+    /// GLM-4.5+ (`glm4_moe`): the DeepSeek-V3 MTP layout.
+    Glm4Moe,
+}
+
+impl ModelFamily {
+    /// Parses a HF `model_type`.
+    pub fn from_model_type(model_type: &str) -> Result<Self, ConfigError> {
+        Ok(match model_type {
+            "llama" | "smollm2" => ModelFamily::Llama,
+            "qwen2" => ModelFamily::Qwen2,
+            "qwen3" => ModelFamily::Qwen3,
+            "qwen3_next" => ModelFamily::Qwen3Next,
+            "mimo" => ModelFamily::Mimo,
+            "deepseek_v3" => ModelFamily::DeepseekV3,
+            "glm4_moe" => ModelFamily::Glm4Moe,
+            other => return Err(ConfigError::UnknownModelType(other.to_string())),
+        })
+    }
+
+    /// The HF `model_type` of this family.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            ModelFamily::Llama => "llama",
+            ModelFamily::Qwen2 => "qwen2",
+            ModelFamily::Qwen3 => "qwen3",
+            ModelFamily::Qwen3Next => "qwen3_next",
+            ModelFamily::Mimo => "mimo",
+            ModelFamily::DeepseekV3 => "deepseek_v3",
+            ModelFamily::Glm4Moe => "glm4_moe",
+        }
+    }
+}
+
+/// RoPE frequency scaling (`rope_scaling` in the config).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeScaling {
+    /// `rope_type` (or `type`): `"linear"`, `"llama3"`, `"yarn"`, ...
+    pub kind: String,
+    /// The scaling factor.
+    pub factor: f32,
+    /// `low_freq_factor` (llama3).
+    pub low_freq_factor: Option<f32>,
+    /// `high_freq_factor` (llama3).
+    pub high_freq_factor: Option<f32>,
+    /// `original_max_position_embeddings`.
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+/// Mixture-of-experts sizes, for the families whose MLPs route.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts.
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub experts_per_token: usize,
+    /// Hidden size of one expert's MLP.
+    pub expert_intermediate_size: usize,
+    /// Always-on shared experts.
+    pub num_shared_experts: usize,
+    /// Whether the top-k weights are renormalised to sum to one.
+    pub norm_topk_prob: bool,
+    /// Scale applied to the routed output.
+    pub routed_scaling_factor: f32,
+}
+
+/// The sizes and switches of a target model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// The family (from `model_type`).
+    pub family: ModelFamily,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Dense MLP width.
+    pub intermediate_size: usize,
+    /// Decoder layers of the main model (MTP layers not counted).
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention).
+    pub num_key_value_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Vocabulary size (rows of the embedding).
+    pub vocab_size: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RoPE scaling, if any.
+    pub rope_scaling: Option<RopeScaling>,
+    /// Fraction of each head that RoPE rotates (1.0 for all but a few families).
+    pub partial_rotary_factor: f32,
+    /// Longest context the model was trained for.
+    pub max_position_embeddings: usize,
+    /// Whether the LM head shares the embedding's weights.
+    pub tie_word_embeddings: bool,
+    /// Whether q/k/v projections carry biases.
+    pub attention_bias: bool,
+    /// Whether q and k get a per-head RMSNorm (Qwen3, Qwen3-Next).
+    pub qk_norm: bool,
+    /// MTP modules shipped in the checkpoint (`num_nextn_predict_layers`), 0 when none.
+    pub num_nextn_predict_layers: usize,
+    /// Mixture-of-experts sizes, when the MLPs route.
+    pub moe: Option<MoeConfig>,
+    /// End-of-sequence token ids.
+    pub eos_token_ids: Vec<u32>,
+}
+
+struct Keys<'a> {
+    map: &'a Map<String, Value>,
+    model_type: &'a str,
+}
+
+impl Keys<'_> {
+    fn missing(&self, key: &str) -> ConfigError {
+        ConfigError::MissingKey {
+            key: key.to_string(),
+            model_type: self.model_type.to_string(),
+        }
+    }
+
+    fn bad(key: &str, message: impl Into<String>) -> ConfigError {
+        ConfigError::BadValue {
+            key: key.to_string(),
+            message: message.into(),
+        }
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, ConfigError> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| Self::bad(key, format!("expected a non-negative integer, found {v}"))),
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, ConfigError> {
+        let n = self.opt_usize(key)?.ok_or_else(|| self.missing(key))?;
+        if n == 0 {
+            return Err(Self::bad(key, "must be greater than zero"));
+        }
+        Ok(n)
+    }
+
+    fn opt_f32(&self, key: &str) -> Result<Option<f32>, ConfigError> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| Self::bad(key, format!("expected a number, found {v}"))),
+        }
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>, ConfigError> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| Self::bad(key, format!("expected true or false, found {v}"))),
+        }
+    }
+
+    fn token_ids(&self, key: &str) -> Result<Vec<u32>, ConfigError> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Number(n)) => n
+                .as_u64()
+                .map(|x| vec![x as u32])
+                .ok_or_else(|| Self::bad(key, "expected a token id")),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_u64().map(|x| x as u32).ok_or_else(|| Self::bad(key, "expected token ids")))
+                .collect(),
+            Some(v) => Err(Self::bad(key, format!("expected a token id or a list of them, found {v}"))),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Reads a HF `config.json` file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Self::from_json_str(&text).map_err(|e| match e {
+            ConfigError::Json { message, .. } => ConfigError::Json {
+                path: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses the text of a HF `config.json`.
+    pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
+        let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+            path: "config".into(),
+            message: e.to_string(),
+        })?;
+        let map = value.as_object().ok_or_else(|| ConfigError::Json {
+            path: "config".into(),
+            message: "the top level is not an object".into(),
+        })?;
+        Self::from_json_map(map)
+    }
+
+    /// Builds a config from an already parsed JSON object.
+    pub fn from_json_map(map: &Map<String, Value>) -> Result<Self, ConfigError> {
+        let model_type = match map.get("model_type") {
+            Some(Value::String(s)) => s.as_str(),
+            Some(v) => return Err(Keys::bad("model_type", format!("expected a string, found {v}"))),
+            None => {
+                return Err(ConfigError::MissingKey {
+                    key: "model_type".into(),
+                    model_type: String::new(),
+                })
+            }
+        };
+        let family = ModelFamily::from_model_type(model_type)?;
+        let k = Keys { map, model_type };
+        let hidden_size = k.usize("hidden_size")?;
+        let num_attention_heads = k.usize("num_attention_heads")?;
+        let num_key_value_heads = k.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let head_dim = match k.opt_usize("head_dim")? {
+            Some(d) => d,
+            None => hidden_size / num_attention_heads,
+        };
+        let moe = match family {
+            ModelFamily::DeepseekV3 | ModelFamily::Glm4Moe | ModelFamily::Qwen3Next => {
+                let experts = k
+                    .opt_usize("n_routed_experts")?
+                    .or(k.opt_usize("num_experts")?);
+                match experts {
+                    Some(num_experts) if num_experts > 0 => Some(MoeConfig {
+                        num_experts,
+                        experts_per_token: k.usize("num_experts_per_tok")?,
+                        expert_intermediate_size: k.usize("moe_intermediate_size")?,
+                        num_shared_experts: k
+                            .opt_usize("n_shared_experts")?
+                            .unwrap_or(usize::from(k.opt_usize("shared_expert_intermediate_size")?.is_some())),
+                        norm_topk_prob: k.opt_bool("norm_topk_prob")?.unwrap_or(true),
+                        routed_scaling_factor: k.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
+                    }),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let rope_scaling = match map.get("rope_scaling") {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(rs)) => {
+                let rk = Keys { map: rs, model_type };
+                let kind = rs
+                    .get("rope_type")
+                    .or_else(|| rs.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("linear")
+                    .to_string();
+                Some(RopeScaling {
+                    kind,
+                    factor: rk.opt_f32("factor")?.unwrap_or(1.0),
+                    low_freq_factor: rk.opt_f32("low_freq_factor")?,
+                    high_freq_factor: rk.opt_f32("high_freq_factor")?,
+                    original_max_position_embeddings: rk.opt_usize("original_max_position_embeddings")?,
+                })
+            }
+            Some(v) => return Err(Keys::bad("rope_scaling", format!("expected an object, found {v}"))),
+        };
+        let config = ModelConfig {
+            family,
+            hidden_size,
+            intermediate_size: k.usize("intermediate_size")?,
+            num_hidden_layers: k.usize("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            vocab_size: k.usize("vocab_size")?,
+            rms_norm_eps: k.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta: k.opt_f32("rope_theta")?.unwrap_or(10_000.0),
+            rope_scaling,
+            partial_rotary_factor: k.opt_f32("partial_rotary_factor")?.unwrap_or(1.0),
+            max_position_embeddings: k.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            tie_word_embeddings: k.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias: k
+                .opt_bool("attention_bias")?
+                .unwrap_or(matches!(family, ModelFamily::Qwen2 | ModelFamily::Mimo)),
+            qk_norm: matches!(family, ModelFamily::Qwen3 | ModelFamily::Qwen3Next),
+            num_nextn_predict_layers: k
+                .opt_usize("num_nextn_predict_layers")?
+                .or(k.opt_usize("mtp_num_hidden_layers")?)
+                .unwrap_or(0),
+            moe,
+            eos_token_ids: k.token_ids("eos_token_id")?,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the invariants every consumer relies on.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &str, message: String| Err(Keys::bad(key, message));
+        for (key, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+        ] {
+            if v == 0 {
+                return bad(key, "must be greater than zero".into());
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return bad(
+                "num_key_value_heads",
+                format!(
+                    "{} does not divide num_attention_heads {}",
+                    self.num_key_value_heads, self.num_attention_heads
+                ),
+            );
+        }
+        if self.head_dim % 2 != 0 {
+            return bad("head_dim", format!("{} is odd; RoPE rotates pairs", self.head_dim));
+        }
+        if self.vocab_size > u32::MAX as usize {
+            return bad("vocab_size", format!("{} does not fit u32 token ids", self.vocab_size));
+        }
+        if !(self.rms_norm_eps > 0.0) || !(self.rope_theta > 0.0) {
+            return bad("rms_norm_eps / rope_theta", "must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// A small Llama-family config for tests and examples.
+    pub fn tiny(vocab_size: usize) -> ModelConfig {
+        ModelConfig {
+            family: ModelFamily::Llama,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 16,
+            vocab_size,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            partial_rotary_factor: 1.0,
+            max_position_embeddings: 2048,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            qk_norm: false,
+            num_nextn_predict_layers: 0,
+            moe: None,
+            eos_token_ids: Vec::new(),
+        }
+    }
+
+    /// Width of the query projection's output.
+    pub fn q_size(&self) -> usize {
+        self.num_attention_heads * self.head_dim
+    }
+
+    /// Width of the key (and of the value) projection's output.
+    pub fn kv_size(&self) -> usize {
+        self.num_key_value_heads * self.head_dim
+    }
+}

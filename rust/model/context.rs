@@ -1,0 +1,50 @@
+//! `ForwardContext`: what a forward (the target's or a proposer's) runs with.
+//!
+//! It holds shared handles (`Arc`), so building one per step is cheap and a copy kept past
+//! the call (as the Python view does) stays valid.
+
+use crate::backend::GpuBackend;
+use crate::memory::BufferArena;
+use crate::model::{ModelConfig, ModelLevers};
+use std::sync::Arc;
+
+/// A communicator for proposers whose block is sharded across ranks (`needs_comm`).
+pub trait Communicator: Send + Sync {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+}
+
+/// The backend, shared scratch, configuration and levers of one forward.
+#[derive(Clone)]
+pub struct ForwardContext<'a> {
+    /// The backend every buffer belongs to.
+    pub gpu: Arc<dyn GpuBackend>,
+    /// The shared forward scratch (owned by the target model while it runs).
+    pub buffers: Arc<BufferArena>,
+    /// The target model's configuration.
+    pub config: Arc<ModelConfig>,
+    /// The levers, resolved once.
+    pub levers: ModelLevers,
+    /// The communicator on a multi-rank serve; `None` on one rank.
+    pub comm: Option<&'a dyn Communicator>,
+}
+
+impl<'a> ForwardContext<'a> {
+    /// A single-rank context.
+    pub fn new(
+        gpu: Arc<dyn GpuBackend>,
+        buffers: Arc<BufferArena>,
+        config: Arc<ModelConfig>,
+        levers: ModelLevers,
+    ) -> Self {
+        ForwardContext {
+            gpu,
+            buffers,
+            config,
+            levers,
+            comm: None,
+        }
+    }
+}

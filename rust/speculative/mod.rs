@@ -1,0 +1,21 @@
+//! The speculative layer: the `DraftProposer` protocol, its proposers, and the conformance
+//! checker that drives any proposer through the whole lifecycle.
+//!
+//! Invariants every proposer in this module keeps (and [`conformance::check_proposer`]
+//! checks for any proposer):
+//! - `propose` returns at most `num_drafts` ids, each inside the vocabulary, each allowed by
+//!   the grammar mask when one is given.
+//! - `propose_batch`, when supported, returns what per-sequence `propose` would.
+//! - after `take_drafter_kv`, a state behaves as freshly allocated.
+//! - `free_state` returns every device allocation `alloc_state` made.
+
+pub mod conformance;
+mod error;
+mod grammar;
+mod prompt_lookup;
+mod protocol;
+
+pub use error::ProposerError;
+pub use grammar::{bitmask_allows, bitmask_words};
+pub use prompt_lookup::{PromptLookup, PromptLookupState};
+pub use protocol::{DraftBinding, DraftProposer, DraftRunner, ProposerState, WeightSlot};

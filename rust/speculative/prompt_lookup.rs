@@ -1,0 +1,227 @@
+//! `PromptLookup`: n-gram drafting from the prompt and everything generated so far.
+//!
+//! The proposer keeps each sequence's token history on the host. It learns the prompt in
+//! `prefill_drafter`, each verified token from `propose`'s `last_token` (placed at
+//! `position`, so proposing twice from the same point is idempotent), and the accepted
+//! drafts in `after_verify`. To draft, it takes the longest suffix of the history (from
+//! `max_ngram` down to `min_ngram` tokens) that occurred earlier, picks the most recent
+//! earlier occurrence, and proposes the tokens that followed it.
+//!
+//! It allocates no device memory, so its state needs no freeing beyond being dropped.
+
+use super::{bitmask_allows, DraftProposer, ProposerError, ProposerState};
+use crate::backend::{DevicePtr, GpuBackend};
+use crate::memory::BufferArena;
+use crate::model::{ForwardContext, ModelConfig};
+use crate::Result;
+
+/// Per-sequence history of [`PromptLookup`].
+#[derive(Debug, Default, Clone)]
+pub struct PromptLookupState {
+    /// Prompt and verified tokens, in sequence order.
+    pub history: Vec<u32>,
+    /// The drafts of the last propose, until `after_verify` says how many were kept.
+    pub pending: Vec<u32>,
+}
+
+crate::impl_proposer_state!(PromptLookupState);
+
+/// N-gram lookup over the prompt and the output so far.
+#[derive(Debug, Clone)]
+pub struct PromptLookup {
+    min_ngram: usize,
+    max_ngram: usize,
+}
+
+impl Default for PromptLookup {
+    fn default() -> Self {
+        PromptLookup {
+            min_ngram: 1,
+            max_ngram: 4,
+        }
+    }
+}
+
+fn state_of<'s>(state: &'s mut dyn ProposerState, method: &'static str) -> Result<&'s mut PromptLookupState> {
+    state
+        .as_any_mut()
+        .downcast_mut::<PromptLookupState>()
+        .ok_or_else(|| ProposerError::WrongState {
+            method,
+            expected: "PromptLookupState",
+        }.into())
+}
+
+fn check_vocab(method: &'static str, tokens: &[u32], vocab_size: usize) -> Result<()> {
+    match tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        Some(&t) => Err(ProposerError::TokenOutOfVocab {
+            method,
+            token: t as u64,
+            vocab_size,
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
+impl PromptLookup {
+    /// Matches suffixes of `min_ngram ..= max_ngram` tokens (both at least 1).
+    pub fn new(min_ngram: usize, max_ngram: usize) -> std::result::Result<Self, ProposerError> {
+        if min_ngram == 0 || max_ngram < min_ngram {
+            return Err(ProposerError::InvalidArgument {
+                method: "PromptLookup::new",
+                message: format!("need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}"),
+            });
+        }
+        Ok(PromptLookup { min_ngram, max_ngram })
+    }
+
+    /// Shortest suffix it matches.
+    pub fn min_ngram(&self) -> usize {
+        self.min_ngram
+    }
+
+    /// Longest suffix it matches.
+    pub fn max_ngram(&self) -> usize {
+        self.max_ngram
+    }
+
+    /// The drafts for `history`: the continuation of the most recent earlier occurrence of
+    /// its longest matching suffix, at most `num_drafts` long, cut before the first token
+    /// `mask` forbids.
+    pub fn lookup(&self, history: &[u32], num_drafts: usize, mask: Option<&[i32]>) -> Vec<u32> {
+        let len = history.len();
+        if num_drafts == 0 {
+            return Vec::new();
+        }
+        for n in (self.min_ngram..=self.max_ngram.min(len.saturating_sub(1))).rev() {
+            let suffix = &history[len - n..];
+            // Most recent earlier occurrence first; it must be followed by at least one token.
+            for start in (0..len - n).rev() {
+                if &history[start..start + n] == suffix {
+                    let from = start + n;
+                    let to = (from + num_drafts).min(len);
+                    let drafts = history[from..to]
+                        .iter()
+                        .copied()
+                        .take_while(|&t| mask.is_none_or(|m| bitmask_allows(m, t)))
+                        .collect();
+                    return drafts;
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    fn propose_one(
+        &self,
+        last_token: u32,
+        position: usize,
+        num_drafts: usize,
+        state: &mut dyn ProposerState,
+        vocab_size: usize,
+        mask: Option<&[i32]>,
+    ) -> Result<Vec<u32>> {
+        check_vocab("propose", &[last_token], vocab_size)?;
+        let st = state_of(state, "propose")?;
+        // `position` is where `last_token` sits in the sequence: anything at or after it
+        // is a leftover of an earlier propose from this point.
+        st.history.truncate(position);
+        st.history.push(last_token);
+        st.pending = self.lookup(&st.history, num_drafts, mask);
+        Ok(st.pending.clone())
+    }
+}
+
+impl DraftProposer for PromptLookup {
+    fn alloc_state(&self, _gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
+        Ok(Box::new(PromptLookupState::default()))
+    }
+
+    fn propose(
+        &self,
+        last_token: u32,
+        _target_hidden: DevicePtr,
+        position: usize,
+        num_drafts: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        _stream: u64,
+        _draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        _target_hidden_stack: Option<DevicePtr>,
+    ) -> Result<Vec<u32>> {
+        self.propose_one(last_token, position, num_drafts, state, ctx.config.vocab_size, grammar_bitmask)
+    }
+
+    fn after_verify(&self, num_accepted: usize, state: &mut dyn ProposerState, _stream: u64) -> Result<()> {
+        let st = state_of(state, "after_verify")?;
+        if num_accepted > st.pending.len() {
+            return Err(ProposerError::InvalidArgument {
+                method: "after_verify",
+                message: format!("{num_accepted} accepted, but only {} drafts were proposed", st.pending.len()),
+            }
+            .into());
+        }
+        let pending = std::mem::take(&mut st.pending);
+        st.history.extend_from_slice(&pending[..num_accepted]);
+        Ok(())
+    }
+
+    fn prefill_drafter(
+        &self,
+        prompt_tokens: &[u32],
+        _hiddens: DevicePtr,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        _stream: u64,
+    ) -> Result<usize> {
+        check_vocab("prefill_drafter", prompt_tokens, ctx.config.vocab_size)?;
+        let st = state_of(state, "prefill_drafter")?;
+        st.history.clear();
+        st.history.extend_from_slice(prompt_tokens);
+        st.pending.clear();
+        // Host-side history only: no drafter KV rows are written.
+        Ok(0)
+    }
+
+    fn propose_batch(
+        &self,
+        last_tokens: &[u32],
+        target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        num_drafts: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        _stream: u64,
+        out_conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        let n = last_tokens.len();
+        if target_hiddens.len() != n || positions.len() != n || states.len() != n {
+            return Err(ProposerError::InvalidArgument {
+                method: "propose_batch",
+                message: format!(
+                    "slices differ in length: {n} last_tokens, {} target_hiddens, {} positions, {} states",
+                    target_hiddens.len(),
+                    positions.len(),
+                    states.len()
+                ),
+            }
+            .into());
+        }
+        let mut drafts = Vec::with_capacity(n);
+        for i in 0..n {
+            drafts.push(self.propose_one(last_tokens[i], positions[i], num_drafts, &mut *states[i], ctx.config.vocab_size, None)?);
+        }
+        if let Some(conf) = out_conf {
+            // A lookup is deterministic: each draft is proposed with probability one.
+            *conf = drafts.iter().map(|d| vec![1.0; d.len()]).collect();
+        }
+        Ok(Some(drafts))
+    }
+
+    fn propose_batch_max(&self, _buffers: &BufferArena, _config: &ModelConfig) -> usize {
+        // Host-only work per sequence: no scratch limits the width.
+        usize::MAX
+    }
+}

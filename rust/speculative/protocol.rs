@@ -1,0 +1,293 @@
+//! The `DraftProposer` protocol: three required methods and nineteen provided ones, with the
+//! defaults the specification documents.
+//!
+//! The engine drives a proposer in this order: `alloc_state_for` → `prefill_drafter` →
+//! (`propose` | `propose_batch`) → verify → `after_verify` (+ `catchup_batch` under
+//! `ModelLevers::mtp_kv_exact`) → `take_drafter_kv` / `install_drafter_kv` between turns →
+//! `free_state`. Hidden states at these seams are BF16 `[rows, hidden_size]`; token ids are
+//! `u32`; `DevicePtr` has no `Drop`, so whatever `alloc_state` allocates is freed in
+//! `free_state` or leaks.
+
+use crate::backend::{DevicePtr, Dtype, GpuBackend};
+use crate::memory::BufferArena;
+use crate::model::{ForwardContext, ModelConfig, ModelLevers};
+use crate::Result;
+use std::any::Any;
+use std::sync::Arc;
+
+/// Per-sequence proposer state; proposers downcast it through `as_any` / `as_any_mut`.
+///
+/// Implement it with [`impl_proposer_state!`](crate::impl_proposer_state) for a plain type.
+pub trait ProposerState: Send {
+    /// The state as `Any`, to downcast to the proposer's own type.
+    fn as_any(&self) -> &dyn Any;
+    /// The state as mutable `Any`.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// Implements [`ProposerState`] for one or more `'static + Send` types.
+#[macro_export]
+macro_rules! impl_proposer_state {
+    ($($ty:ty),+ $(,)?) => {$(
+        impl $crate::speculative::ProposerState for $ty {
+            fn as_any(&self) -> &dyn ::std::any::Any { self }
+            fn as_any_mut(&mut self) -> &mut dyn ::std::any::Any { self }
+        }
+    )+};
+}
+
+/// One weight of a draft head as the circuit executor binds it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WeightSlot {
+    /// The slot's name (`"eh_proj"`, `"layer.self_attn.q_proj"`, ...).
+    pub name: String,
+    /// Where the weight lives.
+    pub ptr: DevicePtr,
+    /// Element type of `ptr` (`U8` for packed NVFP4 codes).
+    pub dtype: Dtype,
+    /// Logical shape, outermost first.
+    pub shape: Vec<usize>,
+    /// Per-block scales (NVFP4's FP8 `weight_scale`), when quantized.
+    pub block_scale: Option<DevicePtr>,
+    /// The tensor-wide scale (NVFP4's `weight_scale_2`), when quantized.
+    pub global_scale: Option<f32>,
+}
+
+/// A draft head described completely enough for a [`DraftRunner`] to run its forward.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftBinding {
+    /// What kind of head this is (`"mtp:deepseek_v3"`, ...).
+    pub kind: String,
+    /// Every weight, by slot.
+    pub weights: Vec<WeightSlot>,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Query heads of the head's attention.
+    pub num_attention_heads: usize,
+    /// Key/value heads.
+    pub num_key_value_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// Full vocabulary.
+    pub vocab_size: usize,
+    /// Rows of the LM head the drafts are chosen from (0: all).
+    pub draft_vocab_size: usize,
+    /// Rows per drafter KV block.
+    pub kv_block_size: usize,
+    /// Blocks in the drafter's KV pool.
+    pub kv_num_blocks: usize,
+    /// The key cache, `[kv_num_blocks, kv_block_size, num_key_value_heads, head_dim]` BF16.
+    pub k_cache: DevicePtr,
+    /// The value cache, same shape.
+    pub v_cache: DevicePtr,
+}
+
+/// Runs a draft head's forward in place of the head's own (see
+/// [`DraftProposer::set_circuit_draft`]).
+pub trait DraftRunner: Send + Sync {
+    /// Drafts up to `num_drafts` tokens for one sequence from the binding's weights, with
+    /// the same meaning of every argument as [`DraftProposer::propose`].
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        binding: &DraftBinding,
+        last_token: u32,
+        target_hidden: DevicePtr,
+        position: usize,
+        num_drafts: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> Result<Vec<u32>>;
+}
+
+/// A draft-token proposer. The model calls `propose` for draft tokens, verifies them with
+/// the target, then calls `after_verify` with the accepted count so the proposer can trim
+/// its state.
+#[allow(clippy::too_many_arguments)]
+pub trait DraftProposer: Send + Sync {
+    /// Allocates per-sequence proposer state.
+    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>>;
+
+    /// Proposes up to `num_drafts` tokens autoregressively.
+    ///
+    /// `last_token`: the last verified token. `target_hidden`: the target's `[1,
+    /// hidden_size]` BF16 hidden for it, saved before the final norm. `position`: the
+    /// sequence position, for RoPE. `grammar_bitmask`: when `Some`, one bit per token id in
+    /// i32 words; drafts are limited to tokens whose bit is set. `target_hidden_stack`: the
+    /// model's DFlash hidden capture, when it has one.
+    fn propose(
+        &self,
+        last_token: u32,
+        target_hidden: DevicePtr,
+        position: usize,
+        num_drafts: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        target_hidden_stack: Option<DevicePtr>,
+    ) -> Result<Vec<u32>>;
+
+    /// Trims the proposer's state after a verify that accepted `num_accepted` drafts.
+    fn after_verify(&self, num_accepted: usize, state: &mut dyn ProposerState, stream: u64) -> Result<()>;
+
+    /// [`Self::alloc_state`] given the sequence's token budget (prompt length plus
+    /// max_tokens), so state that scales with context can be sized to the request.
+    /// `usize::MAX` means unknown. The default ignores the budget.
+    fn alloc_state_for(&self, gpu: &dyn GpuBackend, budget_tokens: usize) -> Result<Box<dyn ProposerState>> {
+        let _ = budget_tokens;
+        self.alloc_state(gpu)
+    }
+
+    /// The block size γ of a block-diffusion (DFlash) drafter; `None` for other proposers.
+    fn block_gamma(&self) -> Option<usize> {
+        None
+    }
+
+    /// Rows of the prefill hidden capture this proposer can use, given the served
+    /// `max_seq_len`; the model sizes that `[rows, hidden]` BF16 buffer from it. The default
+    /// is `max_seq_len`. A smaller cap corrupts nothing: a longer prompt is not fully
+    /// captured, so its drafter prefill is skipped, which costs acceptance.
+    fn prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
+        max_seq_len
+    }
+
+    /// Whether this proposer's block is sharded across ranks, so its forward is given the
+    /// communicator. The default is false.
+    fn needs_comm(&self) -> bool {
+        false
+    }
+
+    /// Whether this proposer's context prefill uses the shared forward scratch
+    /// (`ctx.buffers`). If so, the model skips the prefill at the end of the target's
+    /// prefill and runs it at the first propose instead. The default is false.
+    fn prefill_uses_shared_buffers(&self) -> bool {
+        false
+    }
+
+    /// Drafter KV rows held in `state`; 0 when unknown.
+    fn drafter_rows(&self, _state: &mut dyn ProposerState) -> usize {
+        0
+    }
+
+    /// Sequence-space pair key of the newest drafter row; `None` when untracked.
+    fn last_pair_key(&self, _state: &mut dyn ProposerState) -> Option<usize> {
+        None
+    }
+
+    /// Moves this sequence's drafter KV blocks out of its state, so `free_state` does not
+    /// release them and the model can carry them to the next turn. Returns `(blocks, rows,
+    /// last_pair_key)`, or `None` when unsupported or empty. Afterwards the state must behave
+    /// as freshly allocated.
+    fn take_drafter_kv(&self, _state: &mut dyn ProposerState) -> Option<(Vec<u32>, usize, Option<usize>)> {
+        None
+    }
+
+    /// Installs carried blocks into a fresh state, the inverse of [`Self::take_drafter_kv`].
+    /// Returns false when unsupported; the caller then still owns the blocks and must free them.
+    fn install_drafter_kv(
+        &self,
+        _state: &mut dyn ProposerState,
+        _blocks: Vec<u32>,
+        _rows: usize,
+        _last_pair_key: Option<usize>,
+    ) -> bool {
+        false
+    }
+
+    /// Releases drafter KV blocks that no proposer state owns.
+    fn free_drafter_kv(&self, _blocks: &[u32]) {}
+
+    /// Appends drafter rows at KV slots `row_base ..` with RoPE positions `pos_base ..` from
+    /// `(tokens, hiddens)` pairs. Returns the rows written; the default writes none.
+    fn catchup_drafter(
+        &self,
+        _tokens: &[u32],
+        _hiddens: DevicePtr,
+        _row_base: usize,
+        _pos_base: usize,
+        _state: &mut dyn ProposerState,
+        _ctx: &ForwardContext<'_>,
+        _stream: u64,
+    ) -> Result<usize> {
+        Ok(0)
+    }
+
+    /// Proposes `num_drafts` tokens for each of `last_tokens.len()` sequences at once.
+    /// `Ok(None)` when unsupported, and the caller proposes per sequence.
+    fn propose_batch(
+        &self,
+        _last_tokens: &[u32],
+        _target_hiddens: &[DevicePtr],
+        _positions: &[usize],
+        _num_drafts: usize,
+        _states: &mut [&mut dyn ProposerState],
+        _ctx: &ForwardContext<'_>,
+        _stream: u64,
+        _out_conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        Ok(None)
+    }
+
+    /// The widest batch [`Self::propose_batch`] accepts; 1 means per-sequence only.
+    fn propose_batch_max(&self, _buffers: &BufferArena, _config: &ModelConfig) -> usize {
+        1
+    }
+
+    /// Appends one drafter row per accepted draft of the last verify, for several
+    /// sequences; called only with `ModelLevers::mtp_kv_exact` on. Returns the rows written;
+    /// the default writes none.
+    fn catchup_batch(
+        &self,
+        _tokens: &[Vec<u32>],
+        _hiddens: &[Vec<DevicePtr>],
+        _first_pos: &[usize],
+        _states: &mut [&mut dyn ProposerState],
+        _ctx: &ForwardContext<'_>,
+        _stream: u64,
+    ) -> Result<usize> {
+        Ok(0)
+    }
+
+    /// Prefills the drafter's KV over the prompt before the sequence's first propose.
+    /// `hiddens` is `[P, hidden_size]` BF16, row i the target's hidden for
+    /// `prompt_tokens[i]` before the final norm. Returns the drafter rows written; the
+    /// default writes none.
+    fn prefill_drafter(
+        &self,
+        _prompt_tokens: &[u32],
+        _hiddens: DevicePtr,
+        _state: &mut dyn ProposerState,
+        _ctx: &ForwardContext<'_>,
+        _stream: u64,
+    ) -> Result<usize> {
+        Ok(0)
+    }
+
+    /// The draft token id the last propose with `draft_embed_target` left on the device;
+    /// the default returns 0.
+    fn read_deferred_draft_token(&self, _gpu: &dyn GpuBackend) -> Result<u32> {
+        Ok(0)
+    }
+
+    /// Frees per-sequence proposer state when a sequence finishes; the default frees nothing.
+    fn free_state(&self, _gpu: &dyn GpuBackend, _state: &mut dyn ProposerState) -> Result<()> {
+        Ok(())
+    }
+
+    /// This proposer's draft head as the circuit executor binds it; `None` for a proposer
+    /// the circuit does not model.
+    fn circuit_draft(&self, _config: &ModelConfig, _levers: &ModelLevers) -> Option<DraftBinding> {
+        None
+    }
+
+    /// Runs `runner` in place of the draft head's own forward from now on, or its own
+    /// forward again with `None`. A proposer without a circuit binding ignores it.
+    fn set_circuit_draft(&self, _runner: Option<Arc<dyn DraftRunner>>) {}
+}
