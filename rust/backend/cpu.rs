@@ -41,7 +41,8 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len.max(1), ALIGN).expect("layout was valid at allocation");
+        let layout = Layout::from_size_align(self.len.max(1), ALIGN)
+            .expect("layout was valid at allocation");
         // SAFETY: `ptr` came from `alloc_zeroed` with this layout.
         unsafe { dealloc(self.ptr, layout) }
     }
@@ -147,7 +148,12 @@ impl CpuBackend {
     }
 
     /// A bounds-checked view of `nbytes` at `ptr`; `what` names the caller in errors.
-    pub fn view(&self, ptr: DevicePtr, nbytes: usize, what: &str) -> Result<HostView, BackendError> {
+    pub fn view(
+        &self,
+        ptr: DevicePtr,
+        nbytes: usize,
+        what: &str,
+    ) -> Result<HostView, BackendError> {
         let (base, offset) = self.ledger.check_range(ptr, nbytes, what)?;
         let buffer = self
             .buffers
@@ -165,7 +171,11 @@ impl CpuBackend {
 
     fn check_stream(&self, stream: u64) -> Result<(), BackendError> {
         if stream == super::DEFAULT_STREAM
-            || self.streams.lock().unwrap_or_else(|e| e.into_inner()).contains(&stream)
+            || self
+                .streams
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&stream)
         {
             Ok(())
         } else {
@@ -185,7 +195,9 @@ impl GpuBackend for CpuBackend {
 
     fn alloc(&self, nbytes: usize, tag: &str) -> Result<DevicePtr, BackendError> {
         if nbytes == 0 {
-            return Err(BackendError::ZeroSizedAlloc { tag: tag.to_string() });
+            return Err(BackendError::ZeroSizedAlloc {
+                tag: tag.to_string(),
+            });
         }
         let oom = || BackendError::OutOfMemory {
             requested: nbytes,
@@ -249,7 +261,13 @@ impl GpuBackend for CpuBackend {
         Ok(())
     }
 
-    fn memset(&self, dst: DevicePtr, value: u8, nbytes: usize, stream: u64) -> Result<(), BackendError> {
+    fn memset(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        nbytes: usize,
+        stream: u64,
+    ) -> Result<(), BackendError> {
         self.check_stream(stream)?;
         let view = self.view(dst, nbytes, "memset")?;
         // SAFETY: checked range.
@@ -259,12 +277,20 @@ impl GpuBackend for CpuBackend {
 
     fn create_stream(&self) -> Result<u64, BackendError> {
         let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
-        self.streams.lock().unwrap_or_else(|e| e.into_inner()).insert(id);
+        self.streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id);
         Ok(id)
     }
 
     fn destroy_stream(&self, stream: u64) -> Result<(), BackendError> {
-        if self.streams.lock().unwrap_or_else(|e| e.into_inner()).remove(&stream) {
+        if self
+            .streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&stream)
+        {
             Ok(())
         } else {
             Err(BackendError::UnknownStream(stream))
@@ -279,5 +305,3 @@ impl GpuBackend for CpuBackend {
         self
     }
 }
-
-impl super::Kernels for CpuBackend {}

@@ -165,8 +165,14 @@ mod tests {
     fn range_checks() {
         let l = AllocationLedger::new();
         l.record_alloc(DevicePtr(0x1000), 64, "a");
-        assert_eq!(l.check_range(DevicePtr(0x1000), 64, "t").unwrap(), (DevicePtr(0x1000), 0));
-        assert_eq!(l.check_range(DevicePtr(0x1010), 48, "t").unwrap(), (DevicePtr(0x1000), 16));
+        assert_eq!(
+            l.check_range(DevicePtr(0x1000), 64, "t").unwrap(),
+            (DevicePtr(0x1000), 0)
+        );
+        assert_eq!(
+            l.check_range(DevicePtr(0x1010), 48, "t").unwrap(),
+            (DevicePtr(0x1000), 16)
+        );
         assert!(l.check_range(DevicePtr(0x1010), 49, "t").is_err());
         assert!(l.check_range(DevicePtr(0x0fff), 1, "t").is_err());
         assert!(l.check_range(DevicePtr(0x1041), 0, "t").is_err());

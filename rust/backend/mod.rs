@@ -8,6 +8,7 @@
 //!   so work is complete when the call returns.
 
 mod cpu;
+mod cpu_kernels;
 mod device_ptr;
 mod dtype;
 mod error;
@@ -15,11 +16,12 @@ mod kernels;
 mod ledger;
 mod traits;
 
-pub use cpu::CpuBackend;
+pub use cpu::{CpuBackend, HostView};
+pub use cpu_kernels::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
 pub use device_ptr::DevicePtr;
 pub use dtype::Dtype;
 pub use error::BackendError;
-pub use kernels::Kernels;
+pub use kernels::{Kernels, RopeStyle};
 pub use ledger::{AllocationLedger, LiveAllocation};
 pub use traits::{GpuBackend, GpuBackendExt};
 

@@ -32,8 +32,13 @@ pub trait GpuBackend: Kernels + Send + Sync {
         stream: u64,
     ) -> Result<(), BackendError>;
     /// Sets `nbytes` bytes at `dst` to `value`.
-    fn memset(&self, dst: DevicePtr, value: u8, nbytes: usize, stream: u64)
-        -> Result<(), BackendError>;
+    fn memset(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        nbytes: usize,
+        stream: u64,
+    ) -> Result<(), BackendError>;
     /// Creates a stream and returns its id (never 0, which always exists).
     fn create_stream(&self) -> Result<u64, BackendError>;
     /// Destroys a stream made by [`GpuBackend::create_stream`].
@@ -51,7 +56,11 @@ pub trait GpuBackendExt {
     /// Writes `data` at `dst`.
     fn write<T: Pod>(&self, dst: DevicePtr, data: &[T], stream: u64) -> Result<(), BackendError>;
     /// Reads `len` elements at `src`.
-    fn download<T: Pod + Default>(&self, src: DevicePtr, len: usize) -> Result<Vec<T>, BackendError>;
+    fn download<T: Pod + Default>(
+        &self,
+        src: DevicePtr,
+        len: usize,
+    ) -> Result<Vec<T>, BackendError>;
     /// Allocates a BF16 buffer from f32 values (rounded to nearest even).
     fn upload_bf16(&self, data: &[f32], tag: &str) -> Result<DevicePtr, BackendError>;
     /// Reads `len` BF16 values at `src`, widened to f32.
@@ -76,9 +85,17 @@ impl<B: GpuBackend + ?Sized> GpuBackendExt for B {
         self.copy_htod(dst, bytemuck::cast_slice(data), stream)
     }
 
-    fn download<T: Pod + Default>(&self, src: DevicePtr, len: usize) -> Result<Vec<T>, BackendError> {
+    fn download<T: Pod + Default>(
+        &self,
+        src: DevicePtr,
+        len: usize,
+    ) -> Result<Vec<T>, BackendError> {
         let mut out = vec![T::default(); len];
-        self.copy_dtoh(bytemuck::cast_slice_mut(&mut out), src, super::DEFAULT_STREAM)?;
+        self.copy_dtoh(
+            bytemuck::cast_slice_mut(&mut out),
+            src,
+            super::DEFAULT_STREAM,
+        )?;
         Ok(out)
     }
 

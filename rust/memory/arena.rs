@@ -31,10 +31,9 @@ pub struct BufferArena {
 impl BufferArena {
     /// The slots and their per-row widths for `config`.
     fn layout(config: &ModelConfig) -> Vec<(&'static str, Dtype, usize)> {
-        let ffn = config
-            .moe
-            .as_ref()
-            .map_or(config.intermediate_size, |m| m.expert_intermediate_size.max(config.intermediate_size));
+        let ffn = config.moe.as_ref().map_or(config.intermediate_size, |m| {
+            m.expert_intermediate_size.max(config.intermediate_size)
+        });
         vec![
             ("hidden", Dtype::Bf16, config.hidden_size),
             ("residual", Dtype::Bf16, config.hidden_size),
@@ -61,9 +60,15 @@ impl BufferArena {
 
     /// Allocates the scratch for forwards of at most `max_rows` rows. On failure nothing
     /// stays allocated.
-    pub fn new(gpu: &dyn GpuBackend, config: &ModelConfig, max_rows: usize) -> Result<Self, MemoryError> {
+    pub fn new(
+        gpu: &dyn GpuBackend,
+        config: &ModelConfig,
+        max_rows: usize,
+    ) -> Result<Self, MemoryError> {
         if max_rows == 0 {
-            return Err(MemoryError::InvalidSize("a buffer arena needs at least one row".into()));
+            return Err(MemoryError::InvalidSize(
+                "a buffer arena needs at least one row".into(),
+            ));
         }
         let mut arena = BufferArena {
             max_rows,
@@ -139,7 +144,10 @@ mod tests {
         let gpu = CpuBackend::new();
         let config = ModelConfig::tiny(100);
         let mut arena = BufferArena::new(&gpu, &config, 8).unwrap();
-        assert_eq!(gpu.ledger().live_bytes(), BufferArena::bytes_for(&config, 8));
+        assert_eq!(
+            gpu.ledger().live_bytes(),
+            BufferArena::bytes_for(&config, 8)
+        );
         assert_eq!(arena.slot("logits").unwrap().row_elems, 100);
         assert!(arena.slot("nope").is_err());
         arena.free(&gpu).unwrap();

@@ -183,8 +183,14 @@ mod tests {
     fn release_errors_leave_pool_unchanged() {
         let a = BlockAllocator::new(4, 16).unwrap();
         let b = a.alloc(2).unwrap();
-        assert!(matches!(a.release(&[b[0], b[0]]), Err(MemoryError::NotAllocated { .. })));
-        assert!(matches!(a.release(&[b[0], 9]), Err(MemoryError::InvalidBlock { .. })));
+        assert!(matches!(
+            a.release(&[b[0], b[0]]),
+            Err(MemoryError::NotAllocated { .. })
+        ));
+        assert!(matches!(
+            a.release(&[b[0], 9]),
+            Err(MemoryError::InvalidBlock { .. })
+        ));
         assert_eq!(a.refcount(b[0]).unwrap(), 1);
         assert_eq!(a.num_free(), 2);
         a.free(&b).unwrap();

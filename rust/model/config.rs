@@ -171,10 +171,9 @@ impl Keys<'_> {
     fn opt_usize(&self, key: &str) -> Result<Option<usize>, ConfigError> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| Self::bad(key, format!("expected a non-negative integer, found {v}"))),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                Self::bad(key, format!("expected a non-negative integer, found {v}"))
+            }),
         }
     }
 
@@ -215,9 +214,16 @@ impl Keys<'_> {
                 .ok_or_else(|| Self::bad(key, "expected a token id")),
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| v.as_u64().map(|x| x as u32).ok_or_else(|| Self::bad(key, "expected token ids")))
+                .map(|v| {
+                    v.as_u64()
+                        .map(|x| x as u32)
+                        .ok_or_else(|| Self::bad(key, "expected token ids"))
+                })
                 .collect(),
-            Some(v) => Err(Self::bad(key, format!("expected a token id or a list of them, found {v}"))),
+            Some(v) => Err(Self::bad(
+                key,
+                format!("expected a token id or a list of them, found {v}"),
+            )),
         }
     }
 }
@@ -256,7 +262,12 @@ impl ModelConfig {
     pub fn from_json_map(map: &Map<String, Value>) -> Result<Self, ConfigError> {
         let model_type = match map.get("model_type") {
             Some(Value::String(s)) => s.as_str(),
-            Some(v) => return Err(Keys::bad("model_type", format!("expected a string, found {v}"))),
+            Some(v) => {
+                return Err(Keys::bad(
+                    "model_type",
+                    format!("expected a string, found {v}"),
+                ))
+            }
             None => {
                 return Err(ConfigError::MissingKey {
                     key: "model_type".into(),
@@ -268,7 +279,9 @@ impl ModelConfig {
         let k = Keys { map, model_type };
         let hidden_size = k.usize("hidden_size")?;
         let num_attention_heads = k.usize("num_attention_heads")?;
-        let num_key_value_heads = k.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let num_key_value_heads = k
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
         let head_dim = match k.opt_usize("head_dim")? {
             Some(d) => d,
             None => hidden_size / num_attention_heads,
@@ -283,9 +296,9 @@ impl ModelConfig {
                         num_experts,
                         experts_per_token: k.usize("num_experts_per_tok")?,
                         expert_intermediate_size: k.usize("moe_intermediate_size")?,
-                        num_shared_experts: k
-                            .opt_usize("n_shared_experts")?
-                            .unwrap_or(usize::from(k.opt_usize("shared_expert_intermediate_size")?.is_some())),
+                        num_shared_experts: k.opt_usize("n_shared_experts")?.unwrap_or(
+                            usize::from(k.opt_usize("shared_expert_intermediate_size")?.is_some()),
+                        ),
                         norm_topk_prob: k.opt_bool("norm_topk_prob")?.unwrap_or(true),
                         routed_scaling_factor: k.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
                     }),
@@ -297,7 +310,10 @@ impl ModelConfig {
         let rope_scaling = match map.get("rope_scaling") {
             None | Some(Value::Null) => None,
             Some(Value::Object(rs)) => {
-                let rk = Keys { map: rs, model_type };
+                let rk = Keys {
+                    map: rs,
+                    model_type,
+                };
                 let kind = rs
                     .get("rope_type")
                     .or_else(|| rs.get("type"))
@@ -309,10 +325,16 @@ impl ModelConfig {
                     factor: rk.opt_f32("factor")?.unwrap_or(1.0),
                     low_freq_factor: rk.opt_f32("low_freq_factor")?,
                     high_freq_factor: rk.opt_f32("high_freq_factor")?,
-                    original_max_position_embeddings: rk.opt_usize("original_max_position_embeddings")?,
+                    original_max_position_embeddings: rk
+                        .opt_usize("original_max_position_embeddings")?,
                 })
             }
-            Some(v) => return Err(Keys::bad("rope_scaling", format!("expected an object, found {v}"))),
+            Some(v) => {
+                return Err(Keys::bad(
+                    "rope_scaling",
+                    format!("expected an object, found {v}"),
+                ))
+            }
         };
         let config = ModelConfig {
             family,
@@ -370,10 +392,16 @@ impl ModelConfig {
             );
         }
         if self.head_dim % 2 != 0 {
-            return bad("head_dim", format!("{} is odd; RoPE rotates pairs", self.head_dim));
+            return bad(
+                "head_dim",
+                format!("{} is odd; RoPE rotates pairs", self.head_dim),
+            );
         }
         if self.vocab_size > u32::MAX as usize {
-            return bad("vocab_size", format!("{} does not fit u32 token ids", self.vocab_size));
+            return bad(
+                "vocab_size",
+                format!("{} does not fit u32 token ids", self.vocab_size),
+            );
         }
         if !(self.rms_norm_eps > 0.0) || !(self.rope_theta > 0.0) {
             return bad("rms_norm_eps / rope_theta", "must be positive".into());

@@ -44,7 +44,9 @@ fn parse_flag(name: &str, value: &str) -> Result<bool, String> {
     match value.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" | "" => Ok(false),
-        other => Err(format!("{name}={other:?}: expected 1/0, true/false, yes/no or on/off")),
+        other => Err(format!(
+            "{name}={other:?}: expected 1/0, true/false, yes/no or on/off"
+        )),
     }
 }
 
@@ -73,13 +75,20 @@ mod tests {
 
     #[test]
     fn lookup_sets_each_lever_and_rejects_garbage() {
-        let levers = ModelLevers::from_lookup(|n| (n == "SPECDRAFT_MTP_KV_EXACT").then(|| "1".to_string())).unwrap();
+        let levers =
+            ModelLevers::from_lookup(|n| (n == "SPECDRAFT_MTP_KV_EXACT").then(|| "1".to_string()))
+                .unwrap();
         assert!(levers.mtp_kv_exact);
         assert!(!levers.mtp_target_postnorm && !levers.mtp_chain_postnorm);
-        let levers = ModelLevers::from_lookup(|n| (n != "SPECDRAFT_MTP_KV_EXACT").then(|| "on".to_string())).unwrap();
+        let levers =
+            ModelLevers::from_lookup(|n| (n != "SPECDRAFT_MTP_KV_EXACT").then(|| "on".to_string()))
+                .unwrap();
         assert!(!levers.mtp_kv_exact && levers.mtp_target_postnorm && levers.mtp_chain_postnorm);
         let err = ModelLevers::from_lookup(|_| Some("maybe".into())).unwrap_err();
         assert!(err.contains("SPECDRAFT_MTP_KV_EXACT"), "{err}");
-        assert_eq!(ModelLevers::from_lookup(|_| None).unwrap(), ModelLevers::default());
+        assert_eq!(
+            ModelLevers::from_lookup(|_| None).unwrap(),
+            ModelLevers::default()
+        );
     }
 }

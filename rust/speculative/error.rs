@@ -20,7 +20,10 @@ pub enum ProposerError {
     },
     /// Arguments that do not fit together (lengths, counts, sizes).
     #[error("{method}: {message}")]
-    InvalidArgument { method: &'static str, message: String },
+    InvalidArgument {
+        method: &'static str,
+        message: String,
+    },
     /// A proposer written in Python raised or returned something unusable.
     #[error("{method} of Python proposer {class}: {message}")]
     Python {

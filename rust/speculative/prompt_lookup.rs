@@ -42,14 +42,20 @@ impl Default for PromptLookup {
     }
 }
 
-fn state_of<'s>(state: &'s mut dyn ProposerState, method: &'static str) -> Result<&'s mut PromptLookupState> {
+fn state_of<'s>(
+    state: &'s mut dyn ProposerState,
+    method: &'static str,
+) -> Result<&'s mut PromptLookupState> {
     state
         .as_any_mut()
         .downcast_mut::<PromptLookupState>()
-        .ok_or_else(|| ProposerError::WrongState {
-            method,
-            expected: "PromptLookupState",
-        }.into())
+        .ok_or_else(|| {
+            ProposerError::WrongState {
+                method,
+                expected: "PromptLookupState",
+            }
+            .into()
+        })
 }
 
 fn check_vocab(method: &'static str, tokens: &[u32], vocab_size: usize) -> Result<()> {
@@ -73,7 +79,10 @@ impl PromptLookup {
                 message: format!("need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}"),
             });
         }
-        Ok(PromptLookup { min_ngram, max_ngram })
+        Ok(PromptLookup {
+            min_ngram,
+            max_ngram,
+        })
     }
 
     /// Shortest suffix it matches.
@@ -151,15 +160,30 @@ impl DraftProposer for PromptLookup {
         grammar_bitmask: Option<&[i32]>,
         _target_hidden_stack: Option<DevicePtr>,
     ) -> Result<Vec<u32>> {
-        self.propose_one(last_token, position, num_drafts, state, ctx.config.vocab_size, grammar_bitmask)
+        self.propose_one(
+            last_token,
+            position,
+            num_drafts,
+            state,
+            ctx.config.vocab_size,
+            grammar_bitmask,
+        )
     }
 
-    fn after_verify(&self, num_accepted: usize, state: &mut dyn ProposerState, _stream: u64) -> Result<()> {
+    fn after_verify(
+        &self,
+        num_accepted: usize,
+        state: &mut dyn ProposerState,
+        _stream: u64,
+    ) -> Result<()> {
         let st = state_of(state, "after_verify")?;
         if num_accepted > st.pending.len() {
             return Err(ProposerError::InvalidArgument {
                 method: "after_verify",
-                message: format!("{num_accepted} accepted, but only {} drafts were proposed", st.pending.len()),
+                message: format!(
+                    "{num_accepted} accepted, but only {} drafts were proposed",
+                    st.pending.len()
+                ),
             }
             .into());
         }
@@ -211,7 +235,14 @@ impl DraftProposer for PromptLookup {
         }
         let mut drafts = Vec::with_capacity(n);
         for i in 0..n {
-            drafts.push(self.propose_one(last_tokens[i], positions[i], num_drafts, &mut *states[i], ctx.config.vocab_size, None)?);
+            drafts.push(self.propose_one(
+                last_tokens[i],
+                positions[i],
+                num_drafts,
+                &mut *states[i],
+                ctx.config.vocab_size,
+                None,
+            )?);
         }
         if let Some(conf) = out_conf {
             // A lookup is deterministic: each draft is proposed with probability one.

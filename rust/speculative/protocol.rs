@@ -135,12 +135,21 @@ pub trait DraftProposer: Send + Sync {
     ) -> Result<Vec<u32>>;
 
     /// Trims the proposer's state after a verify that accepted `num_accepted` drafts.
-    fn after_verify(&self, num_accepted: usize, state: &mut dyn ProposerState, stream: u64) -> Result<()>;
+    fn after_verify(
+        &self,
+        num_accepted: usize,
+        state: &mut dyn ProposerState,
+        stream: u64,
+    ) -> Result<()>;
 
     /// [`Self::alloc_state`] given the sequence's token budget (prompt length plus
     /// max_tokens), so state that scales with context can be sized to the request.
     /// `usize::MAX` means unknown. The default ignores the budget.
-    fn alloc_state_for(&self, gpu: &dyn GpuBackend, budget_tokens: usize) -> Result<Box<dyn ProposerState>> {
+    fn alloc_state_for(
+        &self,
+        gpu: &dyn GpuBackend,
+        budget_tokens: usize,
+    ) -> Result<Box<dyn ProposerState>> {
         let _ = budget_tokens;
         self.alloc_state(gpu)
     }
@@ -185,7 +194,10 @@ pub trait DraftProposer: Send + Sync {
     /// release them and the model can carry them to the next turn. Returns `(blocks, rows,
     /// last_pair_key)`, or `None` when unsupported or empty. Afterwards the state must behave
     /// as freshly allocated.
-    fn take_drafter_kv(&self, _state: &mut dyn ProposerState) -> Option<(Vec<u32>, usize, Option<usize>)> {
+    fn take_drafter_kv(
+        &self,
+        _state: &mut dyn ProposerState,
+    ) -> Option<(Vec<u32>, usize, Option<usize>)> {
         None
     }
 
