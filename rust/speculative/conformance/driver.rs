@@ -1,0 +1,638 @@
+//! The lifecycle the checker drives: setup, twin sequences, grammar probe, KV carry, leaks.
+
+use super::{CheckOptions, ConformanceReport};
+use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt};
+use crate::memory::BufferArena;
+use crate::model::{ForwardContext, ModelConfig, ModelLevers};
+use crate::speculative::{bitmask_allows, bitmask_words, DraftProposer, ProposerState};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashSet;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+const FIX_ERROR: &str = "return Ok on valid input; an error here ends the sequence in the engine";
+const FIX_PANIC: &str =
+    "return an error instead of panicking; a panic would cross the FFI boundary";
+
+/// Runs `f`, turning an error or a panic into a violation of `check`.
+fn guarded<T>(
+    report: &mut ConformanceReport,
+    check: &str,
+    f: impl FnOnce() -> crate::Result<T>,
+) -> Option<T> {
+    report.ran(check);
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Some(v),
+        Ok(Err(e)) => {
+            report.violate(check, format!("returned an error: {e}"), FIX_ERROR);
+            None
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string payload".into());
+            report.violate(check, format!("panicked: {what}"), FIX_PANIC);
+            None
+        }
+    }
+}
+
+/// Runs an infallible provided method, turning a panic into a violation.
+fn guarded_value<T>(
+    report: &mut ConformanceReport,
+    check: &str,
+    f: impl FnOnce() -> T,
+) -> Option<T> {
+    guarded(report, check, || Ok(f()))
+}
+
+/// One synthetic sequence: the prompt and the continuation the "target" will verify against.
+struct Sequence {
+    truth: Vec<u32>,
+    prompt_len: usize,
+    hiddens: DevicePtr,
+    state: Option<Box<dyn ProposerState>>,
+    /// Position of the last verified token.
+    pos: usize,
+}
+
+fn synthetic_tokens(rng: &mut SmallRng, vocab: usize, prompt_len: usize, total: usize) -> Vec<u32> {
+    let motif_len = rng.random_range(3..=6);
+    let motif: Vec<u32> = (0..motif_len)
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect();
+    let mut tokens = Vec::with_capacity(total);
+    for i in 0..total {
+        // Mostly a repeating motif (so history-based proposers find matches), with a
+        // mutation every so often (so some drafts are rejected).
+        if i >= prompt_len / 2 && rng.random_range(0..7) == 0 {
+            tokens.push(rng.random_range(0..vocab as u32));
+        } else {
+            tokens.push(motif[i % motif_len]);
+        }
+    }
+    tokens
+}
+
+fn synthetic_config(options: &CheckOptions) -> ModelConfig {
+    let mut config = ModelConfig::tiny(options.vocab_size);
+    config.hidden_size = options.hidden_size;
+    config.head_dim = 16;
+    config.num_attention_heads = options.hidden_size / 16;
+    config.num_key_value_heads = 1;
+    config.intermediate_size = options.hidden_size * 2;
+    config
+}
+
+fn options_problem(options: &CheckOptions) -> Option<String> {
+    if options.vocab_size < 8 || options.vocab_size > 1 << 20 {
+        return Some(format!(
+            "vocab_size must be in 8..=1048576, got {}",
+            options.vocab_size
+        ));
+    }
+    if options.hidden_size == 0 || options.hidden_size % 16 != 0 {
+        return Some(format!(
+            "hidden_size must be a positive multiple of 16, got {}",
+            options.hidden_size
+        ));
+    }
+    if options.num_sequences == 0 || options.num_drafts == 0 || options.steps == 0 {
+        return Some("num_sequences, num_drafts and steps must be at least 1".into());
+    }
+    None
+}
+
+struct Checker<'p> {
+    proposer: &'p dyn DraftProposer,
+    gpu: Arc<dyn GpuBackend>,
+    ctx: ForwardContext<'static>,
+    options: CheckOptions,
+    report: ConformanceReport,
+}
+
+impl Checker<'_> {
+    fn budget(seq: &Sequence) -> usize {
+        seq.truth.len()
+    }
+
+    fn start(&mut self, seq: &mut Sequence) {
+        let (p, gpu, budget) = (self.proposer, self.gpu.clone(), Self::budget(seq));
+        let Some(mut state) = guarded(&mut self.report, "alloc_state_for", || {
+            p.alloc_state_for(&*gpu, budget)
+        }) else {
+            return;
+        };
+        let prompt = &seq.truth[..seq.prompt_len];
+        let ctx = &self.ctx;
+        let written = guarded(&mut self.report, "prefill_drafter", || {
+            p.prefill_drafter(prompt, seq.hiddens, &mut *state, ctx, 0)
+        });
+        if let Some(written) = written {
+            if written > seq.prompt_len {
+                self.report.violate(
+                    "prefill_drafter",
+                    format!("reported {written} drafter rows for a prompt of {} tokens", seq.prompt_len),
+                    "return the number of drafter rows actually written, at most one per prompt token",
+                );
+            }
+            let rows = guarded_value(&mut self.report, "drafter_rows", || {
+                p.drafter_rows(&mut *state)
+            });
+            if let Some(rows) = rows.filter(|&r| r != 0 && r != written) {
+                self.report.violate(
+                    "drafter_rows",
+                    format!("prefill_drafter wrote {written} rows but drafter_rows says {rows}"),
+                    "drafter_rows must count the rows the state holds (or return 0 when unknown)",
+                );
+            }
+        }
+        seq.pos = seq.prompt_len;
+        seq.state = Some(state);
+    }
+
+    fn hidden_for(&self, seq: &Sequence) -> DevicePtr {
+        // The hidden whose logits picked the token at `pos` is the one computed at `pos - 1`.
+        seq.hiddens
+            .offset((seq.pos - 1) * self.options.hidden_size * 2)
+    }
+
+    /// Checks one sequence's drafts and returns how many the simulated target accepts.
+    fn judge(
+        &mut self,
+        check: &str,
+        seq: &Sequence,
+        drafts: &[u32],
+        mask: Option<&[i32]>,
+    ) -> usize {
+        let (n, vocab) = (self.options.num_drafts, self.options.vocab_size);
+        if drafts.len() > n {
+            self.report.violate(
+                check,
+                format!("returned {} drafts but num_drafts is {n}", drafts.len()),
+                "never return more than num_drafts ids",
+            );
+        }
+        if let Some(&bad) = drafts.iter().find(|&&t| t as usize >= vocab) {
+            self.report.violate(
+                check,
+                format!("returned token id {bad}, outside the vocabulary of {vocab}"),
+                "draft only ids below ctx.config.vocab_size",
+            );
+        }
+        if let Some(mask) = mask {
+            if let Some(&bad) = drafts.iter().find(|&&t| !bitmask_allows(mask, t)) {
+                self.report.violate(
+                    "grammar mask",
+                    format!("drafted token {bad}, which the grammar_bitmask forbids"),
+                    "stop drafting before the first token whose bit in grammar_bitmask is clear",
+                );
+            }
+        }
+        let future = &seq.truth[seq.pos + 1..];
+        drafts
+            .iter()
+            .zip(future)
+            .take_while(|(d, t)| d == t)
+            .count()
+    }
+
+    fn advance(&mut self, seq: &mut Sequence, accepted: usize) {
+        let (p, Some(state)) = (self.proposer, seq.state.as_mut()) else {
+            return;
+        };
+        if guarded(&mut self.report, "after_verify", || {
+            p.after_verify(accepted, &mut **state, 0)
+        })
+        .is_none()
+        {
+            self.end(seq);
+            return;
+        }
+        // Accepted drafts plus the bonus token.
+        seq.pos += accepted + 1;
+    }
+
+    fn propose_one(&mut self, seq: &mut Sequence, mask: Option<&[i32]>) -> Option<Vec<u32>> {
+        let (p, ctx, n) = (self.proposer, &self.ctx, self.options.num_drafts);
+        let (last, pos, hidden) = (seq.truth[seq.pos], seq.pos, self.hidden_for(seq));
+        let state = seq.state.as_mut()?;
+        let drafts = guarded(&mut self.report, "propose", || {
+            p.propose(last, hidden, pos, n, &mut **state, ctx, 0, None, mask, None)
+        });
+        if drafts.is_none() {
+            self.end(seq);
+        }
+        drafts
+    }
+
+    fn end(&mut self, seq: &mut Sequence) {
+        if let Some(mut state) = seq.state.take() {
+            let (p, gpu) = (self.proposer, self.gpu.clone());
+            guarded(&mut self.report, "free_state", || {
+                p.free_state(&*gpu, &mut *state)
+            });
+        }
+    }
+
+    /// A mask that forbids the token the continuation wants next, and about half the rest.
+    fn probe_mask(&self, seq: &Sequence, rng: &mut SmallRng) -> Vec<i32> {
+        let vocab = self.options.vocab_size;
+        let mut mask = vec![0i32; bitmask_words(vocab)];
+        for t in 0..vocab {
+            if rng.random_bool(0.5) {
+                mask[t / 32] |= 1 << (t % 32);
+            }
+        }
+        let forbidden = seq.truth[seq.pos + 1] as usize;
+        mask[forbidden / 32] &= !(1 << (forbidden % 32));
+        mask
+    }
+}
+
+pub(super) fn run(
+    proposer: &dyn DraftProposer,
+    gpu: Arc<dyn GpuBackend>,
+    options: &CheckOptions,
+) -> ConformanceReport {
+    let mut report = ConformanceReport {
+        proposer: options.label.clone(),
+        ..Default::default()
+    };
+    if let Some(problem) = options_problem(options) {
+        report.violate(
+            "options",
+            problem,
+            "pass options inside the documented ranges",
+        );
+        return report;
+    }
+    let config = synthetic_config(options);
+    let rows = (options.num_sequences * (options.num_drafts + 1)).max(16);
+    let arena = match BufferArena::new(&*gpu, &config, rows) {
+        Ok(a) => a,
+        Err(e) => {
+            report.violate(
+                "setup",
+                format!("could not allocate the synthetic scratch: {e}"),
+                "free memory on the backend",
+            );
+            return report;
+        }
+    };
+    let ctx = ForwardContext::new(
+        gpu.clone(),
+        Arc::new(arena),
+        Arc::new(config),
+        ModelLevers::default(),
+    );
+    let mut checker = Checker {
+        proposer,
+        gpu: gpu.clone(),
+        ctx,
+        options: options.clone(),
+        report,
+    };
+    let mut rng = SmallRng::seed_from_u64(options.seed);
+    let mut twins: Vec<(Sequence, Sequence)> = Vec::new();
+    let mut setup_failed = false;
+    for _ in 0..options.num_sequences {
+        let prompt_len = rng.random_range(12..=24);
+        let total = prompt_len + (options.steps + 2) * (options.num_drafts + 1) + 2;
+        let truth = synthetic_tokens(&mut rng, options.vocab_size, prompt_len, total);
+        let values: Vec<f32> = (0..total * options.hidden_size)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let Ok(hiddens) = gpu.upload_bf16(&values, "check_proposer:hiddens") else {
+            setup_failed = true;
+            break;
+        };
+        let make = || Sequence {
+            truth: truth.clone(),
+            prompt_len,
+            hiddens,
+            state: None,
+            pos: prompt_len,
+        };
+        twins.push((make(), make()));
+    }
+    let baseline: HashSet<DevicePtr> = gpu
+        .ledger()
+        .live_report()
+        .into_iter()
+        .map(|a| a.ptr)
+        .collect();
+    if setup_failed {
+        checker.report.violate(
+            "setup",
+            "could not allocate the synthetic hiddens",
+            "free memory on the backend",
+        );
+    } else {
+        drive(&mut checker, &mut twins, &mut rng);
+    }
+    for (a, b) in twins.iter_mut() {
+        checker.end(a);
+        checker.end(b);
+    }
+    checker.report.ran("free_state: leaks");
+    let leaks: Vec<String> = gpu
+        .ledger()
+        .live_report()
+        .into_iter()
+        .filter(|a| !baseline.contains(&a.ptr))
+        .map(|a| format!("{} bytes tagged {:?} at {}", a.nbytes, a.tag, a.ptr))
+        .collect();
+    if !leaks.is_empty() {
+        checker.report.violate(
+            "free_state: leaks",
+            format!("{} allocation(s) still live after free_state: {}", leaks.len(), leaks.join("; ")),
+            "free in free_state every DevicePtr that alloc_state (or later calls) allocated; DevicePtr has no Drop",
+        );
+    }
+    let mut report = std::mem::take(&mut checker.report);
+    for (a, _) in &twins {
+        // Both twins share one hidden buffer.
+        let _ = gpu.free(a.hiddens);
+    }
+    if let Ok(mut arena) = Arc::try_unwrap(checker.ctx.buffers) {
+        if let Err(e) = arena.free(&*gpu) {
+            report.violate(
+                "setup",
+                format!("scratch could not be freed: {e}"),
+                "do not free ctx.buffers",
+            );
+        }
+    }
+    report
+}
+
+fn drive(checker: &mut Checker<'_>, twins: &mut [(Sequence, Sequence)], rng: &mut SmallRng) {
+    let p = checker.proposer;
+    check_static_contracts(checker);
+    let width = p
+        .propose_batch_max(&checker.ctx.buffers, &checker.ctx.config)
+        .max(1);
+    for (a, b) in twins.iter_mut() {
+        checker.start(a);
+        checker.start(b);
+    }
+    let mut batch_supported = true;
+    let grammar_step = 1.min(checker.options.steps - 1);
+    for step in 0..checker.options.steps {
+        if step == grammar_step {
+            // Both twins take the masked propose so they stay identical.
+            checker.report.ran("grammar mask");
+            for (a, b) in twins.iter_mut() {
+                if a.state.is_none() {
+                    continue;
+                }
+                let mask = checker.probe_mask(a, rng);
+                for seq in [&mut *a, &mut *b] {
+                    if let Some(drafts) = checker.propose_one(seq, Some(&mask)) {
+                        let k = checker.judge("propose", seq, &drafts, Some(&mask));
+                        checker.advance(seq, k);
+                    }
+                }
+            }
+            continue;
+        }
+        let mut per_seq: Vec<Option<Vec<u32>>> = Vec::new();
+        for (a, _) in twins.iter_mut() {
+            let drafts = checker.propose_one(a, None);
+            if let Some(d) = &drafts {
+                let k = checker.judge("propose", a, d, None);
+                checker.advance(a, k);
+            }
+            per_seq.push(drafts);
+        }
+        if batch_supported {
+            batch_supported = batch_step(checker, twins, &per_seq, width);
+        }
+    }
+    check_kv_carry(checker, &mut twins[0].0);
+}
+
+fn check_static_contracts(checker: &mut Checker<'_>) {
+    let p = checker.proposer;
+    let (buffers, config) = (checker.ctx.buffers.clone(), checker.ctx.config.clone());
+    if let Some(0) = guarded_value(&mut checker.report, "propose_batch_max", || {
+        p.propose_batch_max(&buffers, config.as_ref())
+    }) {
+        checker.report.violate(
+            "propose_batch_max",
+            "returned 0",
+            "return 1 for per-sequence only, or the widest batch",
+        );
+    }
+    let max_seq_len = 4096;
+    if let Some(rows) = guarded_value(&mut checker.report, "prefill_hidden_rows", || {
+        p.prefill_hidden_rows(max_seq_len)
+    }) {
+        if rows > max_seq_len {
+            checker.report.violate(
+                "prefill_hidden_rows",
+                format!("returned {rows} for max_seq_len {max_seq_len}"),
+                "return at most max_seq_len (the default returns it unchanged)",
+            );
+        }
+    }
+    if let Some(Some(0)) = guarded_value(&mut checker.report, "block_gamma", || p.block_gamma()) {
+        checker.report.violate(
+            "block_gamma",
+            "returned Some(0)",
+            "a block drafter has γ >= 1; others return None",
+        );
+    }
+}
+
+/// Drives the twins through `propose_batch` and compares with the per-sequence drafts.
+/// Returns false once the proposer says batching is unsupported.
+fn batch_step(
+    checker: &mut Checker<'_>,
+    twins: &mut [(Sequence, Sequence)],
+    per_seq: &[Option<Vec<u32>>],
+    width: usize,
+) -> bool {
+    let (p, n) = (checker.proposer, checker.options.num_drafts);
+    let live: Vec<usize> = (0..twins.len())
+        .filter(|&i| twins[i].1.state.is_some() && per_seq[i].is_some())
+        .collect();
+    for group in live.chunks(width.min(live.len().max(1))) {
+        let last: Vec<u32> = group
+            .iter()
+            .map(|&i| twins[i].1.truth[twins[i].1.pos])
+            .collect();
+        let hiddens: Vec<DevicePtr> = group
+            .iter()
+            .map(|&i| checker.hidden_for(&twins[i].1))
+            .collect();
+        let positions: Vec<usize> = group.iter().map(|&i| twins[i].1.pos).collect();
+        let mut taken: Vec<Box<dyn ProposerState>> = group
+            .iter()
+            .filter_map(|&i| twins[i].1.state.take())
+            .collect();
+        let mut conf = Vec::new();
+        let ctx = &checker.ctx;
+        let result = {
+            let mut states: Vec<&mut dyn ProposerState> = taken
+                .iter_mut()
+                .map(|s| -> &mut dyn ProposerState { &mut **s })
+                .collect();
+            guarded(&mut checker.report, "propose_batch", || {
+                p.propose_batch(
+                    &last,
+                    &hiddens,
+                    &positions,
+                    n,
+                    &mut states,
+                    ctx,
+                    0,
+                    Some(&mut conf),
+                )
+            })
+        };
+        for (&i, s) in group.iter().zip(taken) {
+            twins[i].1.state = Some(s);
+        }
+        let drafts = match result {
+            Some(Some(d)) => d,
+            Some(None) => {
+                for (_, b) in twins.iter_mut() {
+                    checker.end(b);
+                }
+                return false;
+            }
+            None => {
+                for &i in group {
+                    checker.end(&mut twins[i].1);
+                }
+                continue;
+            }
+        };
+        if drafts.len() != group.len() {
+            checker.report.violate(
+                "propose_batch",
+                format!(
+                    "returned drafts for {} sequences, asked for {}",
+                    drafts.len(),
+                    group.len()
+                ),
+                "return one draft list per sequence, in order",
+            );
+            for &i in group {
+                checker.end(&mut twins[i].1);
+            }
+            continue;
+        }
+        if !conf.is_empty()
+            && conf
+                .iter()
+                .zip(&drafts)
+                .any(|(c, d)| c.len() != d.len() || c.iter().any(|x| !(0.0..=1.0).contains(x)))
+        {
+            checker.report.violate(
+                "propose_batch: out_conf",
+                "out_conf does not hold one probability in [0, 1] per draft",
+                "fill out_conf[i][k] with the probability of drafts[i][k]",
+            );
+        }
+        for (&i, d) in group.iter().zip(&drafts) {
+            if Some(d) != per_seq[i].as_ref() {
+                checker.report.violate(
+                    "propose_batch vs propose",
+                    format!("sequence {i}: propose_batch drafted {d:?}, propose drafted {:?}", per_seq[i].as_deref().unwrap_or(&[])),
+                    "propose_batch must return exactly what per-sequence propose returns (or Ok(None) if unsupported)",
+                );
+            }
+            let k = checker.judge("propose_batch", &twins[i].1, d, None);
+            checker.advance(&mut twins[i].1, k);
+        }
+    }
+    true
+}
+
+/// `take_drafter_kv` leaves a fresh state, and `install_drafter_kv` restores what was taken.
+fn check_kv_carry(checker: &mut Checker<'_>, seq: &mut Sequence) {
+    let (p, gpu, n) = (
+        checker.proposer,
+        checker.gpu.clone(),
+        checker.options.num_drafts,
+    );
+    let budget = Checker::budget(seq);
+    let (last, pos, hidden) = (seq.truth[seq.pos], seq.pos, checker.hidden_for(seq));
+    let Some(state) = seq.state.as_mut() else {
+        return;
+    };
+    let Some(taken) = guarded_value(&mut checker.report, "take_drafter_kv", || {
+        p.take_drafter_kv(&mut **state)
+    }) else {
+        return;
+    };
+    let Some((blocks, rows, key)) = taken else {
+        return;
+    };
+    checker.report.ran("take_drafter_kv: fresh state");
+    let (rows_after, key_after) = (p.drafter_rows(&mut **state), p.last_pair_key(&mut **state));
+    if rows_after != 0 || key_after.is_some() {
+        checker.report.violate(
+            "take_drafter_kv: fresh state",
+            format!("after take, drafter_rows is {rows_after} and last_pair_key is {key_after:?}"),
+            "after take_drafter_kv the state must behave as freshly allocated (0 rows, no pair key)",
+        );
+    }
+    if let Some(mut fresh) = guarded(&mut checker.report, "alloc_state_for", || {
+        p.alloc_state_for(&*gpu, budget)
+    }) {
+        let ctx = &checker.ctx;
+        let from_fresh = guarded(&mut checker.report, "propose", || {
+            p.propose(last, hidden, pos, n, &mut *fresh, ctx, 0, None, None, None)
+        });
+        let from_taken = guarded(&mut checker.report, "propose", || {
+            p.propose(last, hidden, pos, n, &mut **state, ctx, 0, None, None, None)
+        });
+        if from_fresh.is_some() && from_taken.is_some() && from_fresh != from_taken {
+            checker.report.violate(
+                "take_drafter_kv: fresh state",
+                format!("after take, propose drafted {from_taken:?}; a fresh state drafts {from_fresh:?}"),
+                "clear everything the taken blocks described (rows, pair keys, cached drafts) in take_drafter_kv",
+            );
+        }
+        guarded(&mut checker.report, "free_state", || {
+            p.free_state(&*gpu, &mut *fresh)
+        });
+    }
+    let Some(mut target) = guarded(&mut checker.report, "alloc_state_for", || {
+        p.alloc_state_for(&*gpu, budget)
+    }) else {
+        p.free_drafter_kv(&blocks);
+        return;
+    };
+    checker.report.ran("install_drafter_kv");
+    let installed = guarded_value(&mut checker.report, "install_drafter_kv", || {
+        p.install_drafter_kv(&mut *target, blocks.clone(), rows, key)
+    });
+    match installed {
+        Some(true) => {
+            let (r, k) = (p.drafter_rows(&mut *target), p.last_pair_key(&mut *target));
+            if r != rows || k != key {
+                checker.report.violate(
+                    "install_drafter_kv",
+                    format!("installed {rows} rows with pair key {key:?}, the state reports {r} rows and {k:?}"),
+                    "install_drafter_kv must restore exactly what take_drafter_kv returned",
+                );
+            }
+        }
+        _ => {
+            guarded_value(&mut checker.report, "free_drafter_kv", || {
+                p.free_drafter_kv(&blocks)
+            });
+        }
+    }
+    guarded(&mut checker.report, "free_state", || {
+        p.free_state(&*gpu, &mut *target)
+    });
+}
