@@ -127,6 +127,7 @@ impl CpuBackend {
     }
 
     /// Shared body of the two linear ops: `weight_row(o, buf)` fills `buf` with row `o`.
+    #[allow(clippy::too_many_arguments)]
     fn linear_with(
         &self,
         op: &'static str,
@@ -490,16 +491,15 @@ impl Kernels for CpuBackend {
         )?;
         // SAFETY: checked ranges covering every slot the table can name; read-only.
         let (kc, vc) = unsafe { (kc.typed::<bf16>(), vc.typed::<bf16>()) };
-        for r in 0..rows {
-            if lens[r] as usize > max_blocks_per_seq * block_size {
-                return Err(invalid(
-                    "paged_attention",
-                    format!(
-                        "row {r} attends to {} rows, more than its block table holds",
-                        lens[r]
-                    ),
-                ));
-            }
+        if let Some((r, len)) = lens
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l as usize > max_blocks_per_seq * block_size)
+        {
+            return Err(invalid(
+                "paged_attention",
+                format!("row {r} attends to {len} rows, more than its block table holds"),
+            ));
         }
         let group = heads / kv_heads;
         let mut result = vec![0f32; rows * heads * head_dim];
@@ -586,7 +586,7 @@ impl Kernels for CpuBackend {
         temperature: f32,
         _stream: u64,
     ) -> Result<(), BackendError> {
-        if !(temperature > 0.0) {
+        if temperature.is_nan() || temperature <= 0.0 {
             return Err(invalid(
                 "softmax",
                 format!("temperature must be positive, got {temperature}"),

@@ -4,7 +4,7 @@
 //! copied by value; nothing consults the environment on the hot path.
 
 /// One `Copy` struct of switches, resolved once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ModelLevers {
     /// `SPECDRAFT_MTP_KV_EXACT`: after each verify, the engine calls `catchup_batch` so the
     /// draft head writes exact KV rows for every accepted draft (paired with the target's
@@ -19,17 +19,6 @@ pub struct ModelLevers {
     /// `SPECDRAFT_DEFER_DRAFTER_PREFILL`: always run the drafter prefill at the first
     /// propose, even for proposers that do not use the shared buffers.
     pub defer_drafter_prefill: bool,
-}
-
-impl Default for ModelLevers {
-    fn default() -> Self {
-        ModelLevers {
-            mtp_kv_exact: false,
-            mtp_target_postnorm: false,
-            mtp_chain_postnorm: false,
-            defer_drafter_prefill: false,
-        }
-    }
 }
 
 /// The variables read by [`ModelLevers::from_env`], with the field each sets.
