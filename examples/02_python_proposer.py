@@ -51,14 +51,16 @@ class Bigram(specdraft.DraftProposer):
         history = state["history"][:position] + [last_token]
         state["history"] = history
         successors: dict[int, Counter[int]] = {}
-        for a, b in zip(history, history[1:]):
+        for a, b in zip(history, history[1:], strict=False):
             successors.setdefault(a, Counter())[b] += 1
         drafts: list[int] = []
         token = last_token
         while len(drafts) < num_drafts and token in successors:
             token = successors[token].most_common(1)[0][0]
-            if grammar_bitmask is not None and not (int(grammar_bitmask[token // 32]) >> (token % 32)) & 1:
-                break
+            if grammar_bitmask is not None:
+                allowed = (int(grammar_bitmask[token // 32]) >> (token % 32)) & 1
+                if not allowed:
+                    break
             drafts.append(token)
         state["pending"] = drafts
         return drafts
@@ -77,7 +79,8 @@ def main() -> None:
         raise SystemExit("the example proposer broke a contract")
 
     # The same checks on the built-in n-gram proposer, for comparison.
-    print(specdraft.check_proposer(specdraft.PromptLookup(min_ngram=1, max_ngram=3), label="PromptLookup"))
+    lookup = specdraft.PromptLookup(min_ngram=1, max_ngram=3)
+    print(specdraft.check_proposer(lookup, label="PromptLookup"))
 
 
 if __name__ == "__main__":
