@@ -7,8 +7,10 @@
 use thiserror::Error as ThisError;
 
 pub use crate::backend::BackendError;
+pub use crate::engine::EngineError;
 pub use crate::memory::MemoryError;
 pub use crate::model::ConfigError;
+pub use crate::model::ModelError;
 pub use crate::speculative::ProposerError;
 
 /// Any error specdraft returns.
@@ -23,9 +25,15 @@ pub enum Error {
     /// A model configuration could not be read or is inconsistent.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A checkpoint could not be loaded, or a loaded model was misused.
+    #[error(transparent)]
+    Model(#[from] ModelError),
     /// A proposer broke its contract or failed.
     #[error(transparent)]
     Proposer(#[from] ProposerError),
+    /// A generation request was invalid or the engine loop failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
 }
 
 /// `Result` with [`Error`], as the protocol's signatures use it.

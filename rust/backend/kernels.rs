@@ -70,6 +70,24 @@ pub trait Kernels {
         stream: u64,
     ) -> Result<(), BackendError>;
 
+    /// `out = sigmoid(gate) * x`, BF16 `[n]` (the output gate of Qwen3-Next's attention).
+    /// `out` may alias `gate` or `x`. The default refuses, so a backend without the kernel
+    /// reports it instead of computing something else.
+    fn sigmoid_mul(
+        &self,
+        out: DevicePtr,
+        gate: DevicePtr,
+        x: DevicePtr,
+        n: usize,
+        stream: u64,
+    ) -> Result<(), BackendError> {
+        let _ = (out, gate, x, n, stream);
+        Err(BackendError::InvalidArgument {
+            op: "sigmoid_mul",
+            message: "this backend does not implement sigmoid_mul".into(),
+        })
+    }
+
     /// `out = x @ weight^T (+ bias)`. `x` BF16 `[rows, in_features]`, `weight` BF16
     /// `[out_features, in_features]`, `bias` BF16 `[out_features]`, `out` `[rows,
     /// out_features]` of `out_dtype` (`Bf16` or `F32`). `out` must not alias `x`.

@@ -9,6 +9,8 @@
 
 mod cpu;
 mod cpu_kernels;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+pub mod cuda;
 mod device_ptr;
 mod dtype;
 mod error;
@@ -18,6 +20,10 @@ mod traits;
 
 pub use cpu::{CpuBackend, HostView};
 pub use cpu_kernels::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
+#[cfg(feature = "cuda")]
+pub use cuda::CudaBackend;
+#[cfg(feature = "cuda-emu")]
+pub use cuda::{EmuBackend, EmuFault};
 pub use device_ptr::DevicePtr;
 pub use dtype::Dtype;
 pub use error::BackendError;
@@ -27,3 +33,13 @@ pub use traits::{GpuBackend, GpuBackendExt};
 
 /// The default stream every backend provides.
 pub const DEFAULT_STREAM: u64 = 0;
+
+/// The best backend this build and machine offer: the first CUDA device when the crate is
+/// built with feature `cuda` and a driver and device work, else the CPU backend.
+pub fn default_backend() -> std::sync::Arc<dyn GpuBackend> {
+    #[cfg(feature = "cuda")]
+    if let Ok(gpu) = CudaBackend::new(0) {
+        return std::sync::Arc::new(gpu);
+    }
+    std::sync::Arc::new(CpuBackend::new())
+}

@@ -403,7 +403,11 @@ impl ModelConfig {
                 format!("{} does not fit u32 token ids", self.vocab_size),
             );
         }
-        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 || self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
+        if self.rms_norm_eps.is_nan()
+            || self.rms_norm_eps <= 0.0
+            || self.rope_theta.is_nan()
+            || self.rope_theta <= 0.0
+        {
             return bad("rms_norm_eps / rope_theta", "must be positive".into());
         }
         Ok(())

@@ -1,15 +1,35 @@
-//! The model layer's shared types: the configuration, the levers, the forward context.
+//! The model layer: the configuration, the levers, the forward context, and the target
+//! model with its weights and loaders.
 //!
 //! Invariants:
 //! - A [`ModelConfig`] that exists is consistent: heads divide the hidden size (or an
 //!   explicit `head_dim` is given), KV heads divide the attention heads, sizes are non-zero.
 //! - [`ModelLevers`] is resolved once (from `SPECDRAFT_*` variables or by hand) and then
 //!   copied; nothing reads the environment on the hot path.
+//! - Loaders never trust a file: every tensor's presence, shape, type and byte range is
+//!   checked, and an error names the tensor and the file.
 
+mod batch;
 mod config;
 mod context;
+pub mod decoder_weights;
+mod error;
+pub mod gguf;
+pub mod hf_checkpoint;
+pub mod layers;
 mod levers;
+mod sequence;
+mod target;
+pub mod tensors;
+mod weights;
 
 pub use config::{ConfigError, ModelConfig, ModelFamily, MoeConfig, RopeScaling};
 pub use context::{Communicator, ForwardContext};
+pub use decoder_weights::{DecoderWeights, NameScheme};
+pub use error::ModelError;
+pub use gguf::{GgufFile, GgufValue};
+pub use hf_checkpoint::SafetensorsCheckpoint;
 pub use levers::ModelLevers;
+pub use target::{ForwardOutput, KvSequence, LoadOptions, LogitRows, TargetModel, BLOCK_SIZE};
+pub use tensors::{RawTensor, TensorSource, TensorType};
+pub use weights::{DenseWeight, DeviceAllocations, Linear, QuantizedWeight};

@@ -12,10 +12,12 @@
 pub mod conformance;
 mod error;
 mod grammar;
+pub mod mtp;
 mod prompt_lookup;
 mod protocol;
 
 pub use error::ProposerError;
 pub use grammar::{bitmask_allows, bitmask_words};
+pub use mtp::{MtpHead, MtpQuantization, MtpState, MtpWeights};
 pub use prompt_lookup::{PromptLookup, PromptLookupState};
 pub use protocol::{DraftBinding, DraftProposer, DraftRunner, ProposerState, WeightSlot};

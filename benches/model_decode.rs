@@ -1,0 +1,165 @@
+//! Plain decode speed of the target model (no drafting), printed as JSON: tokens/s, the
+//! weight bytes one token reads, the effective weight bandwidth, and a measured memcpy
+//! bandwidth of this machine to compare it with.
+//!
+//! `cargo bench --bench model_decode [-- PATH]`; without a path it uses
+//! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
+
+use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
+use specdraft::model::{LoadOptions, LogitRows, TargetModel};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn model_path() -> PathBuf {
+    if let Some(p) = std::env::args().skip(1).find(|a| !a.starts_with('-')) {
+        return PathBuf::from(p);
+    }
+    if let Ok(p) = std::env::var("SPECDRAFT_SMOLLM2_GGUF") {
+        return PathBuf::from(p);
+    }
+    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+        .args([
+            "-c",
+            "from specdraft.models import fetch_default_model; print(fetch_default_model())",
+        ])
+        .env("PYTHONPATH", concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// Best of several host memcpy passes over a buffer far larger than the caches, split
+/// across the rayon pool as the CPU kernels are.
+fn memcpy_gbps() -> f64 {
+    use rayon::prelude::*;
+    let n = 256 << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.par_chunks_mut(1 << 20)
+            .zip(src.par_chunks(1 << 20))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    assert_eq!(dst[n - 1], 1);
+    // A copy reads and writes every byte.
+    2.0 * n as f64 / best / 1e9
+}
+
+fn main() {
+    // `cargo test --all-targets` runs bench binaries without `--bench`; the measurement needs
+    // the real model and an optimised build, so it runs only under `cargo bench`.
+    if !std::env::args().any(|a| a == "--bench") {
+        eprintln!("model_decode: skipped (run `cargo bench --bench model_decode`)");
+        return;
+    }
+    let path = model_path();
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let t = Instant::now();
+    let model = TargetModel::load(
+        &path,
+        gpu.clone(),
+        LoadOptions {
+            max_rows: 128,
+            max_seq_len: Some(512),
+            kv_blocks: Some(64),
+        },
+    )
+    .expect("model loads");
+    let load_s = t.elapsed().as_secs_f64();
+    let vocab = model.config().vocab_size;
+    let prompt: Vec<u32> = vec![
+        504, 3575, 282, 4649, 314, 7042, 28, 284, 260, 3575, 282, 7158, 314,
+    ];
+    let mut seq = model.new_sequence();
+    let t = Instant::now();
+    let out = model
+        .forward_with(&mut [&mut seq], &[&prompt], LogitRows::LastPerSequence)
+        .expect("prefill");
+    let prefill_s = t.elapsed().as_secs_f64();
+    let argmax_buf = gpu.alloc(4, "bench argmax").expect("alloc");
+    let last = |out: &specdraft::model::ForwardOutput| -> u32 {
+        gpu.argmax(
+            argmax_buf,
+            out.logits.offset((out.logits_rows - 1) * vocab * 4),
+            None,
+            1,
+            vocab,
+            0,
+        )
+        .expect("argmax");
+        gpu.download::<u32>(argmax_buf, 1).expect("download")[0]
+    };
+    let mut tok = last(&out);
+    let steps = 48;
+    let warmup = 4;
+    let mut generated = vec![tok];
+    let mut t0 = Instant::now();
+    for i in 0..steps + warmup {
+        if i == warmup {
+            t0 = Instant::now();
+        }
+        let out = model.forward(&mut [&mut seq], &[&[tok]]).expect("decode");
+        tok = last(&out);
+        generated.push(tok);
+    }
+    let per_token = t0.elapsed().as_secs_f64() / steps as f64;
+    // Batched decode: 8 sequences, one token each per forward, weights read once per step.
+    let batch = 8;
+    let mut seqs: Vec<_> = (0..batch).map(|_| model.new_sequence()).collect();
+    {
+        let mut refs: Vec<&mut _> = seqs.iter_mut().collect();
+        let prompts: Vec<&[u32]> = (0..batch).map(|_| &prompt[..]).collect();
+        model
+            .forward_with(&mut refs, &prompts, LogitRows::LastPerSequence)
+            .expect("batch prefill");
+    }
+    let batch_steps = 8;
+    let tb = Instant::now();
+    for step in 0..batch_steps {
+        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(100 + i + step) as u32]).collect();
+        let tok_refs: Vec<&[u32]> = toks.iter().map(|t| &t[..]).collect();
+        let mut refs: Vec<&mut _> = seqs.iter_mut().collect();
+        model.forward(&mut refs, &tok_refs).expect("batched decode");
+    }
+    let batch_tps = (batch * batch_steps) as f64 / tb.elapsed().as_secs_f64();
+    for s in seqs.iter_mut() {
+        model.free_sequence(s).expect("free sequence");
+    }
+    let bytes = model.weight_bytes_per_token() as f64;
+    let memcpy = memcpy_gbps();
+    let weight_gbps = bytes / per_token / 1e9;
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "model_decode",
+            "backend": gpu.name(),
+            "model": path.display().to_string(),
+            "threads": rayon::current_num_threads(),
+            "load_s": load_s,
+            "prefill_tokens": prompt.len(),
+            "prefill_s": prefill_s,
+            "decode_tokens_per_s": 1.0 / per_token,
+            "batch8_decode_tokens_per_s": batch_tps,
+            "ms_per_token": per_token * 1e3,
+            "weight_bytes_per_token": bytes,
+            "weight_gb_per_s": weight_gbps,
+            "memcpy_gb_per_s": memcpy,
+            "fraction_of_memcpy": weight_gbps / memcpy,
+            "generated": generated,
+        })
+    );
+    gpu.free(argmax_buf).expect("free");
+    model.free_sequence(&mut seq).expect("free sequence");
+    drop(model);
+    assert_eq!(gpu.ledger().live_count(), 0);
+}

@@ -1,0 +1,72 @@
+"""specdraft: the drafting half of speculative decoding.
+
+A Rust core (GPU backends, the ``DevicePtr`` lifecycle, the paged KV block allocator, the
+proposers) exposed to Python. Write a proposer by subclassing :class:`DraftProposer`; the
+methods you define are called from Rust, every other method runs the Rust default without
+entering Python. Rust proposers such as :class:`PromptLookup` are subclasses of
+:class:`DraftProposer` too, and a Python subclass of one overrides single methods.
+
+Check any proposer against the protocol with :func:`check_proposer`.
+"""
+
+from __future__ import annotations
+
+from specdraft._core import (
+    PROTOCOL_METHODS,
+    AllocationError,
+    Backend,
+    BlockAllocator,
+    BufferArena,
+    CheckpointError,
+    ConfigError,
+    ConformanceReport,
+    Conversation,
+    CpuBackend,
+    DevicePtr,
+    DraftProposer,
+    DraftRunner,
+    ForwardContext,
+    GenerationResult,
+    ModelConfig,
+    ModelLevers,
+    PromptLookup,
+    ProposerError,
+    ProposerState,
+    SpecdraftError,
+    SpecEngine,
+    TargetModel,
+    Violation,
+    __version__,
+    check_proposer,
+    load_model,
+)
+
+__all__ = [
+    "PROTOCOL_METHODS",
+    "AllocationError",
+    "Backend",
+    "BlockAllocator",
+    "BufferArena",
+    "CheckpointError",
+    "ConfigError",
+    "ConformanceReport",
+    "Conversation",
+    "CpuBackend",
+    "DevicePtr",
+    "DraftProposer",
+    "DraftRunner",
+    "ForwardContext",
+    "GenerationResult",
+    "ModelConfig",
+    "ModelLevers",
+    "PromptLookup",
+    "ProposerError",
+    "ProposerState",
+    "SpecdraftError",
+    "SpecEngine",
+    "TargetModel",
+    "Violation",
+    "__version__",
+    "check_proposer",
+    "load_model",
+]

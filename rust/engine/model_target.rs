@@ -1,0 +1,78 @@
+//! The [`Target`] adapter for the real [`TargetModel`]: every method forwards to the model.
+
+use super::{Target, TargetOutput};
+use crate::backend::GpuBackend;
+use crate::memory::BufferArena;
+use crate::model::{ForwardOutput, KvSequence, LogitRows, ModelConfig, TargetModel};
+use crate::Result;
+use std::sync::Arc;
+
+impl Target for TargetModel {
+    type Seq = KvSequence;
+
+    fn config(&self) -> &Arc<ModelConfig> {
+        TargetModel::config(self)
+    }
+
+    fn gpu(&self) -> &Arc<dyn GpuBackend> {
+        TargetModel::gpu(self)
+    }
+
+    fn max_seq_len(&self) -> usize {
+        TargetModel::max_seq_len(self)
+    }
+
+    fn new_sequence(&self) -> KvSequence {
+        TargetModel::new_sequence(self)
+    }
+
+    fn seq_len(&self, seq: &KvSequence) -> usize {
+        seq.len()
+    }
+
+    fn forward(&self, seqs: &mut [&mut KvSequence], tokens: &[&[u32]]) -> Result<TargetOutput> {
+        convert(TargetModel::forward_with(
+            self,
+            seqs,
+            tokens,
+            LogitRows::All,
+        )?)
+    }
+
+    fn forward_last(
+        &self,
+        seqs: &mut [&mut KvSequence],
+        tokens: &[&[u32]],
+    ) -> Result<TargetOutput> {
+        // A prefill reads one logits row per sequence: skip the LM head on the others.
+        convert(TargetModel::forward_with(
+            self,
+            seqs,
+            tokens,
+            LogitRows::LastPerSequence,
+        )?)
+    }
+
+    fn trim(&self, seq: &mut KvSequence, new_len: usize) -> Result<()> {
+        TargetModel::trim(self, seq, new_len)
+    }
+
+    fn free_sequence(&self, seq: &mut KvSequence) -> Result<()> {
+        TargetModel::free_sequence(self, seq)
+    }
+
+    fn buffers(&self) -> &Arc<BufferArena> {
+        TargetModel::buffers(self)
+    }
+}
+
+fn convert(out: ForwardOutput) -> Result<TargetOutput> {
+    let last_logits_only = out.logits_rows != out.rows;
+    Ok(TargetOutput {
+        rows: out.rows,
+        row_offsets: out.row_offsets,
+        logits: out.logits,
+        last_logits_only,
+        hiddens: out.hiddens,
+    })
+}

@@ -1,0 +1,137 @@
+//! One sequence's bookkeeping inside the engine loop.
+//!
+//! Invariants:
+//! - `tokens` is the prompt followed by every emitted token; the last one is not yet in the
+//!   target's KV, so `kv` holds `tokens.len() - 1` tokens between steps.
+//! - `hid` holds the hidden rows of the sequence's last forward (engine-owned copies, so a
+//!   proposer that reuses the target's scratch cannot clobber them); row `hid_row` is the
+//!   hidden whose logits picked the last token.
+//! - Every resource (`kv`, `state`, `hid`, the prefill capture, carried blocks) is released
+//!   exactly once, by the engine's `release`, whatever ended the sequence.
+
+use super::{CarriedKv, FinishReason, GrammarMatcher, Metrics, SamplingParams};
+use crate::backend::DevicePtr;
+use crate::speculative::ProposerState;
+use rand::rngs::SmallRng;
+use std::time::Instant;
+
+/// What the drafter still has to learn about the prompt before its first propose.
+pub(super) enum DrafterPrefill {
+    /// `prefill_drafter` over the whole prompt.
+    Prefill,
+    /// `catchup_drafter` for the prompt rows after carried drafter KV.
+    Catchup { row_base: usize, pos_base: usize },
+}
+
+/// A drafter prefill waiting to run, with the captured target hiddens it needs.
+pub(super) struct PendingPrefill {
+    pub kind: DrafterPrefill,
+    /// The tokens it covers.
+    pub tokens: Vec<u32>,
+    /// Engine-owned BF16 `[tokens.len(), hidden]` copy of the paired target hiddens.
+    pub hiddens: DevicePtr,
+}
+
+/// A grammar slot as the `Option<&mut dyn GrammarMatcher>` that `verify` takes (the
+/// trait-object lifetime shortened to the borrow's).
+pub(super) fn grammar_of(
+    g: &mut Option<Box<dyn GrammarMatcher>>,
+) -> Option<&mut dyn GrammarMatcher> {
+    match g {
+        Some(g) => Some(g.as_mut()),
+        None => None,
+    }
+}
+
+pub(super) struct Seq<S> {
+    pub kv: Option<S>,
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub rng: SmallRng,
+    pub grammar: Option<Box<dyn GrammarMatcher>>,
+    pub stop_on_eos: bool,
+    pub state: Option<Box<dyn ProposerState>>,
+    pub hid: DevicePtr,
+    pub hid_row: usize,
+    pub pending: Option<PendingPrefill>,
+    pub drafts: Vec<u32>,
+    /// Whether `propose` ran this step (so `after_verify` is owed).
+    pub proposed: bool,
+    /// Position of the first accepted draft of the last verify (for `catchup_batch`).
+    pub catchup_pos: usize,
+    pub finish: Option<FinishReason>,
+    pub error: Option<crate::Error>,
+    pub metrics: Metrics,
+    pub started: Instant,
+    pub carry_in: Option<CarriedKv>,
+    pub carry_out: Option<CarriedKv>,
+    pub released: bool,
+    /// Whether `start` ran (sequences wait for a free slot under `max_batch`).
+    pub admitted: bool,
+}
+
+impl<S> Seq<S> {
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    pub fn last_token(&self) -> u32 {
+        self.tokens.last().copied().unwrap_or(0)
+    }
+
+    /// Position of the last token (the next verify's first row).
+    pub fn last_pos(&self) -> usize {
+        self.tokens.len().saturating_sub(1)
+    }
+
+    /// The proposer state, likewise.
+    pub fn state_mut(&mut self) -> Option<&mut dyn ProposerState> {
+        match &mut self.state {
+            Some(s) => Some(s.as_mut()),
+            None => None,
+        }
+    }
+
+    /// Started and not finished: it takes part in steps.
+    pub fn active(&self) -> bool {
+        self.admitted && self.finish.is_none()
+    }
+
+    pub fn live(&self) -> bool {
+        self.finish.is_none()
+    }
+
+    /// Ends the sequence with `error` (the first error wins).
+    pub fn fail(&mut self, error: crate::Error) {
+        if self.error.is_none() {
+            self.error = Some(error);
+        }
+        self.finish = Some(FinishReason::Error);
+    }
+
+    /// Appends emitted tokens, stopping at EOS, `max_tokens` or the end of the context.
+    /// Returns how many were kept.
+    pub fn emit(&mut self, tokens: &[u32], eos: &[u32], max_seq_len: usize) -> usize {
+        let mut kept = 0;
+        for &t in tokens {
+            if self.finish.is_some() {
+                break;
+            }
+            self.tokens.push(t);
+            kept += 1;
+            if self.stop_on_eos && eos.contains(&t) {
+                self.finish = Some(FinishReason::Stop);
+            } else if self.generated() >= self.max_tokens {
+                self.finish = Some(FinishReason::Length);
+            } else if self.tokens.len() >= max_seq_len {
+                self.finish = Some(FinishReason::Context);
+            }
+        }
+        if self.finish.is_none() && self.grammar.as_ref().is_some_and(|g| g.is_finished()) {
+            self.finish = Some(FinishReason::Stop);
+        }
+        kept
+    }
+}

@@ -1,0 +1,447 @@
+//! One decode step for every live sequence: drafting (batched where the proposer allows),
+//! the verify forward(s), verification, trimming, `after_verify`, and the exact-KV catch-up.
+
+use super::engine::target_err;
+use super::sequence::{grammar_of, Seq};
+use super::{verify, EngineError, FinishReason, Metrics, SpecEngine, Target, Verdict};
+use crate::backend::{DevicePtr, GpuBackendExt, DEFAULT_STREAM};
+use crate::model::ForwardContext;
+use crate::speculative::{bitmask_words, DraftProposer, ProposerState};
+use crate::Result;
+use std::time::{Duration, Instant};
+
+impl<T: Target> SpecEngine<T> {
+    /// Drafts this step may hold: no more than can be emitted before `max_tokens`, than
+    /// fits the context, or than one forward's rows allow.
+    pub(super) fn draft_budget(&self, seq: &Seq<T::Seq>) -> usize {
+        let remaining = seq.max_tokens.saturating_sub(seq.generated());
+        let room = self.target.max_seq_len().saturating_sub(seq.tokens.len());
+        self.num_drafts
+            .min(remaining.saturating_sub(1))
+            .min(room.saturating_sub(1))
+            .min(self.max_rows().saturating_sub(1))
+    }
+
+    pub(super) fn step(
+        &self,
+        seqs: &mut [Seq<T::Seq>],
+        ctx: &ForwardContext<'_>,
+        total: &mut Metrics,
+    ) {
+        let t_draft = Instant::now();
+        for seq in seqs.iter_mut() {
+            seq.drafts.clear();
+            seq.proposed = false;
+            if seq.active() && seq.pending.is_some() {
+                if let Err(e) = self.run_drafter_prefill(seq, ctx) {
+                    seq.fail(e);
+                }
+            }
+        }
+        if let Some(prop) = &self.proposer {
+            let budgets: Vec<usize> = seqs.iter().map(|s| self.draft_budget(s)).collect();
+            let wants =
+                |i: usize, s: &Seq<T::Seq>| s.active() && s.state.is_some() && budgets[i] > 0;
+            let mut single = Vec::new();
+            let mut batchable = Vec::new();
+            for (i, s) in seqs.iter().enumerate().filter(|(i, s)| wants(*i, s)) {
+                if s.grammar.is_some() {
+                    single.push(i);
+                } else {
+                    batchable.push(i);
+                }
+            }
+            let batch_max = prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1);
+            if batch_max > 1 {
+                for group in batchable.chunks(batch_max) {
+                    if !self.propose_group(prop.as_ref(), group, &budgets, seqs, ctx) {
+                        single.extend_from_slice(group);
+                    }
+                }
+            } else {
+                single.extend(batchable);
+            }
+            single.sort_unstable();
+            for i in single {
+                self.propose_one(prop.as_ref(), &mut seqs[i], budgets[i], ctx);
+            }
+        }
+        total.draft_time += t_draft.elapsed();
+
+        let t_verify = Instant::now();
+        let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].active()).collect();
+        let max_rows = self.max_rows();
+        let mut proposer_time = Duration::ZERO;
+        let mut chunk: Vec<usize> = Vec::new();
+        let mut chunk_rows = 0;
+        for &i in &live {
+            let rows = 1 + seqs[i].drafts.len();
+            if !chunk.is_empty() && chunk_rows + rows > max_rows {
+                proposer_time += self.verify_chunk(&chunk, seqs);
+                chunk.clear();
+                chunk_rows = 0;
+            }
+            chunk.push(i);
+            chunk_rows += rows;
+        }
+        if !chunk.is_empty() {
+            proposer_time += self.verify_chunk(&chunk, seqs);
+        }
+        if self.levers.mtp_kv_exact {
+            proposer_time += self.catchup(seqs, ctx);
+        }
+        total.verify_time += t_verify.elapsed().saturating_sub(proposer_time);
+        total.draft_time += proposer_time;
+    }
+
+    /// One `propose_batch` call for `group`; false when the caller should propose per
+    /// sequence instead (unsupported, failed, or a result of the wrong shape).
+    pub(super) fn propose_group(
+        &self,
+        prop: &dyn DraftProposer,
+        group: &[usize],
+        budgets: &[usize],
+        seqs: &mut [Seq<T::Seq>],
+        ctx: &ForwardContext<'_>,
+    ) -> bool {
+        let hb = self.row_bytes();
+        let n_max = group.iter().map(|&i| budgets[i]).max().unwrap_or(0);
+        let last: Vec<u32> = group.iter().map(|&i| seqs[i].last_token()).collect();
+        let hiddens: Vec<DevicePtr> = group
+            .iter()
+            .map(|&i| seqs[i].hid.offset(seqs[i].hid_row * hb))
+            .collect();
+        let positions: Vec<usize> = group.iter().map(|&i| seqs[i].last_pos()).collect();
+        let mut member = vec![false; seqs.len()];
+        for &i in group {
+            member[i] = true;
+        }
+        let t = Instant::now();
+        let result = {
+            let mut states: Vec<&mut dyn ProposerState> = seqs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| member[*i])
+                .filter_map(|(_, s)| s.state_mut())
+                .collect();
+            if states.len() != group.len() {
+                return false;
+            }
+            prop.propose_batch(
+                &last,
+                &hiddens,
+                &positions,
+                n_max,
+                &mut states,
+                ctx,
+                DEFAULT_STREAM,
+                None,
+            )
+        };
+        let share = t.elapsed() / group.len() as u32;
+        match result {
+            Ok(Some(drafts)) if drafts.len() == group.len() => {
+                for (&i, d) in group.iter().zip(drafts) {
+                    let seq = &mut seqs[i];
+                    seq.metrics.draft_time += share;
+                    seq.proposed = true;
+                    self.take_drafts(seq, d, budgets[i], n_max, "propose_batch");
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub(super) fn propose_one(
+        &self,
+        prop: &dyn DraftProposer,
+        seq: &mut Seq<T::Seq>,
+        budget: usize,
+        ctx: &ForwardContext<'_>,
+    ) {
+        let hidden = seq.hid.offset(seq.hid_row * self.row_bytes());
+        let mut mask = None;
+        if let Some(g) = seq.grammar.as_deref_mut() {
+            let mut words = vec![0i32; bitmask_words(ctx.config.vocab_size)];
+            if let Err(e) = g.fill_mask(&mut words) {
+                seq.fail(e);
+                return;
+            }
+            mask = Some(words);
+        }
+        let (last, pos) = (seq.last_token(), seq.last_pos());
+        let Some(state) = seq.state.as_deref_mut() else {
+            return;
+        };
+        let t = Instant::now();
+        let result = prop.propose(
+            last,
+            hidden,
+            pos,
+            budget,
+            state,
+            ctx,
+            DEFAULT_STREAM,
+            None,
+            mask.as_deref(),
+            None,
+        );
+        seq.metrics.draft_time += t.elapsed();
+        match result {
+            Ok(d) => {
+                seq.proposed = true;
+                self.take_drafts(seq, d, budget, budget, "propose");
+            }
+            Err(e) => seq.fail(e),
+        }
+    }
+
+    /// Checks a proposer's drafts against the protocol and keeps the first `budget`.
+    pub(super) fn take_drafts(
+        &self,
+        seq: &mut Seq<T::Seq>,
+        mut drafts: Vec<u32>,
+        budget: usize,
+        asked: usize,
+        method: &'static str,
+    ) {
+        let vocab = self.target.config().vocab_size;
+        if drafts.len() > asked {
+            seq.fail(
+                EngineError::ProposerContract {
+                    method,
+                    message: format!(
+                        "returned {} drafts, asked for at most {asked}",
+                        drafts.len()
+                    ),
+                }
+                .into(),
+            );
+        } else if let Some(&bad) = drafts.iter().find(|&&t| t as usize >= vocab) {
+            seq.fail(
+                EngineError::ProposerContract {
+                    method,
+                    message: format!("draft token {bad} is outside the vocabulary of {vocab}"),
+                }
+                .into(),
+            );
+        } else {
+            drafts.truncate(budget);
+            seq.drafts = drafts;
+        }
+    }
+
+    /// One verify forward over `chunk`, then verification and bookkeeping for each of its
+    /// sequences. Returns the time spent inside the proposer (`after_verify`).
+    pub(super) fn verify_chunk(&self, chunk: &[usize], seqs: &mut [Seq<T::Seq>]) -> Duration {
+        let inputs: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|&i| {
+                let mut v = Vec::with_capacity(1 + seqs[i].drafts.len());
+                v.push(seqs[i].last_token());
+                v.extend_from_slice(&seqs[i].drafts);
+                v
+            })
+            .collect();
+        let rows_total: usize = inputs.iter().map(Vec::len).sum();
+        let mut member = vec![false; seqs.len()];
+        for &i in chunk {
+            member[i] = true;
+        }
+        let t = Instant::now();
+        let out = {
+            let mut kvs: Vec<&mut T::Seq> = seqs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| member[*i])
+                .filter_map(|(_, s)| s.kv.as_mut())
+                .collect();
+            let toks: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
+            if kvs.len() != chunk.len() {
+                Err(EngineError::Target("a sequence lost its KV".into()).into())
+            } else {
+                self.target.forward(&mut kvs, &toks)
+            }
+        };
+        let forward_time = t.elapsed();
+        let out = match out {
+            Ok(o)
+                if o.rows == rows_total
+                    && o.row_offsets.len() >= chunk.len()
+                    && !o.last_logits_only =>
+            {
+                o
+            }
+            Ok(o) => {
+                for &i in chunk {
+                    seqs[i].fail(
+                        EngineError::TargetOutput(format!(
+                            "{} rows and {} offsets for {rows_total} tokens of {} sequences",
+                            o.rows,
+                            o.row_offsets.len(),
+                            chunk.len()
+                        ))
+                        .into(),
+                    );
+                }
+                return Duration::ZERO;
+            }
+            Err(e) => {
+                for &i in chunk {
+                    seqs[i].fail(target_err(&e));
+                }
+                return Duration::ZERO;
+            }
+        };
+        let mut proposer_time = Duration::ZERO;
+        for (k, &i) in chunk.iter().enumerate() {
+            let seq = &mut seqs[i];
+            let rows = inputs[k].len();
+            seq.metrics.verify_time += forward_time.mul_f64(rows as f64 / rows_total as f64);
+            match self.verify_one(seq, &out, out.row_offsets[k], rows) {
+                Ok(dt) => proposer_time += dt,
+                Err(e) => seq.fail(e),
+            }
+        }
+        proposer_time
+    }
+
+    pub(super) fn verify_one(
+        &self,
+        seq: &mut Seq<T::Seq>,
+        out: &super::TargetOutput,
+        offset: usize,
+        rows: usize,
+    ) -> Result<Duration> {
+        let gpu = self.target.gpu();
+        let vocab = self.target.config().vocab_size;
+        let hb = self.row_bytes();
+        if offset + rows > out.rows {
+            return Err(EngineError::TargetOutput(format!(
+                "rows {offset}..{} lie outside the {} rows returned",
+                offset + rows,
+                out.rows
+            ))
+            .into());
+        }
+        let t = Instant::now();
+        let logits = gpu.download::<f32>(out.logits.offset(offset * vocab * 4), rows * vocab)?;
+        if !seq.hid.is_null() {
+            gpu.copy_dtod(
+                seq.hid,
+                out.hiddens.offset(offset * hb),
+                rows * hb,
+                DEFAULT_STREAM,
+            )?;
+        }
+        let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();
+        let verdict = verify(
+            &row_refs,
+            &seq.drafts,
+            None,
+            &seq.sampling,
+            &mut seq.rng,
+            grammar_of(&mut seq.grammar),
+        )?;
+        seq.metrics.verify_time += t.elapsed();
+        self.apply(seq, verdict)
+    }
+
+    /// Trims the rejected rows, tells the proposer, and emits the verdict's tokens.
+    pub(super) fn apply(&self, seq: &mut Seq<T::Seq>, verdict: Verdict) -> Result<Duration> {
+        let a = verdict.accepted;
+        let drafted = seq.drafts.len();
+        // The last token and the accepted drafts stay in the KV; the rejected rows go.
+        let keep = seq.last_pos() + 1 + a;
+        if a < drafted {
+            let kv = seq
+                .kv
+                .as_mut()
+                .ok_or_else(|| EngineError::Target("sequence missing".into()))?;
+            self.target.trim(kv, keep).map_err(|e| target_err(&e))?;
+        }
+        let mut proposer_time = Duration::ZERO;
+        if let (true, Some(prop), Some(state)) =
+            (seq.proposed, &self.proposer, seq.state.as_deref_mut())
+        {
+            let t = Instant::now();
+            let r = prop.after_verify(a, state, DEFAULT_STREAM);
+            proposer_time = t.elapsed();
+            seq.metrics.draft_time += proposer_time;
+            r?;
+        }
+        // Accepted drafts stay in `drafts` for the catch-up; the rest is dropped.
+        seq.drafts.truncate(a);
+        seq.catchup_pos = seq.last_pos() + 1;
+        let eos = &self.target.config().eos_token_ids;
+        let kept = seq.emit(&verdict.tokens, eos, self.target.max_seq_len());
+        seq.metrics.record_step(drafted, a, kept);
+        if verdict.grammar_exhausted && seq.active() {
+            seq.finish = Some(FinishReason::Grammar);
+        }
+        seq.hid_row = a;
+        Ok(proposer_time)
+    }
+
+    /// `catchup_batch` with each sequence's accepted drafts and their paired hiddens
+    /// (verify row k picked draft k, so its hidden is row k). A failing call ends every
+    /// sequence of its group: the protocol gives no way to tell which one failed.
+    pub(super) fn catchup(&self, seqs: &mut [Seq<T::Seq>], ctx: &ForwardContext<'_>) -> Duration {
+        let Some(prop) = &self.proposer else {
+            return Duration::ZERO;
+        };
+        let hb = self.row_bytes();
+        let ready: Vec<usize> = (0..seqs.len())
+            .filter(|&i| {
+                let s = &seqs[i];
+                s.error.is_none() && s.proposed && !s.drafts.is_empty() && s.state.is_some()
+            })
+            .collect();
+        let batch_max = prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1);
+        let mut spent = Duration::ZERO;
+        for group in ready.chunks(batch_max) {
+            let tokens: Vec<Vec<u32>> = group.iter().map(|&i| seqs[i].drafts.clone()).collect();
+            let hiddens: Vec<Vec<DevicePtr>> = group
+                .iter()
+                .map(|&i| {
+                    (0..seqs[i].drafts.len())
+                        .map(|k| seqs[i].hid.offset(k * hb))
+                        .collect()
+                })
+                .collect();
+            // Recorded at verification: EOS may have cut the emitted tokens since.
+            let first_pos: Vec<usize> = group.iter().map(|&i| seqs[i].catchup_pos).collect();
+            let mut member = vec![false; seqs.len()];
+            for &i in group {
+                member[i] = true;
+            }
+            let t = Instant::now();
+            let result = {
+                let mut states: Vec<&mut dyn ProposerState> = seqs
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| member[*i])
+                    .filter_map(|(_, s)| s.state_mut())
+                    .collect();
+                prop.catchup_batch(
+                    &tokens,
+                    &hiddens,
+                    &first_pos,
+                    &mut states,
+                    ctx,
+                    DEFAULT_STREAM,
+                )
+            };
+            let dt = t.elapsed();
+            spent += dt;
+            for &i in group {
+                seqs[i].metrics.draft_time += dt / group.len() as u32;
+                if let Err(e) = &result {
+                    seqs[i].fail(EngineError::Target(format!("catchup_batch: {e}")).into());
+                }
+            }
+        }
+        spent
+    }
+}

@@ -1,0 +1,311 @@
+//! `TableTarget`: a small deterministic target model for tests, examples and benchmarks of
+//! the engine without model weights.
+//!
+//! The logits of the row for token `t` at position `p` (with `t1` the token before it) are
+//! `table[t][v] + noise * h(t1, t, p, v)` for a fixed random table and a fixed hash `h`, so
+//! they depend only on the sequence's own tokens (the target is causal and batch
+//! independent, as a real model is up to rounding). A mostly table-driven argmax makes
+//! greedy output repetitive enough for n-gram drafters to be accepted sometimes.
+//!
+//! Its hidden rows encode the row's token and position exactly (BF16 holds integers below
+//! 256 exactly): see [`decode_hidden`]. Tests use this to check which hidden the engine
+//! hands a proposer. It enforces the target contract strictly: a forward of more rows than
+//! its arena's `max_rows`, past `max_seq_len`, with an id outside the vocabulary, or on a
+//! freed sequence is an error.
+
+use super::{EngineError, Target, TargetOutput};
+use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt, DEFAULT_STREAM};
+use crate::memory::BufferArena;
+use crate::model::ModelConfig;
+use crate::Result;
+use half::bf16;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// One sequence of a [`TableTarget`]: the tokens in its "KV".
+#[derive(Debug, Default)]
+pub struct TableSeq {
+    tokens: Vec<u32>,
+    freed: bool,
+}
+
+impl TableSeq {
+    /// Tokens held.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+/// A deterministic table-driven target (see the module documentation).
+pub struct TableTarget {
+    config: Arc<ModelConfig>,
+    gpu: Arc<dyn GpuBackend>,
+    buffers: Arc<BufferArena>,
+    max_seq_len: usize,
+    table: Vec<f32>,
+    noise: f32,
+    seed: u64,
+    logits: DevicePtr,
+    hiddens: DevicePtr,
+    forwards: AtomicUsize,
+    live: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+fn mix(mut x: u64) -> u64 {
+    // splitmix64's finaliser: a cheap, well-spread hash.
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d049bb133111eb);
+    x ^ (x >> 31)
+}
+
+fn bad(message: String) -> crate::Error {
+    EngineError::Target(message).into()
+}
+
+/// The `(token, position)` a [`TableTarget`] hidden row encodes.
+pub fn decode_hidden(row: &[f32]) -> (u32, usize) {
+    let at = |i: usize| row.get(i).copied().unwrap_or(0.0) as usize;
+    ((at(0) + 256 * at(1)) as u32, at(2) + 256 * at(3))
+}
+
+impl TableTarget {
+    /// A target over `vocab_size` tokens holding `max_seq_len` tokens a sequence and at most
+    /// `max_rows` rows a forward, with logits drawn from `seed`. `noise` (0 to 1) is how much
+    /// the context beyond the current token moves the logits.
+    pub fn new(
+        gpu: Arc<dyn GpuBackend>,
+        vocab_size: usize,
+        max_seq_len: usize,
+        max_rows: usize,
+        seed: u64,
+        noise: f32,
+    ) -> Result<Self> {
+        if vocab_size < 2 || max_seq_len < 2 || max_rows == 0 {
+            return Err(EngineError::InvalidArgument {
+                what: "TableTarget",
+                message: format!("vocab_size {vocab_size} and max_seq_len {max_seq_len} must be at least 2, max_rows {max_rows} at least 1"),
+            }
+            .into());
+        }
+        let config = ModelConfig::tiny(vocab_size);
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let table = (0..vocab_size * vocab_size)
+            .map(|_| rng.random::<f32>() * 4.0)
+            .collect();
+        let logits = gpu.alloc(max_rows * vocab_size * 4, "table_target:logits")?;
+        let hiddens = match gpu.alloc(max_rows * config.hidden_size * 2, "table_target:hiddens") {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = gpu.free(logits);
+                return Err(e.into());
+            }
+        };
+        Ok(TableTarget {
+            config: Arc::new(config),
+            gpu,
+            buffers: Arc::new(BufferArena::empty(max_rows)),
+            max_seq_len,
+            table,
+            noise,
+            seed,
+            logits,
+            hiddens,
+            forwards: AtomicUsize::new(0),
+            live: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+        })
+    }
+
+    /// The same target with `eos` as its EOS ids.
+    pub fn with_eos(mut self, eos: Vec<u32>) -> Self {
+        let mut config = (*self.config).clone();
+        config.eos_token_ids = eos;
+        self.config = Arc::new(config);
+        self
+    }
+
+    /// The logits row for the last token of `context` (at position `context.len() - 1`).
+    pub fn logits_for(&self, context: &[u32]) -> Vec<f32> {
+        let v = self.config.vocab_size;
+        let Some(&t) = context.last() else {
+            return vec![0.0; v];
+        };
+        let p = context.len() - 1;
+        let t1 = if p > 0 { context[p - 1] as u64 + 1 } else { 0 };
+        let base = mix(self.seed ^ mix(t1 << 40 ^ (t as u64) << 20 ^ p as u64));
+        let row = &self.table[t as usize * v..(t as usize + 1) * v];
+        row.iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let h = (mix(base ^ i as u64) >> 40) as f32 / (1u64 << 24) as f32;
+                x + self.noise * 4.0 * h
+            })
+            .collect()
+    }
+
+    /// The hidden row for `token` at `position`, as f32.
+    pub fn hidden_for(&self, token: u32, position: usize) -> Vec<f32> {
+        let mut h: Vec<f32> = (0..self.config.hidden_size)
+            .map(|i| ((token as usize * 31 + position * 7 + i) % 17) as f32 / 4.0)
+            .collect();
+        h[0] = (token % 256) as f32;
+        h[1] = (token / 256) as f32;
+        h[2] = (position % 256) as f32;
+        h[3] = (position / 256) as f32;
+        h
+    }
+
+    /// Forwards run so far.
+    pub fn forward_count(&self) -> usize {
+        self.forwards.load(Ordering::Relaxed)
+    }
+
+    /// The most sequences that were alive at once.
+    pub fn peak_sequences(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Sequences created and not yet freed.
+    pub fn live_sequences(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for TableTarget {
+    fn drop(&mut self) {
+        // Drop cannot report; the buffers are ours, so freeing them only fails on a bug.
+        let _ = self.gpu.free(self.logits);
+        let _ = self.gpu.free(self.hiddens);
+    }
+}
+
+impl Target for TableTarget {
+    type Seq = TableSeq;
+
+    fn config(&self) -> &Arc<ModelConfig> {
+        &self.config
+    }
+
+    fn gpu(&self) -> &Arc<dyn GpuBackend> {
+        &self.gpu
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    fn new_sequence(&self) -> TableSeq {
+        let now = self.live.fetch_add(1, Ordering::Relaxed) + 1;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+        TableSeq::default()
+    }
+
+    fn seq_len(&self, seq: &TableSeq) -> usize {
+        seq.tokens.len()
+    }
+
+    fn forward(&self, seqs: &mut [&mut TableSeq], tokens: &[&[u32]]) -> Result<TargetOutput> {
+        self.run(seqs, tokens, false)
+    }
+
+    fn forward_last(&self, seqs: &mut [&mut TableSeq], tokens: &[&[u32]]) -> Result<TargetOutput> {
+        self.run(seqs, tokens, true)
+    }
+
+    fn trim(&self, seq: &mut TableSeq, new_len: usize) -> Result<()> {
+        if new_len > seq.tokens.len() {
+            return Err(bad(format!(
+                "trim to {new_len} of a sequence of {}",
+                seq.tokens.len()
+            )));
+        }
+        seq.tokens.truncate(new_len);
+        Ok(())
+    }
+
+    fn free_sequence(&self, seq: &mut TableSeq) -> Result<()> {
+        if seq.freed {
+            return Err(bad("sequence freed twice".into()));
+        }
+        seq.freed = true;
+        seq.tokens.clear();
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn buffers(&self) -> &Arc<BufferArena> {
+        &self.buffers
+    }
+}
+
+impl TableTarget {
+    /// A forward; with `last_only` the logits hold each sequence's last row only (as a
+    /// target that skips the LM head on prefill rows does).
+    fn run(
+        &self,
+        seqs: &mut [&mut TableSeq],
+        tokens: &[&[u32]],
+        last_only: bool,
+    ) -> Result<TargetOutput> {
+        if seqs.len() != tokens.len() {
+            return Err(bad(format!(
+                "{} sequences but {} token lists",
+                seqs.len(),
+                tokens.len()
+            )));
+        }
+        let rows: usize = tokens.iter().map(|t| t.len()).sum();
+        if rows == 0 || rows > self.buffers.max_rows() {
+            return Err(bad(format!(
+                "forward of {rows} rows (1 to {} allowed)",
+                self.buffers.max_rows()
+            )));
+        }
+        let v = self.config.vocab_size;
+        let hidden = self.config.hidden_size;
+        let mut logits = Vec::with_capacity(rows * v);
+        let mut hiddens = Vec::with_capacity(rows * hidden);
+        let mut row_offsets = Vec::with_capacity(seqs.len());
+        for (seq, toks) in seqs.iter_mut().zip(tokens) {
+            if seq.freed {
+                return Err(bad("forward on a freed sequence".into()));
+            }
+            if seq.tokens.len() + toks.len() > self.max_seq_len {
+                return Err(bad(format!(
+                    "sequence of {} tokens plus {} exceeds max_seq_len {}",
+                    seq.tokens.len(),
+                    toks.len(),
+                    self.max_seq_len
+                )));
+            }
+            if let Some(&t) = toks.iter().find(|&&t| t as usize >= v) {
+                return Err(bad(format!("token {t} outside the vocabulary of {v}")));
+            }
+            row_offsets.push(hiddens.len() / hidden);
+            for (k, &t) in toks.iter().enumerate() {
+                seq.tokens.push(t);
+                if !last_only || k + 1 == toks.len() {
+                    logits.extend(self.logits_for(&seq.tokens));
+                }
+                hiddens.extend(
+                    self.hidden_for(t, seq.tokens.len() - 1)
+                        .into_iter()
+                        .map(bf16::from_f32),
+                );
+            }
+        }
+        self.gpu.write(self.logits, &logits, DEFAULT_STREAM)?;
+        self.gpu.write(self.hiddens, &hiddens, DEFAULT_STREAM)?;
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+        Ok(TargetOutput {
+            rows,
+            row_offsets,
+            logits: self.logits,
+            last_logits_only: last_only,
+            hiddens: self.hiddens,
+        })
+    }
+}

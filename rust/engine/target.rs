@@ -1,0 +1,68 @@
+//! `Target`: what the engine needs from the model that verifies drafts.
+//!
+//! The trait mirrors the target model's own API one to one, so the adapter for the real
+//! model is a thin forwarding impl and the engine can be tested against small deterministic
+//! targets (see [`TableTarget`](super::TableTarget)).
+//!
+//! Contract the engine relies on:
+//! - `forward` appends `tokens[i]` to `seqs[i]` (positions continue from the sequence's
+//!   length) and returns one logits row (f32 `[vocab]`) and one hidden row (BF16
+//!   `[hidden]`, before the final norm) per input token, sequence after sequence;
+//!   `row_offsets[i]` is the first row of sequence `i`.
+//! - The output buffers stay valid until the next `forward` and belong to the target: the
+//!   engine copies what it keeps past that point.
+//! - `trim` shortens a sequence's KV to `new_len` tokens; `free_sequence` releases it.
+
+use crate::backend::{DevicePtr, GpuBackend};
+use crate::memory::BufferArena;
+use crate::model::ModelConfig;
+use crate::Result;
+use std::sync::Arc;
+
+/// The output of one target forward over one or more sequences.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TargetOutput {
+    /// Rows in total (the sum of the token counts).
+    pub rows: usize,
+    /// First row of each sequence, in input order.
+    pub row_offsets: Vec<usize>,
+    /// f32 `[rows, vocab_size]`, or `[sequences, vocab_size]` (row `i` the last row of
+    /// sequence `i`) when `last_logits_only`.
+    pub logits: DevicePtr,
+    /// Whether `logits` holds only each sequence's last row (see [`Target::forward_last`]).
+    pub last_logits_only: bool,
+    /// BF16 `[rows, hidden_size]`, each row the hidden state before the final norm.
+    pub hiddens: DevicePtr,
+}
+
+/// The model that verifies drafts.
+pub trait Target: Send + Sync {
+    /// Per-sequence KV state.
+    type Seq: Send;
+
+    /// The model's configuration (vocabulary, hidden size, EOS ids).
+    fn config(&self) -> &Arc<ModelConfig>;
+    /// The backend every buffer lives on.
+    fn gpu(&self) -> &Arc<dyn GpuBackend>;
+    /// The longest sequence (prompt plus output) the model holds.
+    fn max_seq_len(&self) -> usize;
+    /// A new, empty sequence.
+    fn new_sequence(&self) -> Self::Seq;
+    /// Tokens held in `seq`'s KV.
+    fn seq_len(&self, seq: &Self::Seq) -> usize;
+    /// Appends `tokens[i]` to `seqs[i]` and returns the logits and hiddens of every row.
+    fn forward(&self, seqs: &mut [&mut Self::Seq], tokens: &[&[u32]]) -> Result<TargetOutput>;
+    /// [`Target::forward`] where only each sequence's last row needs logits (a prefill), so
+    /// a target may skip the LM head on the other rows and set `last_logits_only`. Hiddens
+    /// are still returned for every row. The default computes every row.
+    fn forward_last(&self, seqs: &mut [&mut Self::Seq], tokens: &[&[u32]]) -> Result<TargetOutput> {
+        self.forward(seqs, tokens)
+    }
+    /// Shortens `seq` to its first `new_len` tokens.
+    fn trim(&self, seq: &mut Self::Seq, new_len: usize) -> Result<()>;
+    /// Releases `seq`'s KV; the sequence is empty afterwards.
+    fn free_sequence(&self, seq: &mut Self::Seq) -> Result<()>;
+    /// The shared forward scratch; its `max_rows` bounds the rows of one forward
+    /// (0 or `usize::MAX`: unbounded).
+    fn buffers(&self) -> &Arc<BufferArena>;
+}

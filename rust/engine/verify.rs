@@ -1,0 +1,418 @@
+//! Verification of drafts against the target's logits: greedy and lossless rejection
+//! sampling. Pure functions on host f32 rows, so they are tested without any model.
+//!
+//! Invariants:
+//! - Greedy: the emitted tokens are exactly what plain greedy decoding would pick: the
+//!   longest prefix of drafts equal to the (masked) argmax of their rows, then the argmax of
+//!   the first row that disagrees (or of the last row when all agree: the bonus token).
+//! - Sampling (Leviathan et al. 2023, Chen et al. 2023): draft `x` at row `j` is accepted
+//!   with probability `min(1, p(x) / q(x))`; on rejection the token is drawn from
+//!   `norm(max(0, p - q))`; when every draft is accepted the bonus is drawn from the last
+//!   row's `p`. `q` is the proposer's distribution, one-hot on the draft when it gives none.
+//!   Every emitted token is therefore distributed exactly as plain sampling from `p`.
+//! - With a grammar, `p` is masked before anything else and the matcher advances with every
+//!   emitted token, so no emitted token is one the grammar forbade.
+
+use super::{EngineError, GrammarMatcher};
+use crate::speculative::{bitmask_allows, bitmask_words};
+use crate::Result;
+use rand::rngs::SmallRng;
+use rand::Rng;
+
+/// How the target's pick is made.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `0` means greedy (argmax).
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of most likely tokens whose probability
+    /// reaches `top_p` (`1` keeps all).
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens (`0` keeps all).
+    pub top_k: usize,
+    /// Seed of the sequence's random stream.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams::greedy()
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        }
+    }
+
+    /// Sampling at `temperature` with `seed`, no truncation.
+    pub fn sampled(temperature: f32, seed: u64) -> Self {
+        SamplingParams {
+            temperature,
+            seed,
+            ..SamplingParams::greedy()
+        }
+    }
+
+    /// Whether the pick is the argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Checks the ranges: temperature finite and `>= 0`, `0 < top_p <= 1`.
+    pub fn validate(&self) -> std::result::Result<(), EngineError> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(EngineError::InvalidArgument {
+                what: "temperature",
+                message: format!(
+                    "{} (must be finite and >= 0; 0 means greedy)",
+                    self.temperature
+                ),
+            });
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(EngineError::InvalidArgument {
+                what: "top_p",
+                message: format!("{} (must be in (0, 1])", self.top_p),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The index of the largest allowed logit (ties: the lowest index); `None` when the mask
+/// allows no token. NaN logits never win.
+pub fn argmax(logits: &[f32], mask: Option<&[i32]>) -> Option<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &x) in logits.iter().enumerate() {
+        if mask.is_some_and(|m| !bitmask_allows(m, i as u32)) {
+            continue;
+        }
+        match best {
+            None if !x.is_nan() => best = Some((i, x)),
+            Some((_, b)) if x > b => best = Some((i, x)),
+            _ => {}
+        }
+    }
+    best.map(|(i, _)| i as u32)
+}
+
+/// The target's sampling distribution for one row: masked, divided by the temperature,
+/// softmaxed, cut to `top_k` and `top_p`, renormalised. `None` when no token is allowed.
+/// Greedy parameters give the one-hot distribution of [`argmax`].
+pub fn target_probs(
+    logits: &[f32],
+    params: &SamplingParams,
+    mask: Option<&[i32]>,
+) -> Option<Vec<f32>> {
+    if params.is_greedy() {
+        let pick = argmax(logits, mask)? as usize;
+        let mut p = vec![0.0; logits.len()];
+        p[pick] = 1.0;
+        return Some(p);
+    }
+    let allowed = |i: usize| mask.is_none_or(|m| bitmask_allows(m, i as u32));
+    let inv_t = 1.0 / params.temperature as f64;
+    let max = logits
+        .iter()
+        .enumerate()
+        .filter(|&(i, x)| allowed(i) && !x.is_nan())
+        .map(|(_, &x)| x as f64 * inv_t)
+        .fold(f64::NEG_INFINITY, f64::max);
+    if max == f64::NEG_INFINITY {
+        return None;
+    }
+    let mut p: Vec<f64> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            if allowed(i) && !x.is_nan() {
+                (x as f64 * inv_t - max).exp()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let truncate = params.top_k > 0 && params.top_k < p.len() || params.top_p < 1.0;
+    if truncate {
+        // Descending by probability, ties by index, so truncation is deterministic.
+        let mut order: Vec<usize> = (0..p.len()).filter(|&i| p[i] > 0.0).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let mut keep = order.len();
+        if params.top_k > 0 {
+            keep = keep.min(params.top_k);
+        }
+        if params.top_p < 1.0 {
+            let total: f64 = order[..keep].iter().map(|&i| p[i]).sum();
+            let mut cum = 0.0;
+            for (n, &i) in order[..keep].iter().enumerate() {
+                cum += p[i];
+                if cum >= params.top_p as f64 * total {
+                    keep = n + 1;
+                    break;
+                }
+            }
+        }
+        for &i in &order[keep..] {
+            p[i] = 0.0;
+        }
+    }
+    let total: f64 = p.iter().sum();
+    Some(p.into_iter().map(|x| (x / total) as f32).collect())
+}
+
+/// Draws an index from `weights` (non-negative, not necessarily normalised).
+pub fn sample_from(weights: &[f32], rng: &mut SmallRng) -> u32 {
+    let total: f64 = weights.iter().map(|&w| w.max(0.0) as f64).sum();
+    let target = rng.random::<f64>() * total;
+    let mut cum = 0.0;
+    let mut last_positive = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            cum += w as f64;
+            last_positive = i;
+            if target < cum {
+                return i as u32;
+            }
+        }
+    }
+    // Rounding can leave `target` a hair above the sum: the last token with mass wins.
+    last_positive as u32
+}
+
+/// The outcome of verifying one sequence's drafts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// Drafts accepted (a prefix of the drafts).
+    pub accepted: usize,
+    /// Tokens to emit: the accepted drafts, then the target's own pick (the correction
+    /// or the bonus token) unless the grammar allowed nothing at that point.
+    pub tokens: Vec<u32>,
+    /// The grammar allowed no token at the next position: the sequence cannot go on.
+    pub grammar_exhausted: bool,
+}
+
+/// Verifies `drafts` against `rows` (one f32 logits row per input token: the row of the
+/// last verified token, then one per draft, so `rows.len() == drafts.len() + 1`).
+///
+/// `draft_probs[j]`, when given, is the proposer's distribution over the vocabulary at
+/// draft `j` (`q`); without it `q` is one-hot on the draft. `grammar` is advanced with
+/// every token in the verdict. Greedy parameters ignore `rng` and `draft_probs`.
+pub fn verify(
+    rows: &[&[f32]],
+    drafts: &[u32],
+    draft_probs: Option<&[Vec<f32>]>,
+    params: &SamplingParams,
+    rng: &mut SmallRng,
+    mut grammar: Option<&mut dyn GrammarMatcher>,
+) -> Result<Verdict> {
+    if rows.len() != drafts.len() + 1 {
+        return Err(EngineError::InvalidArgument {
+            what: "verify rows",
+            message: format!(
+                "{} logits rows for {} drafts (need drafts + 1)",
+                rows.len(),
+                drafts.len()
+            ),
+        }
+        .into());
+    }
+    let vocab = rows[0].len();
+    if let Some(q) = draft_probs {
+        if q.len() != drafts.len() || q.iter().any(|d| d.len() != vocab) {
+            return Err(EngineError::InvalidArgument {
+                what: "draft_probs",
+                message: format!("need {} rows of {vocab} probabilities", drafts.len()),
+            }
+            .into());
+        }
+    }
+    let mut mask = vec![0i32; bitmask_words(vocab)];
+    let mut verdict = Verdict {
+        accepted: 0,
+        tokens: Vec::with_capacity(drafts.len() + 1),
+        grammar_exhausted: false,
+    };
+    for (j, row) in rows.iter().enumerate() {
+        if row.len() != vocab {
+            return Err(EngineError::InvalidArgument {
+                what: "verify rows",
+                message: format!("row {j} has {} logits, row 0 has {vocab}", row.len()),
+            }
+            .into());
+        }
+        let row_mask = match grammar.as_deref_mut() {
+            Some(g) => {
+                mask.fill(0);
+                g.fill_mask(&mut mask)?;
+                Some(mask.as_slice())
+            }
+            None => None,
+        };
+        let draft = drafts.get(j).copied();
+        let (token, accepted) = if params.is_greedy() {
+            let Some(pick) = argmax(row, row_mask) else {
+                verdict.grammar_exhausted = true;
+                return Ok(verdict);
+            };
+            (pick, draft == Some(pick))
+        } else {
+            let Some(p) = target_probs(row, params, row_mask) else {
+                verdict.grammar_exhausted = true;
+                return Ok(verdict);
+            };
+            match draft {
+                None => (sample_from(&p, rng), false),
+                Some(x) => {
+                    let px = p.get(x as usize).copied().unwrap_or(0.0);
+                    let q = draft_probs.map(|q| q[j].as_slice());
+                    let qx = q.map_or(1.0, |q| q.get(x as usize).copied().unwrap_or(0.0));
+                    // Always draw, so the random stream does not depend on the branch taken.
+                    let u = rng.random::<f32>();
+                    let accept = if qx <= 0.0 { px > 0.0 } else { u < px / qx };
+                    if accept {
+                        (x, true)
+                    } else {
+                        let residual: Vec<f32> = match q {
+                            Some(q) => p.iter().zip(q).map(|(&a, &b)| (a - b).max(0.0)).collect(),
+                            None => {
+                                let mut r = p.clone();
+                                if let Some(v) = r.get_mut(x as usize) {
+                                    *v = 0.0;
+                                }
+                                r
+                            }
+                        };
+                        let weights = if residual.iter().any(|&w| w > 0.0) {
+                            &residual
+                        } else {
+                            &p
+                        };
+                        (sample_from(weights, rng), false)
+                    }
+                }
+            }
+        };
+        if let Some(g) = grammar.as_deref_mut() {
+            g.advance(token)?;
+        }
+        verdict.tokens.push(token);
+        if !accepted {
+            return Ok(verdict);
+        }
+        verdict.accepted += 1;
+    }
+    unreachable_last_row()
+}
+
+// The last row has no draft, so the loop always returns from it; this keeps the compiler
+// satisfied without a panic path.
+fn unreachable_last_row() -> Result<Verdict> {
+    Err(EngineError::InvalidArgument {
+        what: "verify rows",
+        message: "no logits rows".into(),
+    }
+    .into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn rng() -> SmallRng {
+        SmallRng::seed_from_u64(7)
+    }
+
+    #[test]
+    fn argmax_ties_lowest_and_respects_mask() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0], None), Some(1));
+        let mut mask = vec![0i32; 1];
+        mask[0] = 0b1001;
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0], Some(&mask)), Some(3));
+        assert_eq!(argmax(&[1.0, 3.0], Some(&[0])), None);
+        assert_eq!(argmax(&[f32::NAN, 0.5], None), Some(1));
+    }
+
+    #[test]
+    fn greedy_accepts_longest_matching_prefix_then_corrects() {
+        let rows: Vec<Vec<f32>> = vec![
+            vec![0.0, 5.0, 0.0, 0.0], // picks 1
+            vec![0.0, 0.0, 5.0, 0.0], // picks 2
+            vec![5.0, 0.0, 0.0, 0.0], // picks 0
+            vec![0.0, 0.0, 0.0, 5.0], // picks 3
+        ];
+        let r: Vec<&[f32]> = rows.iter().map(|v| v.as_slice()).collect();
+        let g = SamplingParams::greedy();
+        let v = verify(&r, &[1, 2, 3], None, &g, &mut rng(), None).unwrap();
+        assert_eq!((v.accepted, v.tokens.clone()), (2, vec![1, 2, 0]));
+        let v = verify(&r, &[1, 2, 0], None, &g, &mut rng(), None).unwrap();
+        assert_eq!((v.accepted, v.tokens.clone()), (3, vec![1, 2, 0, 3]));
+        let v = verify(&r, &[2, 2, 0], None, &g, &mut rng(), None).unwrap();
+        assert_eq!((v.accepted, v.tokens.clone()), (0, vec![1]));
+        let v = verify(&r[..1], &[], None, &g, &mut rng(), None).unwrap();
+        assert_eq!(v.tokens, vec![1]);
+        assert!(verify(&r, &[1], None, &g, &mut rng(), None).is_err());
+    }
+
+    #[test]
+    fn target_probs_truncates_and_normalises() {
+        let logits = [2.0f32.ln(), 4.0f32.ln(), 1.0f32.ln(), 3.0f32.ln()];
+        let p = target_probs(&logits, &SamplingParams::sampled(1.0, 0), None).unwrap();
+        for (a, b) in p.iter().zip([0.2, 0.4, 0.1, 0.3]) {
+            assert!((a - b).abs() < 1e-6, "{p:?}");
+        }
+        let mut top2 = SamplingParams::sampled(1.0, 0);
+        top2.top_k = 2;
+        let p = target_probs(&logits, &top2, None).unwrap();
+        assert!((p[1] - 4.0 / 7.0).abs() < 1e-6 && (p[3] - 3.0 / 7.0).abs() < 1e-6);
+        assert_eq!((p[0], p[2]), (0.0, 0.0));
+        let mut nucleus = SamplingParams::sampled(1.0, 0);
+        nucleus.top_p = 0.65; // 0.4 + 0.3 reaches it
+        let p = target_probs(&logits, &nucleus, None).unwrap();
+        assert_eq!(p.iter().filter(|&&x| x > 0.0).count(), 2);
+        let masked =
+            target_probs(&logits, &SamplingParams::sampled(1.0, 0), Some(&[0b0101])).unwrap();
+        assert!((masked[0] - 2.0 / 3.0).abs() < 1e-6 && masked[1] == 0.0);
+        assert!(target_probs(&logits, &SamplingParams::sampled(1.0, 0), Some(&[0])).is_none());
+    }
+
+    #[test]
+    fn sampling_rejects_a_draft_the_target_gives_no_mass() {
+        // p puts all mass on token 0 (top_k 1): draft 2 must be rejected and 0 emitted.
+        let rows: Vec<Vec<f32>> = vec![vec![9.0, 1.0, 1.0], vec![1.0, 1.0, 1.0]];
+        let r: Vec<&[f32]> = rows.iter().map(|v| v.as_slice()).collect();
+        let mut params = SamplingParams::sampled(1.0, 0);
+        params.top_k = 1;
+        for seed in 0..20 {
+            let v = verify(
+                &r,
+                &[2],
+                None,
+                &params,
+                &mut SmallRng::seed_from_u64(seed),
+                None,
+            )
+            .unwrap();
+            assert_eq!((v.accepted, v.tokens), (0, vec![0]));
+        }
+    }
+
+    #[test]
+    fn invalid_params_are_named() {
+        let mut p = SamplingParams::sampled(-1.0, 0);
+        assert!(p
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("temperature"));
+        p.temperature = 1.0;
+        p.top_p = 0.0;
+        assert!(p.validate().unwrap_err().to_string().contains("top_p"));
+    }
+}

@@ -1,0 +1,495 @@
+//! `TargetModel`: a Llama-family decoder (Llama, SmolLM2, Qwen2/2.5/3, MiMo's base) with a
+//! paged KV cache, serving prefill and verification for many sequences in one forward.
+//!
+//! Invariants:
+//! - Every device buffer the model uses (weights, KV caches, scratch, outputs) is owned by
+//!   one [`DeviceAllocations`]; after [`TargetModel::free`] or drop the ledger holds none of them.
+//! - A [`KvSequence`] holds exactly `ceil(len / block_size)` blocks of the model's pool, and
+//!   rows `0..len` of those blocks hold its keys and values.
+//! - `forward` is all-or-nothing: on error no sequence changes and no block is taken.
+//! - Forwards are serialised (one scratch, one set of outputs); the outputs stay valid until
+//!   the next forward.
+
+use super::batch::{stage, Plan};
+use super::decoder_weights::{DecoderWeights, NameScheme};
+use super::gguf::GgufFile;
+use super::hf_checkpoint::SafetensorsCheckpoint;
+use super::layers::{decoder_layer, rope_inv_freq, LayerCache, LayerIo};
+pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
+use super::tensors::TensorSource;
+use super::weights::DeviceAllocations;
+use super::{ModelConfig, ModelError};
+use crate::backend::{DevicePtr, Dtype, GpuBackend, RopeStyle, DEFAULT_STREAM};
+use crate::memory::{BlockAllocator, BufferArena};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// KV rows per block.
+pub const BLOCK_SIZE: usize = 16;
+
+static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Sizes chosen at load time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Most token rows one forward may carry (all sequences together).
+    pub max_rows: usize,
+    /// Longest sequence; `None`: the model's context, at most 4096.
+    pub max_seq_len: Option<usize>,
+    /// KV blocks in the pool; `None`: enough for two sequences of `max_seq_len`.
+    pub kv_blocks: Option<usize>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            max_rows: 512,
+            max_seq_len: None,
+            kv_blocks: None,
+        }
+    }
+}
+
+struct Scratch {
+    staging: Vec<u32>,
+}
+
+/// A loaded Llama-family target model.
+pub struct TargetModel {
+    id: u64,
+    gpu: Arc<dyn GpuBackend>,
+    config: Arc<ModelConfig>,
+    weights: DecoderWeights,
+    caches: Vec<LayerCache>,
+    pool: BlockAllocator,
+    buffers: Arc<BufferArena>,
+    rope_style: RopeStyle,
+    inv_freq: DevicePtr,
+    logits: DevicePtr,
+    hiddens: DevicePtr,
+    meta: DevicePtr,
+    max_rows: usize,
+    max_seq_len: usize,
+    max_blocks_per_seq: usize,
+    scratch: Mutex<Scratch>,
+    // Last field: dropped after everything that points into it.
+    allocs: DeviceAllocations,
+}
+
+fn slot(arena: &BufferArena, name: &str) -> crate::Result<DevicePtr> {
+    Ok(arena.slot(name)?.ptr)
+}
+
+impl TargetModel {
+    /// Loads a checkpoint: a HF directory (`config.json` + `*.safetensors`) or a `.gguf` file.
+    pub fn load(
+        path: impl AsRef<Path>,
+        gpu: Arc<dyn GpuBackend>,
+        opts: LoadOptions,
+    ) -> crate::Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            let (config, src) = SafetensorsCheckpoint::open_with_config(path)?;
+            Self::from_source(
+                gpu,
+                config,
+                &src,
+                NameScheme::HuggingFace,
+                RopeStyle::Half,
+                opts,
+            )
+        } else if path.is_file() {
+            let src = GgufFile::open(path)?;
+            let config = src.model_config()?;
+            // llama.cpp's converter permutes llama q/k rows for adjacent-pair RoPE; the
+            // Qwen converters do not.
+            let style = match src.architecture() {
+                Some("llama") => RopeStyle::Interleaved,
+                _ => RopeStyle::Half,
+            };
+            Self::from_source(gpu, config, &src, NameScheme::Gguf, style, opts)
+        } else {
+            Err(ModelError::Io {
+                path: path.display().to_string(),
+                message: "no such file or directory".into(),
+            }
+            .into())
+        }
+    }
+
+    /// Builds the model from any tensor source. On error everything allocated is freed.
+    pub fn from_source(
+        gpu: Arc<dyn GpuBackend>,
+        config: ModelConfig,
+        src: &dyn TensorSource,
+        scheme: NameScheme,
+        rope_style: RopeStyle,
+        opts: LoadOptions,
+    ) -> crate::Result<Self> {
+        config.validate()?;
+        if config.moe.is_some() {
+            return Err(ModelError::invalid(
+                "TargetModel",
+                "mixture-of-experts MLPs are not supported",
+            )
+            .into());
+        }
+        let max_seq_len = opts
+            .max_seq_len
+            .unwrap_or(config.max_position_embeddings.min(4096));
+        if opts.max_rows == 0 || max_seq_len == 0 {
+            return Err(ModelError::invalid(
+                "TargetModel",
+                "max_rows and max_seq_len must be positive",
+            )
+            .into());
+        }
+        let max_blocks_per_seq = max_seq_len.div_ceil(BLOCK_SIZE);
+        let kv_blocks = opts.kv_blocks.unwrap_or(2 * max_blocks_per_seq);
+        let inv = rope_inv_freq(&config)?;
+        let allocs = DeviceAllocations::new(gpu.clone());
+        let weights = DecoderWeights::load(&allocs, src, &config, scheme)?;
+        let arena = BufferArena::new(gpu.as_ref(), &config, opts.max_rows)?;
+        // The model frees the arena's buffers with everything else, so that dropping the
+        // model leaves nothing live even while a ForwardContext still holds the Arc.
+        for s in arena.slots() {
+            allocs.adopt(s.ptr);
+        }
+        let num_slots = kv_blocks * BLOCK_SIZE;
+        let cache_bytes = num_slots * config.kv_size() * Dtype::Bf16.size();
+        let mut caches = Vec::with_capacity(config.num_hidden_layers);
+        for l in 0..config.num_hidden_layers {
+            caches.push(LayerCache {
+                k: allocs.alloc(cache_bytes, &format!("kv_cache.{l}.k"))?,
+                v: allocs.alloc(cache_bytes, &format!("kv_cache.{l}.v"))?,
+                num_slots,
+                block_size: BLOCK_SIZE,
+            });
+        }
+        let meta_len = 5 * opts.max_rows + opts.max_rows * max_blocks_per_seq;
+        Ok(TargetModel {
+            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            inv_freq: allocs.upload(&inv, "rope_inv_freq")?,
+            logits: allocs.alloc(opts.max_rows * config.vocab_size * 4, "target_logits")?,
+            hiddens: allocs.alloc(opts.max_rows * config.hidden_size * 2, "target_hiddens")?,
+            meta: allocs.alloc(meta_len * 4, "target_forward_meta")?,
+            pool: BlockAllocator::new(kv_blocks, BLOCK_SIZE)?,
+            gpu,
+            config: Arc::new(config),
+            weights,
+            caches,
+            buffers: Arc::new(arena),
+            rope_style,
+            max_rows: opts.max_rows,
+            max_seq_len,
+            max_blocks_per_seq,
+            scratch: Mutex::new(Scratch {
+                staging: Vec::with_capacity(meta_len),
+            }),
+            allocs,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Arc<ModelConfig> {
+        &self.config
+    }
+
+    /// The backend every buffer lives on.
+    pub fn gpu(&self) -> &Arc<dyn GpuBackend> {
+        &self.gpu
+    }
+
+    /// Longest sequence a forward accepts.
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// Most rows one forward accepts.
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// The KV block pool (free counts, block size).
+    pub fn kv_pool(&self) -> &BlockAllocator {
+        &self.pool
+    }
+
+    /// The shared forward scratch, for a `ForwardContext`.
+    pub fn buffers(&self) -> &Arc<BufferArena> {
+        &self.buffers
+    }
+
+    /// The RoPE pairing the q/k weights were stored for.
+    pub fn rope_style(&self) -> RopeStyle {
+        self.rope_style
+    }
+
+    /// The loaded weights.
+    pub fn weights(&self) -> &DecoderWeights {
+        &self.weights
+    }
+
+    /// Weight bytes one decode step reads.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        self.weights.bytes_per_token()
+    }
+
+    /// An empty sequence, holding no blocks.
+    pub fn new_sequence(&self) -> KvSequence {
+        KvSequence {
+            blocks: Vec::new(),
+            len: 0,
+            model_id: self.id,
+        }
+    }
+
+    fn check_owner(&self, seq: &KvSequence, op: &'static str) -> Result<(), ModelError> {
+        if seq.model_id != self.id {
+            return Err(ModelError::invalid(
+                op,
+                "the sequence was not created by this model",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Appends `tokens[i]` to `seqs[i]` and runs the model on the new rows, with logits for
+    /// every row; see the module docs for the all-or-nothing contract.
+    pub fn forward(
+        &self,
+        seqs: &mut [&mut KvSequence],
+        tokens: &[&[u32]],
+    ) -> crate::Result<ForwardOutput> {
+        self.forward_with(seqs, tokens, LogitRows::All)
+    }
+
+    /// [`TargetModel::forward`] with a choice of which rows get logits.
+    pub fn forward_with(
+        &self,
+        seqs: &mut [&mut KvSequence],
+        tokens: &[&[u32]],
+        logit_rows: LogitRows,
+    ) -> crate::Result<ForwardOutput> {
+        const OP: &str = "TargetModel::forward";
+        if self.allocs.is_empty() {
+            return Err(ModelError::invalid(OP, "the model has been freed").into());
+        }
+        if seqs.len() != tokens.len() || seqs.is_empty() {
+            return Err(ModelError::invalid(
+                OP,
+                format!(
+                    "{} sequences but {} token lists (need the same, at least one)",
+                    seqs.len(),
+                    tokens.len()
+                ),
+            )
+            .into());
+        }
+        let rows: usize = tokens.iter().map(|t| t.len()).sum();
+        if rows == 0 || rows > self.max_rows {
+            return Err(ModelError::invalid(
+                OP,
+                format!(
+                    "{rows} rows; a forward takes 1..={} rows (split it)",
+                    self.max_rows
+                ),
+            )
+            .into());
+        }
+        let vocab = self.config.vocab_size;
+        let mut need = Vec::with_capacity(seqs.len());
+        for (i, (s, t)) in seqs.iter().zip(tokens).enumerate() {
+            self.check_owner(s, OP)?;
+            if let Some(&bad) = t.iter().find(|&&x| x as usize >= vocab) {
+                return Err(ModelError::invalid(
+                    OP,
+                    format!("sequence {i}: token id {bad} is outside the vocabulary of {vocab}"),
+                )
+                .into());
+            }
+            if t.is_empty() && logit_rows == LogitRows::LastPerSequence {
+                return Err(ModelError::invalid(
+                    OP,
+                    format!("sequence {i} has no tokens, so it has no last row to give logits for"),
+                )
+                .into());
+            }
+            let new_len = s.len + t.len();
+            if new_len > self.max_seq_len {
+                return Err(ModelError::invalid(
+                    OP,
+                    format!(
+                        "sequence {i} would reach {new_len} tokens, more than max_seq_len {}",
+                        self.max_seq_len
+                    ),
+                )
+                .into());
+            }
+            need.push(new_len.div_ceil(BLOCK_SIZE) - s.blocks.len());
+        }
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = self.pool.alloc(need.iter().sum())?;
+        let plan = stage(&mut scratch.staging, seqs, tokens, &need, &fresh);
+        match self.run(&scratch.staging, plan, rows, logit_rows) {
+            Ok(out) => {
+                let mut taken = 0;
+                for ((s, t), n) in seqs.iter_mut().zip(tokens).zip(&need) {
+                    s.blocks.extend_from_slice(&fresh[taken..taken + n]);
+                    taken += n;
+                    s.len += t.len();
+                }
+                Ok(out)
+            }
+            Err(e) => {
+                self.pool.free(&fresh)?;
+                Err(e)
+            }
+        }
+    }
+
+    fn run(
+        &self,
+        staging: &[u32],
+        plan: Plan,
+        rows: usize,
+        logit_rows: LogitRows,
+    ) -> crate::Result<ForwardOutput> {
+        let gpu = self.gpu.as_ref();
+        let mbps = plan.max_blocks_per_seq;
+        let row_offsets = plan.row_offsets;
+        let num_seqs = row_offsets.len() - 1;
+        if num_seqs * mbps > self.max_rows * self.max_blocks_per_seq {
+            return Err(ModelError::invalid(
+                "TargetModel::forward",
+                "too many sequences for the block-table buffer",
+            )
+            .into());
+        }
+        let s = DEFAULT_STREAM;
+        gpu.copy_htod(self.meta, bytemuck::cast_slice(staging), s)?;
+        let at = |k: usize| self.meta.offset(k * rows * 4);
+        let a = &self.buffers;
+        let io = LayerIo {
+            hidden: self.hiddens,
+            normed: slot(a, "normed")?,
+            q: slot(a, "q")?,
+            k: slot(a, "k")?,
+            v: slot(a, "v")?,
+            attn_out: slot(a, "attn_out")?,
+            gate: slot(a, "gate")?,
+            up: slot(a, "up")?,
+            positions: at(1),
+            slots: at(2),
+            row_seq: at(3),
+            row_ctx_len: at(4),
+            block_table: at(5),
+            inv_freq: self.inv_freq,
+            rows,
+            max_blocks_per_seq: mbps,
+            rope_style: self.rope_style,
+            stream: s,
+        };
+        let c = &*self.config;
+        let w = &self.weights;
+        gpu.embedding(
+            io.hidden,
+            w.embed.ptr,
+            at(0),
+            rows,
+            c.hidden_size,
+            c.vocab_size,
+            s,
+        )?;
+        for (lw, cache) in w.layers.iter().zip(&self.caches) {
+            decoder_layer(gpu, c, lw, cache, &io)?;
+        }
+        let h = c.hidden_size;
+        let head_rows = match logit_rows {
+            LogitRows::All => {
+                gpu.rms_norm(
+                    io.normed,
+                    io.hidden,
+                    w.final_norm.ptr,
+                    rows,
+                    h,
+                    c.rms_norm_eps,
+                    s,
+                )?;
+                rows
+            }
+            LogitRows::LastPerSequence => {
+                // Gather each sequence's last hidden row into `normed` (row i <= its source
+                // row, so no copy overwrites a row still to be read), then norm in place.
+                let row_bytes = h * Dtype::Bf16.size();
+                for (i, end) in row_offsets.iter().skip(1).enumerate() {
+                    let src = io.hidden.offset((end - 1) * row_bytes);
+                    gpu.copy_dtod(io.normed.offset(i * row_bytes), src, row_bytes, s)?;
+                }
+                let n = num_seqs;
+                gpu.rms_norm(
+                    io.normed,
+                    io.normed,
+                    w.final_norm.ptr,
+                    n,
+                    h,
+                    c.rms_norm_eps,
+                    s,
+                )?;
+                n
+            }
+        };
+        match &w.lm_head {
+            Some(head) => {
+                head.forward(gpu, self.logits, Dtype::F32, io.normed, None, head_rows, s)?
+            }
+            None => gpu.linear(
+                self.logits,
+                Dtype::F32,
+                io.normed,
+                w.embed.ptr,
+                None,
+                head_rows,
+                h,
+                c.vocab_size,
+                s,
+            )?,
+        }
+        Ok(ForwardOutput {
+            rows,
+            row_offsets,
+            logits: self.logits,
+            logits_rows: head_rows,
+            hiddens: self.hiddens,
+        })
+    }
+
+    /// Drops rows `new_len..` of `seq` (rejected drafts), returning emptied blocks.
+    pub fn trim(&self, seq: &mut KvSequence, new_len: usize) -> crate::Result<()> {
+        self.check_owner(seq, "TargetModel::trim")?;
+        if new_len > seq.len {
+            return Err(ModelError::invalid(
+                "TargetModel::trim",
+                format!("cannot trim a sequence of {} rows to {new_len}", seq.len),
+            )
+            .into());
+        }
+        let keep = new_len.div_ceil(BLOCK_SIZE);
+        self.pool.free(&seq.blocks[keep..])?;
+        seq.blocks.truncate(keep);
+        seq.len = new_len;
+        Ok(())
+    }
+
+    /// Returns every block of `seq`; it becomes empty (and reusable).
+    pub fn free_sequence(&self, seq: &mut KvSequence) -> crate::Result<()> {
+        self.trim(seq, 0)
+    }
+
+    /// Frees every device buffer now (weights, caches, scratch, outputs); dropping the model
+    /// does the same. Later forwards are errors.
+    pub fn free(&mut self) -> crate::Result<()> {
+        Ok(self.allocs.free_all()?)
+    }
+}

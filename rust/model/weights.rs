@@ -1,0 +1,318 @@
+//! Weights on the device: dense BF16 matrices and NVFP4 (ModelOpt layout) quantized ones,
+//! and [`Linear`], which runs either through the backend's typed kernels.
+//!
+//! Invariants:
+//! - A weight's pointers were allocated on the backend it is used with, and its `shape` is
+//!   the shape of the data behind them (outermost first, as in PyTorch).
+//! - Weights do not free themselves (a [`DevicePtr`] has no `Drop`); whoever loaded them
+//!   owns the pointers, usually through a [`DeviceAllocations`] that frees them all at once.
+
+use crate::backend::{BackendError, DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use half::bf16;
+use std::sync::{Arc, Mutex};
+
+/// A set of device allocations freed together: on [`DeviceAllocations::free_all`] or on drop.
+///
+/// Loaders push every pointer they allocate here, so a load that fails half-way frees what it
+/// had already uploaded, and a model that is dropped leaves the ledger at zero.
+pub struct DeviceAllocations {
+    gpu: Arc<dyn GpuBackend>,
+    ptrs: Mutex<Vec<DevicePtr>>,
+}
+
+impl DeviceAllocations {
+    /// An empty set on `gpu`.
+    pub fn new(gpu: Arc<dyn GpuBackend>) -> Self {
+        DeviceAllocations {
+            gpu,
+            ptrs: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The backend the allocations live on.
+    pub fn gpu(&self) -> &Arc<dyn GpuBackend> {
+        &self.gpu
+    }
+
+    /// Takes ownership of `ptr` (freed with the set).
+    pub fn adopt(&self, ptr: DevicePtr) {
+        self.ptrs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ptr);
+    }
+
+    /// Allocates `nbytes` zeroed bytes owned by the set.
+    pub fn alloc(&self, nbytes: usize, tag: &str) -> Result<DevicePtr, BackendError> {
+        let ptr = self.gpu.alloc(nbytes.max(1), tag)?;
+        self.adopt(ptr);
+        Ok(ptr)
+    }
+
+    /// Uploads `data` into a new buffer owned by the set.
+    pub fn upload<T: bytemuck::Pod>(
+        &self,
+        data: &[T],
+        tag: &str,
+    ) -> Result<DevicePtr, BackendError> {
+        let ptr = self.gpu.upload(data, tag)?;
+        self.adopt(ptr);
+        Ok(ptr)
+    }
+
+    /// Live allocations owned by the set.
+    pub fn len(&self) -> usize {
+        self.ptrs.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether the set owns nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Frees everything; the first error is returned after trying every pointer. Calling it
+    /// again frees nothing.
+    pub fn free_all(&self) -> Result<(), BackendError> {
+        let ptrs = std::mem::take(&mut *self.ptrs.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut first = None;
+        for p in ptrs.into_iter().rev() {
+            if let Err(e) = self.gpu.free(p) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for DeviceAllocations {
+    fn drop(&mut self) {
+        // Errors here mean a pointer was freed behind our back; the ledger reports it.
+        let _ = self.free_all();
+    }
+}
+
+/// A dense BF16 tensor on the device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DenseWeight {
+    /// BF16 data, row-major.
+    pub ptr: DevicePtr,
+    /// Shape, outermost first (`[out_features, in_features]` for a projection).
+    pub shape: Vec<usize>,
+}
+
+impl DenseWeight {
+    /// Uploads BF16 values of `shape` into `allocs`.
+    pub fn upload(
+        allocs: &DeviceAllocations,
+        name: &str,
+        shape: &[usize],
+        data: &[bf16],
+    ) -> Result<Self, BackendError> {
+        let n: usize = shape.iter().product();
+        if n != data.len() {
+            return Err(BackendError::InvalidArgument {
+                op: "DenseWeight::upload",
+                message: format!(
+                    "{name}: shape {shape:?} holds {n} values, got {}",
+                    data.len()
+                ),
+            });
+        }
+        Ok(DenseWeight {
+            ptr: allocs.upload(data, name)?,
+            shape: shape.to_vec(),
+        })
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Bytes of device memory the weight occupies.
+    pub fn nbytes(&self) -> usize {
+        self.numel() * Dtype::Bf16.size()
+    }
+}
+
+/// An NVFP4 weight in NVIDIA ModelOpt's layout (W4A16 here: activations stay BF16).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedWeight {
+    /// u8 `[out_features, in_features / 2]`: two E2M1 codes a byte, low nibble = even column.
+    pub weight: DevicePtr,
+    /// FP8 E4M3 `[out_features, in_features / 16]`, one scale per 16 columns.
+    pub weight_scale: DevicePtr,
+    /// The tensor-wide scale every element is multiplied by.
+    pub weight_scale_2: f32,
+    /// The activation scale of the checkpoint, kept for W4A4 kernels (unused by W4A16).
+    pub input_scale: Option<f32>,
+    /// Rows of the logical matrix.
+    pub out_features: usize,
+    /// Columns of the logical matrix (a multiple of 16).
+    pub in_features: usize,
+}
+
+impl QuantizedWeight {
+    /// Bytes of device memory the weight occupies.
+    pub fn nbytes(&self) -> usize {
+        self.out_features * self.in_features / 2 + self.out_features * self.in_features / 16
+    }
+}
+
+/// A projection weight of either kind, plus its optional bias.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Linear {
+    /// BF16 `[out, in]`.
+    Dense(DenseWeight),
+    /// NVFP4 `[out, in]`.
+    Nvfp4(QuantizedWeight),
+}
+
+impl Linear {
+    /// `(out_features, in_features)`.
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            Linear::Dense(w) => (w.shape[0], w.shape[1]),
+            Linear::Nvfp4(w) => (w.out_features, w.in_features),
+        }
+    }
+
+    /// Bytes of device memory the weight occupies (read once per forward).
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Linear::Dense(w) => w.nbytes(),
+            Linear::Nvfp4(w) => w.nbytes(),
+        }
+    }
+
+    /// `out = x @ W^T (+ bias)` for `rows` rows; `out` of `out_dtype`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        gpu: &dyn GpuBackend,
+        out: DevicePtr,
+        out_dtype: Dtype,
+        x: DevicePtr,
+        bias: Option<&DenseWeight>,
+        rows: usize,
+        stream: u64,
+    ) -> Result<(), BackendError> {
+        let (out_features, in_features) = self.dims();
+        match self {
+            Linear::Dense(w) => gpu.linear(
+                out,
+                out_dtype,
+                x,
+                w.ptr,
+                bias.map(|b| b.ptr),
+                rows,
+                in_features,
+                out_features,
+                stream,
+            ),
+            Linear::Nvfp4(w) => {
+                gpu.linear_nvfp4(
+                    out,
+                    out_dtype,
+                    x,
+                    w.weight,
+                    w.weight_scale,
+                    w.weight_scale_2,
+                    rows,
+                    in_features,
+                    out_features,
+                    stream,
+                )?;
+                match bias {
+                    // The NVFP4 op has no bias input; adding it row by row keeps the
+                    // result exact for the BF16 output the layers use.
+                    Some(b) if out_dtype == Dtype::Bf16 => {
+                        for r in 0..rows {
+                            let row = out.offset(r * out_features * 2);
+                            gpu.add(row, row, b.ptr, out_features, stream)?;
+                        }
+                        Ok(())
+                    }
+                    Some(_) => Err(BackendError::InvalidArgument {
+                        op: "Linear::forward",
+                        message: "an NVFP4 projection with a bias needs a bf16 output".into(),
+                    }),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuBackend;
+
+    #[test]
+    fn allocations_are_freed_on_drop_and_free_all_is_idempotent() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        {
+            let allocs = DeviceAllocations::new(gpu.clone());
+            let w = DenseWeight::upload(&allocs, "w", &[2, 3], &[bf16::ONE; 6]).unwrap();
+            assert_eq!(w.nbytes(), 12);
+            assert!(DenseWeight::upload(&allocs, "bad", &[2, 2], &[bf16::ONE; 3]).is_err());
+            assert_eq!(gpu.ledger().live_count(), 1);
+        }
+        assert_eq!(gpu.ledger().live_count(), 0);
+        let allocs = DeviceAllocations::new(gpu.clone());
+        allocs.alloc(8, "x").unwrap();
+        allocs.free_all().unwrap();
+        allocs.free_all().unwrap();
+        assert_eq!(gpu.ledger().live_count(), 0);
+    }
+
+    #[test]
+    fn nvfp4_linear_matches_dense_of_dequantized_weight() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let allocs = DeviceAllocations::new(gpu.clone());
+        let (out_f, in_f) = (3, 16);
+        let codes: Vec<u8> = (0..out_f * in_f / 2)
+            .map(|i| (i * 37 % 256) as u8)
+            .collect();
+        let scales = vec![0x38u8; out_f]; // 1.0 in E4M3
+        let dense: Vec<bf16> = (0..out_f * in_f)
+            .map(|i| {
+                let byte = codes[i / 2];
+                let code = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                bf16::from_f32(crate::backend::e2m1_to_f32(code) * 0.5)
+            })
+            .collect();
+        let q = Linear::Nvfp4(QuantizedWeight {
+            weight: allocs.upload(&codes, "codes").unwrap(),
+            weight_scale: allocs.upload(&scales, "scales").unwrap(),
+            weight_scale_2: 0.5,
+            input_scale: None,
+            out_features: out_f,
+            in_features: in_f,
+        });
+        let d =
+            Linear::Dense(DenseWeight::upload(&allocs, "dense", &[out_f, in_f], &dense).unwrap());
+        let x: Vec<f32> = (0..2 * in_f).map(|i| (i as f32 - 8.0) / 4.0).collect();
+        let x = gpu.upload_bf16(&x, "x").unwrap();
+        allocs.adopt(x);
+        let bias = DenseWeight::upload(&allocs, "b", &[out_f], &[bf16::from_f32(1.0); 3]).unwrap();
+        let o1 = allocs.alloc(2 * out_f * 2, "o1").unwrap();
+        let o2 = allocs.alloc(2 * out_f * 2, "o2").unwrap();
+        q.forward(gpu.as_ref(), o1, Dtype::Bf16, x, Some(&bias), 2, 0)
+            .unwrap();
+        d.forward(gpu.as_ref(), o2, Dtype::Bf16, x, Some(&bias), 2, 0)
+            .unwrap();
+        // The NVFP4 path rounds to BF16 before adding the bias: equal up to one BF16 step.
+        let (a, b) = (
+            gpu.download_bf16(o1, 2 * out_f).unwrap(),
+            gpu.download_bf16(o2, 2 * out_f).unwrap(),
+        );
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= y.abs() / 128.0 + 1e-6, "{a:?} vs {b:?}");
+        }
+        assert_eq!(q.dims(), (3, 16));
+        drop(allocs);
+        assert_eq!(gpu.ledger().live_count(), 0);
+    }
+}

@@ -1,0 +1,139 @@
+//! `specdraft.MtpHead` and `specdraft.quantize_nvfp4`.
+//!
+//! `MtpHead` is a `specdraft.DraftProposer` subclass whose base holds the Rust head, so every
+//! protocol method runs in Rust; it is made with `MtpHead.from_checkpoint(path, gpu, ...)`.
+//! `quantize_nvfp4` is the Rust quantizer, for checking the Python converter against it.
+
+use super::backend::PyBackend;
+use super::errors::IntoPyResult;
+use super::model::PyModelLevers;
+use super::proposer::PyDraftProposer;
+use crate::speculative::mtp::quantize_nvfp4 as rust_quantize;
+use crate::speculative::{MtpHead, MtpQuantization};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+fn parse_quant(quant: &str) -> PyResult<MtpQuantization> {
+    match quant.to_ascii_lowercase().as_str() {
+        "bf16" => Ok(MtpQuantization::Bf16),
+        "fp8" => Ok(MtpQuantization::Fp8),
+        "nvfp4" => Ok(MtpQuantization::Nvfp4),
+        other => Err(PyValueError::new_err(format!(
+            "quant must be \"bf16\", \"fp8\" or \"nvfp4\", not {other:?}"
+        ))),
+    }
+}
+
+/// The multi-token-prediction draft head of a checkpoint (DeepSeek-V3/GLM, MiMo or
+/// Qwen3-Next layout).
+#[pyclass(name = "MtpHead", module = "specdraft", extends = PyDraftProposer, subclass, frozen)]
+pub struct PyMtpHead {
+    head: Arc<MtpHead>,
+}
+
+#[pymethods]
+impl PyMtpHead {
+    /// Loads the MTP module of the checkpoint folder `path` onto `gpu`.
+    #[staticmethod]
+    #[pyo3(signature = (path, gpu, *, quant = "bf16", mtp_vocab_size = 0, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_checkpoint(
+        py: Python<'_>,
+        path: PathBuf,
+        gpu: PyRef<'_, PyBackend>,
+        quant: &str,
+        mtp_vocab_size: u32,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: Option<PyRef<'_, PyModelLevers>>,
+    ) -> PyResult<Py<PyMtpHead>> {
+        let quant = parse_quant(quant)?;
+        let gpu = gpu.arc()?;
+        let levers = levers.map(|l| l.0).unwrap_or_default();
+        let head = py
+            .detach(move || {
+                MtpHead::from_checkpoint(
+                    path,
+                    gpu,
+                    quant,
+                    mtp_vocab_size,
+                    max_seq_len,
+                    main_kv_blocks,
+                    &levers,
+                )
+            })
+            .py()?;
+        let head = Arc::new(head);
+        let init = PyClassInitializer::from(PyDraftProposer::holding(head.clone(), "MtpHead"))
+            .add_subclass(PyMtpHead { head });
+        Py::new(py, init)
+    }
+
+    /// Rows of the LM head drafts are chosen from.
+    #[getter]
+    fn draft_vocab_size(&self) -> usize {
+        self.head.draft_vocab_size()
+    }
+
+    /// Bytes of weights one draft step reads.
+    #[getter]
+    fn bytes_per_draft(&self) -> usize {
+        self.head.bytes_per_draft()
+    }
+
+    /// `(total, free)` blocks of the drafter KV pool.
+    #[getter]
+    fn kv_blocks(&self) -> (usize, usize) {
+        self.head.kv_blocks()
+    }
+
+    /// The checkpoint layout: `"deepseek_v3"`, `"mimo"` or `"qwen3_next"`.
+    #[getter]
+    fn layout(&self) -> &'static str {
+        self.head.weights().layout.name()
+    }
+
+    /// Row `row` of the f32 logits of the head's latest forward.
+    #[pyo3(signature = (gpu, row = 0))]
+    fn last_logits<'py>(
+        &self,
+        py: Python<'py>,
+        gpu: PyRef<'_, PyBackend>,
+        row: usize,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let v = gpu.with(|g| self.head.last_logits(g, row).py())?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "MtpHead(layout={:?}, draft_vocab_size={})",
+            self.head.weights().layout.name(),
+            self.head.draft_vocab_size()
+        )
+    }
+}
+
+/// Quantizes a float32 `[out, in]` matrix to NVFP4 (ModelOpt layout) with the Rust
+/// quantizer: returns `(weight uint8 [out, in/2], weight_scale uint8 [out, in/16] (FP8
+/// E4M3 bytes), weight_scale_2 float)`.
+#[pyfunction]
+pub fn quantize_nvfp4<'py>(
+    py: Python<'py>,
+    w: PyReadonlyArray2<'py, f32>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, f32)> {
+    let shape = w.shape().to_vec();
+    let (rows, cols) = (shape[0], shape[1]);
+    let data: Vec<f32> = w.as_array().iter().copied().collect();
+    let q = rust_quantize(&data, rows, cols).py()?;
+    let codes = PyArray1::from_vec(py, q.codes)
+        .reshape([rows, cols / 2])?
+        .into_any();
+    let scales = PyArray1::from_vec(py, q.scales)
+        .reshape([rows, cols / 16])?
+        .into_any();
+    Ok((codes, scales, q.global_scale))
+}

@@ -1,0 +1,474 @@
+//! `specdraft.DraftProposer`: the base class of every proposer Python sees.
+//!
+//! The class holds the Rust proposer it stands for (`PromptLookup`, `MtpHead`, a wrapped
+//! Python proposer, ...) or none, for a pure Python subclass. Each of the 22 protocol methods
+//! is defined once here and runs the Rust implementation: the held proposer's, or the
+//! protocol's default when there is none. So `super().method(...)` in a Python subclass runs
+//! Rust, and a Python subclass overrides exactly the methods it defines.
+//!
+//! Rust work runs with the interpreter released: the held proposer may be a wrapped Python
+//! proposer that needs to attach again.
+
+use super::backend::{backend_arg, PyBackend};
+use super::convert::{binding_to_dict, bitmask_arg};
+use super::device_ptr::PtrArg;
+use super::errors::{IntoPyResult, ProposerError as PyProposerError};
+use super::model::{PyBufferArena, PyForwardContext, PyModelConfig, PyModelLevers};
+use super::state::{PyProposerState, StateSrc};
+use crate::backend::{DevicePtr, GpuBackend};
+use crate::memory::BufferArena;
+use crate::model::{ForwardContext, ModelConfig};
+use crate::speculative::{DraftProposer, DraftRunner, ProposerError, ProposerState};
+use crate::Result;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use std::sync::Arc;
+
+/// The protocol's defaults, for a class that holds no Rust proposer. Its required methods
+/// say that a Python proposer must define them.
+pub(crate) struct Abstract;
+
+fn abstract_method(method: &'static str) -> crate::Error {
+    ProposerError::InvalidArgument {
+        method,
+        message: "DraftProposer does not implement it: a proposer must define alloc_state, propose and after_verify".into(),
+    }
+    .into()
+}
+
+impl DraftProposer for Abstract {
+    fn alloc_state(&self, _gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
+        Err(abstract_method("alloc_state"))
+    }
+
+    fn propose(
+        &self,
+        _last_token: u32,
+        _target_hidden: DevicePtr,
+        _position: usize,
+        _num_drafts: usize,
+        _state: &mut dyn ProposerState,
+        _ctx: &ForwardContext<'_>,
+        _stream: u64,
+        _draft_embed_target: Option<DevicePtr>,
+        _grammar_bitmask: Option<&[i32]>,
+        _target_hidden_stack: Option<DevicePtr>,
+    ) -> Result<Vec<u32>> {
+        Err(abstract_method("propose"))
+    }
+
+    fn after_verify(&self, _n: usize, _state: &mut dyn ProposerState, _stream: u64) -> Result<()> {
+        Err(abstract_method("after_verify"))
+    }
+}
+
+/// The protocol's defaults, shared by every object that holds no Rust proposer.
+pub(crate) static ABSTRACT: Abstract = Abstract;
+
+/// An opaque draft runner (see `set_circuit_draft`).
+#[pyclass(name = "DraftRunner", module = "specdraft", frozen)]
+pub struct PyDraftRunner {
+    pub inner: Arc<dyn DraftRunner>,
+}
+
+/// Base class of every draft proposer: subclass it in Python, or use a Rust proposer.
+#[pyclass(name = "DraftProposer", module = "specdraft", subclass, frozen)]
+pub struct PyDraftProposer {
+    /// The Rust proposer this object stands for; `None` for a pure Python subclass.
+    pub inner: Option<Arc<dyn DraftProposer>>,
+    /// The proposer's name, for messages and state reprs.
+    pub name: String,
+}
+
+impl PyDraftProposer {
+    /// A base holding `inner`.
+    pub fn holding(inner: Arc<dyn DraftProposer>, name: &str) -> Self {
+        PyDraftProposer {
+            inner: Some(inner),
+            name: name.to_string(),
+        }
+    }
+
+    fn target(&self) -> &dyn DraftProposer {
+        match &self.inner {
+            Some(p) => &**p,
+            None => &ABSTRACT,
+        }
+    }
+
+    fn wrap_state(&self, py: Python<'_>, state: Box<dyn ProposerState>) -> PyResult<Py<PyAny>> {
+        Ok(Bound::new(py, PyProposerState::new(state, &self.name))?
+            .into_any()
+            .unbind())
+    }
+}
+
+fn states_arg(states: &Bound<'_, PyAny>) -> PyResult<Vec<StateSrc>> {
+    states
+        .try_iter()?
+        .map(|s| Ok(StateSrc::from_py(&s?)))
+        .collect()
+}
+
+fn with_gpu<R>(
+    gpu: &Bound<'_, PyAny>,
+    f: impl FnOnce(&dyn GpuBackend) -> PyResult<R>,
+) -> PyResult<R> {
+    let b: Bound<'_, PyBackend> = backend_arg(gpu)?;
+    b.get().with(f)
+}
+
+#[pymethods]
+impl PyDraftProposer {
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, pyo3::types::PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
+        PyDraftProposer {
+            inner: None,
+            name: "DraftProposer".into(),
+        }
+    }
+
+    fn alloc_state(&self, py: Python<'_>, gpu: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let st = with_gpu(gpu, |g| py.detach(|| self.target().alloc_state(g)).py())?;
+        self.wrap_state(py, st)
+    }
+
+    #[pyo3(signature = (last_token, target_hidden, position, num_drafts, state, ctx, stream = 0, draft_embed_target = None, grammar_bitmask = None, target_hidden_stack = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn propose(
+        &self,
+        py: Python<'_>,
+        last_token: u32,
+        target_hidden: PtrArg,
+        position: usize,
+        num_drafts: usize,
+        state: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyForwardContext>,
+        stream: u64,
+        draft_embed_target: Option<PtrArg>,
+        grammar_bitmask: Option<&Bound<'_, PyAny>>,
+        target_hidden_stack: Option<PtrArg>,
+    ) -> PyResult<Vec<u32>> {
+        let ctx = ctx.get().to_rust();
+        let mask = grammar_bitmask.map(bitmask_arg).transpose()?;
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock("propose")?;
+            self.target().propose(
+                last_token,
+                target_hidden.0,
+                position,
+                num_drafts,
+                g.as_state(),
+                &ctx,
+                stream,
+                draft_embed_target.map(|p| p.0),
+                mask.as_deref(),
+                target_hidden_stack.map(|p| p.0),
+            )
+        })
+        .py()
+    }
+
+    #[pyo3(signature = (num_accepted, state, stream = 0))]
+    fn after_verify(
+        &self,
+        py: Python<'_>,
+        num_accepted: usize,
+        state: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock("after_verify")?;
+            self.target()
+                .after_verify(num_accepted, g.as_state(), stream)
+        })
+        .py()
+    }
+
+    fn alloc_state_for(
+        &self,
+        py: Python<'_>,
+        gpu: &Bound<'_, PyAny>,
+        budget_tokens: usize,
+    ) -> PyResult<Py<PyAny>> {
+        let st = with_gpu(gpu, |g| {
+            py.detach(|| self.target().alloc_state_for(g, budget_tokens))
+                .py()
+        })?;
+        self.wrap_state(py, st)
+    }
+
+    fn block_gamma(&self, py: Python<'_>) -> Option<usize> {
+        py.detach(|| self.target().block_gamma())
+    }
+
+    fn prefill_hidden_rows(&self, py: Python<'_>, max_seq_len: usize) -> usize {
+        py.detach(|| self.target().prefill_hidden_rows(max_seq_len))
+    }
+
+    fn needs_comm(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.target().needs_comm())
+    }
+
+    fn prefill_uses_shared_buffers(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.target().prefill_uses_shared_buffers())
+    }
+
+    fn drafter_rows(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock("drafter_rows")?;
+            Ok::<_, crate::Error>(self.target().drafter_rows(g.as_state()))
+        })
+        .py()
+    }
+
+    fn last_pair_key(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock("last_pair_key")?;
+            Ok::<_, crate::Error>(self.target().last_pair_key(g.as_state()))
+        })
+        .py()
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn take_drafter_kv(
+        &self,
+        py: Python<'_>,
+        state: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(Vec<u32>, usize, Option<usize>)>> {
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock("take_drafter_kv")?;
+            Ok::<_, crate::Error>(self.target().take_drafter_kv(g.as_state()))
+        })
+        .py()
+    }
+
+    #[pyo3(signature = (state, blocks, rows, last_pair_key = None))]
+    fn install_drafter_kv(
+        &self,
+        py: Python<'_>,
+        state: &Bound<'_, PyAny>,
+        blocks: Vec<u32>,
+        rows: usize,
+        last_pair_key: Option<usize>,
+    ) -> PyResult<bool> {
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock("install_drafter_kv")?;
+            Ok::<_, crate::Error>(self.target().install_drafter_kv(
+                g.as_state(),
+                blocks,
+                rows,
+                last_pair_key,
+            ))
+        })
+        .py()
+    }
+
+    fn free_drafter_kv(&self, py: Python<'_>, blocks: Vec<u32>) {
+        py.detach(|| self.target().free_drafter_kv(&blocks))
+    }
+
+    #[pyo3(signature = (tokens, hiddens, row_base, pos_base, state, ctx, stream = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn catchup_drafter(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<u32>,
+        hiddens: PtrArg,
+        row_base: usize,
+        pos_base: usize,
+        state: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyForwardContext>,
+        stream: u64,
+    ) -> PyResult<usize> {
+        let ctx = ctx.get().to_rust();
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock("catchup_drafter")?;
+            self.target().catchup_drafter(
+                &tokens,
+                hiddens.0,
+                row_base,
+                pos_base,
+                g.as_state(),
+                &ctx,
+                stream,
+            )
+        })
+        .py()
+    }
+
+    /// Returns the drafts, or None when the proposer does not batch. When `out_conf` is a
+    /// list, it is filled with one list of confidences per sequence.
+    #[pyo3(signature = (last_tokens, target_hiddens, positions, num_drafts, states, ctx, stream = 0, out_conf = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn propose_batch(
+        &self,
+        py: Python<'_>,
+        last_tokens: Vec<u32>,
+        target_hiddens: Vec<PtrArg>,
+        positions: Vec<usize>,
+        num_drafts: usize,
+        states: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyForwardContext>,
+        stream: u64,
+        out_conf: Option<&Bound<'_, PyList>>,
+    ) -> PyResult<Option<Vec<Vec<u32>>>> {
+        let ctx = ctx.get().to_rust();
+        let hiddens: Vec<DevicePtr> = target_hiddens.iter().map(|p| p.0).collect();
+        let mut srcs = states_arg(states)?;
+        let want_conf = out_conf.is_some();
+        let (drafts, conf) = py
+            .detach(|| -> Result<_> {
+                let mut guards = srcs
+                    .iter_mut()
+                    .map(|s| s.lock("propose_batch"))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut refs: Vec<&mut dyn ProposerState> =
+                    guards.iter_mut().map(|g| g.as_state()).collect();
+                let mut conf = Vec::new();
+                let drafts = self.target().propose_batch(
+                    &last_tokens,
+                    &hiddens,
+                    &positions,
+                    num_drafts,
+                    &mut refs,
+                    &ctx,
+                    stream,
+                    want_conf.then_some(&mut conf),
+                )?;
+                Ok((drafts, conf))
+            })
+            .py()?;
+        if let Some(list) = out_conf {
+            list.call_method0("clear")?;
+            for c in conf {
+                list.append(c)?;
+            }
+        }
+        Ok(drafts)
+    }
+
+    fn propose_batch_max(
+        &self,
+        py: Python<'_>,
+        buffers: &Bound<'_, PyBufferArena>,
+        config: &Bound<'_, PyModelConfig>,
+    ) -> usize {
+        let buffers: Arc<BufferArena> = buffers.get().inner.clone();
+        let config: Arc<ModelConfig> = config.get().inner.clone();
+        py.detach(|| self.target().propose_batch_max(&buffers, &config))
+    }
+
+    #[pyo3(signature = (tokens, hiddens, first_pos, states, ctx, stream = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn catchup_batch(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<Vec<u32>>,
+        hiddens: Vec<Vec<PtrArg>>,
+        first_pos: Vec<usize>,
+        states: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyForwardContext>,
+        stream: u64,
+    ) -> PyResult<usize> {
+        let ctx = ctx.get().to_rust();
+        let hiddens: Vec<Vec<DevicePtr>> = hiddens
+            .iter()
+            .map(|h| h.iter().map(|p| p.0).collect())
+            .collect();
+        let mut srcs = states_arg(states)?;
+        py.detach(|| {
+            let mut guards = srcs
+                .iter_mut()
+                .map(|s| s.lock("catchup_batch"))
+                .collect::<Result<Vec<_>>>()?;
+            let mut refs: Vec<&mut dyn ProposerState> =
+                guards.iter_mut().map(|g| g.as_state()).collect();
+            self.target()
+                .catchup_batch(&tokens, &hiddens, &first_pos, &mut refs, &ctx, stream)
+        })
+        .py()
+    }
+
+    #[pyo3(signature = (prompt_tokens, hiddens, state, ctx, stream = 0))]
+    fn prefill_drafter(
+        &self,
+        py: Python<'_>,
+        prompt_tokens: Vec<u32>,
+        hiddens: PtrArg,
+        state: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyForwardContext>,
+        stream: u64,
+    ) -> PyResult<usize> {
+        let ctx = ctx.get().to_rust();
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock("prefill_drafter")?;
+            self.target()
+                .prefill_drafter(&prompt_tokens, hiddens.0, g.as_state(), &ctx, stream)
+        })
+        .py()
+    }
+
+    fn read_deferred_draft_token(&self, py: Python<'_>, gpu: &Bound<'_, PyAny>) -> PyResult<u32> {
+        with_gpu(gpu, |g| {
+            py.detach(|| self.target().read_deferred_draft_token(g))
+                .py()
+        })
+    }
+
+    fn free_state(
+        &self,
+        py: Python<'_>,
+        gpu: &Bound<'_, PyAny>,
+        state: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let mut st = StateSrc::from_py(state);
+        with_gpu(gpu, |g| {
+            py.detach(|| {
+                let mut guard = st.lock("free_state")?;
+                self.target().free_state(g, guard.as_state())
+            })
+            .py()
+        })
+    }
+
+    /// The draft head as a dict (see `DraftBinding` in the Rust docs), or None.
+    fn circuit_draft<'py>(
+        &self,
+        py: Python<'py>,
+        config: &Bound<'py, PyModelConfig>,
+        levers: PyModelLevers,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let config = config.get().inner.clone();
+        let b = py.detach(|| self.target().circuit_draft(&config, &levers.0));
+        b.map(|b| binding_to_dict(py, &b)).transpose()
+    }
+
+    fn set_circuit_draft(&self, py: Python<'_>, runner: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let runner = match runner {
+            None => None,
+            Some(r) => Some(
+                r.cast::<PyDraftRunner>()
+                    .map_err(|_| {
+                        PyProposerError::new_err(
+                            "set_circuit_draft takes None or a DraftRunner made by specdraft",
+                        )
+                    })?
+                    .get()
+                    .inner
+                    .clone(),
+            ),
+        };
+        py.detach(|| self.target().set_circuit_draft(runner));
+        Ok(())
+    }
+}

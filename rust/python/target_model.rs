@@ -1,0 +1,186 @@
+//! `specdraft.TargetModel` and `specdraft.load_model`: the Llama-family target model from
+//! Python.
+//!
+//! The object holds an `Arc` of the Rust model, so an engine built from it (in Rust) shares
+//! the same weights and KV pool. Loading and forwards run with the interpreter released.
+//! A name that is not an existing path is resolved by `specdraft.models.resolve_model`,
+//! which downloads the default model on first use and raises `ConfigError` for unknown names.
+
+use super::backend::{backend_arg, backend_from_arc};
+use super::errors::{IntoPyResult, SpecdraftError};
+use super::model::PyModelConfig;
+use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
+use crate::model::{LoadOptions, LogitRows, TargetModel};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// A loaded target model (Llama, SmolLM2, Qwen2/2.5/3) with its paged KV cache.
+#[pyclass(name = "TargetModel", module = "specdraft", frozen)]
+pub struct PyTargetModel {
+    pub inner: Arc<TargetModel>,
+}
+
+impl PyTargetModel {
+    /// The shared Rust model (for the engine bindings).
+    pub fn arc(&self) -> Arc<TargetModel> {
+        self.inner.clone()
+    }
+}
+
+#[pymethods]
+impl PyTargetModel {
+    /// The model's configuration.
+    #[getter]
+    fn config(&self) -> PyModelConfig {
+        PyModelConfig {
+            inner: self.inner.config().clone(),
+        }
+    }
+
+    /// The backend the model lives on.
+    #[getter]
+    fn gpu<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        backend_from_arc(py, self.inner.gpu())
+    }
+
+    /// Longest sequence a forward accepts.
+    #[getter]
+    fn max_seq_len(&self) -> usize {
+        self.inner.max_seq_len()
+    }
+
+    /// Vocabulary size (columns of the logits).
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.config().vocab_size
+    }
+
+    /// Weight bytes one decode step reads.
+    #[getter]
+    fn weight_bytes_per_token(&self) -> usize {
+        self.inner.weight_bytes_per_token()
+    }
+
+    /// Free KV blocks in the pool.
+    #[getter]
+    fn kv_blocks_free(&self) -> usize {
+        self.inner.kv_pool().num_free()
+    }
+
+    /// The f32 logits of a fresh forward over `tokens`, as a flat numpy array of
+    /// `len(tokens) * vocab_size` values (row-major); the KV it used is returned at once.
+    fn logits<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Vec<u32>,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let model = self.inner.clone();
+        let values = py
+            .detach(move || -> crate::Result<Vec<f32>> {
+                let mut seq = model.new_sequence();
+                let run = model.forward(&mut [&mut seq], &[&tokens]).and_then(|out| {
+                    Ok(model
+                        .gpu()
+                        .download::<f32>(out.logits, out.rows * model.config().vocab_size)?)
+                });
+                model.free_sequence(&mut seq)?;
+                run
+            })
+            .py()?;
+        Ok(PyArray1::from_vec(py, values))
+    }
+
+    /// Greedy decoding without drafting: the `max_new_tokens` ids that follow `prompt`
+    /// (stopping early after an end-of-sequence id).
+    #[pyo3(signature = (prompt, max_new_tokens = 16))]
+    fn generate_greedy(
+        &self,
+        py: Python<'_>,
+        prompt: Vec<u32>,
+        max_new_tokens: usize,
+    ) -> PyResult<Vec<u32>> {
+        let model = self.inner.clone();
+        py.detach(move || -> crate::Result<Vec<u32>> {
+            let vocab = model.config().vocab_size;
+            let mut seq = model.new_sequence();
+            let mut out_ids = Vec::new();
+            let mut next: Vec<u32> = prompt;
+            let result = (|| {
+                for _ in 0..max_new_tokens {
+                    let out = model.forward_with(
+                        &mut [&mut seq],
+                        &[&next],
+                        LogitRows::LastPerSequence,
+                    )?;
+                    let last: Vec<f32> = model
+                        .gpu()
+                        .download(out.logits.offset((out.logits_rows - 1) * vocab * 4), vocab)?;
+                    let tok = last
+                        .iter()
+                        .enumerate()
+                        .fold(0usize, |b, (j, x)| if *x > last[b] { j } else { b })
+                        as u32;
+                    out_ids.push(tok);
+                    if model.config().eos_token_ids.contains(&tok) {
+                        break;
+                    }
+                    next = vec![tok];
+                }
+                Ok(())
+            })();
+            model.free_sequence(&mut seq)?;
+            result.map(|()| out_ids)
+        })
+        .py()
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!(
+            "TargetModel({}, hidden={}, layers={}, vocab={}, backend={})",
+            c.family.model_type(),
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.vocab_size,
+            self.inner.gpu().name()
+        )
+    }
+}
+
+/// Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
+/// (`"smollm2"`). `gpu` defaults to a new `CpuBackend`.
+#[pyfunction]
+#[pyo3(signature = (path_or_name, gpu = None, max_rows = 512, max_seq_len = None, kv_blocks = None))]
+pub fn load_model(
+    py: Python<'_>,
+    path_or_name: &Bound<'_, PyAny>,
+    gpu: Option<&Bound<'_, PyAny>>,
+    max_rows: usize,
+    max_seq_len: Option<usize>,
+    kv_blocks: Option<usize>,
+) -> PyResult<PyTargetModel> {
+    let resolved = py
+        .import("specdraft.models")?
+        .call_method1("resolve_model", (path_or_name,))?;
+    let path: PathBuf = resolved.str()?.to_string().into();
+    let gpu: Arc<dyn GpuBackend> = match gpu {
+        Some(obj) => backend_arg(obj)?.get().arc()?,
+        None => Arc::new(CpuBackend::new()),
+    };
+    if max_rows == 0 {
+        return Err(SpecdraftError::new_err("max_rows must be positive"));
+    }
+    let opts = LoadOptions {
+        max_rows,
+        max_seq_len,
+        kv_blocks,
+    };
+    let model = py
+        .detach(move || TargetModel::load(&path, gpu, opts))
+        .py()?;
+    Ok(PyTargetModel {
+        inner: Arc::new(model),
+    })
+}

@@ -1,0 +1,329 @@
+//! The head as a circuit executor binds it ([`DraftBinding`]), and [`ReferenceDraftRunner`],
+//! which drafts from a binding alone.
+//!
+//! A binding's `kind` is `mtp:<layout>` (`deepseek_v3`, `mimo`, `qwen3_next`) followed by
+//! `+target_postnorm` and/or `+chain_postnorm` when those levers are on. Slot names:
+//! `embed_tokens`, `target_final_norm`, `enorm`, `hnorm`, `eh_proj`, `final_norm`,
+//! `lm_head` (the draft-vocabulary rows), `rope_inv_freq` (f32 `[rotary_dim / 2]`), and
+//! `layer.<hf name>` for the decoder layer (`layer.self_attn.q_proj`, `...q_proj.bias`,
+//! `layer.self_attn.q_norm`, `layer.input_layernorm`, `layer.mlp.gate_proj`, ...).
+//! NVFP4 weights are `U8` slots with the logical `[out, in]` shape, the FP8 block scales in
+//! `block_scale` and `weight_scale_2` in `global_scale`.
+//!
+//! The reference runner rebuilds the head's forward from nothing but those slots, so a
+//! binding that leaves anything out fails to draft, and one that is complete drafts exactly
+//! what the head does.
+
+use super::forward::{Depth, HeadSpec, HiddenKind, Row, Scratch};
+use super::head::MtpHead;
+use super::state::MtpState;
+use super::weights::{MtpLayerWeights, MtpLayout, MtpWeights};
+use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use crate::model::{
+    DenseWeight, ForwardContext, Linear, ModelConfig, ModelLevers, QuantizedWeight,
+};
+use crate::speculative::{DraftBinding, DraftRunner, ProposerError, ProposerState, WeightSlot};
+
+fn dense_slot(name: &str, w: &DenseWeight) -> WeightSlot {
+    WeightSlot {
+        name: name.to_string(),
+        ptr: w.ptr,
+        dtype: Dtype::Bf16,
+        shape: w.shape.clone(),
+        block_scale: None,
+        global_scale: None,
+    }
+}
+
+fn quant_slot(name: &str, w: &QuantizedWeight) -> WeightSlot {
+    WeightSlot {
+        name: name.to_string(),
+        ptr: w.weight,
+        dtype: Dtype::U8,
+        shape: vec![w.out_features, w.in_features],
+        block_scale: Some(w.weight_scale),
+        global_scale: Some(w.weight_scale_2),
+    }
+}
+
+fn linear_slot(name: &str, w: &Linear) -> WeightSlot {
+    match w {
+        Linear::Dense(d) => dense_slot(name, d),
+        Linear::Nvfp4(q) => quant_slot(name, q),
+    }
+}
+
+impl MtpHead {
+    /// The binding of this head under `levers` (the sizes come from the head itself; `config`
+    /// only has to describe the same model).
+    pub(crate) fn binding(&self, _config: &ModelConfig, levers: &ModelLevers) -> DraftBinding {
+        let s = &self.spec;
+        let w = &s.weights;
+        let l = &w.layer;
+        let mut kind = format!("mtp:{}", w.layout.name());
+        if levers.mtp_target_postnorm {
+            kind.push_str("+target_postnorm");
+        }
+        if levers.mtp_chain_postnorm {
+            kind.push_str("+chain_postnorm");
+        }
+        let mut slots = vec![
+            dense_slot("embed_tokens", &s.embed),
+            dense_slot("target_final_norm", &s.target_final_norm),
+            dense_slot("enorm", &w.enorm),
+            dense_slot("hnorm", &w.hnorm),
+            dense_slot("final_norm", &w.final_norm),
+            dense_slot("layer.input_layernorm", &l.attn_norm),
+            dense_slot("layer.post_attention_layernorm", &l.ffn_norm),
+            quant_slot("lm_head", &s.lm_head),
+            WeightSlot {
+                name: "rope_inv_freq".into(),
+                ptr: s.inv_freq,
+                dtype: Dtype::F32,
+                shape: vec![s.rotary_dim / 2],
+                block_scale: None,
+                global_scale: None,
+            },
+        ];
+        for (name, lin) in w.projections() {
+            slots.push(linear_slot(name, lin));
+        }
+        let optional = [
+            ("layer.self_attn.q_proj.bias", &l.q_bias),
+            ("layer.self_attn.k_proj.bias", &l.k_bias),
+            ("layer.self_attn.v_proj.bias", &l.v_bias),
+            ("layer.self_attn.q_norm", &l.q_norm),
+            ("layer.self_attn.k_norm", &l.k_norm),
+        ];
+        for (name, wt) in optional {
+            if let Some(wt) = wt {
+                slots.push(dense_slot(name, wt));
+            }
+        }
+        let c = &s.config;
+        DraftBinding {
+            kind,
+            weights: slots,
+            hidden_size: c.hidden_size,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            rope_theta: c.rope_theta,
+            rms_norm_eps: c.rms_norm_eps,
+            vocab_size: c.vocab_size,
+            draft_vocab_size: s.draft_vocab,
+            kv_block_size: super::state::DRAFTER_BLOCK_SIZE,
+            kv_num_blocks: self.kv.num_blocks,
+            k_cache: self.kv.k,
+            v_cache: self.kv.v,
+        }
+    }
+}
+
+/// Drafts from a [`DraftBinding`] alone, with the head's equations; the reference a circuit
+/// executor is checked against. It allocates its scratch per call and frees it before
+/// returning. The state must be an [`MtpState`] whose rows the head has reserved.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ReferenceDraftRunner;
+
+fn missing(message: String) -> crate::Error {
+    ProposerError::Failed {
+        method: "ReferenceDraftRunner::run".into(),
+        message,
+    }
+    .into()
+}
+
+fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Result<HeadSpec> {
+    let mut parts = b.kind.split('+');
+    let layout = parts
+        .next()
+        .and_then(|k| k.strip_prefix("mtp:"))
+        .and_then(MtpLayout::parse)
+        .ok_or_else(|| missing(format!("binding kind {:?} is not an MTP head", b.kind)))?;
+    let mut levers = ModelLevers::default();
+    for flag in parts {
+        match flag {
+            "target_postnorm" => levers.mtp_target_postnorm = true,
+            "chain_postnorm" => levers.mtp_chain_postnorm = true,
+            other => return Err(missing(format!("unknown binding flag {other:?}"))),
+        }
+    }
+    let slot = |name: &str| b.weights.iter().find(|s| s.name == name);
+    let need =
+        |name: &str| slot(name).ok_or_else(|| missing(format!("the binding has no slot {name:?}")));
+    let dense = |name: &str| -> crate::Result<DenseWeight> {
+        let s = need(name)?;
+        if s.dtype != Dtype::Bf16 {
+            return Err(missing(format!(
+                "slot {name:?} is {}, expected bf16",
+                s.dtype.name()
+            )));
+        }
+        Ok(DenseWeight {
+            ptr: s.ptr,
+            shape: s.shape.clone(),
+        })
+    };
+    let opt_dense = |name: &str| slot(name).map(|_| dense(name)).transpose();
+    let quant = |s: &WeightSlot| -> crate::Result<QuantizedWeight> {
+        match (s.block_scale, s.global_scale, s.shape.as_slice()) {
+            (Some(scale), Some(g), &[o, i]) => Ok(QuantizedWeight {
+                weight: s.ptr,
+                weight_scale: scale,
+                weight_scale_2: g,
+                input_scale: None,
+                out_features: o,
+                in_features: i,
+            }),
+            _ => Err(missing(format!(
+                "slot {:?} is u8 but lacks its scales or a 2-d shape",
+                s.name
+            ))),
+        }
+    };
+    let linear = |name: &str| -> crate::Result<Linear> {
+        let s = need(name)?;
+        match s.dtype {
+            Dtype::U8 => Ok(Linear::Nvfp4(quant(s)?)),
+            _ => Ok(Linear::Dense(dense(name)?)),
+        }
+    };
+    let layer = MtpLayerWeights {
+        attn_norm: dense("layer.input_layernorm")?,
+        q: linear("layer.self_attn.q_proj")?,
+        k: linear("layer.self_attn.k_proj")?,
+        v: linear("layer.self_attn.v_proj")?,
+        o: linear("layer.self_attn.o_proj")?,
+        q_bias: opt_dense("layer.self_attn.q_proj.bias")?,
+        k_bias: opt_dense("layer.self_attn.k_proj.bias")?,
+        v_bias: opt_dense("layer.self_attn.v_proj.bias")?,
+        q_norm: opt_dense("layer.self_attn.q_norm")?,
+        k_norm: opt_dense("layer.self_attn.k_norm")?,
+        ffn_norm: dense("layer.post_attention_layernorm")?,
+        gate: linear("layer.mlp.gate_proj")?,
+        up: linear("layer.mlp.up_proj")?,
+        down: linear("layer.mlp.down_proj")?,
+    };
+    let ffn = layer.gate.dims().0;
+    let weights = MtpWeights {
+        layout,
+        enorm: dense("enorm")?,
+        hnorm: dense("hnorm")?,
+        eh_proj: linear("eh_proj")?,
+        layer,
+        final_norm: dense("final_norm")?,
+    };
+    let lm = need("lm_head")?;
+    let mut lm_head = quant(lm)?;
+    lm_head.out_features = b.draft_vocab_size.min(lm_head.out_features);
+    let freq = need("rope_inv_freq")?;
+    let mut config = ModelConfig::tiny(b.vocab_size);
+    config.hidden_size = b.hidden_size;
+    config.num_attention_heads = b.num_attention_heads;
+    config.num_key_value_heads = b.num_key_value_heads;
+    config.head_dim = b.head_dim;
+    config.rope_theta = b.rope_theta;
+    config.rms_norm_eps = b.rms_norm_eps;
+    config.intermediate_size = ffn;
+    Ok(HeadSpec {
+        config,
+        levers,
+        weights,
+        embed: dense("embed_tokens")?,
+        target_final_norm: dense("target_final_norm")?,
+        draft_vocab: lm_head.out_features,
+        lm_head,
+        k_cache: b.k_cache,
+        v_cache: b.v_cache,
+        num_slots: b.kv_num_blocks * b.kv_block_size,
+        inv_freq: freq.ptr,
+        rotary_dim: freq.shape.first().copied().unwrap_or(0) * 2,
+        max_blocks_per_seq,
+        ffn,
+    })
+}
+
+impl DraftRunner for ReferenceDraftRunner {
+    fn run(
+        &self,
+        binding: &DraftBinding,
+        last_token: u32,
+        target_hidden: DevicePtr,
+        position: usize,
+        num_drafts: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> crate::Result<Vec<u32>> {
+        let st =
+            state
+                .as_any_mut()
+                .downcast_mut::<MtpState>()
+                .ok_or(ProposerError::WrongState {
+                    method: "ReferenceDraftRunner::run",
+                    expected: "MtpState",
+                })?;
+        let spec = spec_from_binding(binding, st.capacity_blocks())?;
+        let gpu: &dyn GpuBackend = ctx.gpu.as_ref();
+        let mut ptrs = Vec::new();
+        let h = spec.config.hidden_size;
+        let (heads, kvh, hd) = (
+            spec.config.num_attention_heads,
+            spec.config.num_key_value_heads,
+            spec.config.head_dim,
+        );
+        let q_rows = spec.weights.layer.q.dims().0;
+        let sc = Scratch::alloc(
+            &mut |dtype, len, tag| {
+                let p = gpu.alloc_zeros(dtype, len, tag)?;
+                ptrs.push(p);
+                Ok(p)
+            },
+            1,
+            h,
+            q_rows,
+            heads * hd,
+            kvh * hd,
+            spec.ffn,
+            spec.draft_vocab,
+            spec.max_blocks_per_seq,
+        );
+        let result = sc.and_then(|sc| {
+            let mut drafts = Vec::new();
+            let (mut token, mut hidden) = (last_token, target_hidden);
+            let base = st.rows();
+            for step in 0..num_drafts {
+                let row = base + step;
+                let slot = st
+                    .slot(row)
+                    .ok_or_else(|| missing(format!("row {row} has no reserved block")))?;
+                let rows = [Row {
+                    token,
+                    hidden,
+                    position: position + step,
+                    seq: 0,
+                    slot,
+                    ctx_len: row + 1,
+                }];
+                let kind = if step == 0 {
+                    HiddenKind::Target
+                } else {
+                    HiddenKind::Chain
+                };
+                let tables = [(st.block_table(), st.capacity_blocks())];
+                spec.forward_rows(gpu, &sc, &rows, &tables, kind, Depth::Logits, stream)?;
+                gpu.argmax(sc.picks, sc.logits, None, 1, spec.draft_vocab, stream)?;
+                let pick = gpu.download::<u32>(sc.picks, 1)?[0];
+                drafts.push(pick);
+                token = pick;
+                hidden = spec.chain_hidden(&sc, 0);
+            }
+            Ok(drafts)
+        });
+        for p in ptrs.into_iter().rev() {
+            let _ = gpu.free(p);
+        }
+        result
+    }
+}

@@ -1,0 +1,447 @@
+//! `MtpHead`: construction, the device memory it owns, and the checks `new` makes.
+//!
+//! The head owns (and frees in [`MtpHead::release`], or on drop when it was loaded by
+//! [`MtpHead::from_checkpoint`]) its drafter KV caches, its forward scratch, the RoPE table,
+//! the deferred-token slot and any projection it re-quantized. The weights given to
+//! [`MtpHead::new`] stay the caller's.
+
+use super::forward::{HeadSpec, Scratch};
+use super::nvfp4::{quantize_nvfp4, round_to_fp8_grid};
+use super::state::{DrafterKv, DRAFTER_BLOCK_SIZE};
+use super::weights::MtpWeights;
+use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use crate::memory::BlockAllocator;
+use crate::model::layers::rope_inv_freq;
+use crate::model::{
+    DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelLevers, QuantizedWeight,
+};
+use crate::speculative::{DraftRunner, ProposerError};
+use half::bf16;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+/// How the head's projections (`eh_proj`, attention, MLP) are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MtpQuantization {
+    /// As given (BF16, or NVFP4 where the checkpoint already was).
+    Bf16,
+    /// Rounded to the FP8 E4M3 grid with a power-of-two tensor scale. The values are exact
+    /// in BF16, so this computes what an FP8 W8A16 kernel computes; the weights stay
+    /// BF16-sized in memory until the backends have an FP8 linear.
+    Fp8,
+    /// Dense projections quantized to NVFP4 (ModelOpt layout) at construction.
+    Nvfp4,
+}
+
+/// Sequences one batched propose (and one forward) takes at most.
+pub const MTP_MAX_BATCH: usize = 32;
+/// Rows one prefill or catch-up forward takes at most (longer inputs are chunked).
+pub const MTP_CHUNK_ROWS: usize = 32;
+/// Drafter rows a state can hold beyond its token budget (drafts run past the budget).
+pub(crate) const DRAFT_SLACK_ROWS: usize = 64;
+
+static NEXT_HEAD_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The MTP draft head.
+pub struct MtpHead {
+    pub(crate) id: u64,
+    /// What every forward reads (weights, caches, sizes, levers).
+    pub(crate) spec: HeadSpec,
+    pub(crate) kv: DrafterKv,
+    pub(crate) scratch: Mutex<Scratch>,
+    pub(crate) deferred: DevicePtr,
+    pub(crate) max_seq_len: usize,
+    /// Device memory `new` allocated, freed by `release`.
+    pub(crate) device: Mutex<Vec<DevicePtr>>,
+    /// Weights loaded by `from_checkpoint` (and the memory above, once adopted): freed on drop.
+    pub(crate) owned: Option<DeviceAllocations>,
+    pub(crate) runner: RwLock<Option<Arc<dyn DraftRunner>>>,
+}
+
+fn invalid(message: String) -> crate::Error {
+    ProposerError::InvalidArgument {
+        method: "MtpHead::new",
+        message,
+    }
+    .into()
+}
+
+/// Allocations made during `new`, freed if `new` fails part-way.
+struct Owned<'g> {
+    gpu: &'g dyn GpuBackend,
+    ptrs: Vec<DevicePtr>,
+}
+
+impl Owned<'_> {
+    fn alloc(&mut self, dtype: Dtype, len: usize, tag: &str) -> crate::Result<DevicePtr> {
+        let p = self.gpu.alloc_zeros(dtype, len.max(1), tag)?;
+        self.ptrs.push(p);
+        Ok(p)
+    }
+
+    fn upload<T: bytemuck::Pod>(&mut self, data: &[T], tag: &str) -> crate::Result<DevicePtr> {
+        let p = self.gpu.upload(data, tag)?;
+        self.ptrs.push(p);
+        Ok(p)
+    }
+
+    fn free_all(&mut self) {
+        for p in self.ptrs.drain(..).rev() {
+            // Ours and live: freeing cannot fail except on a backend bug the ledger reports.
+            let _ = self.gpu.free(p);
+        }
+    }
+}
+
+impl MtpHead {
+    /// Builds the head from its weights, sharing the target's embedding, final norm and an
+    /// NVFP4 LM head.
+    ///
+    /// `lm_head_nvfp4_t`: an optional trimmed copy of the LM head holding only its first `n`
+    /// rows (`n` the `u32`), used for drafting instead of `lm_head_nvfp4` when given.
+    /// Otherwise drafts come from the first `mtp_vocab_size` rows of `lm_head_nvfp4` (all of
+    /// them when 0). The drafter KV pool holds `16`-row blocks: enough for
+    /// [`MTP_MAX_BATCH`] sequences of `max_seq_len` rows, capped at `main_kv_blocks` (the
+    /// drafter holds at most one row per target token, so it never needs more blocks than
+    /// the target's pool of 16-row blocks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        weights: MtpWeights,
+        embed_tokens: DenseWeight,
+        target_final_norm: DenseWeight,
+        lm_head_nvfp4: QuantizedWeight,
+        lm_head_nvfp4_t: Option<(QuantizedWeight, u32)>,
+        config: &ModelConfig,
+        gpu: &dyn GpuBackend,
+        quant: MtpQuantization,
+        mtp_vocab_size: u32,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: &ModelLevers,
+    ) -> crate::Result<Self> {
+        let mut owned = Owned {
+            gpu,
+            ptrs: Vec::new(),
+        };
+        let result = Self::build(
+            &mut owned,
+            weights,
+            embed_tokens,
+            target_final_norm,
+            lm_head_nvfp4,
+            lm_head_nvfp4_t,
+            config,
+            quant,
+            mtp_vocab_size,
+            max_seq_len,
+            main_kv_blocks,
+            levers,
+        );
+        if result.is_err() {
+            owned.free_all();
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        owned: &mut Owned<'_>,
+        mut weights: MtpWeights,
+        embed: DenseWeight,
+        target_final_norm: DenseWeight,
+        lm_head: QuantizedWeight,
+        lm_head_t: Option<(QuantizedWeight, u32)>,
+        config: &ModelConfig,
+        quant: MtpQuantization,
+        mtp_vocab_size: u32,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: &ModelLevers,
+    ) -> crate::Result<Self> {
+        config.validate()?;
+        let (h, vocab) = (config.hidden_size, config.vocab_size);
+        let (heads, kvh, hd) = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        );
+        check_weights(&weights, &embed, &target_final_norm, config)?;
+        let ffn = weights.layer.gate.dims().0;
+        if lm_head.in_features != h || lm_head.out_features > vocab || lm_head.out_features == 0 {
+            return Err(invalid(format!(
+                "lm_head_nvfp4 is [{}, {}]; expected [rows <= vocab_size {vocab}, hidden_size {h}]",
+                lm_head.out_features, lm_head.in_features
+            )));
+        }
+        let (mut head, draft_vocab) = match lm_head_t {
+            Some((t, n)) => {
+                if t.in_features != h || t.out_features != n as usize || n == 0 {
+                    return Err(invalid(format!(
+                        "lm_head_nvfp4_t is [{}, {}] with {n} rows declared; expected [{n}, {h}]",
+                        t.out_features, t.in_features
+                    )));
+                }
+                (t, n as usize)
+            }
+            None if mtp_vocab_size == 0 => (lm_head.clone(), lm_head.out_features),
+            None if mtp_vocab_size as usize <= lm_head.out_features => {
+                (lm_head.clone(), mtp_vocab_size as usize)
+            }
+            None => {
+                return Err(invalid(format!(
+                    "mtp_vocab_size {mtp_vocab_size} exceeds the LM head's {} rows",
+                    lm_head.out_features
+                )))
+            }
+        };
+        if draft_vocab > vocab {
+            return Err(invalid(format!(
+                "the draft vocabulary ({draft_vocab}) exceeds vocab_size {vocab}"
+            )));
+        }
+        // Row-major NVFP4: the first n rows are a prefix of both buffers.
+        head.out_features = draft_vocab;
+        if max_seq_len == 0 || main_kv_blocks == 0 {
+            return Err(invalid(format!(
+                "max_seq_len ({max_seq_len}) and main_kv_blocks ({main_kv_blocks}) must be positive"
+            )));
+        }
+        for lin in weights.projections_mut() {
+            requantize(owned, lin, quant)?;
+        }
+        let max_blocks_per_seq = (max_seq_len + DRAFT_SLACK_ROWS).div_ceil(DRAFTER_BLOCK_SIZE);
+        let num_blocks = (max_blocks_per_seq * MTP_MAX_BATCH).min(main_kv_blocks);
+        let cache_len = num_blocks * DRAFTER_BLOCK_SIZE * kvh * hd;
+        let kv = DrafterKv {
+            allocator: BlockAllocator::new(num_blocks, DRAFTER_BLOCK_SIZE)?,
+            k: owned.alloc(Dtype::Bf16, cache_len, "mtp:k_cache")?,
+            v: owned.alloc(Dtype::Bf16, cache_len, "mtp:v_cache")?,
+            num_blocks,
+        };
+        let freqs = rope_inv_freq(config)?;
+        let inv_freq = owned.upload(&freqs, "mtp:rope_inv_freq")?;
+        let deferred = owned.alloc(Dtype::U32, 1, "mtp:deferred_token")?;
+        let q_rows = weights.layer.q.dims().0;
+        let rows = MTP_MAX_BATCH.max(MTP_CHUNK_ROWS);
+        let scratch = Scratch::alloc(
+            &mut |dtype, len, tag| owned.alloc(dtype, len, tag),
+            rows,
+            h,
+            q_rows,
+            heads * hd,
+            kvh * hd,
+            ffn,
+            draft_vocab,
+            max_blocks_per_seq,
+        )?;
+        let num_slots = kv.num_slots();
+        let (k_cache, v_cache) = (kv.k, kv.v);
+        Ok(MtpHead {
+            id: NEXT_HEAD_ID.fetch_add(1, Ordering::Relaxed),
+            spec: HeadSpec {
+                config: config.clone(),
+                levers: *levers,
+                weights,
+                embed,
+                target_final_norm,
+                lm_head: head,
+                draft_vocab,
+                k_cache,
+                v_cache,
+                num_slots,
+                inv_freq,
+                rotary_dim: freqs.len() * 2,
+                max_blocks_per_seq,
+                ffn,
+            },
+            kv,
+            scratch: Mutex::new(scratch),
+            deferred,
+            max_seq_len,
+            device: Mutex::new(std::mem::take(&mut owned.ptrs)),
+            owned: None,
+            runner: RwLock::new(None),
+        })
+    }
+
+    /// Frees the device memory `new` allocated (caches, scratch, re-quantized weights).
+    /// Call it once every state is freed; later calls free nothing. A head loaded by
+    /// [`MtpHead::from_checkpoint`] also frees it on drop.
+    pub fn release(&self, gpu: &dyn GpuBackend) -> crate::Result<()> {
+        let ptrs = std::mem::take(&mut *self.device.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut first = None;
+        for p in ptrs.into_iter().rev() {
+            if let Err(e) = gpu.free(p) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), |e| Err(e.into()))
+    }
+
+    /// Hands the head's own device memory to `allocs`, which frees it with the weights.
+    pub(crate) fn adopt_into(&mut self, allocs: DeviceAllocations) {
+        for p in std::mem::take(&mut *self.device.lock().unwrap_or_else(|e| e.into_inner())) {
+            allocs.adopt(p);
+        }
+        self.owned = Some(allocs);
+    }
+
+    /// The head's weights.
+    pub fn weights(&self) -> &MtpWeights {
+        &self.spec.weights
+    }
+
+    /// Rows of the LM head drafts are chosen from.
+    pub fn draft_vocab_size(&self) -> usize {
+        self.spec.draft_vocab
+    }
+
+    /// Blocks in the drafter KV pool, and how many are free.
+    pub fn kv_blocks(&self) -> (usize, usize) {
+        (self.kv.num_blocks, self.kv.allocator.num_free())
+    }
+
+    /// Bytes of weights one draft step reads: the projections and norms, one embedding
+    /// row, and the LM head rows drafts are chosen from.
+    pub fn bytes_per_draft(&self) -> usize {
+        self.spec.weights.nbytes() + self.spec.config.hidden_size * 2 + self.spec.lm_head.nbytes()
+    }
+
+    /// Row `row` of the f32 logits of the head's latest own forward (over the draft
+    /// vocabulary): the logits that picked the last draft of the latest `propose`. For
+    /// tests and debugging; not synchronised with concurrent proposes.
+    pub fn last_logits(&self, gpu: &dyn GpuBackend, row: usize) -> crate::Result<Vec<f32>> {
+        let sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if row >= sc.rows {
+            return Err(invalid(format!(
+                "row {row} is past the {} scratch rows",
+                sc.rows
+            )));
+        }
+        let v = self.spec.draft_vocab;
+        Ok(gpu.download::<f32>(sc.logits.offset(row * v * 4), v)?)
+    }
+
+    /// The configuration the head was built for.
+    pub fn config(&self) -> &ModelConfig {
+        &self.spec.config
+    }
+}
+
+fn check_weights(
+    w: &MtpWeights,
+    embed: &DenseWeight,
+    final_norm: &DenseWeight,
+    config: &ModelConfig,
+) -> crate::Result<()> {
+    let h = config.hidden_size;
+    let (heads, kvh, hd) = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    );
+    let gated = if w.layout.gated_attention() { 2 } else { 1 };
+    let l = &w.layer;
+    let ffn = l.gate.dims().0;
+    type Dims = (usize, usize);
+    let expect: [(&str, Dims, Dims); 8] = [
+        ("eh_proj", w.eh_proj.dims(), (h, 2 * h)),
+        ("q_proj", l.q.dims(), (gated * heads * hd, h)),
+        ("k_proj", l.k.dims(), (kvh * hd, h)),
+        ("v_proj", l.v.dims(), (kvh * hd, h)),
+        ("o_proj", l.o.dims(), (h, heads * hd)),
+        ("gate_proj", l.gate.dims(), (ffn, h)),
+        ("up_proj", l.up.dims(), (ffn, h)),
+        ("down_proj", l.down.dims(), (h, ffn)),
+    ];
+    for (name, found, want) in expect {
+        if found != want || ffn == 0 {
+            return Err(invalid(format!(
+                "{name} is [{}, {}], expected [{}, {}] for hidden_size {h}, {heads} heads, {kvh} KV heads, head_dim {hd}",
+                found.0, found.1, want.0, want.1
+            )));
+        }
+    }
+    let vectors = [
+        ("enorm", Some(&w.enorm), h),
+        ("hnorm", Some(&w.hnorm), h),
+        ("final_norm", Some(&w.final_norm), h),
+        ("input_layernorm", Some(&l.attn_norm), h),
+        ("post_attention_layernorm", Some(&l.ffn_norm), h),
+        ("target_final_norm", Some(final_norm), h),
+        ("q_bias", l.q_bias.as_ref(), gated * heads * hd),
+        ("k_bias", l.k_bias.as_ref(), kvh * hd),
+        ("v_bias", l.v_bias.as_ref(), kvh * hd),
+        ("q_norm", l.q_norm.as_ref(), hd),
+        ("k_norm", l.k_norm.as_ref(), hd),
+    ];
+    for (name, wt, len) in vectors {
+        if let Some(wt) = wt {
+            if wt.shape != [len] {
+                return Err(invalid(format!(
+                    "{name} has shape {:?}, expected [{len}]",
+                    wt.shape
+                )));
+            }
+        }
+    }
+    if l.q_norm.is_some() != l.k_norm.is_some() {
+        return Err(invalid("q_norm and k_norm must be given together".into()));
+    }
+    if embed.shape != [config.vocab_size, h] {
+        return Err(invalid(format!(
+            "embed_tokens has shape {:?}, expected [{}, {h}]",
+            embed.shape, config.vocab_size
+        )));
+    }
+    if h % 16 != 0 {
+        return Err(invalid(format!(
+            "hidden_size {h} must be a multiple of 16 for the NVFP4 LM head"
+        )));
+    }
+    Ok(())
+}
+
+/// Re-stores one dense projection as `quant` asks (NVFP4 or FP8-grid copies owned by the head).
+fn requantize(
+    owned: &mut Owned<'_>,
+    lin: &mut Linear,
+    quant: MtpQuantization,
+) -> crate::Result<()> {
+    let Linear::Dense(w) = lin else {
+        return Ok(());
+    };
+    if quant == MtpQuantization::Bf16 {
+        return Ok(());
+    }
+    let (out_f, in_f) = (w.shape[0], w.shape[1]);
+    let values = owned.gpu.download_bf16(w.ptr, out_f * in_f)?;
+    match quant {
+        MtpQuantization::Nvfp4 => {
+            let q = quantize_nvfp4(&values, out_f, in_f)?;
+            let weight = owned.upload(&q.codes, "mtp:nvfp4 weight")?;
+            let weight_scale = owned.upload(&q.scales, "mtp:nvfp4 weight_scale")?;
+            *lin = Linear::Nvfp4(QuantizedWeight {
+                weight,
+                weight_scale,
+                weight_scale_2: q.global_scale,
+                input_scale: None,
+                out_features: out_f,
+                in_features: in_f,
+            });
+        }
+        MtpQuantization::Fp8 => {
+            let r: Vec<bf16> = round_to_fp8_grid(&values)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let ptr = owned.upload(&r, "mtp:fp8-grid weight")?;
+            *lin = Linear::Dense(DenseWeight {
+                ptr,
+                shape: vec![out_f, in_f],
+            });
+        }
+        MtpQuantization::Bf16 => {}
+    }
+    Ok(())
+}

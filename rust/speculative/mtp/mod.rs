@@ -1,0 +1,30 @@
+//! The multi-token-prediction (MTP) draft head: one decoder layer that predicts the token
+//! after next from the target's hidden state and the token embedding, run autoregressively
+//! over its own paged KV to propose several drafts.
+//!
+//! One file per job: [`nvfp4`] (quantization), [`weights`] (weights and checkpoint layouts),
+//! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations on
+//! the typed kernels), `head` (construction), `proposer` (the `DraftProposer` methods),
+//! `checkpoint` (loading from a checkpoint folder) and `circuit` (the circuit binding and the
+//! reference runner).
+//!
+//! Invariants: every drafter row at RoPE position p pairs the token at p with the target
+//! hidden computed at p - 1 (pair key p - 1); `propose_batch` returns exactly what
+//! per-sequence `propose` returns; `free_state` returns every block and every byte a state
+//! holds, and [`MtpHead::release`] (or dropping a head loaded from a checkpoint) every byte
+//! the head holds.
+
+mod checkpoint;
+mod circuit;
+mod forward;
+mod head;
+pub mod nvfp4;
+mod proposer;
+mod state;
+pub mod weights;
+
+pub use circuit::ReferenceDraftRunner;
+pub use head::{MtpHead, MtpQuantization, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
+pub use nvfp4::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Host};
+pub use state::{MtpState, DRAFTER_BLOCK_SIZE};
+pub use weights::{find_layout, MtpLayerWeights, MtpLayout, MtpWeights};

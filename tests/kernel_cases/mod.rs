@@ -1,0 +1,508 @@
+//! Kernel cases shared by the emulated-kernel tests and the GPU tests: each case makes
+//! random inputs from a seed, runs one op on the backend under test and on a fresh
+//! `CpuBackend` (the reference), and compares the outputs.
+//!
+//! Outputs are poisoned (all bytes 0xFF, NaN in BF16 and F32) before an op runs, so an
+//! element the kernel forgets to write always shows up as a mismatch. Every case frees all
+//! it allocated, on both backends, whatever happens.
+//!
+//! Tolerances (stated once, used by every case):
+//! - copies (embedding, kv_write) and argmax: exact;
+//! - BF16 outputs: one BF16 rounding step, |got - want| <= 2^-7 * |want| + `atol`, where
+//!   `atol` covers f32 accumulation done in a different order (given per op);
+//! - F32 outputs: |got - want| <= 1e-5 * |want| + `atol`.
+#![allow(dead_code)]
+
+use half::bf16;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use specdraft::backend::{
+    BackendError, CpuBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, RopeStyle,
+};
+use std::cell::RefCell;
+
+/// One BF16 rounding step, relative.
+pub const BF16_RTOL: f32 = 1.0 / 128.0;
+/// F32 relative tolerance.
+pub const F32_RTOL: f32 = 1e-5;
+
+/// Buffers on one backend, freed when the scope ends.
+pub struct Scope<'a> {
+    b: &'a dyn GpuBackend,
+    ptrs: RefCell<Vec<DevicePtr>>,
+}
+
+impl<'a> Scope<'a> {
+    pub fn new(b: &'a dyn GpuBackend) -> Self {
+        Scope {
+            b,
+            ptrs: RefCell::new(Vec::new()),
+        }
+    }
+
+    fn keep(&self, p: DevicePtr) -> DevicePtr {
+        self.ptrs.borrow_mut().push(p);
+        p
+    }
+
+    pub fn bf16(&self, v: &[f32]) -> Result<DevicePtr, BackendError> {
+        Ok(self.keep(self.b.upload_bf16(v, "test bf16")?))
+    }
+
+    pub fn f32(&self, v: &[f32]) -> Result<DevicePtr, BackendError> {
+        Ok(self.keep(self.b.upload(v, "test f32")?))
+    }
+
+    pub fn u32(&self, v: &[u32]) -> Result<DevicePtr, BackendError> {
+        Ok(self.keep(self.b.upload(v, "test u32")?))
+    }
+
+    pub fn i32(&self, v: &[i32]) -> Result<DevicePtr, BackendError> {
+        Ok(self.keep(self.b.upload(v, "test i32")?))
+    }
+
+    pub fn u8(&self, v: &[u8]) -> Result<DevicePtr, BackendError> {
+        Ok(self.keep(self.b.upload(v, "test u8")?))
+    }
+
+    /// An output of `len` elements of `dtype`, every byte 0xFF.
+    pub fn out(&self, dtype: Dtype, len: usize) -> Result<DevicePtr, BackendError> {
+        let p = self.keep(self.b.alloc_zeros(dtype, len, "test out")?);
+        self.b.memset(p, 0xff, dtype.size() * len, 0)?;
+        Ok(p)
+    }
+}
+
+impl Drop for Scope<'_> {
+    fn drop(&mut self) {
+        for p in self.ptrs.borrow_mut().drain(..) {
+            // A failure here would show up as a leak in the ledger assertions.
+            let _ = self.b.free(p);
+        }
+    }
+}
+
+pub fn rng(seed: u64) -> SmallRng {
+    SmallRng::seed_from_u64(seed)
+}
+
+pub fn uniform(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    let mut r = rng(seed);
+    (0..n).map(|_| r.random_range(lo..hi)).collect()
+}
+
+/// Runs `f` on the device under test and on the CPU reference.
+pub fn both<T>(
+    dut: &dyn GpuBackend,
+    f: impl Fn(&dyn GpuBackend) -> Result<T, BackendError>,
+) -> Result<(T, T), String> {
+    let cpu = CpuBackend::new();
+    let want = f(&cpu).map_err(|e| format!("reference failed: {e}"))?;
+    let got = f(dut).map_err(|e| format!("{} failed: {e}", dut.name()))?;
+    if cpu.ledger().live_count() != 0 {
+        return Err("reference leaked".into());
+    }
+    Ok((got, want))
+}
+
+/// Element-wise comparison with `|got - want| <= rtol * |want| + atol`; NaN never matches.
+pub fn close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: {} values, expected {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    let mut bad = Vec::new();
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = (g - w).abs() <= rtol * w.abs() + atol;
+        if !ok {
+            bad.push((i, g, w));
+        }
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what}: {} of {} values differ; first {:?}",
+            bad.len(),
+            got.len(),
+            &bad[..bad.len().min(5)]
+        ))
+    }
+}
+
+pub fn exact<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    got: &[T],
+    want: &[T],
+) -> Result<(), String> {
+    if got == want {
+        return Ok(());
+    }
+    let first = got.iter().zip(want).position(|(g, w)| g != w);
+    Err(format!(
+        "{what}: outputs differ (lengths {} and {}), first at {first:?}",
+        got.len(),
+        want.len()
+    ))
+}
+
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+pub fn embedding(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    hidden: usize,
+    vocab: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let table = uniform(seed, vocab * hidden, -1.0, 1.0);
+    let mut r = rng(seed + 1);
+    let ids: Vec<u32> = (0..rows).map(|_| r.random_range(0..vocab as u32)).collect();
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (t, i, o) = (
+            s.bf16(&table)?,
+            s.u32(&ids)?,
+            s.out(Dtype::Bf16, rows * hidden)?,
+        );
+        b.embedding(o, t, i, rows, hidden, vocab, 0)?;
+        b.download::<bf16>(o, rows * hidden)
+    })?;
+    exact("embedding", &bits(&got), &bits(&want))
+}
+
+pub fn rms_norm(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    dim: usize,
+    seed: u64,
+    in_place: bool,
+) -> Result<(), String> {
+    let x = uniform(seed, rows * dim, -3.0, 3.0);
+    let w = uniform(seed + 1, dim, 0.5, 1.5);
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (px, pw) = (s.bf16(&x)?, s.bf16(&w)?);
+        let o = if in_place {
+            px
+        } else {
+            s.out(Dtype::Bf16, rows * dim)?
+        };
+        b.rms_norm(o, px, pw, rows, dim, 1e-6, 0)?;
+        b.download_bf16(o, rows * dim)
+    })?;
+    close("rms_norm", &got, &want, BF16_RTOL, 1e-6)
+}
+
+pub fn add_silu(dut: &dyn GpuBackend, n: usize, seed: u64) -> Result<(), String> {
+    let a = uniform(seed, n, -4.0, 4.0);
+    let c = uniform(seed + 1, n, -4.0, 4.0);
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (pa, pc) = (s.bf16(&a)?, s.bf16(&c)?);
+        let (o1, o2) = (s.out(Dtype::Bf16, n)?, s.out(Dtype::Bf16, n)?);
+        let o3 = s.out(Dtype::Bf16, n)?;
+        b.add(o1, pa, pc, n, 0)?;
+        b.silu_mul(o2, pa, pc, n, 0)?;
+        b.sigmoid_mul(o3, pa, pc, n, 0)?;
+        // In place as well: out aliasing an input.
+        b.add(pa, pa, pc, n, 0)?;
+        let mut v = b.download_bf16(o1, n)?;
+        v.extend(b.download_bf16(o2, n)?);
+        v.extend(b.download_bf16(o3, n)?);
+        v.extend(b.download_bf16(pa, n)?);
+        Ok(v)
+    })?;
+    close("add/silu_mul/sigmoid_mul", &got, &want, BF16_RTOL, 1e-6)
+}
+
+pub fn linear(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    inf: usize,
+    outf: usize,
+    out_dtype: Dtype,
+    with_bias: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let x = uniform(seed, rows * inf, -1.0, 1.0);
+    let w = uniform(seed + 1, outf * inf, -1.0, 1.0);
+    let bias = uniform(seed + 2, outf, -1.0, 1.0);
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (px, pw) = (s.bf16(&x)?, s.bf16(&w)?);
+        let pb = if with_bias {
+            Some(s.bf16(&bias)?)
+        } else {
+            None
+        };
+        let o = s.out(out_dtype, rows * outf)?;
+        b.linear(o, out_dtype, px, pw, pb, rows, inf, outf, 0)?;
+        match out_dtype {
+            Dtype::F32 => b.download::<f32>(o, rows * outf),
+            _ => b.download_bf16(o, rows * outf),
+        }
+    })?;
+    // f32 sums of `inf` products of size <= 1 in a different order.
+    let atol = 1e-5 * inf as f32;
+    let rtol = if out_dtype == Dtype::F32 {
+        F32_RTOL
+    } else {
+        BF16_RTOL
+    };
+    close("linear", &got, &want, rtol, atol)
+}
+
+pub fn linear_nvfp4(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    inf: usize,
+    outf: usize,
+    out_dtype: Dtype,
+    seed: u64,
+) -> Result<(), String> {
+    let x = uniform(seed, rows * inf, -1.0, 1.0);
+    let mut r = rng(seed + 1);
+    let codes: Vec<u8> = (0..outf * inf / 2).map(|_| r.random()).collect();
+    // Scale bytes over the normal and subnormal E4M3 range, avoiding NaN (0x7f / 0xff).
+    let scales: Vec<u8> = (0..outf * inf / 16)
+        .map(|_| r.random_range(0u8..0x60) | if r.random() { 0x80 } else { 0 })
+        .collect();
+    let global = 0.0123f32;
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (px, pw, ps) = (s.bf16(&x)?, s.u8(&codes)?, s.u8(&scales)?);
+        let o = s.out(out_dtype, rows * outf)?;
+        b.linear_nvfp4(o, out_dtype, px, pw, ps, global, rows, inf, outf, 0)?;
+        match out_dtype {
+            Dtype::F32 => b.download::<f32>(o, rows * outf),
+            _ => b.download_bf16(o, rows * outf),
+        }
+    })?;
+    let atol = 1e-5 * inf as f32;
+    let rtol = if out_dtype == Dtype::F32 {
+        F32_RTOL
+    } else {
+        BF16_RTOL
+    };
+    close("linear_nvfp4", &got, &want, rtol, atol)
+}
+
+pub fn rope(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    style: RopeStyle,
+    seed: u64,
+) -> Result<(), String> {
+    let x = uniform(seed, rows * heads * head_dim, -2.0, 2.0);
+    let mut r = rng(seed + 1);
+    let pos: Vec<u32> = (0..rows).map(|_| r.random_range(0..4096)).collect();
+    let freq: Vec<f32> = (0..rotary_dim / 2)
+        .map(|i| 10000f32.powf(-((2 * i) as f32) / rotary_dim as f32))
+        .collect();
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (px, pp, pf) = (s.bf16(&x)?, s.u32(&pos)?, s.f32(&freq)?);
+        b.rope(px, pp, pf, rows, heads, head_dim, rotary_dim, style, 0)?;
+        b.download_bf16(px, rows * heads * head_dim)
+    })?;
+    // sin/cos of angles up to 4096 rad differ between libraries by a few f32 ulps.
+    close("rope", &got, &want, BF16_RTOL, 1e-3)
+}
+
+pub fn kv_write(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    num_slots: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let width = kv_heads * head_dim;
+    let k = uniform(seed, rows * width, -1.0, 1.0);
+    let v = uniform(seed + 1, rows * width, -1.0, 1.0);
+    // Distinct slots, so the result does not depend on write order.
+    let mut r = rng(seed + 2);
+    let mut slots: Vec<u32> = (0..num_slots as u32).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, r.random_range(0..=i));
+    }
+    slots.truncate(rows);
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (pk, pv, ps) = (s.bf16(&k)?, s.bf16(&v)?, s.u32(&slots)?);
+        let (kc, vc) = (
+            s.out(Dtype::Bf16, num_slots * width)?,
+            s.out(Dtype::Bf16, num_slots * width)?,
+        );
+        b.kv_write(kc, vc, pk, pv, ps, rows, kv_heads, head_dim, num_slots, 0)?;
+        let mut out = b.download::<bf16>(kc, num_slots * width)?;
+        out.extend(b.download::<bf16>(vc, num_slots * width)?);
+        Ok(out)
+    })?;
+    exact("kv_write", &bits(&got), &bits(&want))
+}
+
+/// A paged attention batch: `ctx[s]` cached rows for sequence s, blocks scattered through
+/// the cache, and the last `queries` positions of each sequence as query rows (causal).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    dut: &dyn GpuBackend,
+    ctx: &[usize],
+    queries: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let max_blocks = ctx
+        .iter()
+        .map(|c| c.div_ceil(block_size))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let num_blocks = ctx.len() * max_blocks + 3;
+    let mut r = rng(seed);
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, r.random_range(0..=i));
+    }
+    let table: Vec<u32> = ids[..ctx.len() * max_blocks].to_vec();
+    let (mut row_seq, mut row_len) = (Vec::new(), Vec::new());
+    for (s, &c) in ctx.iter().enumerate() {
+        for q in 0..queries.min(c) {
+            row_seq.push(s as u32);
+            row_len.push((c - queries.min(c) + q + 1) as u32);
+        }
+    }
+    let rows = row_seq.len();
+    let width = kv_heads * head_dim;
+    let q = uniform(seed + 1, rows * heads * head_dim, -1.0, 1.0);
+    let kc = uniform(seed + 2, num_blocks * block_size * width, -1.0, 1.0);
+    let vc = uniform(seed + 3, num_blocks * block_size * width, -1.0, 1.0);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (pq, pk, pv) = (s.bf16(&q)?, s.bf16(&kc)?, s.bf16(&vc)?);
+        let (pt, ps, pl) = (s.u32(&table)?, s.u32(&row_seq)?, s.u32(&row_len)?);
+        let o = s.out(Dtype::Bf16, rows * heads * head_dim)?;
+        b.paged_attention(
+            o, pq, pk, pv, pt, ps, pl, rows, heads, kv_heads, head_dim, block_size, max_blocks,
+            scale, 0,
+        )?;
+        b.download_bf16(o, rows * heads * head_dim)
+    })?;
+    close("paged_attention", &got, &want, BF16_RTOL, 2e-3)
+}
+
+pub fn argmax(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    vocab: usize,
+    masked: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let mut logits = uniform(seed, rows * vocab, -10.0, 10.0);
+    // Ties: row 0 gets its maximum twice, and the lower index must win.
+    if vocab > 3 {
+        let (i, _) = logits[..vocab]
+            .iter()
+            .enumerate()
+            .fold((0, f32::MIN), |a, (i, &v)| if v > a.1 { (i, v) } else { a });
+        logits[vocab - 1] = logits[i];
+        logits[1.min(i)] = logits[i];
+    }
+    let words = vocab.div_ceil(32);
+    let mut r = rng(seed + 1);
+    let mut mask: Vec<i32> = (0..rows * words).map(|_| r.random::<i32>()).collect();
+    if masked && rows > 1 {
+        // Nothing allowed in row 1: the answer is u32::MAX.
+        mask[words..2 * words].fill(0);
+    }
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let pl = s.f32(&logits)?;
+        let pm = if masked { Some(s.i32(&mask)?) } else { None };
+        let o = s.out(Dtype::U32, rows)?;
+        b.argmax(o, pl, pm, rows, vocab, 0)?;
+        b.download::<u32>(o, rows)
+    })?;
+    exact("argmax", &got, &want)
+}
+
+pub fn softmax(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    vocab: usize,
+    temperature: f32,
+    in_place: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let logits = uniform(seed, rows * vocab, -20.0, 20.0);
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let pl = s.f32(&logits)?;
+        let o = if in_place {
+            pl
+        } else {
+            s.out(Dtype::F32, rows * vocab)?
+        };
+        b.softmax(o, pl, rows, vocab, temperature, 0)?;
+        b.download::<f32>(o, rows * vocab)
+    })?;
+    close("softmax", &got, &want, F32_RTOL, 1e-8)
+}
+
+/// Bad arguments: the backend under test must reject each exactly as the reference does.
+pub fn same_errors(dut: &dyn GpuBackend) -> Result<(), String> {
+    let run = |b: &dyn GpuBackend| -> Result<Vec<String>, BackendError> {
+        let s = Scope::new(b);
+        let table = s.bf16(&[0.5; 4 * 8])?;
+        let ids = s.u32(&[1, 4])?;
+        let out = s.out(Dtype::Bf16, 2 * 8)?;
+        let slots = s.u32(&[0, 9])?;
+        let lens = s.u32(&[5])?;
+        let seqs = s.u32(&[0])?;
+        let logits = s.f32(&[0.0; 10])?;
+        let u = s.out(Dtype::U32, 4)?;
+        let errs = [
+            b.embedding(out, table, ids, 2, 8, 4, 0),
+            b.kv_write(table, table, out, out, slots, 2, 1, 8, 4, 0),
+            b.paged_attention(
+                out, out, table, table, seqs, seqs, lens, 1, 2, 1, 8, 4, 1, 1.0, 0,
+            ),
+            b.paged_attention(
+                out, out, table, table, seqs, seqs, lens, 1, 3, 2, 8, 4, 1, 1.0, 0,
+            ),
+            b.argmax(u, logits, None, 2, 10, 0),
+            b.softmax(logits, logits, 1, 10, 0.0, 0),
+            b.rope(out, ids, logits, 1, 1, 8, 10, RopeStyle::Half, 0),
+            b.linear_nvfp4(out, Dtype::Bf16, out, out, out, 1.0, 1, 8, 1, 0),
+            b.linear(out, Dtype::U32, out, out, None, 1, 8, 1, 0),
+            b.add(out, out, table, 100, 0),
+        ];
+        Ok(errs
+            .into_iter()
+            .map(|e| match e {
+                Ok(()) => "ok".to_string(),
+                // Addresses differ between backends; what was out of bounds must not.
+                Err(BackendError::OutOfBounds { what, .. }) => format!("out of bounds: {what}"),
+                Err(e) => e.to_string(),
+            })
+            .collect())
+    };
+    let (got, want) = both(dut, run)?;
+    if want.iter().any(|e| e == "ok") {
+        return Err(format!("the reference accepted a bad argument: {want:?}"));
+    }
+    exact("errors", &got, &want)
+}

@@ -1,0 +1,162 @@
+//! The CUDA kernels of `cuda/`, run on the CPU through the emulated device model, against
+//! the CPU reference: every op, sizes that are not multiples of the block size, aliasing
+//! where an op allows it, and the same errors for bad arguments. Two injected faults prove
+//! that the comparison catches a missing barrier and a thread that never runs.
+//!
+//! Tolerances are stated in `kernel_cases/mod.rs`.
+
+#[path = "kernel_cases/mod.rs"]
+mod kernel_cases;
+
+use kernel_cases as k;
+use specdraft::backend::{Dtype, EmuBackend, EmuFault, GpuBackend, RopeStyle};
+
+fn check(dut: &EmuBackend, result: Result<(), String>) {
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    assert_eq!(
+        dut.ledger().live_count(),
+        0,
+        "leaked: {:?}",
+        dut.ledger().live_report()
+    );
+}
+
+#[test]
+fn embedding_matches_reference() {
+    let dut = EmuBackend::new();
+    for (rows, hidden, vocab) in [(1, 1, 5), (3, 33, 100), (7, 577, 50)] {
+        check(&dut, k::embedding(&dut, rows, hidden, vocab, 11));
+    }
+}
+
+#[test]
+fn rms_norm_matches_reference() {
+    let dut = EmuBackend::new();
+    for (rows, dim) in [(1, 1), (3, 33), (7, 577), (2, 256)] {
+        check(&dut, k::rms_norm(&dut, rows, dim, 21, false));
+    }
+    check(&dut, k::rms_norm(&dut, 3, 577, 22, true));
+}
+
+#[test]
+fn add_silu_mul_and_sigmoid_mul_match_reference() {
+    let dut = EmuBackend::new();
+    for n in [1, 33, 577, 1000] {
+        check(&dut, k::add_silu(&dut, n, 31));
+    }
+}
+
+#[test]
+fn linear_matches_reference() {
+    let dut = EmuBackend::new();
+    // in_features 64 takes the 16-byte vector path, 33 and 577 the scalar one; out_features
+    // not a multiple of the 8 features of a block; rows across the 4-row tiles.
+    for (rows, inf, outf) in [(1, 64, 9), (3, 33, 17), (7, 577, 5), (5, 128, 8)] {
+        check(
+            &dut,
+            k::linear(&dut, rows, inf, outf, Dtype::Bf16, false, 41),
+        );
+        check(&dut, k::linear(&dut, rows, inf, outf, Dtype::F32, true, 42));
+    }
+}
+
+#[test]
+fn linear_nvfp4_matches_reference() {
+    let dut = EmuBackend::new();
+    for (rows, inf, outf) in [(1, 16, 3), (3, 48, 9), (7, 576, 5)] {
+        check(
+            &dut,
+            k::linear_nvfp4(&dut, rows, inf, outf, Dtype::Bf16, 51),
+        );
+        check(&dut, k::linear_nvfp4(&dut, rows, inf, outf, Dtype::F32, 52));
+    }
+}
+
+#[test]
+fn rope_matches_reference() {
+    let dut = EmuBackend::new();
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        check(&dut, k::rope(&dut, 1, 1, 2, 2, style, 61));
+        check(&dut, k::rope(&dut, 3, 9, 64, 64, style, 62));
+        check(&dut, k::rope(&dut, 7, 3, 80, 32, style, 63));
+    }
+}
+
+#[test]
+fn kv_write_matches_reference() {
+    let dut = EmuBackend::new();
+    for (rows, kv_heads, head_dim, slots) in [(1, 1, 1, 4), (3, 3, 64, 40), (7, 2, 33, 7)] {
+        check(&dut, k::kv_write(&dut, rows, kv_heads, head_dim, slots, 71));
+    }
+}
+
+#[test]
+fn paged_attention_matches_reference() {
+    let dut = EmuBackend::new();
+    // Decode (one query per sequence) and prefill-like causal rows; 9 heads on 3 KV heads;
+    // contexts that cross block boundaries, shorter than one warp's share, and empty.
+    check(
+        &dut,
+        k::paged_attention(&dut, &[1, 17, 40], 1, 9, 3, 64, 16, 81),
+    );
+    check(&dut, k::paged_attention(&dut, &[5, 33], 5, 4, 2, 33, 8, 82));
+    check(&dut, k::paged_attention(&dut, &[70], 3, 2, 1, 128, 16, 83));
+    check(&dut, k::paged_attention(&dut, &[3], 1, 1, 1, 256, 1, 84));
+}
+
+#[test]
+fn argmax_matches_reference() {
+    let dut = EmuBackend::new();
+    for (rows, vocab) in [(1, 1), (3, 100), (2, 49152), (7, 33)] {
+        check(&dut, k::argmax(&dut, rows, vocab, false, 91));
+        check(&dut, k::argmax(&dut, rows, vocab, true, 92));
+    }
+}
+
+#[test]
+fn softmax_matches_reference() {
+    let dut = EmuBackend::new();
+    for (rows, vocab) in [(1, 1), (3, 100), (2, 577)] {
+        check(&dut, k::softmax(&dut, rows, vocab, 0.7, false, 101));
+    }
+    check(&dut, k::softmax(&dut, 3, 49152, 1.0, true, 102));
+}
+
+#[test]
+fn bad_arguments_get_the_reference_errors() {
+    let dut = EmuBackend::new();
+    check(&dut, k::same_errors(&dut));
+}
+
+#[test]
+fn a_missing_barrier_is_caught() {
+    let dut = EmuBackend::with_fault(EmuFault::NoBarriers);
+    // Each of these reduces across threads through shared memory or warp shuffles.
+    let results = [
+        k::rms_norm(&dut, 3, 577, 21, false),
+        k::softmax(&dut, 2, 577, 1.0, false, 101),
+        k::argmax(&dut, 3, 1000, false, 91),
+    ];
+    for r in results {
+        assert!(
+            r.is_err(),
+            "the comparison missed a kernel run without barriers"
+        );
+    }
+    assert_eq!(dut.ledger().live_count(), 0);
+}
+
+#[test]
+fn a_thread_that_never_runs_is_caught() {
+    let dut = EmuBackend::with_fault(EmuFault::DropLastThread);
+    // Element-wise: element 255 of each 256 is never written and stays poisoned.
+    assert!(k::add_silu(&dut, 577, 31).is_err());
+    // Row kernels: the last thread's columns are never written.
+    assert!(k::embedding(&dut, 3, 577, 50, 11).is_err());
+    // A warp shuffle that reads the absent lane is an error of the launch itself.
+    let err = k::rms_norm(&dut, 3, 33, 21, false).unwrap_err();
+    assert!(err.contains("absent or has returned"), "{err}");
+    assert_eq!(dut.ledger().live_count(), 0);
+}

@@ -1,0 +1,40 @@
+"""The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), against the numpy reference.
+
+Slow (downloads the model once, then runs a numpy forward of 135M parameters): marked
+``slow``; CI runs it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import specdraft
+from specdraft.models import fetch_default_model
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+sys.path.insert(0, str(Path(__file__).parent))
+import smollm2_reference as ref  # noqa: E402
+
+PROMPT = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_the_numpy_reference() -> None:
+    """Top tokens agree and logits stay within 5% of their scale at several positions."""
+    path = fetch_default_model()
+    reader = gguf.GGUFReader(str(path))
+    tokenizer = ref.tokenizer_from_gguf(reader)
+    tokens = tokenizer.encode(PROMPT).ids
+    want = ref.forward(reader, ref.load_weights(reader), tokens)
+    model = specdraft.load_model("smollm2", max_rows=64, max_seq_len=256, kv_blocks=32)
+    assert model.config.num_hidden_layers == 30
+    got = model.logits(tokens).reshape(len(tokens), model.vocab_size)
+    for p in sorted({0, 1, len(tokens) // 2, len(tokens) - 1}):
+        assert got[p].argmax() == want[p].argmax(), p
+        assert np.abs(got[p] - want[p]).max() < 0.05 * np.abs(want[p]).max(), p
+    follow = tokenizer.decode(model.generate_greedy(tokens, max_new_tokens=2))
+    assert "Rome" in follow, follow
