@@ -108,6 +108,7 @@ fn bench(shape: &Shape, quant: MtpQuantization, memcpy: f64, quick: bool) {
             gate,
             up,
             down,
+            moe: None,
         },
         final_norm: norm("final_norm"),
     };

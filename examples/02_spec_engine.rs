@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 fn main() -> specdraft::Result<()> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let target = Arc::new(TableTarget::new(gpu.clone(), 64, 512, 64, 7, 0.0)?);
+    let target = Arc::new(TableTarget::new(gpu.clone(), 64, 512, 64, 4, 0.0)?);
     let prompt: Vec<u32> = vec![3, 14, 15, 9, 26, 5, 3, 14, 15, 9];
 
     let plain = SpecEngine::new(target.clone(), None, 0)?;

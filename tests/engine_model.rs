@@ -3,6 +3,7 @@
 //! token for every proposer, batched equals alone, and nothing leaks.
 
 mod engine_common;
+#[allow(unused_imports)] // the helpers re-export a GGUF writer this test does not use
 mod model_util;
 
 use engine_common::RandomDrafter;

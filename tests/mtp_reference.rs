@@ -46,6 +46,7 @@ fn run_reference(args: &[&str]) {
 struct Case {
     name: &'static str,
     layout: &'static str,
+    moe: bool,
     levers: ModelLevers,
     quant: MtpQuantization,
     mtp_vocab_size: u32,
@@ -53,7 +54,7 @@ struct Case {
 
 fn drive(case: &Case) {
     let dir = scratch_dir(&format!("mtp_ref_{}", case.name));
-    write_checkpoint(&dir, case.layout, 7);
+    write_checkpoint_with(&dir, case.layout, 7, case.moe);
     let cpu = Arc::new(CpuBackend::new());
     let gpu: Arc<dyn GpuBackend> = cpu.clone();
     let head = MtpHead::from_checkpoint(
@@ -196,6 +197,7 @@ fn deepseek_layout_matches_numpy() {
     drive(&Case {
         name: "deepseek",
         layout: "deepseek_v3",
+        moe: false,
         levers: ModelLevers::default(),
         quant: MtpQuantization::Bf16,
         mtp_vocab_size: 0,
@@ -207,6 +209,7 @@ fn glm_layout_with_exact_kv_and_postnorm_levers_matches_numpy() {
     drive(&Case {
         name: "glm",
         layout: "glm4_moe",
+        moe: false,
         levers: ModelLevers {
             mtp_kv_exact: true,
             mtp_target_postnorm: true,
@@ -223,6 +226,7 @@ fn mimo_layout_matches_numpy() {
     drive(&Case {
         name: "mimo",
         layout: "mimo",
+        moe: false,
         levers: ModelLevers::default(),
         quant: MtpQuantization::Bf16,
         mtp_vocab_size: 72,
@@ -234,6 +238,7 @@ fn qwen3_next_layout_matches_numpy() {
     drive(&Case {
         name: "qwen3_next",
         layout: "qwen3_next",
+        moe: false,
         levers: ModelLevers {
             mtp_kv_exact: true,
             ..Default::default()
@@ -248,8 +253,33 @@ fn nvfp4_projections_match_numpy_on_dequantized_weights() {
     drive(&Case {
         name: "nvfp4",
         layout: "mimo",
+        moe: false,
         levers: ModelLevers::default(),
         quant: MtpQuantization::Nvfp4,
+        mtp_vocab_size: 0,
+    });
+}
+
+#[test]
+fn glm_moe_layer_matches_numpy() {
+    drive(&Case {
+        name: "glm_moe",
+        layout: "glm4_moe",
+        moe: true,
+        levers: ModelLevers::default(),
+        quant: MtpQuantization::Bf16,
+        mtp_vocab_size: 0,
+    });
+}
+
+#[test]
+fn qwen3_next_moe_layer_matches_numpy() {
+    drive(&Case {
+        name: "qwen3_next_moe",
+        layout: "qwen3_next",
+        moe: true,
+        levers: ModelLevers::default(),
+        quant: MtpQuantization::Bf16,
         mtp_vocab_size: 0,
     });
 }

@@ -15,6 +15,7 @@ from specdraft._core import (
     PROTOCOL_METHODS,
     AllocationError,
     Backend,
+    BackendUnavailableError,
     BlockAllocator,
     BufferArena,
     CheckpointError,
@@ -38,6 +39,7 @@ from specdraft._core import (
     Violation,
     __version__,
     check_proposer,
+    default_backend,
     load_model,
 )
 
@@ -45,6 +47,7 @@ __all__ = [
     "PROTOCOL_METHODS",
     "AllocationError",
     "Backend",
+    "BackendUnavailableError",
     "BlockAllocator",
     "BufferArena",
     "CheckpointError",
@@ -68,5 +71,13 @@ __all__ = [
     "Violation",
     "__version__",
     "check_proposer",
+    "default_backend",
     "load_model",
 ]
+
+try:
+    from specdraft._core import CudaBackend
+except ImportError:  # built without the `cuda` feature: the CPU backend only
+    pass
+else:
+    __all__ += ["CudaBackend"]

@@ -20,6 +20,12 @@ class AllocationError(SpecdraftError):
     Out of memory, double free, unknown pointer, out-of-bounds access, exhausted block pool.
     """
 
+class BackendUnavailableError(SpecdraftError):
+    """A backend cannot be used on this machine.
+
+    No CUDA driver, no such device, or kernels the device cannot load; the message says which.
+    """
+
 class ConfigError(SpecdraftError):
     """A model configuration or a lever setting could not be read or is inconsistent."""
 
@@ -115,6 +121,34 @@ class CpuBackend(Backend):
 
     def __init__(self, memory_limit: int | None = None) -> None:
         """A CPU backend; ``memory_limit`` caps its live bytes as a device's memory would."""
+
+@final
+class CudaBackend(Backend):
+    """An NVIDIA GPU running the kernels compiled into the package.
+
+    Present when the package is built with the ``cuda`` feature (the default for a wheel).
+    """
+
+    def __init__(self, device: int = 0) -> None:
+        """Opens GPU ``device`` (0-based) and loads the kernels.
+
+        Raises ``BackendUnavailableError`` when there is no CUDA driver or no such device.
+        """
+    @property
+    def device(self) -> int:
+        """The 0-based device ordinal."""
+    @property
+    def device_name(self) -> str:
+        """The device's name as the driver reports it."""
+    def memory_info(self) -> tuple[int, int]:
+        """``(free, total)`` device memory in bytes."""
+
+def default_backend() -> Backend:
+    """The best backend this build and machine offer.
+
+    A ``CudaBackend`` on GPU 0 when the package has the CUDA kernels and a driver and device
+    work, else a ``CpuBackend``.
+    """
 
 @final
 class BlockAllocator:

@@ -182,10 +182,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ]
         )
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
-    return "\n".join(lines)
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(b) for b in body)])
 
 
 def run_model_bench(args: argparse.Namespace) -> int:

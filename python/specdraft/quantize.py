@@ -48,6 +48,7 @@ __all__ = [
     "fp8_e4m3_encode",
     "fp8_e4m3_decode",
     "quantize_checkpoint",
+    "add_quantize",
     "main",
 ]
 
@@ -59,7 +60,9 @@ def fp8_e4m3_decode(codes: np.ndarray) -> np.ndarray:
     exp = (c >> 3) & 0x0F
     man = (c & 0x07).astype(np.float32)
     sub = man / np.float32(8.0) * np.float32(2.0**-6)
-    norm = (np.float32(1.0) + man / np.float32(8.0)) * np.exp2(exp.astype(np.float32) - np.float32(7.0))
+    norm = (np.float32(1.0) + man / np.float32(8.0)) * np.exp2(
+        exp.astype(np.float32) - np.float32(7.0)
+    )
     v = np.where(exp == 0, sub, norm).astype(np.float32) * sign
     return np.where((exp == 0x0F) & ((c & 0x07) == 0x07), np.float32(np.nan), v).astype(np.float32)
 
@@ -101,11 +104,16 @@ def _e2m1_encode(v: np.ndarray) -> np.ndarray:
 
 
 def quantize_nvfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
-    """Quantizes a ``[out, in]`` matrix; returns ``(weight u8 [out, in/2], weight_scale u8
-    (fp8 bytes) [out, in/16], weight_scale_2 float32)``."""
+    """Quantizes a ``[out, in]`` matrix to NVFP4.
+
+    Returns ``(weight u8 [out, in/2], weight_scale u8 (fp8 bytes) [out, in/16],
+    weight_scale_2 float32)``.
+    """
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2 or w.shape[1] == 0 or w.shape[1] % BLOCK:
-        raise ValueError(f"expected a [out, in] matrix with in a multiple of {BLOCK}, got shape {w.shape}")
+        raise ValueError(
+            f"expected a [out, in] matrix with in a multiple of {BLOCK}, got shape {w.shape}"
+        )
     if not np.all(np.isfinite(w)):
         raise ValueError("only finite weights can be quantized")
     out_f, in_f = w.shape
@@ -129,7 +137,9 @@ def quantize_nvfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
     return packed, scales, g
 
 
-def dequantize_nvfp4(weight: np.ndarray, weight_scale: np.ndarray, weight_scale_2) -> np.ndarray:
+def dequantize_nvfp4(
+    weight: np.ndarray, weight_scale: np.ndarray, weight_scale_2: float
+) -> np.ndarray:
     """The float32 ``[out, in]`` matrix the format describes."""
     weight = np.asarray(weight, dtype=np.uint8)
     codes = np.empty((weight.shape[0], weight.shape[1] * 2), dtype=np.uint8)
@@ -142,8 +152,16 @@ def dequantize_nvfp4(weight: np.ndarray, weight_scale: np.ndarray, weight_scale_
 
 # --- safetensors I/O (raw, so BF16 needs no extra package) -----------------------------
 
-_DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2), "U8": (np.uint8, 1),
-           "F8_E4M3": (np.uint8, 1), "I32": (np.int32, 4), "I64": (np.int64, 8), "U32": (np.uint32, 4)}
+_DTYPES = {
+    "F32": (np.float32, 4),
+    "F16": (np.float16, 2),
+    "BF16": (np.uint16, 2),
+    "U8": (np.uint8, 1),
+    "F8_E4M3": (np.uint8, 1),
+    "I32": (np.int32, 4),
+    "I64": (np.int64, 8),
+    "U32": (np.uint32, 4),
+}
 
 
 def read_safetensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
@@ -173,7 +191,11 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes
     header, offset, blobs = {}, 0, []
     for name in sorted(tensors):
         dtype, shape, raw = tensors[name]
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(raw)]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
         offset += len(raw)
         blobs.append(raw)
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -194,8 +216,10 @@ def _quantizable(name: str, dtype: str, shape: list[int]) -> bool:
 
 
 def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path) -> list[str]:
-    """Writes an NVFP4 copy of the checkpoint in ``in_dir`` to ``out_dir``; returns the
-    names of the quantized weights."""
+    """Writes an NVFP4 copy of the checkpoint in ``in_dir`` to ``out_dir``.
+
+    Returns the names of the quantized weights.
+    """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     files = sorted(in_dir.glob("*.safetensors"))
     if not files:
@@ -224,19 +248,40 @@ def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path) -> list[str]:
     return done
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specdraft quantize", description="Quantize a checkpoint's projections.")
-    p.add_argument("--nvfp4", action="store_true", required=True, help="NVFP4 in the ModelOpt layout")
-    p.add_argument("in_dir")
-    p.add_argument("out_dir")
-    a = p.parse_args(argv)
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nvfp4", action="store_true", required=True, help="NVFP4 in the ModelOpt layout"
+    )
+    p.add_argument("in_dir", help="checkpoint folder with BF16/F16/F32 *.safetensors")
+    p.add_argument("out_dir", help="folder to write the quantized checkpoint to")
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    """Runs ``specdraft quantize``; returns the exit status."""
     try:
-        done = quantize_checkpoint(a.in_dir, a.out_dir)
+        done = quantize_checkpoint(args.in_dir, args.out_dir)
     except (OSError, ValueError) as e:
         print(f"specdraft quantize: {e}", file=sys.stderr)
         return 2
-    print(f"quantized {len(done)} weights to NVFP4 into {a.out_dir}")
+    print(f"quantized {len(done)} weights to NVFP4 into {args.out_dir}")
     return 0
+
+
+def add_quantize(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds ``specdraft quantize`` (see ``specdraft.cli.SUBCOMMANDS``)."""
+    p = subparsers.add_parser("quantize", help="quantize a checkpoint's projections (NVFP4)")
+    _add_arguments(p)
+    p.set_defaults(run=run_quantize)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specdraft.quantize --nvfp4 IN_DIR OUT_DIR``."""
+    p = argparse.ArgumentParser(
+        prog="specdraft quantize", description="Quantize a checkpoint's projections."
+    )
+    _add_arguments(p)
+    return run_quantize(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The speculative decoding engine over one target and at most one proposer.
+///
+/// One `generate` at a time per target: the target's outputs are valid only until its next
+/// forward, so callers that share a target across threads serialise their calls (the
+/// Python binding does).
 pub struct SpecEngine<T: Target> {
     pub(super) target: Arc<T>,
     pub(super) proposer: Option<Arc<dyn DraftProposer>>,

@@ -129,12 +129,22 @@ fn lookup<'py>(py: Python<'py>, gpu: &dyn GpuBackend) -> Option<Bound<'py, PyAny
     owned_object(py, arc).ok()
 }
 
-/// A new Python object owning `arc` (a `CpuBackend` when it is one), registered.
+/// A new Python object owning `arc` (a `CpuBackend` or `CudaBackend` when it is one),
+/// registered.
 fn owned_object(py: Python<'_>, arc: Arc<dyn GpuBackend>) -> PyResult<Bound<'_, PyAny>> {
     let is_cpu = arc.as_any().is::<CpuBackend>();
+    #[cfg(feature = "cuda")]
+    let cuda = super::cuda_backend::PyCudaBackend::of(&*arc);
     let base = PyBackend {
         inner: BackendRef::Owned(arc),
     };
+    #[cfg(feature = "cuda")]
+    if let Some(sub) = cuda {
+        let obj: Bound<'_, PyBackend> =
+            Bound::new(py, PyClassInitializer::from(base).add_subclass(sub))?.into_super();
+        register(&obj)?;
+        return Ok(obj.into_any());
+    }
     let obj: Bound<'_, PyBackend> = if is_cpu {
         Bound::new(
             py,
@@ -146,6 +156,14 @@ fn owned_object(py: Python<'_>, arc: Arc<dyn GpuBackend>) -> PyResult<Bound<'_, 
     };
     register(&obj)?;
     Ok(obj.into_any())
+}
+
+/// The best backend this build and machine offer: a `CudaBackend` on GPU 0 when the
+/// package is built with feature `cuda` and a driver and device work, else a `CpuBackend`.
+#[pyfunction]
+pub fn default_backend(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let arc = py.detach(crate::backend::default_backend);
+    owned_object(py, arc)
 }
 
 /// The Python object for a shared backend: the registered one, or a new owner.

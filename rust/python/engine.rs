@@ -25,6 +25,16 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 use std::sync::{Arc, Mutex};
 
+/// Held while any engine runs: a target's forward outputs are valid only until its next
+/// forward, so two generations must not interleave on one model. Taken with the
+/// interpreter released, so a thread waiting here never blocks a Python proposer.
+static ENGINE_RUN: Mutex<()> = Mutex::new(());
+
+fn run_exclusive<R>(f: impl FnOnce() -> R) -> R {
+    let _guard = ENGINE_RUN.lock().unwrap_or_else(|e| e.into_inner());
+    f()
+}
+
 /// A Python grammar matcher behind [`GrammarMatcher`].
 struct PyGrammar {
     obj: Py<PyAny>,
@@ -324,7 +334,7 @@ impl PySpecEngine {
             })
             .collect();
         let engine = self.engine.clone();
-        let generation = py.detach(move || engine.generate(requests));
+        let generation = py.detach(move || run_exclusive(|| engine.generate(requests)));
         *self.last_metrics.lock().unwrap_or_else(|e| e.into_inner()) = Some(generation.metrics);
         generation
             .results
@@ -405,7 +415,7 @@ impl PyConversation {
         let g = matchers(grammar, 1)?.pop().flatten();
         let result = py.detach(|| {
             let mut conv = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            conv.send(&ids, max_tokens, s, g)
+            run_exclusive(|| conv.send(&ids, max_tokens, s, g))
         });
         to_py_result(py, result.py()?, self.tokenizer.as_ref())
     }
@@ -436,7 +446,10 @@ impl PyConversation {
 
     /// Forgets the history and frees carried drafter KV.
     fn reset(&self, py: Python<'_>) {
-        py.detach(|| self.inner.lock().unwrap_or_else(|e| e.into_inner()).reset());
+        py.detach(|| {
+            let mut conv = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            run_exclusive(|| conv.reset())
+        });
     }
 }
 

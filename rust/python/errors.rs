@@ -25,6 +25,12 @@ create_exception!(
 );
 create_exception!(
     specdraft,
+    BackendUnavailableError,
+    SpecdraftError,
+    "A backend cannot be used on this machine: no CUDA driver, no such device, or kernels the device cannot load."
+);
+create_exception!(
+    specdraft,
     ConfigError,
     SpecdraftError,
     "A model configuration or a lever setting could not be read or is inconsistent."
@@ -50,6 +56,7 @@ pub fn backend_err(e: &BackendError) -> PyErr {
         | BackendError::DoubleFree { .. }
         | BackendError::UnknownPointer { .. }
         | BackendError::OutOfBounds { .. } => AllocationError::new_err(e.to_string()),
+        BackendError::CudaUnavailable(_) => BackendUnavailableError::new_err(e.to_string()),
         _ => SpecdraftError::new_err(e.to_string()),
     }
 }
@@ -117,6 +124,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("SpecdraftError", py.get_type::<SpecdraftError>())?;
     m.add("AllocationError", py.get_type::<AllocationError>())?;
+    m.add(
+        "BackendUnavailableError",
+        py.get_type::<BackendUnavailableError>(),
+    )?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add("ProposerError", py.get_type::<ProposerError>())?;

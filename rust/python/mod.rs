@@ -1,10 +1,11 @@
 //! Python bindings (feature `python`): the `specdraft._core` extension module.
 //!
 //! One file per job: [`errors`] (exception hierarchy), [`device_ptr`], [`backend`] (device
-//! memory as numpy arrays), [`allocator`] (KV blocks), [`model`] (config, levers, forward
-//! context views), [`state`] and [`proposer`] (the `DraftProposer` base class), [`adapter`]
-//! (a Python proposer behind `dyn DraftProposer`), [`rust_proposers`], [`conformance`], and
-//! [`bench`] (helpers for tests and the protocol benchmark).
+//! memory as numpy arrays) and `cuda_backend` (its CUDA subclass, feature `cuda`),
+//! [`allocator`] (KV blocks), [`model`] (config, levers, forward context views), [`state`]
+//! and [`proposer`] (the `DraftProposer` base class), [`adapter`] (a Python proposer behind
+//! `dyn DraftProposer`), [`rust_proposers`], [`conformance`], and [`bench`] (helpers for
+//! tests and the protocol benchmark).
 //!
 //! Invariants: nothing here panics across the boundary (every failure is an exception);
 //! Rust work that may call back into Python runs with the interpreter released; no thread
@@ -18,6 +19,8 @@ mod backend;
 mod bench;
 mod conformance;
 mod convert;
+#[cfg(feature = "cuda")]
+mod cuda_backend;
 mod device_ptr;
 mod engine;
 mod errors;
@@ -36,6 +39,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<device_ptr::PyDevicePtr>()?;
     m.add_class::<backend::PyBackend>()?;
     m.add_class::<backend::PyCpuBackend>()?;
+    #[cfg(feature = "cuda")]
+    m.add_class::<cuda_backend::PyCudaBackend>()?;
+    m.add_function(wrap_pyfunction!(backend::default_backend, m)?)?;
     m.add_class::<allocator::PyBlockAllocator>()?;
     m.add_class::<model::PyModelConfig>()?;
     m.add_class::<model::PyModelLevers>()?;
@@ -53,6 +59,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench::_time_propose, m)?)?;
     m.add_class::<target_model::PyTargetModel>()?;
     m.add_function(wrap_pyfunction!(target_model::load_model, m)?)?;
+    m.add_function(wrap_pyfunction!(target_model::gguf_metadata, m)?)?;
     engine::register(m)?;
     m.add("PROTOCOL_METHODS", adapter::METHODS.to_vec())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

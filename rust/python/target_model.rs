@@ -10,9 +10,10 @@ use super::backend::{backend_arg, backend_from_arc};
 use super::errors::{IntoPyResult, SpecdraftError};
 use super::model::PyModelConfig;
 use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
-use crate::model::{LoadOptions, LogitRows, TargetModel};
+use crate::model::{GgufFile, GgufValue, LoadOptions, LogitRows, TargetModel};
 use numpy::PyArray1;
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -183,4 +184,51 @@ pub fn load_model(
     Ok(PyTargetModel {
         inner: Arc::new(model),
     })
+}
+
+fn gguf_value_to_py<'py>(py: Python<'py>, v: &GgufValue) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match v {
+        GgufValue::UInt(x) => x.into_pyobject(py)?.into_any(),
+        GgufValue::Int(x) => x.into_pyobject(py)?.into_any(),
+        GgufValue::Float(x) => x.into_pyobject(py)?.into_any(),
+        GgufValue::Bool(x) => x.into_pyobject(py)?.to_owned().into_any(),
+        GgufValue::Str(x) => x.into_pyobject(py)?.into_any(),
+        GgufValue::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(gguf_value_to_py(py, item)?)?;
+            }
+            list.into_any()
+        }
+    })
+}
+
+/// The metadata of a GGUF file as a dict (all keys, or only `keys` that are present).
+#[pyfunction]
+#[pyo3(signature = (path, keys = None))]
+pub fn gguf_metadata<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    keys: Option<Vec<String>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let file = py
+        .detach(move || GgufFile::open(&path))
+        .map_err(crate::Error::from)
+        .py()?;
+    let out = PyDict::new(py);
+    match keys {
+        Some(keys) => {
+            for k in keys {
+                if let Some(v) = file.metadata.get(&k) {
+                    out.set_item(&k, gguf_value_to_py(py, v)?)?;
+                }
+            }
+        }
+        None => {
+            for (k, v) in &file.metadata {
+                out.set_item(k, gguf_value_to_py(py, v)?)?;
+            }
+        }
+    }
+    Ok(out)
 }

@@ -2,6 +2,10 @@
 //! with a `config.json`, shared by the MTP integration tests.
 #![allow(dead_code)]
 
+mod fixture;
+#[allow(unused_imports)]
+pub use fixture::*;
+
 use half::bf16;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -60,6 +64,16 @@ impl Tensors {
 /// Writes a tiny checkpoint of `layout` (`deepseek_v3`, `glm4_moe`, `mimo`, `qwen3_next`)
 /// into `dir` and returns `dir`.
 pub fn write_checkpoint(dir: &Path, layout: &str, seed: u64) -> PathBuf {
+    write_checkpoint_with(dir, layout, seed, false)
+}
+
+/// Experts of the MoE checkpoints: GLM routes 8 (2 groups, 1 kept), Qwen3-Next 4; top-2.
+pub const GLM_EXPERTS: usize = 8;
+pub const QWEN_EXPERTS: usize = 4;
+pub const EXPERT_FFN: usize = 32;
+
+/// [`write_checkpoint`], with a routed MoE MLP (and shared experts) when `moe`.
+pub fn write_checkpoint_with(dir: &Path, layout: &str, seed: u64, moe: bool) -> PathBuf {
     let mut t = Tensors {
         rng: SmallRng::seed_from_u64(seed),
         data: BTreeMap::new(),
@@ -130,13 +144,47 @@ pub fn write_checkpoint(dir: &Path, layout: &str, seed: u64) -> PathBuf {
         t.norm(&format!("{layer}self_attn.q_norm.weight"), HEAD_DIM, zc);
         t.norm(&format!("{layer}self_attn.k_norm.weight"), HEAD_DIM, zc);
     }
-    t.uniform(&format!("{layer}mlp.gate_proj.weight"), &[FFN, h], s);
-    t.uniform(&format!("{layer}mlp.up_proj.weight"), &[FFN, h], s);
+    let (mlp, mlp_ffn) = match (moe, zc) {
+        (false, _) => ("mlp", FFN),
+        (true, false) => ("mlp.shared_experts", EXPERT_FFN),
+        (true, true) => ("mlp.shared_expert", 48),
+    };
+    t.uniform(&format!("{layer}{mlp}.gate_proj.weight"), &[mlp_ffn, h], s);
+    t.uniform(&format!("{layer}{mlp}.up_proj.weight"), &[mlp_ffn, h], s);
+    let down_scale = 1.5 / (mlp_ffn as f32).sqrt();
     t.uniform(
-        &format!("{layer}mlp.down_proj.weight"),
-        &[h, FFN],
-        1.5 / (FFN as f32).sqrt(),
+        &format!("{layer}{mlp}.down_proj.weight"),
+        &[h, mlp_ffn],
+        down_scale,
     );
+    if moe {
+        let experts = if zc { QWEN_EXPERTS } else { GLM_EXPERTS };
+        t.uniform(
+            &format!("{layer}mlp.gate.weight"),
+            &[experts, h],
+            2.0 / (h as f32).sqrt(),
+        );
+        if zc {
+            t.uniform(&format!("{layer}mlp.shared_expert_gate.weight"), &[1, h], s);
+        } else {
+            t.uniform(
+                &format!("{layer}mlp.gate.e_score_correction_bias"),
+                &[experts],
+                0.1,
+            );
+        }
+        let down_scale = 1.5 / (EXPERT_FFN as f32).sqrt();
+        for e in 0..experts {
+            let p = format!("{layer}mlp.experts.{e}.");
+            t.uniform(&format!("{p}gate_proj.weight"), &[EXPERT_FFN, h], s);
+            t.uniform(&format!("{p}up_proj.weight"), &[EXPERT_FFN, h], s);
+            t.uniform(
+                &format!("{p}down_proj.weight"),
+                &[h, EXPERT_FFN],
+                down_scale,
+            );
+        }
+    }
     if layout != "mimo" && layout != "qwen3_next" {
         t.uniform(
             &format!("{module}shared_head.head.weight"),
@@ -173,6 +221,22 @@ pub fn write_checkpoint(dir: &Path, layout: &str, seed: u64) -> PathBuf {
     });
     if zc {
         config["partial_rotary_factor"] = serde_json::json!(0.25);
+    }
+    if moe && zc {
+        config["num_experts"] = serde_json::json!(QWEN_EXPERTS);
+        config["num_experts_per_tok"] = serde_json::json!(2);
+        config["moe_intermediate_size"] = serde_json::json!(EXPERT_FFN);
+        config["shared_expert_intermediate_size"] = serde_json::json!(48);
+        config["norm_topk_prob"] = serde_json::json!(true);
+    } else if moe {
+        config["n_routed_experts"] = serde_json::json!(GLM_EXPERTS);
+        config["num_experts_per_tok"] = serde_json::json!(2);
+        config["moe_intermediate_size"] = serde_json::json!(EXPERT_FFN);
+        config["n_shared_experts"] = serde_json::json!(1);
+        config["norm_topk_prob"] = serde_json::json!(true);
+        config["routed_scaling_factor"] = serde_json::json!(2.5);
+        config["n_group"] = serde_json::json!(2);
+        config["topk_group"] = serde_json::json!(1);
     }
     std::fs::write(dir.join("config.json"), config.to_string()).expect("write config");
     dir.to_path_buf()

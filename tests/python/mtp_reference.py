@@ -77,11 +77,26 @@ def linear(x, w, b=None, post_bias=False):
 
 
 LAYOUTS = {
-    "deepseek_v3": ("model.layers.{L}.", "model.layers.{L}.", ["enorm", "hnorm", "eh_proj", "shared_head.norm"]),
-    "glm4_moe": ("model.layers.{L}.", "model.layers.{L}.", ["enorm", "hnorm", "eh_proj", "shared_head.norm"]),
-    "mimo": ("model.mtp_layers.0.", "model.mtp_layers.0.",
-             ["token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"]),
-    "qwen3_next": ("mtp.", "mtp.layers.0.", ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"]),
+    "deepseek_v3": (
+        "model.layers.{L}.",
+        "model.layers.{L}.",
+        ["enorm", "hnorm", "eh_proj", "shared_head.norm"],
+    ),
+    "glm4_moe": (
+        "model.layers.{L}.",
+        "model.layers.{L}.",
+        ["enorm", "hnorm", "eh_proj", "shared_head.norm"],
+    ),
+    "mimo": (
+        "model.mtp_layers.0.",
+        "model.mtp_layers.0.",
+        ["token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"],
+    ),
+    "qwen3_next": (
+        "mtp.",
+        "mtp.layers.0.",
+        ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"],
+    ),
 }
 
 
@@ -95,8 +110,17 @@ class Head:
         t = {n: q.to_float32(*v) for n, v in raw.items()}
         self.layout = scen["layout"]
         lv = scen["levers"]
-        self.kv_exact, self.target_post, self.chain_post = lv["mtp_kv_exact"], lv["mtp_target_postnorm"], lv["mtp_chain_postnorm"]
-        self.h, self.heads, self.kvh, self.hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.kv_exact, self.target_post, self.chain_post = (
+            lv["mtp_kv_exact"],
+            lv["mtp_target_postnorm"],
+            lv["mtp_chain_postnorm"],
+        )
+        self.h, self.heads, self.kvh, self.hd = (
+            cfg["hidden_size"],
+            cfg["num_attention_heads"],
+            cfg["num_key_value_heads"],
+            cfg["head_dim"],
+        )
         self.eps = np.float32(cfg.get("rms_norm_eps", 1e-6))
         self.vocab = cfg["vocab_size"]
         zc = self.layout == "qwen3_next"
@@ -120,24 +144,63 @@ class Head:
         self.post_bias = nvfp4
         self.embed = t["model.embed_tokens.weight"]
         self.target_norm = norm("model.norm.weight")
-        self.enorm, self.hnorm = norm(f"{module}{names[0]}.weight"), norm(f"{module}{names[1]}.weight")
+        self.enorm, self.hnorm = (
+            norm(f"{module}{names[0]}.weight"),
+            norm(f"{module}{names[1]}.weight"),
+        )
         self.eh = proj(f"{module}{names[2]}.weight")
         self.fnorm = norm(f"{module}{names[3]}.weight")
         p = layer
-        self.attn_norm, self.ffn_norm = norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")
-        self.wq, self.wk, self.wv, self.wo = (proj(p + f"self_attn.{x}_proj.weight") for x in "qkvo")
+        self.attn_norm, self.ffn_norm = (
+            norm(p + "input_layernorm.weight"),
+            norm(p + "post_attention_layernorm.weight"),
+        )
+        self.wq, self.wk, self.wv, self.wo = (
+            proj(p + f"self_attn.{x}_proj.weight") for x in "qkvo"
+        )
         self.bq, self.bk, self.bv = (t.get(p + f"self_attn.{x}_proj.bias") for x in "qkv")
-        self.qn = norm(p + "self_attn.q_norm.weight") if p + "self_attn.q_norm.weight" in t else None
-        self.kn = norm(p + "self_attn.k_norm.weight") if p + "self_attn.k_norm.weight" in t else None
-        self.wg, self.wu, self.wd = (proj(p + f"mlp.{x}_proj.weight") for x in ("gate", "up", "down"))
+        self.qn = (
+            norm(p + "self_attn.q_norm.weight") if p + "self_attn.q_norm.weight" in t else None
+        )
+        self.kn = (
+            norm(p + "self_attn.k_norm.weight") if p + "self_attn.k_norm.weight" in t else None
+        )
+        self.moe = p + "mlp.gate.weight" in t
+        mlp = "mlp"
+        if self.moe:
+            mlp = "mlp.shared_expert" if zc else "mlp.shared_experts"
+            self.router = t[p + "mlp.gate.weight"]
+            self.bias = t.get(p + "mlp.gate.e_score_correction_bias")
+            self.shared_gate = t.get(p + "mlp.shared_expert_gate.weight")
+            n = self.router.shape[0]
+            self.experts = [
+                tuple(proj(p + f"mlp.experts.{e}.{x}_proj.weight") for x in ("gate", "up", "down"))
+                for e in range(n)
+            ]
+            self.softmax = zc
+            self.top_k = cfg["num_experts_per_tok"]
+            self.norm_topk = cfg.get("norm_topk_prob", True)
+            self.scaling = np.float32(cfg.get("routed_scaling_factor", 1.0))
+            self.n_group, self.topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
+        self.wg, self.wu, self.wd = (
+            proj(p + f"{mlp}.{x}_proj.weight") for x in ("gate", "up", "down")
+        )
         head_name = f"{module}shared_head.head.weight"
-        lm = t[head_name] if self.layout in ("deepseek_v3", "glm4_moe") and head_name in t else t["lm_head.weight"]
+        lm = (
+            t[head_name]
+            if self.layout in ("deepseek_v3", "glm4_moe") and head_name in t
+            else t["lm_head.weight"]
+        )
         self.lm = q.dequantize_nvfp4(*q.quantize_nvfp4(lm))  # the head always drafts through NVFP4
         vd = scen["mtp_vocab_size"] or self.vocab
         self.lm = self.lm[:vd]
-        rd = max(2, min(self.hd, int(round(self.hd * cfg.get("partial_rotary_factor", 1.0))) // 2 * 2))
+        rd = max(
+            2, min(self.hd, int(round(self.hd * cfg.get("partial_rotary_factor", 1.0))) // 2 * 2)
+        )
         base = float(cfg.get("rope_theta", 10000.0))
-        self.inv_freq = np.array([1.0 / base ** (2.0 * i / rd) for i in range(rd // 2)], dtype=np.float64).astype(np.float32)
+        self.inv_freq = np.array(
+            [1.0 / base ** (2.0 * i / rd) for i in range(rd // 2)], dtype=np.float64
+        ).astype(np.float32)
         self.rows = []  # (pair key, k [kvh, hd], v [kvh, hd])
 
     def rope(self, x, pos):
@@ -193,12 +256,62 @@ class Head:
             attn = bf16(attn / (np.float32(1.0) + np.exp(-gate)))
         x = bf16(x + linear(attn[None], self.wo)[0])
         n = rms_norm(x, self.ffn_norm, self.eps)
-        gg, uu = linear(n[None], self.wg)[0], linear(n[None], self.wu)[0]
-        m = bf16(gg / (np.float32(1.0) + np.exp(-gg)) * uu)
-        x = bf16(x + linear(m[None], self.wd)[0])
+        x = bf16(x + self.mlp(n))
         o = rms_norm(x, self.fnorm, self.eps)
         logits = dot8(o, self.lm)
         return logits, (o if self.chain_post else x)
+
+    @staticmethod
+    def swiglu(n, wg, wu, wd):
+        gg, uu = linear(n[None], wg)[0], linear(n[None], wu)[0]
+        m = bf16(gg / (np.float32(1.0) + np.exp(-gg)) * uu)
+        return linear(m[None], wd)[0]
+
+    def route(self, logits):
+        """(expert, weight) pairs, by descending weight (ties: lower index)."""
+        n = len(logits)
+
+        def order(v):
+            return sorted(range(n), key=lambda i: (-v[i], i))
+
+        if self.softmax:
+            e = np.exp(logits - logits.max()).astype(np.float32)
+            p = e / seq_sum(e)
+            chosen = [(i, p[i]) for i in order(p)[: self.top_k]]
+        else:
+            sc = (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))).astype(np.float32)
+            choice = sc + (self.bias if self.bias is not None else np.float32(0.0))
+            g = self.n_group
+            if g > 1 and self.topk_group < g:
+                per = n // g
+                gs = [
+                    float(np.sort(choice[k * per : (k + 1) * per])[::-1][:2].sum())
+                    for k in range(g)
+                ]
+                keep = sorted(range(g), key=lambda k: (-gs[k], k))[: self.topk_group]
+                choice = np.array(
+                    [c if i // per in keep else -np.inf for i, c in enumerate(choice)], np.float32
+                )
+            chosen = [(i, sc[i]) for i in order(choice)[: self.top_k]]
+        w = np.array([c[1] for c in chosen], np.float32)
+        if self.norm_topk:
+            w = w / (seq_sum(w) + np.float32(1e-20))
+        w = w * self.scaling
+        return [(c[0], np.float32(wi)) for c, wi in zip(chosen, w, strict=True)]
+
+    def mlp(self, n):
+        """The MLP's output for the normed row `n` (dense, or shared + routed experts)."""
+        out = self.swiglu(n, self.wg, self.wu, self.wd)
+        if not self.moe:
+            return out
+        if self.shared_gate is not None:
+            gl = linear(n[None], self.shared_gate)[0][0]
+            out = bf16(out * bf16(np.float32(1.0) / (np.float32(1.0) + np.exp(-gl))))
+        logits = dot8(n, self.router)
+        for e, w in self.route(logits):
+            y = self.swiglu(n, *self.experts[e])
+            out = bf16(out + bf16(y * bf16(w)))
+        return out
 
     def trim(self, newest_key):
         self.rows = [r for r in self.rows if r[0] <= newest_key]
@@ -231,7 +344,8 @@ def check_head(path):
             worst = max(worst, err / tol)
             worst_abs = max(worst_abs, err)
             if VERBOSE:
-                print(f"round {r} step {j}: max |diff| {err:.5f}, max |logit| {float(np.abs(logits).max()):.3f}")
+                scale = float(np.abs(logits).max())
+                print(f"round {r} step {j}: max |diff| {err:.5f}, max |logit| {scale:.3f}")
             if err > tol:
                 failures.append(f"round {r} step {j}: max logit difference {err:.4f} > {tol:.4f}")
             masked = np.where([allowed(mask, t) for t in range(len(logits))], logits, -np.inf)
@@ -239,7 +353,11 @@ def check_head(path):
             top2 = np.sort(masked)[-2:]
             drafts.append(pick)
             if rd["drafts"][j] != pick:
-                failures.append(f"round {r} step {j}: Rust drafted {rd['drafts'][j]}, numpy {pick} (top-2 margin {top2[1]-top2[0]:.4g})")
+                margin = top2[1] - top2[0]
+                failures.append(
+                    f"round {r} step {j}: Rust drafted {rd['drafts'][j]}, numpy {pick} "
+                    f"(top-2 margin {margin:.4g})"
+                )
             # Continue from the Rust draft so one disagreement does not cascade.
             token, hidden = rd["drafts"][j], chain
         k = rd["accepted"]
@@ -249,8 +367,11 @@ def check_head(path):
                 head.step(rd["drafts"][i], hid[pos + i], pos + 1 + i, True, want_logits=False)
         else:
             head.trim(pos - 1 + k)
-    print(f"{scen['layout']} ({scen['quant']}, levers {scen['levers']}): {len(scen['rounds'])} rounds, "
-          f"worst logit difference {worst_abs:.3g} ({worst:.3f} of the tolerance), {len(failures)} failures")
+    print(
+        f"{scen['layout']} ({scen['quant']}, levers {scen['levers']}): "
+        f"{len(scen['rounds'])} rounds, worst logit difference {worst_abs:.3g} "
+        f"({worst:.3f} of the tolerance), {len(failures)} failures"
+    )
     for f in failures:
         print("  " + f)
     return 0 if not failures else 1
@@ -268,10 +389,14 @@ def check_quantize(d, rows, cols):
         bad.append(f"weight_scale_2: Rust {rg!r}, Python {g!r}")
     if not np.array_equal(rs, scales):
         i = np.argwhere(rs != scales)[0]
-        bad.append(f"{int((rs != scales).sum())} scales differ, first at {tuple(i)}: Rust {rs[tuple(i)]:#x}, Python {scales[tuple(i)]:#x}")
+        n = int((rs != scales).sum())
+        at = tuple(i)
+        bad.append(f"{n} scales differ, first at {at}: Rust {rs[at]:#x}, Python {scales[at]:#x}")
     if not np.array_equal(rc, codes):
         i = np.argwhere(rc != codes)[0]
-        bad.append(f"{int((rc != codes).sum())} code bytes differ, first at {tuple(i)}: Rust {rc[tuple(i)]:#x}, Python {codes[tuple(i)]:#x}")
+        n = int((rc != codes).sum())
+        at = tuple(i)
+        bad.append(f"{n} code bytes differ, first at {at}: Rust {rc[at]:#x}, Python {codes[at]:#x}")
     print(f"quantize {rows}x{cols}: " + ("identical" if not bad else "; ".join(bad)))
     return 1 if bad else 0
 

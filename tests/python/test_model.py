@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import specdraft
+import specdraft.models
 
 gguf = pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -90,6 +91,12 @@ def test_unknown_names_and_bad_files_raise_clear_errors(tmp_path: Path) -> None:
     """A name that is neither a path nor known lists the known names; a bad file names itself."""
     with pytest.raises(specdraft.ConfigError, match="smollm2"):
         specdraft.load_model("no-such-model")
+    tiny = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(tiny)
+    with pytest.raises(specdraft.ConfigError, match="tokenizer model None"):
+        specdraft.models.load_tokenizer(tiny)
+    meta = specdraft._core.gguf_metadata(str(tiny), ["llama.block_count", "nope"])
+    assert meta == {"llama.block_count": LAYERS}
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(specdraft.CheckpointError, match="bad.gguf"):

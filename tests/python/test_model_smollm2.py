@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import specdraft
-from specdraft.models import fetch_default_model
+from specdraft.models import fetch_default_model, load_tokenizer
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -29,6 +29,9 @@ def test_smollm2_logits_match_the_numpy_reference() -> None:
     reader = gguf.GGUFReader(str(path))
     tokenizer = ref.tokenizer_from_gguf(reader)
     tokens = tokenizer.encode(PROMPT).ids
+    ours = load_tokenizer("smollm2")
+    assert ours.encode(PROMPT).ids == tokens
+    assert ours.decode(tokens) == PROMPT
     want = ref.forward(reader, ref.load_weights(reader), tokens)
     model = specdraft.load_model("smollm2", max_rows=64, max_seq_len=256, kv_blocks=32)
     assert model.config.num_hidden_layers == 30

@@ -20,7 +20,12 @@ def test_fp8_encode_inverts_decode_on_every_finite_code():
     codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF, 0x80)], dtype=np.uint8)
     assert np.array_equal(q.fp8_e4m3_encode(q.fp8_e4m3_decode(codes)), codes)
     # Ties go to the even mantissa; out-of-range values saturate at +-448.
-    assert q.fp8_e4m3_encode(np.float32([1.0625, 1.1875, 1e9, -1e9])).tolist() == [0x38, 0x3A, 0x7E, 0xFE]
+    assert q.fp8_e4m3_encode(np.float32([1.0625, 1.1875, 1e9, -1e9])).tolist() == [
+        0x38,
+        0x3A,
+        0x7E,
+        0xFE,
+    ]
 
 
 def test_dequantize_is_the_formula():

@@ -108,6 +108,11 @@ impl CudaBackend {
         })
     }
 
+    /// The 0-based device ordinal this backend opened.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
     /// The device's name as the driver reports it.
     pub fn device_name(&self) -> Result<String, BackendError> {
         self.ctx.name().map_err(driver_error("device name"))

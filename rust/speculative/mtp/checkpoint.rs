@@ -35,9 +35,11 @@ impl MtpHead {
         levers: &ModelLevers,
     ) -> crate::Result<Self> {
         let (config, src) = SafetensorsCheckpoint::open_with_config(dir.as_ref())?;
+        let groups = moe_groups(&dir.as_ref().join("config.json"));
         Self::from_source(
             &src,
             &config,
+            groups,
             gpu,
             quant,
             mtp_vocab_size,
@@ -48,10 +50,13 @@ impl MtpHead {
     }
 
     /// [`MtpHead::from_checkpoint`] from any tensor source and a parsed config.
+    /// `moe_groups` is DeepSeek/GLM's `(n_group, topk_group)` for group-limited routing
+    /// (`(1, 1)` when the model has none).
     #[allow(clippy::too_many_arguments)]
     pub fn from_source(
         src: &dyn TensorSource,
         config: &ModelConfig,
+        moe_groups: (usize, usize),
         gpu: Arc<dyn GpuBackend>,
         quant: MtpQuantization,
         mtp_vocab_size: u32,
@@ -61,7 +66,10 @@ impl MtpHead {
     ) -> crate::Result<Self> {
         let layout = find_layout(src, config)?;
         let allocs = DeviceAllocations::new(gpu.clone());
-        let weights = MtpWeights::load(&allocs, src, config, layout, 0)?;
+        let mut weights = MtpWeights::load(&allocs, src, config, layout, 0)?;
+        if let Some(moe) = weights.layer.moe.as_mut() {
+            (moe.n_group, moe.topk_group) = moe_groups;
+        }
         let (h, vocab) = (config.hidden_size, config.vocab_size);
         let embed_name = "model.embed_tokens.weight";
         let embed = crate::model::layers::load_dense(&allocs, src, embed_name, &[vocab, h])?;
@@ -90,6 +98,22 @@ impl MtpHead {
         head.adopt_into(allocs);
         Ok(head)
     }
+}
+
+/// `(n_group, topk_group)` from a `config.json` (`(1, 1)` when absent or unreadable; the
+/// file was already parsed once, so a broken one has been reported).
+fn moe_groups(path: &Path) -> (usize, usize) {
+    let value: Option<serde_json::Value> = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let get = |key: &str| {
+        value
+            .as_ref()
+            .and_then(|v| v.get(key))
+            .and_then(|v| v.as_u64())
+            .map_or(1, |n| n.max(1) as usize)
+    };
+    (get("n_group"), get("topk_group"))
 }
 
 fn load_lm_head(

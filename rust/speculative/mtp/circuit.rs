@@ -10,6 +10,9 @@
 //! NVFP4 weights are `U8` slots with the logical `[out, in]` shape, the FP8 block scales in
 //! `block_scale` and `weight_scale_2` in `global_scale`.
 //!
+//! A head with a routed MoE MLP has no binding yet (`circuit_draft` returns `None` and a
+//! runner is ignored), since the slots above do not describe experts.
+//!
 //! The reference runner rebuilds the head's forward from nothing but those slots, so a
 //! binding that leaves anything out fails to draft, and one that is complete drafts exactly
 //! what the head does.
@@ -204,6 +207,7 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
         gate: linear("layer.mlp.gate_proj")?,
         up: linear("layer.mlp.up_proj")?,
         down: linear("layer.mlp.down_proj")?,
+        moe: None,
     };
     let ffn = layer.gate.dims().0;
     let weights = MtpWeights {
@@ -288,6 +292,7 @@ impl DraftRunner for ReferenceDraftRunner {
             spec.ffn,
             spec.draft_vocab,
             spec.max_blocks_per_seq,
+            0,
         );
         let result = sc.and_then(|sc| {
             let mut drafts = Vec::new();

@@ -37,6 +37,14 @@ pub(crate) struct Scratch {
     pub attn: DevicePtr,
     pub mlp_gate: DevicePtr,
     pub mlp_up: DevicePtr,
+    /// MoE: router logits f32 `[rows, experts]`, the accumulated MLP output `[rows, hidden]`,
+    /// one expert's output, a scaled copy, the BF16 scalar weight, the shared-expert gate.
+    pub router: DevicePtr,
+    pub moe_acc: DevicePtr,
+    pub moe_out: DevicePtr,
+    pub moe_tmp: DevicePtr,
+    pub moe_w: DevicePtr,
+    pub moe_gate_logit: DevicePtr,
     /// The final norm's output.
     pub out: DevicePtr,
     pub logits: DevicePtr,
@@ -57,6 +65,7 @@ impl Scratch {
         ffn: usize,
         vocab: usize,
         max_blocks_per_seq: usize,
+        num_experts: usize,
     ) -> crate::Result<Self> {
         let mut a = |dtype, len: usize, tag: &str| alloc(dtype, len.max(1), tag);
         use Dtype::*;
@@ -81,6 +90,16 @@ impl Scratch {
             attn: a(Bf16, rows * q_size, "mtp:attn")?,
             mlp_gate: a(Bf16, rows * ffn, "mtp:mlp_gate")?,
             mlp_up: a(Bf16, rows * ffn, "mtp:mlp_up")?,
+            router: a(F32, rows * num_experts, "mtp:router")?,
+            moe_acc: a(
+                Bf16,
+                if num_experts > 0 { rows * hidden } else { 0 },
+                "mtp:moe_acc",
+            )?,
+            moe_out: a(Bf16, hidden, "mtp:moe_out")?,
+            moe_tmp: a(Bf16, hidden, "mtp:moe_tmp")?,
+            moe_w: a(Bf16, 1, "mtp:moe_w")?,
+            moe_gate_logit: a(Bf16, rows, "mtp:moe_gate_logit")?,
             out: a(Bf16, rows * hidden, "mtp:out")?,
             logits: a(F32, rows * vocab, "mtp:logits")?,
             probs: a(F32, rows * vocab, "mtp:probs")?,
@@ -331,9 +350,21 @@ impl HeadSpec {
             .forward(gpu, sc.mlp_gate, Dtype::Bf16, sc.normed, None, r, stream)?;
         l.up.forward(gpu, sc.mlp_up, Dtype::Bf16, sc.normed, None, r, stream)?;
         gpu.silu_mul(sc.mlp_gate, sc.mlp_gate, sc.mlp_up, r * self.ffn, stream)?;
-        l.down
-            .forward(gpu, sc.normed, Dtype::Bf16, sc.mlp_gate, None, r, stream)?;
-        gpu.add(sc.x, sc.x, sc.normed, r * h, stream)?;
+        match &l.moe {
+            None => {
+                l.down
+                    .forward(gpu, sc.normed, Dtype::Bf16, sc.mlp_gate, None, r, stream)?;
+                gpu.add(sc.x, sc.x, sc.normed, r * h, stream)?;
+            }
+            Some(moe) => {
+                // The layer's gate/up/down are the shared expert; the routed experts read
+                // the same normed input, so it must survive until they ran.
+                l.down
+                    .forward(gpu, sc.moe_acc, Dtype::Bf16, sc.mlp_gate, None, r, stream)?;
+                moe.forward(gpu, sc, r, h, stream)?;
+                gpu.add(sc.x, sc.x, sc.moe_acc, r * h, stream)?;
+            }
+        }
 
         gpu.rms_norm(sc.out, sc.x, w.final_norm.ptr, r, h, eps, stream)?;
         let lm = &self.lm_head;

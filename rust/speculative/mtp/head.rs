@@ -167,6 +167,8 @@ impl MtpHead {
         );
         check_weights(&weights, &embed, &target_final_norm, config)?;
         let ffn = weights.layer.gate.dims().0;
+        // The MLP scratch serves the shared expert and one routed expert at a time.
+        let mlp_width = ffn.max(weights.layer.moe.as_ref().map_or(0, |m| m.expert_ffn()));
         if lm_head.in_features != h || lm_head.out_features > vocab || lm_head.out_features == 0 {
             return Err(invalid(format!(
                 "lm_head_nvfp4 is [{}, {}]; expected [rows <= vocab_size {vocab}, hidden_size {h}]",
@@ -230,9 +232,10 @@ impl MtpHead {
             q_rows,
             heads * hd,
             kvh * hd,
-            ffn,
+            mlp_width,
             draft_vocab,
             max_blocks_per_seq,
+            weights.layer.moe.as_ref().map_or(0, |m| m.experts.len()),
         )?;
         let num_slots = kv.num_slots();
         let (k_cache, v_cache) = (kv.k, kv.v);
@@ -387,6 +390,23 @@ fn check_weights(
     }
     if l.q_norm.is_some() != l.k_norm.is_some() {
         return Err(invalid("q_norm and k_norm must be given together".into()));
+    }
+    if let Some(moe) = &l.moe {
+        let e = moe.experts.len();
+        let f = moe.expert_ffn();
+        if e == 0 || moe.router.shape != [e, h] || moe.top_k == 0 || moe.top_k > e {
+            return Err(invalid(format!(
+                "the MoE router is {:?} for {e} experts (top-{}); expected [{e}, {h}] and 1 <= top_k <= {e}",
+                moe.router.shape, moe.top_k
+            )));
+        }
+        for (i, x) in moe.experts.iter().enumerate() {
+            if x.gate.dims() != (f, h) || x.up.dims() != (f, h) || x.down.dims() != (h, f) {
+                return Err(invalid(format!(
+                    "expert {i}'s projections are not [{f}, {h}] / [{h}, {f}]"
+                )));
+            }
+        }
     }
     if embed.shape != [config.vocab_size, h] {
         return Err(invalid(format!(

@@ -4,7 +4,7 @@
 //!
 //! One file per job: [`nvfp4`] (quantization), [`weights`] (weights and checkpoint layouts),
 //! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations on
-//! the typed kernels), `head` (construction), `proposer` (the `DraftProposer` methods),
+//! the typed kernels), [`moe`] (routed experts), `head` (construction), `draft` (the draft loop), `proposer` (the `DraftProposer` methods),
 //! `checkpoint` (loading from a checkpoint folder) and `circuit` (the circuit binding and the
 //! reference runner).
 //!
@@ -16,8 +16,10 @@
 
 mod checkpoint;
 mod circuit;
+mod draft;
 mod forward;
 mod head;
+pub mod moe;
 pub mod nvfp4;
 mod proposer;
 mod state;

@@ -6,12 +6,15 @@
 //! | MiMo | `model.mtp_layers.{i}.` | `token_layernorm`, `hidden_layernorm`, `input_proj`, `final_layernorm` |
 //! | Qwen3-Next | `mtp.` | `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, `norm` |
 //!
-//! The decoder layer sits at the prefix itself (DeepSeek, MiMo) or at `mtp.layers.0.`
+//! A layer whose MLP has a router (`mlp.gate.weight`) is a routed MoE (see `moe`), its
+//! shared expert(s) at `mlp.shared_experts.*` (DeepSeek/GLM) or `mlp.shared_expert.*`
+//! (Qwen3-Next). The decoder layer sits at the prefix itself (DeepSeek, MiMo) or at `mtp.layers.0.`
 //! (Qwen3-Next), with Hugging Face's part names. Invariants of a loaded [`MtpWeights`]:
 //! every projection has the shape the config implies (`eh_proj` `[hidden, 2 * hidden]`;
 //! `q_proj` twice as tall under gated attention); Qwen3-Next's zero-centred norms are stored
 //! as `1 + w`, so every norm here is a plain RMSNorm weight.
 
+use super::moe::{MoeScoring, MtpMoe};
 use crate::model::layers::{load_dense, load_linear};
 use crate::model::tensors::TensorSource;
 use crate::model::{DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelError};
@@ -107,9 +110,12 @@ pub struct MtpLayerWeights {
     pub q_norm: Option<DenseWeight>,
     pub k_norm: Option<DenseWeight>,
     pub ffn_norm: DenseWeight,
+    /// The dense MLP, or the shared expert(s) when `moe` is set.
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
+    /// The routed experts, for GLM/DeepSeek-V3 and Qwen3-Next MoE layers.
+    pub moe: Option<MtpMoe>,
 }
 
 /// Every weight of one MTP module except the embedding and the LM head, which it shares
@@ -218,12 +224,25 @@ impl MtpWeights {
                 None => Ok(None),
             }
         };
-        let ffn = match src.tensor(&format!("{}.weight", l("mlp.gate_proj")))? {
+        let moe = match layout {
+            MtpLayout::DeepseekV3 => {
+                MtpMoe::load(allocs, src, config, &layer, MoeScoring::Sigmoid)?
+            }
+            MtpLayout::Qwen3Next => MtpMoe::load(allocs, src, config, &layer, MoeScoring::Softmax)?,
+            MtpLayout::Mimo => None,
+        };
+        // A MoE layer's gate/up/down are its shared expert(s).
+        let mlp = match (&moe, layout) {
+            (None, _) => "mlp",
+            (Some(_), MtpLayout::Qwen3Next) => "mlp.shared_expert",
+            (Some(_), _) => "mlp.shared_experts",
+        };
+        let ffn = match src.tensor(&format!("{}.weight", l(&format!("{mlp}.gate_proj"))))? {
             Some(t) if t.shape.len() == 2 => t.shape[0],
             _ => {
                 return Err(ModelError::MissingTensor {
                     path: src.path().to_string(),
-                    tensor: format!("{}.weight", l("mlp.gate_proj")),
+                    tensor: format!("{}.weight", l(&format!("{mlp}.gate_proj"))),
                 }
                 .into())
             }
@@ -240,9 +259,10 @@ impl MtpWeights {
             q_norm: head_norm("self_attn.q_norm")?,
             k_norm: head_norm("self_attn.k_norm")?,
             ffn_norm: norm(format!("{}.weight", l("post_attention_layernorm")), h)?,
-            gate: load_linear(allocs, src, &l("mlp.gate_proj"), ffn, h)?,
-            up: load_linear(allocs, src, &l("mlp.up_proj"), ffn, h)?,
-            down: load_linear(allocs, src, &l("mlp.down_proj"), h, ffn)?,
+            gate: load_linear(allocs, src, &l(&format!("{mlp}.gate_proj")), ffn, h)?,
+            up: load_linear(allocs, src, &l(&format!("{mlp}.up_proj")), ffn, h)?,
+            down: load_linear(allocs, src, &l(&format!("{mlp}.down_proj")), h, ffn)?,
+            moe,
         };
         if layer_weights.q_norm.is_some() != layer_weights.k_norm.is_some() {
             return Err(ModelError::MissingTensor {
@@ -286,16 +306,10 @@ pub(crate) fn load_norm(
 
 /// Refuses, with a message naming the tensor, the layer kinds this head does not run.
 fn refuse_unsupported(src: &dyn TensorSource, layer: &str) -> crate::Result<()> {
-    let unsupported = [
-        (
-            "self_attn.kv_a_proj_with_mqa.weight",
-            "multi-head latent attention (DeepSeek-V3 MLA) is not supported; GQA attention is",
-        ),
-        (
-            "mlp.gate.weight",
-            "a routed mixture-of-experts MLP is not supported yet; a dense SwiGLU MLP is",
-        ),
-    ];
+    let unsupported = [(
+        "self_attn.kv_a_proj_with_mqa.weight",
+        "multi-head latent attention (DeepSeek-V3 MLA) is not supported; GQA attention is",
+    )];
     for (part, why) in unsupported {
         let name = format!("{layer}{part}");
         if src.tensor(&name)?.is_some() {

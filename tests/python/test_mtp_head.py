@@ -1,0 +1,157 @@
+"""`specdraft.MtpHead` from Python, against the numpy reference in `mtp_reference.py`, and
+`specdraft.quantize_nvfp4` (the Rust quantizer) against `specdraft/quantize.py`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import specdraft
+
+_HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("mtp_reference", _HERE / "mtp_reference.py")
+ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ref)
+q = ref.q
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(specdraft, "MtpHead"), reason="this build of specdraft has no MtpHead binding"
+)
+
+H, HEADS, KVH, HD, FFN, VOCAB = 64, 4, 2, 16, 96, 100
+
+
+def _bf16_bytes(a):
+    return (
+        ref.bf16(np.asarray(a, np.float32)).view(np.uint32).__rshift__(16).astype("<u2").tobytes()
+    )
+
+
+def write_checkpoint(folder: Path, layout: str, seed: int = 0) -> Path:
+    """A tiny random checkpoint with the real tensor names of `layout`."""
+    rng = np.random.default_rng(seed)
+    zc = layout == "qwen3_next"
+    module, layer, names = ref.LAYOUTS[layout]
+    module, layer = module.format(L=1), layer.format(L=1)
+    t = {}
+
+    def put(name, shape, scale, base=0.0):
+        t[name] = ("BF16", list(shape), _bf16_bytes(base + rng.uniform(-scale, scale, shape)))
+
+    def norm(name, n=H):
+        put(name, [n], 0.2, 0.0 if zc else 1.0)
+
+    put("model.embed_tokens.weight", [VOCAB, H], 1.0)
+    norm("model.norm.weight")
+    put("lm_head.weight", [VOCAB, H], 3 / np.sqrt(H))
+    norm(f"{module}{names[0]}.weight")
+    norm(f"{module}{names[1]}.weight")
+    put(f"{module}{names[2]}.weight", [H, 2 * H], 1 / np.sqrt(2 * H))
+    norm(f"{module}{names[3]}.weight")
+    s = 1.5 / np.sqrt(H)
+    norm(layer + "input_layernorm.weight")
+    norm(layer + "post_attention_layernorm.weight")
+    put(layer + "self_attn.q_proj.weight", [(2 if zc else 1) * HEADS * HD, H], s)
+    put(layer + "self_attn.k_proj.weight", [KVH * HD, H], s)
+    put(layer + "self_attn.v_proj.weight", [KVH * HD, H], s)
+    put(layer + "self_attn.o_proj.weight", [H, HEADS * HD], s)
+    if zc:
+        norm(layer + "self_attn.q_norm.weight", HD)
+        norm(layer + "self_attn.k_norm.weight", HD)
+    put(layer + "mlp.gate_proj.weight", [FFN, H], s)
+    put(layer + "mlp.up_proj.weight", [FFN, H], s)
+    put(layer + "mlp.down_proj.weight", [H, FFN], 1.5 / np.sqrt(FFN))
+    folder.mkdir(parents=True, exist_ok=True)
+    q.write_safetensors(folder / "model.safetensors", t)
+    cfg = {
+        "model_type": layout,
+        "hidden_size": H,
+        "intermediate_size": FFN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KVH,
+        "head_dim": HD,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+    }
+    if zc:
+        cfg["partial_rotary_factor"] = 0.25
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["deepseek_v3", "mimo", "qwen3_next"])
+def test_drafts_and_logits_match_the_numpy_reference(tmp_path, gpu, layout):
+    folder = write_checkpoint(tmp_path / layout, layout)
+    head = specdraft.MtpHead.from_checkpoint(folder, gpu)
+    assert head.layout == ("deepseek_v3" if layout == "deepseek_v3" else layout)
+    ctx = specdraft.ForwardContext(gpu, specdraft.ModelConfig.from_file(folder / "config.json"))
+    rng = np.random.default_rng(1)
+    hid = ref.bf16(rng.uniform(-2, 2, (64, H)).astype(np.float32))
+    ptr = gpu.upload(hid, dtype="bf16")
+    tokens = [int(x) for x in rng.integers(0, VOCAB, 40)]
+    numpy_head = ref.Head(
+        {
+            "checkpoint": str(folder),
+            "layout": layout,
+            "quant": "bf16",
+            "mtp_vocab_size": 0,
+            "levers": {
+                "mtp_kv_exact": False,
+                "mtp_target_postnorm": False,
+                "mtp_chain_postnorm": False,
+            },
+        }
+    )
+    state = head.alloc_state_for(gpu, 200)
+    P = 16
+    assert head.prefill_drafter(tokens[:P], ptr, state, ctx) == P - 1
+    for i in range(1, P):
+        numpy_head.step(tokens[i], hid[i - 1], i, True, want_logits=False)
+    pos = P
+    for r in range(4):
+        drafts = head.propose(tokens[pos], ptr.offset((pos - 1) * H * 2), pos, 3, state, ctx)
+        numpy_head.trim(pos - 2)
+        token, hidden, want = tokens[pos], hid[pos - 1], []
+        for j in range(3):
+            logits, hidden = numpy_head.step(token, hidden, pos + j, j == 0)
+            token = int(np.argmax(logits))
+            want.append(token)
+        np.testing.assert_array_equal(head.last_logits(gpu), logits)  # the last step's logits
+        assert list(drafts) == want, f"round {r}"
+        k = r % 3
+        head.after_verify(k, state)
+        numpy_head.trim(pos - 1 + k)
+        tokens[pos + 1 : pos + 1 + k] = drafts[:k]
+        pos += k + 1
+    head.free_state(gpu, state)
+    gpu.free(ptr)
+    del head
+
+
+def test_conformance_from_python(tmp_path, gpu):
+    head = specdraft.MtpHead.from_checkpoint(write_checkpoint(tmp_path / "c", "mimo"), gpu)
+    report = specdraft.check_proposer(head, gpu=gpu, vocab_size=VOCAB, hidden_size=H)
+    assert report.ok, report.violations
+    del head
+
+
+def test_rust_quantizer_equals_the_python_one():
+    rng = np.random.default_rng(3)
+    w = (rng.uniform(-1, 1, (8, 64)) ** 3 * 3).astype(np.float32)
+    codes, scales, g = specdraft.quantize_nvfp4(w)
+    pc, ps, pg = q.quantize_nvfp4(w)
+    assert np.array_equal(codes, pc) and np.array_equal(scales, ps) and np.float32(g) == pg
+
+
+def test_a_folder_without_a_module_raises_with_what_it_holds(tmp_path, gpu):
+    folder = write_checkpoint(tmp_path / "x", "deepseek_v3")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(specdraft.SpecdraftError, match="no MTP module"):
+        specdraft.MtpHead.from_checkpoint(folder, gpu)
