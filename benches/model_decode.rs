@@ -2,7 +2,7 @@
 //! weight bytes one token reads, the effective weight bandwidth, and a measured memcpy
 //! bandwidth of this machine to compare it with.
 //!
-//! `cargo bench --bench model_decode [-- PATH]`; without a path it uses
+//! `cargo bench --bench model_decode [-- PATH] [--cuda]`; without a path it uses
 //! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
 
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
@@ -35,6 +35,17 @@ fn model_path() -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
+/// The backend: `--cuda` (feature `cuda`) for device 0, else the CPU.
+fn backend() -> Arc<dyn GpuBackend> {
+    if std::env::args().any(|a| a == "--cuda") {
+        #[cfg(feature = "cuda")]
+        return Arc::new(specdraft::backend::CudaBackend::new(0).expect("CUDA device 0"));
+        #[cfg(not(feature = "cuda"))]
+        panic!("--cuda needs the bench built with `--features cuda`");
+    }
+    Arc::new(CpuBackend::new())
+}
+
 /// Best of several host memcpy passes over a buffer far larger than the caches, split
 /// across the rayon pool as the CPU kernels are.
 fn memcpy_gbps() -> f64 {
@@ -55,6 +66,25 @@ fn memcpy_gbps() -> f64 {
     2.0 * n as f64 / best / 1e9
 }
 
+/// Best device-to-device copy bandwidth of the backend (the bound for a device's decode).
+fn device_copy_gbps(gpu: &dyn GpuBackend) -> f64 {
+    let n = 256 << 20;
+    let (a, b) = (
+        gpu.alloc(n, "bench copy a").expect("alloc"),
+        gpu.alloc(n, "bench copy b").expect("alloc"),
+    );
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        gpu.copy_dtod(b, a, n, 0).expect("copy");
+        gpu.synchronize(0).expect("sync");
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    gpu.free(a).expect("free");
+    gpu.free(b).expect("free");
+    2.0 * n as f64 / best / 1e9
+}
+
 fn main() {
     // `cargo test --all-targets` runs bench binaries without `--bench`; the measurement needs
     // the real model and an optimised build, so it runs only under `cargo bench`.
@@ -63,7 +93,7 @@ fn main() {
         return;
     }
     let path = model_path();
-    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let gpu = backend();
     let t = Instant::now();
     let model = TargetModel::load(
         &path,
@@ -136,7 +166,12 @@ fn main() {
         model.free_sequence(s).expect("free sequence");
     }
     let bytes = model.weight_bytes_per_token() as f64;
-    let memcpy = memcpy_gbps();
+    // The CPU backend's kernels use every core, so its bound is the parallel host copy.
+    let memcpy = if gpu.name() == "cpu" {
+        memcpy_gbps()
+    } else {
+        device_copy_gbps(gpu.as_ref())
+    };
     let weight_gbps = bytes / per_token / 1e9;
     println!(
         "{}",

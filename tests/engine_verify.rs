@@ -3,6 +3,8 @@
 //! significance (0.001, 4 degrees of freedom: critical value 18.467); the seeds are fixed,
 //! so the outcome is deterministic.
 
+mod engine_common;
+
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 use specdraft::engine::{sample_from, target_probs, verify, SamplingParams};
@@ -147,5 +149,71 @@ fn a_deterministic_drafter_is_lossless_with_top_k_and_top_p() {
         // A token outside top-k is never emitted.
         let dropped = p0.iter().position(|&x| x == 0.0).unwrap();
         assert_eq!(o.first[dropped], 0);
+    }
+}
+
+/// Two-sample chi-square for equal sample sizes: sum of (a - b)^2 / (a + b) over cells.
+fn two_sample(a: &[u64], b: &[u64]) -> (f64, usize) {
+    let mut x = 0.0;
+    let mut cells = 0;
+    for (&u, &v) in a.iter().zip(b) {
+        if u + v > 0 {
+            x += (u as f64 - v as f64).powi(2) / (u + v) as f64;
+            cells += 1;
+        }
+    }
+    (x, cells)
+}
+
+#[test]
+fn engine_sampling_with_drafts_matches_plain_sampling() {
+    use specdraft::backend::{CpuBackend, GpuBackend};
+    use specdraft::engine::{GenerateRequest, SpecEngine, TableTarget};
+    use specdraft::speculative::DraftProposer;
+    use std::sync::Arc;
+
+    // Vocabulary 8, context-dependent logits; tokens at output positions 1 and 2 (the first
+    // two that verification decides) over 3000 seeds, speculative vs plain.
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let target = Arc::new(TableTarget::new(gpu, 8, 64, 64, 21, 0.3).unwrap());
+    let counts = |p: Option<Arc<dyn DraftProposer>>| {
+        let engine = SpecEngine::new(target.clone(), p, 3).unwrap();
+        let mut c = vec![vec![0u64; 8]; 2];
+        let mut accepted = 0;
+        let requests = (0..3000u64)
+            .map(|seed| {
+                GenerateRequest::new(vec![1, 2, 3, 1, 2, 3, 1, 2], 3)
+                    .with_sampling(SamplingParams::sampled(1.0, seed))
+            })
+            .collect();
+        for r in engine.generate(requests).results {
+            assert!(r.error.is_none());
+            c[0][r.tokens[1] as usize] += 1;
+            c[1][r.tokens[2] as usize] += 1;
+            accepted += r.metrics.accepted;
+        }
+        (c, accepted)
+    };
+    let (plain, _) = counts(None);
+    // The oracle drafts the target's argmax continuation: accepted often, not always.
+    let oracle = engine_common::Oracle {
+        target: target.clone(),
+        fail: None,
+    };
+    let (spec, accepted) = counts(Some(Arc::new(oracle)));
+    assert!(
+        (1000..5000).contains(&accepted),
+        "{accepted} of 6000 drafts accepted"
+    );
+    // 8 cells: 7 degrees of freedom, critical value 24.32 at 0.001.
+    for k in 0..2 {
+        let (x, cells) = two_sample(&plain[k], &spec[k]);
+        assert!(
+            cells > 2 && x < 24.32,
+            "position {}: chi2 {x}, {:?} vs {:?}",
+            k + 1,
+            plain[k],
+            spec[k]
+        );
     }
 }

@@ -261,6 +261,18 @@ fn nvfp4_projections_match_numpy_on_dequantized_weights() {
 }
 
 #[test]
+fn fp8_projections_match_numpy_on_the_fp8_grid() {
+    drive(&Case {
+        name: "fp8",
+        layout: "mimo",
+        moe: false,
+        levers: ModelLevers::default(),
+        quant: MtpQuantization::Fp8,
+        mtp_vocab_size: 0,
+    });
+}
+
+#[test]
 fn glm_moe_layer_matches_numpy() {
     drive(&Case {
         name: "glm_moe",
@@ -308,4 +320,87 @@ fn rust_and_python_nvfp4_quantizers_agree_bit_for_bit() {
         &rows.to_string(),
         &cols.to_string(),
     ]);
+}
+
+/// A checkpoint converted by `specdraft quantize --nvfp4` (the Python converter) loads with
+/// its NVFP4 projections and LM head as stored, and drafts exactly like the BF16 checkpoint
+/// quantized by the Rust quantizer at load.
+#[test]
+fn python_converted_checkpoint_drafts_like_rust_quantization_at_load() {
+    let bf16_dir = scratch_dir("mtp_ref_convert_in");
+    write_checkpoint_with(&bf16_dir, "glm4_moe", 13, true);
+    let nvfp4_dir = scratch_dir("mtp_ref_convert_out");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/specdraft/quantize.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .args([
+            "--nvfp4",
+            bf16_dir.to_str().unwrap(),
+            nvfp4_dir.to_str().unwrap(),
+        ])
+        .output()
+        .expect("run the converter");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let levers = ModelLevers::default();
+    let load = |dir: &Path, quant| {
+        MtpHead::from_checkpoint(dir, gpu.clone(), quant, 0, 128, 64, &levers).unwrap()
+    };
+    let converted = load(&nvfp4_dir, MtpQuantization::Bf16);
+    let at_load = load(&bf16_dir, MtpQuantization::Nvfp4);
+    assert!(converted
+        .weights()
+        .projections()
+        .iter()
+        .all(|(_, w)| matches!(w, specdraft::model::Linear::Nvfp4(_))));
+    let config = ModelConfig::from_file(bf16_dir.join("config.json")).unwrap();
+    let ctx = ForwardContext::new(
+        gpu.clone(),
+        Arc::new(BufferArena::empty(16)),
+        Arc::new(config),
+        levers,
+    );
+    let mut rng = SmallRng::seed_from_u64(3);
+    let vals: Vec<f32> = (0..40 * HIDDEN)
+        .map(|_| rng.random_range(-2.0..2.0))
+        .collect();
+    let hiddens = gpu.upload_bf16(&vals, "test:hiddens").unwrap();
+    let tokens: Vec<u32> = (0..40).map(|_| rng.random_range(0..VOCAB as u32)).collect();
+    let mut runs = Vec::new();
+    for head in [&converted, &at_load] {
+        let mut st = head.alloc_state_for(gpu.as_ref(), 64).unwrap();
+        head.prefill_drafter(&tokens[..12], hiddens, &mut *st, &ctx, 0)
+            .unwrap();
+        let mut got = Vec::new();
+        let mut pos = 12;
+        for r in 0..4 {
+            let d = head
+                .propose(
+                    tokens[pos],
+                    hiddens.offset((pos - 1) * HIDDEN * 2),
+                    pos,
+                    3,
+                    &mut *st,
+                    &ctx,
+                    0,
+                    None,
+                    None,
+                    None,
+                )
+                .unwrap();
+            got.push((d, head.last_logits(gpu.as_ref(), 0).unwrap()));
+            head.after_verify(r % 2, &mut *st, 0).unwrap();
+            pos += r % 2 + 1;
+        }
+        head.free_state(gpu.as_ref(), &mut *st).unwrap();
+        runs.push(got);
+    }
+    assert_eq!(runs[0], runs[1]);
+    drop((converted, at_load));
+    gpu.free(hiddens).unwrap();
+    assert_eq!(gpu.ledger().live_count(), 0);
 }

@@ -30,6 +30,7 @@ from specdraft._core import (
     GenerationResult,
     ModelConfig,
     ModelLevers,
+    MtpHead,
     PromptLookup,
     ProposerError,
     ProposerState,
@@ -41,6 +42,7 @@ from specdraft._core import (
     check_proposer,
     default_backend,
     load_model,
+    quantize_nvfp4,
 )
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "GenerationResult",
     "ModelConfig",
     "ModelLevers",
+    "MtpHead",
     "PromptLookup",
     "ProposerError",
     "ProposerState",
@@ -73,6 +76,7 @@ __all__ = [
     "check_proposer",
     "default_backend",
     "load_model",
+    "quantize_nvfp4",
 ]
 
 try:

@@ -519,6 +519,53 @@ class ConformanceReport:
         """Whether no contract was broken."""
     def __bool__(self) -> bool: ...
 
+class MtpHead(DraftProposer):
+    """The multi-token-prediction draft head of a checkpoint.
+
+    Finds the MTP module of a DeepSeek-V3 / GLM, MiMo or Qwen3-Next checkpoint and drafts
+    with it; every protocol method runs in Rust.
+    """
+
+    @staticmethod
+    def from_checkpoint(
+        path: str | PathLike[str],
+        gpu: Backend,
+        *,
+        quant: str = "bf16",
+        mtp_vocab_size: int = 0,
+        max_seq_len: int = 4096,
+        main_kv_blocks: int = 4096,
+        levers: ModelLevers | None = None,
+    ) -> MtpHead:
+        """Load the MTP module of the checkpoint folder ``path`` onto ``gpu``.
+
+        ``quant`` is ``"bf16"``, ``"fp8"`` or ``"nvfp4"`` (the head's projections);
+        ``mtp_vocab_size`` restricts drafts to the first rows of the LM head (0: all).
+        """
+    @property
+    def draft_vocab_size(self) -> int:
+        """Rows of the LM head drafts are chosen from."""
+    @property
+    def bytes_per_draft(self) -> int:
+        """Bytes of weights one draft step reads."""
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """``(total, free)`` blocks of the drafter KV pool."""
+    @property
+    def layout(self) -> str:
+        """The checkpoint layout: ``"deepseek_v3"``, ``"mimo"`` or ``"qwen3_next"``."""
+    def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
+        """Row ``row`` of the f32 logits of the head's latest forward."""
+
+def quantize_nvfp4(
+    w: npt.NDArray[np.float32],
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], float]:
+    """Quantize a float32 ``[out, in]`` matrix to NVFP4 (ModelOpt layout) in Rust.
+
+    Returns ``(weight [out, in/2], weight_scale [out, in/16] as FP8 E4M3 bytes,
+    weight_scale_2)``.
+    """
+
 def check_proposer(
     proposer: DraftProposer,
     *,

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from specdraft.cli_engine import add_generate
+from specdraft.quantize import add_quantize
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -54,6 +55,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [
     add_bench,
     add_generate,
+    add_quantize,
 ]
 
 

@@ -182,6 +182,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ]
         )
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
@@ -200,6 +201,12 @@ def run_model_bench(args: argparse.Namespace) -> int:
         if args.max_tokens < 1 or args.num_drafts < 1 or args.batch < 1:
             raise ValueError("--max-tokens, --num-drafts and --batch must be at least 1")
         model, tokenizer, device = _load(args, args.batch)
+    except ImportError as e:
+        print(
+            f"specdraft bench: {e} (install the extras: pip install 'specdraft[cli]')",
+            file=sys.stderr,
+        )
+        return 2
     except (ValueError, RuntimeError, OSError, specdraft.SpecdraftError) as e:
         print(f"specdraft bench: {e}", file=sys.stderr)
         return 2
@@ -290,6 +297,10 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             grammar=grammar,
         )
+    except ImportError as e:
+        extra = "grammar" if "llguidance" in str(e) else "cli"
+        print(f"specdraft generate: {e} (pip install 'specdraft[{extra}]')", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError, OSError, specdraft.SpecdraftError) as e:
         print(f"specdraft generate: {e}", file=sys.stderr)
         return 2

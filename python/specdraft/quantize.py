@@ -23,7 +23,7 @@ Command line::
 quantizes every 2-d projection weight (``*_proj``, ``fc``, ``lm_head``, ``shared_head.head``
 ...) of the BF16/F16/F32 safetensors in IN_DIR whose input width is a multiple of 16, copies
 every other tensor unchanged, and copies the other files (``config.json``, tokenizer, ...).
-Norms, embeddings and biases stay as they are.
+Norms, embeddings, biases and MoE routers stay as they are.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def _quantizable(name: str, dtype: str, shape: list[int]) -> bool:
         return False
     if shape[1] % BLOCK or "embed" in name or "norm" in name:
         return False
-    return True
+    # MoE routers and gates stay in full precision, as in ModelOpt checkpoints.
+    return not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
 
 
 def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path) -> list[str]:

@@ -4,7 +4,7 @@
 //! memory as numpy arrays) and `cuda_backend` (its CUDA subclass, feature `cuda`),
 //! [`allocator`] (KV blocks), [`model`] (config, levers, forward context views), [`state`]
 //! and [`proposer`] (the `DraftProposer` base class), [`adapter`] (a Python proposer behind
-//! `dyn DraftProposer`), [`rust_proposers`], [`conformance`], and [`bench`] (helpers for
+//! `dyn DraftProposer`), [`rust_proposers`], [`mtp`] (the MTP draft head), [`conformance`], and [`bench`] (helpers for
 //! tests and the protocol benchmark).
 //!
 //! Invariants: nothing here panics across the boundary (every failure is an exception);
@@ -25,6 +25,7 @@ mod device_ptr;
 mod engine;
 mod errors;
 mod model;
+mod mtp;
 mod proposer;
 mod rust_proposers;
 mod state;
@@ -60,6 +61,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<target_model::PyTargetModel>()?;
     m.add_function(wrap_pyfunction!(target_model::load_model, m)?)?;
     m.add_function(wrap_pyfunction!(target_model::gguf_metadata, m)?)?;
+    m.add_class::<mtp::PyMtpHead>()?;
+    m.add_function(wrap_pyfunction!(mtp::quantize_nvfp4, m)?)?;
     engine::register(m)?;
     m.add("PROTOCOL_METHODS", adapter::METHODS.to_vec())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -133,12 +133,17 @@ class Head:
             w = t[name]
             return bf16(np.float32(1.0) + w) if zc else w
 
-        nvfp4 = scen["quant"] == "nvfp4"
+        nvfp4, fp8 = scen["quant"] == "nvfp4", scen["quant"] == "fp8"
 
         def proj(name):
             w = t[name]
             if nvfp4:
                 return q.dequantize_nvfp4(*q.quantize_nvfp4(w))
+            if fp8:
+                # The FP8 E4M3 grid under one power-of-two scale for the tensor.
+                amax = np.float32(np.abs(w).max())
+                scale = np.float32(2.0 ** int(np.ceil(np.log2(amax / np.float32(448.0)))))
+                return q.fp8_e4m3_decode(q.fp8_e4m3_encode(w / scale)) * scale
             return w
 
         self.post_bias = nvfp4

@@ -20,7 +20,8 @@ use half::bf16;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-/// How the head's projections (`eh_proj`, attention, MLP) are stored.
+/// How the head's projections (`eh_proj`, attention, MLP and routed experts; never the MoE
+/// router) are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MtpQuantization {
     /// As given (BF16, or NVFP4 where the checkpoint already was).
@@ -210,6 +211,13 @@ impl MtpHead {
         }
         for lin in weights.projections_mut() {
             requantize(owned, lin, quant)?;
+        }
+        if let Some(moe) = weights.layer.moe.as_mut() {
+            for x in moe.experts.iter_mut() {
+                for lin in [&mut x.gate, &mut x.up, &mut x.down] {
+                    requantize(owned, lin, quant)?;
+                }
+            }
         }
         let max_blocks_per_seq = (max_seq_len + DRAFT_SLACK_ROWS).div_ceil(DRAFTER_BLOCK_SIZE);
         let num_blocks = (max_blocks_per_seq * MTP_MAX_BATCH).min(main_kv_blocks);

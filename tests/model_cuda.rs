@@ -1,0 +1,123 @@
+//! The target model on a real GPU (feature `cuda`): a tiny checkpoint gives the CPU
+//! reference's logits through prefill, batched decode, trim and replay, and SmolLM2 (when
+//! its file is at `$SPECDRAFT_SMOLLM2_GGUF`) picks the CPU's top tokens. Without a device the
+//! tests report that and pass, as the other CUDA tests do; `tests/gpu/run.sh` runs them on one.
+
+mod model_util;
+
+use model_util::*;
+use specdraft::backend::{CpuBackend, CudaBackend, GpuBackend, GpuBackendExt};
+use specdraft::model::{LoadOptions, LogitRows, TargetModel};
+use std::path::Path;
+use std::sync::Arc;
+
+fn cuda() -> Option<Arc<dyn GpuBackend>> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(Arc::new(b)),
+        Err(e) => {
+            eprintln!("no GPU, skipped: {e}");
+            None
+        }
+    }
+}
+
+/// Logits of a fixed schedule of forwards: batched prefill, batched decode, trim, replay.
+fn run(path: &Path, gpu: Arc<dyn GpuBackend>, prompt: &[u32]) -> Vec<Vec<f32>> {
+    let opts = LoadOptions {
+        max_rows: 128,
+        max_seq_len: Some(256),
+        kv_blocks: Some(32),
+    };
+    let model = TargetModel::load(path, gpu.clone(), opts).unwrap();
+    let v = model.config().vocab_size;
+    let logits = |out: &specdraft::model::ForwardOutput| -> Vec<f32> {
+        gpu.download(out.logits, out.logits_rows * v).unwrap()
+    };
+    let (mut a, mut b) = (model.new_sequence(), model.new_sequence());
+    let mut rows = Vec::new();
+    let half = &prompt[..prompt.len() / 2];
+    rows.push(logits(
+        &model
+            .forward(&mut [&mut a, &mut b], &[prompt, half])
+            .unwrap(),
+    ));
+    rows.push(logits(
+        &model
+            .forward(&mut [&mut a, &mut b], &[&[11, 12, 13], &[14]])
+            .unwrap(),
+    ));
+    model.trim(&mut a, prompt.len() + 1).unwrap();
+    let out = model
+        .forward_with(
+            &mut [&mut a, &mut b],
+            &[&[15, 16], &[17]],
+            LogitRows::LastPerSequence,
+        )
+        .unwrap();
+    rows.push(logits(&out));
+    model.free_sequence(&mut a).unwrap();
+    model.free_sequence(&mut b).unwrap();
+    drop(model);
+    assert_eq!(
+        gpu.ledger().live_count(),
+        0,
+        "{:?}",
+        gpu.ledger().live_report()
+    );
+    rows
+}
+
+fn argmax(r: &[f32]) -> usize {
+    r.iter()
+        .enumerate()
+        .fold(0, |b, (j, x)| if *x > r[b] { j } else { b })
+}
+
+fn compare(path: &Path, vocab: usize, prompt: &[u32], tolerance: f32, gpu: Arc<dyn GpuBackend>) {
+    let want = run(path, Arc::new(CpuBackend::new()), prompt);
+    let got = run(path, gpu, prompt);
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = max_abs_diff(g, w);
+        assert!(
+            d < tolerance * scale,
+            "step {step}: max diff {d} (scale {scale})"
+        );
+        let agree = g
+            .chunks(vocab)
+            .zip(w.chunks(vocab))
+            .filter(|(a, b)| argmax(a) == argmax(b))
+            .count();
+        assert!(
+            agree * 10 >= 9 * g.len() / vocab,
+            "step {step}: top tokens differ"
+        );
+    }
+}
+
+#[test]
+fn tiny_model_on_the_gpu_matches_the_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let tiny = Tiny::default();
+    let tensors = tiny.tensors(21);
+    let dir = temp_dir("cuda");
+    write_hf(&dir, &tiny, &tensors);
+    let gguf = dir.join("tiny.gguf");
+    write_tiny_gguf(&gguf, &tiny, &tensors, GgType::Q8_0);
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 7 + 3) % 96).collect();
+    compare(&dir, tiny.vocab, &prompt, 0.02, gpu.clone());
+    compare(&gguf, tiny.vocab, &prompt, 0.02, gpu);
+}
+
+#[test]
+fn smollm2_on_the_gpu_matches_the_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let Ok(path) = std::env::var("SPECDRAFT_SMOLLM2_GGUF") else {
+        eprintln!("SPECDRAFT_SMOLLM2_GGUF not set, skipped");
+        return;
+    };
+    let prompt = [
+        504, 3575, 282, 4649, 314, 7042, 28, 284, 260, 3575, 282, 7158, 314,
+    ];
+    compare(Path::new(&path), 49152, &prompt, 0.03, gpu);
+}
