@@ -207,7 +207,9 @@ fn a_batch_of_sequences_equals_each_alone() {
     }
     assert_eq!((t1.len(), t2.len()), (15, 18));
     // A sequence with nothing to add this step rides along unchanged.
-    let out = model.forward(&mut [&mut t1, &mut t2], &[&[4], &[]]).unwrap();
+    let out = model
+        .forward(&mut [&mut t1, &mut t2], &[&[4], &[]])
+        .unwrap();
     assert_eq!((out.rows, out.row_offsets.clone()), (1, vec![0, 1, 1]));
     assert_eq!((t1.len(), t2.len()), (16, 18));
     for s in [&mut s1, &mut s2, &mut t1, &mut t2] {
