@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs everything the tests need and runs every test: Rust (unit, integration, examples,
-# emulated CUDA kernels), the CUDA build, lints, and the Python suite against the installed
-# wheel. Exits non-zero on the first failure. This is what CI runs.
+# Installs everything the tests need and runs every test: lints, Rust unit and integration
+# tests, the CUDA build and its kernels under CPU emulation, the real SmolLM2 checks, the
+# examples, and the Python suite against the installed package. Exits non-zero on the
+# first failure. This is what CI runs.
+#
+# Environment: PYTHON (default python3) is the interpreter to install into.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,29 +15,39 @@ step() { printf '\n==> %s\n' "$*" >&2; }
 step "toolchain"
 cargo --version
 "$PY" --version
+command -v cargo-clippy >/dev/null 2>&1 || rustup component add clippy rustfmt >/dev/null 2>&1 || true
 
-step "CUDA compiler (from Python wheels; no GPU needed)"
-NVCC="$(bash scripts/install-nvcc.sh)"
+step "CUDA compiler from Python wheels (no GPU needed)"
+NVCC="$(bash scripts/install-nvcc.sh | tail -n 1)"
 export NVCC
 echo "nvcc: $NVCC"
 
+step "Python package with its test dependencies"
+"$PY" -m pip install --quiet --disable-pip-version-check '.[test]'
+
 step "format and lints"
 cargo fmt --check
-if cargo clippy --version >/dev/null 2>&1; then
-    cargo clippy --all-targets --features cuda -- -D warnings
-fi
+cargo clippy --all-targets --all-features -- -D warnings
+"$PY" -m ruff check python tests examples benches
+"$PY" -m ruff format --check python tests examples benches
 
 step "Rust tests (CPU backend)"
-cargo test --all-targets
+cargo test
 
-step "CUDA backend builds without a GPU; kernels checked under CPU emulation"
-cargo build --features cuda
-cargo test --features cuda-emu --test kernels_emulated
+step "CUDA backend: builds and fails cleanly without a GPU; kernels checked under CPU emulation"
+cargo test --features cuda --test cuda_backend --test model_cuda
+cargo test --features cuda-emu --test kernels_emulated --test model_emulated
+cargo test --features cuda-emu --lib backend::cuda
 
-step "Rust examples"
+step "SmolLM2 (the real default model) against an independent numpy reference"
+SPECDRAFT_SMOLLM2_GGUF="$("$PY" -c 'from specdraft.models import fetch_default_model; print(fetch_default_model())')"
+export SPECDRAFT_SMOLLM2_GGUF
+cargo test --release --test model_smollm2 -- --ignored
+
+step "examples"
 cargo run --quiet --example 01_rust_proposer
+cargo run --quiet --example 02_spec_engine
+"$PY" examples/03_python_proposer.py
 
-step "Python package and tests"
-"$PY" -m pip install --quiet --disable-pip-version-check '.[test]'
-"$PY" -m ruff check python tests examples
+step "Python tests"
 "$PY" -m pytest -q tests/python

@@ -203,7 +203,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
         model, tokenizer, device = _load(args, args.batch)
     except ImportError as e:
         print(
-            f"specdraft bench: {e} (install the extras: pip install 'specdraft[cli]')",
+            f"specdraft bench: {e} (a dependency is missing: reinstall specdraft)",
             file=sys.stderr,
         )
         return 2

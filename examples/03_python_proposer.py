@@ -4,7 +4,7 @@
 often in the prompt and the output so far. ``check_proposer`` runs it through the same
 lifecycle the engine drives and reports any broken contract.
 
-Run: ``python examples/02_python_proposer.py``
+Run: ``python examples/03_python_proposer.py``
 """
 
 from __future__ import annotations
