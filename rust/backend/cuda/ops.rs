@@ -119,24 +119,7 @@ impl<L: KernelLauncher> Kernels for L {
         n: usize,
         stream: u64,
     ) -> Result<(), BackendError> {
-        check_in_order(
-            self,
-            "add",
-            &[
-                (x, n, Dtype::Bf16, "add a"),
-                (y, n, Dtype::Bf16, "add b"),
-                (out, n, Dtype::Bf16, "add out"),
-            ],
-        )?;
-        let mut a = Args::new(self, "add");
-        a.ptr(out, n, Dtype::Bf16, "add out")?;
-        a.ptr(x, n, Dtype::Bf16, "add a")?;
-        a.ptr(y, n, Dtype::Bf16, "add b")?;
-        a.int("n", n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        a.launch("sd_add", element_shape(n), stream)
+        binary_elementwise(self, ("add", "sd_add"), out, (x, "a"), (y, "b"), n, stream)
     }
 
     fn silu_mul(
@@ -147,24 +130,15 @@ impl<L: KernelLauncher> Kernels for L {
         n: usize,
         stream: u64,
     ) -> Result<(), BackendError> {
-        check_in_order(
+        binary_elementwise(
             self,
-            "silu_mul",
-            &[
-                (gate, n, Dtype::Bf16, "silu_mul gate"),
-                (up, n, Dtype::Bf16, "silu_mul up"),
-                (out, n, Dtype::Bf16, "silu_mul out"),
-            ],
-        )?;
-        let mut a = Args::new(self, "silu_mul");
-        a.ptr(out, n, Dtype::Bf16, "silu_mul out")?;
-        a.ptr(gate, n, Dtype::Bf16, "silu_mul gate")?;
-        a.ptr(up, n, Dtype::Bf16, "silu_mul up")?;
-        a.int("n", n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        a.launch("sd_silu_mul", element_shape(n), stream)
+            ("silu_mul", "sd_silu_mul"),
+            out,
+            (gate, "gate"),
+            (up, "up"),
+            n,
+            stream,
+        )
     }
 
     fn sigmoid_mul(
@@ -175,25 +149,15 @@ impl<L: KernelLauncher> Kernels for L {
         n: usize,
         stream: u64,
     ) -> Result<(), BackendError> {
-        let op = "sigmoid_mul";
-        check_in_order(
+        binary_elementwise(
             self,
-            op,
-            &[
-                (gate, n, Dtype::Bf16, "sigmoid_mul gate"),
-                (x, n, Dtype::Bf16, "sigmoid_mul x"),
-                (out, n, Dtype::Bf16, "sigmoid_mul out"),
-            ],
-        )?;
-        let mut a = Args::new(self, op);
-        a.ptr(out, n, Dtype::Bf16, "sigmoid_mul out")?;
-        a.ptr(gate, n, Dtype::Bf16, "sigmoid_mul gate")?;
-        a.ptr(x, n, Dtype::Bf16, "sigmoid_mul x")?;
-        a.int("n", n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        a.launch("sd_sigmoid_mul", element_shape(n), stream)
+            ("sigmoid_mul", "sd_sigmoid_mul"),
+            out,
+            (gate, "gate"),
+            (x, "x"),
+            n,
+            stream,
+        )
     }
 
     fn linear(
@@ -504,4 +468,40 @@ impl<L: KernelLauncher> Kernels for L {
         }
         a.launch("sd_softmax", rows_shape(rows, op)?, stream)
     }
+}
+
+/// The shared body of the element-wise ops `out = f(a, b)` over `n` BF16 values: the
+/// reference's checks (inputs in order, then the output), then one launch of `kernel`.
+fn binary_elementwise<L: KernelLauncher>(
+    launcher: &L,
+    (op, kernel): (&'static str, &'static str),
+    out: DevicePtr,
+    (a, a_name): (DevicePtr, &str),
+    (b, b_name): (DevicePtr, &str),
+    n: usize,
+    stream: u64,
+) -> Result<(), BackendError> {
+    let (a_what, b_what, out_what) = (
+        format!("{op} {a_name}"),
+        format!("{op} {b_name}"),
+        format!("{op} out"),
+    );
+    check_in_order(
+        launcher,
+        op,
+        &[
+            (a, n, Dtype::Bf16, &a_what),
+            (b, n, Dtype::Bf16, &b_what),
+            (out, n, Dtype::Bf16, &out_what),
+        ],
+    )?;
+    let mut args = Args::new(launcher, op);
+    args.ptr(out, n, Dtype::Bf16, &out_what)?;
+    args.ptr(a, n, Dtype::Bf16, &a_what)?;
+    args.ptr(b, n, Dtype::Bf16, &b_what)?;
+    args.int("n", n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    args.launch(kernel, element_shape(n), stream)
 }
