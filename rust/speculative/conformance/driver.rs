@@ -1,5 +1,7 @@
 //! The lifecycle the checker drives: setup, twin sequences, grammar probe, KV carry, leaks.
 
+use super::batch::batch_step;
+use super::kv_carry::check_kv_carry;
 use super::{CheckOptions, ConformanceReport};
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
@@ -16,7 +18,7 @@ const FIX_PANIC: &str =
     "return an error instead of panicking; a panic would cross the FFI boundary";
 
 /// Runs `f`, turning an error or a panic into a violation of `check`.
-fn guarded<T>(
+pub(super) fn guarded<T>(
     report: &mut ConformanceReport,
     check: &str,
     f: impl FnOnce() -> crate::Result<T>,
@@ -41,7 +43,7 @@ fn guarded<T>(
 }
 
 /// Runs an infallible provided method, turning a panic into a violation.
-fn guarded_value<T>(
+pub(super) fn guarded_value<T>(
     report: &mut ConformanceReport,
     check: &str,
     f: impl FnOnce() -> T,
@@ -50,13 +52,13 @@ fn guarded_value<T>(
 }
 
 /// One synthetic sequence: the prompt and the continuation the "target" will verify against.
-struct Sequence {
-    truth: Vec<u32>,
-    prompt_len: usize,
-    hiddens: DevicePtr,
-    state: Option<Box<dyn ProposerState>>,
+pub(super) struct Sequence {
+    pub(super) truth: Vec<u32>,
+    pub(super) prompt_len: usize,
+    pub(super) hiddens: DevicePtr,
+    pub(super) state: Option<Box<dyn ProposerState>>,
     /// Position of the last verified token.
-    pos: usize,
+    pub(super) pos: usize,
 }
 
 fn synthetic_tokens(rng: &mut SmallRng, vocab: usize, prompt_len: usize, total: usize) -> Vec<u32> {
@@ -106,20 +108,20 @@ fn options_problem(options: &CheckOptions) -> Option<String> {
     None
 }
 
-struct Checker<'p> {
-    proposer: &'p dyn DraftProposer,
-    gpu: Arc<dyn GpuBackend>,
-    ctx: ForwardContext<'static>,
-    options: CheckOptions,
-    report: ConformanceReport,
+pub(super) struct Checker<'p> {
+    pub(super) proposer: &'p dyn DraftProposer,
+    pub(super) gpu: Arc<dyn GpuBackend>,
+    pub(super) ctx: ForwardContext<'static>,
+    pub(super) options: CheckOptions,
+    pub(super) report: ConformanceReport,
 }
 
 impl Checker<'_> {
-    fn budget(seq: &Sequence) -> usize {
+    pub(super) fn budget(seq: &Sequence) -> usize {
         seq.truth.len()
     }
 
-    fn start(&mut self, seq: &mut Sequence) {
+    pub(super) fn start(&mut self, seq: &mut Sequence) {
         let (p, gpu, budget) = (self.proposer, self.gpu.clone(), Self::budget(seq));
         let Some(mut state) = guarded(&mut self.report, "alloc_state_for", || {
             p.alloc_state_for(&*gpu, budget)
@@ -154,14 +156,14 @@ impl Checker<'_> {
         seq.state = Some(state);
     }
 
-    fn hidden_for(&self, seq: &Sequence) -> DevicePtr {
+    pub(super) fn hidden_for(&self, seq: &Sequence) -> DevicePtr {
         // The hidden whose logits picked the token at `pos` is the one computed at `pos - 1`.
         seq.hiddens
             .offset((seq.pos - 1) * self.options.hidden_size * 2)
     }
 
     /// Checks one sequence's drafts and returns how many the simulated target accepts.
-    fn judge(
+    pub(super) fn judge(
         &mut self,
         check: &str,
         seq: &Sequence,
@@ -200,7 +202,7 @@ impl Checker<'_> {
             .count()
     }
 
-    fn advance(&mut self, seq: &mut Sequence, accepted: usize) {
+    pub(super) fn advance(&mut self, seq: &mut Sequence, accepted: usize) {
         let (p, Some(state)) = (self.proposer, seq.state.as_mut()) else {
             return;
         };
@@ -216,7 +218,11 @@ impl Checker<'_> {
         seq.pos += accepted + 1;
     }
 
-    fn propose_one(&mut self, seq: &mut Sequence, mask: Option<&[i32]>) -> Option<Vec<u32>> {
+    pub(super) fn propose_one(
+        &mut self,
+        seq: &mut Sequence,
+        mask: Option<&[i32]>,
+    ) -> Option<Vec<u32>> {
         let (p, ctx, n) = (self.proposer, &self.ctx, self.options.num_drafts);
         let (last, pos, hidden) = (seq.truth[seq.pos], seq.pos, self.hidden_for(seq));
         let state = seq.state.as_mut()?;
@@ -229,7 +235,7 @@ impl Checker<'_> {
         drafts
     }
 
-    fn end(&mut self, seq: &mut Sequence) {
+    pub(super) fn end(&mut self, seq: &mut Sequence) {
         if let Some(mut state) = seq.state.take() {
             let (p, gpu) = (self.proposer, self.gpu.clone());
             guarded(&mut self.report, "free_state", || {
@@ -239,7 +245,7 @@ impl Checker<'_> {
     }
 
     /// A mask that forbids the token the continuation wants next, and about half the rest.
-    fn probe_mask(&self, seq: &Sequence, rng: &mut SmallRng) -> Vec<i32> {
+    pub(super) fn probe_mask(&self, seq: &Sequence, rng: &mut SmallRng) -> Vec<i32> {
         let vocab = self.options.vocab_size;
         let mut mask = vec![0i32; bitmask_words(vocab)];
         for t in 0..vocab {
@@ -447,192 +453,4 @@ fn check_static_contracts(checker: &mut Checker<'_>) {
             "a block drafter has γ >= 1; others return None",
         );
     }
-}
-
-/// Drives the twins through `propose_batch` and compares with the per-sequence drafts.
-/// Returns false once the proposer says batching is unsupported.
-fn batch_step(
-    checker: &mut Checker<'_>,
-    twins: &mut [(Sequence, Sequence)],
-    per_seq: &[Option<Vec<u32>>],
-    width: usize,
-) -> bool {
-    let (p, n) = (checker.proposer, checker.options.num_drafts);
-    let live: Vec<usize> = (0..twins.len())
-        .filter(|&i| twins[i].1.state.is_some() && per_seq[i].is_some())
-        .collect();
-    for group in live.chunks(width.min(live.len().max(1))) {
-        let last: Vec<u32> = group
-            .iter()
-            .map(|&i| twins[i].1.truth[twins[i].1.pos])
-            .collect();
-        let hiddens: Vec<DevicePtr> = group
-            .iter()
-            .map(|&i| checker.hidden_for(&twins[i].1))
-            .collect();
-        let positions: Vec<usize> = group.iter().map(|&i| twins[i].1.pos).collect();
-        let mut taken: Vec<Box<dyn ProposerState>> = group
-            .iter()
-            .filter_map(|&i| twins[i].1.state.take())
-            .collect();
-        let mut conf = Vec::new();
-        let ctx = &checker.ctx;
-        let result = {
-            let mut states: Vec<&mut dyn ProposerState> = taken
-                .iter_mut()
-                .map(|s| -> &mut dyn ProposerState { &mut **s })
-                .collect();
-            guarded(&mut checker.report, "propose_batch", || {
-                p.propose_batch(
-                    &last,
-                    &hiddens,
-                    &positions,
-                    n,
-                    &mut states,
-                    ctx,
-                    0,
-                    Some(&mut conf),
-                )
-            })
-        };
-        for (&i, s) in group.iter().zip(taken) {
-            twins[i].1.state = Some(s);
-        }
-        let drafts = match result {
-            Some(Some(d)) => d,
-            Some(None) => {
-                for (_, b) in twins.iter_mut() {
-                    checker.end(b);
-                }
-                return false;
-            }
-            None => {
-                for &i in group {
-                    checker.end(&mut twins[i].1);
-                }
-                continue;
-            }
-        };
-        if drafts.len() != group.len() {
-            checker.report.violate(
-                "propose_batch",
-                format!(
-                    "returned drafts for {} sequences, asked for {}",
-                    drafts.len(),
-                    group.len()
-                ),
-                "return one draft list per sequence, in order",
-            );
-            for &i in group {
-                checker.end(&mut twins[i].1);
-            }
-            continue;
-        }
-        if !conf.is_empty()
-            && conf
-                .iter()
-                .zip(&drafts)
-                .any(|(c, d)| c.len() != d.len() || c.iter().any(|x| !(0.0..=1.0).contains(x)))
-        {
-            checker.report.violate(
-                "propose_batch: out_conf",
-                "out_conf does not hold one probability in [0, 1] per draft",
-                "fill out_conf[i][k] with the probability of drafts[i][k]",
-            );
-        }
-        for (&i, d) in group.iter().zip(&drafts) {
-            if Some(d) != per_seq[i].as_ref() {
-                checker.report.violate(
-                    "propose_batch vs propose",
-                    format!("sequence {i}: propose_batch drafted {d:?}, propose drafted {:?}", per_seq[i].as_deref().unwrap_or(&[])),
-                    "propose_batch must return exactly what per-sequence propose returns (or Ok(None) if unsupported)",
-                );
-            }
-            let k = checker.judge("propose_batch", &twins[i].1, d, None);
-            checker.advance(&mut twins[i].1, k);
-        }
-    }
-    true
-}
-
-/// `take_drafter_kv` leaves a fresh state, and `install_drafter_kv` restores what was taken.
-fn check_kv_carry(checker: &mut Checker<'_>, seq: &mut Sequence) {
-    let (p, gpu, n) = (
-        checker.proposer,
-        checker.gpu.clone(),
-        checker.options.num_drafts,
-    );
-    let budget = Checker::budget(seq);
-    let (last, pos, hidden) = (seq.truth[seq.pos], seq.pos, checker.hidden_for(seq));
-    let Some(state) = seq.state.as_mut() else {
-        return;
-    };
-    let Some(taken) = guarded_value(&mut checker.report, "take_drafter_kv", || {
-        p.take_drafter_kv(&mut **state)
-    }) else {
-        return;
-    };
-    let Some((blocks, rows, key)) = taken else {
-        return;
-    };
-    checker.report.ran("take_drafter_kv: fresh state");
-    let (rows_after, key_after) = (p.drafter_rows(&mut **state), p.last_pair_key(&mut **state));
-    if rows_after != 0 || key_after.is_some() {
-        checker.report.violate(
-            "take_drafter_kv: fresh state",
-            format!("after take, drafter_rows is {rows_after} and last_pair_key is {key_after:?}"),
-            "after take_drafter_kv the state must behave as freshly allocated (0 rows, no pair key)",
-        );
-    }
-    if let Some(mut fresh) = guarded(&mut checker.report, "alloc_state_for", || {
-        p.alloc_state_for(&*gpu, budget)
-    }) {
-        let ctx = &checker.ctx;
-        let from_fresh = guarded(&mut checker.report, "propose", || {
-            p.propose(last, hidden, pos, n, &mut *fresh, ctx, 0, None, None, None)
-        });
-        let from_taken = guarded(&mut checker.report, "propose", || {
-            p.propose(last, hidden, pos, n, &mut **state, ctx, 0, None, None, None)
-        });
-        if from_fresh.is_some() && from_taken.is_some() && from_fresh != from_taken {
-            checker.report.violate(
-                "take_drafter_kv: fresh state",
-                format!("after take, propose drafted {from_taken:?}; a fresh state drafts {from_fresh:?}"),
-                "clear everything the taken blocks described (rows, pair keys, cached drafts) in take_drafter_kv",
-            );
-        }
-        guarded(&mut checker.report, "free_state", || {
-            p.free_state(&*gpu, &mut *fresh)
-        });
-    }
-    let Some(mut target) = guarded(&mut checker.report, "alloc_state_for", || {
-        p.alloc_state_for(&*gpu, budget)
-    }) else {
-        p.free_drafter_kv(&blocks);
-        return;
-    };
-    checker.report.ran("install_drafter_kv");
-    let installed = guarded_value(&mut checker.report, "install_drafter_kv", || {
-        p.install_drafter_kv(&mut *target, blocks.clone(), rows, key)
-    });
-    match installed {
-        Some(true) => {
-            let (r, k) = (p.drafter_rows(&mut *target), p.last_pair_key(&mut *target));
-            if r != rows || k != key {
-                checker.report.violate(
-                    "install_drafter_kv",
-                    format!("installed {rows} rows with pair key {key:?}, the state reports {r} rows and {k:?}"),
-                    "install_drafter_kv must restore exactly what take_drafter_kv returned",
-                );
-            }
-        }
-        _ => {
-            guarded_value(&mut checker.report, "free_drafter_kv", || {
-                p.free_drafter_kv(&blocks)
-            });
-        }
-    }
-    guarded(&mut checker.report, "free_state", || {
-        p.free_state(&*gpu, &mut *target)
-    });
 }

@@ -11,7 +11,9 @@
 //! It never panics: a proposer that panics or errors is reported, and the check goes on with
 //! the sequences that still work.
 
+mod batch;
 mod driver;
+mod kv_carry;
 mod report;
 
 pub use report::{ConformanceReport, Violation};
