@@ -143,6 +143,18 @@ fn main() {
         generated.push(tok);
     }
     let per_token = t0.elapsed().as_secs_f64() / steps as f64;
+    // Speculative verification: one forward of the last token and 4 drafts (5 rows), rolled
+    // back after each step; ideally it costs little more than a 1-row decode.
+    let verify_rows = 5;
+    let verify_steps = 16;
+    let base_len = seq.len();
+    let drafts: Vec<u32> = generated[generated.len() - verify_rows..].to_vec();
+    let tv = Instant::now();
+    for _ in 0..verify_steps {
+        model.forward(&mut [&mut seq], &[&drafts]).expect("verify");
+        model.trim(&mut seq, base_len).expect("trim");
+    }
+    let per_verify = tv.elapsed().as_secs_f64() / verify_steps as f64;
     // Batched decode: 8 sequences, one token each per forward, weights read once per step.
     let batch = 8;
     let mut seqs: Vec<_> = (0..batch).map(|_| model.new_sequence()).collect();
@@ -186,6 +198,8 @@ fn main() {
             "decode_tokens_per_s": 1.0 / per_token,
             "batch8_decode_tokens_per_s": batch_tps,
             "ms_per_token": per_token * 1e3,
+            "verify5_ms": per_verify * 1e3,
+            "verify5_cost_in_decodes": per_verify / per_token,
             "weight_bytes_per_token": bytes,
             "weight_gb_per_s": weight_gbps,
             "memcpy_gb_per_s": memcpy,

@@ -3,10 +3,11 @@
 //! These are the definitions the CUDA kernels are tested against, so they favour being
 //! obviously right: every argument range is checked through the ledger first, outputs that
 //! may alias inputs are computed from copies, and all arithmetic accumulates in f32.
-//! `linear` is the hot op of a CPU forward, so it is also written to be fast: weights are
-//! streamed once for all rows and the output features are split across threads.
+//! `linear` is the hot op of a CPU forward, so its kernel lives in `cpu_linear`, written to
+//! be fast and to give each row bitwise the same result whatever else is in the batch.
 
 use super::cpu::{CpuBackend, HostView};
+use super::cpu_linear::{linear_rows, Bf16Rows, Nvfp4Rows, WeightRows};
 use super::kernels::{Kernels, RopeStyle};
 use super::{BackendError, DevicePtr, Dtype};
 use half::bf16;
@@ -126,7 +127,7 @@ impl CpuBackend {
         }
     }
 
-    /// Shared body of the two linear ops: `weight_row(o, buf)` fills `buf` with row `o`.
+    /// Shared body of the two linear ops: reads `x` and `bias`, runs the kernel, writes `out`.
     #[allow(clippy::too_many_arguments)]
     fn linear_with(
         &self,
@@ -138,9 +139,12 @@ impl CpuBackend {
         rows: usize,
         in_features: usize,
         out_features: usize,
-        weight_row: impl Fn(usize, &mut [f32]) + Sync,
+        src: &impl WeightRows,
     ) -> Result<(), BackendError> {
-        let xs = bf16_to_f32(&self.read::<bf16>(x, rows * in_features, Dtype::Bf16, "linear x")?);
+        let xs = self.elems(x, rows * in_features, Dtype::Bf16, "linear x")?;
+        // SAFETY: checked range; `out` must not alias `x` (the op's contract), and `x` is
+        // widened into a copy before anything is written.
+        let xs = bf16_to_f32(unsafe { xs.typed::<bf16>() });
         let bias = match bias {
             Some(b) => Some(bf16_to_f32(&self.read::<bf16>(
                 b,
@@ -150,27 +154,7 @@ impl CpuBackend {
             )?)),
             None => None,
         };
-        // Column-major result: features in parallel, each weight row read once for all rows.
-        let mut by_feature = vec![0f32; out_features * rows];
-        by_feature
-            .par_chunks_mut(rows.max(1))
-            .enumerate()
-            .for_each_init(
-                || vec![0f32; in_features],
-                |buf, (o, col)| {
-                    weight_row(o, buf);
-                    let b = bias.as_ref().map_or(0.0, |b| b[o]);
-                    for (r, slot) in col.iter_mut().enumerate() {
-                        *slot = dot(&xs[r * in_features..(r + 1) * in_features], buf) + b;
-                    }
-                },
-            );
-        let mut result = vec![0f32; rows * out_features];
-        for o in 0..out_features {
-            for r in 0..rows {
-                result[r * out_features + o] = by_feature[o * rows + r];
-            }
-        }
+        let result = linear_rows(src, &xs, bias.as_deref(), rows, in_features, out_features);
         self.write_activations(out, out_dtype, &result, op)
     }
 }
@@ -301,7 +285,7 @@ impl Kernels for CpuBackend {
             "linear weight",
         )?;
         // SAFETY: checked range; weights are never an output of this op.
-        let w = unsafe { w.typed::<bf16>() };
+        let weight: &[u16] = unsafe { w.typed::<u16>() };
         self.linear_with(
             "linear",
             out,
@@ -311,13 +295,9 @@ impl Kernels for CpuBackend {
             rows,
             in_features,
             out_features,
-            |o, buf| {
-                for (d, s) in buf
-                    .iter_mut()
-                    .zip(&w[o * in_features..(o + 1) * in_features])
-                {
-                    *d = s.to_f32();
-                }
+            &Bf16Rows {
+                weight,
+                in_features,
             },
         )
     }
@@ -354,7 +334,7 @@ impl Kernels for CpuBackend {
             "linear_nvfp4 weight_scale",
         )?;
         // SAFETY: checked ranges, read-only.
-        let (w, s) = unsafe { (w.bytes(), s.bytes()) };
+        let (codes, scales) = unsafe { (w.bytes(), s.bytes()) };
         self.linear_with(
             "linear_nvfp4",
             out,
@@ -364,20 +344,11 @@ impl Kernels for CpuBackend {
             rows,
             in_features,
             out_features,
-            |o, buf| {
-                let codes = &w[o * in_features / 2..(o + 1) * in_features / 2];
-                let scales = &s[o * in_features / 16..(o + 1) * in_features / 16];
-                // Decoding through tables, one FP8 scale per block: the same products in the
-                // same order as `e2m1 * fp8 * global_scale`, without a powi per element.
-                let e2m1: [f32; 16] = std::array::from_fn(|c| e2m1_to_f32(c as u8));
-                for ((block, chunk), pair) in buf.chunks_mut(16).enumerate().zip(codes.chunks(8)) {
-                    let scale = fp8_e4m3_to_f32(scales[block]);
-                    for (j, d) in chunk.iter_mut().enumerate() {
-                        let byte = pair[j / 2];
-                        let code = if j % 2 == 0 { byte & 0x0f } else { byte >> 4 };
-                        *d = e2m1[code as usize] * scale * global_scale;
-                    }
-                }
+            &Nvfp4Rows {
+                codes,
+                scales,
+                global_scale,
+                in_features,
             },
         )
     }

@@ -9,6 +9,7 @@
 
 mod cpu;
 mod cpu_kernels;
+mod cpu_linear;
 #[cfg(any(feature = "cuda", feature = "cuda-emu"))]
 pub mod cuda;
 mod device_ptr;

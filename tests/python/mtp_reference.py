@@ -42,7 +42,7 @@ def seq_sum(x):
 
 
 def dot8(x, w):
-    """``x @ w.T`` in float32 with the CPU kernels' order: eight lane accumulators over
+    """``x @ w.T`` in float32 with the CPU attention's order: eight lane accumulators over
     chunks of eight, the lanes summed in order, then the tail."""
     x, w = x.astype(np.float32), w.astype(np.float32)
     n = x.shape[-1]
@@ -58,6 +58,24 @@ def dot8(x, w):
     return total
 
 
+def dot16(x, w):
+    """``x @ w.T`` in float32 with the CPU ``linear``'s order: sixteen lane accumulators over
+    chunks of sixteen, the lanes summed as a tree (halves added lane-wise: 16 -> 8 -> 4,
+    then ``(q0 + q2) + (q1 + q3)``), then the tail."""
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    n = x.shape[-1]
+    chunks = n // 16
+    acc = np.zeros(x.shape[:-1] + (w.shape[0], 16), np.float32)
+    for c in range(chunks):
+        acc += x[..., None, c * 16 : (c + 1) * 16] * w[:, c * 16 : (c + 1) * 16]
+    h = acc[..., :8] + acc[..., 8:]
+    q = h[..., :4] + h[..., 4:]
+    total = (q[..., 0] + q[..., 2]) + (q[..., 1] + q[..., 3])
+    for i in range(chunks * 16, n):
+        total = total + x[..., None, i] * w[:, i]
+    return total
+
+
 def rms_norm(x, w, eps):
     x = x.astype(np.float32)
     mean = seq_sum(x * x) / np.float32(x.shape[-1])
@@ -66,7 +84,7 @@ def rms_norm(x, w, eps):
 
 
 def linear(x, w, b=None, post_bias=False):
-    y = dot8(x, w)
+    y = dot16(x, w)
     if b is not None and not post_bias:
         y = y + b
     y = bf16(y)
@@ -263,7 +281,7 @@ class Head:
         n = rms_norm(x, self.ffn_norm, self.eps)
         x = bf16(x + self.mlp(n))
         o = rms_norm(x, self.fnorm, self.eps)
-        logits = dot8(o, self.lm)
+        logits = dot16(o, self.lm)
         return logits, (o if self.chain_post else x)
 
     @staticmethod
@@ -312,7 +330,7 @@ class Head:
         if self.shared_gate is not None:
             gl = linear(n[None], self.shared_gate)[0][0]
             out = bf16(out * bf16(np.float32(1.0) / (np.float32(1.0) + np.exp(-gl))))
-        logits = dot8(n, self.router)
+        logits = dot16(n, self.router)
         for e, w in self.route(logits):
             y = self.swiglu(n, *self.experts[e])
             out = bf16(out + bf16(y * bf16(w)))
