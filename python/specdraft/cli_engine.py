@@ -95,10 +95,13 @@ def _sum_lists(a: list[int], b: list[int]) -> list[int]:
 def _run(
     engine: Any,  # noqa: ANN401
     prompts: list[list[int]],
+    kinds: list[str],
     args: argparse.Namespace,
     label: str,
 ) -> dict[str, Any]:
     outputs: list[list[int]] = []
+    # Tokens and seconds per prompt kind; a batch that mixes kinds counts as "mixed".
+    by_kind: dict[str, list[float]] = {}
     totals: dict[str, Any] = {
         "tokens": 0,
         "seconds": 0.0,
@@ -132,12 +135,18 @@ def _run(
             if r.error:
                 totals["errors"].append(r.error)
         totals["tokens"] += tokens
+        chunk_kinds = set(kinds[start : start + args.batch])
+        kind = chunk_kinds.pop() if len(chunk_kinds) == 1 else "mixed"
+        acc = by_kind.setdefault(kind, [0.0, 0.0])
+        acc[0] += tokens
+        acc[1] += seconds
         done = min(start + args.batch, len(prompts))
         _progress(
             f"[{label}] {done}/{len(prompts)} prompts: {tokens} tokens in {seconds:.2f} s "
             f"({tokens / seconds if seconds else 0.0:.1f} tok/s)"
         )
     totals["outputs"] = outputs
+    totals["by_kind"] = by_kind
     return totals
 
 
@@ -162,12 +171,36 @@ def _row(name: str, t: dict[str, Any], base: dict[str, Any] | None) -> dict[str,
         "draft_time_s": round(t["draft_time_s"], 4),
         "verify_time_s": round(t["verify_time_s"], 4),
         "identical_to_baseline": None if base is None else t["outputs"] == base["outputs"],
+        "by_kind": _by_kind(t, base),
         "errors": t["errors"],
     }
 
 
+def _by_kind(t: dict[str, Any], base: dict[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Tokens/s and speedup over the baseline for each prompt kind (grounded, open)."""
+    out = {}
+    for kind, (tokens, seconds) in t["by_kind"].items():
+        tps = tokens / seconds if seconds else 0.0
+        base_tokens, base_seconds = (base or t)["by_kind"].get(kind, (0.0, 0.0))
+        base_tps = base_tokens / base_seconds if base_seconds else 0.0
+        out[kind] = {
+            "tokens_per_s": round(tps, 2),
+            "speedup": round(tps / base_tps, 3) if base_tps else 0.0,
+        }
+    return out
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ["proposer", "tok/s", "speedup", "accept len", "acceptance by position", "same output"]
+    head = [
+        "proposer",
+        "tok/s",
+        "speedup",
+        "grounded",
+        "open",
+        "accept len",
+        "acceptance by position",
+        "same output",
+    ]
     body = []
     for r in rows:
         same = r["identical_to_baseline"]
@@ -176,6 +209,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 r["proposer"],
                 f"{r['tokens_per_s']:.1f}",
                 f"{r['speedup']:.2f}x",
+                *(
+                    f"{r['by_kind'][k]['speedup']:.2f}x" if k in r["by_kind"] else "-"
+                    for k in ("grounded", "open")
+                ),
                 f"{r['mean_acceptance_length']:.2f}",
                 " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-",
                 "-" if same is None else ("yes" if same else "NO"),
@@ -211,16 +248,19 @@ def run_model_bench(args: argparse.Namespace) -> int:
         print(f"specdraft bench: {e}", file=sys.stderr)
         return 2
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(list(p.messages))) for p in chosen]
+    kinds = [p.kind for p in chosen]
     # Warm-up: one-time costs (kernel loading, first allocations) stay out of the figures.
     specdraft.SpecEngine(model, None).generate(prompts[:1], max_tokens=4)
     runs: list[tuple[str, dict[str, Any]]] = []
-    base = _run(specdraft.SpecEngine(model, None, max_batch=args.batch), prompts, args, "baseline")
+    base = _run(
+        specdraft.SpecEngine(model, None, max_batch=args.batch), prompts, kinds, args, "baseline"
+    )
     runs.append(("baseline", base))
     for name, proposer in proposers:
         engine = specdraft.SpecEngine(
             model, proposer, num_drafts=args.num_drafts, max_batch=args.batch
         )
-        runs.append((name, _run(engine, prompts, args, name)))
+        runs.append((name, _run(engine, prompts, kinds, args, name)))
     rows = [_row(n, t, None if n == "baseline" else base) for n, t in runs]
     if args.json:
         report = {

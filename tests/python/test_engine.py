@@ -349,6 +349,11 @@ def test_bench_and_generate_commands(model_path, capsys) -> None:
         assert r["tokens"] == report["results"][0]["tokens"]
         assert 1.0 <= r["mean_acceptance_length"] <= 5.0
         assert len(r["acceptance_by_position"]) <= 4
+    # The first built-in prompts are input-grounded; each kind's figures are reported.
+    base_kinds = report["results"][0]["by_kind"]
+    assert set(base_kinds) == {"grounded"} and base_kinds["grounded"]["speedup"] == 1.0
+    for r in report["results"][1:]:
+        assert set(r["by_kind"]) == {"grounded"} and r["by_kind"]["grounded"]["tokens_per_s"] > 0
     assert "[baseline] 2/2 prompts" in out.err
     code = _cli("bench", *common, "--prompts", "1", "--max-tokens", "6")
     out = capsys.readouterr()
