@@ -76,6 +76,15 @@ fn most_recent_match_wins_and_longer_ngrams_first() {
 }
 
 #[test]
+fn default_needs_two_matching_tokens() {
+    let p = PromptLookup::default();
+    assert_eq!((p.min_ngram(), p.max_ngram()), (2, 4));
+    // "7" recurs, but no two-token suffix does: no drafts.
+    assert!(p.lookup(&[7, 1, 2, 3, 7], 4, None).is_empty());
+    assert_eq!(p.lookup(&[9, 7, 1, 2, 9, 7], 2, None), vec![1, 2]);
+}
+
+#[test]
 fn drafts_nothing_without_a_repeat() {
     let ctx = ctx(1000);
     let p = PromptLookup::default();
@@ -89,7 +98,7 @@ fn drafts_nothing_without_a_repeat() {
 #[test]
 fn stops_before_the_first_forbidden_token() {
     let ctx = ctx(64);
-    let p = PromptLookup::default();
+    let p = PromptLookup::new(1, 4).unwrap();
     let prompt = [1, 2, 3, 4, 5, 1];
     let mut s = prefilled(&p, &ctx, &prompt);
     let mut mask = vec![0i32; bitmask_words(64)];

@@ -473,7 +473,7 @@ class PromptLookup(DraftProposer):
     subclass's ``__init__`` takes the same ones (or the subclass defines ``__new__``).
     """
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 4) -> None:
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
         """Matches suffixes of ``min_ngram ..= max_ngram`` tokens.
 
         Raises ``ProposerError`` unless ``1 <= min_ngram <= max_ngram``.

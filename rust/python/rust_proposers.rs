@@ -18,7 +18,7 @@ pub struct PyPromptLookup {
 #[pymethods]
 impl PyPromptLookup {
     #[new]
-    #[pyo3(signature = (min_ngram = 1, max_ngram = 4))]
+    #[pyo3(signature = (min_ngram = crate::speculative::DEFAULT_MIN_NGRAM, max_ngram = crate::speculative::DEFAULT_MAX_NGRAM))]
     fn new(min_ngram: usize, max_ngram: usize) -> PyResult<PyClassInitializer<Self>> {
         let pl = PromptLookup::new(min_ngram, max_ngram).py()?;
         Ok(
