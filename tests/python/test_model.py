@@ -14,54 +14,13 @@ import specdraft.models
 gguf = pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).parent))
 import smollm2_reference as ref  # noqa: E402
+from tiny_gguf import HIDDEN, LAYERS, write_tiny_llama  # noqa: E402
 
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 80
-
-
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's q/k row permutation (the inverse of ``ref.unpermute``)."""
-    rows, cols = w.shape
-    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+VOCAB = 80
 
 
 def _write_tiny_gguf(path: Path, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    hd = HIDDEN // HEADS
-
-    def mat(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    def norm() -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(VOCAB)
-    w.add_eos_token_id(2)
-    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
-    for i in range(LAYERS):
-        p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", norm())
-        w.add_tensor(p + "attn_q.weight", _permute(mat(HEADS * hd, HIDDEN), HEADS))
-        w.add_tensor(p + "attn_k.weight", _permute(mat(KV_HEADS * hd, HIDDEN), KV_HEADS))
-        w.add_tensor(p + "attn_v.weight", mat(KV_HEADS * hd, HIDDEN))
-        w.add_tensor(p + "attn_output.weight", mat(HIDDEN, HEADS * hd))
-        w.add_tensor(p + "ffn_norm.weight", norm())
-        w.add_tensor(p + "ffn_gate.weight", mat(FFN, HIDDEN))
-        w.add_tensor(p + "ffn_up.weight", mat(FFN, HIDDEN))
-        w.add_tensor(p + "ffn_down.weight", mat(HIDDEN, FFN))
-    w.add_tensor("output_norm.weight", norm())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tiny_llama(path, vocab=VOCAB, seed=seed)
 
 
 def test_tiny_gguf_matches_the_numpy_reference(tmp_path: Path) -> None:
