@@ -17,6 +17,7 @@ from specdraft import DraftProposer
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
+from ngram_proposer import PyLookup  # noqa: E402
 from tiny_gguf import write_tiny_llama  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
@@ -67,44 +68,6 @@ def _load(model_path: Path, gpu: specdraft.CpuBackend) -> specdraft.TargetModel:
     # Loaded inside each test (not in a fixture, which pytest keeps alive past the backend
     # fixture's check that nothing is left allocated).
     return specdraft.load_model(model_path, gpu=gpu, max_rows=64, max_seq_len=256, kv_blocks=128)
-
-
-class PyLookup(DraftProposer):
-    """An n-gram proposer written in Python."""
-
-    def alloc_state(self, gpu):
-        return {"history": [], "pending": []}
-
-    def prefill_drafter(self, prompt_tokens, hiddens, state, ctx, stream):
-        state["history"] = list(prompt_tokens)
-        return 0
-
-    def propose(
-        self,
-        last_token,
-        target_hidden,
-        position,
-        num_drafts,
-        state,
-        ctx,
-        stream,
-        draft_embed_target=None,
-        grammar_bitmask=None,
-        target_hidden_stack=None,
-    ):
-        h = state["history"]
-        del h[position:]
-        h.append(last_token)
-        drafts = []
-        for start in range(len(h) - 2, -1, -1):
-            if h[start] == last_token:
-                drafts = h[start + 1 : start + 1 + num_drafts]
-                break
-        state["pending"] = drafts
-        return drafts
-
-    def after_verify(self, num_accepted, state, stream):
-        state["history"].extend(state["pending"][:num_accepted])
 
 
 class PyRandom(DraftProposer):
