@@ -7,7 +7,8 @@
 //! `cargo bench --bench engine_loop`
 
 use specdraft::backend::{CpuBackend, GpuBackend};
-use specdraft::engine::{GenerateRequest, SpecEngine, TableTarget};
+use specdraft::engine::testing::TableTarget;
+use specdraft::engine::{GenerateRequest, SpecEngine};
 use specdraft::speculative::{DraftProposer, PromptLookup};
 use std::sync::Arc;
 use std::time::Instant;

@@ -5,7 +5,8 @@
 //! `cargo run --example 02_spec_engine`
 
 use specdraft::backend::{CpuBackend, GpuBackend};
-use specdraft::engine::{GenerateRequest, SpecEngine, TableTarget};
+use specdraft::engine::testing::TableTarget;
+use specdraft::engine::{GenerateRequest, SpecEngine};
 use specdraft::speculative::PromptLookup;
 use std::sync::Arc;
 

@@ -1,8 +1,10 @@
 //! The crate-wide error: every layer's own error folded into one enum.
 //!
 //! Each layer has its own `thiserror` enum ([`BackendError`], [`MemoryError`],
-//! [`ConfigError`], [`ProposerError`]); `?` converts any of them into [`Error`], which is
-//! the `Result` type the `DraftProposer` protocol uses.
+//! [`ConfigError`], [`ModelError`], [`ProposerError`], [`EngineError`]); `?` converts any
+//! of them into [`Error`], which is the `Result` type the `DraftProposer` protocol uses.
+//! Each variant is transparent: its message is the layer's own, and an error that wraps
+//! another (an engine step that failed in the backend) keeps it as its `source`.
 
 use thiserror::Error as ThisError;
 
@@ -14,7 +16,9 @@ pub use crate::model::ModelError;
 pub use crate::speculative::ProposerError;
 
 /// Any error specdraft returns.
-#[derive(Debug, ThisError)]
+///
+/// `Clone` so one failure can be reported on every sequence it ended.
+#[derive(Debug, ThisError, Clone, PartialEq)]
 pub enum Error {
     /// Device memory, copies, streams or kernels failed.
     #[error(transparent)]

@@ -6,11 +6,12 @@ mod engine_common;
 
 use engine_common::*;
 use specdraft::backend::{DevicePtr, GpuBackend};
-use specdraft::engine::{decode_hidden, GenerateRequest, SamplingParams, SpecEngine, TableTarget};
+use specdraft::engine::testing::{decode_hidden, TableTarget};
+use specdraft::engine::{EngineError, GenerateRequest, GrammarMatcher, SpecEngine};
 use specdraft::memory::BlockAllocator;
 use specdraft::model::ForwardContext;
 use specdraft::speculative::{DraftProposer, ProposerError, ProposerState};
-use specdraft::Result;
+use specdraft::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -261,13 +262,17 @@ fn converse(
         accepted: vec![],
     };
     for t in turns {
-        let r = conv.send(t, 24, SamplingParams::greedy(), None).unwrap();
+        let r = conv.send(GenerateRequest::new(t.clone(), 24)).unwrap();
         out.accepted.push((r.metrics.drafted, r.metrics.accepted));
         out.replies.push(r.tokens);
+        conv.append(&CLOSE_TURN);
     }
     let carried = conv.carried().map(|c| c.rows);
     (out, carried)
 }
+
+/// Tokens appended after each reply without generating, as a chat template closes a turn.
+const CLOSE_TURN: [u32; 2] = [46, 47];
 
 fn turns() -> Vec<Vec<u32>> {
     vec![
@@ -305,6 +310,7 @@ fn carried_equals_rebuilt(shared: bool) {
             "turn {i} drafts"
         );
         history.extend_from_slice(&r.tokens);
+        history.extend_from_slice(&CLOSE_TURN);
     }
     // The drafter rows at the end of every turn are identical, and they are exactly the
     // sequence's tokens at positions 1.. (the pairing held on every row).
@@ -350,8 +356,28 @@ fn declined_install_frees_the_blocks_and_prefills_instead() {
     assert_eq!(gpu.ledger().live_count(), 0);
 }
 
+/// A grammar that fails once it has seen `after` tokens: a failure in the middle of a run.
+struct FailingGrammar {
+    after: usize,
+    seen: usize,
+}
+
+impl GrammarMatcher for FailingGrammar {
+    fn fill_mask(&mut self, mask: &mut [i32]) -> Result<()> {
+        if self.seen >= self.after {
+            return Err(EngineError::Grammar("deliberate grammar failure".into()).into());
+        }
+        mask.fill(-1);
+        Ok(())
+    }
+    fn advance(&mut self, _token: u32) -> Result<()> {
+        self.seen += 1;
+        Ok(())
+    }
+}
+
 #[test]
-fn a_failed_turn_keeps_the_history_and_frees_the_carried_entry() {
+fn a_bad_turn_changes_nothing_and_a_failed_turn_frees_the_carried_entry() {
     let gpu = cpu();
     let target = Arc::new(TableTarget::new(gpu.clone(), 48, 40, 64, 11, 0.2).unwrap());
     let echo = Arc::new(KvEcho::new(gpu.clone(), true, false));
@@ -362,15 +388,28 @@ fn a_failed_turn_keeps_the_history_and_frees_the_carried_entry() {
     )
     .unwrap();
     let mut conv = engine.conversation();
-    conv.send(&[1, 2, 3, 1, 2], 10, SamplingParams::greedy(), None)
+    conv.send(GenerateRequest::new(vec![1, 2, 3, 1, 2], 10))
         .unwrap();
     let history = conv.history().to_vec();
-    assert!(conv.carried().is_some());
-    // The next prompt would not fit the 40-token context.
-    let err = conv
-        .send(&[5; 30], 4, SamplingParams::greedy(), None)
-        .unwrap_err();
+    let carried = conv.carried().cloned();
+    assert!(carried.is_some());
+    // The next prompt would not fit the 40-token context: refused, nothing changes.
+    let err = conv.send(GenerateRequest::new(vec![5; 30], 4)).unwrap_err();
+    assert!(
+        matches!(&err, Error::Engine(e) if e.is_request_error()),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("context holds 40"), "{err}");
+    assert_eq!(conv.history(), history.as_slice());
+    assert_eq!(conv.carried(), carried.as_ref());
+    // A failure while running keeps the history and frees the carried entry.
+    let failing = GenerateRequest::new(vec![4, 5], 8)
+        .with_grammar(Box::new(FailingGrammar { after: 3, seen: 0 }));
+    let err = conv.send(failing).unwrap_err();
+    assert!(
+        err.to_string().contains("deliberate grammar failure"),
+        "{err}"
+    );
     assert_eq!(conv.history(), history.as_slice());
     assert!(conv.carried().is_none());
     assert_eq!(echo.pool.num_free(), echo.pool.num_blocks());

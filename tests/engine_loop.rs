@@ -4,10 +4,11 @@
 mod engine_common;
 
 use engine_common::*;
-use specdraft::engine::{FinishReason, GenerateRequest, SamplingParams, SpecEngine, TableTarget};
+use specdraft::engine::testing::TableTarget;
+use specdraft::engine::{FinishReason, GenerateRequest, SamplingParams, SpecEngine};
 use specdraft::model::ModelLevers;
-use specdraft::speculative::{DraftProposer, PromptLookup};
-use std::sync::Arc;
+use specdraft::speculative::{DraftProposer, PromptLookup, ProposerState};
+use std::sync::{Arc, Mutex};
 
 const MAX: usize = 40;
 
@@ -407,4 +408,102 @@ fn max_batch_bounds_live_sequences_without_changing_output() {
     assert_eq!(tokens, base);
     assert_eq!(target.peak_sequences(), 2);
     assert_eq!(target.live_sequences(), 0);
+}
+
+/// An [`Oracle`] that keeps, for each sequence, the history its state holds when freed.
+struct Snapshot {
+    inner: Oracle,
+    at_free: Mutex<Vec<Vec<u32>>>,
+}
+
+impl DraftProposer for Snapshot {
+    fn alloc_state(
+        &self,
+        g: &dyn specdraft::backend::GpuBackend,
+    ) -> specdraft::Result<Box<dyn ProposerState>> {
+        self.inner.alloc_state(g)
+    }
+    fn prefill_drafter(
+        &self,
+        prompt: &[u32],
+        h: specdraft::backend::DevicePtr,
+        state: &mut dyn ProposerState,
+        ctx: &specdraft::model::ForwardContext<'_>,
+        stream: u64,
+    ) -> specdraft::Result<usize> {
+        self.inner.prefill_drafter(prompt, h, state, ctx, stream)
+    }
+    fn propose(
+        &self,
+        last: u32,
+        h: specdraft::backend::DevicePtr,
+        position: usize,
+        n: usize,
+        state: &mut dyn ProposerState,
+        ctx: &specdraft::model::ForwardContext<'_>,
+        stream: u64,
+        d: Option<specdraft::backend::DevicePtr>,
+        mask: Option<&[i32]>,
+        stack: Option<specdraft::backend::DevicePtr>,
+    ) -> specdraft::Result<Vec<u32>> {
+        self.inner
+            .propose(last, h, position, n, state, ctx, stream, d, mask, stack)
+    }
+    fn after_verify(
+        &self,
+        a: usize,
+        state: &mut dyn ProposerState,
+        stream: u64,
+    ) -> specdraft::Result<()> {
+        self.inner.after_verify(a, state, stream)
+    }
+    fn free_state(
+        &self,
+        _g: &dyn specdraft::backend::GpuBackend,
+        state: &mut dyn ProposerState,
+    ) -> specdraft::Result<()> {
+        if let Some(h) = state.as_any().downcast_ref::<History>() {
+            self.at_free.lock().unwrap().push(h.tokens.clone());
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn drafts_accepted_past_eos_are_not_reported_to_the_proposer() {
+    let gpu = cpu();
+    let plain = table(&gpu);
+    let base = baseline(&plain, &prompts()[..1], 30);
+    // EOS is the 8th token greedy decoding emits: with an oracle drafting 4 tokens a step
+    // it is accepted as a draft, and the oracle's drafts after it are accepted too.
+    let eos = base[0][7];
+    let first = base[0].iter().position(|&t| t == eos).unwrap();
+    let target = Arc::new(
+        TableTarget::new(gpu.clone(), 48, 256, 64, 11, 0.2)
+            .unwrap()
+            .with_eos(vec![eos]),
+    );
+    let proposer = Arc::new(Snapshot {
+        inner: Oracle {
+            target: target.clone(),
+            fail: None,
+        },
+        at_free: Mutex::new(Vec::new()),
+    });
+    let engine = SpecEngine::new(target.clone(), Some(proposer.clone()), 4).unwrap();
+    let g = engine.generate(requests(&prompts()[..1], 30));
+    let r = &g.results[0];
+    assert_eq!(r.tokens, base[0][..=first].to_vec());
+    assert!(
+        r.metrics.accepted > r.metrics.decode_tokens - r.metrics.verify_steps,
+        "a draft past EOS was accepted by verification: {:?}",
+        r.metrics
+    );
+    let mut sequence = prompts()[0].clone();
+    sequence.extend_from_slice(&r.tokens);
+    let held = proposer.at_free.lock().unwrap()[0].clone();
+    assert!(
+        sequence.starts_with(&held) && held.len() == sequence.len(),
+        "the proposer's history {held:?} is not the sequence {sequence:?}"
+    );
 }

@@ -7,7 +7,8 @@ mod engine_common;
 mod mtp_common;
 
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend};
-use specdraft::engine::{GenerateRequest, SamplingParams, SpecEngine, TableTarget};
+use specdraft::engine::testing::TableTarget;
+use specdraft::engine::{GenerateRequest, SamplingParams, SpecEngine};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
 use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization, ProposerState};
@@ -219,7 +220,7 @@ fn carried_mtp_kv_drafts_like_a_head_rebuilt_from_scratch() {
     let mut conv = engine.conversation();
     let mut carried = Vec::new();
     for t in &turns {
-        let r = conv.send(t, 16, SamplingParams::greedy(), None).unwrap();
+        let r = conv.send(GenerateRequest::new(t.clone(), 16)).unwrap();
         assert!(conv.carried().is_some(), "MtpHead hands its KV over");
         carried.push((r.tokens, logged.take()));
     }

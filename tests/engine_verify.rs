@@ -168,7 +168,8 @@ fn two_sample(a: &[u64], b: &[u64]) -> (f64, usize) {
 #[test]
 fn engine_sampling_with_drafts_matches_plain_sampling() {
     use specdraft::backend::{CpuBackend, GpuBackend};
-    use specdraft::engine::{GenerateRequest, SpecEngine, TableTarget};
+    use specdraft::engine::testing::TableTarget;
+    use specdraft::engine::{GenerateRequest, SpecEngine};
     use specdraft::speculative::DraftProposer;
     use std::sync::Arc;
 

@@ -8,7 +8,7 @@
 //! (`free_drafter_kv`) and prefills the drafter from scratch. A carried entry that is
 //! replaced, reset or dropped is freed the same way, so nothing outlives the conversation.
 
-use super::{GenerateRequest, GenerateResult, GrammarMatcher, SamplingParams, SpecEngine, Target};
+use super::{GenerateRequest, GenerateResult, SpecEngine, Target};
 use crate::Result;
 
 /// Drafter KV blocks moved out of a finished sequence's state.
@@ -49,20 +49,19 @@ impl<T: Target> Conversation<T> {
         self.carried.as_ref()
     }
 
-    /// Appends `new_tokens` to the history, generates a reply and appends it too. An error
-    /// leaves the history as it was and drops any carried drafter KV.
-    pub fn send(
-        &mut self,
-        new_tokens: &[u32],
-        max_tokens: usize,
-        sampling: SamplingParams,
-        grammar: Option<Box<dyn GrammarMatcher>>,
-    ) -> Result<GenerateResult> {
+    /// Sends one turn: `request.prompt` holds the turn's new tokens, which are appended to
+    /// the history; the whole history is the prompt, and the reply is appended too. Every
+    /// other field of `request` (max_tokens, sampling, grammar, stop_on_eos) applies as in
+    /// [`SpecEngine::generate`]. A bad request is refused before anything runs and changes
+    /// nothing; a failure while running leaves the history as it was and drops any carried
+    /// drafter KV.
+    pub fn send(&mut self, mut request: GenerateRequest) -> Result<GenerateResult> {
         let mut prompt = self.history.clone();
-        prompt.extend_from_slice(new_tokens);
-        let mut request = GenerateRequest::new(prompt.clone(), max_tokens).with_sampling(sampling);
-        request.grammar = grammar;
+        prompt.extend_from_slice(&request.prompt);
+        request.prompt = prompt;
+        self.engine.check_request(0, &request)?;
         let carry_in = vec![self.carried.take()];
+        let prompt = request.prompt.clone();
         let (mut generation, mut carry_out) = self.engine.run(vec![request], carry_in, true);
         let result = generation.results.pop().ok_or_else(|| {
             crate::Error::from(super::EngineError::InvalidArgument {
@@ -75,9 +74,16 @@ impl<T: Target> Conversation<T> {
             self.free_carried();
             return Err(error);
         }
-        prompt.extend_from_slice(&result.tokens);
         self.history = prompt;
+        self.history.extend_from_slice(&result.tokens);
         Ok(result)
+    }
+
+    /// Appends `tokens` to the history without generating (for instance the tokens a chat
+    /// template puts after a reply to close the turn). The carried drafter KV still
+    /// describes a prefix of the history; the next turn catches the drafter up on the rest.
+    pub fn append(&mut self, tokens: &[u32]) {
+        self.history.extend_from_slice(tokens);
     }
 
     /// Forgets the history and frees any carried drafter KV.

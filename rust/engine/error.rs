@@ -1,7 +1,64 @@
-//! Errors of the engine layer: bad requests, proposers that break their contract inside
-//! the loop, grammar failures.
+//! Errors of the engine layer.
+//!
+//! Two kinds, told apart by [`EngineError::is_request_error`]:
+//! - a bad request (an empty or too-long prompt, ids outside the vocabulary, sampling
+//!   parameters out of range): found before the request runs, nothing was computed;
+//! - a failure while running: a step of the loop failed in a layer below (the target's
+//!   forward, device memory, the proposer), which [`EngineError::Step`] wraps with the
+//!   request and the stage while keeping the original error as its `source`, or the
+//!   engine found a contract broken (drafts the protocol forbids, a target output of the
+//!   wrong shape, a grammar that failed).
 
 use thiserror::Error;
+
+/// Where in a sequence's life a [`EngineError::Step`] failure happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Allocating the sequence's engine buffers and proposer state.
+    Start,
+    /// The target's forward over the prompt.
+    TargetPrefill,
+    /// `prefill_drafter` or `catchup_drafter` over the prompt.
+    DrafterPrefill,
+    /// Filling the grammar mask for a draft.
+    GrammarMask,
+    /// `propose`.
+    Propose,
+    /// The target's verify forward.
+    Verify,
+    /// Dropping the rejected rows from the target's KV.
+    Trim,
+    /// `after_verify`.
+    AfterVerify,
+    /// `catchup_batch` (exact drafter KV).
+    Catchup,
+    /// Releasing the sequence's state, buffers and KV.
+    Release,
+}
+
+impl Stage {
+    /// A short description, as used in messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Start => "starting the sequence",
+            Stage::TargetPrefill => "the target's prefill",
+            Stage::DrafterPrefill => "the drafter's prefill",
+            Stage::GrammarMask => "the grammar mask",
+            Stage::Propose => "propose",
+            Stage::Verify => "the target's verify forward",
+            Stage::Trim => "trimming the rejected rows",
+            Stage::AfterVerify => "after_verify",
+            Stage::Catchup => "catchup_batch",
+            Stage::Release => "releasing the sequence",
+        }
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// What went wrong while generating.
 #[derive(Debug, Error, Clone, PartialEq)]
@@ -27,19 +84,56 @@ pub enum EngineError {
     /// Sampling parameters or engine settings that make no sense.
     #[error("invalid {what}: {message}")]
     InvalidArgument { what: &'static str, message: String },
+    /// A stage of a running request failed in a layer below; `source` is that layer's
+    /// error, unchanged. Its message is repeated here so a single line says everything.
+    #[error("request {request}: {stage} failed: {source}")]
+    Step {
+        request: usize,
+        stage: Stage,
+        #[source]
+        source: Box<crate::Error>,
+    },
     /// A proposer returned drafts that break the protocol (too many, or out of vocabulary).
     #[error("{method} broke the protocol: {message}")]
     ProposerContract {
         method: &'static str,
         message: String,
     },
-    /// The target's forward (or trim, or free) failed.
-    #[error("target: {0}")]
-    Target(String),
     /// The target returned output of the wrong shape.
     #[error("target forward: {0}")]
     TargetOutput(String),
+    /// A running request has no target KV: the engine's own bookkeeping is broken.
+    #[error("request {request}: the sequence holds no target KV (it was never started or is already released)")]
+    NoKv { request: usize },
     /// A grammar matcher failed or refused a token the engine emitted.
     #[error("grammar: {0}")]
     Grammar(String),
+}
+
+impl EngineError {
+    /// Whether this is a bad request (found before anything ran) rather than a failure
+    /// while running.
+    pub fn is_request_error(&self) -> bool {
+        matches!(
+            self,
+            EngineError::EmptyPrompt { .. }
+                | EngineError::PromptTooLong { .. }
+                | EngineError::PromptTokenOutOfVocab { .. }
+                | EngineError::InvalidArgument { .. }
+        )
+    }
+
+    /// `error`, raised at `stage` of request `request`, wrapped with both; an engine error
+    /// already says where it happened and is returned unchanged.
+    pub fn at(request: usize, stage: Stage, error: crate::Error) -> crate::Error {
+        match error {
+            crate::Error::Engine(_) => error,
+            other => EngineError::Step {
+                request,
+                stage,
+                source: Box::new(other),
+            }
+            .into(),
+        }
+    }
 }

@@ -9,10 +9,12 @@
 //! - Every emitted token is allowed by the sequence's grammar, when it has one.
 //! - Whatever ends a sequence (EOS, length, an error), its proposer state, target KV and
 //!   engine buffers are released: the backend's ledger returns to where it started.
+//! - A bad request is refused before it runs ([`EngineError::is_request_error`]); a failure
+//!   while running ends only its own sequence and keeps the layer's error as its source.
+//!
+//! [`testing`] holds `TableTarget`, a deterministic stand-in target for tests and examples.
 
 mod conversation;
-#[allow(clippy::module_inception)]
-mod engine;
 mod error;
 mod grammar;
 mod metrics;
@@ -20,17 +22,17 @@ mod model_target;
 mod prefill;
 mod request;
 mod sequence;
+mod spec_engine;
 mod step;
-mod table_target;
 mod target;
+pub mod testing;
 mod verify;
 
 pub use conversation::{CarriedKv, Conversation};
-pub use engine::SpecEngine;
-pub use error::EngineError;
+pub use error::{EngineError, Stage};
 pub use grammar::GrammarMatcher;
 pub use metrics::Metrics;
 pub use request::{FinishReason, GenerateRequest, GenerateResult, Generation};
-pub use table_target::{decode_hidden, TableSeq, TableTarget};
+pub use spec_engine::SpecEngine;
 pub use target::{Target, TargetOutput};
 pub use verify::{argmax, sample_from, target_probs, verify, SamplingParams, Verdict};

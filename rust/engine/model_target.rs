@@ -8,7 +8,7 @@ use crate::Result;
 use std::sync::Arc;
 
 impl Target for TargetModel {
-    type Seq = KvSequence;
+    type KvSequence = KvSequence;
 
     fn config(&self) -> &Arc<ModelConfig> {
         TargetModel::config(self)

@@ -5,9 +5,19 @@
 //! The target hiddens the drafter prefill needs are copied out of the target's outputs as
 //! each prefill chunk lands, since those outputs are overwritten by the next forward and may
 //! live in the shared scratch a deferred drafter prefill uses.
+//!
+//! Invariants:
+//! - Carried drafter KV is either installed into the new state (and only the prompt rows
+//!   after it are caught up) or freed: never both, never neither.
+//! - The drafter prefill runs at most once per sequence and before its first propose: at
+//!   the end of `start`, or at the first step when deferred. Its hiddens are engine-owned
+//!   copies, freed as soon as it has run.
+//! - After `start`, the target KV holds the whole prompt, `hidden_rows` row 0 is the hidden
+//!   of the last prompt row, and the first token is emitted (or the sequence has finished).
+//! - Every failure is returned wrapped with the sequence's request and the stage.
 
-use super::engine::target_err;
-use super::sequence::{grammar_of, DrafterPrefill, PendingPrefill, Seq};
+use super::error::Stage;
+use super::sequence::{grammar_of, DrafterPrefill, EngineSequence, PendingPrefill};
 use super::{verify, EngineError, FinishReason, SpecEngine, Target};
 use crate::backend::{GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
@@ -17,7 +27,27 @@ use std::time::Instant;
 impl<T: Target> SpecEngine<T> {
     /// Allocates the sequence's state, prefills the target, picks the first token and
     /// (unless deferred) prefills the drafter.
-    pub(super) fn start(&self, seq: &mut Seq<T::Seq>, ctx: &ForwardContext<'_>) -> Result<()> {
+    pub(super) fn start(
+        &self,
+        seq: &mut EngineSequence<T::KvSequence>,
+        ctx: &ForwardContext<'_>,
+    ) -> Result<()> {
+        let request = seq.request;
+        let capture_first = self
+            .allocate(seq)
+            .map_err(|e| EngineError::at(request, Stage::Start, e))?;
+        self.prefill_target(seq, capture_first)
+            .map_err(|e| EngineError::at(request, Stage::TargetPrefill, e))?;
+        if seq.live() && !self.deferred_prefill() {
+            self.run_drafter_prefill(seq, ctx)?;
+        }
+        Ok(())
+    }
+
+    /// The target's KV, the engine's hidden rows, the proposer state (with carried drafter
+    /// KV installed when the proposer takes it) and the buffer for the drafter prefill's
+    /// hiddens. Returns the first prompt row whose hidden the drafter prefill needs.
+    fn allocate(&self, seq: &mut EngineSequence<T::KvSequence>) -> Result<usize> {
         let gpu = self.target.gpu();
         let hb = self.row_bytes();
         let p = seq.prompt_len;
@@ -25,7 +55,7 @@ impl<T: Target> SpecEngine<T> {
         // The first prompt row whose hidden the drafter prefill needs.
         let mut capture_first = 0;
         if let Some(prop) = &self.proposer {
-            seq.hid = gpu.alloc((self.num_drafts + 1) * hb, "engine:hidden_rows")?;
+            seq.hidden_rows = gpu.alloc((self.num_drafts + 1) * hb, "engine:hidden_rows")?;
             let t = Instant::now();
             let mut state = prop.alloc_state_for(gpu.as_ref(), p.saturating_add(seq.max_tokens))?;
             let mut kind = DrafterPrefill::Prefill;
@@ -67,6 +97,19 @@ impl<T: Target> SpecEngine<T> {
                 });
             }
         }
+        Ok(capture_first)
+    }
+
+    /// The target's forward over the prompt (split at its row limit), capturing the
+    /// hiddens the drafter prefill needs, then the first token.
+    fn prefill_target(
+        &self,
+        seq: &mut EngineSequence<T::KvSequence>,
+        capture_first: usize,
+    ) -> Result<()> {
+        let gpu = self.target.gpu();
+        let hb = self.row_bytes();
+        let p = seq.prompt_len;
         let vocab = self.target.config().vocab_size;
         let max_rows = self.max_rows();
         let prompt = seq.tokens.clone();
@@ -74,15 +117,9 @@ impl<T: Target> SpecEngine<T> {
         let mut begin = 0;
         while begin < p {
             let end = p.min(begin.saturating_add(max_rows));
-            let out = {
-                let kv = seq
-                    .kv
-                    .as_mut()
-                    .ok_or_else(|| EngineError::Target("sequence missing".into()))?;
-                self.target
-                    .forward_last(&mut [kv], &[&prompt[begin..end]])
-                    .map_err(|e| target_err(&e))?
-            };
+            let out = self
+                .target
+                .forward_last(&mut [seq.kv_mut()?], &[&prompt[begin..end]])?;
             if out.rows != end - begin {
                 return Err(EngineError::TargetOutput(format!(
                     "prefill of {} tokens returned {} rows",
@@ -108,13 +145,18 @@ impl<T: Target> SpecEngine<T> {
                 let logits_row = if out.last_logits_only { 0 } else { last };
                 last_logits =
                     gpu.download::<f32>(out.logits.offset(logits_row * vocab * 4), vocab)?;
-                if !seq.hid.is_null() {
-                    gpu.copy_dtod(seq.hid, out.hiddens.offset(last * hb), hb, DEFAULT_STREAM)?;
+                if !seq.hidden_rows.is_null() {
+                    gpu.copy_dtod(
+                        seq.hidden_rows,
+                        out.hiddens.offset(last * hb),
+                        hb,
+                        DEFAULT_STREAM,
+                    )?;
                 }
             }
             begin = end;
         }
-        seq.hid_row = 0;
+        seq.hidden_row = 0;
         seq.metrics.prompt_tokens = p as u64;
         let verdict = verify(
             &[&last_logits],
@@ -130,15 +172,14 @@ impl<T: Target> SpecEngine<T> {
         }
         let eos = &self.target.config().eos_token_ids;
         seq.metrics.emitted += seq.emit(&verdict.tokens, eos, self.target.max_seq_len()) as u64;
-        if seq.live() && !self.deferred_prefill() {
-            self.run_drafter_prefill(seq, ctx)?;
-        }
         Ok(())
     }
 
+    /// Runs the pending drafter prefill (or catch-up after carried KV), if any, and frees
+    /// its captured hiddens. A failure is returned wrapped with the request and the stage.
     pub(super) fn run_drafter_prefill(
         &self,
-        seq: &mut Seq<T::Seq>,
+        seq: &mut EngineSequence<T::KvSequence>,
         ctx: &ForwardContext<'_>,
     ) -> Result<()> {
         let Some(pp) = seq.pending.take() else {
@@ -164,8 +205,9 @@ impl<T: Target> SpecEngine<T> {
         };
         let freed = self.target.gpu().free(pp.hiddens);
         seq.metrics.draft_time += t.elapsed();
-        ran?;
-        freed?;
+        let at = |e| EngineError::at(seq.request, Stage::DrafterPrefill, e);
+        ran.map_err(at)?;
+        freed.map_err(|e| at(e.into()))?;
         Ok(())
     }
 }

@@ -3,13 +3,14 @@
 //! Invariants:
 //! - `tokens` is the prompt followed by every emitted token; the last one is not yet in the
 //!   target's KV, so `kv` holds `tokens.len() - 1` tokens between steps.
-//! - `hid` holds the hidden rows of the sequence's last forward (engine-owned copies, so a
-//!   proposer that reuses the target's scratch cannot clobber them); row `hid_row` is the
-//!   hidden whose logits picked the last token.
-//! - Every resource (`kv`, `state`, `hid`, the prefill capture, carried blocks) is released
+//! - `hidden_rows` holds the hidden rows of the sequence's last forward (engine-owned
+//!   copies, so a proposer that reuses the target's scratch cannot clobber them); row
+//!   `hidden_row` is the hidden whose logits picked the last token.
+//! - Every resource (`kv`, `state`, `hidden_rows`, the prefill capture, carried blocks) is released
 //!   exactly once, by the engine's `release`, whatever ended the sequence.
 
-use super::{CarriedKv, FinishReason, GrammarMatcher, Metrics, SamplingParams};
+use super::error::Stage;
+use super::{CarriedKv, EngineError, FinishReason, GrammarMatcher, Metrics, SamplingParams};
 use crate::backend::DevicePtr;
 use crate::speculative::ProposerState;
 use rand::rngs::SmallRng;
@@ -43,8 +44,11 @@ pub(super) fn grammar_of(
     }
 }
 
-pub(super) struct Seq<S> {
-    pub kv: Option<S>,
+/// One request's sequence as the engine tracks it, over the target's per-sequence KV `K`.
+pub(super) struct EngineSequence<K> {
+    /// The request's index in its `generate` call (for messages).
+    pub request: usize,
+    pub kv: Option<K>,
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
     pub max_tokens: usize,
@@ -53,8 +57,8 @@ pub(super) struct Seq<S> {
     pub grammar: Option<Box<dyn GrammarMatcher>>,
     pub stop_on_eos: bool,
     pub state: Option<Box<dyn ProposerState>>,
-    pub hid: DevicePtr,
-    pub hid_row: usize,
+    pub hidden_rows: DevicePtr,
+    pub hidden_row: usize,
     pub pending: Option<PendingPrefill>,
     pub drafts: Vec<u32>,
     /// Whether `propose` ran this step (so `after_verify` is owed).
@@ -72,7 +76,7 @@ pub(super) struct Seq<S> {
     pub admitted: bool,
 }
 
-impl<S> Seq<S> {
+impl<K> EngineSequence<K> {
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
@@ -109,6 +113,17 @@ impl<S> Seq<S> {
             self.error = Some(error);
         }
         self.finish = Some(FinishReason::Error);
+    }
+
+    /// Ends the sequence with `error`, raised at `stage` (see [`EngineError::at`]).
+    pub fn fail_at(&mut self, stage: Stage, error: crate::Error) {
+        self.fail(EngineError::at(self.request, stage, error));
+    }
+
+    /// The target KV, which every started sequence holds until it is released.
+    pub fn kv_mut(&mut self) -> Result<&mut K, EngineError> {
+        let request = self.request;
+        self.kv.as_mut().ok_or(EngineError::NoKv { request })
     }
 
     /// Appends emitted tokens, stopping at EOS, `max_tokens` or the end of the context.

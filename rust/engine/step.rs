@@ -1,8 +1,22 @@
 //! One decode step for every live sequence: drafting (batched where the proposer allows),
 //! the verify forward(s), verification, trimming, `after_verify`, and the exact-KV catch-up.
+//!
+//! Invariants:
+//! - A sequence's drafts never exceed its budget ([`SpecEngine::draft_budget`]): what
+//!   `max_tokens`, the context and one forward's rows leave room for. Drafts that break the
+//!   protocol (too many, outside the vocabulary) end the sequence; they are never verified.
+//! - Each sequence's verify input is `[last_token, drafts..]`; the emitted tokens are the
+//!   verdict's (the accepted drafts, then the target's own pick), so greedy output does not
+//!   depend on what was drafted.
+//! - After a step the target KV holds every token but the last (rejected rows trimmed), and
+//!   `hidden_rows` row `hidden_row` is the hidden whose logits picked the last token.
+//! - `after_verify` is called once for every successful `propose` (or `propose_batch`
+//!   entry) of the step, and never otherwise, with the number of accepted drafts that
+//!   entered the sequence: drafts accepted past an EOS are not counted, so the proposer's
+//!   state (carried into a conversation's next turn) never runs ahead of the sequence.
 
-use super::engine::target_err;
-use super::sequence::{grammar_of, Seq};
+use super::error::Stage;
+use super::sequence::{grammar_of, EngineSequence};
 use super::{verify, EngineError, FinishReason, Metrics, SpecEngine, Target, Verdict};
 use crate::backend::{DevicePtr, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
@@ -13,7 +27,7 @@ use std::time::{Duration, Instant};
 impl<T: Target> SpecEngine<T> {
     /// Drafts this step may hold: no more than can be emitted before `max_tokens`, than
     /// fits the context, or than one forward's rows allow.
-    pub(super) fn draft_budget(&self, seq: &Seq<T::Seq>) -> usize {
+    pub(super) fn draft_budget(&self, seq: &EngineSequence<T::KvSequence>) -> usize {
         let remaining = seq.max_tokens.saturating_sub(seq.generated());
         let room = self.target.max_seq_len().saturating_sub(seq.tokens.len());
         self.num_drafts
@@ -24,7 +38,7 @@ impl<T: Target> SpecEngine<T> {
 
     pub(super) fn step(
         &self,
-        seqs: &mut [Seq<T::Seq>],
+        seqs: &mut [EngineSequence<T::KvSequence>],
         ctx: &ForwardContext<'_>,
         total: &mut Metrics,
     ) {
@@ -40,8 +54,9 @@ impl<T: Target> SpecEngine<T> {
         }
         if let Some(prop) = &self.proposer {
             let budgets: Vec<usize> = seqs.iter().map(|s| self.draft_budget(s)).collect();
-            let wants =
-                |i: usize, s: &Seq<T::Seq>| s.active() && s.state.is_some() && budgets[i] > 0;
+            let wants = |i: usize, s: &EngineSequence<T::KvSequence>| {
+                s.active() && s.state.is_some() && budgets[i] > 0
+            };
             let mut single = Vec::new();
             let mut batchable = Vec::new();
             for (i, s) in seqs.iter().enumerate().filter(|(i, s)| wants(*i, s)) {
@@ -101,7 +116,7 @@ impl<T: Target> SpecEngine<T> {
         prop: &dyn DraftProposer,
         group: &[usize],
         budgets: &[usize],
-        seqs: &mut [Seq<T::Seq>],
+        seqs: &mut [EngineSequence<T::KvSequence>],
         ctx: &ForwardContext<'_>,
     ) -> bool {
         let hb = self.row_bytes();
@@ -109,7 +124,7 @@ impl<T: Target> SpecEngine<T> {
         let last: Vec<u32> = group.iter().map(|&i| seqs[i].last_token()).collect();
         let hiddens: Vec<DevicePtr> = group
             .iter()
-            .map(|&i| seqs[i].hid.offset(seqs[i].hid_row * hb))
+            .map(|&i| seqs[i].hidden_rows.offset(seqs[i].hidden_row * hb))
             .collect();
         let positions: Vec<usize> = group.iter().map(|&i| seqs[i].last_pos()).collect();
         let mut member = vec![false; seqs.len()];
@@ -156,16 +171,16 @@ impl<T: Target> SpecEngine<T> {
     pub(super) fn propose_one(
         &self,
         prop: &dyn DraftProposer,
-        seq: &mut Seq<T::Seq>,
+        seq: &mut EngineSequence<T::KvSequence>,
         budget: usize,
         ctx: &ForwardContext<'_>,
     ) {
-        let hidden = seq.hid.offset(seq.hid_row * self.row_bytes());
+        let hidden = seq.hidden_rows.offset(seq.hidden_row * self.row_bytes());
         let mut mask = None;
         if let Some(g) = seq.grammar.as_deref_mut() {
             let mut words = vec![0i32; bitmask_words(ctx.config.vocab_size)];
             if let Err(e) = g.fill_mask(&mut words) {
-                seq.fail(e);
+                seq.fail_at(Stage::GrammarMask, e);
                 return;
             }
             mask = Some(words);
@@ -193,14 +208,14 @@ impl<T: Target> SpecEngine<T> {
                 seq.proposed = true;
                 self.take_drafts(seq, d, budget, budget, "propose");
             }
-            Err(e) => seq.fail(e),
+            Err(e) => seq.fail_at(Stage::Propose, e),
         }
     }
 
     /// Checks a proposer's drafts against the protocol and keeps the first `budget`.
     pub(super) fn take_drafts(
         &self,
-        seq: &mut Seq<T::Seq>,
+        seq: &mut EngineSequence<T::KvSequence>,
         mut drafts: Vec<u32>,
         budget: usize,
         asked: usize,
@@ -234,7 +249,11 @@ impl<T: Target> SpecEngine<T> {
 
     /// One verify forward over `chunk`, then verification and bookkeeping for each of its
     /// sequences. Returns the time spent inside the proposer (`after_verify`).
-    pub(super) fn verify_chunk(&self, chunk: &[usize], seqs: &mut [Seq<T::Seq>]) -> Duration {
+    pub(super) fn verify_chunk(
+        &self,
+        chunk: &[usize],
+        seqs: &mut [EngineSequence<T::KvSequence>],
+    ) -> Duration {
         let inputs: Vec<Vec<u32>> = chunk
             .iter()
             .map(|&i| {
@@ -251,17 +270,16 @@ impl<T: Target> SpecEngine<T> {
         }
         let t = Instant::now();
         let out = {
-            let mut kvs: Vec<&mut T::Seq> = seqs
+            let kvs: std::result::Result<Vec<&mut T::KvSequence>, EngineError> = seqs
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| member[*i])
-                .filter_map(|(_, s)| s.kv.as_mut())
+                .map(|(_, s)| s.kv_mut())
                 .collect();
             let toks: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
-            if kvs.len() != chunk.len() {
-                Err(EngineError::Target("a sequence lost its KV".into()).into())
-            } else {
-                self.target.forward(&mut kvs, &toks)
+            match kvs {
+                Ok(mut kvs) => self.target.forward(&mut kvs, &toks),
+                Err(e) => Err(e.into()),
             }
         };
         let forward_time = t.elapsed();
@@ -289,7 +307,7 @@ impl<T: Target> SpecEngine<T> {
             }
             Err(e) => {
                 for &i in chunk {
-                    seqs[i].fail(target_err(&e));
+                    seqs[i].fail_at(Stage::Verify, e.clone());
                 }
                 return Duration::ZERO;
             }
@@ -301,7 +319,7 @@ impl<T: Target> SpecEngine<T> {
             seq.metrics.verify_time += forward_time.mul_f64(rows as f64 / rows_total as f64);
             match self.verify_one(seq, &out, out.row_offsets[k], rows) {
                 Ok(dt) => proposer_time += dt,
-                Err(e) => seq.fail(e),
+                Err(e) => seq.fail_at(Stage::Verify, e),
             }
         }
         proposer_time
@@ -309,7 +327,7 @@ impl<T: Target> SpecEngine<T> {
 
     pub(super) fn verify_one(
         &self,
-        seq: &mut Seq<T::Seq>,
+        seq: &mut EngineSequence<T::KvSequence>,
         out: &super::TargetOutput,
         offset: usize,
         rows: usize,
@@ -327,9 +345,9 @@ impl<T: Target> SpecEngine<T> {
         }
         let t = Instant::now();
         let logits = gpu.download::<f32>(out.logits.offset(offset * vocab * 4), rows * vocab)?;
-        if !seq.hid.is_null() {
+        if !seq.hidden_rows.is_null() {
             gpu.copy_dtod(
-                seq.hid,
+                seq.hidden_rows,
                 out.hiddens.offset(offset * hb),
                 rows * hb,
                 DEFAULT_STREAM,
@@ -349,17 +367,25 @@ impl<T: Target> SpecEngine<T> {
     }
 
     /// Trims the rejected rows, tells the proposer, and emits the verdict's tokens.
-    pub(super) fn apply(&self, seq: &mut Seq<T::Seq>, verdict: Verdict) -> Result<Duration> {
-        let a = verdict.accepted;
+    pub(super) fn apply(
+        &self,
+        seq: &mut EngineSequence<T::KvSequence>,
+        verdict: Verdict,
+    ) -> Result<Duration> {
         let drafted = seq.drafts.len();
+        let last_pos = seq.last_pos();
+        let eos = &self.target.config().eos_token_ids;
+        let kept = seq.emit(&verdict.tokens, eos, self.target.max_seq_len());
+        // Emitting stops at EOS, `max_tokens` or the context: drafts verification accepted
+        // past that point never enter the sequence, so neither the target's KV nor the
+        // proposer (whose state a conversation carries on) keeps them.
+        let a = verdict.accepted.min(kept);
         // The last token and the accepted drafts stay in the KV; the rejected rows go.
-        let keep = seq.last_pos() + 1 + a;
         if a < drafted {
-            let kv = seq
-                .kv
-                .as_mut()
-                .ok_or_else(|| EngineError::Target("sequence missing".into()))?;
-            self.target.trim(kv, keep).map_err(|e| target_err(&e))?;
+            let request = seq.request;
+            self.target
+                .trim(seq.kv_mut()?, last_pos + 1 + a)
+                .map_err(|e| EngineError::at(request, Stage::Trim, e))?;
         }
         let mut proposer_time = Duration::ZERO;
         if let (true, Some(prop), Some(state)) =
@@ -369,25 +395,27 @@ impl<T: Target> SpecEngine<T> {
             let r = prop.after_verify(a, state, DEFAULT_STREAM);
             proposer_time = t.elapsed();
             seq.metrics.draft_time += proposer_time;
-            r?;
+            r.map_err(|e| EngineError::at(seq.request, Stage::AfterVerify, e))?;
         }
         // Accepted drafts stay in `drafts` for the catch-up; the rest is dropped.
         seq.drafts.truncate(a);
-        seq.catchup_pos = seq.last_pos() + 1;
-        let eos = &self.target.config().eos_token_ids;
-        let kept = seq.emit(&verdict.tokens, eos, self.target.max_seq_len());
-        seq.metrics.record_step(drafted, a, kept);
+        seq.catchup_pos = last_pos + 1;
+        seq.metrics.record_step(drafted, verdict.accepted, kept);
         if verdict.grammar_exhausted && seq.active() {
             seq.finish = Some(FinishReason::Grammar);
         }
-        seq.hid_row = a;
+        seq.hidden_row = a;
         Ok(proposer_time)
     }
 
     /// `catchup_batch` with each sequence's accepted drafts and their paired hiddens
     /// (verify row k picked draft k, so its hidden is row k). A failing call ends every
     /// sequence of its group: the protocol gives no way to tell which one failed.
-    pub(super) fn catchup(&self, seqs: &mut [Seq<T::Seq>], ctx: &ForwardContext<'_>) -> Duration {
+    pub(super) fn catchup(
+        &self,
+        seqs: &mut [EngineSequence<T::KvSequence>],
+        ctx: &ForwardContext<'_>,
+    ) -> Duration {
         let Some(prop) = &self.proposer else {
             return Duration::ZERO;
         };
@@ -406,7 +434,7 @@ impl<T: Target> SpecEngine<T> {
                 .iter()
                 .map(|&i| {
                     (0..seqs[i].drafts.len())
-                        .map(|k| seqs[i].hid.offset(k * hb))
+                        .map(|k| seqs[i].hidden_rows.offset(k * hb))
                         .collect()
                 })
                 .collect();
@@ -438,7 +466,7 @@ impl<T: Target> SpecEngine<T> {
             for &i in group {
                 seqs[i].metrics.draft_time += dt / group.len() as u32;
                 if let Err(e) = &result {
-                    seqs[i].fail(EngineError::Target(format!("catchup_batch: {e}")).into());
+                    seqs[i].fail_at(Stage::Catchup, e.clone());
                 }
             }
         }

@@ -37,8 +37,8 @@ pub struct TargetOutput {
 
 /// The model that verifies drafts.
 pub trait Target: Send + Sync {
-    /// Per-sequence KV state.
-    type Seq: Send;
+    /// The KV state of one sequence.
+    type KvSequence: Send;
 
     /// The model's configuration (vocabulary, hidden size, EOS ids).
     fn config(&self) -> &Arc<ModelConfig>;
@@ -47,21 +47,29 @@ pub trait Target: Send + Sync {
     /// The longest sequence (prompt plus output) the model holds.
     fn max_seq_len(&self) -> usize;
     /// A new, empty sequence.
-    fn new_sequence(&self) -> Self::Seq;
+    fn new_sequence(&self) -> Self::KvSequence;
     /// Tokens held in `seq`'s KV.
-    fn seq_len(&self, seq: &Self::Seq) -> usize;
+    fn seq_len(&self, seq: &Self::KvSequence) -> usize;
     /// Appends `tokens[i]` to `seqs[i]` and returns the logits and hiddens of every row.
-    fn forward(&self, seqs: &mut [&mut Self::Seq], tokens: &[&[u32]]) -> Result<TargetOutput>;
+    fn forward(
+        &self,
+        seqs: &mut [&mut Self::KvSequence],
+        tokens: &[&[u32]],
+    ) -> Result<TargetOutput>;
     /// [`Target::forward`] where only each sequence's last row needs logits (a prefill), so
     /// a target may skip the LM head on the other rows and set `last_logits_only`. Hiddens
     /// are still returned for every row. The default computes every row.
-    fn forward_last(&self, seqs: &mut [&mut Self::Seq], tokens: &[&[u32]]) -> Result<TargetOutput> {
+    fn forward_last(
+        &self,
+        seqs: &mut [&mut Self::KvSequence],
+        tokens: &[&[u32]],
+    ) -> Result<TargetOutput> {
         self.forward(seqs, tokens)
     }
     /// Shortens `seq` to its first `new_len` tokens.
-    fn trim(&self, seq: &mut Self::Seq, new_len: usize) -> Result<()>;
+    fn trim(&self, seq: &mut Self::KvSequence, new_len: usize) -> Result<()>;
     /// Releases `seq`'s KV; the sequence is empty afterwards.
-    fn free_sequence(&self, seq: &mut Self::Seq) -> Result<()>;
+    fn free_sequence(&self, seq: &mut Self::KvSequence) -> Result<()>;
     /// The shared forward scratch; its `max_rows` bounds the rows of one forward
     /// (0 or `usize::MAX`: unbounded).
     fn buffers(&self) -> &Arc<BufferArena>;

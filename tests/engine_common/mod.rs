@@ -4,7 +4,8 @@
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
-use specdraft::engine::{decode_hidden, GenerateRequest, SpecEngine, TableTarget};
+use specdraft::engine::testing::{decode_hidden, TableTarget};
+use specdraft::engine::{GenerateRequest, SpecEngine};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig};
 use specdraft::speculative::{DraftProposer, ProposerError, ProposerState};

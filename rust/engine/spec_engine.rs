@@ -15,10 +15,21 @@
 //! MTP pairing: `propose` gets `last_token` at `position` with the hidden whose logits
 //! picked it (the row before it); `prefill_drafter` gets the hidden of every prompt row.
 //!
-//! A sequence whose proposer fails or breaks the protocol is ended with its error recorded
-//! while the others go on; whatever ended a sequence, everything it held is released.
+//! Invariants:
+//! - A bad request ([`SpecEngine::check_request`]) never starts: it holds nothing and its
+//!   result carries the request error.
+//! - Requests are admitted in order, at most `max_batch` at a time; a waiting request
+//!   holds nothing.
+//! - A failure ends only its own sequence (a failing `catchup_batch` ends its whole group,
+//!   since the protocol cannot say which member failed), and is recorded with its request
+//!   and stage, the layer's error kept as its source.
+//! - Everything a sequence holds (proposer state, engine buffers, target KV, carried
+//!   drafter KV that was not installed) is released exactly once, by `release`, however
+//!   the sequence ended.
+//! - A result's tokens are exactly the tokens emitted after its prompt.
 
-use super::sequence::Seq;
+use super::error::Stage;
+use super::sequence::EngineSequence;
 use super::{
     CarriedKv, Conversation, EngineError, FinishReason, GenerateRequest, GenerateResult,
     Generation, Metrics, Target,
@@ -55,10 +66,6 @@ impl<T: Target> Clone for SpecEngine<T> {
             max_batch: self.max_batch,
         }
     }
-}
-
-pub(super) fn target_err(e: &crate::Error) -> crate::Error {
-    EngineError::Target(e.to_string()).into()
 }
 
 impl<T: Target> SpecEngine<T> {
@@ -166,7 +173,7 @@ impl<T: Target> SpecEngine<T> {
             self.levers,
         );
         let mut carry_in = carry_in.into_iter();
-        let mut seqs: Vec<Seq<T::Seq>> = requests
+        let mut seqs: Vec<EngineSequence<T::KvSequence>> = requests
             .into_iter()
             .enumerate()
             .map(|(i, r)| self.new_seq(i, r, carry_in.next().flatten()))
@@ -240,8 +247,15 @@ impl<T: Target> SpecEngine<T> {
         )
     }
 
-    fn new_seq(&self, index: usize, r: GenerateRequest, carry: Option<CarriedKv>) -> Seq<T::Seq> {
-        let mut seq = Seq {
+    fn new_seq(
+        &self,
+        index: usize,
+        r: GenerateRequest,
+        carry: Option<CarriedKv>,
+    ) -> EngineSequence<T::KvSequence> {
+        let checked = self.check_request(index, &r);
+        let mut seq = EngineSequence {
+            request: index,
             kv: None,
             prompt_len: r.prompt.len(),
             tokens: r.prompt,
@@ -251,8 +265,8 @@ impl<T: Target> SpecEngine<T> {
             grammar: r.grammar,
             stop_on_eos: r.stop_on_eos,
             state: None,
-            hid: DevicePtr::NULL,
-            hid_row: 0,
+            hidden_rows: DevicePtr::NULL,
+            hidden_row: 0,
             pending: None,
             drafts: Vec::new(),
             proposed: false,
@@ -266,40 +280,51 @@ impl<T: Target> SpecEngine<T> {
             released: false,
             admitted: false,
         };
-        if let Err(e) = self.validate(index, &seq) {
+        if let Err(e) = checked {
             seq.fail(e.into());
         }
         seq
     }
 
-    fn validate(&self, request: usize, seq: &Seq<T::Seq>) -> std::result::Result<(), EngineError> {
-        seq.sampling.validate()?;
-        if seq.max_tokens == 0 {
+    /// Checks `request` (the `request`-th of a call) before it runs: sampling parameters,
+    /// `max_tokens`, and a prompt that is non-empty, shorter than the context and inside the
+    /// vocabulary. `generate` runs the same check and fails only the requests it refuses;
+    /// callers that want to refuse a whole call up front run it first.
+    pub fn check_request(
+        &self,
+        index: usize,
+        request: &GenerateRequest,
+    ) -> std::result::Result<(), EngineError> {
+        let request_index = index;
+        request.sampling.validate()?;
+        if request.max_tokens == 0 {
             return Err(EngineError::InvalidArgument {
                 what: "max_tokens",
-                message: format!("request {request}: 0 (it must be at least 1)"),
+                message: format!("request {request_index}: 0 (it must be at least 1)"),
             });
         }
-        if seq.tokens.is_empty() {
-            return Err(EngineError::EmptyPrompt { request });
+        let prompt = &request.prompt;
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt {
+                request: request_index,
+            });
         }
         let max_seq_len = self.target.max_seq_len();
-        if seq.tokens.len() >= max_seq_len {
+        if prompt.len() >= max_seq_len {
             return Err(EngineError::PromptTooLong {
-                request,
-                len: seq.tokens.len(),
+                request: request_index,
+                len: prompt.len(),
                 max_seq_len,
             });
         }
         let vocab_size = self.target.config().vocab_size;
-        if let Some((index, &token)) = seq
-            .tokens
+        if let Some((index, &token)) = prompt
             .iter()
             .enumerate()
             .find(|(_, &t)| t as usize >= vocab_size)
         {
             return Err(EngineError::PromptTokenOutOfVocab {
-                request,
+                request: request_index,
                 token,
                 index,
                 vocab_size,
@@ -310,7 +335,7 @@ impl<T: Target> SpecEngine<T> {
 
     /// Releases everything `seq` holds (each resource once), taking its drafter KV first
     /// when the caller carries it. A failure here is recorded as the sequence's error.
-    pub(super) fn release(&self, seq: &mut Seq<T::Seq>, want_carry: bool) {
+    pub(super) fn release(&self, seq: &mut EngineSequence<T::KvSequence>, want_carry: bool) {
         seq.released = true;
         let gpu: &dyn GpuBackend = self.target.gpu().as_ref();
         if let (Some(mut state), Some(prop)) = (seq.state.take(), &self.proposer) {
@@ -324,23 +349,23 @@ impl<T: Target> SpecEngine<T> {
                 }
             }
             if let Err(e) = prop.free_state(gpu, state.as_mut()) {
-                seq.fail(e);
+                seq.fail_at(Stage::Release, e);
             }
         }
         if let Some(pp) = seq.pending.take() {
             if let Err(e) = gpu.free(pp.hiddens) {
-                seq.fail(e.into());
+                seq.fail_at(Stage::Release, e.into());
             }
         }
-        if !seq.hid.is_null() {
-            if let Err(e) = gpu.free(seq.hid) {
-                seq.fail(e.into());
+        if !seq.hidden_rows.is_null() {
+            if let Err(e) = gpu.free(seq.hidden_rows) {
+                seq.fail_at(Stage::Release, e.into());
             }
-            seq.hid = DevicePtr::NULL;
+            seq.hidden_rows = DevicePtr::NULL;
         }
         if let Some(mut kv) = seq.kv.take() {
             if let Err(e) = self.target.free_sequence(&mut kv) {
-                seq.fail(target_err(&e));
+                seq.fail_at(Stage::Release, e);
             }
         }
         if let (Some(kv), Some(prop)) = (seq.carry_in.take(), &self.proposer) {

@@ -1,5 +1,5 @@
-//! `TableTarget`: a small deterministic target model for tests, examples and benchmarks of
-//! the engine without model weights.
+//! Test support, not part of the engine proper: `TableTarget`, a small deterministic target
+//! model for tests, examples and benchmarks of the engine without model weights.
 //!
 //! The logits of the row for token `t` at position `p` (with `t1` the token before it) are
 //! `table[t][v] + noise * h(t1, t, p, v)` for a fixed random table and a fixed hash `h`, so
@@ -11,12 +11,13 @@
 //! 256 exactly): see [`decode_hidden`]. Tests use this to check which hidden the engine
 //! hands a proposer. It enforces the target contract strictly: a forward of more rows than
 //! its arena's `max_rows`, past `max_seq_len`, with an id outside the vocabulary, or on a
-//! freed sequence is an error.
+//! freed sequence is an error (the same `ModelError::InvalidInput` the real model returns).
 
 use super::{EngineError, Target, TargetOutput};
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt, DEFAULT_STREAM};
 use crate::memory::BufferArena;
 use crate::model::ModelConfig;
+use crate::model::ModelError;
 use crate::Result;
 use half::bf16;
 use rand::rngs::SmallRng;
@@ -26,12 +27,12 @@ use std::sync::Arc;
 
 /// One sequence of a [`TableTarget`]: the tokens in its "KV".
 #[derive(Debug, Default)]
-pub struct TableSeq {
+pub struct TableKv {
     tokens: Vec<u32>,
     freed: bool,
 }
 
-impl TableSeq {
+impl TableKv {
     /// Tokens held.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
@@ -61,8 +62,9 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-fn bad(message: String) -> crate::Error {
-    EngineError::Target(message).into()
+/// A call that breaks the [`Target`] contract.
+fn contract_broken(op: &'static str, message: String) -> crate::Error {
+    ModelError::InvalidInput { op, message }.into()
 }
 
 /// The `(token, position)` a [`TableTarget`] hidden row encodes.
@@ -183,7 +185,7 @@ impl Drop for TableTarget {
 }
 
 impl Target for TableTarget {
-    type Seq = TableSeq;
+    type KvSequence = TableKv;
 
     fn config(&self) -> &Arc<ModelConfig> {
         &self.config
@@ -197,38 +199,41 @@ impl Target for TableTarget {
         self.max_seq_len
     }
 
-    fn new_sequence(&self) -> TableSeq {
+    fn new_sequence(&self) -> TableKv {
         let now = self.live.fetch_add(1, Ordering::Relaxed) + 1;
         self.peak.fetch_max(now, Ordering::Relaxed);
-        TableSeq::default()
+        TableKv::default()
     }
 
-    fn seq_len(&self, seq: &TableSeq) -> usize {
+    fn seq_len(&self, seq: &TableKv) -> usize {
         seq.tokens.len()
     }
 
-    fn forward(&self, seqs: &mut [&mut TableSeq], tokens: &[&[u32]]) -> Result<TargetOutput> {
+    fn forward(&self, seqs: &mut [&mut TableKv], tokens: &[&[u32]]) -> Result<TargetOutput> {
         self.run(seqs, tokens, false)
     }
 
-    fn forward_last(&self, seqs: &mut [&mut TableSeq], tokens: &[&[u32]]) -> Result<TargetOutput> {
+    fn forward_last(&self, seqs: &mut [&mut TableKv], tokens: &[&[u32]]) -> Result<TargetOutput> {
         self.run(seqs, tokens, true)
     }
 
-    fn trim(&self, seq: &mut TableSeq, new_len: usize) -> Result<()> {
+    fn trim(&self, seq: &mut TableKv, new_len: usize) -> Result<()> {
         if new_len > seq.tokens.len() {
-            return Err(bad(format!(
-                "trim to {new_len} of a sequence of {}",
-                seq.tokens.len()
-            )));
+            return Err(contract_broken(
+                "table_target.trim",
+                format!("trim to {new_len} of a sequence of {}", seq.tokens.len()),
+            ));
         }
         seq.tokens.truncate(new_len);
         Ok(())
     }
 
-    fn free_sequence(&self, seq: &mut TableSeq) -> Result<()> {
+    fn free_sequence(&self, seq: &mut TableKv) -> Result<()> {
         if seq.freed {
-            return Err(bad("sequence freed twice".into()));
+            return Err(contract_broken(
+                "table_target.free_sequence",
+                "sequence freed twice".into(),
+            ));
         }
         seq.freed = true;
         seq.tokens.clear();
@@ -246,23 +251,25 @@ impl TableTarget {
     /// target that skips the LM head on prefill rows does).
     fn run(
         &self,
-        seqs: &mut [&mut TableSeq],
+        seqs: &mut [&mut TableKv],
         tokens: &[&[u32]],
         last_only: bool,
     ) -> Result<TargetOutput> {
         if seqs.len() != tokens.len() {
-            return Err(bad(format!(
-                "{} sequences but {} token lists",
-                seqs.len(),
-                tokens.len()
-            )));
+            return Err(contract_broken(
+                "table_target.forward",
+                format!("{} sequences but {} token lists", seqs.len(), tokens.len()),
+            ));
         }
         let rows: usize = tokens.iter().map(|t| t.len()).sum();
         if rows == 0 || rows > self.buffers.max_rows() {
-            return Err(bad(format!(
-                "forward of {rows} rows (1 to {} allowed)",
-                self.buffers.max_rows()
-            )));
+            return Err(contract_broken(
+                "table_target.forward",
+                format!(
+                    "forward of {rows} rows (1 to {} allowed)",
+                    self.buffers.max_rows()
+                ),
+            ));
         }
         let v = self.config.vocab_size;
         let hidden = self.config.hidden_size;
@@ -271,18 +278,27 @@ impl TableTarget {
         let mut row_offsets = Vec::with_capacity(seqs.len());
         for (seq, toks) in seqs.iter_mut().zip(tokens) {
             if seq.freed {
-                return Err(bad("forward on a freed sequence".into()));
+                return Err(contract_broken(
+                    "table_target.forward",
+                    "forward on a freed sequence".into(),
+                ));
             }
             if seq.tokens.len() + toks.len() > self.max_seq_len {
-                return Err(bad(format!(
-                    "sequence of {} tokens plus {} exceeds max_seq_len {}",
-                    seq.tokens.len(),
-                    toks.len(),
-                    self.max_seq_len
-                )));
+                return Err(contract_broken(
+                    "table_target.forward",
+                    format!(
+                        "sequence of {} tokens plus {} exceeds max_seq_len {}",
+                        seq.tokens.len(),
+                        toks.len(),
+                        self.max_seq_len
+                    ),
+                ));
             }
             if let Some(&t) = toks.iter().find(|&&t| t as usize >= v) {
-                return Err(bad(format!("token {t} outside the vocabulary of {v}")));
+                return Err(contract_broken(
+                    "table_target.forward",
+                    format!("token {t} outside the vocabulary of {v}"),
+                ));
             }
             row_offsets.push(hiddens.len() / hidden);
             for (k, &t) in toks.iter().enumerate() {
