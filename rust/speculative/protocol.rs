@@ -7,6 +7,23 @@
 //! `free_state`. Hidden states at these seams are BF16 `[rows, hidden_size]`; token ids are
 //! `u32`; `DevicePtr` has no `Drop`, so whatever `alloc_state` allocates is freed in
 //! `free_state` or leaks.
+//!
+//! [`ProtocolMethod`] is the one list of the protocol's method names: the Python bindings
+//! (the base class, the adapter for Python proposers, `specdraft.PROTOCOL_METHODS`) take
+//! them from it, each name is checked at compile time to be a method of the trait, and a
+//! test checks that the trait has no method the list lacks.
+//!
+//! Invariants (the contract between the engine and every proposer):
+//! - A state belongs to one sequence, from `alloc_state`/`alloc_state_for` to `free_state`;
+//!   `free_state` releases every allocation the proposer made for it.
+//! - `propose` returns at most `num_drafts` ids, each inside the vocabulary and, when a
+//!   grammar mask is given, allowed by it; `propose_batch` returns what per-sequence
+//!   `propose` would, or `None`.
+//! - Every `propose` is followed by exactly one `after_verify`, with `num_accepted` at most
+//!   the number of drafts returned, before the next `propose` on the same state (unless the
+//!   sequence ends first, and `free_state` follows instead).
+//! - `take_drafter_kv` leaves the state as freshly allocated; blocks it hands out are owned
+//!   by the caller until `install_drafter_kv` accepts them or `free_drafter_kv` frees them.
 
 use crate::backend::{DevicePtr, Dtype, GpuBackend};
 use crate::memory::BufferArena;
@@ -14,6 +31,83 @@ use crate::model::{ForwardContext, ModelConfig, ModelLevers};
 use crate::Result;
 use std::any::Any;
 use std::sync::Arc;
+
+/// Declares [`ProtocolMethod`] from one line per method, `Variant => name`, in the
+/// specification's order (the three required methods first).
+macro_rules! protocol_methods {
+    ($($variant:ident => $name:ident,)+) => {
+        /// One method of the [`DraftProposer`] protocol.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum ProtocolMethod {
+            $(
+                #[doc = concat!("`", stringify!($name), "`")]
+                $variant,
+            )+
+        }
+
+        impl ProtocolMethod {
+            /// How many methods the protocol has.
+            pub const COUNT: usize = [$(stringify!($name)),+].len();
+            /// Every method, in the specification's order.
+            pub const ALL: [ProtocolMethod; ProtocolMethod::COUNT] = [$(ProtocolMethod::$variant),+];
+            /// Every method's name, in the same order.
+            pub const NAMES: [&'static str; ProtocolMethod::COUNT] = [$(stringify!($name)),+];
+        }
+
+        // Each name must be a method of the trait: a typo does not compile.
+        const _: () = {
+            #[allow(dead_code)]
+            fn every_name_is_a_trait_method() {
+                $(let _ = <dyn DraftProposer as DraftProposer>::$name;)+
+            }
+        };
+    };
+}
+
+protocol_methods! {
+    AllocState => alloc_state,
+    Propose => propose,
+    AfterVerify => after_verify,
+    AllocStateFor => alloc_state_for,
+    BlockGamma => block_gamma,
+    PrefillHiddenRows => prefill_hidden_rows,
+    NeedsComm => needs_comm,
+    PrefillUsesSharedBuffers => prefill_uses_shared_buffers,
+    DrafterRows => drafter_rows,
+    LastPairKey => last_pair_key,
+    TakeDrafterKv => take_drafter_kv,
+    InstallDrafterKv => install_drafter_kv,
+    FreeDrafterKv => free_drafter_kv,
+    CatchupDrafter => catchup_drafter,
+    ProposeBatch => propose_batch,
+    ProposeBatchMax => propose_batch_max,
+    CatchupBatch => catchup_batch,
+    PrefillDrafter => prefill_drafter,
+    ReadDeferredDraftToken => read_deferred_draft_token,
+    FreeState => free_state,
+    CircuitDraft => circuit_draft,
+    SetCircuitDraft => set_circuit_draft,
+}
+
+impl ProtocolMethod {
+    /// How many of the methods (the first ones) a proposer must implement.
+    pub const REQUIRED: usize = 3;
+
+    /// The method's name, as in the trait and in Python.
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+
+    /// Its position in [`ProtocolMethod::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Whether every proposer must implement it (it has no default).
+    pub fn is_required(self) -> bool {
+        self.index() < Self::REQUIRED
+    }
+}
 
 /// Per-sequence proposer state; proposers downcast it through `as_any` / `as_any_mut`.
 ///
@@ -302,4 +396,42 @@ pub trait DraftProposer: Send + Sync {
     /// Runs `runner` in place of the draft head's own forward from now on, or its own
     /// forward again with `None`. A proposer without a circuit binding ignores it.
     fn set_circuit_draft(&self, _runner: Option<Arc<dyn DraftRunner>>) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProtocolMethod;
+
+    /// The method names of `trait DraftProposer` in this file, in order.
+    fn trait_methods() -> Vec<String> {
+        let source = include_str!("protocol.rs");
+        let start = source
+            .find("pub trait DraftProposer")
+            .expect("the trait is defined here");
+        let body = &source[start..];
+        let end = body.find("\n}\n").expect("the trait ends");
+        body[..end]
+            .lines()
+            .filter_map(|line| line.trim_start().strip_prefix("fn "))
+            .map(|rest| rest.split(['(', '<']).next().unwrap_or("").to_string())
+            .collect()
+    }
+
+    #[test]
+    fn the_method_list_is_the_trait_in_order() {
+        let names: Vec<&str> = ProtocolMethod::NAMES.to_vec();
+        assert_eq!(trait_methods(), names);
+        assert_eq!(ProtocolMethod::COUNT, 22);
+        assert_eq!(
+            ProtocolMethod::ALL[..ProtocolMethod::REQUIRED]
+                .iter()
+                .map(|m| m.name())
+                .collect::<Vec<_>>(),
+            ["alloc_state", "propose", "after_verify"]
+        );
+        for (i, m) in ProtocolMethod::ALL.iter().enumerate() {
+            assert_eq!(m.index(), i);
+            assert_eq!(m.is_required(), i < 3);
+        }
+    }
 }
