@@ -7,6 +7,14 @@
 //! never verified, or rows at or after the position being drafted from, are rolled back
 //! first, so proposing twice from the same point gives the same drafts. A sequence whose
 //! budget or the pool runs out stops drafting early instead of failing.
+//!
+//! Invariants:
+//! - The row at position `q` is built from the token at `q` and the hidden paired with
+//!   `q - 1`: the target's for a verified token, the head's own output for a draft.
+//! - After `propose(t, h, p, n)` no row lies at or past `p + n`, and the rows from `p` on
+//!   are this propose's own: earlier unverified rows there were rolled back first.
+//! - Running out of the state's budget or of pool blocks shortens the drafts; it does not
+//!   fail the call.
 
 use super::forward::{Depth, HiddenKind, Row, Scratch};
 use super::head::{MtpHead, DRAFT_SLACK_ROWS, MTP_CHUNK_ROWS};

@@ -5,6 +5,16 @@
 //! token's row and the accepted drafts' rows), or only the first under `mtp_kv_exact`, where
 //! `catchup_batch` then writes exact rows for the accepted drafts from the target's hiddens.
 //! `take_drafter_kv` leaves a fresh state; `install_drafter_kv` is its inverse.
+//!
+//! Invariants:
+//! - After `after_verify(k)` the rows end at the last verified position: the verified
+//!   token's row and the `k` accepted drafts' rows (only the first under `mtp_kv_exact`,
+//!   until `catchup_batch` writes the exact ones).
+//! - `take_drafter_kv` moves every block out of the state; `install_drafter_kv` takes
+//!   blocks only into a state that holds none, and refuses (returning false, the caller
+//!   keeping the blocks) a block count that does not match the rows or the state's budget.
+//! - `free_state` returns every block the state holds to the head's pool and frees its
+//!   block table.
 
 use super::draft::{bad, Seq};
 use super::head::{MtpHead, MTP_MAX_BATCH};
