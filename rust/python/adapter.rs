@@ -1,7 +1,8 @@
 //! `PyProposer`: a Python proposer behind `dyn DraftProposer`.
 //!
-//! When an object is wrapped, the adapter decides once which of the 22 protocol methods its
-//! class overrides (its attribute differs from `DraftProposer`'s). Only those call Python;
+//! When an object is wrapped, the adapter decides once which of the protocol's methods
+//! ([`ProtocolMethod`](crate::speculative::ProtocolMethod)) its class overrides (its
+//! attribute differs from `DraftProposer`'s). Only those call Python;
 //! every other method runs in Rust: the Rust proposer the class extends (`PromptLookup`, ...)
 //! or the protocol's default, without attaching to the interpreter at all.
 //!
@@ -27,63 +28,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 use std::sync::Arc;
 
-/// The protocol's methods, in the seed's order (required first).
-pub const METHODS: [&str; 22] = [
-    "alloc_state",
-    "propose",
-    "after_verify",
-    "alloc_state_for",
-    "block_gamma",
-    "prefill_hidden_rows",
-    "needs_comm",
-    "prefill_uses_shared_buffers",
-    "drafter_rows",
-    "last_pair_key",
-    "take_drafter_kv",
-    "install_drafter_kv",
-    "free_drafter_kv",
-    "catchup_drafter",
-    "propose_batch",
-    "propose_batch_max",
-    "catchup_batch",
-    "prefill_drafter",
-    "read_deferred_draft_token",
-    "free_state",
-    "circuit_draft",
-    "set_circuit_draft",
-];
-
-#[derive(Clone, Copy)]
-pub(super) enum M {
-    AllocState = 0,
-    Propose,
-    AfterVerify,
-    AllocStateFor,
-    BlockGamma,
-    PrefillHiddenRows,
-    NeedsComm,
-    PrefillUsesSharedBuffers,
-    DrafterRows,
-    LastPairKey,
-    TakeDrafterKv,
-    InstallDrafterKv,
-    FreeDrafterKv,
-    CatchupDrafter,
-    ProposeBatch,
-    ProposeBatchMax,
-    CatchupBatch,
-    PrefillDrafter,
-    ReadDeferredDraftToken,
-    FreeState,
-    CircuitDraft,
-    SetCircuitDraft,
-}
-
-impl M {
-    pub(super) fn name(self) -> &'static str {
-        METHODS[self as usize]
-    }
-}
+/// A protocol method, as the adapter names them.
+pub(super) use crate::speculative::ProtocolMethod as M;
 
 /// A Python proposer as a Rust `DraftProposer`.
 pub struct PyProposer {
@@ -107,7 +53,7 @@ pub fn wrap(obj: &Bound<'_, PyAny>) -> PyResult<Arc<dyn DraftProposer>> {
     let py = obj.py();
     let cls = obj.get_type();
     let mine = overridden(obj)?;
-    let overrides: Vec<Option<Py<PyString>>> = METHODS
+    let overrides: Vec<Option<Py<PyString>>> = M::NAMES
         .iter()
         .map(|name| {
             mine.contains(name)
@@ -123,11 +69,10 @@ pub fn wrap(obj: &Bound<'_, PyAny>) -> PyResult<Arc<dyn DraftProposer>> {
         Some(inner) if overrides.iter().all(Option::is_none) => return Ok(inner.clone()),
         Some(_) => {}
         None => {
-            let missing: Vec<&str> = METHODS[..3]
+            let missing: Vec<&str> = M::ALL[..M::REQUIRED]
                 .iter()
-                .zip(&overrides)
-                .filter(|(_, o)| o.is_none())
-                .map(|(n, _)| *n)
+                .filter(|m| overrides[m.index()].is_none())
+                .map(|m| m.name())
                 .collect();
             if !missing.is_empty() {
                 return Err(PyProposerError::new_err(format!(
@@ -150,7 +95,7 @@ pub fn overridden(obj: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
     let cls = obj.get_type();
     let base_ty = obj.py().get_type::<PyDraftProposer>();
     let mut out = Vec::new();
-    for name in METHODS {
+    for name in M::NAMES {
         if !cls.getattr(name)?.is(&base_ty.getattr(name)?) {
             out.push(name);
         }
@@ -186,7 +131,7 @@ pub(super) fn held(state: &mut dyn ProposerState, m: M) -> Result<&PyHeldState> 
 
 impl PyProposer {
     pub(super) fn python(&self, m: M) -> bool {
-        self.overrides[m as usize].is_some()
+        self.overrides[m.index()].is_some()
     }
 
     pub(super) fn fallback(&self) -> &dyn DraftProposer {
@@ -217,7 +162,7 @@ impl PyProposer {
         args: impl pyo3::call::PyCallArgs<'py>,
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> Result<Bound<'py, PyAny>> {
-        let name = self.overrides[m as usize]
+        let name = self.overrides[m.index()]
             .as_ref()
             .ok_or_else(|| self.error(m, "not overridden".into()))?
             .bind(py);
@@ -249,11 +194,10 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn hold(&self, obj: &Bound<'_, PyAny>, m: M) -> Result<Box<dyn ProposerState>> {
-        if obj.is_none() {
-            return Err(self.bad_return(m, "None, expected a state object".into()));
-        }
-        Ok(Box::new(PyHeldState::new(obj)))
+    /// Holds what a Python `alloc_state` returned: any object, `None` included (a
+    /// proposer without per-sequence state), which is passed back to each method as is.
+    pub(super) fn hold(obj: &Bound<'_, PyAny>) -> Box<dyn ProposerState> {
+        Box::new(PyHeldState::new(obj))
     }
 
     pub(super) fn wrap_rust_state(

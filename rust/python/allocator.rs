@@ -8,7 +8,10 @@ use crate::memory::BlockAllocator;
 use pyo3::prelude::*;
 use std::sync::Arc;
 
-/// A pool of `num_blocks` KV blocks of `block_size` rows, with per-block reference counts.
+/// `BlockAllocator(num_blocks, block_size)`: a pool of `num_blocks` KV blocks of
+/// `block_size` rows, with per-block reference counts. Both sizes must be at least 1 (else
+/// `AllocationError`). Allocation is all or nothing; a failed call leaves the pool
+/// unchanged.
 #[pyclass(name = "BlockAllocator", module = "specdraft", frozen)]
 pub struct PyBlockAllocator {
     pub inner: Arc<BlockAllocator>,

@@ -11,7 +11,7 @@
 
 use super::arrays::{array_bytes, dtype_arg, pod_vec, shape_arg, typed_array};
 use super::device_ptr::{py_ptr, PtrArg, PyDevicePtr};
-use super::errors::{IntoPyResult, SpecdraftError};
+use super::errors::{BackendUnavailableError, IntoPyResult};
 use crate::backend::{CpuBackend, Dtype, GpuBackend, DEFAULT_STREAM};
 use half::bf16;
 use numpy::PyArray1;
@@ -43,13 +43,19 @@ pub enum BackendRef {
     Leased(Arc<LeaseSlot>),
 }
 
-/// A GPU backend: device memory, copies and the allocation ledger.
+/// A GPU backend: device memory, copies, and the allocation ledger.
+///
+/// Instances come from `CpuBackend()` (or `CudaBackend(...)`). A backend lent to a
+/// proposer for one call by a Rust caller is a `Backend` that raises
+/// `BackendUnavailableError` when used after that call; a backend you created reaches
+/// your proposer as itself.
 #[pyclass(name = "Backend", module = "specdraft", subclass, frozen, weakref)]
 pub struct PyBackend {
     pub inner: BackendRef,
 }
 
-/// The CPU reference backend: host memory behind the backend interface.
+/// `CpuBackend(memory_limit=None)`: the CPU reference backend, host memory behind the
+/// backend interface. `memory_limit` caps its live bytes the way a device's memory would.
 #[pyclass(name = "CpuBackend", module = "specdraft", extends = PyBackend, frozen)]
 pub struct PyCpuBackend;
 
@@ -133,12 +139,10 @@ fn lookup<'py>(py: Python<'py>, gpu: &dyn GpuBackend) -> Option<Bound<'py, PyAny
 /// registered.
 fn owned_object(py: Python<'_>, arc: Arc<dyn GpuBackend>) -> PyResult<Bound<'_, PyAny>> {
     let is_cpu = arc.as_any().is::<CpuBackend>();
-    #[cfg(feature = "cuda")]
     let cuda = super::cuda_backend::PyCudaBackend::of(&*arc);
     let base = PyBackend {
         inner: BackendRef::Owned(arc),
     };
-    #[cfg(feature = "cuda")]
     if let Some(sub) = cuda {
         let obj: Bound<'_, PyBackend> =
             Bound::new(py, PyClassInitializer::from(base).add_subclass(sub))?.into_super();
@@ -256,7 +260,7 @@ impl PyBackend {
                 match *guard {
                     // SAFETY: the lease is open, so the borrow the pointer came from is alive.
                     Some(raw) => f(unsafe { &*raw.0 }),
-                    None => Err(SpecdraftError::new_err(format!(
+                    None => Err(BackendUnavailableError::new_err(format!(
                         "this {} backend handle was lent to a proposer for one call and is no longer valid; \
                          keep the backend you created (or ctx.gpu) instead of the gpu argument",
                         slot.name
@@ -270,7 +274,7 @@ impl PyBackend {
     pub fn arc(&self) -> PyResult<Arc<dyn GpuBackend>> {
         match &self.inner {
             BackendRef::Owned(arc) => Ok(arc.clone()),
-            BackendRef::Leased(slot) => Err(SpecdraftError::new_err(format!(
+            BackendRef::Leased(slot) => Err(BackendUnavailableError::new_err(format!(
                 "this {} backend handle is lent for one call and cannot be kept; use the backend you created",
                 slot.name
             ))),
@@ -298,7 +302,11 @@ impl PyBackend {
         self.with(|g| g.free(ptr.0).py())
     }
 
-    /// Allocates a buffer holding `array`'s elements (flattened, C order).
+    /// Allocates a buffer holding `array`'s elements (flattened in C order).
+    ///
+    /// Arrays of float32, float16, uint32, int32 and uint8 are stored as they are;
+    /// `dtype="bf16"` stores float32 data as bf16 (round to nearest even), or a uint16
+    /// array as raw bf16 bit patterns.
     #[pyo3(signature = (array, tag = "python", dtype = None))]
     fn upload(
         &self,
@@ -321,7 +329,7 @@ impl PyBackend {
         Ok(py_ptr(py, p)?.unbind())
     }
 
-    /// Writes `array`'s elements at `ptr` (bounds-checked).
+    /// Writes `array`'s elements at `ptr` (bounds-checked; same dtypes as `upload`).
     #[pyo3(signature = (ptr, array, dtype = None))]
     fn write(
         &self,
@@ -334,8 +342,10 @@ impl PyBackend {
         self.with(|g| g.copy_htod(ptr.0, &bytes, DEFAULT_STREAM).py())
     }
 
-    /// Reads `shape` elements of `dtype` at `ptr` into a new numpy array. bf16 comes back as
-    /// float32 unless `raw` is true (then as uint16 bit patterns).
+    /// Reads `shape` elements of `dtype` at `ptr` into a new numpy array.
+    ///
+    /// bf16 comes back as float32, or as its uint16 bit patterns with `raw=True`. A range
+    /// outside one live allocation raises `AllocationError`.
     #[pyo3(signature = (ptr, dtype, shape, raw = false))]
     fn download<'py>(
         &self,
@@ -420,7 +430,6 @@ impl PyBackend {
 
 #[pymethods]
 impl PyCpuBackend {
-    /// A CPU backend; `memory_limit` caps its live bytes the way a device's memory would.
     #[new]
     #[pyo3(signature = (memory_limit = None))]
     fn new(memory_limit: Option<usize>) -> PyClassInitializer<Self> {

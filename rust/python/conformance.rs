@@ -4,7 +4,9 @@
 //! the engine drives it: through `dyn DraftProposer`, attaching only for its own methods.
 
 use super::adapter::wrap;
-use super::backend::backend_arg;
+use super::backend::{backend_arg, type_name};
+use super::errors::request_error;
+use super::proposer::PyDraftProposer;
 use crate::backend::{CpuBackend, GpuBackend};
 use crate::speculative::conformance::{
     check_proposer_on, CheckOptions, ConformanceReport, Violation,
@@ -54,7 +56,7 @@ impl From<&Violation> for PyViolation {
     }
 }
 
-/// What `check_proposer` found.
+/// What `check_proposer` found; true when no contract was broken.
 #[pyclass(name = "ConformanceReport", module = "specdraft", frozen)]
 pub struct PyConformanceReport {
     inner: ConformanceReport,
@@ -108,7 +110,40 @@ impl PyConformanceReport {
     }
 }
 
+/// Refuses to check a proposer whose weights live on another backend than `gpu`: its
+/// kernels would read them through a backend that does not hold them.
+fn check_home(proposer: &Bound<'_, PyAny>, gpu: &Arc<dyn GpuBackend>, given: bool) -> PyResult<()> {
+    let Ok(base) = proposer.cast::<PyDraftProposer>() else {
+        return Ok(());
+    };
+    let Some(home) = &base.get().home else {
+        return Ok(());
+    };
+    // The data addresses: vtable pointers of one type may differ between codegen units.
+    if std::ptr::addr_eq(Arc::as_ptr(home), Arc::as_ptr(gpu)) {
+        return Ok(());
+    }
+    let class = type_name(proposer);
+    let which = if given {
+        format!("the {} backend passed as gpu=", gpu.name())
+    } else {
+        format!("a fresh {} backend (no gpu= was given)", gpu.name())
+    };
+    Err(request_error(format!(
+        "check_proposer: this {class}'s weights live on the {} backend it was loaded on, but the \
+         check would run on {which}; pass that backend: check_proposer(proposer, gpu=<the backend \
+         given to {class}.from_checkpoint>)",
+        home.name()
+    )))
+}
+
 /// Drives `proposer` through the whole lifecycle and reports every broken contract.
+///
+/// The proposer is driven as the engine would drive it, on synthetic inputs; each
+/// violation says what to fix. Runs on `gpu` (a fresh CPU backend by default); nothing
+/// else should allocate on it meanwhile, since allocations still live at the end are
+/// reported as leaks. A proposer whose weights live on a backend (`MtpHead`) must be
+/// checked on that backend: pass it as `gpu=`, else `RequestError` says so.
 #[pyfunction]
 #[pyo3(signature = (proposer, *, gpu = None, label = None, vocab_size = None, hidden_size = None, num_sequences = None, num_drafts = None, steps = None, seed = None))]
 #[allow(clippy::too_many_arguments)]
@@ -124,6 +159,7 @@ pub fn check_proposer(
     steps: Option<usize>,
     seed: Option<u64>,
 ) -> PyResult<PyConformanceReport> {
+    let given = gpu.is_some();
     let rust = wrap(proposer)?;
     let d = CheckOptions::default();
     let class = proposer
@@ -144,6 +180,7 @@ pub fn check_proposer(
         Some(g) => backend_arg(g)?.get().arc()?,
         None => Arc::new(CpuBackend::new()),
     };
+    check_home(proposer, &gpu, given)?;
     let report = py.detach(|| check_proposer_on(&*rust, gpu, &options));
     Ok(PyConformanceReport { inner: report })
 }

@@ -1,63 +1,101 @@
-//! `specdraft.CudaBackend` (feature `cuda`): the kernels of `cuda/` on an NVIDIA GPU, as a
-//! `Backend` subclass.
+//! `specdraft.CudaBackend`: the kernels of `cuda/` on an NVIDIA GPU, as a `Backend`
+//! subclass.
 //!
-//! The object is a [`PyBackend`] owning an `Arc<CudaBackend>`, so every `Backend` method
-//! (upload, download, the ledger) and every Rust caller that takes a backend works on it
-//! unchanged. A machine without a CUDA driver or without the asked-for device raises
-//! `BackendUnavailableError` carrying the Rust message; construction never panics.
+//! The class exists in every build, so code can name it unconditionally: built with
+//! feature `cuda`, the object is a [`PyBackend`] owning an `Arc<CudaBackend>`, and every
+//! `Backend` method (upload, download, the ledger) and every Rust caller that takes a
+//! backend works on it unchanged; built without it, construction raises
+//! `BackendUnavailableError` saying so. A machine without a CUDA driver or without the
+//! asked-for device raises the same error carrying the Rust message; construction never
+//! panics.
 
-use super::backend::{BackendRef, PyBackend};
+#[cfg(feature = "cuda")]
+use super::backend::BackendRef;
+use super::backend::PyBackend;
 use super::errors::IntoPyResult;
-use crate::backend::{CudaBackend, GpuBackend};
+#[cfg(feature = "cuda")]
+use crate::backend::CudaBackend;
+use crate::backend::{BackendError, GpuBackend};
 use pyo3::prelude::*;
+#[cfg(feature = "cuda")]
 use std::sync::Arc;
 
-/// An NVIDIA GPU behind the backend interface.
+/// `CudaBackend(device=0)`: an NVIDIA GPU running the kernels compiled into the package.
+///
+/// Opens GPU `device` (0-based) and loads the kernels. Raises `BackendUnavailableError`
+/// when there is no CUDA driver, no such device, or the package was built without CUDA.
 #[pyclass(name = "CudaBackend", module = "specdraft", extends = PyBackend, frozen)]
 pub struct PyCudaBackend {
     device: usize,
 }
 
+/// The error of a build without CUDA.
+#[cfg(not(feature = "cuda"))]
+fn not_built() -> BackendError {
+    BackendError::CudaUnavailable(
+        "this build of specdraft has no CUDA support (it was built without the `cuda` feature); \
+         install a wheel built with it, or use CpuBackend"
+            .into(),
+    )
+}
+
 impl PyCudaBackend {
-    /// The subclass for `gpu` when it is a [`CudaBackend`], so a backend that Rust hands
-    /// back to Python keeps its Python type.
+    /// The subclass for `gpu` when it is a CUDA backend, so a backend that Rust hands back
+    /// to Python keeps its Python type.
     pub fn of(gpu: &dyn GpuBackend) -> Option<PyCudaBackend> {
-        gpu.as_any()
-            .downcast_ref::<CudaBackend>()
-            .map(|c| PyCudaBackend {
-                device: c.ordinal(),
-            })
+        #[cfg(feature = "cuda")]
+        {
+            gpu.as_any()
+                .downcast_ref::<CudaBackend>()
+                .map(|c| PyCudaBackend {
+                    device: c.ordinal(),
+                })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = gpu;
+            None
+        }
     }
 
+    #[cfg(feature = "cuda")]
     fn with_cuda<R>(
         slf: &Bound<'_, Self>,
         f: impl FnOnce(&CudaBackend) -> PyResult<R>,
     ) -> PyResult<R> {
-        slf.as_super()
-            .get()
-            .with(|g| match g.as_any().downcast_ref::<CudaBackend>() {
+        slf.as_super().get().with(|g| {
+            match g.as_any().downcast_ref::<CudaBackend>() {
                 Some(cuda) => f(cuda),
                 // Only `new` and `of` build this class, both around a CudaBackend.
-                None => Err(super::errors::SpecdraftError::new_err(format!(
-                    "backend {} is not a CUDA backend",
-                    g.name()
-                ))),
-            })
+                None => Err(BackendError::InvalidArgument {
+                    op: "CudaBackend",
+                    message: format!("backend {} is not a CUDA backend", g.name()),
+                })
+                .py(),
+            }
+        })
     }
 }
 
 #[pymethods]
 impl PyCudaBackend {
-    /// Opens GPU `device` (0-based) and loads the kernels.
     #[new]
     #[pyo3(signature = (device = 0))]
     fn new(py: Python<'_>, device: usize) -> PyResult<PyClassInitializer<Self>> {
-        // Driver start-up and module loading can take a while; other threads may run.
-        let backend = py.detach(|| CudaBackend::new(device)).py()?;
-        Ok(PyClassInitializer::from(PyBackend {
-            inner: BackendRef::Owned(Arc::new(backend)),
-        })
-        .add_subclass(PyCudaBackend { device }))
+        #[cfg(feature = "cuda")]
+        {
+            // Driver start-up and module loading can take a while; other threads may run.
+            let backend = py.detach(|| CudaBackend::new(device)).py()?;
+            Ok(PyClassInitializer::from(PyBackend {
+                inner: BackendRef::Owned(Arc::new(backend)),
+            })
+            .add_subclass(PyCudaBackend { device }))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (py, device);
+            Err(not_built()).py()
+        }
     }
 
     /// The 0-based device ordinal.
@@ -69,11 +107,27 @@ impl PyCudaBackend {
     /// The device's name as the driver reports it.
     #[getter]
     fn device_name(slf: &Bound<'_, Self>) -> PyResult<String> {
-        Self::with_cuda(slf, |c| c.device_name().py())
+        #[cfg(feature = "cuda")]
+        {
+            Self::with_cuda(slf, |c| c.device_name().py())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = slf;
+            Err(not_built()).py()
+        }
     }
 
     /// `(free, total)` device memory in bytes.
     fn memory_info(slf: &Bound<'_, Self>) -> PyResult<(usize, usize)> {
-        Self::with_cuda(slf, |c| c.memory_info().py())
+        #[cfg(feature = "cuda")]
+        {
+            Self::with_cuda(slf, |c| c.memory_info().py())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = slf;
+            Err(not_built()).py()
+        }
     }
 }

@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyInt;
 use pyo3::Borrowed;
 
-/// An address in a backend's device memory.
+/// `DevicePtr(value=0)`: an address in a backend's device memory (frozen, hashable,
+/// ordered). Wherever specdraft takes a pointer it also takes a plain non-negative `int`.
 #[pyclass(
     name = "DevicePtr",
     module = "specdraft",

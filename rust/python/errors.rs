@@ -2,14 +2,24 @@
 //!
 //! Every Rust error crosses into Python as a subclass of `specdraft.SpecdraftError` carrying
 //! the Rust message unchanged, so the text a Rust user sees and the text a Python user sees
-//! are the same. Nothing here panics: an error is always turned into an exception.
+//! are the same. The mapping matches every variant of every layer's error by name (no
+//! catch-all), so a new variant does not compile until it is given its class.
+//!
+//! An error that wraps another (an engine step that failed in a layer below) is raised as
+//! the class of what failed (an out-of-memory during `generate` is an `AllocationError`)
+//! with the wrapped error, mapped the same way, as its `__cause__`. Nothing here panics: an
+//! error is always turned into an exception.
 
-use crate::backend::BackendError;
+use crate::backend::BackendError as RustBackendError;
+use crate::engine::EngineError;
 use crate::memory::MemoryError;
+use crate::model::ModelError;
 use crate::Error;
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyType};
 
 create_exception!(
     specdraft,
@@ -21,13 +31,19 @@ create_exception!(
     specdraft,
     AllocationError,
     SpecdraftError,
-    "Device memory or KV blocks: out of memory, double free, unknown pointer, out-of-bounds access, exhausted block pool."
+    "Device memory, KV blocks or the forward scratch: out of memory, double free, unknown pointer, out-of-bounds access, exhausted block pool."
 );
 create_exception!(
     specdraft,
     BackendUnavailableError,
     SpecdraftError,
-    "A backend cannot be used on this machine: no CUDA driver, no such device, or kernels the device cannot load."
+    "A backend cannot be used on this machine: no CUDA driver, no such device, kernels the device cannot load, or a build without CUDA."
+);
+create_exception!(
+    specdraft,
+    BackendError,
+    SpecdraftError,
+    "A device operation failed: a driver call, a kernel given inconsistent arguments, an unknown stream."
 );
 create_exception!(
     specdraft,
@@ -45,42 +61,159 @@ create_exception!(
     specdraft,
     ProposerError,
     SpecdraftError,
-    "A proposer failed or broke the DraftProposer contract."
+    "A proposer failed or broke the DraftProposer contract. For a Python proposer the message names the method and class and carries the Python traceback."
+);
+create_exception!(
+    specdraft,
+    GenerationError,
+    SpecdraftError,
+    "The engine failed while running a request: a target output of the wrong shape, a grammar matcher that failed or refused a token."
 );
 
-/// The exception for a backend error.
-pub fn backend_err(e: &BackendError) -> PyErr {
+const REQUEST_ERROR_DOC: &str = "A request was refused before anything ran: an empty or too-long prompt, token ids outside the vocabulary, sampling parameters out of range. Also a ValueError.";
+
+/// `specdraft.RequestError`, made once: a subclass of both `SpecdraftError` and
+/// `ValueError` (so `except ValueError` catches a bad argument, as Python code expects),
+/// which `create_exception!` cannot express.
+static REQUEST_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn request_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    let ty = REQUEST_ERROR.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        let bases = (
+            py.get_type::<SpecdraftError>(),
+            py.get_type::<PyValueError>(),
+        );
+        let dict = PyDict::new(py);
+        dict.set_item("__module__", "specdraft")?;
+        dict.set_item("__doc__", REQUEST_ERROR_DOC)?;
+        let made = py
+            .get_type::<PyType>()
+            .call1(("RequestError", bases, dict))?;
+        Ok(made.cast_into::<PyType>()?.unbind())
+    })?;
+    Ok(ty.bind(py))
+}
+
+/// A `RequestError` with `message`.
+pub fn request_error(message: impl Into<String>) -> PyErr {
+    let message = message.into();
+    Python::attach(|py| match request_error_type(py) {
+        Ok(ty) => PyErr::from_type(ty.clone(), message),
+        // Only fails if the interpreter cannot make a class; still raise something typed.
+        Err(_) => PyValueError::new_err(message),
+    })
+}
+
+/// The Python class of each kind of error.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Class {
+    Allocation,
+    BackendUnavailable,
+    Backend,
+    Config,
+    Checkpoint,
+    Proposer,
+    Request,
+    Generation,
+}
+
+fn backend_class(e: &RustBackendError) -> Class {
     match e {
-        BackendError::OutOfMemory { .. }
-        | BackendError::ZeroSizedAlloc { .. }
-        | BackendError::DoubleFree { .. }
-        | BackendError::UnknownPointer { .. }
-        | BackendError::OutOfBounds { .. } => AllocationError::new_err(e.to_string()),
-        BackendError::CudaUnavailable(_) => BackendUnavailableError::new_err(e.to_string()),
-        _ => SpecdraftError::new_err(e.to_string()),
+        RustBackendError::OutOfMemory { .. }
+        | RustBackendError::ZeroSizedAlloc { .. }
+        | RustBackendError::DoubleFree { .. }
+        | RustBackendError::UnknownPointer { .. }
+        | RustBackendError::OutOfBounds { .. } => Class::Allocation,
+        RustBackendError::CudaUnavailable(_) => Class::BackendUnavailable,
+        RustBackendError::UnknownStream(_)
+        | RustBackendError::InvalidArgument { .. }
+        | RustBackendError::Driver { .. } => Class::Backend,
     }
 }
 
-/// The exception for a memory-layer error.
-pub fn memory_err(e: &MemoryError) -> PyErr {
+fn memory_class(e: &MemoryError) -> Class {
     match e {
-        MemoryError::Backend(b) => backend_err(b),
-        MemoryError::UnknownSlot(_) => SpecdraftError::new_err(e.to_string()),
-        _ => AllocationError::new_err(e.to_string()),
+        MemoryError::Backend(b) => backend_class(b),
+        MemoryError::Exhausted { .. }
+        | MemoryError::InvalidBlock { .. }
+        | MemoryError::NotAllocated { .. }
+        | MemoryError::InvalidSize(_)
+        | MemoryError::UnknownSlot(_) => Class::Allocation,
     }
 }
 
-/// The exception for any specdraft error.
-pub fn to_pyerr(e: Error) -> PyErr {
-    match &e {
-        Error::Backend(b) => backend_err(b),
-        Error::Memory(m) => memory_err(m),
-        Error::Config(_) => ConfigError::new_err(e.to_string()),
-        Error::Proposer(_) => ProposerError::new_err(e.to_string()),
-        Error::Model(_) => CheckpointError::new_err(e.to_string()),
-        #[allow(unreachable_patterns)]
-        _ => SpecdraftError::new_err(e.to_string()),
+fn model_class(e: &ModelError) -> Class {
+    match e {
+        ModelError::Io { .. }
+        | ModelError::Format { .. }
+        | ModelError::Truncated { .. }
+        | ModelError::MissingTensor { .. }
+        | ModelError::ShapeMismatch { .. }
+        | ModelError::UnsupportedType { .. } => Class::Checkpoint,
+        // A loaded model called with input that breaks its contract: a bad argument.
+        ModelError::InvalidInput { .. } => Class::Request,
     }
+}
+
+fn engine_class(e: &EngineError) -> Class {
+    match e {
+        EngineError::EmptyPrompt { .. }
+        | EngineError::PromptTooLong { .. }
+        | EngineError::PromptTokenOutOfVocab { .. }
+        | EngineError::InvalidArgument { .. } => Class::Request,
+        // What failed decides the class; a "bad argument" found mid-run is the engine's
+        // failure, not the caller's request.
+        EngineError::Step { source, .. } => match class_of(source) {
+            Class::Request => Class::Generation,
+            other => other,
+        },
+        EngineError::ProposerContract { .. } => Class::Proposer,
+        EngineError::TargetOutput(_) | EngineError::NoKv { .. } | EngineError::Grammar(_) => {
+            Class::Generation
+        }
+    }
+}
+
+fn class_of(e: &Error) -> Class {
+    match e {
+        Error::Backend(b) => backend_class(b),
+        Error::Memory(m) => memory_class(m),
+        Error::Config(_) => Class::Config,
+        Error::Model(m) => model_class(m),
+        Error::Proposer(_) => Class::Proposer,
+        Error::Engine(g) => engine_class(g),
+    }
+}
+
+fn new_err(class: Class, message: String) -> PyErr {
+    match class {
+        Class::Allocation => AllocationError::new_err(message),
+        Class::BackendUnavailable => BackendUnavailableError::new_err(message),
+        Class::Backend => BackendError::new_err(message),
+        Class::Config => ConfigError::new_err(message),
+        Class::Checkpoint => CheckpointError::new_err(message),
+        Class::Proposer => ProposerError::new_err(message),
+        Class::Request => request_error(message),
+        Class::Generation => GenerationError::new_err(message),
+    }
+}
+
+/// The error that `e` wraps, when it wraps one.
+fn wrapped(e: &Error) -> Option<&Error> {
+    match e {
+        Error::Engine(EngineError::Step { source, .. }) => Some(source),
+        _ => None,
+    }
+}
+
+/// The exception for any specdraft error, with the errors it wraps as its `__cause__`
+/// chain.
+pub fn to_pyerr(e: &Error) -> PyErr {
+    let err = new_err(class_of(e), e.to_string());
+    if let Some(inner) = wrapped(e) {
+        Python::attach(|py| err.set_cause(py, Some(to_pyerr(inner))));
+    }
+    err
 }
 
 /// `Result<T, E>` to `PyResult<T>` for every error type of the crate.
@@ -89,33 +222,9 @@ pub trait IntoPyResult<T> {
     fn py(self) -> PyResult<T>;
 }
 
-impl<T> IntoPyResult<T> for Result<T, Error> {
+impl<T, E: Into<Error>> IntoPyResult<T> for Result<T, E> {
     fn py(self) -> PyResult<T> {
-        self.map_err(to_pyerr)
-    }
-}
-
-impl<T> IntoPyResult<T> for Result<T, BackendError> {
-    fn py(self) -> PyResult<T> {
-        self.map_err(|e| backend_err(&e))
-    }
-}
-
-impl<T> IntoPyResult<T> for Result<T, MemoryError> {
-    fn py(self) -> PyResult<T> {
-        self.map_err(|e| memory_err(&e))
-    }
-}
-
-impl<T> IntoPyResult<T> for Result<T, crate::model::ConfigError> {
-    fn py(self) -> PyResult<T> {
-        self.map_err(|e| ConfigError::new_err(e.to_string()))
-    }
-}
-
-impl<T> IntoPyResult<T> for Result<T, crate::speculative::ProposerError> {
-    fn py(self) -> PyResult<T> {
-        self.map_err(|e| ProposerError::new_err(e.to_string()))
+        self.map_err(|e| to_pyerr(&e.into()))
     }
 }
 
@@ -128,8 +237,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "BackendUnavailableError",
         py.get_type::<BackendUnavailableError>(),
     )?;
+    m.add("BackendError", py.get_type::<BackendError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add("ProposerError", py.get_type::<ProposerError>())?;
+    m.add("RequestError", request_error_type(py)?)?;
+    m.add("GenerationError", py.get_type::<GenerationError>())?;
     Ok(())
 }

@@ -28,7 +28,7 @@ impl PartialEq for PyModelConfig {
 
 #[pymethods]
 impl PyModelConfig {
-    /// Parses the text of a Hugging Face `config.json`.
+    /// Parses the text of a Hugging Face `config.json` (`ConfigError` when invalid).
     #[staticmethod]
     fn from_json(text: &str) -> PyResult<Self> {
         Ok(PyModelConfig {
@@ -55,70 +55,87 @@ impl PyModelConfig {
         })
     }
 
+    /// The Hugging Face `model_type` of the family.
     #[getter]
     fn model_type(&self) -> &'static str {
         self.inner.family.model_type()
     }
+    /// Model width.
     #[getter]
     fn hidden_size(&self) -> usize {
         self.inner.hidden_size
     }
+    /// Dense MLP width.
     #[getter]
     fn intermediate_size(&self) -> usize {
         self.inner.intermediate_size
     }
+    /// Decoder layers of the main model.
     #[getter]
     fn num_hidden_layers(&self) -> usize {
         self.inner.num_hidden_layers
     }
+    /// Query heads.
     #[getter]
     fn num_attention_heads(&self) -> usize {
         self.inner.num_attention_heads
     }
+    /// Key/value heads.
     #[getter]
     fn num_key_value_heads(&self) -> usize {
         self.inner.num_key_value_heads
     }
+    /// Width of one head.
     #[getter]
     fn head_dim(&self) -> usize {
         self.inner.head_dim
     }
+    /// Vocabulary size.
     #[getter]
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size
     }
+    /// RMSNorm epsilon.
     #[getter]
     fn rms_norm_eps(&self) -> f32 {
         self.inner.rms_norm_eps
     }
+    /// RoPE base.
     #[getter]
     fn rope_theta(&self) -> f32 {
         self.inner.rope_theta
     }
+    /// Fraction of each head RoPE rotates.
     #[getter]
     fn partial_rotary_factor(&self) -> f32 {
         self.inner.partial_rotary_factor
     }
+    /// Longest context the model was trained for.
     #[getter]
     fn max_position_embeddings(&self) -> usize {
         self.inner.max_position_embeddings
     }
+    /// Whether the LM head shares the embedding's weights.
     #[getter]
     fn tie_word_embeddings(&self) -> bool {
         self.inner.tie_word_embeddings
     }
+    /// Whether q/k/v projections carry biases.
     #[getter]
     fn attention_bias(&self) -> bool {
         self.inner.attention_bias
     }
+    /// Whether q and k get a per-head RMSNorm.
     #[getter]
     fn qk_norm(&self) -> bool {
         self.inner.qk_norm
     }
+    /// MTP modules in the checkpoint (0 when none).
     #[getter]
     fn num_nextn_predict_layers(&self) -> usize {
         self.inner.num_nextn_predict_layers
     }
+    /// End-of-sequence token ids.
     #[getter]
     fn eos_token_ids(&self) -> Vec<u32> {
         self.inner.eos_token_ids.clone()
@@ -183,7 +200,9 @@ impl PyModelConfig {
     }
 }
 
-/// The switches that change how the model and its draft head run (resolved once).
+/// `ModelLevers(*, mtp_kv_exact=False, mtp_target_postnorm=False, mtp_chain_postnorm=False,
+/// defer_drafter_prefill=False)`: the switches that change how the model and its draft head
+/// run (resolved once). Levers set by hand; unset means off.
 #[pyclass(name = "ModelLevers", module = "specdraft", frozen, eq, from_py_object)]
 #[derive(Clone, Copy, PartialEq)]
 pub struct PyModelLevers(pub ModelLevers);
@@ -206,7 +225,8 @@ impl PyModelLevers {
         })
     }
 
-    /// Reads the levers from the `SPECDRAFT_*` environment variables; unset means off.
+    /// Reads the levers from the `SPECDRAFT_*` environment variables; unset means off
+    /// (`ConfigError` on bad values).
     #[staticmethod]
     fn from_env() -> PyResult<Self> {
         ModelLevers::from_env()
@@ -214,18 +234,22 @@ impl PyModelLevers {
             .map_err(PyConfigError::new_err)
     }
 
+    /// Write exact drafter KV rows for accepted drafts after each verify.
     #[getter]
     fn mtp_kv_exact(&self) -> bool {
         self.0.mtp_kv_exact
     }
+    /// Feed the draft head the target hidden after the final norm.
     #[getter]
     fn mtp_target_postnorm(&self) -> bool {
         self.0.mtp_target_postnorm
     }
+    /// Feed the head's own hidden after its final norm for later drafts.
     #[getter]
     fn mtp_chain_postnorm(&self) -> bool {
         self.0.mtp_chain_postnorm
     }
+    /// Always run the drafter prefill at the first propose.
     #[getter]
     fn defer_drafter_prefill(&self) -> bool {
         self.0.defer_drafter_prefill
@@ -251,7 +275,8 @@ fn py_bool(b: bool) -> &'static str {
     }
 }
 
-/// The shared forward scratch (read-only view).
+/// `BufferArena(max_rows=1)`: the shared forward scratch (a read-only view). Made by hand,
+/// an arena with no buffers, for proposers that never touch the scratch.
 #[pyclass(name = "BufferArena", module = "specdraft", frozen)]
 pub struct PyBufferArena {
     pub inner: Arc<BufferArena>,
@@ -259,7 +284,6 @@ pub struct PyBufferArena {
 
 #[pymethods]
 impl PyBufferArena {
-    /// An arena with no buffers, for proposers that never touch the scratch.
     #[new]
     #[pyo3(signature = (max_rows = 1))]
     fn new(max_rows: usize) -> Self {
@@ -293,7 +317,9 @@ impl PyBufferArena {
     }
 }
 
-/// What a forward runs with: backend, shared scratch, configuration, levers.
+/// `ForwardContext(gpu, config, levers=None, buffers=None)`: what a forward runs with
+/// (backend, shared scratch, configuration, levers). It holds shared handles, so keeping
+/// it is safe. Made by hand, a single-rank context (`gpu` must be a backend you created).
 #[pyclass(name = "ForwardContext", module = "specdraft", frozen)]
 pub struct PyForwardContext {
     pub gpu: Arc<dyn GpuBackend>,

@@ -1,10 +1,12 @@
 //! `specdraft.MtpHead` and `specdraft.quantize_nvfp4`.
 //!
 //! `MtpHead` is a `specdraft.DraftProposer` subclass whose base holds the Rust head, so every
-//! protocol method runs in Rust; it is made with `MtpHead.from_checkpoint(path, gpu, ...)`.
-//! `quantize_nvfp4` is the Rust quantizer, for checking the Python converter against it.
+//! protocol method runs in Rust; it is made with `MtpHead.from_checkpoint(path, gpu, ...)`
+//! (a classmethod, so a Python subclass gets its own class back) and remembers the backend
+//! its weights live on. `quantize_nvfp4` is the Rust NVFP4 quantizer, which
+//! `specdraft quantize` uses.
 
-use super::backend::PyBackend;
+use super::backend::{backend_arg, PyBackend};
 use super::errors::IntoPyResult;
 use super::model::PyModelLevers;
 use super::proposer::PyDraftProposer;
@@ -13,6 +15,7 @@ use crate::speculative::{MtpHead, MtpQuantization};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyType};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -27,8 +30,12 @@ fn parse_quant(quant: &str) -> PyResult<MtpQuantization> {
     }
 }
 
-/// The multi-token-prediction draft head of a checkpoint (DeepSeek-V3/GLM, MiMo or
-/// Qwen3-Next layout).
+/// The multi-token-prediction draft head of a checkpoint.
+///
+/// Finds the MTP module of a DeepSeek-V3 / GLM, MiMo or Qwen3-Next checkpoint and drafts
+/// with it; every protocol method runs in Rust. Made with `MtpHead.from_checkpoint(path,
+/// gpu, ...)`; `MtpHead(path, gpu, ...)` is the same call, and a subclass's `__init__`
+/// receives those arguments.
 #[pyclass(name = "MtpHead", module = "specdraft", extends = PyDraftProposer, subclass, frozen)]
 pub struct PyMtpHead {
     head: Arc<MtpHead>,
@@ -36,23 +43,23 @@ pub struct PyMtpHead {
 
 #[pymethods]
 impl PyMtpHead {
-    /// Loads the MTP module of the checkpoint folder `path` onto `gpu`.
-    #[staticmethod]
+    #[new]
     #[pyo3(signature = (path, gpu, *, quant = "bf16", mtp_vocab_size = 0, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
     #[allow(clippy::too_many_arguments)]
-    fn from_checkpoint(
+    fn new(
         py: Python<'_>,
         path: PathBuf,
-        gpu: PyRef<'_, PyBackend>,
+        gpu: &Bound<'_, PyAny>,
         quant: &str,
         mtp_vocab_size: u32,
         max_seq_len: usize,
         main_kv_blocks: usize,
         levers: Option<PyRef<'_, PyModelLevers>>,
-    ) -> PyResult<Py<PyMtpHead>> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let quant = parse_quant(quant)?;
-        let gpu = gpu.arc()?;
+        let gpu = backend_arg(gpu)?.get().arc()?;
         let levers = levers.map(|l| l.0).unwrap_or_default();
+        let home = gpu.clone();
         let head = py
             .detach(move || {
                 MtpHead::from_checkpoint(
@@ -67,9 +74,37 @@ impl PyMtpHead {
             })
             .py()?;
         let head = Arc::new(head);
-        let init = PyClassInitializer::from(PyDraftProposer::holding(head.clone(), "MtpHead"))
-            .add_subclass(PyMtpHead { head });
-        Py::new(py, init)
+        Ok(PyClassInitializer::from(
+            PyDraftProposer::holding(head.clone(), "MtpHead").on_backend(home),
+        )
+        .add_subclass(PyMtpHead { head }))
+    }
+
+    /// Loads the MTP module of the checkpoint folder `path` onto `gpu`; called on a
+    /// subclass, returns an instance of that subclass.
+    ///
+    /// `quant` is `"bf16"`, `"fp8"` or `"nvfp4"` (the head's projections);
+    /// `mtp_vocab_size` restricts drafts to the first rows of the LM head (0: all).
+    #[classmethod]
+    #[pyo3(signature = (path, gpu, *, quant = "bf16", mtp_vocab_size = 0, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_checkpoint<'py>(
+        cls: &Bound<'py, PyType>,
+        path: PathBuf,
+        gpu: &Bound<'py, PyAny>,
+        quant: &str,
+        mtp_vocab_size: u32,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: Option<Bound<'py, PyModelLevers>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kwargs = PyDict::new(cls.py());
+        kwargs.set_item("quant", quant)?;
+        kwargs.set_item("mtp_vocab_size", mtp_vocab_size)?;
+        kwargs.set_item("max_seq_len", max_seq_len)?;
+        kwargs.set_item("main_kv_blocks", main_kv_blocks)?;
+        kwargs.set_item("levers", levers)?;
+        cls.call((path, gpu), Some(&kwargs))
     }
 
     /// Rows of the LM head drafts are chosen from.

@@ -1,9 +1,10 @@
 //! `specdraft.DraftProposer`: the base class of every proposer Python sees.
 //!
 //! The class holds the Rust proposer it stands for (`PromptLookup`, `MtpHead`, a wrapped
-//! Python proposer, ...) or none, for a pure Python subclass. Each of the 22 protocol methods
-//! is defined once here and runs the Rust implementation: the held proposer's, or the
-//! protocol's default when there is none. So `super().method(...)` in a Python subclass runs
+//! Python proposer, ...) or none, for a pure Python subclass. Each protocol method (the
+//! names are [`ProtocolMethod`](crate::speculative::ProtocolMethod)'s; `specdraft`'s tests
+//! check that the class defines every one) is defined once here and runs the Rust
+//! implementation: the held proposer's, or the protocol's default when there is none. So `super().method(...)` in a Python subclass runs
 //! Rust, and a Python subclass overrides exactly the methods it defines.
 //!
 //! Rust work runs with the interpreter released: the held proposer may be a wrapped Python
@@ -18,7 +19,9 @@ use super::state::{PyProposerState, StateSrc};
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
-use crate::speculative::{DraftProposer, DraftRunner, ProposerError, ProposerState};
+use crate::speculative::{
+    DraftProposer, DraftRunner, ProposerError, ProposerState, ProtocolMethod as M,
+};
 use crate::Result;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -71,13 +74,33 @@ pub struct PyDraftRunner {
     pub inner: Arc<dyn DraftRunner>,
 }
 
-/// Base class of every draft proposer: subclass it in Python, or use a Rust proposer.
+/// Base class of every draft proposer.
+///
+/// Subclass it and define at least `alloc_state`, `propose` and `after_verify` with
+/// the argument names and order below. Every method you define is called from Rust; every
+/// one you do not define runs the Rust default without entering Python. Calling a method
+/// on the base (`super().method(...)`) runs the Rust implementation: the protocol's
+/// default here, the Rust proposer's in a subclass of `PromptLookup`. The constructor
+/// accepts and ignores any arguments, so subclasses define their own `__init__`.
+///
+/// State is any Python object your `alloc_state` returns (None for a proposer without
+/// state). `propose` must return at most `num_drafts` token ids, each in
+/// `0 <= id < ctx.config.vocab_size`. Its optional arguments (`draft_embed_target`,
+/// `grammar_bitmask`, `target_hidden_stack`) are passed by keyword and only when set, so a
+/// `propose` that never uses them may leave them out of its signature.
+///
+/// An exception in a method, or a return value that breaks the contract, becomes a
+/// `ProposerError` naming the method and class and carrying the traceback. Methods that
+/// cannot fail in Rust (`needs_comm`, `block_gamma`, ...) report through
+/// `sys.unraisablehook` and answer with the Rust default instead.
 #[pyclass(name = "DraftProposer", module = "specdraft", subclass, frozen)]
 pub struct PyDraftProposer {
     /// The Rust proposer this object stands for; `None` for a pure Python subclass.
     pub inner: Option<Arc<dyn DraftProposer>>,
     /// The proposer's name, for messages and state reprs.
     pub name: String,
+    /// The backend its weights live on, for a proposer that has device weights.
+    pub home: Option<Arc<dyn GpuBackend>>,
 }
 
 impl PyDraftProposer {
@@ -86,7 +109,14 @@ impl PyDraftProposer {
         PyDraftProposer {
             inner: Some(inner),
             name: name.to_string(),
+            home: None,
         }
+    }
+
+    /// The same base, noting that the proposer's weights live on `gpu`.
+    pub fn on_backend(mut self, gpu: Arc<dyn GpuBackend>) -> Self {
+        self.home = Some(gpu);
+        self
     }
 
     fn target(&self) -> &dyn DraftProposer {
@@ -126,14 +156,21 @@ impl PyDraftProposer {
         PyDraftProposer {
             inner: None,
             name: "DraftProposer".into(),
+            home: None,
         }
     }
 
+    /// Allocates per-sequence state: any object, or None for a proposer without state.
     fn alloc_state(&self, py: Python<'_>, gpu: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let st = with_gpu(gpu, |g| py.detach(|| self.target().alloc_state(g)).py())?;
         self.wrap_state(py, st)
     }
 
+    /// Proposes up to `num_drafts` tokens after `last_token` at `position`.
+    ///
+    /// `target_hidden` is the target's `[1, hidden_size]` bf16 hidden for
+    /// `last_token`; `grammar_bitmask` (int32 words, token `t` allowed when bit
+    /// `t % 32` of word `t // 32` is set) limits the drafts when given.
     #[pyo3(signature = (last_token, target_hidden, position, num_drafts, state, ctx, stream = 0, draft_embed_target = None, grammar_bitmask = None, target_hidden_stack = None))]
     #[allow(clippy::too_many_arguments)]
     fn propose(
@@ -154,7 +191,7 @@ impl PyDraftProposer {
         let mask = grammar_bitmask.map(bitmask_arg).transpose()?;
         let mut st = StateSrc::from_py(state);
         py.detach(|| {
-            let mut g = st.lock("propose")?;
+            let mut g = st.lock(M::Propose.name())?;
             self.target().propose(
                 last_token,
                 target_hidden.0,
@@ -171,6 +208,7 @@ impl PyDraftProposer {
         .py()
     }
 
+    /// Trims the state after a verify that accepted `num_accepted` drafts.
     #[pyo3(signature = (num_accepted, state, stream = 0))]
     fn after_verify(
         &self,
@@ -181,13 +219,14 @@ impl PyDraftProposer {
     ) -> PyResult<()> {
         let mut st = StateSrc::from_py(state);
         py.detach(|| {
-            let mut g = st.lock("after_verify")?;
+            let mut g = st.lock(M::AfterVerify.name())?;
             self.target()
                 .after_verify(num_accepted, g.as_state(), stream)
         })
         .py()
     }
 
+    /// `alloc_state` given the sequence's token budget (`2**64 - 1`: unknown).
     fn alloc_state_for(
         &self,
         py: Python<'_>,
@@ -201,40 +240,47 @@ impl PyDraftProposer {
         self.wrap_state(py, st)
     }
 
+    /// The block size of a block-diffusion drafter; None for others.
     fn block_gamma(&self, py: Python<'_>) -> Option<usize> {
         py.detach(|| self.target().block_gamma())
     }
 
+    /// Rows of the prefill hidden capture this proposer can use (default `max_seq_len`).
     fn prefill_hidden_rows(&self, py: Python<'_>, max_seq_len: usize) -> usize {
         py.detach(|| self.target().prefill_hidden_rows(max_seq_len))
     }
 
+    /// Whether the proposer's block is sharded across ranks (default False).
     fn needs_comm(&self, py: Python<'_>) -> bool {
         py.detach(|| self.target().needs_comm())
     }
 
+    /// Whether the drafter prefill uses the shared scratch (default False).
     fn prefill_uses_shared_buffers(&self, py: Python<'_>) -> bool {
         py.detach(|| self.target().prefill_uses_shared_buffers())
     }
 
+    /// Drafter KV rows held in `state`; 0 when unknown.
     fn drafter_rows(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<usize> {
         let mut st = StateSrc::from_py(state);
         py.detach(|| {
-            let mut g = st.lock("drafter_rows")?;
+            let mut g = st.lock(M::DrafterRows.name())?;
             Ok::<_, crate::Error>(self.target().drafter_rows(g.as_state()))
         })
         .py()
     }
 
+    /// Sequence-space pair key of the newest drafter row; None when untracked.
     fn last_pair_key(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let mut st = StateSrc::from_py(state);
         py.detach(|| {
-            let mut g = st.lock("last_pair_key")?;
+            let mut g = st.lock(M::LastPairKey.name())?;
             Ok::<_, crate::Error>(self.target().last_pair_key(g.as_state()))
         })
         .py()
     }
 
+    /// Moves the drafter KV blocks out of `state`: `(blocks, rows, last_pair_key)`.
     #[allow(clippy::type_complexity)]
     fn take_drafter_kv(
         &self,
@@ -243,12 +289,13 @@ impl PyDraftProposer {
     ) -> PyResult<Option<(Vec<u32>, usize, Option<usize>)>> {
         let mut st = StateSrc::from_py(state);
         py.detach(|| {
-            let mut g = st.lock("take_drafter_kv")?;
+            let mut g = st.lock(M::TakeDrafterKv.name())?;
             Ok::<_, crate::Error>(self.target().take_drafter_kv(g.as_state()))
         })
         .py()
     }
 
+    /// Installs carried blocks into a fresh state; False when unsupported.
     #[pyo3(signature = (state, blocks, rows, last_pair_key = None))]
     fn install_drafter_kv(
         &self,
@@ -260,7 +307,7 @@ impl PyDraftProposer {
     ) -> PyResult<bool> {
         let mut st = StateSrc::from_py(state);
         py.detach(|| {
-            let mut g = st.lock("install_drafter_kv")?;
+            let mut g = st.lock(M::InstallDrafterKv.name())?;
             Ok::<_, crate::Error>(self.target().install_drafter_kv(
                 g.as_state(),
                 blocks,
@@ -271,10 +318,12 @@ impl PyDraftProposer {
         .py()
     }
 
+    /// Releases drafter KV blocks no state owns.
     fn free_drafter_kv(&self, py: Python<'_>, blocks: Vec<u32>) {
         py.detach(|| self.target().free_drafter_kv(&blocks))
     }
 
+    /// Appends drafter rows from `(tokens, hiddens)` pairs; returns the rows written.
     #[pyo3(signature = (tokens, hiddens, row_base, pos_base, state, ctx, stream = 0))]
     #[allow(clippy::too_many_arguments)]
     fn catchup_drafter(
@@ -291,7 +340,7 @@ impl PyDraftProposer {
         let ctx = ctx.get().to_rust();
         let mut st = StateSrc::from_py(state);
         py.detach(|| {
-            let mut g = st.lock("catchup_drafter")?;
+            let mut g = st.lock(M::CatchupDrafter.name())?;
             self.target().catchup_drafter(
                 &tokens,
                 hiddens.0,
@@ -305,8 +354,11 @@ impl PyDraftProposer {
         .py()
     }
 
-    /// Returns the drafts, or None when the proposer does not batch. When `out_conf` is a
-    /// list, it is filled with one list of confidences per sequence.
+    /// Drafts for several sequences at once; None when unsupported.
+    ///
+    /// When `out_conf` is a list it is filled with one list of confidences per sequence.
+    /// A Python subclass that overrides `propose` but not `propose_batch` is proposed
+    /// per sequence, so its `propose` is never bypassed.
     #[pyo3(signature = (last_tokens, target_hiddens, positions, num_drafts, states, ctx, stream = 0, out_conf = None))]
     #[allow(clippy::too_many_arguments)]
     fn propose_batch(
@@ -329,7 +381,7 @@ impl PyDraftProposer {
             .detach(|| -> Result<_> {
                 let mut guards = srcs
                     .iter_mut()
-                    .map(|s| s.lock("propose_batch"))
+                    .map(|s| s.lock(M::ProposeBatch.name()))
                     .collect::<Result<Vec<_>>>()?;
                 let mut refs: Vec<&mut dyn ProposerState> =
                     guards.iter_mut().map(|g| g.as_state()).collect();
@@ -356,6 +408,9 @@ impl PyDraftProposer {
         Ok(drafts)
     }
 
+    /// The widest batch `propose_batch` accepts; 1 means per-sequence only.
+    ///
+    /// A Python override sees a view with the arena's `max_rows` (no slots).
     fn propose_batch_max(
         &self,
         py: Python<'_>,
@@ -367,6 +422,7 @@ impl PyDraftProposer {
         py.detach(|| self.target().propose_batch_max(&buffers, &config))
     }
 
+    /// Appends one drafter row per accepted draft, for several sequences.
     #[pyo3(signature = (tokens, hiddens, first_pos, states, ctx, stream = 0))]
     #[allow(clippy::too_many_arguments)]
     fn catchup_batch(
@@ -388,7 +444,7 @@ impl PyDraftProposer {
         py.detach(|| {
             let mut guards = srcs
                 .iter_mut()
-                .map(|s| s.lock("catchup_batch"))
+                .map(|s| s.lock(M::CatchupBatch.name()))
                 .collect::<Result<Vec<_>>>()?;
             let mut refs: Vec<&mut dyn ProposerState> =
                 guards.iter_mut().map(|g| g.as_state()).collect();
@@ -398,6 +454,7 @@ impl PyDraftProposer {
         .py()
     }
 
+    /// Prefills the drafter over the prompt; returns the drafter rows written.
     #[pyo3(signature = (prompt_tokens, hiddens, state, ctx, stream = 0))]
     fn prefill_drafter(
         &self,
@@ -411,13 +468,14 @@ impl PyDraftProposer {
         let ctx = ctx.get().to_rust();
         let mut st = StateSrc::from_py(state);
         py.detach(|| {
-            let mut g = st.lock("prefill_drafter")?;
+            let mut g = st.lock(M::PrefillDrafter.name())?;
             self.target()
                 .prefill_drafter(&prompt_tokens, hiddens.0, g.as_state(), &ctx, stream)
         })
         .py()
     }
 
+    /// The draft token the last propose with `draft_embed_target` left on the device.
     fn read_deferred_draft_token(&self, py: Python<'_>, gpu: &Bound<'_, PyAny>) -> PyResult<u32> {
         with_gpu(gpu, |g| {
             py.detach(|| self.target().read_deferred_draft_token(g))
@@ -425,6 +483,7 @@ impl PyDraftProposer {
         })
     }
 
+    /// Frees per-sequence state: every `DevicePtr` `alloc_state` allocated.
     fn free_state(
         &self,
         py: Python<'_>,
@@ -434,14 +493,15 @@ impl PyDraftProposer {
         let mut st = StateSrc::from_py(state);
         with_gpu(gpu, |g| {
             py.detach(|| {
-                let mut guard = st.lock("free_state")?;
+                let mut guard = st.lock(M::FreeState.name())?;
                 self.target().free_state(g, guard.as_state())
             })
             .py()
         })
     }
 
-    /// The draft head as a dict (see `DraftBinding` in the Rust docs), or None.
+    /// The draft head as the circuit executor binds it (a dict; see `DraftBinding` in the
+    /// Rust docs); None for most proposers. A Python proposer must return None.
     fn circuit_draft<'py>(
         &self,
         py: Python<'py>,
@@ -453,6 +513,7 @@ impl PyDraftProposer {
         b.map(|b| binding_to_dict(py, &b)).transpose()
     }
 
+    /// Runs `runner` in place of the draft head's own forward (None: its own again).
     fn set_circuit_draft(&self, py: Python<'_>, runner: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let runner = match runner {
             None => None,

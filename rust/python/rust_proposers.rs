@@ -8,7 +8,15 @@ use crate::speculative::PromptLookup;
 use pyo3::prelude::*;
 use std::sync::Arc;
 
-/// N-gram drafting from the prompt and the output so far (host-only, no device memory).
+/// `PromptLookup(min_ngram, max_ngram)`: n-gram drafting from the prompt and the output
+/// so far (Rust; no device memory).
+///
+/// Matches suffixes of `min_ngram ..= max_ngram` tokens (by default the lengths measured
+/// fastest: see `PromptLookup().min_ngram` and `.max_ngram`); raises `ProposerError` unless
+/// `1 <= min_ngram <= max_ngram`. Its state is an opaque `ProposerState`. A Python subclass
+/// may override single methods; the others run in Rust. The constructor's arguments reach
+/// `__new__`, so a subclass's `__init__` takes the same ones (or the subclass defines
+/// `__new__`).
 #[pyclass(name = "PromptLookup", module = "specdraft", extends = PyDraftProposer, subclass, frozen)]
 pub struct PyPromptLookup {
     min_ngram: usize,

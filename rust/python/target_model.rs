@@ -2,15 +2,19 @@
 //! Python.
 //!
 //! The object holds an `Arc` of the Rust model, so an engine built from it (in Rust) shares
-//! the same weights and KV pool. Loading and forwards run with the interpreter released.
-//! A name that is not an existing path is resolved by `specdraft.models.resolve_model`,
-//! which downloads the default model on first use and raises `ConfigError` for unknown names.
+//! the same weights and KV pool, and the model's tokenizer (`specdraft.Tokenizer`, read by
+//! `specdraft.tokenizer` from the same file), so text works without further set-up.
+//! Loading and forwards run with the interpreter released. A name that is not an existing
+//! path is resolved by `specdraft.models.resolve_model`, which downloads the default model
+//! on first use and raises `ConfigError` for unknown names.
 
 use super::backend::{backend_arg, backend_from_arc};
-use super::errors::{IntoPyResult, SpecdraftError};
+use super::errors::{request_error, IntoPyResult};
+use super::generation::run_exclusive;
 use super::model::PyModelConfig;
 use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
-use crate::model::{GgufFile, GgufValue, LoadOptions, LogitRows, TargetModel};
+use crate::engine::{GenerateRequest, SpecEngine};
+use crate::model::{GgufFile, GgufValue, LoadOptions, TargetModel};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -21,6 +25,8 @@ use std::sync::Arc;
 #[pyclass(name = "TargetModel", module = "specdraft", frozen)]
 pub struct PyTargetModel {
     pub inner: Arc<TargetModel>,
+    /// The tokenizer the model file carries, when specdraft can read it.
+    pub tokenizer: Option<Py<PyAny>>,
 }
 
 impl PyTargetModel {
@@ -64,10 +70,18 @@ impl PyTargetModel {
         self.inner.weight_bytes_per_token()
     }
 
-    /// Free KV blocks in the pool.
+    /// `(total, free)` blocks of the KV pool.
     #[getter]
-    fn kv_blocks_free(&self) -> usize {
-        self.inner.kv_pool().num_free()
+    fn kv_blocks(&self) -> (usize, usize) {
+        let pool = self.inner.kv_pool();
+        (pool.num_blocks(), pool.num_free())
+    }
+
+    /// The model's tokenizer (a `specdraft.Tokenizer` with its chat template), or None when
+    /// the model file carries none that specdraft can read.
+    #[getter]
+    fn tokenizer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.tokenizer.as_ref().map(|t| t.clone_ref(py))
     }
 
     /// The f32 logits of a fresh forward over `tokens`, as a flat numpy array of
@@ -79,62 +93,43 @@ impl PyTargetModel {
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let model = self.inner.clone();
         let values = py
-            .detach(move || -> crate::Result<Vec<f32>> {
-                let mut seq = model.new_sequence();
-                let run = model.forward(&mut [&mut seq], &[&tokens]).and_then(|out| {
-                    Ok(model
-                        .gpu()
-                        .download::<f32>(out.logits, out.rows * model.config().vocab_size)?)
-                });
-                model.free_sequence(&mut seq)?;
-                run
+            .detach(move || {
+                run_exclusive(|| -> crate::Result<Vec<f32>> {
+                    let mut seq = model.new_sequence();
+                    let run = model.forward(&mut [&mut seq], &[&tokens]).and_then(|out| {
+                        Ok(model
+                            .gpu()
+                            .download::<f32>(out.logits, out.rows * model.config().vocab_size)?)
+                    });
+                    model.free_sequence(&mut seq)?;
+                    run
+                })
             })
             .py()?;
         Ok(PyArray1::from_vec(py, values))
     }
 
-    /// Greedy decoding without drafting: the `max_new_tokens` ids that follow `prompt`
-    /// (stopping early after an end-of-sequence id).
-    #[pyo3(signature = (prompt, max_new_tokens = 16))]
+    /// Greedy decoding without drafting (the engine with no proposer): the ids that follow
+    /// `prompt`, at most `max_tokens`, ending after an end-of-sequence id.
+    #[pyo3(signature = (prompt, max_tokens = 16))]
     fn generate_greedy(
         &self,
         py: Python<'_>,
         prompt: Vec<u32>,
-        max_new_tokens: usize,
+        max_tokens: usize,
     ) -> PyResult<Vec<u32>> {
-        let model = self.inner.clone();
-        py.detach(move || -> crate::Result<Vec<u32>> {
-            let vocab = model.config().vocab_size;
-            let mut seq = model.new_sequence();
-            let mut out_ids = Vec::new();
-            let mut next: Vec<u32> = prompt;
-            let result = (|| {
-                for _ in 0..max_new_tokens {
-                    let out = model.forward_with(
-                        &mut [&mut seq],
-                        &[&next],
-                        LogitRows::LastPerSequence,
-                    )?;
-                    let last: Vec<f32> = model
-                        .gpu()
-                        .download(out.logits.offset((out.logits_rows - 1) * vocab * 4), vocab)?;
-                    let tok = last
-                        .iter()
-                        .enumerate()
-                        .fold(0usize, |b, (j, x)| if *x > last[b] { j } else { b })
-                        as u32;
-                    out_ids.push(tok);
-                    if model.config().eos_token_ids.contains(&tok) {
-                        break;
-                    }
-                    next = vec![tok];
-                }
-                Ok(())
-            })();
-            model.free_sequence(&mut seq)?;
-            result.map(|()| out_ids)
-        })
-        .py()
+        let engine = SpecEngine::new(self.inner.clone(), None, 0).py()?;
+        let request = GenerateRequest::new(prompt, max_tokens);
+        engine.check_request(0, &request).py()?;
+        let mut generation = py.detach(move || run_exclusive(|| engine.generate(vec![request])));
+        let result = generation
+            .results
+            .pop()
+            .ok_or_else(|| request_error("generate_greedy: the engine returned no result"))?;
+        match result.error {
+            Some(e) => Err(e).py(),
+            None => Ok(result.tokens),
+        }
     }
 
     fn __repr__(&self) -> String {
@@ -151,7 +146,8 @@ impl PyTargetModel {
 }
 
 /// Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
-/// (`"smollm2"`). `gpu` defaults to a new `CpuBackend`.
+/// (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
+/// defaults to a new `CpuBackend`.
 #[pyfunction]
 #[pyo3(signature = (path_or_name, gpu = None, max_rows = 512, max_seq_len = None, kv_blocks = None))]
 pub fn load_model(
@@ -171,18 +167,22 @@ pub fn load_model(
         None => Arc::new(CpuBackend::new()),
     };
     if max_rows == 0 {
-        return Err(SpecdraftError::new_err("max_rows must be positive"));
+        return Err(request_error("max_rows must be at least 1"));
     }
     let opts = LoadOptions {
         max_rows,
         max_seq_len,
         kv_blocks,
     };
+    let tokenizer = py
+        .import("specdraft.tokenizer")?
+        .call_method1("_tokenizer_or_none", (&resolved,))?;
     let model = py
         .detach(move || TargetModel::load(&path, gpu, opts))
         .py()?;
     Ok(PyTargetModel {
         inner: Arc::new(model),
+        tokenizer: (!tokenizer.is_none()).then(|| tokenizer.unbind()),
     })
 }
 

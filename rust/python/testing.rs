@@ -1,16 +1,16 @@
-//! Helpers for tests and the protocol benchmark: a proposer as Rust sees it, and a timing
+//! Hooks for tests and the protocol benchmark, not part of the public API: Python reaches
+//! them through `specdraft.testing`. A proposer as Rust sees it (`_as_rust`), and a timing
 //! loop that calls `propose` through `dyn DraftProposer` from Rust with the interpreter
-//! released, so the measured cost of a Python proposer includes attaching, the call and the
-//! conversions, as in the engine.
+//! released (`_time_propose`), so the measured cost of a Python proposer includes
+//! attaching, the call and the conversions, as in the engine.
 
 use super::adapter::{overridden, wrap};
-use super::errors::IntoPyResult;
+use super::errors::{request_error, IntoPyResult};
 use super::proposer::PyDraftProposer;
 use crate::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
 use crate::speculative::DraftProposer;
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::Arc;
@@ -42,13 +42,15 @@ pub fn _as_rust(proposer: &Bound<'_, PyAny>) -> PyResult<Py<PyDynProposer>> {
         .qualname()
         .map(|n| n.to_string())
         .unwrap_or_default();
+    let mut base = PyDraftProposer::holding(rust, &name);
+    if let Ok(original) = proposer.cast::<PyDraftProposer>() {
+        base.home = original.get().home.clone();
+    }
     Py::new(
         proposer.py(),
-        PyClassInitializer::from(PyDraftProposer::holding(rust, &name)).add_subclass(
-            PyDynProposer {
-                python_methods: methods,
-            },
-        ),
+        PyClassInitializer::from(base).add_subclass(PyDynProposer {
+            python_methods: methods,
+        }),
     )
 }
 
@@ -122,7 +124,7 @@ pub fn _time_propose<'py>(
     prompt_len: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     if iters == 0 || prompt_len == 0 || vocab_size == 0 {
-        return Err(PyValueError::new_err(
+        return Err(request_error(
             "iters, prompt_len and vocab_size must be at least 1",
         ));
     }
