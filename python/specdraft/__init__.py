@@ -1,12 +1,15 @@
 """specdraft: the drafting half of speculative decoding.
 
 A Rust core (GPU backends, the ``DevicePtr`` lifecycle, the paged KV block allocator, the
-proposers) exposed to Python. Write a proposer by subclassing :class:`DraftProposer`; the
-methods you define are called from Rust, every other method runs the Rust default without
-entering Python. Rust proposers such as :class:`PromptLookup` are subclasses of
-:class:`DraftProposer` too, and a Python subclass of one overrides single methods.
+proposers, the engine) exposed to Python. Write a proposer by subclassing
+:class:`DraftProposer`; the methods you define are called from Rust, every other method runs
+the Rust default without entering Python. Rust proposers such as :class:`PromptLookup` are
+subclasses of :class:`DraftProposer` too, and a Python subclass of one overrides single
+methods.
 
-Check any proposer against the protocol with :func:`check_proposer`.
+Run one against a model with :class:`SpecEngine` (``load_model("smollm2")`` brings its
+tokenizer, so text and chat messages just work), and check any proposer against the
+protocol with :func:`check_proposer`. Hooks for tests live in :mod:`specdraft.testing`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from specdraft._core import (
     PROTOCOL_METHODS,
     AllocationError,
     Backend,
+    BackendError,
     BackendUnavailableError,
     BlockAllocator,
     BufferArena,
@@ -23,10 +27,12 @@ from specdraft._core import (
     ConformanceReport,
     Conversation,
     CpuBackend,
+    CudaBackend,
     DevicePtr,
     DraftProposer,
     DraftRunner,
     ForwardContext,
+    GenerationError,
     GenerationResult,
     ModelConfig,
     ModelLevers,
@@ -34,6 +40,7 @@ from specdraft._core import (
     PromptLookup,
     ProposerError,
     ProposerState,
+    RequestError,
     SpecdraftError,
     SpecEngine,
     TargetModel,
@@ -44,11 +51,13 @@ from specdraft._core import (
     load_model,
     quantize_nvfp4,
 )
+from specdraft.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "PROTOCOL_METHODS",
     "AllocationError",
     "Backend",
+    "BackendError",
     "BackendUnavailableError",
     "BlockAllocator",
     "BufferArena",
@@ -57,10 +66,12 @@ __all__ = [
     "ConformanceReport",
     "Conversation",
     "CpuBackend",
+    "CudaBackend",
     "DevicePtr",
     "DraftProposer",
     "DraftRunner",
     "ForwardContext",
+    "GenerationError",
     "GenerationResult",
     "ModelConfig",
     "ModelLevers",
@@ -68,20 +79,16 @@ __all__ = [
     "PromptLookup",
     "ProposerError",
     "ProposerState",
+    "RequestError",
     "SpecdraftError",
     "SpecEngine",
     "TargetModel",
+    "Tokenizer",
     "Violation",
     "__version__",
     "check_proposer",
     "default_backend",
     "load_model",
+    "load_tokenizer",
     "quantize_nvfp4",
 ]
-
-try:
-    from specdraft._core import CudaBackend
-except ImportError:  # built without the `cuda` feature: the CPU backend only
-    pass
-else:
-    __all__ += ["CudaBackend"]

@@ -26,22 +26,18 @@ def _progress(message: str) -> None:
 
 
 def _backend(device: str) -> Any:  # noqa: ANN401 - a specdraft backend
+    """The backend ``--device`` names.
+
+    ``cpu``, ``cuda`` (GPU 0, or an error saying why not) or ``auto``
+    (:func:`specdraft.default_backend`).
+    """
     import specdraft
 
-    cuda = getattr(specdraft, "CudaBackend", None) or getattr(specdraft._core, "CudaBackend", None)
     if device == "cpu":
         return specdraft.CpuBackend()
-    if cuda is None:
-        if device == "cuda":
-            raise RuntimeError("--device cuda: this build of specdraft has no CUDA backend")
-        return specdraft.CpuBackend()
-    try:
-        return cuda(0)
-    except Exception as e:  # noqa: BLE001 - any failure means no usable GPU
-        if device == "cuda":
-            raise RuntimeError(f"--device cuda: {e}") from e
-        _progress(f"no usable GPU ({e}); running on the CPU")
-        return specdraft.CpuBackend()
+    if device == "cuda":
+        return specdraft.CudaBackend(0)
+    return specdraft.default_backend()
 
 
 def make_proposer(name: str) -> Any:  # noqa: ANN401 - a specdraft.DraftProposer or None
@@ -72,10 +68,10 @@ def make_proposer(name: str) -> Any:  # noqa: ANN401 - a specdraft.DraftProposer
     return proposer
 
 
-def _load(args: argparse.Namespace, sequences: int) -> tuple[Any, Any, str]:  # noqa: ANN401
+def _load(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:  # noqa: ANN401
+    """The model (with its tokenizer) and the name of the backend it runs on."""
     import specdraft
     from specdraft.models import resolve_model
-    from specdraft.tokenizer import load_tokenizer
 
     gpu = _backend(args.device)
     path = resolve_model(args.model)
@@ -83,8 +79,9 @@ def _load(args: argparse.Namespace, sequences: int) -> tuple[Any, Any, str]:  # 
     # The pool holds `sequences` full-length sequences (16-row blocks).
     kv_blocks = max(sequences, 1) * math.ceil(args.max_seq_len / 16) + 1
     model = specdraft.load_model(path, gpu=gpu, max_seq_len=args.max_seq_len, kv_blocks=kv_blocks)
-    tokenizer = load_tokenizer(path)
-    return model, tokenizer, type(gpu).__name__
+    if model.tokenizer is None:
+        raise ValueError(f"{path} carries no tokenizer specdraft can read")
+    return model, type(gpu).__name__
 
 
 def _sum_lists(a: list[int], b: list[int]) -> list[int]:
@@ -237,7 +234,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
         chosen = bench_prompts(args.prompts)
         if args.max_tokens < 1 or args.num_drafts < 1 or args.batch < 1:
             raise ValueError("--max-tokens, --num-drafts and --batch must be at least 1")
-        model, tokenizer, device = _load(args, args.batch)
+        model, device = _load(args, args.batch)
     except ImportError as e:
         print(
             f"specdraft bench: {e} (a dependency is missing: reinstall specdraft)",
@@ -247,6 +244,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError, specdraft.SpecdraftError) as e:
         print(f"specdraft bench: {e}", file=sys.stderr)
         return 2
+    tokenizer = model.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(list(p.messages))) for p in chosen]
     kinds = [p.kind for p in chosen]
     # Warm-up: one-time costs (kernel loading, first allocations) stay out of the figures.
@@ -316,27 +314,26 @@ def run_generate(args: argparse.Namespace) -> int:
 
     try:
         proposer = make_proposer(args.proposer)
-        model, tokenizer, _ = _load(args, 1)
-        text = args.prompt
-        if not args.no_chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        model, _ = _load(args, 1)
+        tokenizer = model.tokenizer
         grammar = None
         if args.regex:
             grammar = Grammar.regex(tokenizer, args.regex)
         elif args.json_schema:
             grammar = Grammar.json_schema(tokenizer, args.json_schema)
-        engine = specdraft.SpecEngine(
-            model, proposer, num_drafts=args.num_drafts, tokenizer=tokenizer
-        )
-        (result,) = engine.generate(
-            [text],
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            grammar=grammar,
-        )
+        engine = specdraft.SpecEngine(model, proposer, num_drafts=args.num_drafts)
+        options = {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "seed": args.seed,
+            "grammar": grammar,
+        }
+        if args.no_chat:
+            (result,) = engine.generate([args.prompt], **options)
+        else:
+            (result,) = engine.chat([[{"role": "user", "content": args.prompt}]], **options)
     except ImportError as e:
         extra = "grammar" if "llguidance" in str(e) else "cli"
         print(f"specdraft generate: {e} (pip install 'specdraft[{extra}]')", file=sys.stderr)
@@ -347,9 +344,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if result.error:
         print(f"specdraft generate: {result.error}", file=sys.stderr)
         return 1
-    eos = tokenizer.eos_token_id
-    ids = [t for t in result.tokens if t != eos]
-    print(tokenizer.decode(ids))
+    print(result.text)
     m = result.metrics
     _progress(
         f"{len(result.tokens)} tokens ({result.finish_reason}), {m['tokens_per_s']:.1f} tok/s, "

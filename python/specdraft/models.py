@@ -13,7 +13,6 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -21,7 +20,6 @@ __all__ = [
     "cache_dir",
     "fetch_default_model",
     "fetch_model",
-    "load_tokenizer",
     "resolve_model",
 ]
 
@@ -117,39 +115,3 @@ def resolve_model(path_or_name: str | os.PathLike[str]) -> Path:
     raise _config_error(
         f"{name!r} is neither an existing path nor a known model name; known names: {known}"
     )
-
-
-def load_tokenizer(path_or_name: str | os.PathLike[str]) -> Any:  # noqa: ANN401
-    """Return the model's ``tokenizers.Tokenizer``.
-
-    A Hugging Face folder brings its own ``tokenizer.json``. A GGUF file carries a
-    byte-level BPE vocabulary and merge list (``tokenizer.ggml.*``), from which the same
-    tokenizer llama.cpp uses is rebuilt: ``BPE(vocab, merges)`` with byte-level pre-tokenizer
-    and decoder.
-    """
-    try:
-        from tokenizers import Tokenizer, decoders, pre_tokenizers
-        from tokenizers import models as tk_models
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise _config_error("load_tokenizer needs the 'tokenizers' package") from e
-    path = resolve_model(path_or_name)
-    if path.is_dir():
-        file = path / "tokenizer.json"
-        if not file.exists():
-            raise _config_error(f"{path} has no tokenizer.json")
-        return Tokenizer.from_file(str(file))
-    from specdraft._core import gguf_metadata
-
-    keys = ["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"]
-    meta = gguf_metadata(str(path), keys)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2" or "tokenizer.ggml.merges" not in meta:
-        raise _config_error(
-            f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', is)"
-        )
-    vocab = {tok: i for i, tok in enumerate(meta["tokenizer.ggml.tokens"])}
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tokenizer = Tokenizer(tk_models.BPE(vocab, merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer

@@ -1,6 +1,6 @@
 """The protocol benchmark: the cost of one ``propose`` call through ``dyn DraftProposer``.
 
-Each proposer is driven from Rust (``specdraft._core._time_propose``) with the interpreter
+Each proposer is driven from Rust (``specdraft.testing.time_propose``) with the interpreter
 released, exactly as the engine drives it, so the time of a Python proposer includes
 attaching to the interpreter, the call, and converting its arguments and result. A trivial
 Python proposer does no work, so its time is the whole Python overhead of the protocol.
@@ -11,7 +11,8 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-from specdraft._core import DraftProposer, PromptLookup, _time_propose
+from specdraft import DraftProposer, PromptLookup
+from specdraft.testing import time_propose
 
 #: The budget for the Python overhead of one ``propose`` call, in microseconds.
 TARGET_OVERHEAD_US = 5.0
@@ -93,7 +94,7 @@ def run(iters: int = 100_000, num_drafts: int = 4) -> dict[str, Any]:
         "python_subclass_of_prompt_lookup": PythonOverPromptLookup(),
     }
     results = {
-        name: _time_propose(p, iters=iters, num_drafts=num_drafts) for name, p in proposers.items()
+        name: time_propose(p, iters=iters, num_drafts=num_drafts) for name, p in proposers.items()
     }
     overhead = results["trivial_python"]["median_us"]
     return {

@@ -1,7 +1,8 @@
 """Tokenizers for the target models, with their chat templates.
 
 A tokenizer is rebuilt from a GGUF file's metadata, or read from a Hugging Face
-``tokenizer.json``.
+``tokenizer.json``. :func:`load_tokenizer` is the one way to get a model's tokenizer;
+``specdraft.load_model`` attaches the same one to the model it loads (``model.tokenizer``).
 
 SmolLM2 (and the other llama-family GGUFs with ``tokenizer.ggml.model == "gpt2"``) use a
 byte-level BPE: ``tokenizers.models.BPE(vocab, merges)`` with merges split on the first
@@ -19,6 +20,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Tokenizer", "load_tokenizer"]
+
+
+def _config_error(message: str) -> Exception:
+    from specdraft import ConfigError
+
+    return ConfigError(message)
+
 
 _CONTROL = 3  # GGUF token type of control tokens
 
@@ -78,46 +86,41 @@ class Tokenizer:
         return str(self.hf.to_str())
 
 
-def _gguf_field(reader: Any, name: str) -> Any:  # noqa: ANN401 - gguf's field values
-    field = reader.fields.get(name)
-    if field is None:
-        return None
-    values = [field.parts[i] for i in field.data]
-    if field.types and field.types[0].name == "ARRAY":
-        if field.types[-1].name == "STRING":
-            return [bytes(v).decode("utf-8", errors="replace") for v in values]
-        return [v.tolist()[0] for v in values]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(values[0]).decode("utf-8", errors="replace")
-    return values[0].tolist()[0]
-
-
 def _from_gguf(path: Path) -> Tokenizer:
-    import gguf
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HfTokenizer
 
-    reader = gguf.GGUFReader(str(path))
-    kind = _gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported"
+    from specdraft._core import gguf_metadata
+
+    keys = [
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.chat_template",
+    ]
+    meta = gguf_metadata(str(path), keys)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2" or "tokenizer.ggml.tokens" not in meta:
+        raise _config_error(
+            f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', is)"
         )
-    tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
-    merges_raw: list[str] = _gguf_field(reader, "tokenizer.ggml.merges") or []
-    types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or []
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type", [])
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     hf = HfTokenizer(models.BPE(vocab, merges, fuse_unk=False))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     specials = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
     hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
     return Tokenizer(
         hf,
-        _gguf_field(reader, "tokenizer.chat_template"),
+        meta.get("tokenizer.chat_template"),
         int(eos) if eos is not None else None,
         bos_token=tokens[int(bos)] if bos is not None else "",
         eos_token=tokens[int(eos)] if eos is not None else "",
@@ -145,13 +148,33 @@ def _from_dir(path: Path) -> Tokenizer:
     return Tokenizer(hf, template, eos_id, bos_token=bos, eos_token=eos)
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """The tokenizer of a model: a ``.gguf`` file or a directory with ``tokenizer.json``."""
-    p = Path(path)
+def load_tokenizer(path_or_name: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer of a model, with its chat template.
+
+    ``path_or_name`` is a ``.gguf`` file, a folder with ``tokenizer.json``, or a known model
+    name (``"smollm2"``, fetched on first use). Raises ``ConfigError`` when the model
+    carries no tokenizer specdraft can read, saying why.
+    """
+    from specdraft.models import resolve_model
+
+    p = resolve_model(path_or_name)
     if p.is_dir():
         if not (p / "tokenizer.json").exists():
-            raise FileNotFoundError(f"{p}: no tokenizer.json in the model directory")
+            raise _config_error(f"{p}: no tokenizer.json in the model folder")
         return _from_dir(p)
     if p.suffix == ".gguf":
         return _from_gguf(p)
-    raise ValueError(f"{p}: expected a .gguf file or a directory with tokenizer.json")
+    raise _config_error(f"{p}: expected a .gguf file or a folder with tokenizer.json")
+
+
+def _tokenizer_or_none(path: str | os.PathLike[str]) -> Tokenizer | None:
+    """:func:`load_tokenizer`, or None when the model carries none specdraft can read.
+
+    This is what ``load_model`` attaches as ``model.tokenizer``.
+    """
+    from specdraft import ConfigError
+
+    try:
+        return load_tokenizer(path)
+    except ConfigError:
+        return None
