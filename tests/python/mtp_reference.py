@@ -7,8 +7,9 @@ Rust tests hand to it.
         outside the BF16 tolerance (|diff| <= max|logit| / 256, one BF16 step at the
         logits' scale).
     mtp_reference.py quantize DIR ROWS COLS
-        Quantizes DIR/w.f32 with python/specdraft/quantize.py and compares with the Rust
-        quantizer's bytes in DIR (codes.u8, scales.u8, global.f32): must be identical.
+        Quantizes DIR/w.f32 with the numpy reference (nvfp4_reference.py) and compares with
+        the Rust quantizer's bytes in DIR (codes.u8, scales.u8, global.f32): must be
+        identical.
 
 Where the Rust CPU kernels round to BF16 (every BF16 activation an op writes), this code
 rounds too, so the two differ only by f32 summation order.
@@ -23,9 +24,13 @@ from pathlib import Path
 import numpy as np
 
 VERBOSE = bool(__import__("os").environ.get("MTP_REFERENCE_VERBOSE"))
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python" / "specdraft"))
-import quantize as q  # noqa: E402  (the module alone: the package may not be built)
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "python" / "specdraft"))
+# numpy alone: the package may not be built. `quantize` is imported as a lone module for
+# its safetensors reader; the quantizer is the numpy reference.
+import nvfp4_reference as q  # noqa: E402
+import quantize as st  # noqa: E402
 
 
 def bf16(x):
@@ -124,8 +129,8 @@ class Head:
         cfg = json.loads((ckpt / "config.json").read_text())
         raw = {}
         for f in sorted(ckpt.glob("*.safetensors")):
-            raw.update(q.read_safetensors(f))
-        t = {n: q.to_float32(*v) for n, v in raw.items()}
+            raw.update(st.read_safetensors(f))
+        t = {n: st.to_float32(*v) for n, v in raw.items()}
         self.layout = scen["layout"]
         lv = scen["levers"]
         self.kv_exact, self.target_post, self.chain_post = (

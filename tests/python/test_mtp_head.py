@@ -1,5 +1,4 @@
-"""`specdraft.MtpHead` from Python, against the numpy reference in `mtp_reference.py`, and
-`specdraft.quantize_nvfp4` (the Rust quantizer) against `specdraft/quantize.py`."""
+"""`specdraft.MtpHead` from Python, against the numpy reference in `mtp_reference.py`."""
 
 from __future__ import annotations
 
@@ -10,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import specdraft
+from specdraft.quantize import write_safetensors
 
 _HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("mtp_reference", _HERE / "mtp_reference.py")
 ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ref)
-q = ref.q
 
 pytestmark = pytest.mark.skipif(
     not hasattr(specdraft, "MtpHead"), reason="this build of specdraft has no MtpHead binding"
@@ -65,7 +64,7 @@ def write_checkpoint(folder: Path, layout: str, seed: int = 0) -> Path:
     put(layer + "mlp.up_proj.weight", [FFN, H], s)
     put(layer + "mlp.down_proj.weight", [H, FFN], 1.5 / np.sqrt(FFN))
     folder.mkdir(parents=True, exist_ok=True)
-    q.write_safetensors(folder / "model.safetensors", t)
+    write_safetensors(folder / "model.safetensors", t)
     cfg = {
         "model_type": layout,
         "hidden_size": H,
@@ -140,12 +139,41 @@ def test_conformance_from_python(tmp_path, gpu):
     del head
 
 
-def test_rust_quantizer_equals_the_python_one():
-    rng = np.random.default_rng(3)
-    w = (rng.uniform(-1, 1, (8, 64)) ** 3 * 3).astype(np.float32)
-    codes, scales, g = specdraft.quantize_nvfp4(w)
-    pc, ps, pg = q.quantize_nvfp4(w)
-    assert np.array_equal(codes, pc) and np.array_equal(scales, ps) and np.float32(g) == pg
+class CountingHead(specdraft.MtpHead):
+    """A Python subclass of MtpHead that counts its proposes (and drafts with the head)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.proposes = 0
+
+    def propose(self, *args, **kwargs):
+        self.proposes += 1
+        return super().propose(*args, **kwargs)
+
+
+def test_from_checkpoint_on_a_subclass_returns_the_subclass(tmp_path, gpu):
+    folder = write_checkpoint(tmp_path / "c", "deepseek_v3")
+    head = CountingHead.from_checkpoint(folder, gpu, mtp_vocab_size=50)
+    assert type(head) is CountingHead and head.proposes == 0
+    assert head.draft_vocab_size == 50 and head.layout == "deepseek_v3"
+    report = specdraft.check_proposer(head, gpu=gpu, vocab_size=VOCAB, hidden_size=H)
+    assert report.ok, report.violations
+    assert head.proposes > 0, "the check ran the subclass's propose"
+    assert type(specdraft.MtpHead.from_checkpoint(folder, gpu)) is specdraft.MtpHead
+    del head
+
+
+def test_checking_a_head_on_another_backend_says_to_pass_gpu(tmp_path, gpu):
+    head = specdraft.MtpHead.from_checkpoint(write_checkpoint(tmp_path / "c", "mimo"), gpu)
+    other = specdraft.CpuBackend()
+    for kwargs, where in [({}, "no gpu= was given"), ({"gpu": other}, "passed as gpu=")]:
+        with pytest.raises(specdraft.RequestError) as caught:
+            specdraft.check_proposer(head, vocab_size=VOCAB, hidden_size=H, **kwargs)
+        message = str(caught.value)
+        assert "MtpHead's weights live on the cpu backend it was loaded on" in message
+        assert where in message and "check_proposer(proposer, gpu=" in message
+        del caught  # its traceback holds this frame, and so the head
+    assert other.live_allocs == 0
+    del head
 
 
 def test_a_folder_without_a_module_raises_with_what_it_holds(tmp_path, gpu):

@@ -1,19 +1,16 @@
-"""specdraft's NVFP4 quantizer (python/specdraft/quantize.py): the format's formula, the
-round-trip bound, and the `specdraft quantize --nvfp4` conversion of a checkpoint."""
+"""NVFP4: the numpy reference quantizer (nvfp4_reference.py) against the format's formula
+and round-trip bound, the Rust quantizer against the reference, and the
+`specdraft quantize --nvfp4` conversion of a checkpoint."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
+import nvfp4_reference as q
 import pytest
-
-_PATH = Path(__file__).resolve().parents[2] / "python" / "specdraft" / "quantize.py"
-_spec = importlib.util.spec_from_file_location("specdraft_quantize", _PATH)
-q = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(q)
+import specdraft
+from specdraft import quantize as cli
 
 
 def test_fp8_encode_inverts_decode_on_every_finite_code():
@@ -50,11 +47,26 @@ def test_round_trip_is_within_the_format_bound():
     assert np.sqrt((err**2).sum() / (w**2).sum()) < 0.12
 
 
+def test_rust_quantizer_makes_the_references_bytes():
+    rng = np.random.default_rng(3)
+    for w in (
+        (rng.uniform(-1, 1, (8, 64)) ** 3 * 3).astype(np.float32),
+        np.zeros((2, 32), np.float32),
+        rng.normal(size=(3, 16)).astype(np.float32) * 1e-3,
+    ):
+        codes, scales, g = specdraft.quantize_nvfp4(w)
+        pc, ps, pg = q.quantize_nvfp4(w)
+        assert np.array_equal(codes, pc) and np.array_equal(scales, ps)
+        assert np.float32(g) == pg
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="multiple of 16"):
         q.quantize_nvfp4(np.zeros((2, 24), np.float32))
     with pytest.raises(ValueError, match="finite"):
         q.quantize_nvfp4(np.full((1, 16), np.nan, np.float32))
+    with pytest.raises(specdraft.SpecdraftError, match="16"):
+        specdraft.quantize_nvfp4(np.zeros((2, 24), np.float32))
 
 
 def _bf16_bytes(a: np.ndarray) -> bytes:
@@ -72,10 +84,10 @@ def test_cli_converts_projections_and_keeps_the_rest(tmp_path):
         "model.layers.0.input_layernorm.weight": ("BF16", [32], _bf16_bytes(np.ones(32))),
         "model.embed_tokens.weight": ("BF16", [4, 32], _bf16_bytes(np.ones((4, 32)))),
     }
-    q.write_safetensors(src / "model.safetensors", tensors)
+    cli.write_safetensors(src / "model.safetensors", tensors)
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert q.main(["--nvfp4", str(src), str(dst)]) == 0
-    out = q.read_safetensors(dst / "model.safetensors")
+    assert cli.main(["--nvfp4", str(src), str(dst)]) == 0
+    out = cli.read_safetensors(dst / "model.safetensors")
     base = "model.layers.0.self_attn.q_proj"
     assert out[base + ".weight"][:2] == ("U8", [8, 16])
     assert out[base + ".weight_scale"][:2] == ("F8_E4M3", [8, 2])
@@ -83,12 +95,12 @@ def test_cli_converts_projections_and_keeps_the_rest(tmp_path):
     for name in ("model.layers.0.input_layernorm.weight", "model.embed_tokens.weight"):
         assert out[name] == tensors[name]
     assert (dst / "config.json").read_text() == (src / "config.json").read_text()
-    # The stored bytes are exactly what quantizing the BF16 values gives.
-    w, s, g = q.quantize_nvfp4(q.to_float32(*tensors[base + ".weight"]))
+    # The stored bytes are exactly what the reference makes of the BF16 values.
+    w, s, g = q.quantize_nvfp4(cli.to_float32(*tensors[base + ".weight"]))
     assert out[base + ".weight"][2] == w.tobytes() and out[base + ".weight_scale"][2] == s.tobytes()
     assert np.frombuffer(out[base + ".weight_scale_2"][2], "<f4")[0] == g
 
 
 def test_cli_reports_a_folder_without_weights(tmp_path, capsys):
-    assert q.main(["--nvfp4", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert cli.main(["--nvfp4", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "no *.safetensors" in capsys.readouterr().err
