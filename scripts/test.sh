@@ -28,8 +28,14 @@ step "Python package with its test dependencies"
 step "format and lints"
 cargo fmt --check
 cargo clippy --all-targets --all-features -- -D warnings
-"$PY" -m ruff check python tests examples benches
-"$PY" -m ruff format --check python tests examples benches
+"$PY" -m ruff check python tests examples benches scripts
+"$PY" -m ruff format --check python tests examples benches scripts
+
+step "type stub: signatures and docstrings against the built module"
+# Run outside the source tree so the installed package (with its compiled _core) is imported.
+allowlist="$PWD/scripts/stubtest_allowlist.txt"
+(cd /tmp && "$PY" -m mypy.stubtest specdraft._core --allowlist "$allowlist")
+"$PY" scripts/stub_docs.py --check
 
 step "Rust tests (CPU backend)"
 cargo test

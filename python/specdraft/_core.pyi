@@ -1,30 +1,30 @@
-"""Type stubs of the ``specdraft._core`` extension module (the Rust core)."""
+"""Type stubs of the ``specdraft._core`` extension module (the Rust core).
+
+Signatures are written here and checked against the built module by ``mypy.stubtest``;
+docstrings are the Rust doc comments, copied in by ``scripts/stub_docs.py --write`` and
+checked by ``scripts/stub_docs.py --check``: edit them in ``rust/python/``, not here.
+"""
 
 from collections.abc import Sequence
 from os import PathLike
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, disjoint_base
 
 __version__: str
-#: The 22 protocol method names, required ones first.
+#: The protocol's method names, in the specification's order (the three required first).
 PROTOCOL_METHODS: list[str]
 
 class SpecdraftError(Exception):
     """Base class of every error specdraft raises."""
 
 class AllocationError(SpecdraftError):
-    """Device memory or KV blocks went wrong.
-
-    Out of memory, double free, unknown pointer, out-of-bounds access, exhausted block pool.
-    """
+    """Device memory, KV blocks or the forward scratch: out of memory, double free, unknown pointer, out-of-bounds access, exhausted block pool."""
 
 class BackendUnavailableError(SpecdraftError):
-    """A backend cannot be used on this machine.
-
-    No CUDA driver, no such device, or kernels the device cannot load; the message says which.
-    """
+    """A backend cannot be used on this machine: no CUDA driver, no such device, kernels the device cannot load, or a build without CUDA."""
 
 class ConfigError(SpecdraftError):
     """A model configuration or a lever setting could not be read or is inconsistent."""
@@ -32,80 +32,87 @@ class ConfigError(SpecdraftError):
 class CheckpointError(SpecdraftError):
     """A checkpoint (safetensors or GGUF) could not be loaded."""
 
-class ProposerError(SpecdraftError):
-    """A proposer failed or broke the DraftProposer contract.
+class BackendError(SpecdraftError):
+    """A device operation failed: a driver call, a kernel given inconsistent arguments, an unknown stream."""
 
-    For a Python proposer the message names the method and class and carries the Python
-    traceback.
-    """
+class ProposerError(SpecdraftError):
+    """A proposer failed or broke the DraftProposer contract. For a Python proposer the message names the method and class and carries the Python traceback."""
+
+class RequestError(SpecdraftError, ValueError):
+    """A request was refused before anything ran: an empty or too-long prompt, token ids outside the vocabulary, sampling parameters out of range. Also a ValueError."""
+
+class GenerationError(SpecdraftError):
+    """The engine failed while running a request: a target output of the wrong shape, a grammar matcher that failed or refused a token."""
 
 @final
 class DevicePtr:
-    """An address in a backend's device memory (frozen, hashable, ordered).
-
-    Wherever specdraft takes a pointer it also takes a plain non-negative ``int``.
+    """`DevicePtr(value=0)`: an address in a backend's device memory (frozen, hashable,
+    ordered). Wherever specdraft takes a pointer it also takes a plain non-negative `int`.
     """
 
     #: The null address.
     NULL: ClassVar[DevicePtr]
-    def __init__(self, value: int = 0) -> None:
-        """A pointer to ``value``."""
+    def __new__(cls, value: int = 0) -> Self: ...
     @property
     def value(self) -> int:
         """The raw address."""
     def is_null(self) -> bool:
-        """Whether this is ``DevicePtr.NULL``."""
+        """Whether this is `DevicePtr.NULL`."""
     def offset(self, nbytes: int) -> DevicePtr:
-        """The address ``nbytes`` further on (the backend bounds-checks on use)."""
+        """The address `nbytes` further on (not bounds-checked here; the backend checks on use)."""
     def __int__(self) -> int: ...
     def __index__(self) -> int: ...
     def __bool__(self) -> bool: ...
-    def __eq__(self, other: object) -> bool: ...
-    def __lt__(self, other: DevicePtr) -> bool: ...
-    def __le__(self, other: DevicePtr) -> bool: ...
-    def __gt__(self, other: DevicePtr) -> bool: ...
-    def __ge__(self, other: DevicePtr) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __lt__(self, other: DevicePtr, /) -> bool: ...
+    def __le__(self, other: DevicePtr, /) -> bool: ...
+    def __gt__(self, other: DevicePtr, /) -> bool: ...
+    def __ge__(self, other: DevicePtr, /) -> bool: ...
     def __hash__(self) -> int: ...
 
-PtrLike = DevicePtr | int
-DtypeLike = str | np.dtype[Any] | type[np.generic]
+_PtrLike: TypeAlias = DevicePtr | int
+_DtypeLike: TypeAlias = str | np.dtype[Any] | type[np.generic]
 
+@disjoint_base
 class Backend:
     """A GPU backend: device memory, copies, and the allocation ledger.
 
-    Instances come from ``CpuBackend()`` (or ``CudaBackend(...)``). A backend lent to a
-    proposer for one call by a Rust caller is a ``Backend`` that raises ``SpecdraftError``
-    when used after that call; a backend you created reaches your proposer as itself.
+    Instances come from `CpuBackend()` (or `CudaBackend(...)`). A backend lent to a
+    proposer for one call by a Rust caller is a `Backend` that raises
+    `BackendUnavailableError` when used after that call; a backend you created reaches
+    your proposer as itself.
     """
 
     @property
     def name(self) -> str:
-        """A short name: ``"cpu"``, ``"cuda:0"``."""
+        """A short name: `"cpu"`, `"cuda:0"`."""
     def alloc(self, nbytes: int, tag: str = "python") -> DevicePtr:
-        """Allocates ``nbytes`` zeroed bytes recorded under ``tag``."""
-    def free(self, ptr: PtrLike) -> None:
-        """Frees an allocation; a double free or unknown pointer raises ``AllocationError``."""
+        """Allocates `nbytes` zeroed bytes recorded under `tag`."""
+    def free(self, ptr: _PtrLike) -> None:
+        """Frees an allocation; a double free or an unknown pointer raises `AllocationError`."""
     def upload(
-        self, array: npt.NDArray[Any], tag: str = "python", dtype: DtypeLike | None = None
+        self, array: npt.NDArray[Any], tag: str = "python", dtype: _DtypeLike | None = None
     ) -> DevicePtr:
-        """Allocates a buffer holding ``array``'s elements (flattened in C order).
+        """Allocates a buffer holding `array`'s elements (flattened in C order).
 
         Arrays of float32, float16, uint32, int32 and uint8 are stored as they are;
-        ``dtype="bf16"`` stores float32 data as bf16 (round to nearest even), or a uint16
+        `dtype="bf16"` stores float32 data as bf16 (round to nearest even), or a uint16
         array as raw bf16 bit patterns.
         """
-    def write(self, ptr: PtrLike, array: npt.NDArray[Any], dtype: DtypeLike | None = None) -> None:
-        """Writes ``array``'s elements at ``ptr`` (bounds-checked; same dtypes as ``upload``)."""
+    def write(
+        self, ptr: _PtrLike, array: npt.NDArray[Any], dtype: _DtypeLike | None = None
+    ) -> None:
+        """Writes `array`'s elements at `ptr` (bounds-checked; same dtypes as `upload`)."""
     def download(
-        self, ptr: PtrLike, dtype: DtypeLike, shape: int | Sequence[int], raw: bool = False
+        self, ptr: _PtrLike, dtype: _DtypeLike, shape: int | Sequence[int], raw: bool = False
     ) -> npt.NDArray[Any]:
-        """Reads ``shape`` elements of ``dtype`` at ``ptr`` into a new array.
+        """Reads `shape` elements of `dtype` at `ptr` into a new numpy array.
 
-        bf16 comes back as float32, or as its uint16 bit patterns with ``raw=True``. A range
-        outside one live allocation raises ``AllocationError``.
+        bf16 comes back as float32, or as its uint16 bit patterns with `raw=True`. A range
+        outside one live allocation raises `AllocationError`.
         """
     def synchronize(self, stream: int = 0) -> None:
-        """Waits until the work queued on ``stream`` is done."""
+        """Waits until the work queued on `stream` is done."""
     @property
     def live_allocs(self) -> int:
         """Number of live allocations."""
@@ -113,27 +120,25 @@ class Backend:
     def live_bytes(self) -> int:
         """Bytes in live allocations."""
     def live_report(self) -> list[tuple[DevicePtr, int, str]]:
-        """Every live allocation as ``(ptr, nbytes, tag)``, in address order."""
+        """Every live allocation as `(ptr, nbytes, tag)`, in address order."""
 
 @final
 class CpuBackend(Backend):
-    """The CPU reference backend: host memory behind the backend interface."""
+    """`CpuBackend(memory_limit=None)`: the CPU reference backend, host memory behind the
+    backend interface. `memory_limit` caps its live bytes the way a device's memory would.
+    """
 
-    def __init__(self, memory_limit: int | None = None) -> None:
-        """A CPU backend; ``memory_limit`` caps its live bytes as a device's memory would."""
+    def __new__(cls, memory_limit: int | None = None) -> Self: ...
 
 @final
 class CudaBackend(Backend):
-    """An NVIDIA GPU running the kernels compiled into the package.
+    """`CudaBackend(device=0)`: an NVIDIA GPU running the kernels compiled into the package.
 
-    Present when the package is built with the ``cuda`` feature (the default for a wheel).
+    Opens GPU `device` (0-based) and loads the kernels. Raises `BackendUnavailableError`
+    when there is no CUDA driver, no such device, or the package was built without CUDA.
     """
 
-    def __init__(self, device: int = 0) -> None:
-        """Opens GPU ``device`` (0-based) and loads the kernels.
-
-        Raises ``BackendUnavailableError`` when there is no CUDA driver or no such device.
-        """
+    def __new__(cls, device: int = 0) -> Self: ...
     @property
     def device(self) -> int:
         """The 0-based device ordinal."""
@@ -141,36 +146,34 @@ class CudaBackend(Backend):
     def device_name(self) -> str:
         """The device's name as the driver reports it."""
     def memory_info(self) -> tuple[int, int]:
-        """``(free, total)`` device memory in bytes."""
+        """`(free, total)` device memory in bytes."""
 
 def default_backend() -> Backend:
-    """The best backend this build and machine offer.
-
-    A ``CudaBackend`` on GPU 0 when the package has the CUDA kernels and a driver and device
-    work, else a ``CpuBackend``.
+    """The best backend this build and machine offer: a `CudaBackend` on GPU 0 when the
+    package is built with feature `cuda` and a driver and device work, else a `CpuBackend`.
     """
 
 @final
 class BlockAllocator:
-    """A pool of ``num_blocks`` KV blocks of ``block_size`` rows, with reference counts.
-
-    Allocation is all or nothing; a failed call leaves the pool unchanged.
+    """`BlockAllocator(num_blocks, block_size)`: a pool of `num_blocks` KV blocks of
+    `block_size` rows, with per-block reference counts. Both sizes must be at least 1 (else
+    `AllocationError`). Allocation is all or nothing; a failed call leaves the pool
+    unchanged.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        """A pool; both sizes must be at least 1 (else ``AllocationError``)."""
+    def __new__(cls, num_blocks: int, block_size: int) -> Self: ...
     def alloc(self, n: int) -> list[int]:
-        """Allocates ``n`` blocks (reference count 1 each); raises when too few are free."""
+        """Allocates `n` blocks (reference count 1 each); all or nothing."""
     def free(self, blocks: Sequence[int]) -> None:
         """Gives the blocks back (one holder each)."""
     def retain(self, blocks: Sequence[int]) -> None:
         """Adds a holder to each block, for sharing a prefix."""
     def release(self, blocks: Sequence[int]) -> None:
-        """Drops one holder of each block; a block with none left returns to the pool."""
+        """Drops one holder of each block; a block with no holder left returns to the pool."""
     def refcount(self, block: int) -> int:
-        """The reference count of ``block`` (0 when free)."""
+        """The reference count of `block` (0 when free)."""
     def blocks_for(self, rows: int) -> int:
-        """Blocks needed to hold ``rows`` rows."""
+        """Blocks needed to hold `rows` rows."""
     @property
     def num_free(self) -> int:
         """Blocks currently free."""
@@ -187,16 +190,16 @@ class ModelConfig:
 
     @staticmethod
     def from_json(text: str) -> ModelConfig:
-        """Parses the text of a Hugging Face ``config.json`` (``ConfigError`` when invalid)."""
+        """Parses the text of a Hugging Face `config.json` (`ConfigError` when invalid)."""
     @staticmethod
     def from_file(path: str | PathLike[str]) -> ModelConfig:
-        """Reads a Hugging Face ``config.json`` file."""
+        """Reads a Hugging Face `config.json` file."""
     @staticmethod
     def tiny(vocab_size: int = 256) -> ModelConfig:
         """A small Llama-family config for tests and examples."""
     @property
     def model_type(self) -> str:
-        """The Hugging Face ``model_type`` of the family."""
+        """The Hugging Face `model_type` of the family."""
     @property
     def hidden_size(self) -> int:
         """Model width."""
@@ -253,27 +256,31 @@ class ModelConfig:
         """Width of the key (and value) projection's output."""
     @property
     def rope_scaling(self) -> dict[str, Any] | None:
-        """RoPE scaling, or None."""
+        """RoPE scaling as a dict, or None."""
     @property
     def moe(self) -> dict[str, Any] | None:
-        """Mixture-of-experts sizes, or None for dense models."""
+        """Mixture-of-experts sizes as a dict, or None for dense models."""
 
 @final
 class ModelLevers:
-    """The switches that change how the model and its draft head run (resolved once)."""
+    """`ModelLevers(*, mtp_kv_exact=False, mtp_target_postnorm=False, mtp_chain_postnorm=False,
+    defer_drafter_prefill=False)`: the switches that change how the model and its draft head
+    run (resolved once). Levers set by hand; unset means off.
+    """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         mtp_kv_exact: bool = False,
         mtp_target_postnorm: bool = False,
         mtp_chain_postnorm: bool = False,
         defer_drafter_prefill: bool = False,
-    ) -> None:
-        """Levers set by hand; unset means off."""
+    ) -> Self: ...
     @staticmethod
     def from_env() -> ModelLevers:
-        """Reads the ``SPECDRAFT_*`` environment variables (``ConfigError`` on bad values)."""
+        """Reads the levers from the `SPECDRAFT_*` environment variables; unset means off
+        (`ConfigError` on bad values).
+        """
     @property
     def mtp_kv_exact(self) -> bool:
         """Write exact drafter KV rows for accepted drafts after each verify."""
@@ -289,29 +296,32 @@ class ModelLevers:
 
 @final
 class BufferArena:
-    """The shared forward scratch (read-only view)."""
+    """`BufferArena(max_rows=1)`: the shared forward scratch (a read-only view). Made by hand,
+    an arena with no buffers, for proposers that never touch the scratch.
+    """
 
-    def __init__(self, max_rows: int = 1) -> None:
-        """An arena with no buffers, for proposers that never touch the scratch."""
+    def __new__(cls, max_rows: int = 1) -> Self: ...
     @property
     def max_rows(self) -> int:
         """Rows every slot holds."""
     @property
     def slots(self) -> list[tuple[str, DevicePtr, str, int]]:
-        """Every slot as ``(name, ptr, dtype, row_elems)``."""
+        """Every slot as `(name, ptr, dtype, row_elems)`."""
 
 @final
 class ForwardContext:
-    """What a forward runs with. It holds shared handles, so keeping it is safe."""
+    """`ForwardContext(gpu, config, levers=None, buffers=None)`: what a forward runs with
+    (backend, shared scratch, configuration, levers). It holds shared handles, so keeping
+    it is safe. Made by hand, a single-rank context (`gpu` must be a backend you created).
+    """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         gpu: Backend,
         config: ModelConfig,
         levers: ModelLevers | None = None,
         buffers: BufferArena | None = None,
-    ) -> None:
-        """A single-rank context (``gpu`` must be a backend you created)."""
+    ) -> Self: ...
     @property
     def gpu(self) -> Backend:
         """The backend every buffer belongs to."""
@@ -327,37 +337,38 @@ class ForwardContext:
 
 @final
 class ProposerState:
-    """Per-sequence state of a Rust proposer, opaque to Python. Pass it back unchanged."""
+    """Per-sequence state of a Rust proposer, opaque to Python."""
 
 @final
 class DraftRunner:
-    """A runner that replaces a draft head's own forward (see ``set_circuit_draft``)."""
+    """An opaque draft runner (see `set_circuit_draft`)."""
 
+@disjoint_base
 class DraftProposer:
     """Base class of every draft proposer.
 
-    Subclass it and define at least ``alloc_state``, ``propose`` and ``after_verify`` with
+    Subclass it and define at least `alloc_state`, `propose` and `after_verify` with
     the argument names and order below. Every method you define is called from Rust; every
     one you do not define runs the Rust default without entering Python. Calling a method
-    on the base (``super().method(...)``) runs the Rust implementation: the protocol's
-    default here, the Rust proposer's in a subclass of ``PromptLookup``.
+    on the base (`super().method(...)`) runs the Rust implementation: the protocol's
+    default here, the Rust proposer's in a subclass of `PromptLookup`. The constructor
+    accepts and ignores any arguments, so subclasses define their own `__init__`.
 
-    State is any Python object your ``alloc_state`` returns. ``propose`` must return at
-    most ``num_drafts`` token ids, each in ``0 <= id < ctx.config.vocab_size``. Its
-    optional arguments (``draft_embed_target``, ``grammar_bitmask``,
-    ``target_hidden_stack``) are passed by keyword and only when set, so a ``propose``
-    that never uses them may leave them out of its signature.
+    State is any Python object your `alloc_state` returns (None for a proposer without
+    state). `propose` must return at most `num_drafts` token ids, each in
+    `0 <= id < ctx.config.vocab_size`. Its optional arguments (`draft_embed_target`,
+    `grammar_bitmask`, `target_hidden_stack`) are passed by keyword and only when set, so a
+    `propose` that never uses them may leave them out of its signature.
 
     An exception in a method, or a return value that breaks the contract, becomes a
-    ``ProposerError`` naming the method and class and carrying the traceback. Methods that
-    cannot fail in Rust (``needs_comm``, ``block_gamma``, ...) report through
-    ``sys.unraisablehook`` and answer with the Rust default instead.
+    `ProposerError` naming the method and class and carrying the traceback. Methods that
+    cannot fail in Rust (`needs_comm`, `block_gamma`, ...) report through
+    `sys.unraisablehook` and answer with the Rust default instead.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """Accepts and ignores any arguments, so subclasses define their own ``__init__``."""
+    def __new__(cls, *_args: Any, **_kwargs: Any) -> Self: ...
     def alloc_state(self, gpu: Backend) -> Any:
-        """Allocates per-sequence state."""
+        """Allocates per-sequence state: any object, or None for a proposer without state."""
     def propose(
         self,
         last_token: int,
@@ -371,30 +382,30 @@ class DraftProposer:
         grammar_bitmask: npt.NDArray[np.int32] | Sequence[int] | None = None,
         target_hidden_stack: DevicePtr | None = None,
     ) -> list[int]:
-        """Proposes up to ``num_drafts`` tokens after ``last_token`` at ``position``.
+        """Proposes up to `num_drafts` tokens after `last_token` at `position`.
 
-        ``target_hidden`` is the target's ``[1, hidden_size]`` bf16 hidden for
-        ``last_token``; ``grammar_bitmask`` (int32 words, token ``t`` allowed when bit
-        ``t % 32`` of word ``t // 32`` is set) limits the drafts when given.
+        `target_hidden` is the target's `[1, hidden_size]` bf16 hidden for
+        `last_token`; `grammar_bitmask` (int32 words, token `t` allowed when bit
+        `t % 32` of word `t // 32` is set) limits the drafts when given.
         """
     def after_verify(self, num_accepted: int, state: Any, stream: int = 0) -> None:
-        """Trims the state after a verify that accepted ``num_accepted`` drafts."""
+        """Trims the state after a verify that accepted `num_accepted` drafts."""
     def alloc_state_for(self, gpu: Backend, budget_tokens: int) -> Any:
-        """``alloc_state`` given the sequence's token budget (``2**64 - 1``: unknown)."""
+        """`alloc_state` given the sequence's token budget (`2**64 - 1`: unknown)."""
     def block_gamma(self) -> int | None:
         """The block size of a block-diffusion drafter; None for others."""
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
-        """Rows of the prefill hidden capture this proposer can use (default ``max_seq_len``)."""
+        """Rows of the prefill hidden capture this proposer can use (default `max_seq_len`)."""
     def needs_comm(self) -> bool:
         """Whether the proposer's block is sharded across ranks (default False)."""
     def prefill_uses_shared_buffers(self) -> bool:
         """Whether the drafter prefill uses the shared scratch (default False)."""
     def drafter_rows(self, state: Any) -> int:
-        """Drafter KV rows held in ``state``; 0 when unknown."""
+        """Drafter KV rows held in `state`; 0 when unknown."""
     def last_pair_key(self, state: Any) -> int | None:
         """Sequence-space pair key of the newest drafter row; None when untracked."""
     def take_drafter_kv(self, state: Any) -> tuple[list[int], int, int | None] | None:
-        """Moves the drafter KV blocks out of ``state``: ``(blocks, rows, last_pair_key)``."""
+        """Moves the drafter KV blocks out of `state`: `(blocks, rows, last_pair_key)`."""
     def install_drafter_kv(
         self, state: Any, blocks: Sequence[int], rows: int, last_pair_key: int | None = None
     ) -> bool:
@@ -411,7 +422,7 @@ class DraftProposer:
         ctx: ForwardContext,
         stream: int = 0,
     ) -> int:
-        """Appends drafter rows from ``(tokens, hiddens)`` pairs; returns the rows written."""
+        """Appends drafter rows from `(tokens, hiddens)` pairs; returns the rows written."""
     def propose_batch(
         self,
         last_tokens: Sequence[int],
@@ -425,14 +436,14 @@ class DraftProposer:
     ) -> list[list[int]] | None:
         """Drafts for several sequences at once; None when unsupported.
 
-        When ``out_conf`` is a list it is filled with one list of confidences per sequence.
-        A Python subclass that overrides ``propose`` but not ``propose_batch`` is proposed
-        per sequence, so its ``propose`` is never bypassed.
+        When `out_conf` is a list it is filled with one list of confidences per sequence.
+        A Python subclass that overrides `propose` but not `propose_batch` is proposed
+        per sequence, so its `propose` is never bypassed.
         """
     def propose_batch_max(self, buffers: BufferArena, config: ModelConfig) -> int:
-        """The widest batch ``propose_batch`` accepts; 1 means per-sequence only.
+        """The widest batch `propose_batch` accepts; 1 means per-sequence only.
 
-        A Python override sees a view with the arena's ``max_rows`` (no slots).
+        A Python override sees a view with the arena's `max_rows` (no slots).
         """
     def catchup_batch(
         self,
@@ -454,30 +465,30 @@ class DraftProposer:
     ) -> int:
         """Prefills the drafter over the prompt; returns the drafter rows written."""
     def read_deferred_draft_token(self, gpu: Backend) -> int:
-        """The draft token the last propose with ``draft_embed_target`` left on the device."""
+        """The draft token the last propose with `draft_embed_target` left on the device."""
     def free_state(self, gpu: Backend, state: Any) -> None:
-        """Frees per-sequence state: every ``DevicePtr`` ``alloc_state`` allocated."""
+        """Frees per-sequence state: every `DevicePtr` `alloc_state` allocated."""
     def circuit_draft(self, config: ModelConfig, levers: ModelLevers) -> dict[str, Any] | None:
-        """The draft head as the circuit executor binds it; None for most proposers.
-
-        A Python proposer must return None.
+        """The draft head as the circuit executor binds it (a dict; see `DraftBinding` in the
+        Rust docs); None for most proposers. A Python proposer must return None.
         """
     def set_circuit_draft(self, runner: DraftRunner | None) -> None:
-        """Runs ``runner`` in place of the draft head's own forward (None: its own again)."""
+        """Runs `runner` in place of the draft head's own forward (None: its own again)."""
 
+@disjoint_base
 class PromptLookup(DraftProposer):
-    """N-gram drafting from the prompt and the output so far (Rust; no device memory).
+    """`PromptLookup(min_ngram, max_ngram)`: n-gram drafting from the prompt and the output
+    so far (Rust; no device memory).
 
-    Its state is an opaque :class:`ProposerState`. A Python subclass may override single
-    methods; the others run in Rust. The constructor's arguments reach ``__new__``, so a
-    subclass's ``__init__`` takes the same ones (or the subclass defines ``__new__``).
+    Matches suffixes of `min_ngram ..= max_ngram` tokens (by default the lengths measured
+    fastest: see `PromptLookup().min_ngram` and `.max_ngram`); raises `ProposerError` unless
+    `1 <= min_ngram <= max_ngram`. Its state is an opaque `ProposerState`. A Python subclass
+    may override single methods; the others run in Rust. The constructor's arguments reach
+    `__new__`, so a subclass's `__init__` takes the same ones (or the subclass defines
+    `__new__`).
     """
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
-        """Matches suffixes of ``min_ngram ..= max_ngram`` tokens.
-
-        Raises ``ProposerError`` unless ``1 <= min_ngram <= max_ngram``.
-        """
+    def __new__(cls, min_ngram: int = ..., max_ngram: int = ...) -> Self: ...
     @property
     def min_ngram(self) -> int:
         """Shortest suffix it matches."""
@@ -485,11 +496,13 @@ class PromptLookup(DraftProposer):
     def max_ngram(self) -> int:
         """Longest suffix it matches."""
     def lookup(self, history: Sequence[int], num_drafts: int) -> list[int]:
-        """The drafts for ``history`` without any state."""
+        """The drafts for `history` without any state: the continuation of the most recent
+        earlier occurrence of its longest matching suffix.
+        """
 
 @final
 class Violation:
-    """One broken contract."""
+    """One broken contract: which check, what happened, how to fix it."""
 
     @property
     def check(self) -> str:
@@ -503,7 +516,7 @@ class Violation:
 
 @final
 class ConformanceReport:
-    """What :func:`check_proposer` found; true when no contract was broken."""
+    """What `check_proposer` found; true when no contract was broken."""
 
     @property
     def proposer(self) -> str:
@@ -519,15 +532,18 @@ class ConformanceReport:
         """Whether no contract was broken."""
     def __bool__(self) -> bool: ...
 
+@disjoint_base
 class MtpHead(DraftProposer):
     """The multi-token-prediction draft head of a checkpoint.
 
     Finds the MTP module of a DeepSeek-V3 / GLM, MiMo or Qwen3-Next checkpoint and drafts
-    with it; every protocol method runs in Rust.
+    with it; every protocol method runs in Rust. Made with `MtpHead.from_checkpoint(path,
+    gpu, ...)`; `MtpHead(path, gpu, ...)` is the same call, and a subclass's `__init__`
+    receives those arguments.
     """
 
-    @staticmethod
-    def from_checkpoint(
+    def __new__(
+        cls,
         path: str | PathLike[str],
         gpu: Backend,
         *,
@@ -536,11 +552,24 @@ class MtpHead(DraftProposer):
         max_seq_len: int = 4096,
         main_kv_blocks: int = 4096,
         levers: ModelLevers | None = None,
-    ) -> MtpHead:
-        """Load the MTP module of the checkpoint folder ``path`` onto ``gpu``.
+    ) -> Self: ...
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | PathLike[str],
+        gpu: Backend,
+        *,
+        quant: str = "bf16",
+        mtp_vocab_size: int = 0,
+        max_seq_len: int = 4096,
+        main_kv_blocks: int = 4096,
+        levers: ModelLevers | None = None,
+    ) -> Self:
+        """Loads the MTP module of the checkpoint folder `path` onto `gpu`; called on a
+        subclass, returns an instance of that subclass.
 
-        ``quant`` is ``"bf16"``, ``"fp8"`` or ``"nvfp4"`` (the head's projections);
-        ``mtp_vocab_size`` restricts drafts to the first rows of the LM head (0: all).
+        `quant` is `"bf16"`, `"fp8"` or `"nvfp4"` (the head's projections);
+        `mtp_vocab_size` restricts drafts to the first rows of the LM head (0: all).
         """
     @property
     def draft_vocab_size(self) -> int:
@@ -550,20 +579,19 @@ class MtpHead(DraftProposer):
         """Bytes of weights one draft step reads."""
     @property
     def kv_blocks(self) -> tuple[int, int]:
-        """``(total, free)`` blocks of the drafter KV pool."""
+        """`(total, free)` blocks of the drafter KV pool."""
     @property
     def layout(self) -> str:
-        """The checkpoint layout: ``"deepseek_v3"``, ``"mimo"`` or ``"qwen3_next"``."""
+        """The checkpoint layout: `"deepseek_v3"`, `"mimo"` or `"qwen3_next"`."""
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
-        """Row ``row`` of the f32 logits of the head's latest forward."""
+        """Row `row` of the f32 logits of the head's latest forward."""
 
 def quantize_nvfp4(
     w: npt.NDArray[np.float32],
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], float]:
-    """Quantize a float32 ``[out, in]`` matrix to NVFP4 (ModelOpt layout) in Rust.
-
-    Returns ``(weight [out, in/2], weight_scale [out, in/16] as FP8 E4M3 bytes,
-    weight_scale_2)``.
+    """Quantizes a float32 `[out, in]` matrix to NVFP4 (ModelOpt layout) with the Rust
+    quantizer: returns `(weight uint8 [out, in/2], weight_scale uint8 [out, in/16] (FP8
+    E4M3 bytes), weight_scale_2 float)`.
     """
 
 def check_proposer(
@@ -578,25 +606,27 @@ def check_proposer(
     steps: int | None = None,
     seed: int | None = None,
 ) -> ConformanceReport:
-    """Drives ``proposer`` through the whole lifecycle and reports every broken contract.
+    """Drives `proposer` through the whole lifecycle and reports every broken contract.
 
     The proposer is driven as the engine would drive it, on synthetic inputs; each
-    violation says what to fix.
-
-    Runs on ``gpu`` (a fresh CPU backend by default); nothing else should allocate on it
-    meanwhile, since allocations still live at the end are reported as leaks.
+    violation says what to fix. Runs on `gpu` (a fresh CPU backend by default); nothing
+    else should allocate on it meanwhile, since allocations still live at the end are
+    reported as leaks. A proposer whose weights live on a backend (`MtpHead`) must be
+    checked on that backend: pass it as `gpu=`, else `RequestError` says so.
     """
 
 @final
 class _DynProposer(DraftProposer):
-    """A proposer as the engine sees it (through ``dyn DraftProposer``); for tests."""
+    """A proposer seen through `dyn DraftProposer`: every method call goes through the same
+    path the engine uses (Python overrides through the adapter, the rest in Rust).
+    """
 
     @property
     def python_methods(self) -> list[str]:
         """The methods that call into Python; every other one runs in Rust."""
 
 def _as_rust(proposer: DraftProposer) -> _DynProposer:
-    """``proposer`` seen through ``dyn DraftProposer``."""
+    """`proposer` as the engine sees it."""
 
 def _time_propose(
     proposer: DraftProposer,
@@ -605,10 +635,8 @@ def _time_propose(
     vocab_size: int = 256,
     prompt_len: int = 64,
 ) -> dict[str, float]:
-    """Times ``propose`` through ``dyn DraftProposer``.
-
-    The loop runs in Rust with the interpreter released; the result is microseconds per
-    call (median, p10, p90, mean).
+    """Times `propose` through `dyn DraftProposer`, driven from Rust with the interpreter
+    released. Returns microseconds per call: median, p10, p90, mean, plus the draft count.
     """
 
 @final
@@ -631,12 +659,21 @@ class TargetModel:
     def weight_bytes_per_token(self) -> int:
         """Weight bytes one decode step reads."""
     @property
-    def kv_blocks_free(self) -> int:
-        """Free KV blocks in the pool."""
+    def kv_blocks(self) -> tuple[int, int]:
+        """`(total, free)` blocks of the KV pool."""
+    @property
+    def tokenizer(self) -> Any | None:
+        """The model's tokenizer (a `specdraft.Tokenizer` with its chat template), or None when
+        the model file carries none that specdraft can read.
+        """
     def logits(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
-        """The f32 logits of a fresh forward over ``tokens`` (flat, row-major)."""
-    def generate_greedy(self, prompt: Sequence[int], max_new_tokens: int = 16) -> list[int]:
-        """Greedy decoding without drafting: the ids that follow ``prompt``."""
+        """The f32 logits of a fresh forward over `tokens`, as a flat numpy array of
+        `len(tokens) * vocab_size` values (row-major); the KV it used is returned at once.
+        """
+    def generate_greedy(self, prompt: Sequence[int], max_tokens: int = 16) -> list[int]:
+        """Greedy decoding without drafting (the engine with no proposer): the ids that follow
+        `prompt`, at most `max_tokens`, ending after an end-of-sequence id.
+        """
 
 def load_model(
     path_or_name: str | PathLike[str],
@@ -645,31 +682,51 @@ def load_model(
     max_seq_len: int | None = None,
     kv_blocks: int | None = None,
 ) -> TargetModel:
-    """Loads a target model from a HF checkpoint folder, a ``.gguf`` file, or a known name.
-
-    ``"smollm2"`` names the default model; ``gpu`` defaults to a new ``CpuBackend``.
+    """Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
+    (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
+    defaults to a new `CpuBackend`.
     """
+
+def gguf_metadata(path: str | PathLike[str], keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """The metadata of a GGUF file as a dict (all keys, or only `keys` that are present)."""
 
 @final
 class GenerationResult:
-    """The outcome of one prompt of ``SpecEngine.generate``."""
+    """The outcome of one prompt of `SpecEngine.generate`, `SpecEngine.chat` or
+    `Conversation.send`.
+    """
 
-    #: Generated token ids (the EOS id included when it ended the sequence).
-    tokens: list[int]
-    #: The decoded text, when the engine has a tokenizer.
-    text: str | None
-    #: ``"stop"``, ``"length"``, ``"context"``, ``"grammar"`` or ``"error"``.
-    finish_reason: str
-    #: The error message when ``finish_reason == "error"``.
-    error: str | None
-    #: drafted, accepted, verify_steps, emitted, decode_tokens, prompt_tokens,
-    #: mean_acceptance_length, acceptance_rate, acceptance_by_position, drafted_at,
-    #: accepted_at, draft_time_s, verify_time_s, prefill_time_s, wall_time_s, tokens_per_s.
-    metrics: dict[str, Any]
+    @property
+    def tokens(self) -> list[int]:
+        """Generated token ids (the EOS id included when it ended the sequence)."""
+    @property
+    def text(self) -> str | None:
+        """The decoded text of the generated tokens, without the EOS token that ended them;
+        None when the engine has no tokenizer.
+        """
+    @property
+    def finish_reason(self) -> str:
+        """Why it ended: "stop", "length", "context", "grammar" or "error"."""
+    @property
+    def error(self) -> SpecdraftError | None:
+        """The exception that ended the sequence (a `SpecdraftError` subclass, with the error it
+        wraps as its `__cause__`) when `finish_reason` is "error", else None.
+        """
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """Acceptance and timing figures (a dict): drafted, accepted, verify_steps, emitted,
+        decode_tokens, prompt_tokens, mean_acceptance_length, acceptance_rate,
+        acceptance_by_position, drafted_at, accepted_at, draft_time_s, verify_time_s,
+        prefill_time_s, wall_time_s, tokens_per_s.
+        """
+
+_Messages: TypeAlias = Sequence[dict[str, str]]
 
 @final
 class Conversation:
-    """A chat session that carries the drafter's KV from one turn to the next."""
+    """A chat session that carries the drafter's KV from one turn to the next: each `send`
+    adds a turn to the history and generates the reply. Made by `SpecEngine.conversation()`.
+    """
 
     def send(
         self,
@@ -680,23 +737,38 @@ class Conversation:
         top_k: int = 0,
         seed: int = 0,
         grammar: Any | None = None,
+        ignore_eos: bool = False,
     ) -> GenerationResult:
-        """Appends ``message`` to the history and generates the reply."""
+        """Sends `message` and returns the reply. A string is a user turn, rendered with the
+        tokenizer's chat template; the assistant's turn is closed after the reply. A list of
+        token ids is appended to the history as it is. The options are `generate`'s. A bad
+        request raises `RequestError` and changes nothing; a failure while running raises
+        and leaves the history as it was.
+        """
     @property
     def history(self) -> list[int]:
-        """Every token so far (prompts and replies)."""
+        """Every token so far: prompts, replies and the template's turn closings."""
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The text turns so far, as `{"role", "content"}` messages."""
     @property
     def carried_rows(self) -> int:
         """Drafter KV rows carried into the next turn (0 when none)."""
     def reset(self) -> None:
-        """Forgets the history and frees carried drafter KV."""
+        """Forgets the history and the messages, and frees carried drafter KV."""
 
 @final
 class SpecEngine:
-    """Speculative decoding on a target model with an optional proposer."""
+    """`SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
+    max_batch=None)`: speculative decoding on a target model with an optional proposer.
 
-    def __init__(
-        self,
+    `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
+    a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
+    variables; `max_batch` bounds the sequences that run at once (the others wait).
+    """
+
+    def __new__(
+        cls,
         model: TargetModel,
         proposer: DraftProposer | None = None,
         num_drafts: int = 4,
@@ -704,7 +776,7 @@ class SpecEngine:
         tokenizer: Any | None = None,
         levers: ModelLevers | None = None,
         max_batch: int | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
@@ -716,18 +788,38 @@ class SpecEngine:
         grammar: Any | None = None,
         ignore_eos: bool = False,
     ) -> list[GenerationResult]:
-        """One completion per prompt, all stepping together.
-
-        Prompt ``i`` samples with seed ``seed + i``.
+        """One completion per prompt (a string, or a list of token ids), all stepping
+        together; prompt `i` samples with seed `seed + i`. A bad request raises
+        `RequestError` and nothing runs; a prompt that fails while running (a proposer
+        error, out of memory) has `finish_reason == "error"` and its exception in `error`,
+        and the others run on.
+        """
+    def chat(
+        self,
+        conversations: Sequence[_Messages],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        grammar: Any | None = None,
+        ignore_eos: bool = False,
+    ) -> list[GenerationResult]:
+        """One reply per conversation, each a list of `{"role", "content"}` messages rendered
+        with the tokenizer's chat template (the assistant's turn opened); the options are
+        `generate`'s.
         """
     @property
     def last_metrics(self) -> dict[str, Any] | None:
-        """Figures of the last ``generate`` call over all its prompts."""
+        """Figures of the last `generate` or `chat` call over all its prompts (a dict), or None."""
     @property
     def num_drafts(self) -> int:
         """Most drafts per step."""
     @property
     def proposer(self) -> DraftProposer | None:
-        """The proposer given at construction."""
+        """The proposer object given at construction, or None."""
+    @property
+    def tokenizer(self) -> Any | None:
+        """The tokenizer text goes through (the model's own unless one was given), or None."""
     def conversation(self) -> Conversation:
-        """A multi-turn conversation on this engine."""
+        """A multi-turn chat on this engine that carries the drafter's KV between turns."""

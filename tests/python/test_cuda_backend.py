@@ -12,10 +12,7 @@ import pytest
 import specdraft
 from specdraft import AllocationError, BackendUnavailableError
 
-HAS_CLASS = hasattr(specdraft, "CudaBackend")
-needs_class = pytest.mark.skipif(
-    not HAS_CLASS, reason="specdraft was built without the `cuda` feature"
-)
+NOT_BUILT = "built without the `cuda` feature"
 
 
 def _driver_present() -> bool:
@@ -29,19 +26,21 @@ def _driver_present() -> bool:
     return False
 
 
-def _open_gpu() -> specdraft.Backend | None:
-    if not HAS_CLASS:
-        return None
+def _open_gpu() -> tuple[specdraft.Backend | None, bool]:
+    """A GPU backend if this machine and build have one, and whether the build has CUDA."""
     try:
-        return specdraft.CudaBackend(0)
-    except BackendUnavailableError:
-        return None
+        return specdraft.CudaBackend(0), True
+    except BackendUnavailableError as e:
+        return None, NOT_BUILT not in str(e)
 
 
 DRIVER = _driver_present()
-_PROBE = _open_gpu()
+_PROBE, BUILT_WITH_CUDA = _open_gpu()
 HAS_GPU = _PROBE is not None
 del _PROBE
+needs_cuda_build = pytest.mark.skipif(
+    not BUILT_WITH_CUDA, reason="specdraft was built without the `cuda` feature"
+)
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no usable CUDA GPU on this machine")
 
 
@@ -58,14 +57,19 @@ def test_backend_unavailable_error_is_a_specdraft_error():
     assert not issubclass(BackendUnavailableError, AllocationError)
 
 
-@needs_class
-def test_cuda_backend_is_a_backend_subclass():
+def test_cuda_backend_is_a_backend_subclass_in_every_build():
     assert issubclass(specdraft.CudaBackend, specdraft.Backend)
     assert not issubclass(specdraft.CudaBackend, specdraft.CpuBackend)
     assert "CudaBackend" in specdraft.__all__
 
 
-@needs_class
+@pytest.mark.skipif(BUILT_WITH_CUDA, reason="this build has the `cuda` feature")
+def test_a_build_without_cuda_says_so():
+    with pytest.raises(BackendUnavailableError, match="built without the `cuda` feature"):
+        specdraft.CudaBackend(0)
+
+
+@needs_cuda_build
 @pytest.mark.skipif(DRIVER, reason="a CUDA driver is installed here")
 def test_without_a_driver_the_error_names_the_missing_driver():
     with pytest.raises(BackendUnavailableError, match=r"no CUDA driver \(libcuda\) found"):
@@ -74,14 +78,13 @@ def test_without_a_driver_the_error_names_the_missing_driver():
         specdraft.CudaBackend(device=3)
 
 
-@needs_class
+@needs_cuda_build
 @pytest.mark.skipif(not DRIVER, reason="no CUDA driver here")
 def test_a_device_that_does_not_exist_is_named():
     with pytest.raises(BackendUnavailableError, match=r"no CUDA device 4096 \(found \d+\)"):
         specdraft.CudaBackend(4096)
 
 
-@needs_class
 def test_a_negative_device_is_rejected_not_a_crash():
     with pytest.raises(OverflowError):
         specdraft.CudaBackend(-1)

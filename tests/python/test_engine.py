@@ -1,8 +1,9 @@
 """``specdraft.SpecEngine`` from Python on a tiny llama GGUF (written here, with a byte-level
 tokenizer and a chat template in its metadata): greedy speculative output equals plain
 greedy output for Rust and Python proposers, a raising proposer ends only its sequence,
-grammar-constrained output, conversations, and the ``specdraft bench`` / ``generate``
-commands end to end."""
+bad requests and failures while running reach Python as their own exception classes,
+grammar-constrained output, text and chat messages through the model's own tokenizer,
+conversations, and the ``specdraft bench`` / ``generate`` commands end to end."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from specdraft import DraftProposer
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
-from ngram_proposer import PyLookup  # noqa: E402
+from ngram_proposer import CarryingLookup, PyLookup  # noqa: E402
 from tiny_gguf import write_tiny_llama  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
@@ -64,10 +65,11 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _load(model_path: Path, gpu: specdraft.CpuBackend) -> specdraft.TargetModel:
+def _load(model_path: Path, gpu: specdraft.Backend, **kw) -> specdraft.TargetModel:
     # Loaded inside each test (not in a fixture, which pytest keeps alive past the backend
     # fixture's check that nothing is left allocated).
-    return specdraft.load_model(model_path, gpu=gpu, max_rows=64, max_seq_len=256, kv_blocks=128)
+    opts = {"max_rows": 64, "max_seq_len": 256, "kv_blocks": 128, **kw}
+    return specdraft.load_model(model_path, gpu=gpu, **opts)
 
 
 class PyRandom(DraftProposer):
@@ -146,27 +148,93 @@ def test_a_raising_python_proposer_ends_only_its_sequence(model_path, gpu) -> No
         PROMPTS, max_tokens=20, ignore_eos=True
     )
     assert results[1].finish_reason == "error"
-    assert "propose" in results[1].error and "boom at position" in results[1].error
-    assert "Traceback" in results[1].error
+    error = results[1].error
+    assert isinstance(error, specdraft.ProposerError), repr(error)
+    assert "request 1: propose failed" in str(error) and "boom at position" in str(error)
+    assert "Traceback" in str(error)
+    assert isinstance(error.__cause__, specdraft.ProposerError)
+    assert "request 1" not in str(error.__cause__)
     assert base[1][: len(results[1].tokens)] == list(results[1].tokens)
     for i in (0, 2):
         assert results[i].error is None and list(results[i].tokens) == base[i]
 
 
-def test_bad_input_is_reported_per_prompt_or_raised(model_path, gpu) -> None:
+def test_bad_requests_raise_request_error_before_anything_runs(model_path, gpu) -> None:
     model = _load(model_path, gpu)
     engine = specdraft.SpecEngine(model, specdraft.PromptLookup())
-    too_long, fine = engine.generate([[1] * 256, [1, 2, 3]], max_tokens=4)
-    assert too_long.finish_reason == "error" and "context holds 256" in too_long.error
-    assert fine.error is None and len(fine.tokens) >= 1
-    with pytest.raises(ValueError, match="temperature"):
+    total, free = model.kv_blocks
+    for prompts, message in [
+        ([[1, 2, 3], [1] * 256], "request 1: the prompt has 256 tokens but the model's context"),
+        ([[]], "request 0: the prompt is empty"),
+        ([[1, VOCAB]], f"prompt token {VOCAB} at index 1 is outside the vocabulary of {VOCAB}"),
+    ]:
+        with pytest.raises(specdraft.RequestError, match=message) as caught:
+            engine.generate(prompts, max_tokens=4)
+        assert isinstance(caught.value, ValueError)
+        assert engine.last_metrics is None, "nothing ran"
+        del caught  # its traceback holds this frame, and so the model
+    with pytest.raises(specdraft.RequestError, match="temperature"):
         engine.generate([[1, 2]], temperature=-1.0)
-    with pytest.raises(ValueError, match="tokenizer"):
-        engine.generate(["text without a tokenizer"])
+    with pytest.raises(specdraft.RequestError, match="max_tokens"):
+        engine.generate([[1, 2]], max_tokens=0)
+    assert model.kv_blocks == (total, free)
+    (fine,) = engine.generate([[1, 2, 3]], max_tokens=4)
+    assert fine.error is None and len(fine.tokens) >= 1
     with pytest.raises(TypeError, match="TargetModel"):
         specdraft.SpecEngine(object())
     with pytest.raises(TypeError, match="DraftProposer"):
         specdraft.SpecEngine(model, object())
+
+
+def test_text_without_a_tokenizer_is_a_request_error(tmp_path, gpu) -> None:
+    path = tmp_path / "no-tokenizer.gguf"
+    write_tiny_llama(path, vocab=VOCAB)
+    model = _load(path, gpu)
+    assert model.tokenizer is None
+    engine = specdraft.SpecEngine(model)
+    with pytest.raises(specdraft.RequestError, match="a text prompt needs a tokenizer"):
+        engine.generate(["some text"])
+    with pytest.raises(specdraft.RequestError, match="chat needs a tokenizer"):
+        engine.chat([[{"role": "user", "content": "hi"}]])
+
+
+def test_out_of_device_memory_during_generate_is_an_allocation_error(model_path) -> None:
+    """The engine's own buffers do not fit: the sequence ends with AllocationError, whose
+    cause is the backend's own out-of-memory error, and the rest of the call runs on."""
+    probe = specdraft.CpuBackend()
+    model = _load(model_path, probe)
+    loaded = probe.live_bytes
+    del model
+    # Room for the model and nothing more: the first buffer the engine asks for fails.
+    gpu = specdraft.CpuBackend(memory_limit=loaded)
+    model = _load(model_path, gpu)
+    engine = specdraft.SpecEngine(model, specdraft.PromptLookup(), num_drafts=3)
+    results = engine.generate(PROMPTS[:2], max_tokens=8)
+    for i, r in enumerate(results):
+        assert r.finish_reason == "error"
+        assert isinstance(r.error, specdraft.AllocationError), repr(r.error)
+        assert f"request {i}: starting the sequence failed: out of device memory" in str(r.error)
+        cause = r.error.__cause__
+        assert isinstance(cause, specdraft.AllocationError)
+        assert str(cause).startswith("out of device memory") and "engine:hidden_rows" in str(cause)
+    assert gpu.live_bytes == loaded, "what the failed sequences held is released"
+    del engine, model
+    assert gpu.live_allocs == 0
+
+
+def test_an_exhausted_kv_pool_mid_run_is_an_allocation_error(model_path, gpu) -> None:
+    """Two KV blocks (32 positions): a sequence that outgrows them fails while decoding."""
+    model = _load(model_path, gpu, kv_blocks=2)
+    engine = specdraft.SpecEngine(model, PyLookup(), num_drafts=3)
+    (r,) = engine.generate([PROMPTS[0]], max_tokens=60, ignore_eos=True)
+    assert r.finish_reason == "error"
+    assert len(r.tokens) >= 32 - len(PROMPTS[0]) - 4, "it failed mid-run, not at the start"
+    assert isinstance(r.error, specdraft.AllocationError), repr(r.error)
+    assert "request 0: the target's verify forward failed" in str(r.error)
+    assert isinstance(r.error.__cause__, specdraft.AllocationError)
+    assert "KV block pool exhausted" in str(r.error.__cause__)
+    assert model.kv_blocks == (2, 2), "the failed sequence's blocks are back in the pool"
+    del engine, model
 
 
 def test_sampling_is_reproducible_per_seed(model_path, gpu) -> None:
@@ -217,30 +285,132 @@ def test_grammar_constrains_every_emitted_token(model_path, gpu) -> None:
         assert r.finish_reason == "stop"
 
 
-def test_text_prompts_chat_and_conversation(model_path, gpu) -> None:
-    model = _load(model_path, gpu)
-    from specdraft.tokenizer import load_tokenizer
+class Letters:
+    """A grammar: lower-case ASCII letters for `limit` tokens, then only EOS (when
+    `then_eos`); the tiny tokenizer has no merges, so a letter is one byte token."""
 
-    tok = load_tokenizer(model_path)
+    def __init__(self, limit: int, then_eos: bool = True) -> None:
+        self.limit, self.then_eos, self.seen, self.done = limit, then_eos, 0, False
+
+    def allowed(self) -> range | list[int]:
+        if self.seen >= self.limit and self.then_eos:
+            return [EOS]
+        return range(ord("a"), ord("z") + 1)
+
+    def fill_mask(self, mask: np.ndarray) -> None:
+        for t in self.allowed():
+            mask[t // 32] |= np.int32(np.uint32(1 << (t % 32)).astype(np.int32))
+
+    def advance(self, token: int) -> None:
+        if token not in self.allowed():
+            raise ValueError(f"token {token} not allowed")
+        self.seen += 1
+        self.done = token == EOS
+
+    def is_finished(self) -> bool:
+        return self.done
+
+
+class LettersGrammar:
+    """A fresh :class:`Letters` matcher per sequence."""
+
+    def __init__(self, limit: int, then_eos: bool = True) -> None:
+        self.limit, self.then_eos = limit, then_eos
+
+    def matcher(self) -> Letters:
+        return Letters(self.limit, self.then_eos)
+
+
+def test_text_prompts_use_the_models_own_tokenizer(model_path, gpu) -> None:
+    model = _load(model_path, gpu)
+    tok = model.tokenizer
+    assert isinstance(tok, specdraft.Tokenizer)
     assert tok.eos_token_id == EOS and tok.decode(tok.encode("héllo, wörld")) == "héllo, wörld"
+    assert specdraft.load_tokenizer(model_path).encode("a b") == tok.encode("a b")
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.encode(chat)[0] == 257  # a special token encodes to one id
-    engine = specdraft.SpecEngine(model, specdraft.PromptLookup(), tokenizer=tok)
-    (r,) = engine.generate([chat], max_tokens=8)
-    assert r.text == tok.decode(list(r.tokens))
+    engine = specdraft.SpecEngine(model, specdraft.PromptLookup())
+    assert engine.tokenizer is tok
+    (r,) = engine.generate(["Hello"], max_tokens=8, grammar=LettersGrammar(3))
+    assert r.error is None, r.error
+    assert list(r.tokens)[-1] == EOS and r.finish_reason == "stop"
+    # The text is the reply's, without the EOS token that ended it.
+    assert r.text == tok.decode(list(r.tokens)[:-1]) and len(r.text) == 3 and r.text.isalpha()
+    (same,) = engine.generate([tok.encode("Hello")], max_tokens=8, grammar=LettersGrammar(3))
+    assert list(same.tokens) == list(r.tokens)
+
+
+def test_chat_messages_go_through_the_template(model_path, gpu) -> None:
+    model = _load(model_path, gpu)
+    tok = model.tokenizer
+    engine = specdraft.SpecEngine(model, PyLookup(), num_drafts=3)
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "and?"}],
+    ]
+    results = engine.chat(conversations, max_tokens=10, ignore_eos=True)
+    rendered = [tok.encode(tok.apply_chat_template(c)) for c in conversations]
+    expected = engine.generate(rendered, max_tokens=10, ignore_eos=True)
+    assert [list(r.tokens) for r in results] == [list(r.tokens) for r in expected]
+    assert all(r.metrics["prompt_tokens"] == len(p) for r, p in zip(results, rendered, strict=True))
+    with pytest.raises(TypeError, match="wrap a single conversation in a list"):
+        engine.chat(conversations[0])
+
+
+def test_conversation_turns_go_through_the_template_and_carry_the_drafter_kv(
+    model_path, gpu
+) -> None:
+    model = _load(model_path, gpu)
+    tok = model.tokenizer
+    proposer = CarryingLookup()
+    engine = specdraft.SpecEngine(model, proposer, num_drafts=3)
     conv = engine.conversation()
-    first = conv.send(chat, max_tokens=8)
-    second = conv.send(tok.encode("<|im_start|>user\nmore<|im_end|>\n"), max_tokens=8)
-    history = conv.history
-    assert history[-len(second.tokens) :] == list(second.tokens)
-    # The second turn equals a fresh generation over the whole history.
-    prompt2 = history[: len(history) - len(second.tokens)]
-    assert list(first.tokens) == list(r.tokens)
-    (fresh,) = engine.generate([prompt2], max_tokens=8)
+    # First reply: letters then EOS (the template's closing "\n" is appended); second:
+    # cut by max_tokens (the whole closing "<|im_end|>\n" is appended).
+    first = conv.send("hi", max_tokens=12, grammar=LettersGrammar(5))
+    assert first.finish_reason == "stop" and len(first.text) == 5
+    second = conv.send("more", max_tokens=6, grammar=LettersGrammar(99, then_eos=False))
+    assert second.finish_reason == "length" and len(second.text) == 6
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": second.text},
+    ]
+    assert conv.messages == messages
+    # The history is the conversation exactly as the template renders it, turns closed.
+    assert conv.history == tok.encode(tok.apply_chat_template(messages, False))
+    # The second reply is what a fresh generation over the rendered history gives.
+    prompt2 = tok.encode(tok.apply_chat_template(messages[:3]))
+    (fresh,) = engine.generate([prompt2], max_tokens=6, grammar=LettersGrammar(99, then_eos=False))
     assert list(fresh.tokens) == list(second.tokens)
+    # The drafter KV was carried into the second turn, and every carried row matches the
+    # history at its position.
+    assert proposer.installed == 1 and conv.carried_rows > 0
+    for rows in proposer.snapshots:
+        assert rows == conv.history[: len(rows)]
+    # Token ids are appended as they are; reset forgets everything and frees the KV.
+    ids = tok.encode("\nxyz")
+    before = conv.history
+    third = conv.send(ids, max_tokens=2, ignore_eos=True)
+    assert conv.history == before + ids + list(third.tokens)
+    assert conv.messages == messages
     conv.reset()
-    assert conv.history == []
+    assert conv.history == [] and conv.messages == [] and conv.carried_rows == 0
+    assert proposer.store == {}
+
+
+def test_a_bad_turn_raises_and_changes_nothing(model_path, gpu) -> None:
+    model = _load(model_path, gpu, max_seq_len=64)
+    conv = specdraft.SpecEngine(model, CarryingLookup(), num_drafts=3).conversation()
+    conv.send("hi", max_tokens=4, ignore_eos=True)
+    history, messages, carried = conv.history, conv.messages, conv.carried_rows
+    with pytest.raises(specdraft.RequestError, match="context holds 64"):
+        conv.send("x" * 80)
+    with pytest.raises(specdraft.RequestError, match="temperature"):
+        conv.send("again", temperature=-2.0)
+    assert (conv.history, conv.messages, conv.carried_rows) == (history, messages, carried)
 
 
 def _cli(*args: str) -> int:
@@ -294,17 +464,16 @@ def test_bench_and_generate_commands(model_path, capsys) -> None:
 def test_llguidance_grammar_constrains_the_real_engine(model_path, gpu) -> None:
     pytest.importorskip("llguidance")
     from specdraft.grammar import Grammar
-    from specdraft.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(model_path)
     model = _load(model_path, gpu)
-    engine = specdraft.SpecEngine(model, PyRandom(), num_drafts=3, tokenizer=tok)
+    tok = model.tokenizer
+    engine = specdraft.SpecEngine(model, PyRandom(), num_drafts=3)
     number = Grammar.regex(tok, r"[0-9]{3}-[a-c]{2}")
     chat = tok.apply_chat_template([{"role": "user", "content": "a code?"}])
     results = engine.generate([chat, chat], max_tokens=20, temperature=1.0, grammar=number)
     for r in results:
         assert r.error is None, r.error
-        text = tok.decode([t for t in r.tokens if t != EOS])
+        text = r.text
         assert len(text) == 6 and text[:3].isdigit() and text[3] == "-", text
         assert set(text[4:]) <= set("abc")
     m = number.matcher()

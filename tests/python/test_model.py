@@ -38,10 +38,15 @@ def test_tiny_gguf_matches_the_numpy_reference(tmp_path: Path) -> None:
     scale = np.abs(want).max()
     assert np.abs(got - want).max() < 0.03 * scale
     assert (got.argmax(axis=1) == want.argmax(axis=1)).mean() >= 0.9
-    assert model.kv_blocks_free == 8, "logits() returns the KV blocks it used"
-    out = model.generate_greedy(tokens[:4], max_new_tokens=3)
+    assert model.kv_blocks == (8, 8), "logits() returns the KV blocks it used"
+    out = model.generate_greedy(tokens[:4], max_tokens=3)
     assert len(out) <= 3 and all(0 <= t < VOCAB for t in out)
     assert out[0] == int(want[3].argmax())
+    # Greedy decoding is the engine's: the same ids as SpecEngine with no proposer.
+    (plain,) = specdraft.SpecEngine(model).generate([tokens[:4]], max_tokens=3)
+    assert out == list(plain.tokens)
+    with pytest.raises(specdraft.RequestError, match="outside the vocabulary"):
+        model.generate_greedy([VOCAB])
     del model
     assert gpu.live_allocs == 0
 
@@ -53,7 +58,8 @@ def test_unknown_names_and_bad_files_raise_clear_errors(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny.gguf"
     _write_tiny_gguf(tiny)
     with pytest.raises(specdraft.ConfigError, match="tokenizer model None"):
-        specdraft.models.load_tokenizer(tiny)
+        specdraft.load_tokenizer(tiny)
+    assert specdraft.load_model(tiny).tokenizer is None
     meta = specdraft._core.gguf_metadata(str(tiny), ["llama.block_count", "nope"])
     assert meta == {"llama.block_count": LAYERS}
     bad = tmp_path / "bad.gguf"

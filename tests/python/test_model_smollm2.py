@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import specdraft
-from specdraft.models import fetch_default_model, load_tokenizer
+from specdraft.models import fetch_default_model
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -29,8 +29,8 @@ def test_smollm2_logits_match_the_numpy_reference() -> None:
     reader = gguf.GGUFReader(str(path))
     tokenizer = ref.tokenizer_from_gguf(reader)
     tokens = tokenizer.encode(PROMPT).ids
-    ours = load_tokenizer("smollm2")
-    assert ours.encode(PROMPT).ids == tokens
+    ours = specdraft.load_tokenizer("smollm2")
+    assert ours.encode(PROMPT) == tokens
     assert ours.decode(tokens) == PROMPT
     want = ref.forward(reader, ref.load_weights(reader), tokens)
     model = specdraft.load_model("smollm2", max_rows=64, max_seq_len=256, kv_blocks=32)
@@ -39,5 +39,6 @@ def test_smollm2_logits_match_the_numpy_reference() -> None:
     for p in sorted({0, 1, len(tokens) // 2, len(tokens) - 1}):
         assert got[p].argmax() == want[p].argmax(), p
         assert np.abs(got[p] - want[p]).max() < 0.05 * np.abs(want[p]).max(), p
-    follow = tokenizer.decode(model.generate_greedy(tokens, max_new_tokens=2))
+    assert model.tokenizer.encode(PROMPT) == tokens, "load_model attaches the same tokenizer"
+    follow = tokenizer.decode(model.generate_greedy(tokens, max_tokens=2))
     assert "Rome" in follow, follow

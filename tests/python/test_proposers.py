@@ -9,7 +9,7 @@ import pytest
 import specdraft
 from ngram_proposer import PyLookup
 from specdraft import DevicePtr, DraftProposer, PromptLookup, ProposerError
-from specdraft._core import _as_rust
+from specdraft.testing import as_rust, time_propose
 
 VOCAB = 64  # check_proposer's default vocabulary
 
@@ -64,7 +64,7 @@ def test_exception_in_propose_is_reported_with_method_class_and_traceback():
 
 
 def test_exception_reaches_python_as_proposer_error_with_traceback(gpu, ctx):
-    rust = _as_rust(Boom())
+    rust = as_rust(Boom())
     st = rust.alloc_state(gpu)
     with pytest.raises(
         ProposerError,
@@ -104,7 +104,7 @@ def test_garbage_from_propose_is_reported_saying_what_came_back(value, expected)
 
 def test_numpy_arrays_and_tuples_are_accepted_as_drafts(gpu, ctx):
     for value in (np.array([1, 2], dtype=np.int64), (1, 2)):
-        rust = _as_rust(returning(value))
+        rust = as_rust(returning(value))
         st = rust.alloc_state(gpu)
         assert rust.propose(0, DevicePtr.NULL, 0, 4, st, ctx) == [1, 2]
 
@@ -129,6 +129,46 @@ class Tidy(Leaky):
 def test_freeing_in_free_state_passes():
     report = specdraft.check_proposer(Tidy())
     assert report.ok, str(report)
+
+
+class Stateless(DraftProposer):
+    """Drafts the last token again; keeps nothing per sequence, so its state is None."""
+
+    def alloc_state(self, gpu):
+        return None
+
+    def propose(
+        self,
+        last_token,
+        target_hidden,
+        position,
+        num_drafts,
+        state,
+        ctx,
+        stream,
+        grammar_bitmask=None,
+        **kw,
+    ):
+        assert state is None
+        if (
+            grammar_bitmask is not None
+            and not (grammar_bitmask[last_token // 32] >> (last_token % 32)) & 1
+        ):
+            return []
+        return [last_token] * num_drafts
+
+    def after_verify(self, num_accepted, state, stream):
+        assert state is None
+
+
+def test_a_proposer_without_state_may_return_none_from_alloc_state(gpu, ctx):
+    report = specdraft.check_proposer(Stateless())
+    assert report.ok, str(report)
+    rust = as_rust(Stateless())
+    st = rust.alloc_state(gpu)  # opaque here; the proposer's own methods receive None
+    assert rust.propose(7, DevicePtr.NULL, 3, 2, st, ctx) == [7, 7]
+    rust.after_verify(1, st)
+    rust.free_state(gpu, st)
 
 
 def test_missing_required_method_is_refused_at_wrap_time():
@@ -173,7 +213,7 @@ def python_calls_during(fn):
 
 def test_only_overridden_methods_call_python():
     p = Counting()
-    rust = _as_rust(p)
+    rust = as_rust(p)
     assert rust.python_methods == [
         "alloc_state",
         "propose",
@@ -205,7 +245,7 @@ def test_failure_in_an_infallible_method_is_unraisable_and_falls_back(monkeypatc
 
     reports = []
     monkeypatch.setattr(sys, "unraisablehook", reports.append)
-    assert _as_rust(BadGamma()).block_gamma() is None
+    assert as_rust(BadGamma()).block_gamma() is None
     assert len(reports) == 1
     assert "block_gamma returned 'seven' (str), expected a non-negative int" in str(
         reports[0].exc_value
@@ -220,7 +260,7 @@ def test_users_backend_reaches_the_proposer_as_the_same_object(gpu):
             seen.append(gpu_arg)
             return super().alloc_state(gpu_arg)
 
-    rust = _as_rust(Spy())
+    rust = as_rust(Spy())
     st = rust.alloc_state(gpu)
     assert seen[0] is gpu
     rust.free_state(gpu, st)
@@ -235,7 +275,7 @@ def test_a_lent_backend_handle_refuses_use_after_the_call():
             return super().alloc_state(gpu)
 
     assert specdraft.check_proposer(Keeper()).ok
-    with pytest.raises(specdraft.SpecdraftError, match="no longer valid"):
+    with pytest.raises(specdraft.BackendUnavailableError, match="no longer valid"):
         kept[0].alloc(8)
 
 
@@ -311,7 +351,7 @@ class EvenOnly(PromptLookup):
 
 def test_python_subclass_of_prompt_lookup_overrides_one_method(gpu, ctx):
     p = EvenOnly()
-    rust = _as_rust(p)
+    rust = as_rust(p)
     assert rust.python_methods == ["propose"]
     history = [2, 4, 6, 7, 2, 4]
     # Rust prefill (not overridden) feeds the state the Python propose reads through super().
@@ -356,7 +396,7 @@ def test_grammar_mask_reaches_python_as_int32_words(gpu, ctx):
             got.append(grammar_bitmask)
             return []
 
-    rust = _as_rust(MaskSpy())
+    rust = as_rust(MaskSpy())
     st = rust.alloc_state(gpu)
     mask = np.zeros(8, dtype=np.uint32)
     mask[0] = 0xFFFFFFFF
@@ -391,10 +431,8 @@ def test_rust_work_runs_with_the_interpreter_released():
 
     def work():
         started.set()
-        _time_propose(PromptLookup(), iters=400_000)
+        time_propose(PromptLookup(), iters=400_000)
         done.set()
-
-    from specdraft._core import _time_propose
 
     t = threading.Thread(target=work)
     t.start()
@@ -443,7 +481,7 @@ class Batched(PyLookup):
 
 
 def test_python_batch_methods_are_called_and_checked(gpu, ctx):
-    rust = _as_rust(Batched())
+    rust = as_rust(Batched())
     states = [rust.alloc_state(gpu) for _ in range(2)]
     conf = []
     hid = [DevicePtr(0x10), DevicePtr(0x20)]
@@ -452,7 +490,7 @@ def test_python_batch_methods_are_called_and_checked(gpu, ctx):
     assert rust.propose_batch_max(specdraft.BufferArena(4), ctx.config) == 8
     assert rust.take_drafter_kv(states[0]) == ([3, 4], 20, 19)
     assert rust.catchup_batch([[1, 2], [3]], [hid, hid[:1]], [4, 9], states, ctx) == 3
-    short = _as_rust(Batched(rows_returned=1))
+    short = as_rust(Batched(rows_returned=1))
     with pytest.raises(ProposerError, match="propose_batch returned 1 lists of drafts for 2"):
         short.propose_batch([1, 5], hid, [0, 0], 4, states, ctx)
 
@@ -464,7 +502,7 @@ def test_bad_take_drafter_kv_is_unraisable_and_means_none(monkeypatch, gpu):
 
     reports = []
     monkeypatch.setattr(sys, "unraisablehook", reports.append)
-    rust = _as_rust(BadTake())
+    rust = as_rust(BadTake())
     st = rust.alloc_state(gpu)
     assert rust.take_drafter_kv(st) is None
     assert "take_drafter_kv returned 2 items" in str(reports[0].exc_value)
