@@ -19,6 +19,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::sync::Arc;
 
+// The methods take the protocol's arguments, as its signatures spell them.
+#[allow(clippy::too_many_arguments)]
 impl PyProposer {
     pub(super) fn dispatch_propose(
         &self,

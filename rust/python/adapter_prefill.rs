@@ -16,6 +16,8 @@ use crate::Result;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+// The methods take the protocol's arguments, as its signatures spell them.
+#[allow(clippy::too_many_arguments)]
 impl PyProposer {
     pub(super) fn dispatch_prefill_drafter(
         &self,
