@@ -21,10 +21,16 @@ class SpecdraftError(Exception):
     """Base class of every error specdraft raises."""
 
 class AllocationError(SpecdraftError):
-    """Device memory, KV blocks or the forward scratch: out of memory, double free, unknown pointer, out-of-bounds access, exhausted block pool."""
+    """Device memory, KV blocks or the forward scratch failed.
+
+    Out of memory, double free, unknown pointer, out-of-bounds access, an exhausted KV block pool.
+    """
 
 class BackendUnavailableError(SpecdraftError):
-    """A backend cannot be used on this machine: no CUDA driver, no such device, kernels the device cannot load, or a build without CUDA."""
+    """A backend cannot be used on this machine.
+
+    No CUDA driver, no such device, kernels the device cannot load, a build without CUDA, or a backend handle lent for a call that has ended.
+    """
 
 class ConfigError(SpecdraftError):
     """A model configuration or a lever setting could not be read or is inconsistent."""
@@ -33,16 +39,28 @@ class CheckpointError(SpecdraftError):
     """A checkpoint (safetensors or GGUF) could not be loaded."""
 
 class BackendError(SpecdraftError):
-    """A device operation failed: a driver call, a kernel given inconsistent arguments, an unknown stream."""
+    """A device operation failed.
+
+    A driver call, a kernel given inconsistent arguments, an unknown stream.
+    """
 
 class ProposerError(SpecdraftError):
-    """A proposer failed or broke the DraftProposer contract. For a Python proposer the message names the method and class and carries the Python traceback."""
+    """A proposer failed or broke the DraftProposer contract.
+
+    For a Python proposer the message names the method and class and carries the Python traceback.
+    """
 
 class RequestError(SpecdraftError, ValueError):
-    """A request was refused before anything ran: an empty or too-long prompt, token ids outside the vocabulary, sampling parameters out of range. Also a ValueError."""
+    """A request was refused before anything ran.
+
+    An empty or too-long prompt, token ids outside the vocabulary, sampling parameters out of range. Also a ValueError.
+    """
 
 class GenerationError(SpecdraftError):
-    """The engine failed while running a request: a target output of the wrong shape, a grammar matcher that failed or refused a token."""
+    """The engine failed while running a request.
+
+    A target output of the wrong shape, a grammar matcher that failed or refused a token.
+    """
 
 @final
 class DevicePtr:

@@ -31,19 +31,19 @@ create_exception!(
     specdraft,
     AllocationError,
     SpecdraftError,
-    "Device memory, KV blocks or the forward scratch: out of memory, double free, unknown pointer, out-of-bounds access, exhausted block pool."
+    "Device memory, KV blocks or the forward scratch failed.\n\nOut of memory, double free, unknown pointer, out-of-bounds access, an exhausted KV block pool."
 );
 create_exception!(
     specdraft,
     BackendUnavailableError,
     SpecdraftError,
-    "A backend cannot be used on this machine: no CUDA driver, no such device, kernels the device cannot load, or a build without CUDA."
+    "A backend cannot be used on this machine.\n\nNo CUDA driver, no such device, kernels the device cannot load, a build without CUDA, or a backend handle lent for a call that has ended."
 );
 create_exception!(
     specdraft,
     BackendError,
     SpecdraftError,
-    "A device operation failed: a driver call, a kernel given inconsistent arguments, an unknown stream."
+    "A device operation failed.\n\nA driver call, a kernel given inconsistent arguments, an unknown stream."
 );
 create_exception!(
     specdraft,
@@ -61,16 +61,16 @@ create_exception!(
     specdraft,
     ProposerError,
     SpecdraftError,
-    "A proposer failed or broke the DraftProposer contract. For a Python proposer the message names the method and class and carries the Python traceback."
+    "A proposer failed or broke the DraftProposer contract.\n\nFor a Python proposer the message names the method and class and carries the Python traceback."
 );
 create_exception!(
     specdraft,
     GenerationError,
     SpecdraftError,
-    "The engine failed while running a request: a target output of the wrong shape, a grammar matcher that failed or refused a token."
+    "The engine failed while running a request.\n\nA target output of the wrong shape, a grammar matcher that failed or refused a token."
 );
 
-const REQUEST_ERROR_DOC: &str = "A request was refused before anything ran: an empty or too-long prompt, token ids outside the vocabulary, sampling parameters out of range. Also a ValueError.";
+const REQUEST_ERROR_DOC: &str = "A request was refused before anything ran.\n\nAn empty or too-long prompt, token ids outside the vocabulary, sampling parameters out of range. Also a ValueError.";
 
 /// `specdraft.RequestError`, made once: a subclass of both `SpecdraftError` and
 /// `ValueError` (so `except ValueError` catches a bad argument, as Python code expects),
