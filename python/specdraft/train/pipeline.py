@@ -134,9 +134,8 @@ def train_mtp(
     train = [c for c in order if not corpus.is_held_out(s.seed, c.corpus, c.id, opts.eval_fraction)]
     _log(log, f"train-mtp: {len(train)} training and {len(held)} held-out conversations")
     t0 = time.monotonic()
-    extract_eval(
-        model, tokenizer, cache, held, opts.eval_prompts, opts.eval_new_tokens, s.seq_len // 2
-    )
+    max_prompt = max(s.seq_len - opts.eval_new_tokens, s.seq_len // 2)
+    extract_eval(model, tokenizer, cache, held, opts.eval_prompts, opts.eval_new_tokens, max_prompt)
     extracted_eval = cache.tokens
     seqs = corpus.tokenize_conversations(tokenizer, train, s.seq_len, opts.tokens)
     extract_train(model, cache, seqs)
