@@ -209,9 +209,11 @@ def test_the_cache_drops_rows_written_after_its_last_listed_sequence(tmp_path):
         f.write(b"\x00" * 7)
     again = HiddenCache(tmp_path, "m", 4)
     assert again.tokens == 3 and again.has("c", "1", "train") and not again.has("c", "1", "eval")
-    tokens, hiddens = again.open_arrays()
-    assert list(tokens) == [5, 6, 7]
-    np.testing.assert_array_equal(from_bf16_bits(hiddens), a)
+    b = -np.arange(8, dtype=np.float32).reshape(2, 4)
+    again.append("c", "2", "train", [8, 9], b)  # lands right after the listed rows
+    tokens, hiddens = HiddenCache(tmp_path, "m", 4).open_arrays()
+    assert list(tokens) == [5, 6, 7, 8, 9]
+    np.testing.assert_array_equal(from_bf16_bits(hiddens), np.concatenate([a, b]))
     with pytest.raises(ValueError, match="caches hiddens of m"):
         HiddenCache(tmp_path, "other", 4)
     with pytest.raises(ValueError, match="hiddens of shape"):
