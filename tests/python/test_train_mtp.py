@@ -285,6 +285,6 @@ def test_the_command_line_documents_its_options(capsys):
     ]:
         assert option in text
     args = build_parser().parse_args(["train-mtp"])
-    assert (args.unroll, args.draft_vocab, args.model) == (3, 8192, "smollm2")
+    assert (args.unroll, args.draft_vocab, args.model) == (3, 16384, "smollm2")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train-mtp", "--batch", "0"])

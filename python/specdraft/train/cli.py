@@ -90,8 +90,11 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument(
         "--draft-vocab",
         type=_positive,
-        default=8192,
-        help="mtp_vocab_size: the head drafts over the first N token ids",
+        default=16384,
+        help=(
+            "mtp_vocab_size: the head drafts over the first N token ids (16384 holds SmolLM2's "
+            "greedy choice at 94.6%% of positions, 8192 at 87.7%%)"
+        ),
     )
     p.add_argument("--unroll", type=_positive, default=3, help="draft steps trained per row")
     p.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")

@@ -46,7 +46,7 @@ class RunOptions:
     out: Path = Path("smollm2-mtp")
     corpora: tuple[str, ...] = ("sharegpt", "chitchat")
     tokens: int = 300_000
-    draft_vocab: int = 8192
+    draft_vocab: int = 16384
     eval_prompts: int = 16
     eval_new_tokens: int = 96
     eval_fraction: float = 0.02
