@@ -46,6 +46,7 @@ def run_train_mtp(args: argparse.Namespace) -> int:
         cache=Path(args.cache) if args.cache else None,
         resume=args.resume,
         max_steps=args.max_steps,
+        coverage_tokens=args.coverage_tokens,
         settings=settings,
     )
     try:
@@ -107,6 +108,12 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--max-steps", type=_positive, default=None, help="stop after this step")
     p.add_argument(
         "--checkpoint-every", type=_positive, default=50, help="steps between checkpoints"
+    )
+    p.add_argument(
+        "--coverage-tokens",
+        type=_positive,
+        default=20_000,
+        help="training positions the draft-vocabulary coverage is measured on",
     )
     p.add_argument("--eval-prompts", type=_positive, default=16, help="held-out prompts")
     p.add_argument(

@@ -33,9 +33,6 @@ from specdraft.train.vocab import target_choices, vocab_coverage
 __all__ = ["RunOptions", "train_mtp"]
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
-#: Training positions the draft-vocabulary coverage is measured on (a full-vocabulary LM
-#: head per position, so it is sampled).
-COVERAGE_TOKENS = 20_000
 
 
 @dataclass(frozen=True)
@@ -53,6 +50,9 @@ class RunOptions:
     cache: Path | None = None
     resume: bool = False
     max_steps: int | None = None
+    #: Training positions the draft-vocabulary coverage is measured on (each costs a
+    #: full-vocabulary LM head, so it is a sample).
+    coverage_tokens: int = 20_000
     settings: TrainSettings = field(default_factory=TrainSettings)
 
 
@@ -147,7 +147,7 @@ def train_mtp(
 
     weights = read_target_weights(path)
     full = {"target_norm": jnp.asarray(weights.final_norm), "lm_head": jnp.asarray(weights.lm_head)}
-    choices = target_choices(cache, full, shape.rms_norm_eps, limit=COVERAGE_TOKENS)
+    choices = target_choices(cache, full, shape.rms_norm_eps, limit=opts.coverage_tokens)
     coverage = vocab_coverage(choices, (*COVERAGE_SIZES, opts.draft_vocab))
     _log(
         log,
