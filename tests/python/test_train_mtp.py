@@ -17,7 +17,6 @@ import pytest
 jax = pytest.importorskip("jax")
 pytest.importorskip("optax")
 from mtp_reference import bf16 as reference_bf16  # noqa: E402
-from specdraft.cli import build_parser  # noqa: E402
 from specdraft.quantize import read_safetensors, to_float32  # noqa: E402
 from specdraft.train import data  # noqa: E402
 from specdraft.train.cache import HiddenCache, bf16_bits, from_bf16_bits  # noqa: E402
@@ -263,28 +262,3 @@ def test_chitchat_turns_alternate_user_and_assistant(tmp_path):
         {"role": "assistant", "content": "hi"},
         {"role": "user", "content": "bye"},
     ]
-
-
-def test_the_command_line_documents_its_options(capsys):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["train-mtp", "--help"])
-    text = capsys.readouterr().out
-    for option in [
-        "--model",
-        "--data",
-        "--tokens",
-        "--epochs",
-        "--draft-vocab",
-        "--unroll",
-        "--lr",
-        "--batch",
-        "--seq-len",
-        "--out",
-        "--resume",
-        "--seed",
-    ]:
-        assert option in text
-    args = build_parser().parse_args(["train-mtp"])
-    assert (args.unroll, args.draft_vocab, args.model) == (3, 16384, "smollm2")
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["train-mtp", "--batch", "0"])
