@@ -635,6 +635,8 @@ class TargetModel:
         """Free KV blocks in the pool."""
     def logits(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
         """The f32 logits of a fresh forward over ``tokens`` (flat, row-major)."""
+    def hidden_states(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """The hidden state before the final norm at every position, ``[len, hidden]``."""
     def generate_greedy(self, prompt: Sequence[int], max_new_tokens: int = 16) -> list[int]:
         """Greedy decoding without drafting: the ids that follow ``prompt``."""
 
