@@ -22,8 +22,8 @@ NVCC="$(bash scripts/install-nvcc.sh | tail -n 1)"
 export NVCC
 echo "nvcc: $NVCC"
 
-step "Python package with its test dependencies"
-"$PY" -m pip install --quiet --disable-pip-version-check '.[test]'
+step "Python package with its test and training dependencies"
+"$PY" -m pip install --quiet --disable-pip-version-check '.[test,train]'
 
 step "format and lints"
 cargo fmt --check

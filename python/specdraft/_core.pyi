@@ -688,6 +688,8 @@ class TargetModel:
         """The f32 logits of a fresh forward over `tokens`, as a flat numpy array of
         `len(tokens) * vocab_size` values (row-major); the KV it used is returned at once.
         """
+    def hidden_states(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """The hidden state before the final norm at every position, ``[len, hidden]``."""
     def generate_greedy(self, prompt: Sequence[int], max_tokens: int = 16) -> list[int]:
         """Greedy decoding without drafting (the engine with no proposer): the ids that follow
         `prompt`, at most `max_tokens`, ending after an end-of-sequence id.

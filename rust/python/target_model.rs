@@ -109,6 +109,41 @@ impl PyTargetModel {
         Ok(PyArray1::from_vec(py, values))
     }
 
+    /// The hidden state before the final norm at every position of a fresh forward over
+    /// `tokens` (teacher forcing), as a float32 numpy array `[len(tokens), hidden]`; long
+    /// inputs run in chunks of `max_rows`, and the KV is returned at once.
+    fn hidden_states<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Vec<u32>,
+    ) -> PyResult<Bound<'py, numpy::PyArray2<f32>>> {
+        let model = self.inner.clone();
+        let h = model.config().hidden_size;
+        let n = tokens.len();
+        let values = py
+            .detach(move || -> crate::Result<Vec<f32>> {
+                let mut seq = model.new_sequence();
+                let mut values = Vec::with_capacity(tokens.len() * h);
+                // Only the last row's logits are computed: the hiddens are what is wanted.
+                let run = tokens.chunks(model.max_rows()).try_for_each(|chunk| {
+                    let out = model.forward_with(
+                        &mut [&mut seq],
+                        &[chunk],
+                        LogitRows::LastPerSequence,
+                    )?;
+                    let rows: Vec<half::bf16> = model.gpu().download(out.hiddens, out.rows * h)?;
+                    values.extend(rows.into_iter().map(f32::from));
+                    Ok(())
+                });
+                model.free_sequence(&mut seq)?;
+                run.map(|()| values)
+            })
+            .py()?;
+        numpy::ndarray::Array2::from_shape_vec((n, h), values)
+            .map(|a| numpy::PyArray2::from_owned_array(py, a))
+            .map_err(|e| SpecdraftError::new_err(e.to_string()))
+    }
+
     /// Greedy decoding without drafting (the engine with no proposer): the ids that follow
     /// `prompt`, at most `max_tokens`, ending after an end-of-sequence id.
     #[pyo3(signature = (prompt, max_tokens = 16))]

@@ -1,0 +1,137 @@
+"""The target's hidden states over a corpus, in memory-mapped files.
+
+A cache folder holds ``tokens.u32`` (every sequence's token ids, concatenated),
+``hiddens.bf16`` (the target's hidden state before its final norm at each of those tokens,
+``[tokens, hidden]`` BF16 as little-endian ``uint16``) and ``index.json`` (the target it
+came from, the hidden size, and per sequence its corpus, id, split, offset, length and the
+first position whose drafts are evaluated). Logits are never stored: at 49k vocabulary
+they would be ~90 times larger than the hidden; the trainer recomputes the target's
+distribution from the hidden through the frozen final norm and LM head.
+
+Invariants: the two data files hold exactly ``index["tokens"]`` rows; a sequence is listed
+in the index only after its rows are written (``flush`` writes the files first), so an
+interrupted extraction resumes from the last listed sequence, truncating anything after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["HiddenCache", "Sequence", "bf16_bits", "from_bf16_bits"]
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> BF16 bit patterns (``uint16``), rounding to nearest, ties to even."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (b + np.uint32(0x7FFF) + ((b >> 16) & np.uint32(1))) >> 16
+    return rounded.astype(np.uint16)
+
+
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    """BF16 bit patterns (``uint16``) -> float32, exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One cached sequence: rows ``offset .. offset + length`` of the data files.
+
+    ``start`` is the first position the evaluation drafts at (the prompt's end for a
+    generated evaluation sequence, 1 otherwise).
+    """
+
+    corpus: str
+    id: str
+    split: str
+    offset: int
+    length: int
+    start: int = 1
+
+
+class HiddenCache:
+    """A cache folder, opened for appending and reading (see the module docs)."""
+
+    def __init__(self, folder: Path, target: str, hidden: int) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.hidden = int(hidden)
+        index = self.folder / "index.json"
+        if index.exists():
+            meta = json.loads(index.read_text())
+            if meta["target"] != target or meta["hidden"] != self.hidden:
+                raise ValueError(
+                    f"{self.folder} caches hiddens of {meta['target']} (hidden "
+                    f"{meta['hidden']}), not of {target} (hidden {hidden}); use another folder"
+                )
+            self.sequences = [Sequence(**s) for s in meta["sequences"]]
+        else:
+            self.sequences = []
+        self.target = target
+        self.tokens = sum(s.length for s in self.sequences)
+        # Drop rows an interrupted run wrote after its last listed sequence.
+        for name, width in (("tokens.u32", 4), ("hiddens.bf16", 2 * self.hidden)):
+            path = self.folder / name
+            with open(path, "ab") as f:
+                f.truncate(self.tokens * width)
+        self._keys = {(s.corpus, s.id, s.split) for s in self.sequences}
+
+    def has(self, corpus: str, conv_id: str, split: str) -> bool:
+        """Whether the sequence is already cached."""
+        return (corpus, conv_id, split) in self._keys
+
+    def append(
+        self,
+        corpus: str,
+        conv_id: str,
+        split: str,
+        tokens: Iterable[int],
+        hiddens: np.ndarray,
+        start: int = 1,
+    ) -> Sequence:
+        """Write one sequence's tokens and float32 hiddens ``[len, hidden]``, then list it."""
+        ids = np.asarray(list(tokens), dtype="<u4")
+        if hiddens.shape != (len(ids), self.hidden):
+            raise ValueError(
+                f"hiddens of shape {hiddens.shape} for {len(ids)} tokens of hidden {self.hidden}"
+            )
+        with open(self.folder / "tokens.u32", "ab") as f:
+            f.write(ids.tobytes())
+        with open(self.folder / "hiddens.bf16", "ab") as f:
+            f.write(bf16_bits(hiddens).astype("<u2").tobytes())
+        seq = Sequence(corpus, conv_id, split, self.tokens, len(ids), start)
+        self.sequences.append(seq)
+        self._keys.add((corpus, conv_id, split))
+        self.tokens += len(ids)
+        self._write_index()
+        return seq
+
+    def _write_index(self) -> None:
+        meta = {
+            "target": self.target,
+            "hidden": self.hidden,
+            "tokens": self.tokens,
+            "sequences": [asdict(s) for s in self.sequences],
+        }
+        tmp = self.folder / "index.json.part"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, self.folder / "index.json")
+
+    def split(self, name: str) -> list[Sequence]:
+        """The cached sequences of one split (``"train"`` or ``"eval"``), in order."""
+        return [s for s in self.sequences if s.split == name]
+
+    def open_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only memory maps: tokens ``[n]`` uint32 and hidden bits ``[n, hidden]`` uint16."""
+        if self.tokens == 0:
+            return np.zeros(0, np.uint32), np.zeros((0, self.hidden), np.uint16)
+        tokens = np.memmap(self.folder / "tokens.u32", dtype="<u4", mode="r", shape=(self.tokens,))
+        hiddens = np.memmap(
+            self.folder / "hiddens.bf16", dtype="<u2", mode="r", shape=(self.tokens, self.hidden)
+        )
+        return tokens, hiddens

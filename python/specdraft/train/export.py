@@ -1,0 +1,77 @@
+"""Writing a trained head: BF16 safetensors of its own weights, config and model card.
+
+Tensor names are DeepSeek-V3's MTP layout, ``model.layers.{num_hidden_layers}.{part}.weight``
+with the parts of :func:`specdraft.train.head.param_shapes` (what specdraft's MTP loader
+looks for). The target's embedding, final norm and LM head are not written: a head file
+shares them with its target. ``config.json`` is the target's Hugging Face config with
+``num_nextn_predict_layers = 1``, plus ``mtp_vocab_size`` (the draft vocabulary: the first
+``mtp_vocab_size`` token ids) and ``specdraft_target`` (which target it belongs to).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specdraft.quantize import write_safetensors
+from specdraft.train.cache import bf16_bits
+from specdraft.train.head import HeadDims
+from specdraft.train.targets import TargetShape
+
+__all__ = ["WEIGHTS_FILE", "head_config", "tensor_name", "write_head"]
+
+WEIGHTS_FILE = "mtp.safetensors"
+
+
+def tensor_name(num_hidden_layers: int, part: str) -> str:
+    """The checkpoint name of one of the head's weights."""
+    return f"model.layers.{num_hidden_layers}.{part}.weight"
+
+
+def head_config(
+    shape: TargetShape, d: HeadDims, draft_vocab: int, target: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``config.json`` of a head for ``shape``'s target."""
+    return {
+        "model_type": shape.model_type,
+        "hidden_size": shape.hidden,
+        "intermediate_size": d.ffn,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "num_nextn_predict_layers": 1,
+        "mtp_layout": "deepseek_v3",
+        "mtp_vocab_size": draft_vocab,
+        "specdraft_target": target,
+    }
+
+
+def write_head(
+    folder: Path,
+    params: dict[str, np.ndarray],
+    shape: TargetShape,
+    d: HeadDims,
+    draft_vocab: int,
+    target: dict[str, Any],
+    card: str,
+) -> Path:
+    """Write ``mtp.safetensors``, ``config.json`` and ``README.md`` into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for part, value in params.items():
+        arr = np.asarray(value, dtype=np.float32)
+        bits = bf16_bits(arr).astype("<u2")
+        name = tensor_name(shape.num_hidden_layers, part)
+        tensors[name] = ("BF16", list(arr.shape), bits.tobytes())
+    write_safetensors(folder / WEIGHTS_FILE, tensors)
+    config = head_config(shape, d, draft_vocab, target)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "README.md").write_text(card)
+    return folder / WEIGHTS_FILE

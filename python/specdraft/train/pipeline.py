@@ -1,0 +1,208 @@
+"""``train_mtp``: corpus, target hiddens, draft vocabulary, training, evaluation, files.
+
+Each stage is cached or checkpointed, so an interrupted run picks up where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import jax.numpy as jnp
+import numpy as np
+
+from specdraft.train import data as corpus
+from specdraft.train.cache import HiddenCache
+from specdraft.train.evaluate import Acceptance, evaluate
+from specdraft.train.export import write_head
+from specdraft.train.head import head_dims, init_params
+from specdraft.train.progress import Progress
+from specdraft.train.targets import (
+    extract_eval,
+    extract_train,
+    read_target_weights,
+    target_shape,
+)
+from specdraft.train.trainer import Batches, Trainer, TrainSettings
+from specdraft.train.vocab import target_choices, vocab_coverage
+
+__all__ = ["RunOptions", "train_mtp"]
+
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything ``specdraft train-mtp`` takes (see its ``--help``)."""
+
+    target: str = "smollm2"
+    out: Path = Path("smollm2-mtp")
+    corpora: tuple[str, ...] = ("sharegpt", "chitchat")
+    tokens: int = 300_000
+    draft_vocab: int = 16384
+    eval_prompts: int = 16
+    eval_new_tokens: int = 96
+    eval_fraction: float = 0.02
+    cache: Path | None = None
+    resume: bool = False
+    max_steps: int | None = None
+    #: Training positions the draft-vocabulary coverage is measured on (each costs a
+    #: full-vocabulary LM head, so it is a sample).
+    coverage_tokens: int = 20_000
+    settings: TrainSettings = field(default_factory=TrainSettings)
+
+
+def _log(stream: TextIO, message: str) -> None:
+    stream.write(message + "\n")
+    stream.flush()
+
+
+def _frozen(weights: Any, draft_vocab: int) -> dict[str, Any]:  # noqa: ANN401
+    return {
+        "embed": jnp.asarray(weights.embed),
+        "lm_head": jnp.asarray(weights.lm_head[:draft_vocab]),
+        "target_norm": jnp.asarray(weights.final_norm),
+    }
+
+
+def _card(opts: RunOptions, report: dict[str, Any]) -> str:
+    acc = report["acceptance"]
+    by_pos = ", ".join(f"{x:.1%}" for x in acc["acceptance_by_position"])
+    cov = report["draft_vocab_coverage"]
+    return f"""# MTP draft head for {report["target"]["name"]}
+
+A DeepSeek-V3-style multi-token-prediction module (one decoder layer; the target's
+embedding, final norm and LM head are shared, not stored here) trained by
+`specdraft train-mtp` to draft for `{report["target"]["file"]}`.
+
+- Data: {", ".join(opts.corpora)} conversations rendered through the target's chat
+  template, {report["train_tokens"]} training tokens in {report["train_sequences"]}
+  sequences of at most {opts.settings.seq_len} tokens; {report["eval_sequences"]} held-out
+  prompts (split by conversation hash, seed {opts.settings.seed}) with the target's greedy
+  continuations for evaluation.
+- Recipe: self-distillation, forward KL from the target's distribution (its stored hidden
+  through its frozen final norm and LM head) to the head's, {opts.settings.steps} unrolled
+  drafts feeding the head its own hidden, weights 0.8^j; AdamW lr {opts.settings.lr},
+  batch {opts.settings.batch}, {report["steps"]} steps ({opts.settings.epochs} epoch(s)),
+  seed {opts.settings.seed}, {report["train_seconds"]:.0f} s of training.
+- Draft vocabulary: the first {opts.draft_vocab} token ids (`mtp_vocab_size`), which hold
+  the target's greedy choice at {cov.get(str(opts.draft_vocab), 0.0):.1%} of training
+  positions.
+- Held-out greedy acceptance at {acc["drafts"]} drafts: by position [{by_pos}], mean
+  acceptance length {acc["mean_acceptance_length"]:.3f} (engine walk
+  {acc["engine_mean_acceptance_length"]:.3f}).
+
+`report.json` holds every figure.
+"""
+
+
+def train_mtp(
+    opts: RunOptions,
+    stream: TextIO | None = None,
+    conversations: list[corpus.Conversation] | None = None,
+) -> dict[str, Any]:
+    """Run the whole pipeline and write the head into ``opts.out``; returns the report.
+
+    ``conversations`` replaces the named corpora (for tests and for your own data).
+    """
+    import specdraft
+    from specdraft.models import cache_dir, resolve_model
+    from specdraft.tokenizer import load_tokenizer
+
+    log = stream or sys.stderr
+    s = opts.settings
+    if opts.draft_vocab < 1 or s.steps < 1 or s.batch < 1 or s.seq_len < s.steps + 2:
+        raise ValueError(
+            "draft_vocab, unroll steps and batch must be positive and seq_len > steps + 1"
+        )
+    path = resolve_model(opts.target)
+    model = specdraft.load_model(opts.target, max_seq_len=max(s.seq_len, 1024))
+    shape = target_shape(model.config)
+    if opts.draft_vocab > shape.vocab:
+        raise ValueError(f"draft vocabulary {opts.draft_vocab} > target vocabulary {shape.vocab}")
+    tokenizer = load_tokenizer(path)
+    folder = opts.cache or cache_dir() / "train-mtp" / Path(str(path)).stem
+    cache = HiddenCache(folder, str(path), shape.hidden)
+    _log(log, f"train-mtp: target {path} ({shape.hidden} hidden), cache {folder}")
+
+    convs = conversations
+    if convs is None:
+        convs = [c for name in opts.corpora for c in corpus.read_conversations(name)]
+    order = corpus.shuffled(convs, s.seed)
+    held = [c for c in order if corpus.is_held_out(s.seed, c.corpus, c.id, opts.eval_fraction)]
+    train = [c for c in order if not corpus.is_held_out(s.seed, c.corpus, c.id, opts.eval_fraction)]
+    _log(log, f"train-mtp: {len(train)} training and {len(held)} held-out conversations")
+    t0 = time.monotonic()
+    max_prompt = max(s.seq_len - opts.eval_new_tokens, s.seq_len // 2)
+    extract_eval(model, tokenizer, cache, held, opts.eval_prompts, opts.eval_new_tokens, max_prompt)
+    extracted_eval = cache.tokens
+    seqs = corpus.tokenize_conversations(tokenizer, train, s.seq_len, opts.tokens)
+    extract_train(model, cache, seqs)
+    extract_seconds = time.monotonic() - t0
+    del model
+
+    weights = read_target_weights(path)
+    full = {"target_norm": jnp.asarray(weights.final_norm), "lm_head": jnp.asarray(weights.lm_head)}
+    choices = target_choices(cache, full, shape.rms_norm_eps, limit=opts.coverage_tokens)
+    coverage = vocab_coverage(choices, (*COVERAGE_SIZES, opts.draft_vocab))
+    _log(
+        log,
+        "train-mtp: draft vocabulary coverage of the target's choices: "
+        + ", ".join(f"{n}: {c:.1%}" for n, c in sorted(coverage.items())),
+    )
+
+    d = head_dims(shape)
+    frozen = _frozen(weights, opts.draft_vocab)
+    batches = Batches(cache, s)
+    trainer = Trainer(d, frozen, s, batches.per_epoch * s.epochs)
+    state = trainer.init_state(init_params(d, s.seed))
+    ckpt = opts.out / "checkpoint" / "state.npz"
+    if opts.resume and ckpt.exists():
+        state = trainer.load(state, ckpt)
+        _log(log, f"train-mtp: resumed from {ckpt} at step {state.step}")
+    bar = Progress(trainer.total_steps, "train-mtp", "step")
+    bar.update(state.step)
+    first_losses: list[float] = []
+    last_losses: list[float] = []
+
+    def on_step(st: Any, loss: float, kls: np.ndarray) -> None:  # noqa: ANN401
+        if len(first_losses) < 10:
+            first_losses.append(loss)
+        last_losses.append(loss)
+        del last_losses[:-10]
+        bar.update(1, f"loss {loss:.4f} kl/step " + " ".join(f"{k:.3f}" for k in kls))
+
+    t1 = time.monotonic()
+    state = trainer.run(state, batches, ckpt, stop_at=opts.max_steps, on_step=on_step)
+    train_seconds = time.monotonic() - t1
+    bar.close()
+
+    acceptance: Acceptance = evaluate(state.params, frozen, d, cache, s.steps)
+    _log(log, "train-mtp: held-out " + acceptance.describe())
+    params = {k: np.asarray(v) for k, v in state.params.items()}
+    train_tokens = sum(x.length for x in batches.sequences)
+    report = {
+        "target": {"name": opts.target, "file": Path(str(path)).name},
+        "train_sequences": len(batches.sequences),
+        "train_tokens": train_tokens,
+        "eval_sequences": len(cache.split("eval")),
+        "eval_tokens": extracted_eval,
+        "extract_seconds": round(extract_seconds, 1),
+        "steps": state.step,
+        "total_steps": trainer.total_steps,
+        "train_seconds": round(train_seconds, 1),
+        "first_losses": first_losses,
+        "last_losses": last_losses,
+        "draft_vocab": opts.draft_vocab,
+        "draft_vocab_coverage": {str(k): round(v, 4) for k, v in sorted(coverage.items())},
+        "acceptance": acceptance.to_dict(),
+        "settings": asdict(s),
+    }
+    write_head(opts.out, params, shape, d, opts.draft_vocab, report["target"], _card(opts, report))
+    (opts.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _log(log, f"train-mtp: wrote {opts.out}")
+    return report

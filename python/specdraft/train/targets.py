@@ -1,0 +1,192 @@
+"""What the trainer takes from the target: shape, frozen output weights, hidden states.
+
+The hidden states come from specdraft's own target model (``TargetModel.hidden_states``,
+a teacher-forced forward), so the head learns exactly the hiddens the engine hands it. The
+target's embedding, final norm and LM head are read from the model file in float32 (the
+``gguf`` package dequantizes GGUF blocks; a Hugging Face folder is read as safetensors).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specdraft.train.cache import HiddenCache
+from specdraft.train.data import Conversation, TokenizedConversation
+from specdraft.train.progress import Progress
+
+__all__ = [
+    "TargetShape",
+    "TargetWeights",
+    "eval_prompt",
+    "extract_eval",
+    "extract_train",
+    "read_target_weights",
+    "target_shape",
+]
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The target's sizes that the head copies (one decoder layer of the same shape)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    model_type: str
+
+
+def target_shape(config: Any) -> TargetShape:  # noqa: ANN401 - specdraft.ModelConfig
+    """The :class:`TargetShape` of a ``specdraft.ModelConfig``."""
+    return TargetShape(
+        hidden=int(config.hidden_size),
+        heads=int(config.num_attention_heads),
+        kv_heads=int(config.num_key_value_heads),
+        head_dim=int(config.head_dim),
+        ffn=int(config.intermediate_size),
+        vocab=int(config.vocab_size),
+        num_hidden_layers=int(config.num_hidden_layers),
+        rms_norm_eps=float(config.rms_norm_eps),
+        rope_theta=float(config.rope_theta),
+        model_type=str(config.model_type),
+    )
+
+
+@dataclass(frozen=True)
+class TargetWeights:
+    """The target's frozen float32 weights that the head shares.
+
+    Embedding ``[vocab, hidden]``, final norm ``[hidden]`` and LM head ``[vocab, hidden]``
+    (the embedding when tied).
+    """
+
+    embed: np.ndarray
+    final_norm: np.ndarray
+    lm_head: np.ndarray
+
+
+def _gguf_weights(path: Path) -> TargetWeights:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        # GGUF lists dims innermost first; numpy's shape is the reverse.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        return np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
+
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in tensors:
+            raise ValueError(f"{path}: no tensor {name!r}")
+    embed = read("token_embd.weight")
+    lm_head = read("output.weight") if "output.weight" in tensors else embed
+    return TargetWeights(embed, read("output_norm.weight"), lm_head)
+
+
+def _safetensors_weights(folder: Path) -> TargetWeights:
+    from specdraft.quantize import read_safetensors, to_float32
+
+    raw: dict[str, tuple[str, list[int], bytes]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        raw.update(read_safetensors(f))
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        if name not in raw:
+            raise ValueError(f"{folder}: no tensor {name!r}")
+    embed = to_float32(*raw["model.embed_tokens.weight"])
+    lm = to_float32(*raw["lm_head.weight"]) if "lm_head.weight" in raw else embed
+    return TargetWeights(embed, to_float32(*raw["model.norm.weight"]), lm)
+
+
+def read_target_weights(path: str | os.PathLike[str]) -> TargetWeights:
+    """The embedding, final norm and LM head of a ``.gguf`` file or a checkpoint folder."""
+    p = Path(path)
+    return _safetensors_weights(p) if p.is_dir() else _gguf_weights(p)
+
+
+def extract_train(
+    model: Any,  # noqa: ANN401 - specdraft.TargetModel
+    cache: HiddenCache,
+    conversations: Sequence[TokenizedConversation],
+) -> None:
+    """Cache the target's hiddens over each training sequence not cached yet."""
+    todo = [c for c in conversations if not cache.has(c.corpus, c.id, "train")]
+    if not todo:
+        return
+    bar = Progress(sum(len(c.tokens) for c in todo), "target hiddens (train)", "tok")
+    for conv in todo:
+        hiddens = model.hidden_states(conv.tokens)
+        cache.append(conv.corpus, conv.id, "train", conv.tokens, hiddens)
+        bar.update(len(conv.tokens))
+    bar.close()
+
+
+def eval_prompt(
+    tokenizer: Any,  # noqa: ANN401 - specdraft.tokenizer.Tokenizer
+    conv: Conversation,
+) -> list[int]:
+    """A held-out conversation's prompt, as token ids.
+
+    Its messages before the first assistant turn, rendered with the generation prompt;
+    empty when no user turn comes first.
+    """
+    messages = []
+    for m in conv.messages:
+        if m["role"] == "assistant":
+            break
+        messages.append(m)
+    if not any(m["role"] == "user" for m in messages):
+        return []
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(tokenizer.encode(text))
+
+
+def extract_eval(
+    model: Any,  # noqa: ANN401 - specdraft.TargetModel
+    tokenizer: Any,  # noqa: ANN401 - specdraft.tokenizer.Tokenizer
+    cache: HiddenCache,
+    conversations: Sequence[Conversation],
+    prompts: int,
+    new_tokens: int,
+    max_prompt: int,
+) -> None:
+    """Cache up to ``prompts`` evaluation sequences with the target's hiddens over them.
+
+    A sequence is a held-out prompt followed by the target's own greedy continuation.
+
+    On such text every token after the prompt is the target's greedy choice, so drafts
+    compared with it are accepted or rejected exactly as the engine's greedy verify would.
+    """
+    have = len(cache.split("eval"))
+    if have >= prompts:
+        return
+    bar = Progress(prompts - have, "target greedy continuations (eval)", "seq")
+    for conv in conversations:
+        if have >= prompts:
+            break
+        if cache.has(conv.corpus, conv.id, "eval"):
+            continue
+        prompt = eval_prompt(tokenizer, conv)
+        if not prompt or len(prompt) > max_prompt:
+            continue
+        generated = list(model.generate_greedy(prompt, new_tokens))
+        if len(generated) < 2:
+            continue
+        seq = prompt + generated
+        cache.append(conv.corpus, conv.id, "eval", seq, model.hidden_states(seq), start=len(prompt))
+        have += 1
+        bar.update(1)
+    bar.close()

