@@ -9,12 +9,12 @@
 //! on first use and raises `ConfigError` for unknown names.
 
 use super::backend::{backend_arg, backend_from_arc};
-use super::errors::{request_error, IntoPyResult};
+use super::errors::{request_error, IntoPyResult, SpecdraftError};
 use super::generation::run_exclusive;
 use super::model::PyModelConfig;
 use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use crate::engine::{GenerateRequest, SpecEngine};
-use crate::model::{GgufFile, GgufValue, LoadOptions, TargetModel};
+use crate::model::{GgufFile, GgufValue, LoadOptions, LogitRows, TargetModel};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -121,22 +121,25 @@ impl PyTargetModel {
         let h = model.config().hidden_size;
         let n = tokens.len();
         let values = py
-            .detach(move || -> crate::Result<Vec<f32>> {
-                let mut seq = model.new_sequence();
-                let mut values = Vec::with_capacity(tokens.len() * h);
-                // Only the last row's logits are computed: the hiddens are what is wanted.
-                let run = tokens.chunks(model.max_rows()).try_for_each(|chunk| {
-                    let out = model.forward_with(
-                        &mut [&mut seq],
-                        &[chunk],
-                        LogitRows::LastPerSequence,
-                    )?;
-                    let rows: Vec<half::bf16> = model.gpu().download(out.hiddens, out.rows * h)?;
-                    values.extend(rows.into_iter().map(f32::from));
-                    Ok(())
-                });
-                model.free_sequence(&mut seq)?;
-                run.map(|()| values)
+            .detach(move || {
+                run_exclusive(|| -> crate::Result<Vec<f32>> {
+                    let mut seq = model.new_sequence();
+                    let mut values = Vec::with_capacity(tokens.len() * h);
+                    // Only the last row's logits are computed: the hiddens are what is wanted.
+                    let run = tokens.chunks(model.max_rows()).try_for_each(|chunk| {
+                        let out = model.forward_with(
+                            &mut [&mut seq],
+                            &[chunk],
+                            LogitRows::LastPerSequence,
+                        )?;
+                        let rows: Vec<half::bf16> =
+                            model.gpu().download(out.hiddens, out.rows * h)?;
+                        values.extend(rows.into_iter().map(f32::from));
+                        Ok(())
+                    });
+                    model.free_sequence(&mut seq)?;
+                    run.map(|()| values)
+                })
             })
             .py()?;
         numpy::ndarray::Array2::from_shape_vec((n, h), values)
