@@ -11,6 +11,10 @@ use specdraft::speculative::conformance::{check_proposer, CheckOptions};
 use specdraft::speculative::{bitmask_words, DraftProposer, PromptLookup, ProposerState};
 use std::sync::Arc;
 
+#[path = "reference/ngram_scan.rs"]
+mod ngram_scan;
+use ngram_scan::linear_scan;
+
 fn ctx(vocab: usize) -> ForwardContext<'static> {
     ForwardContext::new(
         Arc::new(CpuBackend::new()),
@@ -156,42 +160,6 @@ fn stops_before_the_first_forbidden_token() {
     // Proposing again from the same position is idempotent.
     assert_eq!(propose(&p, &ctx, &mut *s, 4, 10, 4, None), vec![5, 9, 1, 2]);
     assert_eq!(propose(&p, &ctx, &mut *s, 4, 10, 4, None), vec![5, 9, 1, 2]);
-}
-
-/// The drafts by the definition, with nothing shared with the index: scan every earlier
-/// position for the longest suffix (newest occurrence first), count how far back that
-/// occurrence matches, draft that many of its followers (at most `num_drafts`, not past the
-/// history's end), and stop at the first forbidden token.
-fn linear_scan(
-    min: usize,
-    max: usize,
-    history: &[u32],
-    num_drafts: usize,
-    mask: Option<&[i32]>,
-) -> Vec<u32> {
-    let len = history.len();
-    for n in (min..=max.min(len.saturating_sub(1))).rev() {
-        let suffix = &history[len - n..];
-        for start in (0..len - n).rev() {
-            if &history[start..start + n] != suffix {
-                continue;
-            }
-            let mut matched = n;
-            while matched < start + n
-                && history[start + n - 1 - matched] == history[len - 1 - matched]
-            {
-                matched += 1;
-            }
-            let from = start + n;
-            let to = (from + matched.min(num_drafts)).min(len);
-            return history[from..to]
-                .iter()
-                .copied()
-                .take_while(|&t| mask.is_none_or(|m| m[t as usize / 32] >> (t % 32) & 1 == 1))
-                .collect();
-        }
-    }
-    Vec::new()
 }
 
 #[test]

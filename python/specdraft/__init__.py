@@ -3,8 +3,8 @@
 A Rust core (GPU backends, the ``DevicePtr`` lifecycle, the paged KV block allocator, the
 proposers) exposed to Python. Write a proposer by subclassing :class:`DraftProposer`; the
 methods you define are called from Rust, every other method runs the Rust default without
-entering Python. Rust proposers such as :class:`PromptLookup` are subclasses of
-:class:`DraftProposer` too, and a Python subclass of one overrides single methods.
+entering Python. Rust proposers such as :class:`PromptLookup` and :class:`SuffixDecoding` are
+subclasses of :class:`DraftProposer` too, and a Python subclass of one overrides single methods.
 
 Check any proposer against the protocol with :func:`check_proposer`.
 """
@@ -36,6 +36,7 @@ from specdraft._core import (
     ProposerState,
     SpecdraftError,
     SpecEngine,
+    SuffixDecoding,
     TargetModel,
     Violation,
     __version__,
@@ -70,6 +71,7 @@ __all__ = [
     "ProposerState",
     "SpecdraftError",
     "SpecEngine",
+    "SuffixDecoding",
     "TargetModel",
     "Violation",
     "__version__",

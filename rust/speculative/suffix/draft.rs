@@ -70,6 +70,11 @@ pub(crate) fn best_chain(trie: &mut SuffixTrie, cursor: Cursor, limits: &ChainLi
     let mut best = Chain::default();
     let (mut node, mut depth) = (cursor.node, cursor.depth);
     while node != ROOT && depth > 0 {
+        // A chain scores at most its length, and shorter matches allow no longer chains:
+        // once that cannot beat the best, nothing shorter can.
+        if drafts_allowed(depth, limits) as f64 <= best.score {
+            break;
+        }
         let chain = follow(trie, node, depth, limits);
         if chain.score > best.score {
             best = chain;

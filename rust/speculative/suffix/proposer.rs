@@ -77,7 +77,9 @@ pub struct SuffixState {
     /// Tokens of `tokens` that came with the prompt; the rest is the sequence's output.
     prompt_len: usize,
     trie: SuffixTrie,
-    cursor: Cursor,
+    /// `cursors[i]`: the cursor of the first `i` tokens, so taking a token back needs no
+    /// search.
+    cursors: Vec<Cursor>,
     pending: Vec<u32>,
 }
 
@@ -94,20 +96,34 @@ impl SuffixState {
         self.trie.live_nodes()
     }
 
+    /// Bytes held by this sequence's tree and history (capacities).
+    pub fn tree_bytes(&self) -> usize {
+        self.trie.memory_bytes()
+            + self.tokens.capacity() * 4
+            + self.cursors.capacity() * std::mem::size_of::<Cursor>()
+    }
+
     /// The drafts of the last propose, until `after_verify` says how many were kept.
     pub fn pending(&self) -> &[u32] {
         &self.pending
     }
 
+    fn cursor(&self) -> Cursor {
+        self.cursors.last().copied().unwrap_or(Cursor::START)
+    }
+
     fn push(&mut self, token: u32) {
-        self.cursor = self.trie.append(self.cursor, token);
+        let next = self.trie.append(self.cursor(), token);
+        self.cursors.push(next);
         self.tokens.push(token);
     }
 
     fn truncate(&mut self, len: usize) {
         while self.tokens.len() > len {
-            let Some(t) = self.tokens.pop() else { break };
-            self.cursor = self.trie.pop(&self.tokens, t);
+            let (Some(t), Some(_)) = (self.tokens.pop(), self.cursors.pop()) else {
+                break;
+            };
+            self.trie.pop(self.cursor(), t);
         }
         self.prompt_len = self.prompt_len.min(len);
     }
@@ -116,7 +132,7 @@ impl SuffixState {
         self.tokens.clear();
         self.prompt_len = 0;
         self.trie.clear();
-        self.cursor = Cursor::START;
+        self.cursors.clear();
         self.pending.clear();
     }
 }
@@ -240,7 +256,7 @@ impl SuffixDecoding {
             tokens: Vec::new(),
             prompt_len: 0,
             trie: SuffixTrie::new(self.options.max_depth),
-            cursor: Cursor::START,
+            cursors: Vec::new(),
             pending: Vec::new(),
         }
     }
@@ -278,10 +294,15 @@ impl SuffixDecoding {
             return Ok((Vec::new(), Vec::new()));
         }
         let limits = self.limits(num_drafts);
-        let own = best_chain(&mut st.trie, st.cursor, &limits);
-        let tail = st.tokens.len().saturating_sub(self.options.max_depth - 1);
-        let at = shared.trie.longest_suffix(&st.tokens[tail..]);
-        let theirs = best_chain(&mut shared.trie, at, &limits);
+        let cursor = st.cursor();
+        let own = best_chain(&mut st.trie, cursor, &limits);
+        let theirs = if shared.trie.live_nodes() == 0 {
+            Chain::default()
+        } else {
+            let tail = st.tokens.len().saturating_sub(self.options.max_depth - 1);
+            let at = shared.trie.longest_suffix(&st.tokens[tail..]);
+            best_chain(&mut shared.trie, at, &limits)
+        };
         let chain: Chain = if theirs.score > own.score {
             theirs
         } else {

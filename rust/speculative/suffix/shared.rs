@@ -53,6 +53,7 @@ impl SharedOutputs {
         let mut kept: Vec<u32> = Vec::with_capacity(output.len());
         let mut cursor = Cursor::START;
         for &t in output {
+            let before = cursor;
             cursor = self.trie.append(cursor, t);
             kept.push(t);
             self.stored_tokens += 1;
@@ -62,7 +63,7 @@ impl SharedOutputs {
             if self.over_bound() {
                 // This output alone outgrows the bound: keep what fitted before this token.
                 kept.pop();
-                self.trie.pop(&kept, t);
+                self.trie.pop(before, t);
                 self.stored_tokens -= 1;
                 break;
             }
@@ -77,7 +78,8 @@ impl SharedOutputs {
             return;
         };
         for end in (0..output.len()).rev() {
-            self.trie.pop(&output[..end], output[end]);
+            let before = self.trie.cursor_of(&output[..end]);
+            self.trie.pop(before, output[end]);
         }
         self.stored_tokens -= output.len();
     }

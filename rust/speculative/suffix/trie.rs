@@ -292,11 +292,10 @@ impl SuffixTrie {
         Cursor { node, depth }
     }
 
-    /// Takes back the last token of a stream: `before` is the stream without it, `token`
-    /// the token. Returns the cursor of `before`.
-    pub(crate) fn pop(&mut self, before: &[u32], token: u32) -> Cursor {
-        let cursor = self.cursor_of(before);
-        self.fill_chain(cursor);
+    /// Takes back the last token of a stream: `before` is the cursor of the stream without
+    /// it, `token` the token.
+    pub(crate) fn pop(&mut self, before: Cursor, token: u32) {
+        self.fill_chain(before);
         self.nodes[ROOT as usize].count -= 1;
         // Longest suffix first: a node that no longer occurs goes before the shorter one
         // its link points to.
@@ -304,7 +303,6 @@ impl SuffixTrie {
             let parent = self.scratch[i];
             self.remove_occurrence(parent, token);
         }
-        cursor
     }
 
     /// The longest suffix of `pattern` that the trie holds and can continue (at most
