@@ -298,7 +298,7 @@ fn a_sequences_own_tree_is_exact_and_forgets_what_a_re_propose_takes_back() {
             .tree_nodes()
     };
     let before = st(&*s);
-    assert_eq!(before, distinct_strings(&[prompt.clone()], 5));
+    assert_eq!(before, distinct_strings(std::slice::from_ref(&prompt), 5));
     propose(&p, &ctx, &mut *s, 15, 200, 4, None);
     let mut with_15 = prompt.clone();
     with_15.push(15);
