@@ -434,6 +434,15 @@ fn bad_input_gets_clear_errors_and_zero_drafts_gets_none() {
         assert!(err.to_string().contains(what), "{err}");
     }
     p.free_state(&*ctx.gpu, &mut *s).unwrap();
+    // An output stored under a larger vocabulary drafts only ids inside this one.
+    let q = SuffixDecoding::default();
+    q.remember_output(&[1, 2, 3, 100, 4]).unwrap();
+    let wide = self::ctx(128);
+    for (c, want) in [(&ctx, vec![]), (&wide, vec![100, 4])] {
+        let mut t = prefilled(&q, c, &[9, 1, 2]);
+        assert_eq!(propose(&q, c, &mut *t, 3, 3, 4, None), want);
+        q.free_state(&*c.gpu, &mut *t).unwrap();
+    }
 }
 
 /// A state of another proposer's type.

@@ -10,7 +10,7 @@
 //! still agree), up to `num_drafts`, so a long repeated passage is drafted in full while a
 //! two-token coincidence risks only two verify rows.
 //!
-//! The history lives in an [`index::NgramIndex`] updated as tokens arrive and as a
+//! The history lives in an n-gram index (`index::NgramIndex`) updated as tokens arrive and as a
 //! re-propose takes them back, so a lookup costs the same at any history length.
 //!
 //! It allocates no device memory, so its state needs no freeing beyond being dropped.
@@ -121,8 +121,8 @@ impl PromptLookup {
         self.max_ngram
     }
 
-    /// The drafts for `history` without any state: what a sequence whose history this is
-    /// would be proposed (see [`Self::draft`]).
+    /// The drafts for `history` without any state: what `propose` drafts for a sequence
+    /// whose history this is.
     pub fn lookup(&self, history: &[u32], num_drafts: usize, mask: Option<&[i32]>) -> Vec<u32> {
         let mut index = NgramIndex::new(self.min_ngram, self.max_ngram);
         for &t in history {
