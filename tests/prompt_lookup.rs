@@ -1,12 +1,19 @@
 //! PromptLookup drafts the true continuation of repetitive text, nothing without a repeat,
-//! honours the grammar mask, and its batch path equals its per-sequence path.
+//! as many tokens as the occurrence matches, honours the grammar mask, its batch path equals
+//! its per-sequence path, and its index drafts what a linear scan of the history finds.
 
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use specdraft::backend::{CpuBackend, DevicePtr};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
 use specdraft::speculative::conformance::{check_proposer, CheckOptions};
 use specdraft::speculative::{bitmask_words, DraftProposer, PromptLookup, ProposerState};
 use std::sync::Arc;
+
+#[path = "reference/ngram_scan.rs"]
+mod ngram_scan;
+use ngram_scan::linear_scan;
 
 fn ctx(vocab: usize) -> ForwardContext<'static> {
     ForwardContext::new(
@@ -51,14 +58,23 @@ fn drafts_the_true_continuation_of_a_repeated_passage() {
     prompt.extend(passage);
     prompt.extend([7]);
     let mut s = prefilled(&p, &ctx, &prompt);
-    // The model emits 10 20 at positions P, P+1: after "10" the lookup must continue the passage.
+    // After "7 10" only "10" matches (its most recent occurrence is preceded by 6, not 7):
+    // a one-token match earns one draft.
     let drafts = propose(&p, &ctx, &mut *s, 10, prompt.len(), 5, None);
-    assert_eq!(drafts, vec![20, 30, 40, 50, 60]);
-    p.after_verify(5, &mut *s, 0).unwrap();
-    // The most recent occurrence of "50 60 70" is the second copy, followed by "7" and then
-    // by what was generated after it.
+    assert_eq!(drafts, vec![20]);
+    p.after_verify(1, &mut *s, 0).unwrap();
+    // "10 20 30" matches the second copy, and the tokens before it agree back to "10":
+    // three matched tokens, three drafts.
+    let drafts = propose(&p, &ctx, &mut *s, 30, prompt.len() + 2, 8, None);
+    assert_eq!(drafts, vec![40, 50, 60]);
+    p.after_verify(3, &mut *s, 0).unwrap();
+    // "10 .. 70" now matches 7 tokens of the second copy: 7 drafts, running on past the
+    // copy into the "7" and the answer that followed it.
     let drafts = propose(&p, &ctx, &mut *s, 70, prompt.len() + 6, 8, None);
-    assert_eq!(drafts, vec![40, 80, 90, 7, 10, 20, 30, 40]);
+    assert_eq!(drafts, vec![40, 80, 90, 7, 10, 20, 30]);
+    // num_drafts still caps it.
+    let drafts = propose(&p, &ctx, &mut *s, 70, prompt.len() + 6, 2, None);
+    assert_eq!(drafts, vec![40, 80]);
 }
 
 #[test]
@@ -68,11 +84,39 @@ fn most_recent_match_wins_and_longer_ngrams_first() {
     assert_eq!(p.lookup(&[1, 2, 3, 9, 1, 2, 4, 8, 1, 2], 1, None), vec![4]);
     // Bigram [7, 2] decides over the unigram [2] that occurs more recently.
     assert_eq!(p.lookup(&[7, 2, 5, 6, 2, 9, 7, 2], 1, None), vec![5]);
+    // The most recent occurrence wins even when an older one matches further back: the
+    // recent one matches 3 tokens ("9 1 2"), so it drafts 3, not the older one's 4.
+    assert_eq!(
+        p.lookup(&[8, 9, 1, 2, 3, 0, 9, 1, 2, 4, 0, 8, 9, 1, 2], 4, None),
+        vec![4, 0, 8]
+    );
     // A min_ngram of 2 refuses to match a single token.
     let strict = PromptLookup::new(2, 2).unwrap();
     assert_eq!(strict.lookup(&[3, 4, 5, 3], 3, None), Vec::<u32>::new());
     assert!(PromptLookup::new(0, 2).is_err());
     assert!(PromptLookup::new(3, 2).is_err());
+}
+
+#[test]
+fn draft_length_grows_with_the_match_length() {
+    let p = PromptLookup::default();
+    // The history ends in "1 2"; "5 1 2" and "4 5 1 2" match further back in turn.
+    let history = |before: &[u32]| -> Vec<u32> {
+        let mut h = vec![4, 5, 1, 2, 10, 11, 12, 13, 14, 15, 16];
+        h.extend_from_slice(before);
+        h.extend([1, 2]);
+        h
+    };
+    assert_eq!(p.lookup(&history(&[9, 9]), 8, None), vec![10, 11]);
+    assert_eq!(p.lookup(&history(&[9, 5]), 8, None), vec![10, 11, 12]);
+    assert_eq!(p.lookup(&history(&[4, 5]), 8, None), vec![10, 11, 12, 13]);
+    // Past max_ngram the count goes on: the whole 6-token run matches.
+    let long = [
+        7, 8, 4, 5, 1, 2, 10, 11, 12, 13, 14, 15, 16, 3, 7, 8, 4, 5, 1, 2,
+    ];
+    assert_eq!(p.lookup(&long, 8, None), vec![10, 11, 12, 13, 14, 15]);
+    assert_eq!(p.lookup(&long, 4, None), vec![10, 11, 12, 13]);
+    assert!(p.lookup(&long, 0, None).is_empty());
 }
 
 #[test]
@@ -99,16 +143,75 @@ fn drafts_nothing_without_a_repeat() {
 fn stops_before_the_first_forbidden_token() {
     let ctx = ctx(64);
     let p = PromptLookup::new(1, 4).unwrap();
-    let prompt = [1, 2, 3, 4, 5, 1];
+    let prompt = [9, 1, 2, 3, 4, 5, 9];
     let mut s = prefilled(&p, &ctx, &prompt);
     let mut mask = vec![0i32; bitmask_words(64)];
     for t in [2u32, 3, 5] {
         mask[(t / 32) as usize] |= 1 << (t % 32);
     }
-    // Continuation is 2 3 4 5; 4 is forbidden so drafting stops after 2 3.
-    assert_eq!(propose(&p, &ctx, &mut *s, 1, 5, 4, Some(&mask)), vec![2, 3]);
+    // "9 1" matches two tokens: continuation 2 3; with the mask it is still 2 3.
+    assert_eq!(propose(&p, &ctx, &mut *s, 1, 7, 4, Some(&mask)), vec![2, 3]);
+    p.after_verify(2, &mut *s, 0).unwrap();
+    // "9 1 2 3 4" matches five: continuation 5 9 1 2; 9 is forbidden, so only 5.
+    assert_eq!(propose(&p, &ctx, &mut *s, 4, 10, 4, Some(&mask)), vec![5]);
+    // A mask that forbids the first continuation token leaves nothing.
+    let even_only: Vec<i32> = vec![0x5555_5555; bitmask_words(64)];
+    assert!(propose(&p, &ctx, &mut *s, 4, 10, 4, Some(&even_only)).is_empty());
     // Proposing again from the same position is idempotent.
-    assert_eq!(propose(&p, &ctx, &mut *s, 1, 5, 4, None), vec![2, 3, 4, 5]);
+    assert_eq!(propose(&p, &ctx, &mut *s, 4, 10, 4, None), vec![5, 9, 1, 2]);
+    assert_eq!(propose(&p, &ctx, &mut *s, 4, 10, 4, None), vec![5, 9, 1, 2]);
+}
+
+#[test]
+fn drafts_equal_a_linear_scan_on_random_streams() {
+    let vocab = 64;
+    let ctx = ctx(vocab);
+    let mut rng = SmallRng::seed_from_u64(11);
+    let mut proposes = 0;
+    let mut nonempty = 0;
+    for (min, max) in [(1, 1), (1, 3), (2, 4), (3, 6)] {
+        let p = PromptLookup::new(min, max).unwrap();
+        for _ in 0..6 {
+            // Few distinct tokens, so matches of every width happen often.
+            let alphabet = rng.random_range(2..6u32);
+            let prompt: Vec<u32> = (0..rng.random_range(0..40))
+                .map(|_| rng.random_range(0..alphabet))
+                .collect();
+            let mut s = prefilled(&p, &ctx, &prompt);
+            let mut history = prompt.clone();
+            for _ in 0..300 {
+                // Mostly the next position; sometimes a re-propose further back, with
+                // another token, which must forget what came after it.
+                let pos = if !history.is_empty() && rng.random_bool(0.15) {
+                    rng.random_range(history.len().saturating_sub(5)..history.len())
+                } else {
+                    history.len()
+                };
+                let last = rng.random_range(0..alphabet);
+                let n = rng.random_range(0..8);
+                let mask: Option<Vec<i32>> = rng
+                    .random_bool(0.2)
+                    .then(|| (0..bitmask_words(vocab)).map(|_| rng.random()).collect());
+                history.truncate(pos);
+                history.push(last);
+                let drafts = propose(&p, &ctx, &mut *s, last, pos, n, mask.as_deref());
+                let want = linear_scan(min, max, &history, n, mask.as_deref());
+                assert_eq!(drafts, want, "min {min} max {max}, history {history:?}");
+                proposes += 1;
+                nonempty += usize::from(!drafts.is_empty());
+                let accepted = rng.random_range(0..=drafts.len());
+                p.after_verify(accepted, &mut *s, 0).unwrap();
+                history.extend_from_slice(&drafts[..accepted]);
+            }
+            let st = s
+                .as_any()
+                .downcast_ref::<specdraft::speculative::PromptLookupState>()
+                .unwrap();
+            assert_eq!(st.history(), &history[..]);
+        }
+    }
+    // The comparison means something only if most proposes found a match.
+    assert!(nonempty * 2 > proposes, "{nonempty} of {proposes}");
 }
 
 #[test]

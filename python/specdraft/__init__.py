@@ -3,7 +3,8 @@
 A Rust core (GPU backends, the ``DevicePtr`` lifecycle, the paged KV block allocator, the
 proposers, the engine) exposed to Python. Write a proposer by subclassing
 :class:`DraftProposer`; the methods you define are called from Rust, every other method runs
-the Rust default without entering Python. Rust proposers such as :class:`PromptLookup` are
+the Rust default without entering Python. Rust proposers such as :class:`PromptLookup` and
+:class:`SuffixDecoding` are
 subclasses of :class:`DraftProposer` too, and a Python subclass of one overrides single
 methods.
 
@@ -43,6 +44,7 @@ from specdraft._core import (
     RequestError,
     SpecdraftError,
     SpecEngine,
+    SuffixDecoding,
     TargetModel,
     Violation,
     __version__,
@@ -82,6 +84,7 @@ __all__ = [
     "RequestError",
     "SpecdraftError",
     "SpecEngine",
+    "SuffixDecoding",
     "TargetModel",
     "Tokenizer",
     "Violation",

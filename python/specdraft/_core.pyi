@@ -518,6 +518,43 @@ class PromptLookup(DraftProposer):
         earlier occurrence of its longest matching suffix.
         """
 
+class SuffixDecoding(DraftProposer):
+    """Drafting from suffix trees (Rust; no device memory), after SuffixDecoding.
+
+    One tree per sequence over its prompt and output, and one shared by every sequence of
+    this proposer over the outputs of finished ones (added at ``free_state``; the oldest
+    evicted beyond ``max_tree_nodes``). Drafts the most frequent continuation of the
+    history's end as a chain, while its estimated probability stays at least
+    ``min_token_prob``, at most ``floor(L * max_spec_factor)`` drafts for an ``L``-token
+    match. ``propose_batch``'s ``out_conf`` gets each draft's probability given those before
+    it. Its state is an opaque :class:`ProposerState`.
+    """
+
+    def __init__(
+        self,
+        max_depth: int = 24,
+        min_token_prob: float = 0.1,
+        max_spec_factor: float = 1.0,
+        max_tree_nodes: int = 1048576,
+    ) -> None:
+        """Raises ``ProposerError`` naming the first option out of range."""
+    @property
+    def max_depth(self) -> int:
+        """Longest string the trees keep: the matched suffix plus its drafts."""
+    @property
+    def min_token_prob(self) -> float:
+        """Drafting stops before a draft reached with a lower estimated probability."""
+    @property
+    def max_spec_factor(self) -> float:
+        """A match of ``L`` tokens drafts at most ``floor(L * max_spec_factor)`` tokens."""
+    @property
+    def max_tree_nodes(self) -> int:
+        """The shared tree's bound, in nodes and in stored output tokens (0: none kept)."""
+    def shared_tree(self) -> dict[str, int]:
+        """What the shared tree holds: ``outputs``, ``tokens``, ``nodes``, ``bytes``."""
+    def remember_output(self, output: Sequence[int]) -> None:
+        """Adds ``output`` to the shared tree as if a sequence had just produced it."""
+
 @final
 class Violation:
     """One broken contract: which check, what happened, how to fix it."""

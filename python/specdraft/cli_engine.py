@@ -43,7 +43,8 @@ def _backend(device: str) -> Any:  # noqa: ANN401 - a specdraft backend
 def make_proposer(name: str) -> Any:  # noqa: ANN401 - a specdraft.DraftProposer or None
     """The proposer called ``name``.
 
-    ``prompt-lookup``, ``none`` (plain decoding), or ``module:Class`` (built with no arguments).
+    ``prompt-lookup``, ``suffix`` (:class:`specdraft.SuffixDecoding`), ``none`` (plain
+    decoding), or ``module:Class`` (built with no arguments).
     """
     import specdraft
 
@@ -52,8 +53,12 @@ def make_proposer(name: str) -> Any:  # noqa: ANN401 - a specdraft.DraftProposer
         return None
     if key in ("prompt-lookup", "prompt_lookup", "promptlookup"):
         return specdraft.PromptLookup()
+    if key in ("suffix", "suffix-decoding", "suffix_decoding", "suffixdecoding"):
+        return specdraft.SuffixDecoding()
     if ":" not in name:
-        raise ValueError(f"--proposer {name!r}: expected 'prompt-lookup', 'none' or 'module:Class'")
+        raise ValueError(
+            f"--proposer {name!r}: expected 'prompt-lookup', 'suffix', 'none' or 'module:Class'"
+        )
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -299,7 +304,7 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         "--proposer",
         action="append",
         default=[],
-        help="prompt-lookup or module:Class (repeatable; default prompt-lookup)",
+        help="prompt-lookup, suffix or module:Class (repeatable; default prompt-lookup)",
     )
     p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")
     p.add_argument("--batch", type=int, default=1, help="prompts generated together")
@@ -359,7 +364,7 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat)")
     _model_args(p, 256)
     p.add_argument(
-        "--proposer", default="prompt-lookup", help="prompt-lookup, none or module:Class"
+        "--proposer", default="prompt-lookup", help="prompt-lookup, suffix, none or module:Class"
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -59,6 +59,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<proposer::PyDraftProposer>()?;
     m.add_class::<proposer::PyDraftRunner>()?;
     m.add_class::<rust_proposers::PyPromptLookup>()?;
+    m.add_class::<rust_proposers::PySuffixDecoding>()?;
     m.add_class::<conformance::PyViolation>()?;
     m.add_class::<conformance::PyConformanceReport>()?;
     m.add_class::<testing::PyDynProposer>()?;

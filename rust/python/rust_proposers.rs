@@ -4,8 +4,10 @@
 
 use super::errors::IntoPyResult;
 use super::proposer::PyDraftProposer;
+use crate::speculative::suffix::{self, SuffixDecoding, SuffixDecodingOptions};
 use crate::speculative::PromptLookup;
 use pyo3::prelude::*;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// `PromptLookup(min_ngram, max_ngram)`: n-gram drafting from the prompt and the output
@@ -62,6 +64,87 @@ impl PyPromptLookup {
         format!(
             "PromptLookup(min_ngram={}, max_ngram={})",
             self.min_ngram, self.max_ngram
+        )
+    }
+}
+
+/// Drafting from suffix trees over the prompt, the output so far and the outputs of earlier
+/// sequences on this proposer (host-only, no device memory).
+#[pyclass(name = "SuffixDecoding", module = "specdraft", extends = PyDraftProposer, subclass, frozen)]
+pub struct PySuffixDecoding {
+    inner: Arc<SuffixDecoding>,
+}
+
+#[pymethods]
+impl PySuffixDecoding {
+    #[new]
+    #[pyo3(signature = (max_depth = suffix::DEFAULT_MAX_DEPTH, min_token_prob = suffix::DEFAULT_MIN_TOKEN_PROB, max_spec_factor = suffix::DEFAULT_MAX_SPEC_FACTOR, max_tree_nodes = suffix::DEFAULT_MAX_TREE_NODES))]
+    fn new(
+        max_depth: usize,
+        min_token_prob: f32,
+        max_spec_factor: f32,
+        max_tree_nodes: usize,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let inner = Arc::new(
+            SuffixDecoding::new(SuffixDecodingOptions {
+                max_depth,
+                min_token_prob,
+                max_spec_factor,
+                max_tree_nodes,
+            })
+            .py()?,
+        );
+        Ok(
+            PyClassInitializer::from(PyDraftProposer::holding(inner.clone(), "SuffixDecoding"))
+                .add_subclass(PySuffixDecoding { inner }),
+        )
+    }
+
+    /// Longest string the trees keep: the matched suffix plus its drafts.
+    #[getter]
+    fn max_depth(&self) -> usize {
+        self.inner.options().max_depth
+    }
+
+    /// Drafting stops before a draft reached with a lower estimated probability.
+    #[getter]
+    fn min_token_prob(&self) -> f32 {
+        self.inner.options().min_token_prob
+    }
+
+    /// A match of `L` tokens drafts at most `floor(L * max_spec_factor)` tokens.
+    #[getter]
+    fn max_spec_factor(&self) -> f32 {
+        self.inner.options().max_spec_factor
+    }
+
+    /// The shared tree's bound, in nodes and in stored output tokens.
+    #[getter]
+    fn max_tree_nodes(&self) -> usize {
+        self.inner.options().max_tree_nodes
+    }
+
+    /// What the shared tree of earlier outputs holds: outputs, tokens, nodes, bytes.
+    fn shared_tree(&self) -> PyResult<HashMap<&'static str, usize>> {
+        let s = self.inner.shared_tree().py()?;
+        Ok(HashMap::from([
+            ("outputs", s.outputs),
+            ("tokens", s.tokens),
+            ("nodes", s.nodes),
+            ("bytes", s.bytes),
+        ]))
+    }
+
+    /// Adds `output` to the shared tree as if a sequence had just produced it.
+    fn remember_output(&self, output: Vec<u32>) -> PyResult<()> {
+        self.inner.remember_output(&output).py()
+    }
+
+    fn __repr__(&self) -> String {
+        let o = self.inner.options();
+        format!(
+            "SuffixDecoding(max_depth={}, min_token_prob={}, max_spec_factor={}, max_tree_nodes={})",
+            o.max_depth, o.min_token_prob, o.max_spec_factor, o.max_tree_nodes
         )
     }
 }

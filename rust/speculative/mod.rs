@@ -1,5 +1,6 @@
-//! The speculative layer: the `DraftProposer` protocol, its proposers, and the conformance
-//! checker that drives any proposer through the whole lifecycle.
+//! The speculative layer: the `DraftProposer` protocol, its proposers (`MtpHead`,
+//! `PromptLookup`, `SuffixDecoding`), and the conformance checker that drives any proposer
+//! through the whole lifecycle.
 //!
 //! Invariants every proposer in this module keeps (and [`conformance::check_proposer`]
 //! checks for any proposer):
@@ -15,6 +16,7 @@ mod grammar;
 pub mod mtp;
 mod prompt_lookup;
 mod protocol;
+pub mod suffix;
 
 pub use error::ProposerError;
 pub use grammar::{bitmask_allows, bitmask_words};
@@ -23,3 +25,4 @@ pub use prompt_lookup::{PromptLookup, PromptLookupState, DEFAULT_MAX_NGRAM, DEFA
 pub use protocol::{
     DraftBinding, DraftProposer, DraftRunner, ProposerState, ProtocolMethod, WeightSlot,
 };
+pub use suffix::{SuffixDecoding, SuffixDecodingOptions, SuffixState};

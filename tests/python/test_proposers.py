@@ -356,7 +356,8 @@ def test_python_subclass_of_prompt_lookup_overrides_one_method(gpu, ctx):
     history = [2, 4, 6, 7, 2, 4]
     # Rust prefill (not overridden) feeds the state the Python propose reads through super().
     assert lookup_drafts(rust, gpu, ctx, history) == [6]
-    assert lookup_drafts(PromptLookup(), gpu, ctx, history) == [6, 7, 2, 4]
+    # "2 4" matches two tokens, which earns two drafts.
+    assert lookup_drafts(PromptLookup(), gpu, ctx, history) == [6, 7]
     # The batched Rust path would bypass the Python propose, so the adapter declines it.
     cfg = specdraft.ModelConfig.tiny(256)
     assert rust.propose_batch_max(specdraft.BufferArena(8), cfg) == 1
@@ -382,8 +383,9 @@ def test_rust_proposer_batch_from_python_matches_single_proposes(gpu, ctx):
         ctx,
         out_conf=conf,
     )
-    assert drafts == [[7, 8, 9], [3, 1, 2]]
-    assert conf == [[1.0] * 3, [1.0] * 3]
+    # The second history matches two tokens ("1 2"), which earns two drafts.
+    assert drafts == [[7, 8, 9], [3, 1]]
+    assert conf == [[1.0] * 3, [1.0] * 2]
     with pytest.raises(ProposerError, match="already in use"):
         pl.propose_batch([1, 1], [DevicePtr.NULL] * 2, [0, 0], 3, [states[0]] * 2, ctx)
 
