@@ -1,0 +1,203 @@
+//! Input rows quantized once per linear to 8-bit blocks, the form the integer dots read.
+//!
+//! - [`ActKind::Q8`] (legacy weight formats): 32-element blocks, `d = amax / 127`, codes
+//!   `round_ties_even(x / d)`; per block also `bsum = sum(q)` and `sum = d * bsum` (ggml's
+//!   Q8_0 and Q8_1 in one).
+//! - [`ActKind::Q8K`] (K-quant weights): 256-element blocks with the same rule, plus the sums
+//!   of each 16 and each 32 codes (ggml's Q8_K `bsums`).
+//!
+//! Invariants: a row's codes depend only on that row (never on the batch); `|q| <= 127`, so
+//! AVX2's `maddubs` never saturates on any weight code; a block holding a NaN or an infinity
+//! gets `d = NaN`, so the outputs it feeds are NaN rather than silently finite.
+
+use half::bf16;
+
+/// Which 8-bit blocks a weight format's dot reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActKind {
+    Q8,
+    Q8K,
+}
+
+impl ActKind {
+    pub(crate) fn block_len(self) -> usize {
+        match self {
+            ActKind::Q8 => 32,
+            ActKind::Q8K => 256,
+        }
+    }
+}
+
+/// An input element: f32 or BF16 (widened exactly).
+pub trait InputElem: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+    /// The slice itself when it already is f32.
+    fn as_f32(x: &[Self]) -> Option<&[f32]> {
+        let _ = x;
+        None
+    }
+}
+
+impl InputElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn as_f32(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
+}
+
+impl InputElem for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+/// `rows` input rows of `cols` elements as 8-bit blocks (buffers reused between calls).
+#[derive(Debug, Default)]
+pub(crate) struct QuantizedRows {
+    pub rows: usize,
+    pub cols: usize,
+    pub kind: Option<ActKind>,
+    /// Codes, `[rows, cols]`.
+    pub qs: Vec<i8>,
+    /// Per block: scale, `d * sum(q)`, `sum(q)`.
+    pub d: Vec<f32>,
+    pub sum: Vec<f32>,
+    pub bsum: Vec<i16>,
+    /// Q8K: per block, the sums of each 16 and each 32 codes.
+    pub bsum16: Vec<i16>,
+    pub bsum32: Vec<i16>,
+}
+
+impl QuantizedRows {
+    /// Blocks per row.
+    pub(crate) fn blocks(&self) -> usize {
+        self.cols / self.kind.map_or(1, ActKind::block_len)
+    }
+
+    /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length).
+    pub(crate) fn fill<T: InputElem>(&mut self, kind: ActKind, x: &[T], rows: usize, cols: usize) {
+        let n = kind.block_len();
+        debug_assert!(cols % n == 0 && x.len() == rows * cols);
+        let blocks = rows * cols / n;
+        self.rows = rows;
+        self.cols = cols;
+        self.kind = Some(kind);
+        self.qs.resize(rows * cols, 0);
+        self.d.resize(blocks, 0.0);
+        self.sum.resize(blocks, 0.0);
+        self.bsum.resize(blocks, 0);
+        let k = kind == ActKind::Q8K;
+        self.bsum16.resize(if k { blocks * 16 } else { 0 }, 0);
+        self.bsum32.resize(if k { blocks * 8 } else { 0 }, 0);
+        for (b, (xb, qb)) in x
+            .chunks_exact(n)
+            .zip(self.qs.chunks_exact_mut(n))
+            .enumerate()
+        {
+            let d = quantize_block(xb, qb);
+            let total: i32 = qb.iter().map(|&q| q as i32).sum();
+            self.d[b] = d;
+            self.bsum[b] = total as i16;
+            self.sum[b] = d * total as f32;
+            if k {
+                for (s, q) in self.bsum16[b * 16..(b + 1) * 16]
+                    .iter_mut()
+                    .zip(qb.chunks(16))
+                {
+                    *s = q.iter().map(|&v| v as i16).sum();
+                }
+                for (s, q) in self.bsum32[b * 8..(b + 1) * 8]
+                    .iter_mut()
+                    .zip(qb.chunks(32))
+                {
+                    *s = q.iter().map(|&v| v as i16).sum();
+                }
+            }
+        }
+    }
+}
+
+/// One block: codes into `q`, the scale returned.
+#[inline]
+fn quantize_block<T: InputElem>(x: &[T], q: &mut [i8]) -> f32 {
+    let mut amax = 0f32;
+    let mut finite = true;
+    for v in x {
+        let v = v.to_f32();
+        amax = amax.max(v.abs());
+        finite &= v.is_finite();
+    }
+    if !finite {
+        q.fill(0);
+        return f32::NAN;
+    }
+    let d = amax / 127.0;
+    let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+    for (q, v) in q.iter_mut().zip(x) {
+        // |v * id| <= 127 * (1 + 3 * 2^-24), which rounds to at most 127.
+        *q = (v.to_f32() * id).round_ties_even() as i8;
+    }
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_to_nearest_and_scale_is_amax_over_127() {
+        let x: Vec<f32> = (0..32).map(|i| (i as f32 - 15.5) * 0.25).collect();
+        let mut a = QuantizedRows::default();
+        a.fill(ActKind::Q8, &x, 1, 32);
+        let d = 3.875f32 / 127.0;
+        assert_eq!(a.d[0], d);
+        for (q, v) in a.qs.iter().zip(&x) {
+            assert!((*q as f32 * d - v).abs() <= d / 2.0 * 1.0001, "{q} vs {v}");
+        }
+        assert_eq!(a.qs[0], -127);
+        assert_eq!(a.qs[31], 127);
+        assert_eq!(
+            a.bsum[0] as i32,
+            a.qs.iter().map(|&q| q as i32).sum::<i32>()
+        );
+    }
+
+    #[test]
+    fn non_finite_blocks_get_a_nan_scale() {
+        let mut x = vec![1.0f32; 512];
+        x[300] = f32::NAN;
+        x[5] = f32::INFINITY;
+        let mut a = QuantizedRows::default();
+        a.fill(ActKind::Q8K, &x, 1, 512);
+        assert!(a.d[0].is_nan() && a.d[1].is_nan());
+        a.fill(ActKind::Q8, &x, 1, 512);
+        assert!(a.d[0].is_nan() && a.d[9].is_nan());
+        assert_eq!(a.d[1], 1.0 / 127.0);
+    }
+
+    #[test]
+    fn k_sums_cover_their_codes() {
+        let x: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut a = QuantizedRows::default();
+        a.fill(ActKind::Q8K, &x, 2, 256);
+        for b in 0..2 {
+            for j in 0..16 {
+                let s: i32 = a.qs[b * 256 + j * 16..b * 256 + j * 16 + 16]
+                    .iter()
+                    .map(|&q| q as i32)
+                    .sum();
+                assert_eq!(a.bsum16[b * 16 + j] as i32, s);
+            }
+            for j in 0..8 {
+                let pair = a.bsum16[b * 16 + 2 * j] + a.bsum16[b * 16 + 2 * j + 1];
+                assert_eq!(a.bsum32[b * 8 + j], pair);
+            }
+        }
+    }
+}
