@@ -66,7 +66,7 @@ pub(crate) struct QuantizedRows {
     /// Per block: scale, `d * sum(q)`, `sum(q)`.
     pub d: Vec<f32>,
     pub sum: Vec<f32>,
-    pub bsum: Vec<i16>,
+    pub bsum: Vec<i32>,
     /// Q8K: per block, the sums of each 16 and each 32 codes.
     pub bsum16: Vec<i16>,
     pub bsum32: Vec<i16>,
@@ -78,8 +78,9 @@ impl QuantizedRows {
         self.cols / self.kind.map_or(1, ActKind::block_len)
     }
 
-    /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length).
-    pub(crate) fn fill<T: InputElem>(&mut self, kind: ActKind, x: &[T], rows: usize, cols: usize) {
+    /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length), with
+    /// AVX2 when `avx2` (the CPU must have it); both give the same codes and scales.
+    pub(crate) fn fill(&mut self, kind: ActKind, x: &[f32], rows: usize, cols: usize, avx2: bool) {
         let n = kind.block_len();
         debug_assert!(cols % n == 0 && x.len() == rows * cols);
         let blocks = rows * cols / n;
@@ -98,10 +99,21 @@ impl QuantizedRows {
             .zip(self.qs.chunks_exact_mut(n))
             .enumerate()
         {
-            let d = quantize_block(xb, qb);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `avx2` is only set when the CPU has AVX2.
+            let d = if avx2 {
+                unsafe { avx2::quantize_block(xb, qb) }
+            } else {
+                quantize_block(xb, qb)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let d = {
+                let _ = avx2;
+                quantize_block(xb, qb)
+            };
             let total: i32 = qb.iter().map(|&q| q as i32).sum();
             self.d[b] = d;
-            self.bsum[b] = total as i16;
+            self.bsum[b] = total;
             self.sum[b] = d * total as f32;
             if k {
                 for (s, q) in self.bsum16[b * 16..(b + 1) * 16]
@@ -123,11 +135,10 @@ impl QuantizedRows {
 
 /// One block: codes into `q`, the scale returned.
 #[inline]
-fn quantize_block<T: InputElem>(x: &[T], q: &mut [i8]) -> f32 {
+fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     let mut amax = 0f32;
     let mut finite = true;
-    for v in x {
-        let v = v.to_f32();
+    for &v in x {
         amax = amax.max(v.abs());
         finite &= v.is_finite();
     }
@@ -139,9 +150,60 @@ fn quantize_block<T: InputElem>(x: &[T], q: &mut [i8]) -> f32 {
     let id = if d == 0.0 { 0.0 } else { 1.0 / d };
     for (q, v) in q.iter_mut().zip(x) {
         // |v * id| <= 127 * (1 + 3 * 2^-24), which rounds to at most 127.
-        *q = (v.to_f32() * id).round_ties_even() as i8;
+        *q = (v * id).round_ties_even() as i8;
     }
     d
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// [`super::quantize_block`] eight lanes at a time: the same maximum (exact), the same
+    /// `x * id` products, and rounding to nearest even, so the same codes and scale.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `x.len() == q.len()` is a multiple of 32.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+        assert!(x.len() == q.len() && x.len() % 32 == 0);
+        let sign = _mm256_set1_ps(-0.0);
+        let inf = _mm256_set1_ps(f32::INFINITY);
+        let (mut amax, mut bad) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for c in x.chunks_exact(8) {
+            // SAFETY: eight floats.
+            let a = _mm256_andnot_ps(sign, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+            amax = _mm256_max_ps(amax, a);
+            // Not below infinity: an infinity or a NaN.
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf));
+        }
+        if _mm256_movemask_ps(bad) != 0 {
+            q.fill(0);
+            return f32::NAN;
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), amax) };
+        let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d == 0.0 { 0.0 } else { 1.0 / d });
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (xc, qc) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)) {
+            let code = |i: usize| {
+                // SAFETY: eight floats of the 32.
+                let v = _mm256_mul_ps(unsafe { _mm256_loadu_ps(xc.as_ptr().add(8 * i)) }, id);
+                _mm256_cvtps_epi32(_mm256_round_ps::<
+                    { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+                >(v))
+            };
+            let ab = _mm256_packs_epi32(code(0), code(1));
+            let cd = _mm256_packs_epi32(code(2), code(3));
+            let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+            // SAFETY: 32 bytes.
+            unsafe { _mm256_storeu_si256(qc.as_mut_ptr().cast(), bytes) };
+        }
+        d
+    }
 }
 
 #[cfg(test)]
@@ -152,7 +214,7 @@ mod tests {
     fn codes_round_to_nearest_and_scale_is_amax_over_127() {
         let x: Vec<f32> = (0..32).map(|i| (i as f32 - 15.5) * 0.25).collect();
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8, &x, 1, 32);
+        a.fill(ActKind::Q8, &x, 1, 32, false);
         let d = 3.875f32 / 127.0;
         assert_eq!(a.d[0], d);
         for (q, v) in a.qs.iter().zip(&x) {
@@ -160,10 +222,7 @@ mod tests {
         }
         assert_eq!(a.qs[0], -127);
         assert_eq!(a.qs[31], 127);
-        assert_eq!(
-            a.bsum[0] as i32,
-            a.qs.iter().map(|&q| q as i32).sum::<i32>()
-        );
+        assert_eq!(a.bsum[0], a.qs.iter().map(|&q| q as i32).sum::<i32>());
     }
 
     #[test]
@@ -172,9 +231,9 @@ mod tests {
         x[300] = f32::NAN;
         x[5] = f32::INFINITY;
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8K, &x, 1, 512);
+        a.fill(ActKind::Q8K, &x, 1, 512, false);
         assert!(a.d[0].is_nan() && a.d[1].is_nan());
-        a.fill(ActKind::Q8, &x, 1, 512);
+        a.fill(ActKind::Q8, &x, 1, 512, false);
         assert!(a.d[0].is_nan() && a.d[9].is_nan());
         assert_eq!(a.d[1], 1.0 / 127.0);
     }
@@ -185,7 +244,7 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8K, &x, 2, 256);
+        a.fill(ActKind::Q8K, &x, 2, 256, false);
         for b in 0..2 {
             for j in 0..16 {
                 let s: i32 = a.qs[b * 256 + j * 16..b * 256 + j * 16 + 16]

@@ -1,17 +1,19 @@
 //! The portable quantized dot: the definition every other path reproduces bit for bit.
 //!
-//! Output `(r, o)` starts at `acc = 0.0` and adds one term per block `b`, in block order:
+//! Output `(r, o)` starts at `acc = 0.0` and takes one step per block `b`, in block order,
+//! where `fma(a, b, c)` is `a * b + c` rounded once (IEEE fused multiply-add) and every other
+//! operation is one IEEE f32 operation:
 //! - legacy formats: `isum = sum_e q[e] * qa[e]` (exact i32), then
-//!   Sym `t = (d * da) * f32(isum)`; Affine `t = (d * da) * f32(isum) + m * sa`
+//!   `acc = fma(d * da, f32(isum), acc)`, and for Affine formats also `acc = fma(m, sa, acc)`
 //!   (`da`, `sa = da * f32(sum qa)` from the row's Q8 block);
-//! - K-quants: `isum = sum_j sc[j] * sum_{e in j} q[e] * qa[e]`, `imin = sum_j m[j] *
-//!   bsum_j` (exact i32), then KSym `t = (d * da) * f32(isum)`; KMin
-//!   `t = (d * da) * f32(isum) - (dmin * da) * f32(imin)`;
+//! - K-quants: `isum = sum_j sc[j] * sum_{e in j} q[e] * qa[e]` (exact i32), then
+//!   `acc = fma(d * da, f32(isum), acc)`, and for KMin formats also
+//!   `acc = fma(-(dmin * da), f32(imin), acc)` with `imin = sum_j m[j] * bsum_j` (exact i32).
 //!
-//! `acc = acc + t`, each an IEEE f32 operation (no fused multiply-add). Integer sums are
-//! exact whatever their order, so any path that forms the same integers and then runs these
-//! float operations in this order gets the same bits. Nothing here depends on the other rows
-//! of the call.
+//! Integer sums are exact whatever their order, so any path that forms the same integers
+//! and then runs these float operations in this order gets the same bits. Nothing here
+//! depends on the other rows of the call. (Without hardware FMA `f32::mul_add` is a slow
+//! software routine; every CPU the AVX2 path runs on has FMA.)
 
 use super::activation::QuantizedRows;
 use super::blocks::{spec, Epilogue, IntBlock, Spec};
@@ -25,14 +27,15 @@ fn idot(a: &[i8], b: &[i8]) -> i32 {
     a.iter().zip(b).map(|(&x, &y)| x as i32 * y as i32).sum()
 }
 
-/// The term block `blk` adds to row `r`'s output (block `b` of the row).
+/// Adds block `blk`'s contribution to row `r`'s sum `acc` (block `b` of the row).
 #[inline]
-pub(crate) fn block_term(
+pub(crate) fn accumulate(
     spec: &Spec,
     blk: &IntBlock,
     act: &QuantizedRows,
     r: usize,
     b: usize,
+    acc: f32,
 ) -> f32 {
     let i = r * act.blocks() + b;
     let n = act.cols / act.blocks();
@@ -40,11 +43,11 @@ pub(crate) fn block_term(
     let da = act.d[i];
     match spec.epilogue {
         Epilogue::Sym | Epilogue::Affine => {
-            let t = (blk.d * da) * idot(&blk.q[..n], qa) as f32;
+            let acc = (blk.d * da).mul_add(idot(&blk.q[..n], qa) as f32, acc);
             if spec.epilogue == Epilogue::Affine {
-                t + blk.d2 * act.sum[i]
+                blk.d2.mul_add(act.sum[i], acc)
             } else {
-                t
+                acc
             }
         }
         Epilogue::KMin | Epilogue::KSym => {
@@ -54,9 +57,9 @@ pub(crate) fn block_term(
                 .zip(&blk.sc)
                 .map(|((w, a), &sc)| sc as i32 * idot(w, a))
                 .sum();
-            let t = (blk.d * da) * isum as f32;
+            let acc = (blk.d * da).mul_add(isum as f32, acc);
             if spec.epilogue == Epilogue::KSym {
-                return t;
+                return acc;
             }
             let bsums = if spec.sub_len == 16 {
                 &act.bsum16[i * 16..(i + 1) * 16]
@@ -68,7 +71,7 @@ pub(crate) fn block_term(
                 .zip(&blk.m)
                 .map(|(&s, &m)| s as i32 * m as i32)
                 .sum();
-            t - (blk.d2 * da) * imin as f32
+            (-(blk.d2 * da)).mul_add(imin as f32, acc)
         }
     }
 }
@@ -87,7 +90,7 @@ pub(crate) fn quant_outputs(
         for b in 0..w.blocks() {
             let blk = w.int_block(o, b);
             for (r, a) in acc.iter_mut().enumerate() {
-                *a += block_term(&spec, &blk, act, r, b);
+                *a = accumulate(&spec, &blk, act, r, b, *a);
             }
         }
         for (r, a) in acc.iter().enumerate() {

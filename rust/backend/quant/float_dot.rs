@@ -1,11 +1,12 @@
 //! Float weights (F32, F16, BF16) times f32 input rows: the dot every path computes the same way.
 //!
 //! Output `(r, o)` is one fixed sequence of f32 operations that depends only on
-//! `in_features`: 16 running sums (element `i` goes to sum `i % 16`, `acc += w * x` as a
-//! multiply then an add, never fused), added as a fixed tree, then the leftover elements in
-//! order. The AVX2 path keeps the 16 sums in two registers and widens F16 with F16C and BF16
-//! with a shift (both exact), so it matches the portable path bit for bit; each chunk of a
-//! weight row is loaded once for up to four input rows.
+//! `in_features`: 16 running sums (element `i` goes to sum `i % 16`, `acc = fma(w, x, acc)`,
+//! a fused multiply-add rounded once), added as a fixed tree, then the leftover elements in
+//! order, each also by a fused multiply-add. The AVX2 path keeps the 16 sums in two
+//! registers and widens F16 with F16C and BF16 with a shift (both exact), so it matches the
+//! portable path bit for bit; each chunk of a weight row is loaded once for up to four input
+//! rows.
 
 use super::linear::OutMatrix;
 use super::{BlockFormat, PackedWeight};
@@ -44,12 +45,12 @@ fn dot(w: &[f32], x: &[f32]) -> f32 {
         .zip(x[..full].chunks_exact(LANES))
     {
         for l in 0..LANES {
-            acc[l] += wc[l] * xc[l];
+            acc[l] = wc[l].mul_add(xc[l], acc[l]);
         }
     }
     let mut s = reduce(&acc);
     for (w, x) in w[full..].iter().zip(&x[full..]) {
-        s += w * x;
+        s = w.mul_add(*x, s);
     }
     s
 }
@@ -112,8 +113,8 @@ mod avx2 {
                 for r in 0..R {
                     let x0 = _mm256_loadu_ps(x[r].as_ptr().add(c));
                     let x1 = _mm256_loadu_ps(x[r].as_ptr().add(c + 8));
-                    acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_mul_ps(w0, x0));
-                    acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_mul_ps(w1, x1));
+                    acc[r][0] = _mm256_fmadd_ps(w0, x0, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w1, x1, acc[r][1]);
                 }
             }
             c += LANES;
@@ -126,18 +127,18 @@ mod avx2 {
                 _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[r][1]);
             }
             let mut s = reduce(&lanes);
-            for i in full..n {
-                s += widen(format, wrow, i) * x[r][i];
+            for (i, xi) in x[r].iter().enumerate().skip(full) {
+                s = widen(format, wrow, i).mul_add(*xi, s);
             }
             s
         })
     }
 
-    /// [`float_outputs`] with AVX2 and F16C.
+    /// [`float_outputs`] with AVX2, FMA and F16C.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and F16C.
-    #[target_feature(enable = "avx2,f16c")]
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn float_outputs_avx2(
         w: &PackedWeight,
         x: &[f32],
@@ -152,7 +153,7 @@ mod avx2 {
         for o in outputs {
             let wrow = &w.bytes()[o * row_bytes..][..row_bytes];
             let mut r = 0;
-            // SAFETY (each tile): AVX2 and F16C are enabled here; this task owns feature `o`.
+            // SAFETY (each tile): AVX2, FMA and F16C are enabled here; this task owns feature `o`.
             unsafe {
                 while r + 4 <= rows {
                     let v = tile::<4>(format, wrow, [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)]);

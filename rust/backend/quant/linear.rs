@@ -127,21 +127,21 @@ fn run<T: InputElem>(
         stride: w.out_features(),
     };
     let isa = pool.isa();
+    let x: &[f32] = match T::as_f32(x) {
+        Some(x) => x,
+        None => {
+            wide.clear();
+            wide.extend(x.iter().map(|v| v.to_f32()));
+            wide
+        }
+    };
     if !w.format().is_quantized() {
-        let x: &[f32] = match T::as_f32(x) {
-            Some(x) => x,
-            None => {
-                wide.clear();
-                wide.extend(x.iter().map(|v| v.to_f32()));
-                wide
-            }
-        };
         let units = w.out_features().div_ceil(GROUP_ROWS);
         return split(pool, units, &|range| {
             let o = range.start * GROUP_ROWS..(range.end * GROUP_ROWS).min(w.out_features());
             #[cfg(target_arch = "x86_64")]
             if isa == Isa::Avx2 {
-                // SAFETY: the pool only reports AVX2 when the CPU has AVX2 and F16C.
+                // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C.
                 return unsafe { float_dot::float_outputs_avx2(w, x, rows, o, outm) };
             }
             float_dot::float_outputs(w, x, rows, o, outm);
@@ -152,7 +152,7 @@ fn run<T: InputElem>(
     } else {
         ActKind::Q8
     };
-    act.fill(kind, x, rows, w.in_features());
+    act.fill(kind, x, rows, w.in_features(), isa == Isa::Avx2);
     let act = &*act;
     let groups = w.groups();
     // The rows past the last full group are one more unit, run by the portable kernel.
@@ -167,9 +167,9 @@ fn run<T: InputElem>(
         }
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx2 {
-            // SAFETY: the pool only reports AVX2 when the CPU has AVX2 and F16C; `act` holds
+            // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C; `act` holds
             // the blocks of the kind this format reads.
-            return unsafe { super::dot_avx2::quant_groups(w, act, full, outm) };
+            return unsafe { super::avx2::quant_groups(w, act, full, outm) };
         }
         let outputs = full.start * GROUP_ROWS..full.end * GROUP_ROWS;
         dot_portable::quant_outputs(w, act, outputs, outm);

@@ -26,8 +26,9 @@
 //!
 //! # Invariants
 //! - Every output element is one fixed sequence of operations on its own input row and
-//!   weight row ([`dot_portable`] defines it): integer sums are exact, the f32 operations
-//!   are never fused and always in the same order. So a row's output is bit-identical
+//!   weight row ([`dot_portable`] and [`float_dot`] define it): integer sums are exact, the
+//!   f32 operations (fused multiply-adds where the definition says so, IEEE-rounded once)
+//!   always run in the same order. So a row's output is bit-identical
 //!   whatever the batch it is computed in, the thread split, and the instruction set
 //!   (AVX2 or portable): greedy speculative decoding emits what plain decoding emits.
 //! - Bad arguments (lengths, block alignment, overflowing sizes) are [`QuantError`]s, never
@@ -39,10 +40,10 @@
 //! `benches/quant_linear.rs`'s output.
 
 mod activation;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod blocks;
 mod dequant;
-#[cfg(target_arch = "x86_64")]
-mod dot_avx2;
 mod dot_portable;
 mod error;
 mod float_dot;

@@ -207,7 +207,14 @@ impl PackedWeight {
     #[inline(always)]
     pub(crate) fn record(&self, g: usize, b: usize) -> &[u8] {
         let record = GROUP_ROWS * self.format.block_bytes();
-        &self.data[(g * self.blocks() + b) * record..][..record]
+        &self.group_records(g)[b * record..][..record]
+    }
+
+    /// All records of group `g`, block after block.
+    #[inline(always)]
+    pub(crate) fn group_records(&self, g: usize) -> &[u8] {
+        let bytes = GROUP_ROWS * self.format.row_bytes(self.in_features).unwrap_or(0);
+        &self.data[g * bytes..][..bytes]
     }
 
     /// Block `b` of row `o` as integers, from a record or from the plain tail.

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 pub enum Isa {
     /// Plain Rust, every CPU: the definition the others match bit for bit.
     Portable,
-    /// x86-64 with AVX2 and F16C.
+    /// x86-64 with AVX2, FMA and F16C.
     Avx2,
 }
 
