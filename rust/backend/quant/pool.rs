@@ -324,6 +324,15 @@ mod tests {
                 }
             }
         }
+        // Many tiny tasks, all threads claiming at once: a claim that is not atomic shows up
+        // as a task run twice or never.
+        let hits: Vec<AtomicU32> = (0..200_000).map(|_| AtomicU32::new(0)).collect();
+        pool.run(hits.len(), &|t| {
+            hits[t].fetch_add(1, Relaxed);
+        })
+        .unwrap();
+        let wrong = hits.iter().filter(|h| h.load(Relaxed) != 1).count();
+        assert_eq!(wrong, 0, "tasks not run exactly once");
     }
 
     #[test]
