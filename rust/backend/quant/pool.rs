@@ -385,4 +385,27 @@ mod tests {
             assert_eq!(h.join().unwrap(), 1000);
         }
     }
+
+    #[test]
+    fn workers_that_wake_late_never_join_a_finished_job() {
+        // Workers that sleep at once wake long after the caller has run short jobs alone; if
+        // one joined such a job after the caller returned, the state word would go wrong and
+        // later calls would hang or lose tasks. A watchdog turns a hang into a failure.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let pool = KernelPool::with_options(3, Isa::Portable, Duration::ZERO);
+            let count = AtomicU32::new(0);
+            for _ in 0..20_000 {
+                pool.run(2, &|_| {
+                    count.fetch_add(1, Relaxed);
+                })
+                .unwrap();
+            }
+            tx.send(count.load(Relaxed)).unwrap();
+        });
+        let count = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the pool hung");
+        assert_eq!(count, 40_000);
+    }
 }
