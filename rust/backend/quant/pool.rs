@@ -408,4 +408,29 @@ mod tests {
             .expect("the pool hung");
         assert_eq!(count, 40_000);
     }
+
+    #[test]
+    fn run_returns_only_after_every_task_has_finished() {
+        let pool = KernelPool::with_options(2, Isa::Portable, Duration::from_millis(5));
+        let caller = std::thread::current().id();
+        let on_worker = AtomicU32::new(0);
+        for round in 0..20 {
+            let done = AtomicU32::new(0);
+            pool.run(8, &|_| {
+                if std::thread::current().id() != caller {
+                    on_worker.fetch_add(1, Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                done.fetch_add(1, Relaxed);
+            })
+            .unwrap();
+            assert_eq!(
+                done.load(Relaxed),
+                8,
+                "round {round}: returned before its tasks ended"
+            );
+        }
+        // The check above means something only if the worker took part.
+        assert!(on_worker.load(Relaxed) > 0, "the worker never ran a task");
+    }
 }
