@@ -204,6 +204,33 @@ fn rows_are_bit_identical_whatever_the_batch_and_thread_count() {
 }
 
 #[test]
+fn long_calls_match_their_rows_computed_alone() {
+    // Past one tile of 32 rows, and large enough that the input is quantized by several tasks.
+    let mut rng = SmallRng::seed_from_u64(35);
+    let p = pool(2, Isa::detect());
+    for (format, inf) in [
+        (BlockFormat::Q4_1, 1536),
+        (BlockFormat::Q4_K, 1536),
+        (BlockFormat::F16, 577),
+    ] {
+        let (rows, outf) = (45, 24);
+        let (_, w) = weight(&mut rng, format, outf, inf);
+        let x = inputs(&mut rng, rows, inf);
+        let mut all = vec![0f32; rows * outf];
+        linear(&p, &w, &x, rows, None, &mut all).unwrap();
+        for r in 0..rows {
+            let mut one = vec![0f32; outf];
+            linear(&p, &w, &x[r * inf..(r + 1) * inf], 1, None, &mut one).unwrap();
+            assert_eq!(
+                bits(&all[r * outf..(r + 1) * outf]),
+                bits(&one),
+                "{format} row {r}"
+            );
+        }
+    }
+}
+
+#[test]
 fn simd_and_portable_paths_are_bit_identical() {
     if Isa::detect() == Isa::Portable {
         eprintln!("no AVX2 here: nothing to compare");

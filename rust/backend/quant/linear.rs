@@ -152,7 +152,7 @@ fn run<T: InputElem>(
     } else {
         ActKind::Q8
     };
-    act.fill(kind, x, rows, w.in_features(), isa == Isa::Avx2);
+    act.fill(kind, x, (rows, w.in_features()), isa == Isa::Avx2, pool)?;
     let act = &*act;
     let groups = w.groups();
     // The rows past the last full group are one more unit, run by the portable kernel.
