@@ -10,6 +10,7 @@
 //! AVX2's `maddubs` never saturates on any weight code; a block holding a NaN or an infinity
 //! gets `d = NaN`, so the outputs it feeds are NaN rather than silently finite.
 
+use super::{KernelPool, QuantError};
 use half::bf16;
 
 /// Which 8-bit blocks a weight format's dot reads.
@@ -79,10 +80,18 @@ impl QuantizedRows {
     }
 
     /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length), with
-    /// AVX2 when `avx2` (the CPU must have it); both give the same codes and scales.
-    pub(crate) fn fill(&mut self, kind: ActKind, x: &[f32], rows: usize, cols: usize, avx2: bool) {
+    /// AVX2 when `avx2` (the CPU must have it; both give the same codes and scales), long
+    /// inputs spread over `pool`.
+    pub(crate) fn fill(
+        &mut self,
+        kind: ActKind,
+        x: &[f32],
+        (rows, cols): (usize, usize),
+        avx2: bool,
+        pool: &KernelPool,
+    ) -> Result<(), QuantError> {
         let n = kind.block_len();
-        debug_assert!(cols % n == 0 && x.len() == rows * cols);
+        assert!(cols % n == 0 && x.len() == rows * cols, "input shape");
         let blocks = rows * cols / n;
         self.rows = rows;
         self.cols = cols;
@@ -94,11 +103,55 @@ impl QuantizedRows {
         let k = kind == ActKind::Q8K;
         self.bsum16.resize(if k { blocks * 16 } else { 0 }, 0);
         self.bsum32.resize(if k { blocks * 8 } else { 0 }, 0);
-        for (b, (xb, qb)) in x
-            .chunks_exact(n)
-            .zip(self.qs.chunks_exact_mut(n))
-            .enumerate()
-        {
+        let out = Blocks {
+            qs: self.qs.as_mut_ptr(),
+            d: self.d.as_mut_ptr(),
+            sum: self.sum.as_mut_ptr(),
+            bsum: self.bsum.as_mut_ptr(),
+            bsum16: self.bsum16.as_mut_ptr(),
+            bsum32: self.bsum32.as_mut_ptr(),
+        };
+        // About 16K elements per task: enough to beat the hand-off.
+        let tasks = (rows * cols / (1 << 14)).clamp(1, rows);
+        pool.run(tasks, &|t| {
+            let range = t * blocks / tasks..(t + 1) * blocks / tasks;
+            // SAFETY: the tasks cover disjoint block ranges of buffers sized above, which
+            // `self` keeps alive and unborrowed until `run` returns.
+            unsafe { out.quantize(x, n, k, avx2, range) };
+        })
+    }
+}
+
+/// The output buffers of [`QuantizedRows::fill`], written block-range by block-range.
+struct Blocks {
+    qs: *mut i8,
+    d: *mut f32,
+    sum: *mut f32,
+    bsum: *mut i32,
+    bsum16: *mut i16,
+    bsum32: *mut i16,
+}
+
+// SAFETY: tasks write disjoint block ranges through it (see `fill`).
+unsafe impl Sync for Blocks {}
+
+impl Blocks {
+    /// Quantizes blocks `range` (of `n` elements; `k`: also the 16- and 32-element sums).
+    ///
+    /// # Safety
+    /// The buffers hold every block of `range`, and no one else touches those blocks.
+    unsafe fn quantize(
+        &self,
+        x: &[f32],
+        n: usize,
+        k: bool,
+        avx2: bool,
+        range: std::ops::Range<usize>,
+    ) {
+        for b in range {
+            let xb = &x[b * n..(b + 1) * n];
+            // SAFETY: block `b` is this task's (the function's contract).
+            let qb = unsafe { std::slice::from_raw_parts_mut(self.qs.add(b * n), n) };
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `avx2` is only set when the CPU has AVX2.
             let d = if avx2 {
@@ -112,21 +165,18 @@ impl QuantizedRows {
                 quantize_block(xb, qb)
             };
             let total: i32 = qb.iter().map(|&q| q as i32).sum();
-            self.d[b] = d;
-            self.bsum[b] = total;
-            self.sum[b] = d * total as f32;
-            if k {
-                for (s, q) in self.bsum16[b * 16..(b + 1) * 16]
-                    .iter_mut()
-                    .zip(qb.chunks(16))
-                {
-                    *s = q.iter().map(|&v| v as i16).sum();
-                }
-                for (s, q) in self.bsum32[b * 8..(b + 1) * 8]
-                    .iter_mut()
-                    .zip(qb.chunks(32))
-                {
-                    *s = q.iter().map(|&v| v as i16).sum();
+            // SAFETY: as above.
+            unsafe {
+                *self.d.add(b) = d;
+                *self.bsum.add(b) = total;
+                *self.sum.add(b) = d * total as f32;
+                if k {
+                    for (j, q) in qb.chunks(16).enumerate() {
+                        *self.bsum16.add(b * 16 + j) = q.iter().map(|&v| v as i16).sum();
+                    }
+                    for (j, q) in qb.chunks(32).enumerate() {
+                        *self.bsum32.add(b * 8 + j) = q.iter().map(|&v| v as i16).sum();
+                    }
                 }
             }
         }
@@ -214,7 +264,8 @@ mod tests {
     fn codes_round_to_nearest_and_scale_is_amax_over_127() {
         let x: Vec<f32> = (0..32).map(|i| (i as f32 - 15.5) * 0.25).collect();
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8, &x, 1, 32, false);
+        a.fill(ActKind::Q8, &x, (1, 32), false, &KernelPool::new(1))
+            .unwrap();
         let d = 3.875f32 / 127.0;
         assert_eq!(a.d[0], d);
         for (q, v) in a.qs.iter().zip(&x) {
@@ -231,9 +282,11 @@ mod tests {
         x[300] = f32::NAN;
         x[5] = f32::INFINITY;
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8K, &x, 1, 512, false);
+        a.fill(ActKind::Q8K, &x, (1, 512), false, &KernelPool::new(1))
+            .unwrap();
         assert!(a.d[0].is_nan() && a.d[1].is_nan());
-        a.fill(ActKind::Q8, &x, 1, 512, false);
+        a.fill(ActKind::Q8, &x, (1, 512), false, &KernelPool::new(1))
+            .unwrap();
         assert!(a.d[0].is_nan() && a.d[9].is_nan());
         assert_eq!(a.d[1], 1.0 / 127.0);
     }
@@ -244,7 +297,8 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8K, &x, 2, 256, false);
+        a.fill(ActKind::Q8K, &x, (2, 256), false, &KernelPool::new(1))
+            .unwrap();
         for b in 0..2 {
             for j in 0..16 {
                 let s: i32 = a.qs[b * 256 + j * 16..b * 256 + j * 16 + 16]
