@@ -249,25 +249,24 @@ pub(crate) fn f16_at(bytes: &[u8], at: usize) -> f32 {
 }
 
 impl IntBlock {
-    /// Assembles a block from its f16 scale bits, packed sub-scale bytes and unsigned codes.
-    pub(crate) fn assemble(format: BlockFormat, d: f32, d2: f32, scales: &[u8], u: &[u8]) -> Self {
+    /// Assembles a block from its scales, sub-block scales and mins, and unsigned codes.
+    pub(crate) fn assemble(
+        format: BlockFormat,
+        (d, d2): (f32, f32),
+        sc: [i8; 16],
+        m: [u8; 16],
+        u: &[u8],
+    ) -> Self {
         let spec = spec(format).expect("a quantized format");
-        let mut b = IntBlock {
-            q: [0; QK_K],
-            sc: [0; 16],
-            m: [0; 16],
-            d,
-            d2,
-        };
-        sub_scales(format, scales, &mut b.sc, &mut b.m);
-        for (q, &u) in b.q.iter_mut().zip(&u[..format.block_len()]) {
+        let mut q = [0i8; QK_K];
+        for (q, &u) in q.iter_mut().zip(&u[..format.block_len()]) {
             *q = if format == BlockFormat::Q8_0 {
                 u as i8
             } else {
                 (u as i32 - spec.offset) as i8
             };
         }
-        b
+        IntBlock { q, sc, m, d, d2 }
     }
 
     /// Decodes one plain ggml block (`block.len() == format.block_bytes()`).
@@ -276,8 +275,14 @@ impl IntBlock {
         let mut u = [0u8; QK_K];
         unpack_codes(format, block, &mut u);
         let d2 = spec.d2_at.map_or(0.0, |at| f16_at(block, at));
-        let scales = &block[spec.scales_at..spec.scales_at + spec.scale_bytes];
-        Self::assemble(format, f16_at(block, spec.d_at), d2, scales, &u)
+        let (mut sc, mut m) = ([0i8; 16], [0u8; 16]);
+        sub_scales(
+            format,
+            &block[spec.scales_at..spec.scales_at + spec.scale_bytes],
+            &mut sc,
+            &mut m,
+        );
+        Self::assemble(format, (f16_at(block, spec.d_at), d2), sc, m, &u)
     }
 
     /// The block's values, in the f32 operation order of ggml's dequantizers.

@@ -53,6 +53,7 @@ mod packed;
 pub mod pool;
 mod quantize;
 mod quantize_k;
+mod subscales;
 
 pub use activation::InputElem;
 pub use dequant::{dequantize, dequantize_bf16};

@@ -2,8 +2,8 @@
 //!
 //! Quantized rows are interleaved eight at a time (after llama.cpp's `repack.cpp`, in a
 //! layout of our own): for each group of [`GROUP_ROWS`] output rows and each block index, one
-//! *record* holds the eight rows' f16 scales side by side, their packed sub-block scales, and
-//! their codes as bit planes. A plane of width `w` stores, in each 32-byte chunk, `8 / w`
+//! *record* holds the eight rows' f16 scales side by side, their sub-block scales
+//! sub-block-major ([`super::subscales`]), and their codes as bit planes. A plane of width `w` stores, in each 32-byte chunk, `8 / w`
 //! slots; slot `s` of chunk `c` holds group-vector `g = s * (G / (8 / w)) + c` (`G` = block
 //! length / 4), and byte `4 l + i` of group-vector `g` is element `4 g + i` of row `l`. So one
 //! 32-byte load plus a shift and a mask gives four consecutive elements of eight rows: the
@@ -17,7 +17,7 @@
 use super::blocks::{self, spec, IntBlock};
 use super::dequant::check_lengths;
 use super::format::checked_mul;
-use super::{quantize, BlockFormat, QuantError};
+use super::{quantize, subscales, BlockFormat, QuantError};
 
 /// Output rows interleaved per record.
 pub const GROUP_ROWS: usize = 8;
@@ -27,7 +27,7 @@ pub const GROUP_ROWS: usize = 8;
 pub(crate) struct RecordLayout {
     /// Eight f16 `d`, then (if the format has one) eight f16 `m`/`dmin`.
     pub d2: Option<usize>,
-    /// Eight rows' packed sub-block scales, `scale_bytes` each.
+    /// Eight rows' sub-block scales, `scale_bytes` each, sub-block-major ([`super::subscales`]).
     pub scales: usize,
     pub scale_bytes: usize,
     /// Code planes: (byte offset, width in bits, position of its bits in the code).
@@ -246,8 +246,20 @@ fn pack_record<'a>(
         if let (Some(at), Some(d2)) = (spec.d2_at, layout.d2) {
             rec[d2 + 2 * l..d2 + 2 * l + 2].copy_from_slice(&block[at..at + 2]);
         }
-        let sb = layout.scale_bytes;
-        rec[layout.scales + l * sb..][..sb].copy_from_slice(&block[spec.scales_at..][..sb]);
+        let (mut sc, mut m) = ([0i8; 16], [0u8; 16]);
+        blocks::sub_scales(
+            format,
+            &block[spec.scales_at..][..layout.scale_bytes],
+            &mut sc,
+            &mut m,
+        );
+        subscales::put(
+            format,
+            &mut rec[layout.scales..][..GROUP_ROWS * layout.scale_bytes],
+            l,
+            &sc,
+            &m,
+        );
         blocks::unpack_codes(format, block, &mut u);
         for p in 0..layout.n_planes {
             let (_, w, dest) = layout.planes[p];
@@ -270,8 +282,15 @@ fn unpack_record_row(format: BlockFormat, layout: &RecordLayout, rec: &[u8], l: 
         }
     }
     let d2 = layout.d2.map_or(0.0, |at| blocks::f16_at(rec, at + 2 * l));
-    let scales = &rec[layout.scales + l * layout.scale_bytes..][..layout.scale_bytes];
-    IntBlock::assemble(format, blocks::f16_at(rec, 2 * l), d2, scales, &u)
+    let (mut sc, mut m) = ([0i8; 16], [0u8; 16]);
+    subscales::get(
+        format,
+        &rec[layout.scales..][..GROUP_ROWS * layout.scale_bytes],
+        l,
+        &mut sc,
+        &mut m,
+    );
+    IntBlock::assemble(format, (blocks::f16_at(rec, 2 * l), d2), sc, m, &u)
 }
 
 #[cfg(test)]

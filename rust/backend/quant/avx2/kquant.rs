@@ -1,7 +1,6 @@
 //! The AVX2 kernel of the K-quants (256-element super-blocks: Q2_K .. Q6_K).
 
 use super::*;
-use crate::backend::quant::blocks;
 
 /// Output features of groups `groups`, every row of `act` (Q8K blocks), into `out`.
 ///
@@ -51,31 +50,72 @@ unsafe fn decode<F: Fmt>(s: &mut Scratch, format: BlockFormat, rec: &[u8], layou
     }
     decode_codes::<F>(rec.as_ptr(), layout, 64, s.codes.as_mut_ptr());
     let subs = 64 / F::GPS;
-    let mut sc_pairs = [[0i16; 16]; 16];
-    let mut off_pairs = [[0i16; 16]; 8];
-    let (mut sc, mut m) = ([0i8; 16], [0u8; 16]);
-    for l in 0..GROUP_ROWS {
-        let raw = &rec[layout.scales + l * layout.scale_bytes..][..layout.scale_bytes];
-        blocks::sub_scales(format, raw, &mut sc, &mut m);
-        for j in 0..subs {
-            sc_pairs[j][2 * l] = sc[j] as i16;
-            sc_pairs[j][2 * l + 1] = sc[j] as i16;
-        }
-        for i in 0..subs / 2 {
-            let (x, y) = if F::MIN {
-                (m[2 * i] as i16, m[2 * i + 1] as i16)
-            } else {
-                (sc[2 * i] as i16, sc[2 * i + 1] as i16)
-            };
-            off_pairs[i][2 * l] = x;
-            off_pairs[i][2 * l + 1] = y;
-        }
+    let scales = rec[layout.scales..][..GROUP_ROWS * layout.scale_bytes].as_ptr();
+    // Lane l of each: row l's scale (or min) of sub-block j, as i16.
+    let mut sc = [_mm_setzero_si128(); 16];
+    let mut m = [_mm_setzero_si128(); 16];
+    for j in 0..subs {
+        (sc[j], m[j]) = sub_scale_lanes(format, scales, j);
     }
-    for (v, pairs) in s.scale_pairs.iter_mut().zip(&sc_pairs).take(subs) {
-        *v = _mm256_loadu_si256(pairs.as_ptr().cast());
+    let pairs = |a: __m128i, b: __m128i| {
+        _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b))
+    };
+    for j in 0..subs {
+        s.scale_pairs[j] = pairs(sc[j], sc[j]);
     }
-    for (v, pairs) in s.off_pairs.iter_mut().zip(&off_pairs).take(subs / 2) {
-        *v = _mm256_loadu_si256(pairs.as_ptr().cast());
+    let off = if F::MIN { &m } else { &sc };
+    for i in 0..subs / 2 {
+        s.off_pairs[i] = pairs(off[2 * i], off[2 * i + 1]);
+    }
+}
+
+/// Eight adjacent bytes, widened to i16 lanes (unsigned).
+#[inline(always)]
+unsafe fn bytes_u16(p: *const u8) -> __m128i {
+    _mm_cvtepu8_epi16(_mm_loadl_epi64(p.cast()))
+}
+
+/// `v >> n` in each i16 lane (n constant once inlined).
+#[inline(always)]
+unsafe fn shr16(v: __m128i, n: usize) -> __m128i {
+    _mm_srl_epi16(v, _mm_cvtsi32_si128(n as i32))
+}
+
+/// Sub-block `j`'s scales and mins of the eight rows, from the record's sub-block-major
+/// scale bytes (the layout [`crate::backend::quant::subscales`] documents).
+#[inline(always)]
+unsafe fn sub_scale_lanes(format: BlockFormat, s: *const u8, j: usize) -> (__m128i, __m128i) {
+    let low4 = _mm_set1_epi16(15);
+    let low2 = _mm_set1_epi16(3);
+    match format {
+        BlockFormat::Q2_K => {
+            let v = bytes_u16(s.add(8 * j));
+            (_mm_and_si128(v, low4), shr16(v, 4))
+        }
+        BlockFormat::Q6_K => (
+            _mm_cvtepi8_epi16(_mm_loadl_epi64(s.add(8 * j).cast())),
+            _mm_setzero_si128(),
+        ),
+        BlockFormat::Q3_K => {
+            let lo = _mm_and_si128(shr16(bytes_u16(s.add(8 * (j % 8))), 4 * (j / 8)), low4);
+            let hi = _mm_and_si128(shr16(bytes_u16(s.add(64 + 8 * (j % 4))), 2 * (j / 4)), low2);
+            let v = _mm_or_si128(lo, _mm_slli_epi16::<4>(hi));
+            (_mm_sub_epi16(v, _mm_set1_epi16(32)), _mm_setzero_si128())
+        }
+        _ => {
+            // Q4_K / Q5_K.
+            let lo = bytes_u16(s.add(8 * j));
+            let hi = shr16(bytes_u16(s.add(64 + 8 * (j % 4))), 4 * (j / 4));
+            let sc = _mm_or_si128(
+                _mm_and_si128(lo, low4),
+                _mm_slli_epi16::<4>(_mm_and_si128(hi, low2)),
+            );
+            let m = _mm_or_si128(
+                shr16(lo, 4),
+                _mm_slli_epi16::<4>(_mm_and_si128(shr16(hi, 2), low2)),
+            );
+            (sc, m)
+        }
     }
 }
 
