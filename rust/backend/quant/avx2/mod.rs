@@ -256,17 +256,20 @@ unsafe fn decode_plane(
 ) {
     let slots = (8 / w) as usize;
     let per_slot = vectors / slots;
-    let mask = _mm256_set1_epi8(((1u16 << w) - 1) as u8 as i8);
+    // The field's bits, already at their place in the code.
+    let mask = _mm256_set1_epi8((((1u16 << w) - 1) << dest) as u8 as i8);
     for c in 0..per_slot {
         let v = _mm256_loadu_si256(p.add(32 * c).cast());
         for s in 0..slots {
-            let x = _mm256_srl_epi16(v, _mm_cvtsi32_si128((s as u32 * w) as i32));
-            let x = _mm256_and_si256(x, mask);
-            let x = if dest > 0 {
-                _mm256_sll_epi16(x, _mm_cvtsi32_si128(dest as i32))
+            // One shift moves slot `s` (bits s*w..) to bit `dest`; a 16-bit shift leaks bits
+            // across the byte boundary only outside the field, which the mask drops.
+            let by = dest as i32 - (s as u32 * w) as i32;
+            let x = if by >= 0 {
+                _mm256_sll_epi16(v, _mm_cvtsi32_si128(by))
             } else {
-                x
+                _mm256_srl_epi16(v, _mm_cvtsi32_si128(-by))
             };
+            let x = _mm256_and_si256(x, mask);
             let slot = codes.add(s * per_slot + c);
             *slot = if first { x } else { _mm256_or_si256(*slot, x) };
         }
