@@ -14,6 +14,9 @@ use half::f16;
 use std::ops::Range;
 
 const LANES: usize = 16;
+/// Bytes of f32 input rows a long call keeps in L1 at a time.
+#[cfg(target_arch = "x86_64")]
+const X_BLOCK_BYTES: usize = 24 << 10;
 
 /// Element `i` of a float weight row, widened exactly.
 #[inline(always)]
@@ -119,19 +122,24 @@ mod avx2 {
             }
             c += LANES;
         }
-        std::array::from_fn(|r| {
-            let mut lanes = [0f32; LANES];
+        // Loops, not closures: intrinsics in a closure lack the caller's target features.
+        let mut lanes = [[0f32; LANES]; R];
+        for r in 0..R {
             // SAFETY: 16 floats, two stores of 8.
             unsafe {
-                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][0]);
-                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[r][1]);
+                _mm256_storeu_ps(lanes[r].as_mut_ptr(), acc[r][0]);
+                _mm256_storeu_ps(lanes[r].as_mut_ptr().add(8), acc[r][1]);
             }
-            let mut s = reduce(&lanes);
+        }
+        let mut sums = [0f32; R];
+        for r in 0..R {
+            let mut s = reduce(&lanes[r]);
             for (i, xi) in x[r].iter().enumerate().skip(full) {
                 s = widen(format, wrow, i).mul_add(*xi, s);
             }
-            s
-        })
+            sums[r] = s;
+        }
+        sums
     }
 
     /// [`float_outputs`] with AVX2, FMA and F16C.
@@ -150,27 +158,34 @@ mod avx2 {
         let format = w.format();
         let row_bytes = n * format.block_bytes();
         let xr = |r: usize| &x[r * n..(r + 1) * n];
-        for o in outputs {
-            let wrow = &w.bytes()[o * row_bytes..][..row_bytes];
-            let mut r = 0;
-            // SAFETY (each tile): AVX2, FMA and F16C are enabled here; this task owns feature `o`.
-            unsafe {
-                while r + 4 <= rows {
-                    let v = tile::<4>(format, wrow, [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)]);
-                    (0..4).for_each(|i| *out.at(r + i, o) = v[i]);
-                    r += 4;
-                }
-                match rows - r {
-                    3 => {
-                        let v = tile::<3>(format, wrow, [xr(r), xr(r + 1), xr(r + 2)]);
-                        (0..3).for_each(|i| *out.at(r + i, o) = v[i]);
+        // Long inputs go a block of rows at a time, the block small enough to stay in L1
+        // while the task's weight rows pass (each row then serves the whole block).
+        let block = (X_BLOCK_BYTES / (4 * n.max(1))).max(1).next_multiple_of(4);
+        for r0 in (0..rows).step_by(block) {
+            let r1 = rows.min(r0 + block);
+            for o in outputs.clone() {
+                let wrow = &w.bytes()[o * row_bytes..][..row_bytes];
+                let mut r = r0;
+                // SAFETY (each tile): AVX2, FMA and F16C are enabled here; this task owns
+                // feature `o`.
+                unsafe {
+                    while r + 4 <= r1 {
+                        let v = tile::<4>(format, wrow, [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)]);
+                        (0..4).for_each(|i| *out.at(r + i, o) = v[i]);
+                        r += 4;
                     }
-                    2 => {
-                        let v = tile::<2>(format, wrow, [xr(r), xr(r + 1)]);
-                        (0..2).for_each(|i| *out.at(r + i, o) = v[i]);
+                    match r1 - r {
+                        3 => {
+                            let v = tile::<3>(format, wrow, [xr(r), xr(r + 1), xr(r + 2)]);
+                            (0..3).for_each(|i| *out.at(r + i, o) = v[i]);
+                        }
+                        2 => {
+                            let v = tile::<2>(format, wrow, [xr(r), xr(r + 1)]);
+                            (0..2).for_each(|i| *out.at(r + i, o) = v[i]);
+                        }
+                        1 => *out.at(r, o) = tile::<1>(format, wrow, [xr(r)])[0],
+                        _ => {}
                     }
-                    1 => *out.at(r, o) = tile::<1>(format, wrow, [xr(r)])[0],
-                    _ => {}
                 }
             }
         }

@@ -73,7 +73,11 @@ unsafe fn tile_rows<F: Fmt, const R: usize>(
 ) {
     let ones = _mm256_set1_epi16(1);
     let offset = _mm_cvtsi32_si128(F::OFFSET);
-    let mut accv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(acc[r]));
+    // A loop, not a closure: intrinsics in a closure lack this function's target features.
+    let mut accv = [_mm256_setzero_ps(); R];
+    for r in 0..R {
+        accv[r] = _mm256_loadu_ps(acc[r]);
+    }
     for b in 0..nbk {
         let codes = s.codes.as_ptr().add(8 * b);
         let mut isum = [_mm256_setzero_si256(); R];
