@@ -239,20 +239,32 @@ mod avx2 {
         let id = _mm256_set1_ps(if d == 0.0 { 0.0 } else { 1.0 / d });
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (xc, qc) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)) {
-            let code = |i: usize| {
-                // SAFETY: eight floats of the 32.
-                let v = _mm256_mul_ps(unsafe { _mm256_loadu_ps(xc.as_ptr().add(8 * i)) }, id);
-                _mm256_cvtps_epi32(_mm256_round_ps::<
-                    { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
-                >(v))
+            // SAFETY: four times eight floats of the 32.
+            let (c0, c1, c2, c3) = unsafe {
+                let p = xc.as_ptr();
+                (
+                    codes8(p, id),
+                    codes8(p.add(8), id),
+                    codes8(p.add(16), id),
+                    codes8(p.add(24), id),
+                )
             };
-            let ab = _mm256_packs_epi32(code(0), code(1));
-            let cd = _mm256_packs_epi32(code(2), code(3));
+            let ab = _mm256_packs_epi32(c0, c1);
+            let cd = _mm256_packs_epi32(c2, c3);
             let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
             // SAFETY: 32 bytes.
             unsafe { _mm256_storeu_si256(qc.as_mut_ptr().cast(), bytes) };
         }
         d
+    }
+
+    /// `round_ties_even(x * id)` of the eight floats at `p`, as i32.
+    #[inline(always)]
+    unsafe fn codes8(p: *const f32, id: __m256) -> __m256i {
+        let v = _mm256_mul_ps(_mm256_loadu_ps(p), id);
+        _mm256_cvtps_epi32(_mm256_round_ps::<
+            { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+        >(v))
     }
 }
 

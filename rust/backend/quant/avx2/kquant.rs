@@ -54,19 +54,27 @@ unsafe fn decode<F: Fmt>(s: &mut Scratch, format: BlockFormat, rec: &[u8], layou
     // Lane l of each: row l's scale (or min) of sub-block j, as i16.
     let mut sc = [_mm_setzero_si128(); 16];
     let mut m = [_mm_setzero_si128(); 16];
-    for j in 0..subs {
-        (sc[j], m[j]) = sub_scale_lanes(format, scales, j);
+    for (j, (sc, m)) in sc.iter_mut().zip(&mut m).enumerate().take(subs) {
+        (*sc, *m) = sub_scale_lanes(format, scales, j);
     }
-    let pairs = |a: __m128i, b: __m128i| {
-        _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b))
-    };
-    for j in 0..subs {
-        s.scale_pairs[j] = pairs(sc[j], sc[j]);
+    for (v, &x) in s.scale_pairs.iter_mut().zip(&sc).take(subs) {
+        *v = pairs(x, x);
     }
     let off = if F::MIN { &m } else { &sc };
-    for i in 0..subs / 2 {
-        s.off_pairs[i] = pairs(off[2 * i], off[2 * i + 1]);
+    for (v, x) in s
+        .off_pairs
+        .iter_mut()
+        .zip(off.chunks_exact(2))
+        .take(subs / 2)
+    {
+        *v = pairs(x[0], x[1]);
     }
+}
+
+/// Lane `l` = `(a[l], b[l])` as two i16 (what `madd` pairs with two block sums).
+#[inline(always)]
+unsafe fn pairs(a: __m128i, b: __m128i) -> __m256i {
+    _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b))
 }
 
 /// Eight adjacent bytes, widened to i16 lanes (unsigned).
