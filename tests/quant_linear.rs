@@ -315,6 +315,13 @@ fn bad_arguments_are_errors() {
         linear(&p, &w, &x, usize::MAX, None, &mut out),
         Err(QuantError::Overflow { .. })
     ));
-    // Zero rows is a valid, empty call.
+    // Zero rows is a valid, empty call; zero in-features leave the bias.
     linear(&p, &w, &x[..0], 0, None, &mut out[..0]).unwrap();
+    for format in [BlockFormat::Q4_1, BlockFormat::Q6_K, BlockFormat::F16] {
+        let empty = PackedWeight::new(format, 8, 0, &[]).unwrap();
+        let bias: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let mut out = vec![f32::NAN; 16];
+        linear(&p, &empty, &x[..0], 2, Some(&bias), &mut out).unwrap();
+        assert_eq!(out, [&bias[..], &bias[..]].concat(), "{format}");
+    }
 }

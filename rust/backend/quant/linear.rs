@@ -89,6 +89,16 @@ pub fn linear<T: InputElem>(
     if rows == 0 || outf == 0 {
         return Ok(());
     }
+    if inf == 0 {
+        // Empty dot products: the output is the bias alone.
+        for row in out.chunks_exact_mut(outf) {
+            match bias {
+                Some(b) => row.copy_from_slice(b),
+                None => row.fill(0.0),
+            }
+        }
+        return Ok(());
+    }
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
         Ok(mut s) => {
             let (act, wide) = &mut *s;
