@@ -17,6 +17,7 @@ mod dtype;
 mod error;
 mod kernels;
 mod ledger;
+pub mod quant;
 mod traits;
 
 pub use cpu::{CpuBackend, HostView};

@@ -1,0 +1,328 @@
+//! Input rows quantized once per linear to 8-bit blocks, the form the integer dots read.
+//!
+//! - [`ActKind::Q8`] (legacy weight formats): 32-element blocks, `d = amax / 127`, codes
+//!   `round_ties_even(x / d)`; per block also `bsum = sum(q)` and `sum = d * bsum` (ggml's
+//!   Q8_0 and Q8_1 in one).
+//! - [`ActKind::Q8K`] (K-quant weights): 256-element blocks with the same rule, plus the sums
+//!   of each 16 and each 32 codes (ggml's Q8_K `bsums`).
+//!
+//! Invariants: a row's codes depend only on that row (never on the batch); `|q| <= 127`, so
+//! AVX2's `maddubs` never saturates on any weight code; a block holding a NaN or an infinity
+//! gets `d = NaN`, so the outputs it feeds are NaN rather than silently finite.
+
+use super::{KernelPool, QuantError};
+use half::bf16;
+
+/// Which 8-bit blocks a weight format's dot reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActKind {
+    Q8,
+    Q8K,
+}
+
+impl ActKind {
+    pub(crate) fn block_len(self) -> usize {
+        match self {
+            ActKind::Q8 => 32,
+            ActKind::Q8K => 256,
+        }
+    }
+}
+
+/// An input element: f32 or BF16 (widened exactly).
+pub trait InputElem: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+    /// The slice itself when it already is f32.
+    fn as_f32(x: &[Self]) -> Option<&[f32]> {
+        let _ = x;
+        None
+    }
+}
+
+impl InputElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn as_f32(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
+}
+
+impl InputElem for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+/// `rows` input rows of `cols` elements as 8-bit blocks (buffers reused between calls).
+#[derive(Debug, Default)]
+pub(crate) struct QuantizedRows {
+    pub rows: usize,
+    pub cols: usize,
+    pub kind: Option<ActKind>,
+    /// Codes, `[rows, cols]`.
+    pub qs: Vec<i8>,
+    /// Per block: scale, `d * sum(q)`, `sum(q)`.
+    pub d: Vec<f32>,
+    pub sum: Vec<f32>,
+    pub bsum: Vec<i32>,
+    /// Q8K: per block, the sums of each 16 and each 32 codes.
+    pub bsum16: Vec<i16>,
+    pub bsum32: Vec<i16>,
+}
+
+impl QuantizedRows {
+    /// Blocks per row.
+    pub(crate) fn blocks(&self) -> usize {
+        self.cols / self.kind.map_or(1, ActKind::block_len)
+    }
+
+    /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length), with
+    /// AVX2 when `avx2` (the CPU must have it; both give the same codes and scales), long
+    /// inputs spread over `pool`.
+    pub(crate) fn fill(
+        &mut self,
+        kind: ActKind,
+        x: &[f32],
+        (rows, cols): (usize, usize),
+        avx2: bool,
+        pool: &KernelPool,
+    ) -> Result<(), QuantError> {
+        let n = kind.block_len();
+        assert!(cols % n == 0 && x.len() == rows * cols, "input shape");
+        let blocks = rows * cols / n;
+        self.rows = rows;
+        self.cols = cols;
+        self.kind = Some(kind);
+        self.qs.resize(rows * cols, 0);
+        self.d.resize(blocks, 0.0);
+        self.sum.resize(blocks, 0.0);
+        self.bsum.resize(blocks, 0);
+        let k = kind == ActKind::Q8K;
+        self.bsum16.resize(if k { blocks * 16 } else { 0 }, 0);
+        self.bsum32.resize(if k { blocks * 8 } else { 0 }, 0);
+        let out = Blocks {
+            qs: self.qs.as_mut_ptr(),
+            d: self.d.as_mut_ptr(),
+            sum: self.sum.as_mut_ptr(),
+            bsum: self.bsum.as_mut_ptr(),
+            bsum16: self.bsum16.as_mut_ptr(),
+            bsum32: self.bsum32.as_mut_ptr(),
+        };
+        // About 16K elements per task: enough to beat the hand-off.
+        let tasks = (rows * cols / (1 << 14)).clamp(1, rows);
+        pool.run(tasks, &|t| {
+            let range = t * blocks / tasks..(t + 1) * blocks / tasks;
+            // SAFETY: the tasks cover disjoint block ranges of buffers sized above, which
+            // `self` keeps alive and unborrowed until `run` returns.
+            unsafe { out.quantize(x, n, k, avx2, range) };
+        })
+    }
+}
+
+/// The output buffers of [`QuantizedRows::fill`], written block-range by block-range.
+struct Blocks {
+    qs: *mut i8,
+    d: *mut f32,
+    sum: *mut f32,
+    bsum: *mut i32,
+    bsum16: *mut i16,
+    bsum32: *mut i16,
+}
+
+// SAFETY: tasks write disjoint block ranges through it (see `fill`).
+unsafe impl Sync for Blocks {}
+
+impl Blocks {
+    /// Quantizes blocks `range` (of `n` elements; `k`: also the 16- and 32-element sums).
+    ///
+    /// # Safety
+    /// The buffers hold every block of `range`, and no one else touches those blocks.
+    unsafe fn quantize(
+        &self,
+        x: &[f32],
+        n: usize,
+        k: bool,
+        avx2: bool,
+        range: std::ops::Range<usize>,
+    ) {
+        for b in range {
+            let xb = &x[b * n..(b + 1) * n];
+            // SAFETY: block `b` is this task's (the function's contract).
+            let qb = unsafe { std::slice::from_raw_parts_mut(self.qs.add(b * n), n) };
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `avx2` is only set when the CPU has AVX2.
+            let d = if avx2 {
+                unsafe { avx2::quantize_block(xb, qb) }
+            } else {
+                quantize_block(xb, qb)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let d = {
+                let _ = avx2;
+                quantize_block(xb, qb)
+            };
+            let total: i32 = qb.iter().map(|&q| q as i32).sum();
+            // SAFETY: as above.
+            unsafe {
+                *self.d.add(b) = d;
+                *self.bsum.add(b) = total;
+                *self.sum.add(b) = d * total as f32;
+                if k {
+                    for (j, q) in qb.chunks(16).enumerate() {
+                        *self.bsum16.add(b * 16 + j) = q.iter().map(|&v| v as i16).sum();
+                    }
+                    for (j, q) in qb.chunks(32).enumerate() {
+                        *self.bsum32.add(b * 8 + j) = q.iter().map(|&v| v as i16).sum();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One block: codes into `q`, the scale returned.
+#[inline]
+fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let mut amax = 0f32;
+    let mut finite = true;
+    for &v in x {
+        amax = amax.max(v.abs());
+        finite &= v.is_finite();
+    }
+    if !finite {
+        q.fill(0);
+        return f32::NAN;
+    }
+    let d = amax / 127.0;
+    let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+    for (q, v) in q.iter_mut().zip(x) {
+        // |v * id| <= 127 * (1 + 3 * 2^-24), which rounds to at most 127.
+        *q = (v * id).round_ties_even() as i8;
+    }
+    d
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// [`super::quantize_block`] eight lanes at a time: the same maximum (exact), the same
+    /// `x * id` products, and rounding to nearest even, so the same codes and scale.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `x.len() == q.len()` is a multiple of 32.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+        assert!(x.len() == q.len() && x.len() % 32 == 0);
+        let sign = _mm256_set1_ps(-0.0);
+        let inf = _mm256_set1_ps(f32::INFINITY);
+        let (mut amax, mut bad) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for c in x.chunks_exact(8) {
+            // SAFETY: eight floats.
+            let a = _mm256_andnot_ps(sign, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+            amax = _mm256_max_ps(amax, a);
+            // Not below infinity: an infinity or a NaN.
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf));
+        }
+        if _mm256_movemask_ps(bad) != 0 {
+            q.fill(0);
+            return f32::NAN;
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), amax) };
+        let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d == 0.0 { 0.0 } else { 1.0 / d });
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (xc, qc) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)) {
+            // SAFETY: four times eight floats of the 32.
+            let (c0, c1, c2, c3) = unsafe {
+                let p = xc.as_ptr();
+                (
+                    codes8(p, id),
+                    codes8(p.add(8), id),
+                    codes8(p.add(16), id),
+                    codes8(p.add(24), id),
+                )
+            };
+            let ab = _mm256_packs_epi32(c0, c1);
+            let cd = _mm256_packs_epi32(c2, c3);
+            let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+            // SAFETY: 32 bytes.
+            unsafe { _mm256_storeu_si256(qc.as_mut_ptr().cast(), bytes) };
+        }
+        d
+    }
+
+    /// `round_ties_even(x * id)` of the eight floats at `p`, as i32.
+    #[inline(always)]
+    unsafe fn codes8(p: *const f32, id: __m256) -> __m256i {
+        let v = _mm256_mul_ps(_mm256_loadu_ps(p), id);
+        _mm256_cvtps_epi32(_mm256_round_ps::<
+            { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+        >(v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_to_nearest_and_scale_is_amax_over_127() {
+        let x: Vec<f32> = (0..32).map(|i| (i as f32 - 15.5) * 0.25).collect();
+        let mut a = QuantizedRows::default();
+        a.fill(ActKind::Q8, &x, (1, 32), false, &KernelPool::new(1))
+            .unwrap();
+        let d = 3.875f32 / 127.0;
+        assert_eq!(a.d[0], d);
+        for (q, v) in a.qs.iter().zip(&x) {
+            assert!((*q as f32 * d - v).abs() <= d / 2.0 * 1.0001, "{q} vs {v}");
+        }
+        assert_eq!(a.qs[0], -127);
+        assert_eq!(a.qs[31], 127);
+        assert_eq!(a.bsum[0], a.qs.iter().map(|&q| q as i32).sum::<i32>());
+    }
+
+    #[test]
+    fn non_finite_blocks_get_a_nan_scale() {
+        let mut x = vec![1.0f32; 512];
+        x[300] = f32::NAN;
+        x[5] = f32::INFINITY;
+        let mut a = QuantizedRows::default();
+        a.fill(ActKind::Q8K, &x, (1, 512), false, &KernelPool::new(1))
+            .unwrap();
+        assert!(a.d[0].is_nan() && a.d[1].is_nan());
+        a.fill(ActKind::Q8, &x, (1, 512), false, &KernelPool::new(1))
+            .unwrap();
+        assert!(a.d[0].is_nan() && a.d[9].is_nan());
+        assert_eq!(a.d[1], 1.0 / 127.0);
+    }
+
+    #[test]
+    fn k_sums_cover_their_codes() {
+        let x: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut a = QuantizedRows::default();
+        a.fill(ActKind::Q8K, &x, (2, 256), false, &KernelPool::new(1))
+            .unwrap();
+        for b in 0..2 {
+            for j in 0..16 {
+                let s: i32 = a.qs[b * 256 + j * 16..b * 256 + j * 16 + 16]
+                    .iter()
+                    .map(|&q| q as i32)
+                    .sum();
+                assert_eq!(a.bsum16[b * 16 + j] as i32, s);
+            }
+            for j in 0..8 {
+                let pair = a.bsum16[b * 16 + 2 * j] + a.bsum16[b * 16 + 2 * j + 1];
+                assert_eq!(a.bsum32[b * 8 + j], pair);
+            }
+        }
+    }
+}

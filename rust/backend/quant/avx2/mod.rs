@@ -1,0 +1,379 @@
+//! The AVX2 quantized dot: eight output features per register, read from packed records.
+//!
+//! Design (after llama.cpp's repacked AVX2 GEMV/GEMM, written independently): a record of
+//! eight rows is decoded once into an L1 scratch of *group-vectors* (32 unsigned codes: four
+//! consecutive elements of each of the eight rows), then every input row of the call reads
+//! it: per group-vector, the row's four matching activation codes are broadcast, `maddubs`
+//! multiplies and adds pairs (unsigned weight code x signed activation, never saturating:
+//! see the bounds below), a few products are summed in i16, and `madd` with the sub-block
+//! scale (or with ones) pairs them into i32 lane `l` = output `8 g + l`. Offsets (Q4_0's 8,
+//! Q6_K's 32, ...) and K-quant mins come from the activation block sums. So each weight byte
+//! is loaded from memory once per call whatever the number of rows, rows are taken four at a
+//! time to share each loaded group-vector, and no horizontal sum is ever needed.
+//!
+//! The i32 sums equal the portable path's exactly (integers), and the float epilogue runs the
+//! same f32 operations (fused multiply-adds included) in the same order
+//! ([`super::dot_portable`]), so results are bit-identical. i16 bounds (`|qa| <= 127`): 4-bit codes 8 products of `2 * 15 * 127`
+//! (30480), 5-bit 4 of `2 * 31 * 127` (31496), 6-bit 2 of `2 * 63 * 127` (32004), 3-bit 4 of
+//! `2 * 7 * 127`; Q8_0 uses `|w| x sign(qa, w)`, at most `2 * 128 * 127` (32512) per pair.
+
+use super::activation::QuantizedRows;
+use super::linear::OutMatrix;
+use super::packed::{RecordLayout, GROUP_ROWS};
+use super::{BlockFormat, PackedWeight};
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+mod kquant;
+mod legacy;
+
+/// One decoded chunk of a group: a K-quant super-block, or up to 8 legacy blocks (4 for Q8_0).
+#[repr(C)]
+struct Scratch {
+    /// Group-vectors of unsigned codes (Q8_0: |w| in 0..32, w in 32..64).
+    codes: [__m256i; 64],
+    /// K-quants: per sub-block, lane `l` = `(sc_j[l], sc_j[l])` as i16.
+    scale_pairs: [__m256i; 16],
+    /// K-quants: lane `l` = `(x_{2i}[l], x_{2i+1}[l])`, x = mins (KMin) or scales (KSym).
+    off_pairs: [__m256i; 8],
+    /// Per block of the chunk: the eight rows' `d` and `m`/`dmin`.
+    d: [__m256; 8],
+    d2: [__m256; 8],
+}
+
+impl Scratch {
+    fn new() -> Box<Scratch> {
+        // SAFETY: all-zero bytes are valid SIMD values.
+        Box::new(unsafe { std::mem::zeroed() })
+    }
+}
+
+/// A format's shape as the kernels need it (zero-sized types below, one per format).
+trait Fmt {
+    /// Products summed in i16 before `madd` (bounded by the code width: see the module doc).
+    const TERMS: usize;
+    /// Width of the first code plane, and width and bit position of the second (0: none).
+    const W1: u32;
+    const W2: u32 = 0;
+    const D2: u32 = 0;
+    /// Legacy formats: Q8_0's signed codes; a min (`m`); the code offset `2^OFFSET` (0: none).
+    const Q8: bool = false;
+    const AFFINE: bool = false;
+    const OFFSET: i32 = 0;
+    /// K-quants: group-vectors per sub-block (4: 16 elements, 8: 32); mins (else the code
+    /// offset is `2^SHIFT`, applied through the sub-block scales).
+    const GPS: usize = 8;
+    const MIN: bool = false;
+    const SHIFT: i32 = 0;
+}
+
+#[allow(non_camel_case_types)]
+mod formats {
+    use super::Fmt;
+    pub struct Q4_0;
+    pub struct Q4_1;
+    pub struct Q5_0;
+    pub struct Q5_1;
+    pub struct Q8_0;
+    pub struct Q2_K;
+    pub struct Q3_K;
+    pub struct Q4_K;
+    pub struct Q5_K;
+    pub struct Q6_K;
+    impl Fmt for Q4_0 {
+        const TERMS: usize = 8;
+        const W1: u32 = 4;
+        const OFFSET: i32 = 3;
+    }
+    impl Fmt for Q4_1 {
+        const TERMS: usize = 8;
+        const W1: u32 = 4;
+        const AFFINE: bool = true;
+    }
+    impl Fmt for Q5_0 {
+        const TERMS: usize = 4;
+        const W1: u32 = 4;
+        const W2: u32 = 1;
+        const D2: u32 = 4;
+        const OFFSET: i32 = 4;
+    }
+    impl Fmt for Q5_1 {
+        const TERMS: usize = 4;
+        const W1: u32 = 4;
+        const W2: u32 = 1;
+        const D2: u32 = 4;
+        const AFFINE: bool = true;
+    }
+    impl Fmt for Q8_0 {
+        const TERMS: usize = 1;
+        const W1: u32 = 8;
+        const Q8: bool = true;
+    }
+    impl Fmt for Q2_K {
+        const TERMS: usize = 4;
+        const W1: u32 = 2;
+        const GPS: usize = 4;
+        const MIN: bool = true;
+    }
+    impl Fmt for Q3_K {
+        const TERMS: usize = 4;
+        const W1: u32 = 2;
+        const W2: u32 = 1;
+        const D2: u32 = 2;
+        const GPS: usize = 4;
+        const SHIFT: i32 = 2;
+    }
+    impl Fmt for Q4_K {
+        const TERMS: usize = 8;
+        const W1: u32 = 4;
+        const MIN: bool = true;
+    }
+    impl Fmt for Q5_K {
+        const TERMS: usize = 4;
+        const W1: u32 = 4;
+        const W2: u32 = 1;
+        const D2: u32 = 4;
+        const MIN: bool = true;
+    }
+    impl Fmt for Q6_K {
+        const TERMS: usize = 2;
+        const W1: u32 = 4;
+        const W2: u32 = 2;
+        const D2: u32 = 4;
+        const GPS: usize = 4;
+        const SHIFT: i32 = 5;
+    }
+}
+
+/// Output features of groups `groups`, every row of `act`, into `out` (no bias).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `act` must hold the blocks `w` reads
+/// (Q8 for legacy formats, Q8K for K-quants) of `w.in_features()` columns.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quant_groups(
+    w: &PackedWeight,
+    act: &QuantizedRows,
+    groups: Range<usize>,
+    out: OutMatrix,
+) {
+    use formats::*;
+    use BlockFormat as F;
+    // SAFETY (all calls below): forwarded from this function's contract.
+    unsafe {
+        match w.format() {
+            F::Q4_0 => legacy::run::<Q4_0>(w, act, groups, out),
+            F::Q4_1 => legacy::run::<Q4_1>(w, act, groups, out),
+            F::Q5_0 => legacy::run::<Q5_0>(w, act, groups, out),
+            F::Q5_1 => legacy::run::<Q5_1>(w, act, groups, out),
+            F::Q8_0 => legacy::run::<Q8_0>(w, act, groups, out),
+            F::Q2_K => kquant::run::<Q2_K>(w, act, groups, out),
+            F::Q3_K => kquant::run::<Q3_K>(w, act, groups, out),
+            F::Q4_K => kquant::run::<Q4_K>(w, act, groups, out),
+            F::Q5_K => kquant::run::<Q5_K>(w, act, groups, out),
+            F::Q6_K => kquant::run::<Q6_K>(w, act, groups, out),
+            F::F32 | F::F16 | F::BF16 => unreachable!("float formats use the float dot"),
+        }
+    }
+}
+
+/// Row `r`'s activation blocks from block `b` on.
+#[derive(Clone, Copy)]
+struct Act {
+    qa: *const i8,
+    d: *const f32,
+    sum: *const f32,
+    bsum: *const i32,
+    bsum16: *const i16,
+    bsum32: *const i16,
+}
+
+impl Act {
+    /// Every row of `act` from its first block (bounds checked here; kernels stay in a row).
+    fn rows(act: &QuantizedRows) -> Vec<Act> {
+        let nb = act.blocks();
+        let k = !act.bsum16.is_empty();
+        (0..act.rows)
+            .map(|r| {
+                let i = r * nb;
+                Act {
+                    qa: act.qs[i * (act.cols / nb)..].as_ptr(),
+                    d: act.d[i..].as_ptr(),
+                    sum: act.sum[i..].as_ptr(),
+                    bsum: act.bsum[i..].as_ptr(),
+                    bsum16: if k {
+                        act.bsum16[i * 16..].as_ptr()
+                    } else {
+                        std::ptr::null()
+                    },
+                    bsum32: if k {
+                        act.bsum32[i * 8..].as_ptr()
+                    } else {
+                        std::ptr::null()
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// The same row from block `b` (blocks of `n` codes).
+    #[inline(always)]
+    fn at_block(self, b: usize, n: usize) -> Act {
+        Act {
+            qa: self.qa.wrapping_add(b * n),
+            d: self.d.wrapping_add(b),
+            sum: self.sum.wrapping_add(b),
+            bsum: self.bsum.wrapping_add(b),
+            bsum16: self.bsum16.wrapping_add(16 * b),
+            bsum32: self.bsum32.wrapping_add(8 * b),
+        }
+    }
+}
+
+/// Four activation codes broadcast to every lane.
+#[inline(always)]
+unsafe fn bcast4(p: *const i8) -> __m256i {
+    _mm256_set1_epi32(p.cast::<i32>().read_unaligned())
+}
+
+/// The eight f16 at `p` as f32.
+#[inline(always)]
+unsafe fn f16x8(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+}
+
+/// Decodes one plane of `w`-bit fields at `p` into `vectors` group-vectors at `codes`, at bit
+/// `dest` of each code; the first plane stores, later ones OR into what is there. Always
+/// inlined with constant widths, so the shifts and loops resolve at compile time.
+#[inline(always)]
+unsafe fn decode_plane(
+    p: *const u8,
+    w: u32,
+    dest: u32,
+    first: bool,
+    vectors: usize,
+    codes: *mut __m256i,
+) {
+    let slots = (8 / w) as usize;
+    let per_slot = vectors / slots;
+    // The field's bits, already at their place in the code.
+    let mask = _mm256_set1_epi8((((1u16 << w) - 1) << dest) as u8 as i8);
+    for c in 0..per_slot {
+        let v = _mm256_loadu_si256(p.add(32 * c).cast());
+        for s in 0..slots {
+            // One shift moves slot `s` (bits s*w..) to bit `dest`; a 16-bit shift leaks bits
+            // across the byte boundary only outside the field, which the mask drops.
+            let by = dest as i32 - (s as u32 * w) as i32;
+            let x = if by >= 0 {
+                _mm256_sll_epi16(v, _mm_cvtsi32_si128(by))
+            } else {
+                _mm256_srl_epi16(v, _mm_cvtsi32_si128(-by))
+            };
+            let x = _mm256_and_si256(x, mask);
+            let slot = codes.add(s * per_slot + c);
+            *slot = if first { x } else { _mm256_or_si256(*slot, x) };
+        }
+    }
+}
+
+/// Decodes a record's codes (`vectors` group-vectors) into `codes`.
+#[inline(always)]
+unsafe fn decode_codes<F: Fmt>(
+    rec: *const u8,
+    layout: &RecordLayout,
+    vectors: usize,
+    codes: *mut __m256i,
+) {
+    decode_plane(rec.add(layout.planes[0].0), F::W1, 0, true, vectors, codes);
+    if F::W2 > 0 {
+        decode_plane(
+            rec.add(layout.planes[1].0),
+            F::W2,
+            F::D2,
+            false,
+            vectors,
+            codes,
+        );
+    }
+}
+
+/// Input rows per tile: their activations (up to 32 x in_features bytes) stay in L1/L2 while
+/// the task's groups pass, and the weights are decoded once per tile.
+const ROW_TILE: usize = 32;
+
+/// The running sums of one group for one tile of rows, contiguous (the output's rows are
+/// `out_features` floats apart, which would put every row's sums in the same few L1 sets).
+struct Accumulators {
+    sums: Vec<[f32; GROUP_ROWS]>,
+}
+
+/// Every (row tile, group) pair, row tiles outermost.
+fn tiles(rows: usize, groups: Range<usize>) -> impl Iterator<Item = (Range<usize>, usize)> {
+    (0..rows).step_by(ROW_TILE).flat_map(move |r0| {
+        let tile = r0..rows.min(r0 + ROW_TILE);
+        groups.clone().map(move |g| (tile.clone(), g))
+    })
+}
+
+impl Accumulators {
+    fn new(rows: usize) -> Self {
+        Accumulators {
+            sums: vec![[0.0; GROUP_ROWS]; rows.min(ROW_TILE)],
+        }
+    }
+
+    /// Zeroes the sums before a (row tile, group) pair.
+    #[inline(always)]
+    fn zero(&mut self) {
+        self.sums.fill([0.0; GROUP_ROWS]);
+    }
+
+    #[inline(always)]
+    fn at(&mut self, r: usize) -> *mut f32 {
+        self.sums[r].as_mut_ptr()
+    }
+
+    /// Copies the tile's sums to group `g`'s outputs.
+    #[inline(always)]
+    unsafe fn store(&self, out: OutMatrix, tile: Range<usize>, g: usize) {
+        for (i, r) in tile.enumerate() {
+            // SAFETY: the caller owns these eight outputs of row `r`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.sums[i].as_ptr(),
+                    out.at(r, g * GROUP_ROWS),
+                    GROUP_ROWS,
+                )
+            };
+        }
+    }
+}
+
+/// Runs `$body` with const `$R` over the rows four at a time (4, then the 1..3 left over).
+macro_rules! row_tiles {
+    ($rows:expr, |$r0:ident, $R:ident| $body:expr) => {{
+        let rows = $rows;
+        let mut $r0 = 0;
+        while $r0 + 4 <= rows {
+            const $R: usize = 4;
+            $body;
+            $r0 += 4;
+        }
+        match rows - $r0 {
+            3 => {
+                const $R: usize = 3;
+                $body
+            }
+            2 => {
+                const $R: usize = 2;
+                $body
+            }
+            1 => {
+                const $R: usize = 1;
+                $body
+            }
+            _ => {}
+        }
+    }};
+}
+use row_tiles;

@@ -1,0 +1,436 @@
+//! [`KernelPool`]: a small persistent thread pool for kernels whose work is tens of microseconds.
+//!
+//! `threads - 1` workers plus the calling thread, which always takes a share, so the pool never
+//! runs more threads than it was given (the number of cores by default). A call publishes one
+//! job (a closure over task indices); every participant claims tasks from one atomic counter
+//! until none are left. Idle workers spin for [`KernelPool::spin`] before sleeping on a
+//! condition variable, so back-to-back calls (the linears of one forward pass) find them awake.
+//!
+//! Invariants:
+//! - The caller never waits for a worker that has not started: a job is *closed* when the
+//!   caller runs out of tasks, a worker joins only an open job, and the caller waits only for
+//!   workers that joined. A descheduled worker costs nothing but its share of the tasks.
+//! - A job's closure outlives every use: the caller returns only after every joined worker
+//!   has left, even when a task panicked (the panic becomes an error).
+//! - A call made while the pool is busy (another thread, or a task calling back into the pool)
+//!   runs inline on the calling thread: no deadlock, no extra threads.
+
+use super::QuantError;
+use std::any::Any;
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Arc, Condvar, Mutex, TryLockError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Instruction sets the kernels can use, detected at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, every CPU: the definition the others match bit for bit.
+    Portable,
+    /// x86-64 with AVX2, FMA and F16C.
+    Avx2,
+}
+
+impl Isa {
+    /// The best this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx2;
+        }
+        Isa::Portable
+    }
+}
+
+/// The state word: epoch (high 32 bits), closed flag (bit 31), joined workers (low 31 bits).
+const CLOSED: u64 = 1 << 31;
+const ACTIVE: u64 = CLOSED - 1;
+
+fn epoch(s: u64) -> u64 {
+    s >> 32
+}
+
+type Job = *const (dyn Fn(usize) + Sync + 'static);
+
+struct Shared {
+    state: AtomicU64,
+    /// Written by the publisher before it opens a job; read by workers that joined it.
+    job: UnsafeCell<Job>,
+    next: AtomicUsize,
+    tasks: AtomicUsize,
+    panicked: Mutex<Option<String>>,
+    sleepers: AtomicUsize,
+    sleep: Mutex<()>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+    spin: Duration,
+}
+
+// SAFETY: `job` is written only by the thread holding `KernelPool::busy`, before the Release
+// store that opens the job, and read only by workers that joined that job (Acquire), while the
+// publisher waits for them; every other field is an atomic or a lock.
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+fn panic_message(p: Box<dyn Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+impl Shared {
+    /// Claims and runs tasks until none are left; a panic is recorded, not propagated.
+    fn run_tasks(&self, job: &(dyn Fn(usize) + Sync)) {
+        let n = self.tasks.load(Relaxed);
+        let result = catch_unwind(AssertUnwindSafe(|| loop {
+            let t = self.next.fetch_add(1, Relaxed);
+            if t >= n {
+                break;
+            }
+            job(t);
+        }));
+        if let Err(p) = result {
+            // Let the others stop early.
+            self.next.store(usize::MAX / 2, Relaxed);
+            *self.panicked.lock().unwrap_or_else(|e| e.into_inner()) = Some(panic_message(p));
+        }
+    }
+
+    fn worker(&self) {
+        let mut seen = epoch(self.state.load(Acquire));
+        loop {
+            if !self.wait_for_job(seen) {
+                return;
+            }
+            let mut s = self.state.load(Acquire);
+            seen = epoch(s);
+            // Join the job unless the caller has already closed it.
+            while epoch(s) == seen && s & CLOSED == 0 {
+                match self.state.compare_exchange_weak(s, s + 1, Acquire, Acquire) {
+                    Ok(_) => {
+                        // SAFETY: joined an open job: the publisher wrote `job` before opening
+                        // it and keeps the closure alive until this worker leaves below.
+                        let job = unsafe { &**self.job.get() };
+                        self.run_tasks(job);
+                        self.state.fetch_sub(1, Release);
+                        break;
+                    }
+                    Err(now) => s = now,
+                }
+            }
+        }
+    }
+
+    /// Spins, then sleeps, until the epoch moves past `seen`; false on shutdown.
+    fn wait_for_job(&self, seen: u64) -> bool {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while epoch(self.state.load(Acquire)) == seen {
+            if self.shutdown.load(Relaxed) {
+                return false;
+            }
+            std::hint::spin_loop();
+            spins += 1;
+            if spins % 256 == 0 && start.elapsed() >= self.spin {
+                let mut guard = self.sleep.lock().unwrap_or_else(|e| e.into_inner());
+                self.sleepers.fetch_add(1, SeqCst);
+                while epoch(self.state.load(SeqCst)) == seen && !self.shutdown.load(SeqCst) {
+                    guard = self.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
+                }
+                self.sleepers.fetch_sub(1, SeqCst);
+            }
+        }
+        !self.shutdown.load(Relaxed)
+    }
+}
+
+/// A persistent pool of `threads - 1` workers plus the calling thread (see the module doc).
+pub struct KernelPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    busy: Mutex<()>,
+    isa: Isa,
+}
+
+impl KernelPool {
+    /// How long an idle worker spins before it sleeps.
+    pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+
+    /// A pool of `threads` participants (at least 1) using the best instruction set here.
+    pub fn new(threads: usize) -> Self {
+        Self::with_options(threads, Isa::detect(), Self::DEFAULT_SPIN)
+    }
+
+    /// A pool of `threads` participants, kernels limited to `isa` (clamped to what the CPU
+    /// has), idle workers spinning for `spin` before they sleep.
+    pub fn with_options(threads: usize, isa: Isa, spin: Duration) -> Self {
+        let isa = if Isa::detect() == Isa::Avx2 {
+            isa
+        } else {
+            Isa::Portable
+        };
+        let shared = Arc::new(Shared {
+            state: AtomicU64::new(0),
+            job: UnsafeCell::new(std::ptr::null::<fn(usize)>() as Job),
+            next: AtomicUsize::new(0),
+            tasks: AtomicUsize::new(0),
+            panicked: Mutex::new(None),
+            sleepers: AtomicUsize::new(0),
+            sleep: Mutex::new(()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            spin,
+        });
+        let workers = (1..threads.max(1))
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("specdraft-kernel-{i}"))
+                    .spawn(move || s.worker())
+                    .expect("spawning a kernel worker thread")
+            })
+            .collect();
+        KernelPool {
+            shared,
+            workers,
+            busy: Mutex::new(()),
+            isa,
+        }
+    }
+
+    /// A pool with one participant per available core.
+    pub fn per_core() -> Self {
+        Self::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
+
+    /// Participants, the calling thread included.
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// The instruction set the kernels use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// How long idle workers spin before sleeping.
+    pub fn spin(&self) -> Duration {
+        self.shared.spin
+    }
+
+    /// Runs `f(0) .. f(tasks - 1)`, each exactly once, spread over the pool; returns when all
+    /// are done. A panicking task becomes [`QuantError::TaskPanicked`].
+    pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) -> Result<(), QuantError> {
+        let inline = || {
+            catch_unwind(AssertUnwindSafe(|| (0..tasks).for_each(f)))
+                .map_err(|p| QuantError::TaskPanicked(panic_message(p)))
+        };
+        if self.workers.is_empty() || tasks <= 1 {
+            return inline();
+        }
+        let _guard = match self.busy.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return inline(),
+        };
+        let sh = &*self.shared;
+        // SAFETY: the closure is only used until every joined worker has left (below), which
+        // happens before this function returns, so erasing its lifetime is sound.
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        // SAFETY: no worker reads `job` now: the previous job is closed with no one joined.
+        unsafe { *sh.job.get() = job };
+        sh.tasks.store(tasks, Relaxed);
+        sh.next.store(0, Relaxed);
+        let s = sh.state.load(Relaxed);
+        sh.state.store((epoch(s) + 1) << 32, SeqCst);
+        if sh.sleepers.load(SeqCst) > 0 {
+            let _g = sh.sleep.lock().unwrap_or_else(|e| e.into_inner());
+            sh.wake.notify_all();
+        }
+        sh.run_tasks(f);
+        sh.state.fetch_or(CLOSED, AcqRel);
+        let mut spins = 0u32;
+        while sh.state.load(Acquire) & ACTIVE != 0 {
+            spins += 1;
+            if spins < 1 << 12 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        match sh.panicked.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(msg) => Err(QuantError::TaskPanicked(msg)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Default for KernelPool {
+    fn default() -> Self {
+        Self::per_core()
+    }
+}
+
+impl Drop for KernelPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, SeqCst);
+        {
+            let _g = self.shared.sleep.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for KernelPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelPool")
+            .field("threads", &self.threads())
+            .field("isa", &self.isa)
+            .field("spin", &self.shared.spin)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn every_task_runs_exactly_once() {
+        let pool = KernelPool::with_options(3, Isa::Portable, Duration::from_micros(50));
+        for tasks in [0, 1, 2, 7, 100] {
+            for round in 0..50 {
+                let hits: Vec<AtomicU32> = (0..tasks).map(|_| AtomicU32::new(0)).collect();
+                pool.run(tasks, &|t| {
+                    hits[t].fetch_add(1, Relaxed);
+                })
+                .unwrap();
+                assert!(
+                    hits.iter().all(|h| h.load(Relaxed) == 1),
+                    "tasks={tasks} round={round}"
+                );
+                if round % 10 == 0 {
+                    // Let the workers fall asleep, so the wake-up path runs too.
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+            }
+        }
+        // Many tiny tasks, all threads claiming at once: a claim that is not atomic shows up
+        // as a task run twice or never.
+        let hits: Vec<AtomicU32> = (0..200_000).map(|_| AtomicU32::new(0)).collect();
+        pool.run(hits.len(), &|t| {
+            hits[t].fetch_add(1, Relaxed);
+        })
+        .unwrap();
+        let wrong = hits.iter().filter(|h| h.load(Relaxed) != 1).count();
+        assert_eq!(wrong, 0, "tasks not run exactly once");
+    }
+
+    #[test]
+    fn a_panicking_task_is_an_error_and_the_pool_keeps_working() {
+        let pool = KernelPool::with_options(2, Isa::Portable, Duration::from_micros(50));
+        let err = pool
+            .run(16, &|t| {
+                if t == 5 {
+                    panic!("task five failed");
+                }
+            })
+            .unwrap_err();
+        assert_eq!(err, QuantError::TaskPanicked("task five failed".into()));
+        let count = AtomicU32::new(0);
+        pool.run(16, &|_| {
+            count.fetch_add(1, Relaxed);
+        })
+        .unwrap();
+        assert_eq!(count.load(Relaxed), 16);
+    }
+
+    #[test]
+    fn nested_and_concurrent_calls_run_inline() {
+        let pool = Arc::new(KernelPool::with_options(2, Isa::Portable, Duration::ZERO));
+        let total = AtomicU32::new(0);
+        pool.run(4, &|_| {
+            pool.run(3, &|_| {
+                total.fetch_add(1, Relaxed);
+            })
+            .unwrap();
+        })
+        .unwrap();
+        assert_eq!(total.load(Relaxed), 12);
+        let handles: Vec<_> = (0..3)
+            .map(|_| {
+                let p = pool.clone();
+                std::thread::spawn(move || {
+                    let n = AtomicU32::new(0);
+                    for _ in 0..200 {
+                        p.run(5, &|_| {
+                            n.fetch_add(1, Relaxed);
+                        })
+                        .unwrap();
+                    }
+                    n.load(Relaxed)
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), 1000);
+        }
+    }
+
+    #[test]
+    fn workers_that_wake_late_never_join_a_finished_job() {
+        // Workers that sleep at once wake long after the caller has run short jobs alone; if
+        // one joined such a job after the caller returned, the state word would go wrong and
+        // later calls would hang or lose tasks. A watchdog turns a hang into a failure.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let pool = KernelPool::with_options(3, Isa::Portable, Duration::ZERO);
+            let count = AtomicU32::new(0);
+            for _ in 0..20_000 {
+                pool.run(2, &|_| {
+                    count.fetch_add(1, Relaxed);
+                })
+                .unwrap();
+            }
+            tx.send(count.load(Relaxed)).unwrap();
+        });
+        let count = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the pool hung");
+        assert_eq!(count, 40_000);
+    }
+
+    #[test]
+    fn run_returns_only_after_every_task_has_finished() {
+        let pool = KernelPool::with_options(2, Isa::Portable, Duration::from_millis(5));
+        let caller = std::thread::current().id();
+        let on_worker = AtomicU32::new(0);
+        for round in 0..20 {
+            let done = AtomicU32::new(0);
+            pool.run(8, &|_| {
+                if std::thread::current().id() != caller {
+                    on_worker.fetch_add(1, Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                done.fetch_add(1, Relaxed);
+            })
+            .unwrap();
+            assert_eq!(
+                done.load(Relaxed),
+                8,
+                "round {round}: returned before its tasks ended"
+            );
+        }
+        // The check above means something only if the worker took part.
+        assert!(on_worker.load(Relaxed) > 0, "the worker never ran a task");
+    }
+}
