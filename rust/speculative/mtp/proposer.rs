@@ -6,10 +6,11 @@
 //! `catchup_batch` then writes exact rows for the accepted drafts from the target's hiddens.
 //! `take_drafter_kv` leaves a fresh state; `install_drafter_kv` is its inverse.
 
-use super::draft::{bad, Seq};
+use super::bad;
+use super::draft::DraftSeq;
 use super::head::{MtpHead, MTP_MAX_BATCH};
 use super::state::MtpState;
-use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt};
+use crate::backend::{DevicePtr, EmbeddingArgs, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
 use crate::speculative::{DraftBinding, DraftProposer, DraftRunner, ProposerState};
@@ -56,7 +57,7 @@ impl DraftProposer for MtpHead {
                 stream,
             )?,
             _ => {
-                let mut seqs = [Seq {
+                let mut seqs = [DraftSeq {
                     state: st,
                     token: last_token,
                     hidden: target_hidden,
@@ -70,15 +71,15 @@ impl DraftProposer for MtpHead {
         if let (Some(target), Some(&last)) = (draft_embed_target, drafts.last()) {
             let h = self.spec.config.hidden_size;
             gpu.write(self.deferred, &[last], stream)?;
-            gpu.embedding(
-                target,
-                self.spec.embed.ptr,
-                self.deferred,
-                1,
-                h,
-                self.spec.config.vocab_size,
+            gpu.embedding(EmbeddingArgs {
+                out: target,
+                table: self.spec.embed.ptr,
+                ids: self.deferred,
+                rows: 1,
+                hidden: h,
+                vocab: self.spec.config.vocab_size,
                 stream,
-            )?;
+            })?;
         }
         Ok(drafts)
     }
@@ -231,7 +232,7 @@ impl DraftProposer for MtpHead {
         }
         let mut seqs = Vec::with_capacity(n);
         for (i, s) in states.iter_mut().enumerate() {
-            seqs.push(Seq {
+            seqs.push(DraftSeq {
                 state: self.state_mut(&mut **s, "propose_batch")?,
                 token: last_tokens[i],
                 hidden: target_hiddens[i],
@@ -334,13 +335,13 @@ impl DraftProposer for MtpHead {
         self.spec
             .weights
             .layer
-            .moe
+            .moe()
             .is_none()
             .then(|| self.binding(config, levers))
     }
 
     fn set_circuit_draft(&self, runner: Option<Arc<dyn DraftRunner>>) {
-        if self.spec.weights.layer.moe.is_some() {
+        if self.spec.weights.layer.moe().is_some() {
             return;
         }
         *self.runner.write().unwrap_or_else(|e| e.into_inner()) = runner;

@@ -11,7 +11,7 @@
 //! - Each weight row is read from memory once per call and then serves every input row from
 //!   L1, so a verify forward of a few rows costs far less than that many 1-row forwards.
 
-use super::cpu_kernels::{e2m1_to_f32, fp8_e4m3_to_f32};
+use super::formats::{e2m1_to_f32, fp8_e4m3_to_f32};
 use rayon::prelude::*;
 
 /// Independent running sums per dot product (two AVX2 registers of f32).
@@ -341,7 +341,9 @@ impl WeightRows for Nvfp4Rows<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{CpuBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, Kernels};
+    use crate::backend::{
+        CpuBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, Kernels, LinearArgs, LinearWeight,
+    };
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
 
@@ -391,8 +393,18 @@ mod tests {
             gpu.upload_bf16(&b, "test b").unwrap(),
         );
         check_rows_independent(&gpu, inf, outf, &|gpu, out, x, rows| {
-            gpu.linear(out, Dtype::F32, x, w, Some(b), rows, inf, outf, 0)
-                .unwrap();
+            gpu.linear(LinearArgs {
+                out,
+                out_dtype: Dtype::F32,
+                x,
+                weight: LinearWeight::Bf16 { weight: w },
+                bias: Some(b),
+                rows,
+                in_features: inf,
+                out_features: outf,
+                stream: 0,
+            })
+            .unwrap();
             gpu.download::<f32>(out, rows * outf).unwrap()
         });
         gpu.free(w).unwrap();
@@ -415,8 +427,23 @@ mod tests {
             gpu.upload(&scales, "test s").unwrap(),
         );
         check_rows_independent(&gpu, inf, outf, &|gpu, out, x, rows| {
-            gpu.linear_nvfp4(out, Dtype::F32, x, w, s, 0.75, rows, inf, outf, 0)
-                .unwrap();
+            let weight = LinearWeight::Nvfp4 {
+                codes: w,
+                block_scales: s,
+                global_scale: 0.75,
+            };
+            gpu.linear(LinearArgs {
+                out,
+                out_dtype: Dtype::F32,
+                x,
+                weight,
+                bias: None,
+                rows,
+                in_features: inf,
+                out_features: outf,
+                stream: 0,
+            })
+            .unwrap();
             gpu.download::<f32>(out, rows * outf).unwrap()
         });
         gpu.free(w).unwrap();
