@@ -29,26 +29,29 @@ pub enum LinearWeight<P = DevicePtr> {
     },
 }
 
+/// The buffers one weight format reads, for the aliasing check (at most two so far; a
+/// format with more raises the bound).
+type WeightOperands = [Option<Operand<'static>>; 2];
+
 impl LinearWeight {
     /// The format's shape rules, then the ledger check of each buffer it reads (in the
-    /// order listed in the variant). Each buffer's operand is pushed to `read` for the
-    /// aliasing check.
-    fn validate<'a, M: CheckedMemory + ?Sized>(
+    /// order listed in the variant). Returns the checked weight and the operands it reads,
+    /// for the aliasing check.
+    fn validate<M: CheckedMemory + ?Sized>(
         self,
         mem: &M,
         out_features: usize,
         in_features: usize,
-        read: &mut Vec<Operand<'a>>,
-    ) -> Result<LinearWeight<M::Range>, BackendError> {
+    ) -> Result<(LinearWeight<M::Range>, WeightOperands), BackendError> {
         let op = "linear";
         match self {
             LinearWeight::Bf16 { weight } => {
                 let n = count(op, &[out_features, in_features])?;
                 let w = Operand::new(op, weight, n, Dtype::Bf16, "linear weight")?;
-                read.push(w);
-                Ok(LinearWeight::Bf16 {
+                let checked = LinearWeight::Bf16 {
                     weight: w.check(mem)?,
-                })
+                };
+                Ok((checked, [Some(w), None]))
             }
             LinearWeight::Nvfp4 {
                 codes,
@@ -67,12 +70,12 @@ impl LinearWeight {
                 let c = Operand::new(op, codes, n, Dtype::U8, "linear nvfp4 codes")?;
                 let n = count(op, &[out_features, in_features / NVFP4_BLOCK])?;
                 let s = Operand::new(op, block_scales, n, Dtype::U8, "linear nvfp4 block_scales")?;
-                read.extend([c, s]);
-                Ok(LinearWeight::Nvfp4 {
+                let checked = LinearWeight::Nvfp4 {
                     codes: c.check(mem)?,
                     block_scales: s.check(mem)?,
                     global_scale,
-                })
+                };
+                Ok((checked, [Some(c), Some(s)]))
             }
         }
     }
@@ -122,8 +125,7 @@ impl LinearArgs {
             ));
         }
         let (rows, inf, outf) = (self.rows, self.in_features, self.out_features);
-        let mut read = Vec::with_capacity(4);
-        let weight = self.weight.validate(mem, outf, inf, &mut read)?;
+        let (weight, weight_read) = self.weight.validate(mem, outf, inf)?;
         let x = Operand::new(
             op,
             self.x,
@@ -131,16 +133,12 @@ impl LinearArgs {
             Dtype::Bf16,
             "linear x",
         )?;
-        read.push(x);
         let x_range = x.check(mem)?;
-        let bias = match self.bias {
-            Some(b) => {
-                let b = Operand::new(op, b, outf, Dtype::Bf16, "linear bias")?;
-                read.push(b);
-                Some(b.check(mem)?)
-            }
-            None => None,
-        };
+        let bias = self
+            .bias
+            .map(|b| Operand::new(op, b, outf, Dtype::Bf16, "linear bias"))
+            .transpose()?;
+        let bias_range = bias.map(|b| b.check(mem)).transpose()?;
         let n = count(op, &[rows, outf])?;
         let out = Operand::new(op, self.out, n, self.out_dtype, "linear out")?;
         let args = LinearArgs {
@@ -148,12 +146,13 @@ impl LinearArgs {
             out_dtype: self.out_dtype,
             x: x_range,
             weight,
-            bias,
+            bias: bias_range,
             rows,
             in_features: inf,
             out_features: outf,
             stream: self.stream,
         };
+        let read = weight_read.into_iter().chain([Some(x), bias]).flatten();
         for input in read {
             apart(op, out, input)?;
         }

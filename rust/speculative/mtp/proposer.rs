@@ -188,11 +188,11 @@ impl DraftProposer for MtpHead {
         }
         st.pending = 0;
         st.truncate(&self.kv, row_base)?;
-        let hb = self.spec.config.hidden_size * 2;
+        let row_bytes = self.spec.config.hidden_size * 2;
         let items: Vec<_> = tokens
             .iter()
             .enumerate()
-            .map(|(j, &t)| (0, t, hiddens.offset(j * hb), pos_base + j))
+            .map(|(j, &t)| (0, t, hiddens.offset(j * row_bytes), pos_base + j))
             .collect();
         Ok(self.write_rows(ctx.gpu.as_ref(), &mut [st], &items, stream)?[0])
     }
@@ -308,10 +308,10 @@ impl DraftProposer for MtpHead {
     ) -> crate::Result<usize> {
         let st = self.state_mut(state, "prefill_drafter")?;
         st.clear(&self.kv)?;
-        let hb = self.spec.config.hidden_size * 2;
+        let row_bytes = self.spec.config.hidden_size * 2;
         // Row for position i pairs token i with the hidden computed at position i - 1.
         let items: Vec<_> = (1..prompt_tokens.len())
-            .map(|i| (0, prompt_tokens[i], hiddens.offset((i - 1) * hb), i))
+            .map(|i| (0, prompt_tokens[i], hiddens.offset((i - 1) * row_bytes), i))
             .collect();
         Ok(self.write_rows(ctx.gpu.as_ref(), &mut [st], &items, stream)?[0])
     }
