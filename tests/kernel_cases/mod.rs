@@ -701,7 +701,7 @@ pub fn same_errors(dut: &dyn GpuBackend) -> Result<(), String> {
             }),
             // A misaligned f32 pointer.
             b.softmax(SoftmaxArgs {
-                out: logits,
+                out: u,
                 logits: logits.offset(2),
                 rows: 1,
                 vocab: 4,
