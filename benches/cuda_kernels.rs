@@ -7,7 +7,8 @@
 
 use half::bf16;
 use specdraft::backend::{
-    BackendError, CudaBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, Kernels,
+    ArgmaxArgs, BackendError, CudaBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, Kernels,
+    LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, SoftmaxArgs,
 };
 use std::time::Instant;
 
@@ -79,7 +80,17 @@ fn run(gpu: &CudaBackend) -> Result<Vec<serde_json::Value>, BackendError> {
     for rows in [1usize, 8] {
         let bytes = n * k * 2 + rows * (k * 2 + n * 2);
         b.time(&format!("linear_bf16 {rows}x{k} @ {n}x{k}"), bytes, |g| {
-            g.linear(out, Dtype::Bf16, x, w, None, rows, k, n, 0)
+            g.linear(LinearArgs {
+                out,
+                out_dtype: Dtype::Bf16,
+                x,
+                weight: LinearWeight::Bf16 { weight: w },
+                bias: None,
+                rows,
+                in_features: k,
+                out_features: n,
+                stream: 0,
+            })
         })?;
     }
     let codes = b.buf(Dtype::U8, n * k / 2, 0x35)?;
@@ -87,7 +98,23 @@ fn run(gpu: &CudaBackend) -> Result<Vec<serde_json::Value>, BackendError> {
     b.time(
         &format!("linear_nvfp4 1x{k} @ {n}x{k}"),
         n * k / 2 + n * k / 16 + k * 2 + n * 2,
-        |g| g.linear_nvfp4(out, Dtype::Bf16, x, codes, scales, 0.01, 1, k, n, 0),
+        |g| {
+            g.linear(LinearArgs {
+                out,
+                out_dtype: Dtype::Bf16,
+                x,
+                weight: LinearWeight::Nvfp4 {
+                    codes,
+                    block_scales: scales,
+                    global_scale: 0.01,
+                },
+                bias: None,
+                rows: 1,
+                in_features: k,
+                out_features: n,
+                stream: 0,
+            })
+        },
     )?;
 
     // Decode attention: 8 sequences of 4096 cached rows, 32 heads on 8 KV heads of 128.
@@ -107,23 +134,23 @@ fn run(gpu: &CudaBackend) -> Result<Vec<serde_json::Value>, BackendError> {
         &format!("paged_attention decode {seqs}x{ctx} ctx, {heads}/{kv_heads} heads of {dim}"),
         cache_len * 2 * 2,
         |g| {
-            g.paged_attention(
-                o,
+            g.paged_attention(PagedAttentionArgs {
+                out: o,
                 q,
-                kc,
-                vc,
-                table,
+                k_cache: kc,
+                v_cache: vc,
+                block_table: table,
                 row_seq,
-                row_len,
-                seqs,
+                row_ctx_len: row_len,
+                rows: seqs,
                 heads,
                 kv_heads,
-                dim,
-                block,
-                blocks_per_seq,
-                0.088,
-                0,
-            )
+                head_dim: dim,
+                block_size: block,
+                max_blocks_per_seq: blocks_per_seq,
+                scale: 0.088,
+                stream: 0,
+            })
         },
     )?;
 
@@ -132,15 +159,37 @@ fn run(gpu: &CudaBackend) -> Result<Vec<serde_json::Value>, BackendError> {
     let probs = b.buf(Dtype::F32, 8 * vocab, 0)?;
     let ids = b.buf(Dtype::U32, 8, 0)?;
     b.time(&format!("argmax 8x{vocab}"), 8 * vocab * 4, |g| {
-        g.argmax(ids, logits, None, 8, vocab, 0)
+        g.argmax(ArgmaxArgs {
+            out: ids,
+            logits,
+            bitmask: None,
+            rows: 8,
+            vocab,
+            stream: 0,
+        })
     })?;
     b.time(&format!("softmax 8x{vocab}"), 8 * vocab * 4 * 2, |g| {
-        g.softmax(probs, logits, 8, vocab, 1.0, 0)
+        g.softmax(SoftmaxArgs {
+            out: probs,
+            logits,
+            rows: 8,
+            vocab,
+            temperature: 1.0,
+            stream: 0,
+        })
     })?;
     let hidden = b.buf(Dtype::Bf16, 8 * k, 0x3c)?;
     let norm_w = b.buf(Dtype::Bf16, k, 0x3f)?;
     b.time(&format!("rms_norm 8x{k}"), 8 * k * 2 * 2 + k * 2, |g| {
-        g.rms_norm(hidden, hidden, norm_w, 8, k, 1e-6, 0)
+        g.rms_norm(RmsNormArgs {
+            out: hidden,
+            x: hidden,
+            weight: norm_w,
+            rows: 8,
+            dim: k,
+            eps: 1e-6,
+            stream: 0,
+        })
     })?;
 
     for p in std::mem::take(&mut b.owned) {

@@ -5,7 +5,7 @@
 //! `cargo bench --bench model_decode [-- PATH] [--cuda]`; without a path it uses
 //! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
 
-use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
+use specdraft::backend::{ArgmaxArgs, CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::{LoadOptions, LogitRows, TargetModel};
 use std::path::PathBuf;
 use std::process::Command;
@@ -118,14 +118,14 @@ fn main() {
     let prefill_s = t.elapsed().as_secs_f64();
     let argmax_buf = gpu.alloc(4, "bench argmax").expect("alloc");
     let last = |out: &specdraft::model::ForwardOutput| -> u32 {
-        gpu.argmax(
-            argmax_buf,
-            out.logits.offset((out.logits_rows - 1) * vocab * 4),
-            None,
-            1,
+        gpu.argmax(ArgmaxArgs {
+            out: argmax_buf,
+            logits: out.logits.offset((out.logits_rows - 1) * vocab * 4),
+            bitmask: None,
+            rows: 1,
             vocab,
-            0,
-        )
+            stream: 0,
+        })
         .expect("argmax");
         gpu.download::<u32>(argmax_buf, 1).expect("download")[0]
     };

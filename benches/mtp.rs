@@ -14,10 +14,10 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::memory::BufferArena;
+use specdraft::model::layers::{LayerWeights, Mlp, SwiGlu};
 use specdraft::model::{
     DenseWeight, DeviceAllocations, ForwardContext, Linear, ModelConfig, ModelLevers,
 };
-use specdraft::speculative::mtp::weights::MtpLayerWeights;
 use specdraft::speculative::mtp::{quantize_nvfp4, MtpLayout};
 use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization, MtpWeights};
 use std::sync::Arc;
@@ -93,7 +93,7 @@ fn bench(shape: &Shape, quant: MtpQuantization, memcpy: f64, quick: bool) {
         enorm: norm("enorm"),
         hnorm: norm("hnorm"),
         eh_proj,
-        layer: MtpLayerWeights {
+        layer: LayerWeights {
             attn_norm: norm("attn_norm"),
             q: qp,
             k: kp,
@@ -102,13 +102,10 @@ fn bench(shape: &Shape, quant: MtpQuantization, memcpy: f64, quick: bool) {
             q_bias: None,
             k_bias: None,
             v_bias: None,
-            q_norm: None,
-            k_norm: None,
+            qk_norm: None,
+            gated_attention: false,
             ffn_norm: norm("ffn_norm"),
-            gate,
-            up,
-            down,
-            moe: None,
+            mlp: Mlp::Dense(SwiGlu { gate, up, down }),
         },
         final_norm: norm("final_norm"),
     };

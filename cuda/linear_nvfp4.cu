@@ -1,6 +1,7 @@
 // NVFP4 (ModelOpt layout) linear layer, W4A16: the weight is dequantized on the fly and
 // never materialised. W[o, c] = e2m1(code) * fp8_e4m3(weight_scale[o, c / 16]) * global,
-// with two codes a byte, low nibble first. Same warp-per-feature layout as linear.cu: each
+// with two codes a byte, low nibble first; the optional bias is added in f32 before the
+// output is stored. Same warp-per-feature layout as linear.cu: each
 // lane takes whole 16-element scale groups, so one scale byte serves 8 code bytes.
 #include "common.cuh"
 
@@ -23,7 +24,8 @@ __device__ __forceinline__ float sd_fp8_e4m3(unsigned byte) {
 
 SD_KERNEL void sd_linear_nvfp4(void* out, int out_f32, const __nv_bfloat16* x,
                                const unsigned char* weight, const unsigned char* weight_scale,
-                               float global_scale, int rows, int in_features, int out_features) {
+                               float global_scale, const __nv_bfloat16* bias, int rows,
+                               int in_features, int out_features) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int r0 = blockIdx.y * SD_NVFP4_ROWS;
@@ -49,14 +51,15 @@ SD_KERNEL void sd_linear_nvfp4(void* out, int out_f32, const __nv_bfloat16* x,
             acc[rr] += sum;
         }
     }
+    const float b = bias ? sd_ld(bias + o) : 0.0f;
     for (int rr = 0; rr < SD_NVFP4_ROWS; ++rr) {
         const float s = sd_warp_sum(acc[rr]);
         if (lane == 0 && rr < nr) {
             const size_t index = (size_t)(r0 + rr) * out_features + o;
             if (out_f32) {
-                static_cast<float*>(out)[index] = s;
+                static_cast<float*>(out)[index] = s + b;
             } else {
-                sd_st(static_cast<__nv_bfloat16*>(out) + index, s);
+                sd_st(static_cast<__nv_bfloat16*>(out) + index, s + b);
             }
         }
     }

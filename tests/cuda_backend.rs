@@ -111,7 +111,7 @@ fn gpu_ops_match_reference() {
         check(&g, k::linear(&g, rows, inf, outf, Dtype::F32, false, 42));
         check(
             &g,
-            k::linear_nvfp4(&g, rows, inf / 16 * 16, outf, Dtype::Bf16, 51),
+            k::linear_nvfp4(&g, rows, inf / 16 * 16, outf, Dtype::Bf16, true, 51),
         );
     }
     for style in [RopeStyle::Half, RopeStyle::Interleaved] {

@@ -68,9 +68,12 @@ fn linear_nvfp4_matches_reference() {
     for (rows, inf, outf) in [(1, 16, 3), (3, 48, 9), (7, 576, 5)] {
         check(
             &dut,
-            k::linear_nvfp4(&dut, rows, inf, outf, Dtype::Bf16, 51),
+            k::linear_nvfp4(&dut, rows, inf, outf, Dtype::Bf16, false, 51),
         );
-        check(&dut, k::linear_nvfp4(&dut, rows, inf, outf, Dtype::F32, 52));
+        check(
+            &dut,
+            k::linear_nvfp4(&dut, rows, inf, outf, Dtype::F32, true, 52),
+        );
     }
 }
 

@@ -373,7 +373,7 @@ fn moe_heads_pass_conformance_and_have_no_circuit_binding() {
             &levers,
         )
         .unwrap();
-        let moe = head.weights().layer.moe.as_ref().expect("a routed MLP");
+        let moe = head.weights().layer.moe().expect("a routed MLP");
         assert_eq!(
             moe.experts.len(),
             if layout == "qwen3_next" {

@@ -5,6 +5,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{
     e2m1_to_f32, fp8_e4m3_to_f32, CpuBackend, Dtype, GpuBackend, GpuBackendExt, Kernels,
+    LinearArgs, LinearWeight,
 };
 use specdraft::speculative::mtp::nvfp4::{fp8_e4m3_from_f32, E2M1_MAX, FP8_E4M3_MAX};
 use specdraft::speculative::mtp::{dequantize_nvfp4, quantize_nvfp4};
@@ -122,18 +123,21 @@ fn backend_nvfp4_linear_equals_dense_linear_of_the_dequantized_matrix() {
     let codes = gpu.upload(&q.codes, "codes").unwrap();
     let scales = gpu.upload(&q.scales, "scales").unwrap();
     let out = gpu.alloc(xrows * rows * 4, "out").unwrap();
-    gpu.linear_nvfp4(
+    gpu.linear(LinearArgs {
         out,
-        Dtype::F32,
-        xp,
-        codes,
-        scales,
-        q.global_scale,
-        xrows,
-        cols,
-        rows,
-        0,
-    )
+        out_dtype: Dtype::F32,
+        x: xp,
+        weight: LinearWeight::Nvfp4 {
+            codes,
+            block_scales: scales,
+            global_scale: q.global_scale,
+        },
+        bias: None,
+        rows: xrows,
+        in_features: cols,
+        out_features: rows,
+        stream: 0,
+    })
     .unwrap();
     let got: Vec<f32> = gpu.download(out, xrows * rows).unwrap();
     let d = q.dequantize();

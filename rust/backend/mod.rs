@@ -6,22 +6,22 @@
 //!   of an unknown pointer, or a copy that leaves one live allocation is an error, never a crash.
 //! - Streams are `u64` ids; stream `0` always exists. On the CPU every stream runs in order,
 //!   so work is complete when the call returns.
+//! - Every kernel op takes one argument struct whose one `validate` every backend runs
+//!   first ([`kernels`]): the CPU reference (`cpu/`) and the CUDA launchers (`cuda/`)
+//!   accept and refuse the same arguments.
 
 mod cpu;
-mod cpu_kernels;
-mod cpu_linear;
 #[cfg(any(feature = "cuda", feature = "cuda-emu"))]
 pub mod cuda;
 mod device_ptr;
 mod dtype;
 mod error;
-mod kernels;
+pub mod kernels;
 mod ledger;
 pub mod quant;
 mod traits;
 
-pub use cpu::{CpuBackend, HostView};
-pub use cpu_kernels::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
+pub use cpu::{e2m1_to_f32, fp8_e4m3_to_f32, CpuBackend, HostView, E2M1_VALUES};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
 #[cfg(feature = "cuda-emu")]
@@ -29,7 +29,11 @@ pub use cuda::{EmuBackend, EmuFault};
 pub use device_ptr::DevicePtr;
 pub use dtype::Dtype;
 pub use error::BackendError;
-pub use kernels::{Kernels, RopeStyle};
+pub use kernels::{
+    ArgmaxArgs, CheckedMemory, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, Kernels, KvWriteArgs,
+    LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
+    NVFP4_BLOCK,
+};
 pub use ledger::{AllocationLedger, LiveAllocation};
 pub use traits::{GpuBackend, GpuBackendExt};
 

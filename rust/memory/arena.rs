@@ -1,12 +1,24 @@
-//! `BufferArena`: the shared forward scratch, sized once from a `ModelConfig`.
+//! `BufferArena`: forward scratch, sized once from a list of named slots.
 //!
 //! The target model and (when `prefill_uses_shared_buffers` says so) the proposers use these
 //! buffers for intermediate activations. They are allocated once for `max_rows` rows, so a
 //! forward never allocates on the hot path; a forward that needs more rows must be split.
+//! Which slots there are is the model layer's business: the arena knows only names, element
+//! types and widths.
 
 use super::MemoryError;
 use crate::backend::{DevicePtr, Dtype, GpuBackend};
-use crate::model::ModelConfig;
+
+/// One slot to allocate: its name, element type and elements per row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotSpec {
+    /// Its name (`"hidden"`, `"logits"`, ...); names are unique within an arena.
+    pub name: &'static str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Elements per row.
+    pub row_elems: usize,
+}
 
 /// One named scratch buffer.
 #[derive(Clone, Debug, PartialEq)]
@@ -29,40 +41,25 @@ pub struct BufferArena {
 }
 
 impl BufferArena {
-    /// The slots and their per-row widths for `config`.
-    fn layout(config: &ModelConfig) -> Vec<(&'static str, Dtype, usize)> {
-        let ffn = config.moe.as_ref().map_or(config.intermediate_size, |m| {
-            m.expert_intermediate_size.max(config.intermediate_size)
-        });
-        vec![
-            ("hidden", Dtype::Bf16, config.hidden_size),
-            ("residual", Dtype::Bf16, config.hidden_size),
-            ("normed", Dtype::Bf16, config.hidden_size),
-            ("q", Dtype::Bf16, config.q_size()),
-            ("k", Dtype::Bf16, config.kv_size()),
-            ("v", Dtype::Bf16, config.kv_size()),
-            ("attn_out", Dtype::Bf16, config.q_size()),
-            ("gate", Dtype::Bf16, ffn),
-            ("up", Dtype::Bf16, ffn),
-            ("logits", Dtype::F32, config.vocab_size),
-            ("token_ids", Dtype::U32, 1),
-            ("positions", Dtype::U32, 1),
-        ]
+    /// Bytes an arena of `slots` for `max_rows` rows takes (saturating).
+    pub fn bytes_for(slots: &[SlotSpec], max_rows: usize) -> usize {
+        slots.iter().fold(0usize, |total, s| {
+            total.saturating_add(
+                s.dtype
+                    .size()
+                    .saturating_mul(s.row_elems.max(1))
+                    .saturating_mul(max_rows),
+            )
+        })
     }
 
-    /// Bytes an arena for `config` and `max_rows` rows takes.
-    pub fn bytes_for(config: &ModelConfig, max_rows: usize) -> usize {
-        Self::layout(config)
-            .iter()
-            .map(|(_, d, w)| d.size() * w * max_rows)
-            .sum()
-    }
-
-    /// Allocates the scratch for forwards of at most `max_rows` rows. On failure nothing
-    /// stays allocated.
+    /// Allocates `slots` for forwards of at most `max_rows` rows, each recorded in the
+    /// ledger as `{tag}:{name}`. A slot of zero width still gets one element, so every slot
+    /// has an address. A repeated name is an error; on failure nothing stays allocated.
     pub fn new(
         gpu: &dyn GpuBackend,
-        config: &ModelConfig,
+        tag: &str,
+        slots: &[SlotSpec],
         max_rows: usize,
     ) -> Result<Self, MemoryError> {
         if max_rows == 0 {
@@ -70,17 +67,39 @@ impl BufferArena {
                 "a buffer arena needs at least one row".into(),
             ));
         }
+        if let Some(dup) = slots
+            .iter()
+            .enumerate()
+            .find(|(i, s)| slots[..*i].iter().any(|t| t.name == s.name))
+        {
+            return Err(MemoryError::InvalidSize(format!(
+                "arena slot {:?} is listed twice",
+                dup.1.name
+            )));
+        }
         let mut arena = BufferArena {
             max_rows,
-            slots: Vec::new(),
+            slots: Vec::with_capacity(slots.len()),
         };
-        for (name, dtype, row_elems) in Self::layout(config) {
+        for &SlotSpec {
+            name,
+            dtype,
+            row_elems,
+        } in slots
+        {
             let nbytes = dtype
                 .size()
-                .checked_mul(row_elems)
+                .checked_mul(row_elems.max(1))
                 .and_then(|b| b.checked_mul(max_rows))
-                .ok_or_else(|| MemoryError::InvalidSize(format!("arena slot {name} overflows")))?;
-            match gpu.alloc(nbytes, &format!("arena:{name}")) {
+                .ok_or_else(|| MemoryError::InvalidSize(format!("arena slot {name} overflows")));
+            let nbytes = match nbytes {
+                Ok(n) => n,
+                Err(e) => {
+                    arena.free(gpu)?;
+                    return Err(e);
+                }
+            };
+            match gpu.alloc(nbytes, &format!("{tag}:{name}")) {
                 Ok(ptr) => arena.slots.push(ArenaSlot {
                     name,
                     ptr,
@@ -139,16 +158,39 @@ mod tests {
     use super::*;
     use crate::backend::CpuBackend;
 
+    const SLOTS: [SlotSpec; 3] = [
+        SlotSpec {
+            name: "hidden",
+            dtype: Dtype::Bf16,
+            row_elems: 64,
+        },
+        SlotSpec {
+            name: "logits",
+            dtype: Dtype::F32,
+            row_elems: 100,
+        },
+        SlotSpec {
+            name: "ids",
+            dtype: Dtype::U32,
+            row_elems: 1,
+        },
+    ];
+
     #[test]
     fn sized_once_and_freed_completely() {
         let gpu = CpuBackend::new();
-        let config = ModelConfig::tiny(100);
-        let mut arena = BufferArena::new(&gpu, &config, 8).unwrap();
-        assert_eq!(
-            gpu.ledger().live_bytes(),
-            BufferArena::bytes_for(&config, 8)
-        );
-        assert_eq!(arena.slot("logits").unwrap().row_elems, 100);
+        let mut arena = BufferArena::new(&gpu, "test", &SLOTS, 8).unwrap();
+        assert_eq!(gpu.ledger().live_bytes(), (64 * 2 + 100 * 4 + 4) * 8);
+        assert_eq!(gpu.ledger().live_bytes(), BufferArena::bytes_for(&SLOTS, 8));
+        let logits = arena.slot("logits").unwrap();
+        assert_eq!((logits.row_elems, logits.dtype), (100, Dtype::F32));
+        let tags: Vec<String> = gpu
+            .ledger()
+            .live_report()
+            .into_iter()
+            .map(|a| a.tag)
+            .collect();
+        assert_eq!(tags, ["test:hidden", "test:logits", "test:ids"]);
         assert!(arena.slot("nope").is_err());
         arena.free(&gpu).unwrap();
         arena.free(&gpu).unwrap();
@@ -157,10 +199,31 @@ mod tests {
 
     #[test]
     fn failed_allocation_leaves_nothing_live() {
-        let config = ModelConfig::tiny(100);
-        let gpu = CpuBackend::with_memory_limit(BufferArena::bytes_for(&config, 8) - 1);
-        let err = BufferArena::new(&gpu, &config, 8).unwrap_err();
+        let gpu = CpuBackend::with_memory_limit(BufferArena::bytes_for(&SLOTS, 8) - 1);
+        let err = BufferArena::new(&gpu, "test", &SLOTS, 8).unwrap_err();
         assert!(matches!(err, MemoryError::Backend(_)), "{err}");
+        assert_eq!(gpu.ledger().live_count(), 0);
+    }
+
+    #[test]
+    fn repeated_names_and_overflowing_sizes_are_refused() {
+        let gpu = CpuBackend::new();
+        let twice = [SLOTS[0], SLOTS[1], SLOTS[0]];
+        let err = BufferArena::new(&gpu, "test", &twice, 8).unwrap_err();
+        assert!(
+            err.to_string().contains("\"hidden\" is listed twice"),
+            "{err}"
+        );
+        let huge = [
+            SLOTS[0],
+            SlotSpec {
+                name: "huge",
+                dtype: Dtype::F32,
+                row_elems: usize::MAX / 2,
+            },
+        ];
+        let err = BufferArena::new(&gpu, "test", &huge, 8).unwrap_err();
+        assert!(err.to_string().contains("huge overflows"), "{err}");
         assert_eq!(gpu.ledger().live_count(), 0);
     }
 }

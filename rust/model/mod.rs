@@ -1,5 +1,6 @@
-//! The model layer: the configuration, the levers, the forward context, and the target
-//! model with its weights and loaders.
+//! The model layer: the configuration, the levers, the forward context, weights and their
+//! loaders, the one decoder layer the target and the draft heads share ([`layers`]), and
+//! the target model.
 //!
 //! Invariants:
 //! - A [`ModelConfig`] that exists is consistent: heads divide the hidden size (or an

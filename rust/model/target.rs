@@ -14,12 +14,18 @@ use super::batch::{stage, Plan};
 use super::decoder_weights::{DecoderWeights, NameScheme};
 use super::gguf::GgufFile;
 use super::hf_checkpoint::SafetensorsCheckpoint;
-use super::layers::{decoder_layer, rope_inv_freq, LayerCache, LayerIo};
+use super::layers::{
+    arena_slots, decoder_layer, rope_inv_freq, LayerCache, LayerDepth, LayerIo, LayerScratch,
+    LayerShape,
+};
 pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
 use super::tensors::TensorSource;
 use super::weights::DeviceAllocations;
 use super::{ModelConfig, ModelError};
-use crate::backend::{DevicePtr, Dtype, GpuBackend, RopeStyle, DEFAULT_STREAM};
+use crate::backend::{
+    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, LinearArgs, LinearWeight, RmsNormArgs, RopeStyle,
+    DEFAULT_STREAM,
+};
 use crate::memory::{BlockAllocator, BufferArena};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,6 +70,9 @@ pub struct TargetModel {
     caches: Vec<LayerCache>,
     pool: BlockAllocator,
     buffers: Arc<BufferArena>,
+    /// The layers' view of `buffers`.
+    scratch_slots: LayerScratch,
+    shape: LayerShape,
     rope_style: RopeStyle,
     inv_freq: DevicePtr,
     logits: DevicePtr,
@@ -75,10 +84,6 @@ pub struct TargetModel {
     scratch: Mutex<Scratch>,
     // Last field: dropped after everything that points into it.
     allocs: DeviceAllocations,
-}
-
-fn slot(arena: &BufferArena, name: &str) -> crate::Result<DevicePtr> {
-    Ok(arena.slot(name)?.ptr)
 }
 
 impl TargetModel {
@@ -150,12 +155,13 @@ impl TargetModel {
         let inv = rope_inv_freq(&config)?;
         let allocs = DeviceAllocations::new(gpu.clone());
         let weights = DecoderWeights::load(&allocs, src, &config, scheme)?;
-        let arena = BufferArena::new(gpu.as_ref(), &config, opts.max_rows)?;
+        let arena = BufferArena::new(gpu.as_ref(), "arena", &arena_slots(&config), opts.max_rows)?;
         // The model frees the arena's buffers with everything else, so that dropping the
         // model leaves nothing live even while a ForwardContext still holds the Arc.
         for s in arena.slots() {
             allocs.adopt(s.ptr);
         }
+        let scratch_slots = LayerScratch::from_arena(&arena)?;
         let num_slots = kv_blocks * BLOCK_SIZE;
         let cache_bytes = num_slots * config.kv_size() * Dtype::Bf16.size();
         let mut caches = Vec::with_capacity(config.num_hidden_layers);
@@ -175,6 +181,8 @@ impl TargetModel {
             hiddens: allocs.alloc(opts.max_rows * config.hidden_size * 2, "target_hiddens")?,
             meta: allocs.alloc(meta_len * 4, "target_forward_meta")?,
             pool: BlockAllocator::new(kv_blocks, BLOCK_SIZE)?,
+            scratch_slots,
+            shape: LayerShape::of(&config),
             gpu,
             config: Arc::new(config),
             weights,
@@ -370,16 +378,8 @@ impl TargetModel {
         let s = DEFAULT_STREAM;
         gpu.copy_htod(self.meta, bytemuck::cast_slice(staging), s)?;
         let at = |k: usize| self.meta.offset(k * rows * 4);
-        let a = &self.buffers;
         let io = LayerIo {
             hidden: self.hiddens,
-            normed: slot(a, "normed")?,
-            q: slot(a, "q")?,
-            k: slot(a, "k")?,
-            v: slot(a, "v")?,
-            attn_out: slot(a, "attn_out")?,
-            gate: slot(a, "gate")?,
-            up: slot(a, "up")?,
             positions: at(1),
             slots: at(2),
             row_seq: at(3),
@@ -391,32 +391,36 @@ impl TargetModel {
             rope_style: self.rope_style,
             stream: s,
         };
+        let sc = &self.scratch_slots;
         let c = &*self.config;
         let w = &self.weights;
-        gpu.embedding(
-            io.hidden,
-            w.embed.ptr,
-            at(0),
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+        gpu.embedding(EmbeddingArgs {
+            out: io.hidden,
+            table: w.embed.ptr,
+            ids: at(0),
             rows,
-            c.hidden_size,
-            c.vocab_size,
-            s,
-        )?;
+            hidden: h,
+            vocab: c.vocab_size,
+            stream: s,
+        })?;
         for (lw, cache) in w.layers.iter().zip(&self.caches) {
-            decoder_layer(gpu, c, lw, cache, &io)?;
+            decoder_layer(gpu, &self.shape, lw, cache, &io, sc, LayerDepth::Full)?;
         }
-        let h = c.hidden_size;
+        let final_norm = |x: DevicePtr, rows: usize| {
+            gpu.rms_norm(RmsNormArgs {
+                out: sc.normed,
+                x,
+                weight: w.final_norm.ptr,
+                rows,
+                dim: h,
+                eps,
+                stream: s,
+            })
+        };
         let head_rows = match logit_rows {
             LogitRows::All => {
-                gpu.rms_norm(
-                    io.normed,
-                    io.hidden,
-                    w.final_norm.ptr,
-                    rows,
-                    h,
-                    c.rms_norm_eps,
-                    s,
-                )?;
+                final_norm(io.hidden, rows)?;
                 rows
             }
             LogitRows::LastPerSequence => {
@@ -425,36 +429,29 @@ impl TargetModel {
                 let row_bytes = h * Dtype::Bf16.size();
                 for (i, end) in row_offsets.iter().skip(1).enumerate() {
                     let src = io.hidden.offset((end - 1) * row_bytes);
-                    gpu.copy_dtod(io.normed.offset(i * row_bytes), src, row_bytes, s)?;
+                    gpu.copy_dtod(sc.normed.offset(i * row_bytes), src, row_bytes, s)?;
                 }
-                let n = num_seqs;
-                gpu.rms_norm(
-                    io.normed,
-                    io.normed,
-                    w.final_norm.ptr,
-                    n,
-                    h,
-                    c.rms_norm_eps,
-                    s,
-                )?;
-                n
+                final_norm(sc.normed, num_seqs)?;
+                num_seqs
             }
         };
         match &w.lm_head {
             Some(head) => {
-                head.forward(gpu, self.logits, Dtype::F32, io.normed, None, head_rows, s)?
+                head.forward(gpu, self.logits, Dtype::F32, sc.normed, None, head_rows, s)?
             }
-            None => gpu.linear(
-                self.logits,
-                Dtype::F32,
-                io.normed,
-                w.embed.ptr,
-                None,
-                head_rows,
-                h,
-                c.vocab_size,
-                s,
-            )?,
+            None => gpu.linear(LinearArgs {
+                out: self.logits,
+                out_dtype: Dtype::F32,
+                x: sc.normed,
+                weight: LinearWeight::Bf16 {
+                    weight: w.embed.ptr,
+                },
+                bias: None,
+                rows: head_rows,
+                in_features: h,
+                out_features: c.vocab_size,
+                stream: s,
+            })?,
         }
         Ok(ForwardOutput {
             rows,

@@ -1,5 +1,6 @@
 //! Weights on the device: dense BF16 matrices and NVFP4 (ModelOpt layout) quantized ones,
-//! and [`Linear`], which runs either through the backend's typed kernels.
+//! and [`Linear`], which runs either through the backend's one `linear` op (its
+//! [`LinearWeight`] descriptor says which format the kernel reads).
 //!
 //! Invariants:
 //! - A weight's pointers were allocated on the backend it is used with, and its `shape` is
@@ -7,7 +8,10 @@
 //! - Weights do not free themselves (a [`DevicePtr`] has no `Drop`); whoever loaded them
 //!   owns the pointers, usually through a [`DeviceAllocations`] that frees them all at once.
 
-use crate::backend::{BackendError, DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use crate::backend::{
+    BackendError, DevicePtr, Dtype, ElementwiseArgs, ElementwiseOp, GpuBackend, GpuBackendExt,
+    LinearArgs, LinearWeight,
+};
 use half::bf16;
 use std::sync::{Arc, Mutex};
 
@@ -185,7 +189,24 @@ impl Linear {
         }
     }
 
+    /// The kernel's descriptor of this weight.
+    pub fn descriptor(&self) -> LinearWeight {
+        match self {
+            Linear::Dense(w) => LinearWeight::Bf16 { weight: w.ptr },
+            Linear::Nvfp4(w) => LinearWeight::Nvfp4 {
+                codes: w.weight,
+                block_scales: w.weight_scale,
+                global_scale: w.weight_scale_2,
+            },
+        }
+    }
+
     /// `out = x @ W^T (+ bias)` for `rows` rows; `out` of `out_dtype`.
+    ///
+    /// An NVFP4 projection's bias is added to the BF16-rounded product, one row at a time,
+    /// rather than inside the kernel: that is the rounding the recorded outputs of the MTP
+    /// heads (and their numpy reference) were made with, so it stays until they are
+    /// deliberately re-recorded.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -198,49 +219,45 @@ impl Linear {
         stream: u64,
     ) -> Result<(), BackendError> {
         let (out_features, in_features) = self.dims();
-        match self {
-            Linear::Dense(w) => gpu.linear(
-                out,
-                out_dtype,
-                x,
-                w.ptr,
-                bias.map(|b| b.ptr),
-                rows,
-                in_features,
-                out_features,
-                stream,
-            ),
-            Linear::Nvfp4(w) => {
-                gpu.linear_nvfp4(
-                    out,
-                    out_dtype,
-                    x,
-                    w.weight,
-                    w.weight_scale,
-                    w.weight_scale_2,
-                    rows,
-                    in_features,
-                    out_features,
+        let post_bias = match (self, bias) {
+            (Linear::Nvfp4(_), Some(b)) if out_dtype == Dtype::Bf16 => Some(b),
+            (Linear::Nvfp4(_), Some(_)) => {
+                return Err(BackendError::InvalidArgument {
+                    op: "Linear::forward",
+                    message: "an NVFP4 projection with a bias needs a bf16 output".into(),
+                })
+            }
+            _ => None,
+        };
+        gpu.linear(LinearArgs {
+            out,
+            out_dtype,
+            x,
+            weight: self.descriptor(),
+            bias: if post_bias.is_some() {
+                None
+            } else {
+                bias.map(|b| b.ptr)
+            },
+            rows,
+            in_features,
+            out_features,
+            stream,
+        })?;
+        if let Some(b) = post_bias {
+            for r in 0..rows {
+                let row = out.offset(r * out_features * Dtype::Bf16.size());
+                gpu.elementwise(ElementwiseArgs {
+                    op: ElementwiseOp::Add,
+                    out: row,
+                    a: row,
+                    b: b.ptr,
+                    n: out_features,
                     stream,
-                )?;
-                match bias {
-                    // The NVFP4 op has no bias input; adding it row by row keeps the
-                    // result exact for the BF16 output the layers use.
-                    Some(b) if out_dtype == Dtype::Bf16 => {
-                        for r in 0..rows {
-                            let row = out.offset(r * out_features * 2);
-                            gpu.add(row, row, b.ptr, out_features, stream)?;
-                        }
-                        Ok(())
-                    }
-                    Some(_) => Err(BackendError::InvalidArgument {
-                        op: "Linear::forward",
-                        message: "an NVFP4 projection with a bias needs a bf16 output".into(),
-                    }),
-                    None => Ok(()),
-                }
+                })?;
             }
         }
+        Ok(())
     }
 }
 

@@ -17,7 +17,9 @@ use half::bf16;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{
-    BackendError, CpuBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, RopeStyle,
+    ArgmaxArgs, BackendError, CpuBackend, DevicePtr, Dtype, ElementwiseArgs, ElementwiseOp,
+    EmbeddingArgs, GpuBackend, GpuBackendExt, KvWriteArgs, LinearArgs, LinearWeight,
+    PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
 };
 use std::cell::RefCell;
 
@@ -170,7 +172,15 @@ pub fn embedding(
             s.u32(&ids)?,
             s.out(Dtype::Bf16, rows * hidden)?,
         );
-        b.embedding(o, t, i, rows, hidden, vocab, 0)?;
+        b.embedding(EmbeddingArgs {
+            out: o,
+            table: t,
+            ids: i,
+            rows,
+            hidden,
+            vocab,
+            stream: 0,
+        })?;
         b.download::<bf16>(o, rows * hidden)
     })?;
     exact("embedding", &bits(&got), &bits(&want))
@@ -193,7 +203,15 @@ pub fn rms_norm(
         } else {
             s.out(Dtype::Bf16, rows * dim)?
         };
-        b.rms_norm(o, px, pw, rows, dim, 1e-6, 0)?;
+        b.rms_norm(RmsNormArgs {
+            out: o,
+            x: px,
+            weight: pw,
+            rows,
+            dim,
+            eps: 1e-6,
+            stream: 0,
+        })?;
         b.download_bf16(o, rows * dim)
     })?;
     close("rms_norm", &got, &want, BF16_RTOL, 1e-6)
@@ -207,11 +225,19 @@ pub fn add_silu(dut: &dyn GpuBackend, n: usize, seed: u64) -> Result<(), String>
         let (pa, pc) = (s.bf16(&a)?, s.bf16(&c)?);
         let (o1, o2) = (s.out(Dtype::Bf16, n)?, s.out(Dtype::Bf16, n)?);
         let o3 = s.out(Dtype::Bf16, n)?;
-        b.add(o1, pa, pc, n, 0)?;
-        b.silu_mul(o2, pa, pc, n, 0)?;
-        b.sigmoid_mul(o3, pa, pc, n, 0)?;
+        let op = |op, out, a, b| ElementwiseArgs {
+            op,
+            out,
+            a,
+            b,
+            n,
+            stream: 0,
+        };
+        b.elementwise(op(ElementwiseOp::Add, o1, pa, pc))?;
+        b.elementwise(op(ElementwiseOp::SiluMul, o2, pa, pc))?;
+        b.elementwise(op(ElementwiseOp::SigmoidMul, o3, pa, pc))?;
         // In place as well: out aliasing an input.
-        b.add(pa, pa, pc, n, 0)?;
+        b.elementwise(op(ElementwiseOp::Add, pa, pa, pc))?;
         let mut v = b.download_bf16(o1, n)?;
         v.extend(b.download_bf16(o2, n)?);
         v.extend(b.download_bf16(o3, n)?);
@@ -242,7 +268,17 @@ pub fn linear(
             None
         };
         let o = s.out(out_dtype, rows * outf)?;
-        b.linear(o, out_dtype, px, pw, pb, rows, inf, outf, 0)?;
+        b.linear(LinearArgs {
+            out: o,
+            out_dtype,
+            x: px,
+            weight: LinearWeight::Bf16 { weight: pw },
+            bias: pb,
+            rows,
+            in_features: inf,
+            out_features: outf,
+            stream: 0,
+        })?;
         match out_dtype {
             Dtype::F32 => b.download::<f32>(o, rows * outf),
             _ => b.download_bf16(o, rows * outf),
@@ -264,9 +300,11 @@ pub fn linear_nvfp4(
     inf: usize,
     outf: usize,
     out_dtype: Dtype,
+    with_bias: bool,
     seed: u64,
 ) -> Result<(), String> {
     let x = uniform(seed, rows * inf, -1.0, 1.0);
+    let bias = uniform(seed + 2, outf, -1.0, 1.0);
     let mut r = rng(seed + 1);
     let codes: Vec<u8> = (0..outf * inf / 2).map(|_| r.random()).collect();
     // Scale bytes over the normal and subnormal E4M3 range, avoiding NaN (0x7f / 0xff).
@@ -277,8 +315,27 @@ pub fn linear_nvfp4(
     let (got, want) = both(dut, |b| {
         let s = Scope::new(b);
         let (px, pw, ps) = (s.bf16(&x)?, s.u8(&codes)?, s.u8(&scales)?);
+        let pb = if with_bias {
+            Some(s.bf16(&bias)?)
+        } else {
+            None
+        };
         let o = s.out(out_dtype, rows * outf)?;
-        b.linear_nvfp4(o, out_dtype, px, pw, ps, global, rows, inf, outf, 0)?;
+        b.linear(LinearArgs {
+            out: o,
+            out_dtype,
+            x: px,
+            weight: LinearWeight::Nvfp4 {
+                codes: pw,
+                block_scales: ps,
+                global_scale: global,
+            },
+            bias: pb,
+            rows,
+            in_features: inf,
+            out_features: outf,
+            stream: 0,
+        })?;
         match out_dtype {
             Dtype::F32 => b.download::<f32>(o, rows * outf),
             _ => b.download_bf16(o, rows * outf),
@@ -311,7 +368,17 @@ pub fn rope(
     let (got, want) = both(dut, |b| {
         let s = Scope::new(b);
         let (px, pp, pf) = (s.bf16(&x)?, s.u32(&pos)?, s.f32(&freq)?);
-        b.rope(px, pp, pf, rows, heads, head_dim, rotary_dim, style, 0)?;
+        b.rope(RopeArgs {
+            x: px,
+            positions: pp,
+            inv_freq: pf,
+            rows,
+            heads,
+            head_dim,
+            rotary_dim,
+            style,
+            stream: 0,
+        })?;
         b.download_bf16(px, rows * heads * head_dim)
     })?;
     // sin/cos of angles up to 4096 rad differ between libraries by a few f32 ulps.
@@ -343,7 +410,18 @@ pub fn kv_write(
             s.out(Dtype::Bf16, num_slots * width)?,
             s.out(Dtype::Bf16, num_slots * width)?,
         );
-        b.kv_write(kc, vc, pk, pv, ps, rows, kv_heads, head_dim, num_slots, 0)?;
+        b.kv_write(KvWriteArgs {
+            k_cache: kc,
+            v_cache: vc,
+            k: pk,
+            v: pv,
+            slots: ps,
+            rows,
+            kv_heads,
+            head_dim,
+            num_slots,
+            stream: 0,
+        })?;
         let mut out = b.download::<bf16>(kc, num_slots * width)?;
         out.extend(b.download::<bf16>(vc, num_slots * width)?);
         Ok(out)
@@ -395,10 +473,23 @@ pub fn paged_attention(
         let (pq, pk, pv) = (s.bf16(&q)?, s.bf16(&kc)?, s.bf16(&vc)?);
         let (pt, ps, pl) = (s.u32(&table)?, s.u32(&row_seq)?, s.u32(&row_len)?);
         let o = s.out(Dtype::Bf16, rows * heads * head_dim)?;
-        b.paged_attention(
-            o, pq, pk, pv, pt, ps, pl, rows, heads, kv_heads, head_dim, block_size, max_blocks,
-            scale, 0,
-        )?;
+        b.paged_attention(PagedAttentionArgs {
+            out: o,
+            q: pq,
+            k_cache: pk,
+            v_cache: pv,
+            block_table: pt,
+            row_seq: ps,
+            row_ctx_len: pl,
+            rows,
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            max_blocks_per_seq: max_blocks,
+            scale,
+            stream: 0,
+        })?;
         b.download_bf16(o, rows * heads * head_dim)
     })?;
     close("paged_attention", &got, &want, BF16_RTOL, 2e-3)
@@ -433,7 +524,14 @@ pub fn argmax(
         let pl = s.f32(&logits)?;
         let pm = if masked { Some(s.i32(&mask)?) } else { None };
         let o = s.out(Dtype::U32, rows)?;
-        b.argmax(o, pl, pm, rows, vocab, 0)?;
+        b.argmax(ArgmaxArgs {
+            out: o,
+            logits: pl,
+            bitmask: pm,
+            rows,
+            vocab,
+            stream: 0,
+        })?;
         b.download::<u32>(o, rows)
     })?;
     exact("argmax", &got, &want)
@@ -456,7 +554,14 @@ pub fn softmax(
         } else {
             s.out(Dtype::F32, rows * vocab)?
         };
-        b.softmax(o, pl, rows, vocab, temperature, 0)?;
+        b.softmax(SoftmaxArgs {
+            out: o,
+            logits: pl,
+            rows,
+            vocab,
+            temperature,
+            stream: 0,
+        })?;
         b.download::<f32>(o, rows * vocab)
     })?;
     close("softmax", &got, &want, F32_RTOL, 1e-8)
@@ -474,21 +579,135 @@ pub fn same_errors(dut: &dyn GpuBackend) -> Result<(), String> {
         let seqs = s.u32(&[0])?;
         let logits = s.f32(&[0.0; 10])?;
         let u = s.out(Dtype::U32, 4)?;
+        let attention = |heads, kv_heads| PagedAttentionArgs {
+            out,
+            q: out,
+            k_cache: table,
+            v_cache: table,
+            block_table: seqs,
+            row_seq: seqs,
+            row_ctx_len: lens,
+            rows: 1,
+            heads,
+            kv_heads,
+            head_dim: 8,
+            block_size: 4,
+            max_blocks_per_seq: 1,
+            scale: 1.0,
+            stream: 0,
+        };
+        let linear = |out_dtype, weight, in_features, x| LinearArgs {
+            out,
+            out_dtype,
+            x,
+            weight,
+            bias: None,
+            rows: 1,
+            in_features,
+            out_features: 1,
+            stream: 0,
+        };
+        let nvfp4 = LinearWeight::Nvfp4 {
+            codes: out,
+            block_scales: out,
+            global_scale: 1.0,
+        };
+        let add = |out, a, b, n| ElementwiseArgs {
+            op: ElementwiseOp::Add,
+            out,
+            a,
+            b,
+            n,
+            stream: 0,
+        };
         let errs = [
-            b.embedding(out, table, ids, 2, 8, 4, 0),
-            b.kv_write(table, table, out, out, slots, 2, 1, 8, 4, 0),
-            b.paged_attention(
-                out, out, table, table, seqs, seqs, lens, 1, 2, 1, 8, 4, 1, 1.0, 0,
-            ),
-            b.paged_attention(
-                out, out, table, table, seqs, seqs, lens, 1, 3, 2, 8, 4, 1, 1.0, 0,
-            ),
-            b.argmax(u, logits, None, 2, 10, 0),
-            b.softmax(logits, logits, 1, 10, 0.0, 0),
-            b.rope(out, ids, logits, 1, 1, 8, 10, RopeStyle::Half, 0),
-            b.linear_nvfp4(out, Dtype::Bf16, out, out, out, 1.0, 1, 8, 1, 0),
-            b.linear(out, Dtype::U32, out, out, None, 1, 8, 1, 0),
-            b.add(out, out, table, 100, 0),
+            b.embedding(EmbeddingArgs {
+                out,
+                table,
+                ids,
+                rows: 2,
+                hidden: 8,
+                vocab: 4,
+                stream: 0,
+            }),
+            b.kv_write(KvWriteArgs {
+                k_cache: table,
+                v_cache: table,
+                k: out,
+                v: out,
+                slots,
+                rows: 2,
+                kv_heads: 1,
+                head_dim: 8,
+                num_slots: 4,
+                stream: 0,
+            }),
+            b.paged_attention(attention(2, 1)),
+            b.paged_attention(attention(3, 2)),
+            b.argmax(ArgmaxArgs {
+                out: u,
+                logits,
+                bitmask: None,
+                rows: 2,
+                vocab: 10,
+                stream: 0,
+            }),
+            b.softmax(SoftmaxArgs {
+                out: logits,
+                logits,
+                rows: 1,
+                vocab: 10,
+                temperature: 0.0,
+                stream: 0,
+            }),
+            b.rope(RopeArgs {
+                x: out,
+                positions: ids,
+                inv_freq: logits,
+                rows: 1,
+                heads: 1,
+                head_dim: 8,
+                rotary_dim: 10,
+                style: RopeStyle::Half,
+                stream: 0,
+            }),
+            b.linear(linear(Dtype::Bf16, nvfp4, 8, out)),
+            b.linear(linear(
+                Dtype::U32,
+                LinearWeight::Bf16 { weight: out },
+                8,
+                out,
+            )),
+            b.elementwise(add(out, out, table, 100)),
+            // Aliasing: each refused after every range checked out.
+            b.linear(linear(
+                Dtype::Bf16,
+                LinearWeight::Bf16 { weight: table },
+                8,
+                out,
+            )),
+            b.elementwise(add(out.offset(2), out, table, 8)),
+            b.kv_write(KvWriteArgs {
+                k_cache: table,
+                v_cache: table.offset(16),
+                k: out,
+                v: out,
+                slots: ids,
+                rows: 1,
+                kv_heads: 1,
+                head_dim: 8,
+                num_slots: 2,
+                stream: 0,
+            }),
+            // A misaligned f32 pointer.
+            b.softmax(SoftmaxArgs {
+                out: u,
+                logits: logits.offset(2),
+                rows: 1,
+                vocab: 4,
+                temperature: 1.0,
+                stream: 0,
+            }),
         ];
         Ok(errs
             .into_iter()

@@ -12,7 +12,7 @@
 //! - Host-to-device and device-to-host copies return only when the host bytes are no
 //!   longer needed (the stream is synchronised), so borrowed slices are never read late.
 
-use super::launch::{Arg, KernelLauncher, Shape, KERNEL_NAMES};
+use super::launch::{Arg, DeviceRange, KernelLauncher, Shape, KERNEL_NAMES};
 use crate::backend::{AllocationLedger, BackendError, DevicePtr, GpuBackend, DEFAULT_STREAM};
 use cudarc::driver::{
     result, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
@@ -141,16 +141,14 @@ impl CudaBackend {
 }
 
 impl KernelLauncher for CudaBackend {
-    type Hold = ();
-
     fn resolve(
         &self,
         ptr: DevicePtr,
         nbytes: usize,
         what: &str,
-    ) -> Result<(u64, ()), BackendError> {
+    ) -> Result<DeviceRange, BackendError> {
         self.ledger.check_range(ptr, nbytes, what)?;
-        Ok((ptr.0, ()))
+        Ok(DeviceRange::new(ptr.0, None))
     }
 
     fn launch(

@@ -10,8 +10,8 @@
 //! host views of every buffer a kernel touches are held until then, so a concurrent `free`
 //! cannot pull memory from under a running kernel.
 
-use super::launch::{Arg, KernelLauncher, Shape};
-use crate::backend::{AllocationLedger, BackendError, CpuBackend, DevicePtr, GpuBackend, HostView};
+use super::launch::{Arg, DeviceRange, KernelLauncher, Shape};
+use crate::backend::{AllocationLedger, BackendError, CpuBackend, DevicePtr, GpuBackend};
 use std::any::Any;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 
@@ -82,16 +82,14 @@ impl EmuBackend {
 }
 
 impl KernelLauncher for EmuBackend {
-    type Hold = HostView;
-
     fn resolve(
         &self,
         ptr: DevicePtr,
         nbytes: usize,
         what: &str,
-    ) -> Result<(u64, HostView), BackendError> {
+    ) -> Result<DeviceRange, BackendError> {
         let view = self.memory.view(ptr, nbytes, what)?;
-        Ok((view.as_ptr() as u64, view))
+        Ok(DeviceRange::new(view.as_ptr() as u64, Some(view)))
     }
 
     fn launch(

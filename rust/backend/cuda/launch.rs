@@ -1,11 +1,14 @@
 //! The plumbing every kernel launch shares: arguments as the C signatures take them, launch
-//! shapes, the backend hooks ([`KernelLauncher`]) and the checks made before a launch.
+//! shapes, and the backend hooks ([`KernelLauncher`]), through which every CUDA-kernel
+//! backend is a [`CheckedMemory`] for the ops' shared validation.
 //!
-//! Invariants: a pointer reaches a kernel only through [`Args::ptr`], which checks the
-//! exact byte range against the ledger first; sizes reach kernels only through
-//! [`Args::int`], which refuses values that do not fit an `int`.
+//! Invariants: a pointer reaches a kernel only as a [`DeviceRange`], which only an op's
+//! `validate` makes (after the ledger check of its exact byte range); sizes reach kernels
+//! only through [`LaunchArgs::int`], which refuses values that do not fit an `int`.
 
-use crate::backend::{BackendError, DevicePtr, Dtype, GpuBackend};
+use crate::backend::kernels::check::invalid;
+use crate::backend::kernels::CheckedMemory;
+use crate::backend::{BackendError, DevicePtr, GpuBackend, HostView};
 
 /// Names of every kernel entry point in the fatbin (`cuda/*.cu`).
 pub const KERNEL_NAMES: [&str; 12] = [
@@ -70,8 +73,6 @@ pub(crate) struct Shape {
 
 /// What a backend supplies to run the kernels: address resolution and launching.
 pub(crate) trait KernelLauncher: GpuBackend {
-    /// Keeps a resolved address valid until the launch returns (the emulator's host view).
-    type Hold;
     /// Checks that `nbytes` at `ptr` lie in one live allocation and returns the address the
     /// kernel dereferences.
     fn resolve(
@@ -79,7 +80,7 @@ pub(crate) trait KernelLauncher: GpuBackend {
         ptr: DevicePtr,
         nbytes: usize,
         what: &str,
-    ) -> Result<(u64, Self::Hold), BackendError>;
+    ) -> Result<DeviceRange, BackendError>;
     /// Queues `kernel` on `stream`.
     fn launch(
         &self,
@@ -90,8 +91,51 @@ pub(crate) trait KernelLauncher: GpuBackend {
     ) -> Result<(), BackendError>;
 }
 
-pub(super) fn invalid(op: &'static str, message: String) -> BackendError {
-    BackendError::InvalidArgument { op, message }
+impl<L: KernelLauncher> CheckedMemory for L {
+    type Range = DeviceRange;
+
+    fn checked_range(
+        &self,
+        ptr: DevicePtr,
+        nbytes: usize,
+        what: &str,
+    ) -> Result<DeviceRange, BackendError> {
+        self.resolve(ptr, nbytes, what)
+    }
+
+    /// Reads on the op's stream, so that earlier work on that stream (which may have
+    /// written the array) is complete.
+    fn read_u32(
+        &self,
+        _range: &DeviceRange,
+        ptr: DevicePtr,
+        n: usize,
+        stream: u64,
+    ) -> Result<Vec<u32>, BackendError> {
+        let mut out = vec![0u32; n];
+        if n > 0 {
+            self.copy_dtoh(bytemuck::cast_slice_mut(&mut out), ptr, stream)?;
+        }
+        Ok(out)
+    }
+}
+
+/// A ledger-checked range as a kernel sees it: its device address, and (on the emulator)
+/// the host view that keeps the memory behind it alive until the launch returns.
+pub struct DeviceRange {
+    addr: u64,
+    _view: Option<HostView>,
+}
+
+impl DeviceRange {
+    pub(super) fn new(addr: u64, view: Option<HostView>) -> Self {
+        DeviceRange { addr, _view: view }
+    }
+
+    /// The address the kernel dereferences.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
 }
 
 pub(super) fn int(op: &'static str, name: &str, v: usize) -> Result<Arg, BackendError> {
@@ -114,133 +158,46 @@ pub(super) fn grid_dim(op: &'static str, name: &str, v: usize) -> Result<u32, Ba
     Ok(v.max(1) as u32)
 }
 
-/// The product of `dims`, or an error naming the op if it overflows.
-pub(super) fn count(op: &'static str, dims: &[usize]) -> Result<usize, BackendError> {
-    dims.iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| invalid(op, format!("sizes {dims:?} overflow")))
-}
-
-pub(super) fn bytes(
-    op: &'static str,
-    n: usize,
-    dtype: Dtype,
-    what: &str,
-) -> Result<usize, BackendError> {
-    n.checked_mul(dtype.size())
-        .ok_or_else(|| invalid(op, format!("{what}: {n} elements overflow")))
-}
-
-/// Collects resolved pointers and keeps their holds alive until the launch is done.
-pub(super) struct Args<'a, L: KernelLauncher> {
-    backend: &'a L,
+/// One launch's argument list, in the order of the kernel's C signature. The validated
+/// ranges it points into outlive it (the caller holds them until the launch returns).
+pub(super) struct LaunchArgs {
     op: &'static str,
     pub(super) args: Vec<Arg>,
-    holds: Vec<L::Hold>,
 }
 
-impl<'a, L: KernelLauncher> Args<'a, L> {
-    pub(super) fn new(backend: &'a L, op: &'static str) -> Self {
-        Args {
-            backend,
+impl LaunchArgs {
+    pub(super) fn new(op: &'static str) -> Self {
+        LaunchArgs {
             op,
             args: Vec::with_capacity(16),
-            holds: Vec::new(),
         }
     }
 
-    pub(super) fn ptr(
-        &mut self,
-        ptr: DevicePtr,
-        n: usize,
-        dtype: Dtype,
-        what: &str,
-    ) -> Result<(), BackendError> {
-        let nbytes = bytes(self.op, n, dtype, what)?;
-        let (addr, hold) = self.backend.resolve(ptr, nbytes, what)?;
-        self.holds.push(hold);
-        self.args.push(Arg::Ptr(addr));
-        Ok(())
+    pub(super) fn ptr(&mut self, range: &DeviceRange) -> &mut Self {
+        self.args.push(Arg::Ptr(range.addr));
+        self
     }
 
-    pub(super) fn opt_ptr(
-        &mut self,
-        ptr: Option<DevicePtr>,
-        n: usize,
-        dtype: Dtype,
-        what: &str,
-    ) -> Result<(), BackendError> {
-        match ptr {
-            Some(p) => self.ptr(p, n, dtype, what),
-            None => {
-                self.args.push(Arg::Ptr(0));
-                Ok(())
-            }
-        }
+    /// An optional input: the null pointer when absent.
+    pub(super) fn opt_ptr(&mut self, range: Option<&DeviceRange>) -> &mut Self {
+        self.args.push(Arg::Ptr(range.map_or(0, |r| r.addr)));
+        self
     }
 
-    pub(super) fn int(&mut self, name: &str, v: usize) -> Result<(), BackendError> {
+    /// A size, refused when it does not fit the kernel's `int`.
+    pub(super) fn int(&mut self, name: &str, v: usize) -> Result<&mut Self, BackendError> {
         self.args.push(int(self.op, name, v)?);
-        Ok(())
+        Ok(self)
     }
 
-    pub(super) fn float(&mut self, v: f32) {
+    pub(super) fn flag(&mut self, v: bool) -> &mut Self {
+        self.args.push(Arg::I32(v as i32));
+        self
+    }
+
+    pub(super) fn float(&mut self, v: f32) -> &mut Self {
         self.args.push(Arg::F32(v));
-    }
-
-    pub(super) fn launch(
-        self,
-        kernel: &'static str,
-        shape: Shape,
-        stream: u64,
-    ) -> Result<(), BackendError> {
-        let result = self.backend.launch(kernel, shape, &self.args, stream);
-        drop(self.holds);
-        result
-    }
-}
-
-/// Checks ranges in the order the CPU reference does, so that with several bad arguments
-/// both backends name the same one.
-pub(super) fn check_in_order<L: KernelLauncher>(
-    b: &L,
-    op: &'static str,
-    ranges: &[(DevicePtr, usize, Dtype, &str)],
-) -> Result<(), BackendError> {
-    for &(ptr, n, dtype, what) in ranges {
-        b.ledger()
-            .check_range(ptr, bytes(op, n, dtype, what)?, what)?;
-    }
-    Ok(())
-}
-
-/// Reads a small index array back to the host, on the op's stream so that earlier work on
-/// that stream (which may have written it) is complete.
-pub(super) fn read_u32<L: KernelLauncher>(
-    b: &L,
-    ptr: DevicePtr,
-    n: usize,
-    what: &str,
-    stream: u64,
-) -> Result<Vec<u32>, BackendError> {
-    let nbytes = bytes("kernel", n, Dtype::U32, what)?;
-    b.ledger().check_range(ptr, nbytes, what)?;
-    let mut out = vec![0u32; n];
-    if n == 0 {
-        return Ok(out);
-    }
-    b.copy_dtoh(bytemuck::cast_slice_mut(&mut out), ptr, stream)?;
-    Ok(out)
-}
-
-pub(super) fn out_dtype_ok(op: &'static str, dtype: Dtype) -> Result<i32, BackendError> {
-    match dtype {
-        Dtype::F32 => Ok(1),
-        Dtype::Bf16 => Ok(0),
-        other => Err(invalid(
-            op,
-            format!("out_dtype must be bf16 or f32, not {}", other.name()),
-        )),
+        self
     }
 }
 

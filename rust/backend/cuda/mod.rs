@@ -2,11 +2,10 @@
 //! ([`CudaBackend`], feature `cuda`), or on the CPU through the emulation of the CUDA
 //! device model ([`EmuBackend`], feature `cuda-emu`, for tests).
 //!
-//! Both share one host side ([`ops`]): argument validation (the same checks, in the same
-//! order and with the same messages, as the CPU reference), launch shapes and argument
-//! lists. A backend only supplies how a `DevicePtr` becomes an address the kernel can
-//! dereference and how a kernel is launched, so the emulated tests exercise the host code
-//! that the GPU runs too.
+//! Both share one host side (`ops`): each op's shared `validate` (the code the CPU
+//! reference runs too), launch shapes and argument lists. A backend only supplies how a
+//! `DevicePtr` becomes an address the kernel can dereference and how a kernel is launched,
+//! so the emulated tests exercise the host code that the GPU runs too.
 
 mod attention;
 mod launch;
@@ -21,4 +20,4 @@ mod emu;
 pub use driver::CudaBackend;
 #[cfg(feature = "cuda-emu")]
 pub use emu::{EmuBackend, EmuFault};
-pub use launch::KERNEL_NAMES;
+pub use launch::{DeviceRange, KERNEL_NAMES};

@@ -278,7 +278,8 @@ pub(super) fn run(
     }
     let config = synthetic_config(options);
     let rows = (options.num_sequences * (options.num_drafts + 1)).max(16);
-    let arena = match BufferArena::new(&*gpu, &config, rows) {
+    let slots = crate::model::layers::arena_slots(&config);
+    let arena = match BufferArena::new(&*gpu, "arena", &slots, rows) {
         Ok(a) => a,
         Err(e) => {
             report.violate(

@@ -67,7 +67,7 @@ impl MtpHead {
         let layout = find_layout(src, config)?;
         let allocs = DeviceAllocations::new(gpu.clone());
         let mut weights = MtpWeights::load(&allocs, src, config, layout, 0)?;
-        if let Some(moe) = weights.layer.moe.as_mut() {
+        if let Some(moe) = weights.layer.moe_mut() {
             (moe.n_group, moe.topk_group) = moe_groups;
         }
         let (h, vocab) = (config.hidden_size, config.vocab_size);

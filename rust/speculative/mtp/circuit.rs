@@ -20,8 +20,9 @@
 use super::forward::{Depth, HeadSpec, HiddenKind, Row, Scratch};
 use super::head::MtpHead;
 use super::state::MtpState;
-use super::weights::{MtpLayerWeights, MtpLayout, MtpWeights};
-use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use super::weights::{MtpLayout, MtpWeights};
+use crate::backend::{ArgmaxArgs, DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use crate::model::layers::{LayerWeights, Mlp, QkNorm, SwiGlu};
 use crate::model::{
     DenseWeight, ForwardContext, Linear, ModelConfig, ModelLevers, QuantizedWeight,
 };
@@ -89,14 +90,15 @@ impl MtpHead {
             },
         ];
         for (name, lin) in w.projections() {
-            slots.push(linear_slot(name, lin));
+            slots.push(linear_slot(&name, lin));
         }
+        let qk_norm = l.qk_norm.as_ref();
         let optional = [
-            ("layer.self_attn.q_proj.bias", &l.q_bias),
-            ("layer.self_attn.k_proj.bias", &l.k_bias),
-            ("layer.self_attn.v_proj.bias", &l.v_bias),
-            ("layer.self_attn.q_norm", &l.q_norm),
-            ("layer.self_attn.k_norm", &l.k_norm),
+            ("layer.self_attn.q_proj.bias", l.q_bias.as_ref()),
+            ("layer.self_attn.k_proj.bias", l.k_bias.as_ref()),
+            ("layer.self_attn.v_proj.bias", l.v_bias.as_ref()),
+            ("layer.self_attn.q_norm", qk_norm.map(|n| &n.q)),
+            ("layer.self_attn.k_norm", qk_norm.map(|n| &n.k)),
         ];
         for (name, wt) in optional {
             if let Some(wt) = wt {
@@ -192,7 +194,15 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
             _ => Ok(Linear::Dense(dense(name)?)),
         }
     };
-    let layer = MtpLayerWeights {
+    let qk_norm = match (
+        opt_dense("layer.self_attn.q_norm")?,
+        opt_dense("layer.self_attn.k_norm")?,
+    ) {
+        (Some(q), Some(k)) => Some(QkNorm { q, k }),
+        (None, None) => None,
+        _ => return Err(missing("q_norm and k_norm come together".into())),
+    };
+    let layer = LayerWeights {
         attn_norm: dense("layer.input_layernorm")?,
         q: linear("layer.self_attn.q_proj")?,
         k: linear("layer.self_attn.k_proj")?,
@@ -201,15 +211,16 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
         q_bias: opt_dense("layer.self_attn.q_proj.bias")?,
         k_bias: opt_dense("layer.self_attn.k_proj.bias")?,
         v_bias: opt_dense("layer.self_attn.v_proj.bias")?,
-        q_norm: opt_dense("layer.self_attn.q_norm")?,
-        k_norm: opt_dense("layer.self_attn.k_norm")?,
+        qk_norm,
+        gated_attention: layout.gated_attention(),
         ffn_norm: dense("layer.post_attention_layernorm")?,
-        gate: linear("layer.mlp.gate_proj")?,
-        up: linear("layer.mlp.up_proj")?,
-        down: linear("layer.mlp.down_proj")?,
-        moe: None,
+        mlp: Mlp::Dense(SwiGlu {
+            gate: linear("layer.mlp.gate_proj")?,
+            up: linear("layer.mlp.up_proj")?,
+            down: linear("layer.mlp.down_proj")?,
+        }),
     };
-    let ffn = layer.gate.dims().0;
+    let ffn = layer.mlp.max_width();
     let weights = MtpWeights {
         layout,
         enorm: dense("enorm")?,
@@ -244,7 +255,6 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
         inv_freq: freq.ptr,
         rotary_dim: freq.shape.first().copied().unwrap_or(0) * 2,
         max_blocks_per_seq,
-        ffn,
     })
 }
 
@@ -270,31 +280,8 @@ impl DraftRunner for ReferenceDraftRunner {
                 })?;
         let spec = spec_from_binding(binding, st.capacity_blocks())?;
         let gpu: &dyn GpuBackend = ctx.gpu.as_ref();
-        let mut ptrs = Vec::new();
-        let h = spec.config.hidden_size;
-        let (heads, kvh, hd) = (
-            spec.config.num_attention_heads,
-            spec.config.num_key_value_heads,
-            spec.config.head_dim,
-        );
-        let q_rows = spec.weights.layer.q.dims().0;
-        let sc = Scratch::alloc(
-            &mut |dtype, len, tag| {
-                let p = gpu.alloc_zeros(dtype, len, tag)?;
-                ptrs.push(p);
-                Ok(p)
-            },
-            1,
-            h,
-            q_rows,
-            heads * hd,
-            kvh * hd,
-            spec.ffn,
-            spec.draft_vocab,
-            spec.max_blocks_per_seq,
-            0,
-        );
-        let result = sc.and_then(|sc| {
+        let (sc, slots) = Scratch::alloc(gpu, &spec, 1)?;
+        let result = (|| {
             let mut drafts = Vec::new();
             let (mut token, mut hidden) = (last_token, target_hidden);
             let base = st.rows();
@@ -318,16 +305,24 @@ impl DraftRunner for ReferenceDraftRunner {
                 };
                 let tables = [(st.block_table(), st.capacity_blocks())];
                 spec.forward_rows(gpu, &sc, &rows, &tables, kind, Depth::Logits, stream)?;
-                gpu.argmax(sc.picks, sc.logits, None, 1, spec.draft_vocab, stream)?;
+                gpu.argmax(ArgmaxArgs {
+                    out: sc.picks,
+                    logits: sc.logits,
+                    bitmask: None,
+                    rows: 1,
+                    vocab: spec.draft_vocab,
+                    stream,
+                })?;
                 let pick = gpu.download::<u32>(sc.picks, 1)?[0];
                 drafts.push(pick);
                 token = pick;
                 hidden = spec.chain_hidden(&sc, 0);
             }
             Ok(drafts)
-        });
-        for p in ptrs.into_iter().rev() {
-            let _ = gpu.free(p);
+        })();
+        for s in slots.iter().rev() {
+            // Ours and live: freeing cannot fail except on a backend bug the ledger reports.
+            let _ = gpu.free(s.ptr);
         }
         result
     }

@@ -16,20 +16,17 @@
 //! - Running out of the state's budget or of pool blocks shortens the drafts; it does not
 //!   fail the call.
 
+use super::bad;
 use super::forward::{Depth, HiddenKind, Row, Scratch};
 use super::head::{MtpHead, DRAFT_SLACK_ROWS, MTP_CHUNK_ROWS};
 use super::state::{MtpState, DRAFTER_BLOCK_SIZE};
-use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt};
+use crate::backend::{ArgmaxArgs, DevicePtr, GpuBackend, GpuBackendExt, SoftmaxArgs};
 use crate::model::ForwardContext;
 use crate::speculative::{DraftRunner, ProposerError, ProposerState};
 use std::sync::{Arc, MutexGuard};
 
-pub(crate) fn bad(method: &'static str, message: String) -> crate::Error {
-    ProposerError::InvalidArgument { method, message }.into()
-}
-
 /// One sequence of a draft loop.
-pub(crate) struct Seq<'s> {
+pub(crate) struct DraftSeq<'s> {
     pub state: &'s mut MtpState,
     pub token: u32,
     pub hidden: DevicePtr,
@@ -81,7 +78,7 @@ impl MtpHead {
     pub(crate) fn draft(
         &self,
         gpu: &dyn GpuBackend,
-        seqs: &mut [Seq<'_>],
+        seqs: &mut [DraftSeq<'_>],
         num_drafts: usize,
         mask: Option<&[i32]>,
         conf: Option<&mut Vec<Vec<f32>>>,
@@ -117,7 +114,7 @@ impl MtpHead {
         }
         let sc = self.lock_scratch();
         if let Some(m) = mask {
-            gpu.write(sc.mask, &m[..words], stream)?;
+            gpu.write(sc.grammar_mask, &m[..words], stream)?;
         }
         let n_seq = seqs.len();
         let mut drafts = vec![Vec::new(); n_seq];
@@ -160,11 +157,24 @@ impl MtpHead {
             self.spec
                 .forward_rows(gpu, &sc, &rows, &tables, kind, Depth::Logits, stream)?;
             let r = rows.len();
-            let mask_ptr = mask.map(|_| sc.mask);
-            gpu.argmax(sc.picks, sc.logits, mask_ptr, r, vd, stream)?;
+            gpu.argmax(ArgmaxArgs {
+                out: sc.picks,
+                logits: sc.logits,
+                bitmask: mask.map(|_| sc.grammar_mask),
+                rows: r,
+                vocab: vd,
+                stream,
+            })?;
             let picks: Vec<u32> = gpu.download(sc.picks, r)?;
             if conf.is_some() {
-                gpu.softmax(sc.probs, sc.logits, r, vd, 1.0, stream)?;
+                gpu.softmax(SoftmaxArgs {
+                    out: sc.probs,
+                    logits: sc.logits,
+                    rows: r,
+                    vocab: vd,
+                    temperature: 1.0,
+                    stream,
+                })?;
             }
             for (k, &i) in owners.iter().enumerate() {
                 let s = &mut seqs[i];

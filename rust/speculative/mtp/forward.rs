@@ -2,109 +2,136 @@
 //!
 //! For each row: `e = enorm(embed(token))`, `g = hnorm(hidden)` (the target hidden, through
 //! the target's final norm first under `mtp_target_postnorm`), `x = eh_proj(concat)` with
-//! the embedding first (DeepSeek-V3/GLM, Qwen3-Next) or the hidden first (MiMo), then one
-//! pre-norm decoder layer whose attention reads the head's own paged KV, then the final norm
-//! and the LM head (f32 logits over the draft vocabulary).
+//! the embedding first (DeepSeek-V3/GLM, Qwen3-Next) or the hidden first (MiMo), then the
+//! model layer's decoder layer (`decoder_layer`, the one the target runs) with the head's own
+//! paged KV, then the final norm and the LM head (f32 logits over the draft vocabulary).
 //!
 //! Rows are independent except through the KV cache, and every kernel computes a row from
 //! that row alone, so a row's result does not depend on which other rows share the call:
 //! this is what makes `propose_batch` return exactly what `propose` does.
 
+use super::state::DRAFTER_BLOCK_SIZE;
 use super::weights::MtpWeights;
-use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt, RopeStyle};
+use crate::backend::{
+    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, GpuBackendExt, LinearArgs, LinearWeight,
+    RmsNormArgs, RopeStyle,
+};
+use crate::memory::{ArenaSlot, BufferArena, SlotSpec};
+use crate::model::layers::{
+    decoder_layer, layer_slots, LayerCache, LayerDepth, LayerIo, LayerScratch, LayerShape,
+    ScratchShape,
+};
 use crate::model::{DenseWeight, ModelConfig, ModelLevers, QuantizedWeight};
 
-/// Device scratch for one forward of up to `rows` rows.
+/// Device scratch for one forward of up to `rows` rows: the decoder layer's, and the
+/// head's own around it.
 pub(crate) struct Scratch {
     pub rows: usize,
-    pub ids: DevicePtr,
+    pub layer: LayerScratch,
+    pub token_ids: DevicePtr,
     pub positions: DevicePtr,
     pub slots: DevicePtr,
     pub row_seq: DevicePtr,
-    pub ctx_len: DevicePtr,
-    pub table: DevicePtr,
-    pub emb: DevicePtr,
-    pub hid: DevicePtr,
-    pub cat: DevicePtr,
-    /// The layer's output hidden (before the final norm).
-    pub x: DevicePtr,
-    pub normed: DevicePtr,
-    pub qfull: DevicePtr,
-    pub q: DevicePtr,
-    pub qgate: DevicePtr,
-    pub k: DevicePtr,
-    pub v: DevicePtr,
-    pub attn: DevicePtr,
-    pub mlp_gate: DevicePtr,
-    pub mlp_up: DevicePtr,
-    /// MoE: router logits f32 `[rows, experts]`, the accumulated MLP output `[rows, hidden]`,
-    /// one expert's output, a scaled copy, the BF16 scalar weight, the shared-expert gate.
-    pub router: DevicePtr,
-    pub moe_acc: DevicePtr,
-    pub moe_out: DevicePtr,
-    pub moe_tmp: DevicePtr,
-    pub moe_w: DevicePtr,
-    pub moe_gate_logit: DevicePtr,
-    /// The final norm's output.
-    pub out: DevicePtr,
+    pub row_ctx_len: DevicePtr,
+    /// u32 `[rows, max_blocks_per_seq]`: the block table of each sequence in the forward.
+    pub block_tables: DevicePtr,
+    /// The normed token embeddings.
+    pub embedding: DevicePtr,
+    /// The normed hiddens the rows came with.
+    pub target_hidden: DevicePtr,
+    /// `[rows, 2 * hidden]`: the two above, concatenated in the layout's order.
+    pub concat: DevicePtr,
+    /// The layer's residual stream: its output hidden (before the final norm).
+    pub residual: DevicePtr,
+    /// The final norm's output, the LM head's input.
+    pub final_normed: DevicePtr,
     pub logits: DevicePtr,
     pub probs: DevicePtr,
     pub picks: DevicePtr,
-    pub mask: DevicePtr,
+    /// One row's grammar mask (the first row of the slot).
+    pub grammar_mask: DevicePtr,
 }
 
 impl Scratch {
-    #[allow(clippy::too_many_arguments)]
-    pub fn alloc(
-        alloc: &mut dyn FnMut(Dtype, usize, &str) -> crate::Result<DevicePtr>,
-        rows: usize,
-        hidden: usize,
-        q_rows: usize,
-        q_size: usize,
-        kv_size: usize,
-        ffn: usize,
-        vocab: usize,
-        max_blocks_per_seq: usize,
-        num_experts: usize,
-    ) -> crate::Result<Self> {
-        let mut a = |dtype, len: usize, tag: &str| alloc(dtype, len.max(1), tag);
+    /// The head's own slots around the layer's.
+    fn head_slots(hidden: usize, vocab: usize, max_blocks_per_seq: usize) -> [SlotSpec; 15] {
+        let slot = |name, dtype, row_elems| SlotSpec {
+            name,
+            dtype,
+            row_elems,
+        };
         use Dtype::*;
+        [
+            slot("token_ids", U32, 1),
+            slot("positions", U32, 1),
+            slot("slots", U32, 1),
+            slot("row_seq", U32, 1),
+            slot("row_ctx_len", U32, 1),
+            slot("block_tables", U32, max_blocks_per_seq),
+            slot("embedding", Bf16, hidden),
+            slot("target_hidden", Bf16, hidden),
+            slot("concat", Bf16, 2 * hidden),
+            slot("residual", Bf16, hidden),
+            slot("final_normed", Bf16, hidden),
+            slot("logits", F32, vocab),
+            slot("probs", F32, vocab),
+            slot("picks", U32, 1),
+            slot("grammar_mask", I32, vocab.div_ceil(32)),
+        ]
+    }
+
+    /// Allocates the scratch of `spec` for `rows` rows as one arena whose buffers the
+    /// caller owns from then on (the returned slots); on failure nothing stays allocated.
+    pub fn alloc(
+        gpu: &dyn GpuBackend,
+        spec: &HeadSpec,
+        rows: usize,
+    ) -> crate::Result<(Scratch, Vec<ArenaSlot>)> {
+        let h = spec.config.hidden_size;
+        let layer = &spec.weights.layer;
+        let mut slots = layer_slots(&ScratchShape {
+            hidden: h,
+            q_size: spec.config.q_size(),
+            kv_size: spec.config.kv_size(),
+            mlp_width: layer.mlp.max_width(),
+            gated_attention: layer.gated_attention,
+            experts: layer.moe().map_or(0, |m| m.experts.len()),
+        });
+        slots.extend(Self::head_slots(
+            h,
+            spec.draft_vocab,
+            spec.max_blocks_per_seq,
+        ));
+        let mut arena = BufferArena::new(gpu, "mtp", &slots, rows)?;
+        match Self::from_arena(&arena, rows) {
+            Ok(sc) => Ok((sc, arena.slots().to_vec())),
+            Err(e) => {
+                arena.free(gpu)?;
+                Err(e)
+            }
+        }
+    }
+
+    fn from_arena(arena: &BufferArena, rows: usize) -> crate::Result<Scratch> {
+        let at = |name: &str| -> crate::Result<DevicePtr> { Ok(arena.slot(name)?.ptr) };
         Ok(Scratch {
             rows,
-            ids: a(U32, rows, "mtp:ids")?,
-            positions: a(U32, rows, "mtp:positions")?,
-            slots: a(U32, rows, "mtp:slots")?,
-            row_seq: a(U32, rows, "mtp:row_seq")?,
-            ctx_len: a(U32, rows, "mtp:ctx_len")?,
-            table: a(U32, rows * max_blocks_per_seq, "mtp:batch_table")?,
-            emb: a(Bf16, rows * hidden, "mtp:emb")?,
-            hid: a(Bf16, rows * hidden, "mtp:hid")?,
-            cat: a(Bf16, rows * 2 * hidden, "mtp:cat")?,
-            x: a(Bf16, rows * hidden, "mtp:x")?,
-            normed: a(Bf16, rows * hidden, "mtp:normed")?,
-            qfull: a(Bf16, rows * q_rows, "mtp:qfull")?,
-            q: a(Bf16, rows * q_size, "mtp:q")?,
-            qgate: a(Bf16, rows * q_size, "mtp:qgate")?,
-            k: a(Bf16, rows * kv_size, "mtp:k")?,
-            v: a(Bf16, rows * kv_size, "mtp:v")?,
-            attn: a(Bf16, rows * q_size, "mtp:attn")?,
-            mlp_gate: a(Bf16, rows * ffn, "mtp:mlp_gate")?,
-            mlp_up: a(Bf16, rows * ffn, "mtp:mlp_up")?,
-            router: a(F32, rows * num_experts, "mtp:router")?,
-            moe_acc: a(
-                Bf16,
-                if num_experts > 0 { rows * hidden } else { 0 },
-                "mtp:moe_acc",
-            )?,
-            moe_out: a(Bf16, hidden, "mtp:moe_out")?,
-            moe_tmp: a(Bf16, hidden, "mtp:moe_tmp")?,
-            moe_w: a(Bf16, 1, "mtp:moe_w")?,
-            moe_gate_logit: a(Bf16, rows, "mtp:moe_gate_logit")?,
-            out: a(Bf16, rows * hidden, "mtp:out")?,
-            logits: a(F32, rows * vocab, "mtp:logits")?,
-            probs: a(F32, rows * vocab, "mtp:probs")?,
-            picks: a(U32, rows, "mtp:picks")?,
-            mask: a(I32, vocab.div_ceil(32), "mtp:mask")?,
+            layer: LayerScratch::from_arena(arena)?,
+            token_ids: at("token_ids")?,
+            positions: at("positions")?,
+            slots: at("slots")?,
+            row_seq: at("row_seq")?,
+            row_ctx_len: at("row_ctx_len")?,
+            block_tables: at("block_tables")?,
+            embedding: at("embedding")?,
+            target_hidden: at("target_hidden")?,
+            concat: at("concat")?,
+            residual: at("residual")?,
+            final_normed: at("final_normed")?,
+            logits: at("logits")?,
+            probs: at("probs")?,
+            picks: at("picks")?,
+            grammar_mask: at("grammar_mask")?,
         })
     }
 }
@@ -158,12 +185,19 @@ pub(crate) struct HeadSpec {
     pub inv_freq: DevicePtr,
     pub rotary_dim: usize,
     pub max_blocks_per_seq: usize,
-    pub ffn: usize,
 }
 
 impl HeadSpec {
-    fn h_bytes(&self) -> usize {
-        self.config.hidden_size * 2
+    fn row_bytes(&self) -> usize {
+        self.config.hidden_size * Dtype::Bf16.size()
+    }
+
+    /// The decoder layer's sizes (its rotation width is the head's RoPE table's).
+    pub(crate) fn layer_shape(&self) -> LayerShape {
+        LayerShape {
+            rotary_dim: self.rotary_dim,
+            ..LayerShape::of(&self.config)
+        }
     }
 
     /// Runs `rows` (at most `sc.rows`). `tables[s]` is sequence `s`'s device block table.
@@ -183,213 +217,122 @@ impl HeadSpec {
             return Ok(());
         }
         let cfg = &self.config;
-        let (h, heads, kvh, hd) = (
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        );
-        let eps = cfg.rms_norm_eps;
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let w = &self.weights;
-        let l = &w.layer;
-        let hb = self.h_bytes();
+        let row_bytes = self.row_bytes();
+        let rms_norm = |out, x, weight: &DenseWeight| {
+            gpu.rms_norm(RmsNormArgs {
+                out,
+                x,
+                weight: weight.ptr,
+                rows: r,
+                dim: h,
+                eps,
+                stream,
+            })
+        };
         let u32s = |f: &dyn Fn(&Row) -> u32| rows.iter().map(f).collect::<Vec<u32>>();
-        gpu.write(sc.ids, &u32s(&|x| x.token), stream)?;
+        gpu.write(sc.token_ids, &u32s(&|x| x.token), stream)?;
         gpu.write(sc.positions, &u32s(&|x| x.position as u32), stream)?;
         gpu.write(sc.slots, &u32s(&|x| x.slot), stream)?;
 
-        gpu.embedding(sc.emb, self.embed.ptr, sc.ids, r, h, cfg.vocab_size, stream)?;
-        gpu.rms_norm(sc.emb, sc.emb, w.enorm.ptr, r, h, eps, stream)?;
+        gpu.embedding(EmbeddingArgs {
+            out: sc.embedding,
+            table: self.embed.ptr,
+            ids: sc.token_ids,
+            rows: r,
+            hidden: h,
+            vocab: cfg.vocab_size,
+            stream,
+        })?;
+        rms_norm(sc.embedding, sc.embedding, &w.enorm)?;
         for (i, row) in rows.iter().enumerate() {
-            gpu.copy_dtod(sc.hid.offset(i * hb), row.hidden, hb, stream)?;
+            let to = sc.target_hidden.offset(i * row_bytes);
+            gpu.copy_dtod(to, row.hidden, row_bytes, stream)?;
         }
         if kind == HiddenKind::Target && self.levers.mtp_target_postnorm {
-            gpu.rms_norm(
-                sc.hid,
-                sc.hid,
-                self.target_final_norm.ptr,
-                r,
-                h,
-                eps,
-                stream,
-            )?;
+            rms_norm(sc.target_hidden, sc.target_hidden, &self.target_final_norm)?;
         }
-        gpu.rms_norm(sc.hid, sc.hid, w.hnorm.ptr, r, h, eps, stream)?;
+        rms_norm(sc.target_hidden, sc.target_hidden, &w.hnorm)?;
         let (first, second) = if w.layout.embedding_first() {
-            (sc.emb, sc.hid)
+            (sc.embedding, sc.target_hidden)
         } else {
-            (sc.hid, sc.emb)
+            (sc.target_hidden, sc.embedding)
         };
         for i in 0..r {
-            gpu.copy_dtod(sc.cat.offset(2 * i * hb), first.offset(i * hb), hb, stream)?;
-            gpu.copy_dtod(
-                sc.cat.offset((2 * i + 1) * hb),
-                second.offset(i * hb),
-                hb,
-                stream,
-            )?;
+            let to = sc.concat.offset(2 * i * row_bytes);
+            gpu.copy_dtod(to, first.offset(i * row_bytes), row_bytes, stream)?;
+            let to = sc.concat.offset((2 * i + 1) * row_bytes);
+            gpu.copy_dtod(to, second.offset(i * row_bytes), row_bytes, stream)?;
         }
         w.eh_proj
-            .forward(gpu, sc.x, Dtype::Bf16, sc.cat, None, r, stream)?;
+            .forward(gpu, sc.residual, Dtype::Bf16, sc.concat, None, r, stream)?;
 
-        // Attention block.
-        gpu.rms_norm(sc.normed, sc.x, l.attn_norm.ptr, r, h, eps, stream)?;
-        let gated = w.layout.gated_attention();
-        let q = if gated { sc.qfull } else { sc.q };
-        l.q.forward(gpu, q, Dtype::Bf16, sc.normed, l.q_bias.as_ref(), r, stream)?;
-        l.k.forward(
-            gpu,
-            sc.k,
-            Dtype::Bf16,
-            sc.normed,
-            l.k_bias.as_ref(),
-            r,
-            stream,
-        )?;
-        l.v.forward(
-            gpu,
-            sc.v,
-            Dtype::Bf16,
-            sc.normed,
-            l.v_bias.as_ref(),
-            r,
-            stream,
-        )?;
-        if gated {
-            // Per head, q_proj's rows are [query (head_dim), gate (head_dim)].
-            let hdb = hd * 2;
-            for i in 0..r * heads {
-                gpu.copy_dtod(
-                    sc.q.offset(i * hdb),
-                    sc.qfull.offset(2 * i * hdb),
-                    hdb,
-                    stream,
-                )?;
-                gpu.copy_dtod(
-                    sc.qgate.offset(i * hdb),
-                    sc.qfull.offset((2 * i + 1) * hdb),
-                    hdb,
-                    stream,
-                )?;
+        let mbps = self.max_blocks_per_seq;
+        let layer_depth = match depth {
+            Depth::KvOnly => LayerDepth::KvOnly,
+            Depth::Logits => {
+                for (s, &(t, cap)) in tables.iter().enumerate() {
+                    let to = sc.block_tables.offset(s * mbps * 4);
+                    gpu.copy_dtod(to, t, cap.min(mbps) * 4, stream)?;
+                }
+                gpu.write(sc.row_seq, &u32s(&|x| x.seq as u32), stream)?;
+                gpu.write(sc.row_ctx_len, &u32s(&|x| x.ctx_len as u32), stream)?;
+                LayerDepth::Full
             }
-        }
-        if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-            gpu.rms_norm(sc.q, sc.q, qn.ptr, r * heads, hd, eps, stream)?;
-            gpu.rms_norm(sc.k, sc.k, kn.ptr, r * kvh, hd, eps, stream)?;
-        }
-        let rd = self.rotary_dim;
-        gpu.rope(
-            sc.q,
-            sc.positions,
-            self.inv_freq,
-            r,
-            heads,
-            hd,
-            rd,
-            RopeStyle::Half,
+        };
+        let io = LayerIo {
+            hidden: sc.residual,
+            positions: sc.positions,
+            slots: sc.slots,
+            row_seq: sc.row_seq,
+            row_ctx_len: sc.row_ctx_len,
+            block_table: sc.block_tables,
+            inv_freq: self.inv_freq,
+            rows: r,
+            max_blocks_per_seq: mbps,
+            rope_style: RopeStyle::Half,
             stream,
-        )?;
-        gpu.rope(
-            sc.k,
-            sc.positions,
-            self.inv_freq,
-            r,
-            kvh,
-            hd,
-            rd,
-            RopeStyle::Half,
-            stream,
-        )?;
-        gpu.kv_write(
-            self.k_cache,
-            self.v_cache,
-            sc.k,
-            sc.v,
-            sc.slots,
-            r,
-            kvh,
-            hd,
-            self.num_slots,
-            stream,
-        )?;
+        };
+        let cache = LayerCache {
+            k: self.k_cache,
+            v: self.v_cache,
+            num_slots: self.num_slots,
+            block_size: DRAFTER_BLOCK_SIZE,
+        };
+        let shape = self.layer_shape();
+        decoder_layer(gpu, &shape, &w.layer, &cache, &io, &sc.layer, layer_depth)?;
         if depth == Depth::KvOnly {
             return Ok(());
         }
-        let mbps = self.max_blocks_per_seq;
-        for (s, &(t, cap)) in tables.iter().enumerate() {
-            gpu.copy_dtod(sc.table.offset(s * mbps * 4), t, cap.min(mbps) * 4, stream)?;
-        }
-        gpu.write(sc.row_seq, &u32s(&|x| x.seq as u32), stream)?;
-        gpu.write(sc.ctx_len, &u32s(&|x| x.ctx_len as u32), stream)?;
-        gpu.paged_attention(
-            sc.attn,
-            sc.q,
-            self.k_cache,
-            self.v_cache,
-            sc.table,
-            sc.row_seq,
-            sc.ctx_len,
-            r,
-            heads,
-            kvh,
-            hd,
-            super::state::DRAFTER_BLOCK_SIZE,
-            mbps,
-            1.0 / (hd as f32).sqrt(),
-            stream,
-        )?;
-        if gated {
-            gpu.sigmoid_mul(sc.attn, sc.qgate, sc.attn, r * heads * hd, stream)?;
-        }
-        l.o.forward(gpu, sc.normed, Dtype::Bf16, sc.attn, None, r, stream)?;
-        gpu.add(sc.x, sc.x, sc.normed, r * h, stream)?;
 
-        // MLP block.
-        gpu.rms_norm(sc.normed, sc.x, l.ffn_norm.ptr, r, h, eps, stream)?;
-        l.gate
-            .forward(gpu, sc.mlp_gate, Dtype::Bf16, sc.normed, None, r, stream)?;
-        l.up.forward(gpu, sc.mlp_up, Dtype::Bf16, sc.normed, None, r, stream)?;
-        gpu.silu_mul(sc.mlp_gate, sc.mlp_gate, sc.mlp_up, r * self.ffn, stream)?;
-        match &l.moe {
-            None => {
-                l.down
-                    .forward(gpu, sc.normed, Dtype::Bf16, sc.mlp_gate, None, r, stream)?;
-                gpu.add(sc.x, sc.x, sc.normed, r * h, stream)?;
-            }
-            Some(moe) => {
-                // The layer's gate/up/down are the shared expert; the routed experts read
-                // the same normed input, so it must survive until they ran.
-                l.down
-                    .forward(gpu, sc.moe_acc, Dtype::Bf16, sc.mlp_gate, None, r, stream)?;
-                moe.forward(gpu, sc, r, h, stream)?;
-                gpu.add(sc.x, sc.x, sc.moe_acc, r * h, stream)?;
-            }
-        }
-
-        gpu.rms_norm(sc.out, sc.x, w.final_norm.ptr, r, h, eps, stream)?;
+        rms_norm(sc.final_normed, sc.residual, &w.final_norm)?;
         let lm = &self.lm_head;
-        gpu.linear_nvfp4(
-            sc.logits,
-            Dtype::F32,
-            sc.out,
-            lm.weight,
-            lm.weight_scale,
-            lm.weight_scale_2,
-            r,
-            h,
-            self.draft_vocab,
+        gpu.linear(LinearArgs {
+            out: sc.logits,
+            out_dtype: Dtype::F32,
+            x: sc.final_normed,
+            weight: LinearWeight::Nvfp4 {
+                codes: lm.weight,
+                block_scales: lm.weight_scale,
+                global_scale: lm.weight_scale_2,
+            },
+            bias: None,
+            rows: r,
+            in_features: h,
+            out_features: self.draft_vocab,
             stream,
-        )?;
+        })?;
         Ok(())
     }
 
     /// The hidden the next draft step feeds back for row `i` of the last forward.
     pub(crate) fn chain_hidden(&self, sc: &Scratch, i: usize) -> DevicePtr {
         let base = if self.levers.mtp_chain_postnorm {
-            sc.out
+            sc.final_normed
         } else {
-            sc.x
+            sc.residual
         };
-        base.offset(i * self.h_bytes())
+        base.offset(i * self.row_bytes())
     }
 }

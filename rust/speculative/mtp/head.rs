@@ -5,17 +5,18 @@
 //! the deferred-token slot and any projection it re-quantized. The weights given to
 //! [`MtpHead::new`] stay the caller's.
 
+use super::bad;
 use super::forward::{HeadSpec, Scratch};
 use super::nvfp4::{quantize_nvfp4, round_to_fp8_grid};
 use super::state::{DrafterKv, DRAFTER_BLOCK_SIZE};
 use super::weights::MtpWeights;
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
-use crate::model::layers::rope_inv_freq;
+use crate::model::layers::{rope_inv_freq, LayerShape};
 use crate::model::{
     DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelLevers, QuantizedWeight,
 };
-use crate::speculative::{DraftRunner, ProposerError};
+use crate::speculative::DraftRunner;
 use half::bf16;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -60,11 +61,7 @@ pub struct MtpHead {
 }
 
 fn invalid(message: String) -> crate::Error {
-    ProposerError::InvalidArgument {
-        method: "MtpHead::new",
-        message,
-    }
-    .into()
+    bad("MtpHead::new", message)
 }
 
 /// Allocations made during `new`, freed if `new` fails part-way.
@@ -161,15 +158,8 @@ impl MtpHead {
     ) -> crate::Result<Self> {
         config.validate()?;
         let (h, vocab) = (config.hidden_size, config.vocab_size);
-        let (heads, kvh, hd) = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        );
+        let (kvh, hd) = (config.num_key_value_heads, config.head_dim);
         check_weights(&weights, &embed, &target_final_norm, config)?;
-        let ffn = weights.layer.gate.dims().0;
-        // The MLP scratch serves the shared expert and one routed expert at a time.
-        let mlp_width = ffn.max(weights.layer.moe.as_ref().map_or(0, |m| m.expert_ffn()));
         if lm_head.in_features != h || lm_head.out_features > vocab || lm_head.out_features == 0 {
             return Err(invalid(format!(
                 "lm_head_nvfp4 is [{}, {}]; expected [rows <= vocab_size {vocab}, hidden_size {h}]",
@@ -212,13 +202,6 @@ impl MtpHead {
         for lin in weights.projections_mut() {
             requantize(owned, lin, quant)?;
         }
-        if let Some(moe) = weights.layer.moe.as_mut() {
-            for x in moe.experts.iter_mut() {
-                for lin in [&mut x.gate, &mut x.up, &mut x.down] {
-                    requantize(owned, lin, quant)?;
-                }
-            }
-        }
         let max_blocks_per_seq = (max_seq_len + DRAFT_SLACK_ROWS).div_ceil(DRAFTER_BLOCK_SIZE);
         let num_blocks = (max_blocks_per_seq * MTP_MAX_BATCH).min(main_kv_blocks);
         let cache_len = num_blocks * DRAFTER_BLOCK_SIZE * kvh * hd;
@@ -231,40 +214,28 @@ impl MtpHead {
         let freqs = rope_inv_freq(config)?;
         let inv_freq = owned.upload(&freqs, "mtp:rope_inv_freq")?;
         let deferred = owned.alloc(Dtype::U32, 1, "mtp:deferred_token")?;
-        let q_rows = weights.layer.q.dims().0;
-        let rows = MTP_MAX_BATCH.max(MTP_CHUNK_ROWS);
-        let scratch = Scratch::alloc(
-            &mut |dtype, len, tag| owned.alloc(dtype, len, tag),
-            rows,
-            h,
-            q_rows,
-            heads * hd,
-            kvh * hd,
-            mlp_width,
-            draft_vocab,
-            max_blocks_per_seq,
-            weights.layer.moe.as_ref().map_or(0, |m| m.experts.len()),
-        )?;
         let num_slots = kv.num_slots();
-        let (k_cache, v_cache) = (kv.k, kv.v);
+        let spec = HeadSpec {
+            config: config.clone(),
+            levers: *levers,
+            weights,
+            embed,
+            target_final_norm,
+            lm_head: head,
+            draft_vocab,
+            k_cache: kv.k,
+            v_cache: kv.v,
+            num_slots,
+            inv_freq,
+            rotary_dim: freqs.len() * 2,
+            max_blocks_per_seq,
+        };
+        let rows = MTP_MAX_BATCH.max(MTP_CHUNK_ROWS);
+        let (scratch, slots) = Scratch::alloc(owned.gpu, &spec, rows)?;
+        owned.ptrs.extend(slots.iter().map(|s| s.ptr));
         Ok(MtpHead {
             id: NEXT_HEAD_ID.fetch_add(1, Ordering::Relaxed),
-            spec: HeadSpec {
-                config: config.clone(),
-                levers: *levers,
-                weights,
-                embed,
-                target_final_norm,
-                lm_head: head,
-                draft_vocab,
-                k_cache,
-                v_cache,
-                num_slots,
-                inv_freq,
-                rotary_dim: freqs.len() * 2,
-                max_blocks_per_seq,
-                ffn,
-            },
+            spec,
             kv,
             scratch: Mutex::new(scratch),
             deferred,
@@ -346,74 +317,26 @@ fn check_weights(
     config: &ModelConfig,
 ) -> crate::Result<()> {
     let h = config.hidden_size;
-    let (heads, kvh, hd) = (
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-    );
-    let gated = if w.layout.gated_attention() { 2 } else { 1 };
-    let l = &w.layer;
-    let ffn = l.gate.dims().0;
-    type Dims = (usize, usize);
-    let expect: [(&str, Dims, Dims); 8] = [
-        ("eh_proj", w.eh_proj.dims(), (h, 2 * h)),
-        ("q_proj", l.q.dims(), (gated * heads * hd, h)),
-        ("k_proj", l.k.dims(), (kvh * hd, h)),
-        ("v_proj", l.v.dims(), (kvh * hd, h)),
-        ("o_proj", l.o.dims(), (h, heads * hd)),
-        ("gate_proj", l.gate.dims(), (ffn, h)),
-        ("up_proj", l.up.dims(), (ffn, h)),
-        ("down_proj", l.down.dims(), (h, ffn)),
-    ];
-    for (name, found, want) in expect {
-        if found != want || ffn == 0 {
-            return Err(invalid(format!(
-                "{name} is [{}, {}], expected [{}, {}] for hidden_size {h}, {heads} heads, {kvh} KV heads, head_dim {hd}",
-                found.0, found.1, want.0, want.1
-            )));
-        }
+    let (found, want) = (w.eh_proj.dims(), (h, 2 * h));
+    if found != want {
+        return Err(invalid(format!(
+            "eh_proj is [{}, {}], expected [{}, {}] for hidden_size {h}",
+            found.0, found.1, want.0, want.1
+        )));
     }
+    w.layer.check(&LayerShape::of(config)).map_err(invalid)?;
     let vectors = [
-        ("enorm", Some(&w.enorm), h),
-        ("hnorm", Some(&w.hnorm), h),
-        ("final_norm", Some(&w.final_norm), h),
-        ("input_layernorm", Some(&l.attn_norm), h),
-        ("post_attention_layernorm", Some(&l.ffn_norm), h),
-        ("target_final_norm", Some(final_norm), h),
-        ("q_bias", l.q_bias.as_ref(), gated * heads * hd),
-        ("k_bias", l.k_bias.as_ref(), kvh * hd),
-        ("v_bias", l.v_bias.as_ref(), kvh * hd),
-        ("q_norm", l.q_norm.as_ref(), hd),
-        ("k_norm", l.k_norm.as_ref(), hd),
+        ("enorm", &w.enorm),
+        ("hnorm", &w.hnorm),
+        ("final_norm", &w.final_norm),
+        ("target_final_norm", final_norm),
     ];
-    for (name, wt, len) in vectors {
-        if let Some(wt) = wt {
-            if wt.shape != [len] {
-                return Err(invalid(format!(
-                    "{name} has shape {:?}, expected [{len}]",
-                    wt.shape
-                )));
-            }
-        }
-    }
-    if l.q_norm.is_some() != l.k_norm.is_some() {
-        return Err(invalid("q_norm and k_norm must be given together".into()));
-    }
-    if let Some(moe) = &l.moe {
-        let e = moe.experts.len();
-        let f = moe.expert_ffn();
-        if e == 0 || moe.router.shape != [e, h] || moe.top_k == 0 || moe.top_k > e {
+    for (name, wt) in vectors {
+        if wt.shape != [h] {
             return Err(invalid(format!(
-                "the MoE router is {:?} for {e} experts (top-{}); expected [{e}, {h}] and 1 <= top_k <= {e}",
-                moe.router.shape, moe.top_k
+                "{name} has shape {:?}, expected [{h}]",
+                wt.shape
             )));
-        }
-        for (i, x) in moe.experts.iter().enumerate() {
-            if x.gate.dims() != (f, h) || x.up.dims() != (f, h) || x.down.dims() != (h, f) {
-                return Err(invalid(format!(
-                    "expert {i}'s projections are not [{f}, {h}] / [{h}, {f}]"
-                )));
-            }
         }
     }
     if embed.shape != [config.vocab_size, h] {

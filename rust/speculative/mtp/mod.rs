@@ -3,10 +3,10 @@
 //! over its own paged KV to propose several drafts.
 //!
 //! One file per job: [`nvfp4`] (quantization), [`weights`] (weights and checkpoint layouts),
-//! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations on
-//! the typed kernels), [`moe`] (routed experts), `head` (construction), `draft` (the draft loop), `proposer` (the `DraftProposer` methods),
-//! `checkpoint` (loading from a checkpoint folder) and `circuit` (the circuit binding and the
-//! reference runner).
+//! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations
+//! around the model layer's decoder layer), `head` (construction), `draft` (the draft loop),
+//! `proposer` (the `DraftProposer` methods), `checkpoint` (loading from a checkpoint folder)
+//! and `circuit` (the circuit binding and the reference runner).
 //!
 //! Invariants: every drafter row at RoPE position p pairs the token at p with the target
 //! hidden computed at p - 1 (pair key p - 1); `propose_batch` returns exactly what
@@ -19,7 +19,6 @@ mod circuit;
 mod draft;
 mod forward;
 mod head;
-pub mod moe;
 pub mod nvfp4;
 mod proposer;
 mod state;
@@ -29,4 +28,11 @@ pub use circuit::ReferenceDraftRunner;
 pub use head::{MtpHead, MtpQuantization, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
 pub use nvfp4::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Host};
 pub use state::{MtpState, DRAFTER_BLOCK_SIZE};
-pub use weights::{find_layout, MtpLayerWeights, MtpLayout, MtpWeights};
+pub use weights::{find_layout, MtpLayout, MtpWeights};
+
+use crate::speculative::ProposerError;
+
+/// The error of a method given an argument it cannot use.
+pub(crate) fn bad(method: &'static str, message: String) -> crate::Error {
+    ProposerError::InvalidArgument { method, message }.into()
+}

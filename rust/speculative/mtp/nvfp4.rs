@@ -24,8 +24,8 @@ use crate::speculative::ProposerError;
 pub const FP8_E4M3_MAX: f32 = 448.0;
 /// The largest E2M1 magnitude.
 pub const E2M1_MAX: f32 = 6.0;
-/// Columns sharing one FP8 block scale.
-pub const NVFP4_BLOCK: usize = 16;
+/// Columns sharing one FP8 block scale (the `linear` op's definition).
+pub use crate::backend::NVFP4_BLOCK;
 
 /// f32 to FP8 E4M3 (`float8_e4m3fn`), round to nearest, ties to even, saturating at 448.
 /// NaN becomes the NaN code `0x7f`.

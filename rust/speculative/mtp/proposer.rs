@@ -16,10 +16,11 @@
 //! - `free_state` returns every block the state holds to the head's pool and frees its
 //!   block table.
 
-use super::draft::{bad, Seq};
+use super::bad;
+use super::draft::DraftSeq;
 use super::head::{MtpHead, MTP_MAX_BATCH};
 use super::state::MtpState;
-use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt};
+use crate::backend::{DevicePtr, EmbeddingArgs, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
 use crate::speculative::{DraftBinding, DraftProposer, DraftRunner, ProposerState};
@@ -66,7 +67,7 @@ impl DraftProposer for MtpHead {
                 stream,
             )?,
             _ => {
-                let mut seqs = [Seq {
+                let mut seqs = [DraftSeq {
                     state: st,
                     token: last_token,
                     hidden: target_hidden,
@@ -80,15 +81,15 @@ impl DraftProposer for MtpHead {
         if let (Some(target), Some(&last)) = (draft_embed_target, drafts.last()) {
             let h = self.spec.config.hidden_size;
             gpu.write(self.deferred, &[last], stream)?;
-            gpu.embedding(
-                target,
-                self.spec.embed.ptr,
-                self.deferred,
-                1,
-                h,
-                self.spec.config.vocab_size,
+            gpu.embedding(EmbeddingArgs {
+                out: target,
+                table: self.spec.embed.ptr,
+                ids: self.deferred,
+                rows: 1,
+                hidden: h,
+                vocab: self.spec.config.vocab_size,
                 stream,
-            )?;
+            })?;
         }
         Ok(drafts)
     }
@@ -197,11 +198,11 @@ impl DraftProposer for MtpHead {
         }
         st.pending = 0;
         st.truncate(&self.kv, row_base)?;
-        let hb = self.spec.config.hidden_size * 2;
+        let row_bytes = self.spec.config.hidden_size * 2;
         let items: Vec<_> = tokens
             .iter()
             .enumerate()
-            .map(|(j, &t)| (0, t, hiddens.offset(j * hb), pos_base + j))
+            .map(|(j, &t)| (0, t, hiddens.offset(j * row_bytes), pos_base + j))
             .collect();
         Ok(self.write_rows(ctx.gpu.as_ref(), &mut [st], &items, stream)?[0])
     }
@@ -241,7 +242,7 @@ impl DraftProposer for MtpHead {
         }
         let mut seqs = Vec::with_capacity(n);
         for (i, s) in states.iter_mut().enumerate() {
-            seqs.push(Seq {
+            seqs.push(DraftSeq {
                 state: self.state_mut(&mut **s, "propose_batch")?,
                 token: last_tokens[i],
                 hidden: target_hiddens[i],
@@ -317,10 +318,10 @@ impl DraftProposer for MtpHead {
     ) -> crate::Result<usize> {
         let st = self.state_mut(state, "prefill_drafter")?;
         st.clear(&self.kv)?;
-        let hb = self.spec.config.hidden_size * 2;
+        let row_bytes = self.spec.config.hidden_size * 2;
         // Row for position i pairs token i with the hidden computed at position i - 1.
         let items: Vec<_> = (1..prompt_tokens.len())
-            .map(|i| (0, prompt_tokens[i], hiddens.offset((i - 1) * hb), i))
+            .map(|i| (0, prompt_tokens[i], hiddens.offset((i - 1) * row_bytes), i))
             .collect();
         Ok(self.write_rows(ctx.gpu.as_ref(), &mut [st], &items, stream)?[0])
     }
@@ -344,13 +345,13 @@ impl DraftProposer for MtpHead {
         self.spec
             .weights
             .layer
-            .moe
+            .moe()
             .is_none()
             .then(|| self.binding(config, levers))
     }
 
     fn set_circuit_draft(&self, runner: Option<Arc<dyn DraftRunner>>) {
-        if self.spec.weights.layer.moe.is_some() {
+        if self.spec.weights.layer.moe().is_some() {
             return;
         }
         *self.runner.write().unwrap_or_else(|e| e.into_inner()) = runner;

@@ -11,7 +11,7 @@
 //! - Each weight row is read from memory once per call and then serves every input row from
 //!   L1, so a verify forward of a few rows costs far less than that many 1-row forwards.
 
-use super::cpu_kernels::{e2m1_to_f32, fp8_e4m3_to_f32};
+use super::formats::{e2m1_to_f32, fp8_e4m3_to_f32};
 use rayon::prelude::*;
 
 /// Independent running sums per dot product (two AVX2 registers of f32).
@@ -341,16 +341,21 @@ impl WeightRows for Nvfp4Rows<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{CpuBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, Kernels};
+    use crate::backend::{
+        CpuBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, Kernels, LinearArgs, LinearWeight,
+    };
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
 
-    /// The result of one `linear` (f32 out) over `rows` rows starting at row `first` of `x`.
-    type Call<'a> = dyn Fn(&CpuBackend, DevicePtr, DevicePtr, usize) -> Vec<f32> + 'a;
-
-    /// Row `r` of every k-row call (k = 1..=9, several windows of the input rows) equals
-    /// the 1-row call on that input row, bit for bit.
-    fn check_rows_independent(gpu: &CpuBackend, in_features: usize, outf: usize, call: &Call) {
+    /// Row `r` of every k-row `linear` (f32 out; k = 1..=9, several windows of the input
+    /// rows) equals the 1-row call on that input row, bit for bit.
+    fn check_rows_independent(
+        gpu: &CpuBackend,
+        weight: LinearWeight,
+        bias: Option<DevicePtr>,
+        in_features: usize,
+        outf: usize,
+    ) {
         let total = 12;
         let mut rng = SmallRng::seed_from_u64(7);
         let xs: Vec<f32> = (0..total * in_features)
@@ -358,18 +363,29 @@ mod tests {
             .collect();
         let x = gpu.upload_bf16(&xs, "test x").unwrap();
         let out = gpu.alloc(total * outf * 4, "test out").unwrap();
-        let row = |r: usize| x.offset(r * in_features * 2);
-        let single: Vec<Vec<f32>> = (0..total).map(|r| call(gpu, out, row(r), 1)).collect();
+        let call = |first: usize, rows: usize| -> Vec<u32> {
+            gpu.linear(LinearArgs {
+                out,
+                out_dtype: Dtype::F32,
+                x: x.offset(first * in_features * 2),
+                weight,
+                bias,
+                rows,
+                in_features,
+                out_features: outf,
+                stream: 0,
+            })
+            .unwrap();
+            let v: Vec<f32> = gpu.download(out, rows * outf).unwrap();
+            v.iter().map(|v| v.to_bits()).collect()
+        };
+        let single: Vec<Vec<u32>> = (0..total).map(|r| call(r, 1)).collect();
         for k in 1..=9 {
             for first in [0, 1, total - k] {
-                let many = call(gpu, out, row(first), k);
+                let many = call(first, k);
                 for r in 0..k {
-                    let got: Vec<u32> = many[r * outf..(r + 1) * outf]
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect();
-                    let want: Vec<u32> = single[first + r].iter().map(|v| v.to_bits()).collect();
-                    assert_eq!(got, want, "k={k}, first={first}, row {r}");
+                    let got = &many[r * outf..(r + 1) * outf];
+                    assert_eq!(got, single[first + r], "k={k}, first={first}, row {r}");
                 }
             }
         }
@@ -390,11 +406,8 @@ mod tests {
             gpu.upload_bf16(&w, "test w").unwrap(),
             gpu.upload_bf16(&b, "test b").unwrap(),
         );
-        check_rows_independent(&gpu, inf, outf, &|gpu, out, x, rows| {
-            gpu.linear(out, Dtype::F32, x, w, Some(b), rows, inf, outf, 0)
-                .unwrap();
-            gpu.download::<f32>(out, rows * outf).unwrap()
-        });
+        let weight = LinearWeight::Bf16 { weight: w };
+        check_rows_independent(&gpu, weight, Some(b), inf, outf);
         gpu.free(w).unwrap();
         gpu.free(b).unwrap();
         assert_eq!(gpu.ledger().live_count(), 0);
@@ -410,17 +423,21 @@ mod tests {
         let scales: Vec<u8> = (0..inf * outf / 16)
             .map(|_| rng.random_range(0x20u8..0x50))
             .collect();
-        let (w, s) = (
+        let b: Vec<f32> = (0..outf).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (w, s, b) = (
             gpu.upload(&codes, "test w").unwrap(),
             gpu.upload(&scales, "test s").unwrap(),
+            gpu.upload_bf16(&b, "test b").unwrap(),
         );
-        check_rows_independent(&gpu, inf, outf, &|gpu, out, x, rows| {
-            gpu.linear_nvfp4(out, Dtype::F32, x, w, s, 0.75, rows, inf, outf, 0)
-                .unwrap();
-            gpu.download::<f32>(out, rows * outf).unwrap()
-        });
-        gpu.free(w).unwrap();
-        gpu.free(s).unwrap();
+        let weight = LinearWeight::Nvfp4 {
+            codes: w,
+            block_scales: s,
+            global_scale: 0.75,
+        };
+        check_rows_independent(&gpu, weight, Some(b), inf, outf);
+        for p in [w, s, b] {
+            gpu.free(p).unwrap();
+        }
         assert_eq!(gpu.ledger().live_count(), 0);
     }
 

@@ -6,8 +6,18 @@
 //! - Host views of device memory are handed out only through the ledger's range check: a
 //!   kernel or copy can never read or write outside one live allocation.
 //! - Every stream runs in order on the caller's thread: work is done when a call returns.
+//!
+//! The kernels are in `kernels` (the reference of every op) and `linear` (the fast
+//! matrix product), the scalar decoders of the weight formats in `formats`.
 
-use super::{AllocationLedger, BackendError, DevicePtr, GpuBackend};
+mod formats;
+mod kernels;
+mod linear;
+
+pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
+
+use crate::backend::kernels::CheckedMemory;
+use crate::backend::{AllocationLedger, BackendError, DevicePtr, GpuBackend};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
@@ -170,7 +180,7 @@ impl CpuBackend {
     }
 
     fn check_stream(&self, stream: u64) -> Result<(), BackendError> {
-        if stream == super::DEFAULT_STREAM
+        if stream == crate::backend::DEFAULT_STREAM
             || self
                 .streams
                 .lock()
@@ -180,6 +190,41 @@ impl CpuBackend {
             Ok(())
         } else {
             Err(BackendError::UnknownStream(stream))
+        }
+    }
+}
+
+impl CheckedMemory for CpuBackend {
+    type Range = HostView;
+
+    fn checked_range(
+        &self,
+        ptr: DevicePtr,
+        nbytes: usize,
+        what: &str,
+    ) -> Result<HostView, BackendError> {
+        self.view(ptr, nbytes, what)
+    }
+
+    fn read_u32(
+        &self,
+        range: &HostView,
+        _ptr: DevicePtr,
+        n: usize,
+        _stream: u64,
+    ) -> Result<Vec<u32>, BackendError> {
+        // SAFETY: a checked range, read before the op writes anything; the copy goes through
+        // bytes, so the address needs no alignment.
+        let bytes = unsafe { range.bytes() };
+        match bytes.get(..n.saturating_mul(4)) {
+            Some(b) => Ok(b
+                .chunks_exact(4)
+                .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()),
+            None => Err(BackendError::InvalidArgument {
+                op: "read_u32",
+                message: format!("{n} values do not fit a range of {} bytes", bytes.len()),
+            }),
         }
     }
 }

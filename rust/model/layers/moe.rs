@@ -1,4 +1,5 @@
-//! The routed mixture-of-experts MLP of GLM-4.5+/DeepSeek-V3 and Qwen3-Next MTP layers.
+//! The routed mixture-of-experts MLP (GLM-4.5+/DeepSeek-V3 and Qwen3-Next layers), with
+//! its shared experts.
 //!
 //! Routing runs on the host from the router's f32 logits (one small download per forward):
 //! - `Sigmoid` (DeepSeek-V3 / GLM, "noaux_tc"): `s = sigmoid(logits)`; experts are chosen by
@@ -11,40 +12,53 @@
 //! The output is `shared(x) [* sigmoid(shared_expert_gate(x))] + sum_e w_e * expert_e(x)`,
 //! accumulated in BF16 in the order: shared, then experts by descending weight (ties: lower
 //! index). A weight multiplies an expert's output as a BF16 scalar through a 1x1 `linear`,
-//! so no kernel beyond the typed set is needed.
+//! so no kernel beyond the typed set is needed. The layer computes the shared experts'
+//! output into the accumulator; [`MoeMlp::forward`] does the rest.
 
-use super::forward::Scratch;
-use crate::backend::{Dtype, GpuBackend, GpuBackendExt};
-use crate::model::layers::{load_dense, load_linear};
+use super::load::load_dense;
+use super::names::LayerNames;
+use super::scratch::{LayerScratch, MoeScratch};
+use super::weights::SwiGlu;
+use crate::backend::{
+    DevicePtr, Dtype, ElementwiseArgs, ElementwiseOp, GpuBackend, GpuBackendExt, LinearArgs,
+    LinearWeight,
+};
 use crate::model::tensors::TensorSource;
-use crate::model::{DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelError};
+use crate::model::{DenseWeight, DeviceAllocations, ModelConfig, ModelError};
 use half::bf16;
 
-/// How router logits become expert weights.
+/// How router logits become expert weights, and (with it, in every checkpoint family that
+/// has it) how the shared experts are named.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeScoring {
-    /// DeepSeek-V3 / GLM: sigmoid scores, correction bias, group-limited top-k.
+    /// DeepSeek-V3 / GLM: sigmoid scores, correction bias, group-limited top-k; shared
+    /// experts at `mlp.shared_experts.*`.
     Sigmoid,
-    /// Qwen3-Next: softmax probabilities, top-k.
+    /// Qwen3-Next: softmax probabilities, top-k; the shared expert at `mlp.shared_expert.*`,
+    /// scaled by `sigmoid(mlp.shared_expert_gate(x))`.
     Softmax,
 }
 
-/// One expert's SwiGLU projections.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Expert {
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
+impl MoeScoring {
+    /// Where the shared experts' projections are, under the layer prefix.
+    pub fn shared_expert_prefix(self) -> &'static str {
+        match self {
+            MoeScoring::Sigmoid => "mlp.shared_experts",
+            MoeScoring::Softmax => "mlp.shared_expert",
+        }
+    }
 }
 
-/// A routed MoE MLP (the layer's `gate`/`up`/`down` are then its shared expert).
+/// A routed MoE MLP with its shared experts.
 #[derive(Clone, Debug, PartialEq)]
-pub struct MtpMoe {
+pub struct MoeMlp {
+    /// The shared expert(s), run on every row.
+    pub shared: SwiGlu,
     /// Router `[num_experts, hidden]`.
     pub router: DenseWeight,
     /// DeepSeek/GLM's `e_score_correction_bias`, used for choosing only.
     pub correction_bias: Option<Vec<f32>>,
-    pub experts: Vec<Expert>,
+    pub experts: Vec<SwiGlu>,
     /// Qwen3-Next's `shared_expert_gate` `[1, hidden]`.
     pub shared_gate: Option<DenseWeight>,
     pub scoring: MoeScoring,
@@ -55,18 +69,15 @@ pub struct MtpMoe {
     pub topk_group: usize,
 }
 
-impl MtpMoe {
-    /// Width of one expert's MLP.
-    pub fn expert_ffn(&self) -> usize {
-        self.experts.first().map_or(0, |e| e.gate.dims().0)
+impl MoeMlp {
+    /// Width of one routed expert's MLP.
+    pub fn expert_width(&self) -> usize {
+        self.experts.first().map_or(0, SwiGlu::width)
     }
 
-    /// Bytes one row reads: the router and `top_k` experts.
+    /// Bytes one row reads beyond the shared experts: the router and `top_k` experts.
     pub fn nbytes_per_row(&self) -> usize {
-        let e = self
-            .experts
-            .first()
-            .map_or(0, |e| e.gate.nbytes() + e.up.nbytes() + e.down.nbytes());
+        let e = self.experts.first().map_or(0, SwiGlu::nbytes);
         self.router.nbytes()
             + self.top_k * e
             + self.shared_gate.as_ref().map_or(0, DenseWeight::nbytes)
@@ -130,23 +141,23 @@ impl MtpMoe {
         chosen
     }
 
-    /// Loads the MoE MLP at `{layer}mlp.` when it has a router (`mlp.gate.weight`).
+    /// Loads the routed part of the MoE MLP under `names` (router `mlp.gate`, experts
+    /// `mlp.experts.{e}.*`, Qwen3-Next's `mlp.shared_expert_gate`), around `shared`.
     pub fn load(
         allocs: &DeviceAllocations,
         src: &dyn TensorSource,
         config: &ModelConfig,
-        layer: &str,
+        names: &LayerNames,
         scoring: MoeScoring,
-    ) -> crate::Result<Option<MtpMoe>> {
-        let router_name = format!("{layer}mlp.gate.weight");
-        let Some(r) = src.tensor(&router_name)? else {
-            return Ok(None);
-        };
+        shared: SwiGlu,
+    ) -> crate::Result<MoeMlp> {
+        let router_name = format!("{}.weight", names.hf("mlp.gate"));
+        let r = src.require(&router_name)?;
         let h = config.hidden_size;
         let num_experts = r.shape.first().copied().unwrap_or(0);
         let moe = config.moe.as_ref().ok_or_else(|| ModelError::Format {
             path: src.path().to_string(),
-            format: "MTP checkpoint",
+            format: "checkpoint",
             message: format!("{router_name} is a router but config.json declares no experts (n_routed_experts / num_experts)"),
         })?;
         if moe.num_experts != num_experts {
@@ -158,9 +169,9 @@ impl MtpMoe {
             }
             .into());
         }
-        let ffn = moe.expert_intermediate_size;
+        let width = moe.expert_intermediate_size;
         let router = load_dense(allocs, src, &router_name, &[num_experts, h])?;
-        let bias_name = format!("{layer}mlp.gate.e_score_correction_bias");
+        let bias_name = names.hf("mlp.gate.e_score_correction_bias");
         let correction_bias = match src.tensor(&bias_name)? {
             Some(_) => Some(
                 src.read_bf16(&bias_name, &[num_experts])?
@@ -172,19 +183,17 @@ impl MtpMoe {
         };
         let mut experts = Vec::with_capacity(num_experts);
         for e in 0..num_experts {
-            let p = |part: &str| format!("{layer}mlp.experts.{e}.{part}");
-            experts.push(Expert {
-                gate: load_linear(allocs, src, &p("gate_proj"), ffn, h)?,
-                up: load_linear(allocs, src, &p("up_proj"), ffn, h)?,
-                down: load_linear(allocs, src, &p("down_proj"), h, ffn)?,
-            });
+            let parts = ["gate_proj", "up_proj", "down_proj"]
+                .map(|p| names.hf(&format!("mlp.experts.{e}.{p}")));
+            experts.push(SwiGlu::load(allocs, src, parts, width, h)?);
         }
-        let gate_name = format!("{layer}mlp.shared_expert_gate.weight");
+        let gate_name = format!("{}.weight", names.hf("mlp.shared_expert_gate"));
         let shared_gate = match src.tensor(&gate_name)? {
             Some(_) => Some(load_dense(allocs, src, &gate_name, &[1, h])?),
             None => None,
         };
-        Ok(Some(MtpMoe {
+        Ok(MoeMlp {
+            shared,
             router,
             correction_bias,
             experts,
@@ -195,86 +204,126 @@ impl MtpMoe {
             routed_scaling_factor: moe.routed_scaling_factor,
             n_group: 1,
             topk_group: 1,
-        }))
+        })
+    }
+
+    /// `Err(message)` unless the router and every routed expert fit `hidden` and `top_k`.
+    pub(super) fn check(&self, hidden: usize) -> Result<(), String> {
+        let e = self.experts.len();
+        if e == 0 || self.router.shape != [e, hidden] || self.top_k == 0 || self.top_k > e {
+            return Err(format!(
+                "the MoE router is {:?} for {e} experts (top-{}); expected [{e}, {hidden}] and 1 <= top_k <= {e}",
+                self.router.shape, self.top_k
+            ));
+        }
+        let f = self.expert_width();
+        for (i, x) in self.experts.iter().enumerate() {
+            if x.gate.dims() != (f, hidden)
+                || x.up.dims() != (f, hidden)
+                || x.down.dims() != (hidden, f)
+            {
+                return Err(format!(
+                    "expert {i}'s projections are not [{f}, {hidden}] / [{hidden}, {f}]"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// `acc[r] += sum_e w_e * expert_e(normed[r])` for `rows` rows, after scaling the shared
-    /// expert's output already in `acc` by its gate. Uses the scratch's MoE buffers.
+    /// experts' output already in `ms.acc` by their gate. `sc.gate` / `sc.up` serve each
+    /// expert in turn; `sc.normed` is read, never written.
     pub(crate) fn forward(
         &self,
         gpu: &dyn GpuBackend,
-        sc: &Scratch,
+        sc: &LayerScratch,
+        ms: &MoeScratch,
         rows: usize,
         hidden: usize,
         stream: u64,
     ) -> crate::Result<()> {
-        let hb = hidden * 2;
+        let row_bytes = hidden * 2;
         let e = self.experts.len();
-        let scale_into_acc =
-            |row: usize, src: crate::backend::DevicePtr, w: f32, add: bool| -> crate::Result<()> {
-                gpu.write(sc.moe_w, &[bf16::from_f32(w)], stream)?;
-                // [hidden, 1] x [1, 1]^T: a BF16 scalar times a vector.
-                gpu.linear(
-                    sc.moe_tmp,
-                    Dtype::Bf16,
-                    src,
-                    sc.moe_w,
-                    None,
-                    hidden,
-                    1,
-                    1,
-                    stream,
-                )?;
-                let acc = sc.moe_acc.offset(row * hb);
-                if add {
-                    gpu.add(acc, acc, sc.moe_tmp, hidden, stream)?;
-                } else {
-                    gpu.copy_dtod(acc, sc.moe_tmp, hb, stream)?;
-                }
-                Ok(())
-            };
-        if let Some(g) = &self.shared_gate {
-            gpu.linear(
-                sc.moe_gate_logit,
-                Dtype::Bf16,
-                sc.normed,
-                g.ptr,
-                None,
-                rows,
-                hidden,
-                1,
+        let scale_into_acc = |row: usize, src: DevicePtr, w: f32, add: bool| -> crate::Result<()> {
+            gpu.write(ms.weight, &[bf16::from_f32(w)], stream)?;
+            // [hidden, 1] x [1, 1]^T: a BF16 scalar times a vector.
+            gpu.linear(LinearArgs {
+                out: ms.scaled,
+                out_dtype: Dtype::Bf16,
+                x: src,
+                weight: LinearWeight::Bf16 { weight: ms.weight },
+                bias: None,
+                rows: hidden,
+                in_features: 1,
+                out_features: 1,
                 stream,
-            )?;
-            let logits = gpu.download_bf16(sc.moe_gate_logit, rows)?;
+            })?;
+            let acc = ms.acc.offset(row * row_bytes);
+            if add {
+                gpu.elementwise(ElementwiseArgs {
+                    op: ElementwiseOp::Add,
+                    out: acc,
+                    a: acc,
+                    b: ms.scaled,
+                    n: hidden,
+                    stream,
+                })?;
+            } else {
+                gpu.copy_dtod(acc, ms.scaled, row_bytes, stream)?;
+            }
+            Ok(())
+        };
+        if let Some(g) = &self.shared_gate {
+            gpu.linear(LinearArgs {
+                out: ms.gate_logit,
+                out_dtype: Dtype::Bf16,
+                x: sc.normed,
+                weight: LinearWeight::Bf16 { weight: g.ptr },
+                bias: None,
+                rows,
+                in_features: hidden,
+                out_features: 1,
+                stream,
+            })?;
+            let logits = gpu.download_bf16(ms.gate_logit, rows)?;
             for (r, l) in logits.iter().enumerate() {
                 let s = bf16::from_f32(1.0 / (1.0 + (-l).exp())).to_f32();
-                scale_into_acc(r, sc.moe_acc.offset(r * hb), s, false)?;
+                scale_into_acc(r, ms.acc.offset(r * row_bytes), s, false)?;
             }
         }
-        gpu.linear(
-            sc.router,
-            Dtype::F32,
-            sc.normed,
-            self.router.ptr,
-            None,
+        gpu.linear(LinearArgs {
+            out: ms.router_logits,
+            out_dtype: Dtype::F32,
+            x: sc.normed,
+            weight: LinearWeight::Bf16 {
+                weight: self.router.ptr,
+            },
+            bias: None,
             rows,
-            hidden,
-            e,
+            in_features: hidden,
+            out_features: e,
             stream,
-        )?;
-        let logits: Vec<f32> = gpu.download(sc.router, rows * e)?;
-        let ffn = self.expert_ffn();
+        })?;
+        let logits: Vec<f32> = gpu.download(ms.router_logits, rows * e)?;
+        let width = self.expert_width();
         for r in 0..rows {
-            let input = sc.normed.offset(r * hb);
+            let input = sc.normed.offset(r * row_bytes);
             for (idx, w) in self.route(&logits[r * e..(r + 1) * e]) {
                 let x = &self.experts[idx];
                 x.gate
-                    .forward(gpu, sc.mlp_gate, Dtype::Bf16, input, None, 1, stream)?;
-                x.up.forward(gpu, sc.mlp_up, Dtype::Bf16, input, None, 1, stream)?;
-                gpu.silu_mul(sc.mlp_gate, sc.mlp_gate, sc.mlp_up, ffn, stream)?;
+                    .forward(gpu, sc.gate, Dtype::Bf16, input, None, 1, stream)?;
+                x.up.forward(gpu, sc.up, Dtype::Bf16, input, None, 1, stream)?;
+                gpu.elementwise(ElementwiseArgs {
+                    op: ElementwiseOp::SiluMul,
+                    out: sc.gate,
+                    a: sc.gate,
+                    b: sc.up,
+                    n: width,
+                    stream,
+                })?;
                 x.down
-                    .forward(gpu, sc.moe_out, Dtype::Bf16, sc.mlp_gate, None, 1, stream)?;
-                scale_into_acc(r, sc.moe_out, w, true)?;
+                    .forward(gpu, ms.expert_out, Dtype::Bf16, sc.gate, None, 1, stream)?;
+                scale_into_acc(r, ms.expert_out, w, true)?;
             }
         }
         Ok(())

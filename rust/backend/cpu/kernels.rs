@@ -1,0 +1,302 @@
+//! The CPU reference of every op in [`Kernels`].
+//!
+//! These are the definitions the CUDA kernels are tested against, so they favour being
+//! obviously right: each op first runs its arguments' shared `validate`, which checks every
+//! range through the ledger and the op's aliasing rule, and then touches only the views it
+//! returned; all arithmetic accumulates in f32. An op whose output may be an input itself
+//! computes into a fresh buffer and writes it at the end; every other op writes its output
+//! directly, which the aliasing check makes sound. `linear` is the hot op of a CPU forward,
+//! so its kernel lives in `linear`, written to be fast and to give each row bitwise the
+//! same result whatever else is in the batch.
+
+use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows};
+use super::{CpuBackend, HostView};
+use crate::backend::kernels::{
+    ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, Kernels, KvWriteArgs, LinearArgs,
+    LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
+};
+use crate::backend::{BackendError, Dtype};
+use half::bf16;
+use rayon::prelude::*;
+
+fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent accumulators let the compiler vectorise the loop.
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        sum += a[i] * b[i];
+    }
+    sum
+}
+
+/// Writes f32 results to a validated output of `dtype` (BF16 rounds to nearest even).
+fn write_activations(out: &HostView, dtype: Dtype, values: &[f32]) {
+    match dtype {
+        // SAFETY (both arms): a validated output range, apart from every view still read.
+        Dtype::F32 => unsafe { out.typed_mut::<f32>() }.copy_from_slice(values),
+        _ => {
+            let out = unsafe { out.typed_mut::<bf16>() };
+            for (o, &v) in out.iter_mut().zip(values) {
+                *o = bf16::from_f32(v);
+            }
+        }
+    }
+}
+
+impl Kernels for CpuBackend {
+    fn embedding(&self, args: EmbeddingArgs) -> Result<(), BackendError> {
+        let c = args.validate(self)?;
+        let hidden = c.args.hidden;
+        // SAFETY: validated ranges; `out` is apart from the table.
+        let (table, out) =
+            unsafe { (c.args.table.typed::<bf16>(), c.args.out.typed_mut::<bf16>()) };
+        for (row, &t) in out.chunks_mut(hidden.max(1)).zip(&c.ids) {
+            let t = t as usize;
+            row.copy_from_slice(&table[t * hidden..(t + 1) * hidden]);
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&self, args: RmsNormArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        let (dim, eps) = (a.dim, a.eps);
+        let result = {
+            // SAFETY: validated ranges, only read here; `out` (maybe `x`) is written below.
+            let (xs, w) = unsafe { (a.x.typed::<bf16>(), a.weight.typed::<bf16>()) };
+            let w = bf16_to_f32(w);
+            let mut result = Vec::with_capacity(xs.len());
+            for row in xs.chunks(dim.max(1)) {
+                let row = bf16_to_f32(row);
+                let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+                let inv = 1.0 / (mean_sq + eps).sqrt();
+                result.extend(row.iter().zip(&w).map(|(v, w)| bf16::from_f32(v * inv * w)));
+            }
+            result
+        };
+        // SAFETY: validated range; no other view of it is alive.
+        unsafe { a.out.typed_mut::<bf16>() }.copy_from_slice(&result);
+        Ok(())
+    }
+
+    fn elementwise(&self, args: ElementwiseArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        let result: Vec<bf16> = {
+            // SAFETY: validated ranges, only read here; `out` (maybe an input) is written below.
+            let (x, y) = unsafe { (a.a.typed::<bf16>(), a.b.typed::<bf16>()) };
+            let pairs = x.iter().zip(y);
+            match a.op {
+                ElementwiseOp::Add => pairs
+                    .map(|(x, y)| bf16::from_f32(x.to_f32() + y.to_f32()))
+                    .collect(),
+                ElementwiseOp::SiluMul => pairs
+                    .map(|(g, u)| {
+                        let g = g.to_f32();
+                        bf16::from_f32(g / (1.0 + (-g).exp()) * u.to_f32())
+                    })
+                    .collect(),
+                ElementwiseOp::SigmoidMul => pairs
+                    .map(|(g, v)| bf16::from_f32(v.to_f32() / (1.0 + (-g.to_f32()).exp())))
+                    .collect(),
+            }
+        };
+        // SAFETY: validated range; no other view of it is alive.
+        unsafe { a.out.typed_mut::<bf16>() }.copy_from_slice(&result);
+        Ok(())
+    }
+
+    fn linear(&self, args: LinearArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        let (rows, in_features, out_features) = (a.rows, a.in_features, a.out_features);
+        // SAFETY: validated ranges; `out` is apart from every input, which are only read.
+        let xs = bf16_to_f32(unsafe { a.x.typed::<bf16>() });
+        let bias = a
+            .bias
+            .as_ref()
+            .map(|b| bf16_to_f32(unsafe { b.typed::<bf16>() }));
+        let bias = bias.as_deref();
+        let result = match &a.weight {
+            LinearWeight::Bf16 { weight } => {
+                let src = Bf16Rows {
+                    weight: unsafe { weight.typed::<u16>() },
+                    in_features,
+                };
+                linear_rows(&src, &xs, bias, rows, in_features, out_features)
+            }
+            LinearWeight::Nvfp4 {
+                codes,
+                block_scales,
+                global_scale,
+            } => {
+                let src = Nvfp4Rows {
+                    codes: unsafe { codes.bytes() },
+                    scales: unsafe { block_scales.bytes() },
+                    global_scale: *global_scale,
+                    in_features,
+                };
+                linear_rows(&src, &xs, bias, rows, in_features, out_features)
+            }
+        };
+        write_activations(&a.out, a.out_dtype, &result);
+        Ok(())
+    }
+
+    fn rope(&self, args: RopeArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        let (heads, head_dim, half) = (a.heads, a.head_dim, a.rotary_dim / 2);
+        // SAFETY: validated ranges; `x` is apart from the positions and frequencies.
+        let (pos, freq, xs) = unsafe {
+            (
+                a.positions.typed::<u32>(),
+                a.inv_freq.typed::<f32>(),
+                a.x.typed_mut::<bf16>(),
+            )
+        };
+        for (r, &p) in pos.iter().enumerate() {
+            for h in 0..heads {
+                let head = &mut xs[(r * heads + h) * head_dim..(r * heads + h + 1) * head_dim];
+                for (i, f) in freq.iter().enumerate() {
+                    let (sin, cos) = (p as f32 * f).sin_cos();
+                    let (i, j) = match a.style {
+                        RopeStyle::Half => (i, i + half),
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let (xi, xj) = (head[i].to_f32(), head[j].to_f32());
+                    head[i] = bf16::from_f32(xi * cos - xj * sin);
+                    head[j] = bf16::from_f32(xj * cos + xi * sin);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_write(&self, args: KvWriteArgs) -> Result<(), BackendError> {
+        let c = args.validate(self)?;
+        let width = c.args.kv_heads * c.args.head_dim;
+        for (rows, cache) in [(&c.args.k, &c.args.k_cache), (&c.args.v, &c.args.v_cache)] {
+            // SAFETY: validated ranges; each cache is apart from the rows and the other cache.
+            let (rows, cache) = unsafe { (rows.typed::<bf16>(), cache.typed_mut::<bf16>()) };
+            for (r, &s) in c.slots.iter().enumerate() {
+                let s = s as usize;
+                cache[s * width..(s + 1) * width]
+                    .copy_from_slice(&rows[r * width..(r + 1) * width]);
+            }
+        }
+        Ok(())
+    }
+
+    fn paged_attention(&self, args: PagedAttentionArgs) -> Result<(), BackendError> {
+        let c = args.validate(self)?;
+        let a = &c.args;
+        let (heads, head_dim, block_size) = (a.heads, a.head_dim, a.block_size);
+        let (mbps, scale) = (a.max_blocks_per_seq, a.scale);
+        let width = a.kv_heads * head_dim;
+        let group = heads / a.kv_heads;
+        let (seqs, lens, table) = (&c.row_seq, &c.row_ctx_len, &c.block_table);
+        // SAFETY: validated ranges covering every slot the table names; only read.
+        let (qs, kc, vc) = unsafe {
+            (
+                bf16_to_f32(a.q.typed::<bf16>()),
+                a.k_cache.typed::<bf16>(),
+                a.v_cache.typed::<bf16>(),
+            )
+        };
+        let mut result = vec![0f32; a.rows * heads * head_dim];
+        result
+            .par_chunks_mut(head_dim.max(1))
+            .enumerate()
+            .for_each(|(rh, o)| {
+                let (r, h) = (rh / heads, rh % heads);
+                let s = seqs[r] as usize;
+                let kvh = h / group;
+                let qv = &qs[rh * head_dim..(rh + 1) * head_dim];
+                let n = lens[r] as usize;
+                let slot = |j: usize| {
+                    table[s * mbps + j / block_size] as usize * block_size + j % block_size
+                };
+                let mut scores = Vec::with_capacity(n);
+                let mut kbuf = vec![0f32; head_dim];
+                for j in 0..n {
+                    let base = slot(j) * width + kvh * head_dim;
+                    for (d, k) in kbuf.iter_mut().zip(&kc[base..base + head_dim]) {
+                        *d = k.to_f32();
+                    }
+                    scores.push(dot(qv, &kbuf) * scale);
+                }
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut total = 0.0;
+                for sc in scores.iter_mut() {
+                    *sc = (*sc - max).exp();
+                    total += *sc;
+                }
+                for (j, p) in scores.iter().enumerate() {
+                    let base = slot(j) * width + kvh * head_dim;
+                    for (d, v) in o.iter_mut().zip(&vc[base..base + head_dim]) {
+                        *d += p / total * v.to_f32();
+                    }
+                }
+            });
+        write_activations(&a.out, Dtype::Bf16, &result);
+        Ok(())
+    }
+
+    fn argmax(&self, args: ArgmaxArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        let (vocab, words) = (a.vocab, a.vocab.div_ceil(32));
+        // SAFETY: validated ranges; `out` is apart from the logits and the mask.
+        let (ls, mask, out) = unsafe {
+            (
+                a.logits.typed::<f32>(),
+                a.bitmask.as_ref().map(|m| m.typed::<i32>()),
+                a.out.typed_mut::<u32>(),
+            )
+        };
+        for (r, pick) in out.iter_mut().enumerate() {
+            *pick = u32::MAX;
+            let mut best = f32::NEG_INFINITY;
+            for t in 0..vocab {
+                if let Some(m) = mask {
+                    if (m[r * words + t / 32] as u32 >> (t % 32)) & 1 == 0 {
+                        continue;
+                    }
+                }
+                let v = ls[r * vocab + t];
+                if *pick == u32::MAX || v > best {
+                    best = v;
+                    *pick = t as u32;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn softmax(&self, args: SoftmaxArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        let temperature = a.temperature;
+        // SAFETY: a validated range, copied out before `out` (maybe the same) is written.
+        let mut ls = unsafe { a.logits.typed::<f32>() }.to_vec();
+        for row in ls.chunks_mut(a.vocab.max(1)) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut total = 0.0;
+            for v in row.iter_mut() {
+                *v = ((*v - max) / temperature).exp();
+                total += *v;
+            }
+            for v in row.iter_mut() {
+                *v /= total;
+            }
+        }
+        // SAFETY: validated range; no other view of it is alive.
+        unsafe { a.out.typed_mut::<f32>() }.copy_from_slice(&ls);
+        Ok(())
+    }
+}

@@ -1,0 +1,266 @@
+//! Arguments of the position and cache ops (RoPE, KV write, paged attention), each with its
+//! one `validate` (see the module docs of `kernels`).
+
+use super::check::{apart, count, invalid, CheckedMemory, Operand};
+use super::RopeStyle;
+use crate::backend::{BackendError, DevicePtr, Dtype};
+
+/// Rotates the first `rotary_dim` elements of every head of `x` (BF16 `[rows, heads,
+/// head_dim]`, in place) by `positions[r] * inv_freq[i]`; `inv_freq` f32 `[rotary_dim / 2]`
+/// carries the base and any scaling, `positions` u32 `[rows]`. `x` is apart from both.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeArgs<P = DevicePtr> {
+    pub x: P,
+    pub positions: P,
+    pub inv_freq: P,
+    pub rows: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub style: RopeStyle,
+    pub stream: u64,
+}
+
+impl RopeArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<RopeArgs<M::Range>, BackendError> {
+        let op = "rope";
+        let (rd, hd) = (self.rotary_dim, self.head_dim);
+        if rd > hd || rd % 2 != 0 {
+            return Err(invalid(
+                op,
+                format!("rotary_dim {rd} must be even and at most head_dim {hd}"),
+            ));
+        }
+        let positions = Operand::new(op, self.positions, self.rows, Dtype::U32, "rope positions")?;
+        let inv_freq = Operand::new(op, self.inv_freq, rd / 2, Dtype::F32, "rope inv_freq")?;
+        let n = count(op, &[self.rows, self.heads, hd])?;
+        let x = Operand::new(op, self.x, n, Dtype::Bf16, "rope x")?;
+        let args = RopeArgs {
+            positions: positions.check(mem)?,
+            inv_freq: inv_freq.check(mem)?,
+            x: x.check(mem)?,
+            rows: self.rows,
+            heads: self.heads,
+            head_dim: hd,
+            rotary_dim: rd,
+            style: self.style,
+            stream: self.stream,
+        };
+        apart(op, x, positions)?;
+        apart(op, x, inv_freq)?;
+        Ok(args)
+    }
+}
+
+/// Writes key and value rows into a paged cache: row `r` of `k` / `v` (BF16 `[rows,
+/// kv_heads, head_dim]`) goes to slot `slots[r]` of `k_cache` / `v_cache` (BF16
+/// `[num_slots, kv_heads, head_dim]`, slot = block * block_size + offset). A slot
+/// `>= num_slots` is an error; the two caches are apart from each other and from the inputs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvWriteArgs<P = DevicePtr> {
+    pub k_cache: P,
+    pub v_cache: P,
+    pub k: P,
+    pub v: P,
+    pub slots: P,
+    pub rows: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub num_slots: usize,
+    pub stream: u64,
+}
+
+/// A validated [`KvWriteArgs`] and the slots it read.
+pub struct CheckedKvWrite<R> {
+    pub args: KvWriteArgs<R>,
+    pub slots: Vec<u32>,
+}
+
+impl KvWriteArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<CheckedKvWrite<M::Range>, BackendError> {
+        let op = "kv_write";
+        let width = count(op, &[self.kv_heads, self.head_dim])?;
+        let slots = Operand::new(op, self.slots, self.rows, Dtype::U32, "kv_write slots")?;
+        let slots_range = slots.check(mem)?;
+        let values = mem.read_u32(&slots_range, self.slots, self.rows, self.stream)?;
+        if let Some(&bad) = values.iter().find(|&&s| s as usize >= self.num_slots) {
+            return Err(invalid(
+                op,
+                format!(
+                    "slot {bad} is outside the cache of {} slots",
+                    self.num_slots
+                ),
+            ));
+        }
+        let rows_n = count(op, &[self.rows, width])?;
+        let cache_n = count(op, &[self.num_slots, width])?;
+        let k = Operand::new(op, self.k, rows_n, Dtype::Bf16, "kv_write k")?;
+        let k_cache = Operand::new(op, self.k_cache, cache_n, Dtype::Bf16, "kv_write k_cache")?;
+        let v = Operand::new(op, self.v, rows_n, Dtype::Bf16, "kv_write v")?;
+        let v_cache = Operand::new(op, self.v_cache, cache_n, Dtype::Bf16, "kv_write v_cache")?;
+        let (k_range, k_cache_range) = (k.check(mem)?, k_cache.check(mem)?);
+        let (v_range, v_cache_range) = (v.check(mem)?, v_cache.check(mem)?);
+        let args = KvWriteArgs {
+            k_cache: k_cache_range,
+            v_cache: v_cache_range,
+            k: k_range,
+            v: v_range,
+            slots: slots_range,
+            rows: self.rows,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            num_slots: self.num_slots,
+            stream: self.stream,
+        };
+        for cache in [k_cache, v_cache] {
+            for input in [k, v, slots] {
+                apart(op, cache, input)?;
+            }
+        }
+        apart(op, k_cache, v_cache)?;
+        Ok(CheckedKvWrite {
+            args,
+            slots: values,
+        })
+    }
+}
+
+/// Grouped-query attention over a paged cache, for prefill and decode alike. Query row `r`
+/// (BF16 `q[r, heads, head_dim]`) belongs to sequence `row_seq[r]` and attends to that
+/// sequence's first `row_ctx_len[r]` cached rows (causality is in the lengths); cached row
+/// `j` of sequence `s` is slot `block_table[s, j / block_size] * block_size + j %
+/// block_size`. Query head `h` reads KV head `h / (heads / kv_heads)`. Scores are scaled by
+/// `scale`; `out` BF16 `[rows, heads, head_dim]` is apart from every input.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PagedAttentionArgs<P = DevicePtr> {
+    pub out: P,
+    pub q: P,
+    pub k_cache: P,
+    pub v_cache: P,
+    pub block_table: P,
+    pub row_seq: P,
+    pub row_ctx_len: P,
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub max_blocks_per_seq: usize,
+    pub scale: f32,
+    pub stream: u64,
+}
+
+/// A validated [`PagedAttentionArgs`] and the index arrays it read.
+pub struct CheckedAttention<R> {
+    pub args: PagedAttentionArgs<R>,
+    pub row_seq: Vec<u32>,
+    pub row_ctx_len: Vec<u32>,
+    /// `[num_seqs, max_blocks_per_seq]`, `num_seqs` the largest `row_seq` plus one.
+    pub block_table: Vec<u32>,
+    /// Sequences the table covers.
+    pub num_seqs: usize,
+}
+
+impl PagedAttentionArgs {
+    /// The checks every backend makes before it runs the op. The caches are checked over
+    /// every slot the block table names.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<CheckedAttention<M::Range>, BackendError> {
+        let op = "paged_attention";
+        let (rows, heads, kv_heads, hd) = (self.rows, self.heads, self.kv_heads, self.head_dim);
+        let (block_size, mbps) = (self.block_size, self.max_blocks_per_seq);
+        if kv_heads == 0 || heads % kv_heads != 0 || block_size == 0 {
+            return Err(invalid(
+                op,
+                format!(
+                    "heads {heads} must be a multiple of kv_heads {kv_heads}, block_size non-zero"
+                ),
+            ));
+        }
+        let index =
+            |ptr, n, what| -> Result<(Operand<'static>, M::Range, Vec<u32>), BackendError> {
+                let operand = Operand::new(op, ptr, n, Dtype::U32, what)?;
+                let range = operand.check(mem)?;
+                let values = mem.read_u32(&range, ptr, n, self.stream)?;
+                Ok((operand, range, values))
+            };
+        let (seq_op, seq_range, row_seq) = index(self.row_seq, rows, "paged_attention row_seq")?;
+        let (len_op, len_range, row_ctx_len) =
+            index(self.row_ctx_len, rows, "paged_attention row_ctx_len")?;
+        let num_seqs = row_seq.iter().map(|&s| s as usize + 1).max().unwrap_or(0);
+        let (table_op, table_range, block_table) = index(
+            self.block_table,
+            count(op, &[num_seqs, mbps])?,
+            "paged_attention block_table",
+        )?;
+        let width = count(op, &[kv_heads, hd])?;
+        let max_block = block_table.iter().copied().max().unwrap_or(0) as usize;
+        let cache_n = count(op, &[max_block + 1, block_size, width])?;
+        let q_n = count(op, &[rows, heads, hd])?;
+        let q = Operand::new(op, self.q, q_n, Dtype::Bf16, "paged_attention q")?;
+        let k_cache = Operand::new(
+            op,
+            self.k_cache,
+            cache_n,
+            Dtype::Bf16,
+            "paged_attention k_cache",
+        )?;
+        let v_cache = Operand::new(
+            op,
+            self.v_cache,
+            cache_n,
+            Dtype::Bf16,
+            "paged_attention v_cache",
+        )?;
+        let (q_range, k_range, v_range) = (q.check(mem)?, k_cache.check(mem)?, v_cache.check(mem)?);
+        let capacity = mbps.saturating_mul(block_size);
+        if let Some((r, len)) = row_ctx_len
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l as usize > capacity)
+        {
+            return Err(invalid(
+                op,
+                format!("row {r} attends to {len} rows, more than its block table holds"),
+            ));
+        }
+        let out = Operand::new(op, self.out, q_n, Dtype::Bf16, "paged_attention out")?;
+        let args = PagedAttentionArgs {
+            out: out.check(mem)?,
+            q: q_range,
+            k_cache: k_range,
+            v_cache: v_range,
+            block_table: table_range,
+            row_seq: seq_range,
+            row_ctx_len: len_range,
+            rows,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            block_size,
+            max_blocks_per_seq: mbps,
+            scale: self.scale,
+            stream: self.stream,
+        };
+        for input in [q, k_cache, v_cache, table_op, seq_op, len_op] {
+            apart(op, out, input)?;
+        }
+        Ok(CheckedAttention {
+            args,
+            row_seq,
+            row_ctx_len,
+            block_table,
+            num_seqs,
+        })
+    }
+}

@@ -1,0 +1,268 @@
+//! Arguments of the row and element ops: embedding, RMSNorm, the element-wise binary ops,
+//! argmax and softmax, each with its one `validate` (see the module docs of `kernels`).
+
+use super::check::{apart, count, invalid, same_or_apart, CheckedMemory, Operand};
+use crate::backend::{BackendError, DevicePtr, Dtype};
+
+/// `out[r, :] = table[ids[r], :]`. `out` BF16 `[rows, hidden]`, `table` BF16 `[vocab,
+/// hidden]`, `ids` u32 `[rows]`; an id `>= vocab` is an error. `out` is apart from both.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EmbeddingArgs<P = DevicePtr> {
+    pub out: P,
+    pub table: P,
+    pub ids: P,
+    pub rows: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    pub stream: u64,
+}
+
+/// A validated [`EmbeddingArgs`] and the token ids it read.
+pub struct CheckedEmbedding<R> {
+    pub args: EmbeddingArgs<R>,
+    pub ids: Vec<u32>,
+}
+
+impl EmbeddingArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<CheckedEmbedding<M::Range>, BackendError> {
+        let op = "embedding";
+        let ids = Operand::new(op, self.ids, self.rows, Dtype::U32, "embedding ids")?;
+        let ids_range = ids.check(mem)?;
+        let values = mem.read_u32(&ids_range, self.ids, self.rows, self.stream)?;
+        if let Some(&bad) = values.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(invalid(
+                op,
+                format!("token id {bad} is outside the vocabulary of {}", self.vocab),
+            ));
+        }
+        let table = Operand::new(
+            op,
+            self.table,
+            count(op, &[self.vocab, self.hidden])?,
+            Dtype::Bf16,
+            "embedding table",
+        )?;
+        let out = Operand::new(
+            op,
+            self.out,
+            count(op, &[self.rows, self.hidden])?,
+            Dtype::Bf16,
+            "embedding out",
+        )?;
+        let args = EmbeddingArgs {
+            table: table.check(mem)?,
+            out: out.check(mem)?,
+            ids: ids_range,
+            rows: self.rows,
+            hidden: self.hidden,
+            vocab: self.vocab,
+            stream: self.stream,
+        };
+        apart(op, out, table)?;
+        apart(op, out, ids)?;
+        Ok(CheckedEmbedding { args, ids: values })
+    }
+}
+
+/// RMSNorm of each row: `out = x / sqrt(mean(x^2) + eps) * weight`. `x`, `out` BF16
+/// `[rows, dim]`, `weight` BF16 `[dim]`. `out` may be `x` itself.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RmsNormArgs<P = DevicePtr> {
+    pub out: P,
+    pub x: P,
+    pub weight: P,
+    pub rows: usize,
+    pub dim: usize,
+    pub eps: f32,
+    pub stream: u64,
+}
+
+impl RmsNormArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<RmsNormArgs<M::Range>, BackendError> {
+        let op = "rms_norm";
+        let n = count(op, &[self.rows, self.dim])?;
+        let x = Operand::new(op, self.x, n, Dtype::Bf16, "rms_norm x")?;
+        let weight = Operand::new(op, self.weight, self.dim, Dtype::Bf16, "rms_norm weight")?;
+        let out = Operand::new(op, self.out, n, Dtype::Bf16, "rms_norm out")?;
+        let args = RmsNormArgs {
+            x: x.check(mem)?,
+            weight: weight.check(mem)?,
+            out: out.check(mem)?,
+            rows: self.rows,
+            dim: self.dim,
+            eps: self.eps,
+            stream: self.stream,
+        };
+        same_or_apart(op, out, x)?;
+        apart(op, out, weight)?;
+        Ok(args)
+    }
+}
+
+/// The element-wise binary ops, `out = f(a, b)` over BF16 values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ElementwiseOp {
+    /// `out = a + b`.
+    Add,
+    /// `out = silu(a) * b` (`a` the MLP's gate, `b` its up projection).
+    SiluMul,
+    /// `out = sigmoid(a) * b` (`a` the gate, `b` the attention output of Qwen3-Next's
+    /// gated attention).
+    SigmoidMul,
+}
+
+impl ElementwiseOp {
+    /// The op's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            ElementwiseOp::Add => "add",
+            ElementwiseOp::SiluMul => "silu_mul",
+            ElementwiseOp::SigmoidMul => "sigmoid_mul",
+        }
+    }
+
+    /// Names of `a`, `b` and `out` in messages.
+    fn operand_names(self) -> [&'static str; 3] {
+        match self {
+            ElementwiseOp::Add => ["add a", "add b", "add out"],
+            ElementwiseOp::SiluMul => ["silu_mul gate", "silu_mul up", "silu_mul out"],
+            ElementwiseOp::SigmoidMul => ["sigmoid_mul gate", "sigmoid_mul x", "sigmoid_mul out"],
+        }
+    }
+}
+
+/// `out = op(a, b)`, BF16 `[n]` each. `out` may be `a` or `b` itself.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ElementwiseArgs<P = DevicePtr> {
+    pub op: ElementwiseOp,
+    pub out: P,
+    pub a: P,
+    pub b: P,
+    pub n: usize,
+    pub stream: u64,
+}
+
+impl ElementwiseArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<ElementwiseArgs<M::Range>, BackendError> {
+        let op = self.op.name();
+        let [a_what, b_what, out_what] = self.op.operand_names();
+        let a = Operand::new(op, self.a, self.n, Dtype::Bf16, a_what)?;
+        let b = Operand::new(op, self.b, self.n, Dtype::Bf16, b_what)?;
+        let out = Operand::new(op, self.out, self.n, Dtype::Bf16, out_what)?;
+        let args = ElementwiseArgs {
+            op: self.op,
+            a: a.check(mem)?,
+            b: b.check(mem)?,
+            out: out.check(mem)?,
+            n: self.n,
+            stream: self.stream,
+        };
+        same_or_apart(op, out, a)?;
+        same_or_apart(op, out, b)?;
+        Ok(args)
+    }
+}
+
+/// Index of the largest logit of each row (ties: the lowest index). `logits` f32 `[rows,
+/// vocab]`, `out` u32 `[rows]`. With `bitmask` (i32 `[rows, ceil(vocab / 32)]`, token t
+/// allowed when bit t % 32 of word t / 32 is set) only allowed tokens count; a row with none
+/// allowed gets `u32::MAX`. `out` is apart from the inputs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ArgmaxArgs<P = DevicePtr> {
+    pub out: P,
+    pub logits: P,
+    pub bitmask: Option<P>,
+    pub rows: usize,
+    pub vocab: usize,
+    pub stream: u64,
+}
+
+impl ArgmaxArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<ArgmaxArgs<M::Range>, BackendError> {
+        let op = "argmax";
+        let logits = Operand::new(
+            op,
+            self.logits,
+            count(op, &[self.rows, self.vocab])?,
+            Dtype::F32,
+            "argmax logits",
+        )?;
+        let words = count(op, &[self.rows, self.vocab.div_ceil(32)])?;
+        let bitmask = self
+            .bitmask
+            .map(|m| Operand::new(op, m, words, Dtype::I32, "argmax bitmask"))
+            .transpose()?;
+        let out = Operand::new(op, self.out, self.rows, Dtype::U32, "argmax out")?;
+        let args = ArgmaxArgs {
+            logits: logits.check(mem)?,
+            bitmask: bitmask.map(|m| m.check(mem)).transpose()?,
+            out: out.check(mem)?,
+            rows: self.rows,
+            vocab: self.vocab,
+            stream: self.stream,
+        };
+        apart(op, out, logits)?;
+        if let Some(m) = bitmask {
+            apart(op, out, m)?;
+        }
+        Ok(args)
+    }
+}
+
+/// Softmax of each row of `logits / temperature` into `out` (both f32 `[rows, vocab]`;
+/// `out` may be `logits` itself). `temperature` must be positive.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SoftmaxArgs<P = DevicePtr> {
+    pub out: P,
+    pub logits: P,
+    pub rows: usize,
+    pub vocab: usize,
+    pub temperature: f32,
+    pub stream: u64,
+}
+
+impl SoftmaxArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<SoftmaxArgs<M::Range>, BackendError> {
+        let op = "softmax";
+        let t = self.temperature;
+        if t.is_nan() || t <= 0.0 {
+            return Err(invalid(
+                op,
+                format!("temperature must be positive, got {t}"),
+            ));
+        }
+        let n = count(op, &[self.rows, self.vocab])?;
+        let logits = Operand::new(op, self.logits, n, Dtype::F32, "softmax logits")?;
+        let out = Operand::new(op, self.out, n, Dtype::F32, "softmax out")?;
+        let args = SoftmaxArgs {
+            logits: logits.check(mem)?,
+            out: out.check(mem)?,
+            rows: self.rows,
+            vocab: self.vocab,
+            temperature: t,
+            stream: self.stream,
+        };
+        same_or_apart(op, out, logits)?;
+        Ok(args)
+    }
+}

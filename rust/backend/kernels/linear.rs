@@ -1,0 +1,161 @@
+//! Arguments of `linear`, the one matrix product, and [`LinearWeight`], the descriptor of
+//! its weight in whatever format it is stored.
+//!
+//! A weight format is one variant of [`LinearWeight`] (its buffers and scalars), one arm of
+//! [`LinearWeight::validate`] (its shape rules and the bytes it reads), and one kernel per
+//! backend. Everything else about `linear` (the input, bias, output dtype, aliasing) is
+//! checked once here for every format.
+
+use super::check::{apart, count, invalid, CheckedMemory, Operand};
+use crate::backend::{BackendError, DevicePtr, Dtype};
+
+/// Columns of an NVFP4 weight that share one FP8 block scale.
+pub const NVFP4_BLOCK: usize = 16;
+
+/// A linear layer's weight, `[out_features, in_features]` logically, in its stored format.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LinearWeight<P = DevicePtr> {
+    /// BF16, row-major.
+    Bf16 { weight: P },
+    /// NVFP4 in NVIDIA ModelOpt's layout (W4A16: activations stay BF16): `codes` u8
+    /// `[out_features, in_features / 2]` (two E2M1 codes a byte, low nibble first),
+    /// `block_scales` FP8 E4M3 `[out_features, in_features / 16]`, and the tensor-wide
+    /// `global_scale`: `W[o, c] = e2m1 * fp8(block_scales[o, c / 16]) * global_scale`.
+    /// `in_features` must be a multiple of 16.
+    Nvfp4 {
+        codes: P,
+        block_scales: P,
+        global_scale: f32,
+    },
+}
+
+/// The buffers one weight format reads, for the aliasing check (at most two so far; a
+/// format with more raises the bound).
+type WeightOperands = [Option<Operand<'static>>; 2];
+
+impl LinearWeight {
+    /// The format's shape rules, then the ledger check of each buffer it reads (in the
+    /// order listed in the variant). Returns the checked weight and the operands it reads,
+    /// for the aliasing check.
+    fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+        out_features: usize,
+        in_features: usize,
+    ) -> Result<(LinearWeight<M::Range>, WeightOperands), BackendError> {
+        let op = "linear";
+        match self {
+            LinearWeight::Bf16 { weight } => {
+                let n = count(op, &[out_features, in_features])?;
+                let w = Operand::new(op, weight, n, Dtype::Bf16, "linear weight")?;
+                let checked = LinearWeight::Bf16 {
+                    weight: w.check(mem)?,
+                };
+                Ok((checked, [Some(w), None]))
+            }
+            LinearWeight::Nvfp4 {
+                codes,
+                block_scales,
+                global_scale,
+            } => {
+                if in_features % NVFP4_BLOCK != 0 {
+                    return Err(invalid(
+                        op,
+                        format!(
+                            "an nvfp4 weight needs in_features a multiple of {NVFP4_BLOCK}, got {in_features}"
+                        ),
+                    ));
+                }
+                let n = count(op, &[out_features, in_features / 2])?;
+                let c = Operand::new(op, codes, n, Dtype::U8, "linear nvfp4 codes")?;
+                let n = count(op, &[out_features, in_features / NVFP4_BLOCK])?;
+                let s = Operand::new(op, block_scales, n, Dtype::U8, "linear nvfp4 block_scales")?;
+                let checked = LinearWeight::Nvfp4 {
+                    codes: c.check(mem)?,
+                    block_scales: s.check(mem)?,
+                    global_scale,
+                };
+                Ok((checked, [Some(c), Some(s)]))
+            }
+        }
+    }
+}
+
+impl<P> LinearWeight<P> {
+    /// The format's name in messages and bindings (`"bf16"`, `"nvfp4"`).
+    pub fn format(&self) -> &'static str {
+        match self {
+            LinearWeight::Bf16 { .. } => "bf16",
+            LinearWeight::Nvfp4 { .. } => "nvfp4",
+        }
+    }
+}
+
+/// `out = x @ weight^T (+ bias)`: `x` BF16 `[rows, in_features]`, `weight` any
+/// [`LinearWeight`] format, `bias` BF16 `[out_features]` (added in f32 before the output is
+/// rounded), `out` `[rows, out_features]` of `out_dtype` (`Bf16` or `F32`). `out` is apart
+/// from every input.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinearArgs<P = DevicePtr> {
+    pub out: P,
+    pub out_dtype: Dtype,
+    pub x: P,
+    pub weight: LinearWeight<P>,
+    pub bias: Option<P>,
+    pub rows: usize,
+    pub in_features: usize,
+    pub out_features: usize,
+    pub stream: u64,
+}
+
+impl LinearArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<LinearArgs<M::Range>, BackendError> {
+        let op = "linear";
+        if !matches!(self.out_dtype, Dtype::Bf16 | Dtype::F32) {
+            return Err(invalid(
+                op,
+                format!(
+                    "out_dtype must be bf16 or f32, not {}",
+                    self.out_dtype.name()
+                ),
+            ));
+        }
+        let (rows, inf, outf) = (self.rows, self.in_features, self.out_features);
+        let (weight, weight_read) = self.weight.validate(mem, outf, inf)?;
+        let x = Operand::new(
+            op,
+            self.x,
+            count(op, &[rows, inf])?,
+            Dtype::Bf16,
+            "linear x",
+        )?;
+        let x_range = x.check(mem)?;
+        let bias = self
+            .bias
+            .map(|b| Operand::new(op, b, outf, Dtype::Bf16, "linear bias"))
+            .transpose()?;
+        let bias_range = bias.map(|b| b.check(mem)).transpose()?;
+        let n = count(op, &[rows, outf])?;
+        let out = Operand::new(op, self.out, n, self.out_dtype, "linear out")?;
+        let args = LinearArgs {
+            out: out.check(mem)?,
+            out_dtype: self.out_dtype,
+            x: x_range,
+            weight,
+            bias: bias_range,
+            rows,
+            in_features: inf,
+            out_features: outf,
+            stream: self.stream,
+        };
+        let read = weight_read.into_iter().chain([Some(x), bias]).flatten();
+        for input in read {
+            apart(op, out, input)?;
+        }
+        Ok(args)
+    }
+}

@@ -1,0 +1,282 @@
+//! The one pre-norm decoder layer the target model and the MTP draft heads share, on the
+//! typed [`Kernels`] only (so every backend runs it): RMSNorm, q/k/v projections (with
+//! biases when the weights have them), the per-head q/k RMSNorm, RoPE, the paged KV write,
+//! paged attention (with Qwen3-Next's sigmoid output gate), the output projection and
+//! residual, then RMSNorm and a SwiGLU MLP or routed experts with shared experts, and the
+//! residual again. Its weights are [`LayerWeights`], its buffers a [`LayerScratch`].
+//!
+//! Invariant: a layer reads and writes only the buffers in its [`LayerIo`] and
+//! [`LayerScratch`], and its own [`LayerCache`] slots named by `io.slots`.
+//!
+//! [`Kernels`]: crate::backend::Kernels
+
+mod load;
+mod moe;
+mod names;
+mod rope;
+mod scratch;
+mod weights;
+
+pub use load::{load_dense, load_linear, load_norm};
+pub use moe::{MoeMlp, MoeScoring};
+pub use names::{LayerNames, NameScheme, Part};
+pub use rope::{rope_inv_freq, rotary_dim};
+pub use scratch::{arena_slots, layer_slots, GatedScratch, LayerScratch, MoeScratch, ScratchShape};
+pub use weights::{LayerOptions, LayerWeights, Mlp, QkNorm, SwiGlu};
+
+use super::{ModelConfig, ModelError};
+use crate::backend::{
+    DevicePtr, Dtype, ElementwiseArgs, ElementwiseOp, GpuBackend, KvWriteArgs, PagedAttentionArgs,
+    RmsNormArgs, RopeArgs, RopeStyle,
+};
+
+/// The sizes of a layer's attention.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerShape {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Elements of each head RoPE rotates (even, at most `head_dim`).
+    pub rotary_dim: usize,
+    /// The RMSNorm epsilon.
+    pub eps: f32,
+}
+
+impl LayerShape {
+    /// The shape `config` describes.
+    pub fn of(config: &ModelConfig) -> Self {
+        LayerShape {
+            hidden: config.hidden_size,
+            heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            rotary_dim: rotary_dim(config),
+            eps: config.rms_norm_eps,
+        }
+    }
+}
+
+/// Device pointers of the per-forward metadata one layer reads, and the residual stream.
+pub struct LayerIo {
+    /// Residual stream, BF16 `[rows, hidden]`, updated in place.
+    pub hidden: DevicePtr,
+    /// u32 `[rows]`: each row's RoPE position.
+    pub positions: DevicePtr,
+    /// u32 `[rows]`: the cache slot each row's key and value go to.
+    pub slots: DevicePtr,
+    /// u32 `[rows]`: each row's sequence (index into `block_table`).
+    pub row_seq: DevicePtr,
+    /// u32 `[rows]`: how many cached rows each row attends to (itself included).
+    pub row_ctx_len: DevicePtr,
+    /// u32 `[sequences, max_blocks_per_seq]`.
+    pub block_table: DevicePtr,
+    /// f32 `[rotary_dim / 2]`.
+    pub inv_freq: DevicePtr,
+    pub rows: usize,
+    pub max_blocks_per_seq: usize,
+    pub rope_style: RopeStyle,
+    pub stream: u64,
+}
+
+/// The paged KV cache of one layer.
+pub struct LayerCache {
+    pub k: DevicePtr,
+    pub v: DevicePtr,
+    pub num_slots: usize,
+    pub block_size: usize,
+}
+
+/// How far a layer runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerDepth {
+    /// Up to the KV write: rows that only need their keys and values (an MTP head's
+    /// prefill and catch-up); `row_seq`, `row_ctx_len` and `block_table` are not read.
+    KvOnly,
+    /// The whole layer.
+    Full,
+}
+
+/// Runs one decoder layer over `io.rows` rows.
+pub fn decoder_layer(
+    gpu: &dyn GpuBackend,
+    shape: &LayerShape,
+    w: &LayerWeights,
+    cache: &LayerCache,
+    io: &LayerIo,
+    sc: &LayerScratch,
+    depth: LayerDepth,
+) -> crate::Result<()> {
+    let (rows, stream) = (io.rows, io.stream);
+    let LayerShape {
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        rotary_dim,
+        eps,
+    } = *shape;
+    let rms_norm = |out, x, weight: DevicePtr, rows, dim| {
+        gpu.rms_norm(RmsNormArgs {
+            out,
+            x,
+            weight,
+            rows,
+            dim,
+            eps,
+            stream,
+        })
+    };
+    let elementwise = |op, out, a, b, n| {
+        gpu.elementwise(ElementwiseArgs {
+            op,
+            out,
+            a,
+            b,
+            n,
+            stream,
+        })
+    };
+    let bf16 = Dtype::Bf16;
+
+    // Attention.
+    rms_norm(sc.normed, io.hidden, w.attn_norm.ptr, rows, hidden)?;
+    let gated = match (w.gated_attention, sc.gated) {
+        (false, _) => None,
+        (true, Some(g)) => Some(g),
+        (true, None) => {
+            return Err(ModelError::invalid(
+                "decoder_layer",
+                "gated attention needs the q_full and q_gate scratch slots",
+            )
+            .into())
+        }
+    };
+    let q_out = gated.map_or(sc.q, |g| g.q_full);
+    w.q.forward(gpu, q_out, bf16, sc.normed, w.q_bias.as_ref(), rows, stream)?;
+    w.k.forward(gpu, sc.k, bf16, sc.normed, w.k_bias.as_ref(), rows, stream)?;
+    w.v.forward(gpu, sc.v, bf16, sc.normed, w.v_bias.as_ref(), rows, stream)?;
+    if let Some(g) = gated {
+        // Per head, q_proj's rows are [query (head_dim), gate (head_dim)].
+        let head_bytes = head_dim * bf16.size();
+        for i in 0..rows * heads {
+            let from = g.q_full.offset(2 * i * head_bytes);
+            gpu.copy_dtod(sc.q.offset(i * head_bytes), from, head_bytes, stream)?;
+            let from = g.q_full.offset((2 * i + 1) * head_bytes);
+            gpu.copy_dtod(g.q_gate.offset(i * head_bytes), from, head_bytes, stream)?;
+        }
+    }
+    if let Some(n) = &w.qk_norm {
+        rms_norm(sc.q, sc.q, n.q.ptr, rows * heads, head_dim)?;
+        rms_norm(sc.k, sc.k, n.k.ptr, rows * kv_heads, head_dim)?;
+    }
+    for (x, heads) in [(sc.q, heads), (sc.k, kv_heads)] {
+        gpu.rope(RopeArgs {
+            x,
+            positions: io.positions,
+            inv_freq: io.inv_freq,
+            rows,
+            heads,
+            head_dim,
+            rotary_dim,
+            style: io.rope_style,
+            stream,
+        })?;
+    }
+    gpu.kv_write(KvWriteArgs {
+        k_cache: cache.k,
+        v_cache: cache.v,
+        k: sc.k,
+        v: sc.v,
+        slots: io.slots,
+        rows,
+        kv_heads,
+        head_dim,
+        num_slots: cache.num_slots,
+        stream,
+    })?;
+    if depth == LayerDepth::KvOnly {
+        return Ok(());
+    }
+    gpu.paged_attention(PagedAttentionArgs {
+        out: sc.attn_out,
+        q: sc.q,
+        k_cache: cache.k,
+        v_cache: cache.v,
+        block_table: io.block_table,
+        row_seq: io.row_seq,
+        row_ctx_len: io.row_ctx_len,
+        rows,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size: cache.block_size,
+        max_blocks_per_seq: io.max_blocks_per_seq,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        stream,
+    })?;
+    if let Some(g) = gated {
+        let n = rows * heads * head_dim;
+        elementwise(
+            ElementwiseOp::SigmoidMul,
+            sc.attn_out,
+            g.q_gate,
+            sc.attn_out,
+            n,
+        )?;
+    }
+    w.o.forward(gpu, sc.normed, bf16, sc.attn_out, None, rows, stream)?;
+    elementwise(
+        ElementwiseOp::Add,
+        io.hidden,
+        io.hidden,
+        sc.normed,
+        rows * hidden,
+    )?;
+
+    // MLP: the dense SwiGLU, or the shared experts and then the routed ones.
+    rms_norm(sc.normed, io.hidden, w.ffn_norm.ptr, rows, hidden)?;
+    let mlp = w.mlp.always_run();
+    mlp.gate
+        .forward(gpu, sc.gate, bf16, sc.normed, None, rows, stream)?;
+    mlp.up
+        .forward(gpu, sc.up, bf16, sc.normed, None, rows, stream)?;
+    let n = rows * mlp.width();
+    elementwise(ElementwiseOp::SiluMul, sc.gate, sc.gate, sc.up, n)?;
+    match (&w.mlp, &sc.moe) {
+        (Mlp::Dense(m), _) => {
+            m.down
+                .forward(gpu, sc.normed, bf16, sc.gate, None, rows, stream)?;
+            elementwise(
+                ElementwiseOp::Add,
+                io.hidden,
+                io.hidden,
+                sc.normed,
+                rows * hidden,
+            )?;
+        }
+        (Mlp::Experts(moe), Some(ms)) => {
+            // The routed experts read the same normed input, so the shared experts' output
+            // goes to the accumulator rather than over it.
+            moe.shared
+                .down
+                .forward(gpu, ms.acc, bf16, sc.gate, None, rows, stream)?;
+            moe.forward(gpu, sc, ms, rows, hidden, stream)?;
+            elementwise(
+                ElementwiseOp::Add,
+                io.hidden,
+                io.hidden,
+                ms.acc,
+                rows * hidden,
+            )?;
+        }
+        (Mlp::Experts(_), None) => {
+            return Err(ModelError::invalid(
+                "decoder_layer",
+                "routed experts need the moe_* scratch slots",
+            )
+            .into())
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,169 @@
+//! The scratch a decoder layer computes in, as arena slots: which slots a layer of a given
+//! shape and kind needs ([`layer_slots`]), the target model's whole arena
+//! ([`arena_slots`]), and the layer's view of an arena made from them ([`LayerScratch`]).
+//!
+//! Invariant: an arena made from [`layer_slots`] for a layer holds every buffer
+//! [`super::decoder_layer`] touches for that layer, for up to the arena's `max_rows` rows.
+
+use crate::backend::{DevicePtr, Dtype};
+use crate::memory::{BufferArena, MemoryError, SlotSpec};
+use crate::model::ModelConfig;
+
+/// What sizes a layer's scratch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchShape {
+    pub hidden: usize,
+    /// `heads * head_dim`.
+    pub q_size: usize,
+    /// `kv_heads * head_dim`.
+    pub kv_size: usize,
+    /// The widest SwiGLU the layer runs.
+    pub mlp_width: usize,
+    /// Whether attention has the sigmoid output gate.
+    pub gated_attention: bool,
+    /// Routed experts (0: a dense MLP).
+    pub experts: usize,
+}
+
+const fn slot(name: &'static str, dtype: Dtype, row_elems: usize) -> SlotSpec {
+    SlotSpec {
+        name,
+        dtype,
+        row_elems,
+    }
+}
+
+/// The slots one decoder layer needs, per row.
+pub fn layer_slots(s: &ScratchShape) -> Vec<SlotSpec> {
+    use Dtype::*;
+    let mut slots = vec![
+        slot("normed", Bf16, s.hidden),
+        slot("q", Bf16, s.q_size),
+        slot("k", Bf16, s.kv_size),
+        slot("v", Bf16, s.kv_size),
+        slot("attn_out", Bf16, s.q_size),
+        slot("gate", Bf16, s.mlp_width),
+        slot("up", Bf16, s.mlp_width),
+    ];
+    if s.gated_attention {
+        slots.extend([
+            slot("q_full", Bf16, 2 * s.q_size),
+            slot("q_gate", Bf16, s.q_size),
+        ]);
+    }
+    if s.experts > 0 {
+        slots.extend([
+            slot("moe_router_logits", F32, s.experts),
+            slot("moe_acc", Bf16, s.hidden),
+            slot("moe_expert_out", Bf16, s.hidden),
+            slot("moe_scaled", Bf16, s.hidden),
+            slot("moe_weight", Bf16, 1),
+            slot("moe_gate_logit", Bf16, 1),
+        ]);
+    }
+    slots
+}
+
+/// The target model's shared forward scratch for `config`: the residual stream buffers,
+/// one layer's scratch, and the logits and token rows.
+pub fn arena_slots(config: &ModelConfig) -> Vec<SlotSpec> {
+    let mlp_width = config.moe.as_ref().map_or(config.intermediate_size, |m| {
+        m.expert_intermediate_size.max(config.intermediate_size)
+    });
+    let layer = ScratchShape {
+        hidden: config.hidden_size,
+        q_size: config.q_size(),
+        kv_size: config.kv_size(),
+        mlp_width,
+        gated_attention: false,
+        experts: 0,
+    };
+    let mut slots = vec![
+        slot("hidden", Dtype::Bf16, config.hidden_size),
+        slot("residual", Dtype::Bf16, config.hidden_size),
+    ];
+    slots.extend(layer_slots(&layer));
+    slots.extend([
+        slot("logits", Dtype::F32, config.vocab_size),
+        slot("token_ids", Dtype::U32, 1),
+        slot("positions", Dtype::U32, 1),
+    ]);
+    slots
+}
+
+/// The gated-attention buffers: `q_proj`'s full output and the gate split from it.
+#[derive(Clone, Copy, Debug)]
+pub struct GatedScratch {
+    pub q_full: DevicePtr,
+    pub q_gate: DevicePtr,
+}
+
+/// The routed-experts buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeScratch {
+    /// f32 `[rows, experts]`.
+    pub router_logits: DevicePtr,
+    /// `[rows, hidden]`: the MLP's output, accumulated.
+    pub acc: DevicePtr,
+    /// One expert's output for one row.
+    pub expert_out: DevicePtr,
+    /// A scaled copy of `expert_out`.
+    pub scaled: DevicePtr,
+    /// The BF16 scalar an output is scaled by.
+    pub weight: DevicePtr,
+    /// `[rows]`: the shared-expert gate's logit.
+    pub gate_logit: DevicePtr,
+}
+
+/// A decoder layer's view of its scratch.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerScratch {
+    pub normed: DevicePtr,
+    pub q: DevicePtr,
+    pub k: DevicePtr,
+    pub v: DevicePtr,
+    pub attn_out: DevicePtr,
+    /// The MLP's gate projection, then `silu(gate) * up`.
+    pub gate: DevicePtr,
+    pub up: DevicePtr,
+    /// Present when the arena has the gated-attention slots.
+    pub gated: Option<GatedScratch>,
+    /// Present when the arena has the routed-experts slots.
+    pub moe: Option<MoeScratch>,
+}
+
+impl LayerScratch {
+    /// The layer's buffers in an arena made from [`layer_slots`] (among other slots).
+    pub fn from_arena(arena: &BufferArena) -> Result<Self, MemoryError> {
+        let at = |name: &str| arena.slot(name).map(|s| s.ptr);
+        let gated = match arena.slot("q_full") {
+            Ok(_) => Some(GatedScratch {
+                q_full: at("q_full")?,
+                q_gate: at("q_gate")?,
+            }),
+            Err(_) => None,
+        };
+        let moe = match arena.slot("moe_acc") {
+            Ok(_) => Some(MoeScratch {
+                router_logits: at("moe_router_logits")?,
+                acc: at("moe_acc")?,
+                expert_out: at("moe_expert_out")?,
+                scaled: at("moe_scaled")?,
+                weight: at("moe_weight")?,
+                gate_logit: at("moe_gate_logit")?,
+            }),
+            Err(_) => None,
+        };
+        Ok(LayerScratch {
+            normed: at("normed")?,
+            q: at("q")?,
+            k: at("k")?,
+            v: at("v")?,
+            attn_out: at("attn_out")?,
+            gate: at("gate")?,
+            up: at("up")?,
+            gated,
+            moe,
+        })
+    }
+}

@@ -1,0 +1,379 @@
+//! One decoder layer's weights, the options they encode, and loading them from a checkpoint.
+//!
+//! A layer's options are which weights it holds: q/k/v biases (Qwen2, MiMo), a per-head
+//! q/k RMSNorm (Qwen3, Qwen3-Next), attention with a sigmoid output gate (Qwen3-Next, whose
+//! `q_proj` then yields per head `head_dim` query rows and `head_dim` gate rows), and a
+//! dense SwiGLU MLP or a routed mixture of experts with shared experts.
+//!
+//! Invariants of a [`LayerWeights`] that passed [`LayerWeights::check`] (and of every one
+//! [`LayerWeights::load`] returns): every projection has the shape the [`LayerShape`]
+//! implies, the MLP's three projections agree on one width, and every norm is a plain
+//! RMSNorm weight (zero-centred ones were stored with the 1 added).
+
+use super::load::{load_dense, load_linear, load_norm};
+use super::moe::{MoeMlp, MoeScoring};
+use super::names::{LayerNames, NameScheme, Part};
+use super::LayerShape;
+use crate::model::tensors::TensorSource;
+use crate::model::{DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelError};
+
+/// The per-head RMSNorm of q and k (`[head_dim]` each); the two come together.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QkNorm {
+    pub q: DenseWeight,
+    pub k: DenseWeight,
+}
+
+/// A SwiGLU MLP: `down(silu(gate(x)) * up(x))`, `gate`/`up` `[width, hidden]`, `down`
+/// `[hidden, width]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SwiGlu {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl SwiGlu {
+    /// The MLP's inner width.
+    pub fn width(&self) -> usize {
+        self.gate.dims().0
+    }
+
+    /// Bytes of its three projections.
+    pub fn nbytes(&self) -> usize {
+        self.gate.nbytes() + self.up.nbytes() + self.down.nbytes()
+    }
+
+    /// Loads `[gate, up, down]` (names without `.weight`) for `width` and `hidden`.
+    pub(super) fn load(
+        allocs: &DeviceAllocations,
+        src: &dyn TensorSource,
+        [gate, up, down]: [String; 3],
+        width: usize,
+        hidden: usize,
+    ) -> crate::Result<Self> {
+        Ok(SwiGlu {
+            gate: load_linear(allocs, src, &gate, width, hidden)?,
+            up: load_linear(allocs, src, &up, width, hidden)?,
+            down: load_linear(allocs, src, &down, hidden, width)?,
+        })
+    }
+
+    /// `Err(message)` unless the projections are `[width, hidden]` / `[hidden, width]`.
+    fn check(&self, hidden: usize, what: &str) -> Result<(), String> {
+        let f = self.width();
+        let dims = [
+            ("gate_proj", self.gate.dims(), (f, hidden)),
+            ("up_proj", self.up.dims(), (f, hidden)),
+            ("down_proj", self.down.dims(), (hidden, f)),
+        ];
+        for (name, found, want) in dims {
+            if found != want || f == 0 {
+                return Err(format!(
+                    "{what}{name} is [{}, {}], expected [{}, {}] for hidden_size {hidden}",
+                    found.0, found.1, want.0, want.1
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A layer's MLP.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mlp {
+    /// One SwiGLU MLP.
+    Dense(SwiGlu),
+    /// Routed experts plus shared experts.
+    Experts(Box<MoeMlp>),
+}
+
+impl Mlp {
+    /// The SwiGLU that every row runs: the dense MLP or the shared expert(s).
+    pub fn always_run(&self) -> &SwiGlu {
+        match self {
+            Mlp::Dense(m) => m,
+            Mlp::Experts(moe) => &moe.shared,
+        }
+    }
+
+    /// The widest SwiGLU the layer runs (its scratch width).
+    pub fn max_width(&self) -> usize {
+        match self {
+            Mlp::Dense(m) => m.width(),
+            Mlp::Experts(moe) => moe.shared.width().max(moe.expert_width()),
+        }
+    }
+}
+
+/// What kind of layer a checkpoint holds; [`LayerWeights::load`] loads exactly this.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerOptions {
+    /// q/k/v projections carry biases.
+    pub attention_bias: bool,
+    /// A per-head RMSNorm of q and k after the projections.
+    pub qk_norm: bool,
+    /// Attention with a sigmoid output gate (`q_proj` twice as tall).
+    pub gated_attention: bool,
+    /// RMSNorm weights are stored as `w` for a scale of `1 + w`.
+    pub zero_centered_norms: bool,
+    /// A routed mixture of experts scored this way; `None`: a dense MLP.
+    pub experts: Option<MoeScoring>,
+    /// Width of the dense MLP (or of the shared experts); `None` takes it from the
+    /// checkpoint's `gate_proj`.
+    pub mlp_width: Option<usize>,
+}
+
+/// One decoder layer's weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerWeights {
+    pub attn_norm: DenseWeight,
+    /// `[heads * head_dim, hidden]`, or `[2 * heads * head_dim, hidden]` with gated attention
+    /// (per head: `head_dim` query rows, then `head_dim` gate rows).
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub q_bias: Option<DenseWeight>,
+    pub k_bias: Option<DenseWeight>,
+    pub v_bias: Option<DenseWeight>,
+    pub qk_norm: Option<QkNorm>,
+    /// Whether attention has the sigmoid output gate.
+    pub gated_attention: bool,
+    pub ffn_norm: DenseWeight,
+    pub mlp: Mlp,
+}
+
+impl LayerWeights {
+    /// The routed experts, if the MLP has them.
+    pub fn moe(&self) -> Option<&MoeMlp> {
+        match &self.mlp {
+            Mlp::Experts(moe) => Some(moe),
+            Mlp::Dense(_) => None,
+        }
+    }
+
+    /// The routed experts, if the MLP has them, to adjust.
+    pub fn moe_mut(&mut self) -> Option<&mut MoeMlp> {
+        match &mut self.mlp {
+            Mlp::Experts(moe) => Some(moe),
+            Mlp::Dense(_) => None,
+        }
+    }
+
+    /// The attention projections and the always-run MLP's, with their Hugging Face names.
+    pub fn projections(&self) -> [(&'static str, &Linear); 7] {
+        let m = self.mlp.always_run();
+        [
+            ("self_attn.q_proj", &self.q),
+            ("self_attn.k_proj", &self.k),
+            ("self_attn.v_proj", &self.v),
+            ("self_attn.o_proj", &self.o),
+            ("mlp.gate_proj", &m.gate),
+            ("mlp.up_proj", &m.up),
+            ("mlp.down_proj", &m.down),
+        ]
+    }
+
+    /// Every projection, routed experts included, to re-store.
+    pub fn projections_mut(&mut self) -> Vec<&mut Linear> {
+        let mut all: Vec<&mut Linear> = vec![&mut self.q, &mut self.k, &mut self.v, &mut self.o];
+        match &mut self.mlp {
+            Mlp::Dense(m) => all.extend([&mut m.gate, &mut m.up, &mut m.down]),
+            Mlp::Experts(moe) => {
+                let MoeMlp {
+                    shared, experts, ..
+                } = &mut **moe;
+                all.extend([&mut shared.gate, &mut shared.up, &mut shared.down]);
+                for x in experts.iter_mut() {
+                    all.extend([&mut x.gate, &mut x.up, &mut x.down]);
+                }
+            }
+        }
+        all
+    }
+
+    /// The norms, biases and q/k norms, present ones only.
+    pub fn vectors(&self) -> Vec<&DenseWeight> {
+        let mut v = vec![&self.attn_norm, &self.ffn_norm];
+        v.extend(
+            [&self.q_bias, &self.k_bias, &self.v_bias]
+                .into_iter()
+                .flatten(),
+        );
+        if let Some(n) = &self.qk_norm {
+            v.extend([&n.q, &n.k]);
+        }
+        v
+    }
+
+    /// Bytes one row reads: the norms, biases, attention, the always-run MLP (not the
+    /// routed experts, which [`MoeMlp::nbytes_per_row`] counts).
+    pub fn nbytes(&self) -> usize {
+        let vectors: usize = self.vectors().iter().map(|w| w.nbytes()).sum();
+        vectors
+            + self
+                .projections()
+                .iter()
+                .map(|(_, w)| w.nbytes())
+                .sum::<usize>()
+    }
+
+    /// Loads the layer `names` points at, as `options` describe it, with every shape
+    /// checked against `config`.
+    pub fn load(
+        allocs: &DeviceAllocations,
+        src: &dyn TensorSource,
+        config: &ModelConfig,
+        names: &LayerNames,
+        options: &LayerOptions,
+    ) -> crate::Result<Self> {
+        let (h, hd) = (config.hidden_size, config.head_dim);
+        let (qs, kvs) = (config.q_size(), config.kv_size());
+        let q_rows = if options.gated_attention { 2 * qs } else { qs };
+        let zc = options.zero_centered_norms;
+        let n = |p: Part| names.part(p);
+        let lin = |p: Part, o: usize, i: usize| load_linear(allocs, src, &n(p), o, i);
+        let norm =
+            |p: Part, len: usize| load_norm(allocs, src, &format!("{}.weight", n(p)), len, zc);
+        let bias = |p: Part, len: usize| -> crate::Result<Option<DenseWeight>> {
+            options
+                .attention_bias
+                .then(|| load_dense(allocs, src, &format!("{}.bias", n(p)), &[len]))
+                .transpose()
+        };
+        let attn_norm = norm(Part::AttnNorm, h)?;
+        let (q, k, v, o) = (
+            lin(Part::Q, q_rows, h)?,
+            lin(Part::K, kvs, h)?,
+            lin(Part::V, kvs, h)?,
+            lin(Part::O, h, qs)?,
+        );
+        let (q_bias, k_bias, v_bias) = (
+            bias(Part::Q, q_rows)?,
+            bias(Part::K, kvs)?,
+            bias(Part::V, kvs)?,
+        );
+        let qk_norm = match options.qk_norm {
+            true => Some(QkNorm {
+                q: norm(Part::QNorm, hd)?,
+                k: norm(Part::KNorm, hd)?,
+            }),
+            false => None,
+        };
+        let ffn_norm = norm(Part::FfnNorm, h)?;
+        let mlp = match options.experts {
+            None => {
+                let width = mlp_width(src, names, "mlp", options)?;
+                let parts = [Part::Gate, Part::Up, Part::Down].map(n);
+                Mlp::Dense(SwiGlu::load(allocs, src, parts, width, h)?)
+            }
+            Some(scoring) => {
+                if names.scheme != NameScheme::HuggingFace {
+                    return Err(ModelError::invalid(
+                        "LayerWeights::load",
+                        "routed experts are read from Hugging Face checkpoints only",
+                    )
+                    .into());
+                }
+                let shared = scoring.shared_expert_prefix();
+                let width = mlp_width(src, names, shared, options)?;
+                let parts = ["gate_proj", "up_proj", "down_proj"]
+                    .map(|p| names.hf(&format!("{shared}.{p}")));
+                let shared = SwiGlu::load(allocs, src, parts, width, h)?;
+                Mlp::Experts(Box::new(MoeMlp::load(
+                    allocs, src, config, names, scoring, shared,
+                )?))
+            }
+        };
+        Ok(LayerWeights {
+            attn_norm,
+            q,
+            k,
+            v,
+            o,
+            q_bias,
+            k_bias,
+            v_bias,
+            qk_norm,
+            gated_attention: options.gated_attention,
+            ffn_norm,
+            mlp,
+        })
+    }
+
+    /// `Err(message)` naming the first weight whose shape `shape` does not imply.
+    pub fn check(&self, shape: &LayerShape) -> Result<(), String> {
+        let LayerShape {
+            hidden: h,
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            ..
+        } = *shape;
+        let gated = if self.gated_attention { 2 } else { 1 };
+        type Dims = (usize, usize);
+        let expect: [(&str, Dims, Dims); 4] = [
+            ("q_proj", self.q.dims(), (gated * heads * hd, h)),
+            ("k_proj", self.k.dims(), (kvh * hd, h)),
+            ("v_proj", self.v.dims(), (kvh * hd, h)),
+            ("o_proj", self.o.dims(), (h, heads * hd)),
+        ];
+        for (name, found, want) in expect {
+            if found != want {
+                return Err(format!(
+                    "{name} is [{}, {}], expected [{}, {}] for hidden_size {h}, {heads} heads, {kvh} KV heads, head_dim {hd}",
+                    found.0, found.1, want.0, want.1
+                ));
+            }
+        }
+        let vectors = [
+            ("input_layernorm", Some(&self.attn_norm), h),
+            ("post_attention_layernorm", Some(&self.ffn_norm), h),
+            ("q_bias", self.q_bias.as_ref(), gated * heads * hd),
+            ("k_bias", self.k_bias.as_ref(), kvh * hd),
+            ("v_bias", self.v_bias.as_ref(), kvh * hd),
+            ("q_norm", self.qk_norm.as_ref().map(|n| &n.q), hd),
+            ("k_norm", self.qk_norm.as_ref().map(|n| &n.k), hd),
+        ];
+        for (name, wt, len) in vectors {
+            if let Some(wt) = wt {
+                if wt.shape != [len] {
+                    return Err(format!("{name} has shape {:?}, expected [{len}]", wt.shape));
+                }
+            }
+        }
+        match &self.mlp {
+            Mlp::Dense(m) => m.check(h, ""),
+            Mlp::Experts(moe) => {
+                moe.shared.check(h, "the shared expert's ")?;
+                moe.check(h)
+            }
+        }
+    }
+}
+
+/// The width of the SwiGLU at `{prefix}{mlp}.gate_proj`: the options' when given (the
+/// loader then checks the tensor against it), else the tensor's.
+fn mlp_width(
+    src: &dyn TensorSource,
+    names: &LayerNames,
+    mlp: &str,
+    options: &LayerOptions,
+) -> crate::Result<usize> {
+    if let Some(w) = options.mlp_width {
+        return Ok(w);
+    }
+    let name = match names.scheme {
+        NameScheme::HuggingFace => format!("{}.weight", names.hf(&format!("{mlp}.gate_proj"))),
+        NameScheme::Gguf => format!("{}.weight", names.part(Part::Gate)),
+    };
+    match src.tensor(&name)? {
+        Some(t) if t.shape.len() == 2 => Ok(t.shape[0]),
+        _ => Err(ModelError::MissingTensor {
+            path: src.path().to_string(),
+            tensor: name,
+        }
+        .into()),
+    }
+}
