@@ -17,10 +17,6 @@ ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ref)
 q = ref.q
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(specdraft, "MtpHead"), reason="this build of specdraft has no MtpHead binding"
-)
-
 H, HEADS, KVH, HD, FFN, VOCAB = 64, 4, 2, 16, 96, 100
 
 
