@@ -77,9 +77,21 @@ fn prompt_lookup_on_the_target_model_keeps_greedy_output_on_the_gpu() {
 #[ignore = "needs a CUDA GPU; tests/gpu/run.sh runs it"]
 fn mtp_head_on_the_gpu_matches_the_cpu() {
     for (layout, moe) in mtp_backends::LAYOUTS {
-        mtp_backends::compare_with_cpu(cuda(), layout, moe, MtpQuantization::Bf16);
+        mtp_backends::compare_with_cpu(
+            cuda(),
+            layout,
+            moe,
+            MtpQuantization::Bf16,
+            mtp_backends::GPU_LOGIT_RTOL,
+        );
     }
-    mtp_backends::compare_with_cpu(cuda(), "deepseek_v3", false, MtpQuantization::Nvfp4);
+    mtp_backends::compare_with_cpu(
+        cuda(),
+        "deepseek_v3",
+        false,
+        MtpQuantization::Nvfp4,
+        mtp_backends::GPU_LOGIT_RTOL,
+    );
 }
 
 #[test]

@@ -16,11 +16,23 @@ use std::sync::Arc;
 #[test]
 fn emulated_kernels_run_a_dense_nvfp4_head_like_the_cpu() {
     let emu = Arc::new(EmuBackend::new());
-    mtp_backends::compare_with_cpu(emu, "deepseek_v3", false, MtpQuantization::Nvfp4);
+    mtp_backends::compare_with_cpu(
+        emu,
+        "deepseek_v3",
+        false,
+        MtpQuantization::Nvfp4,
+        mtp_backends::EMU_LOGIT_RTOL,
+    );
 }
 
 #[test]
 fn emulated_kernels_run_a_moe_head_like_the_cpu() {
     let emu = Arc::new(EmuBackend::new());
-    mtp_backends::compare_with_cpu(emu, "qwen3_next", true, MtpQuantization::Bf16);
+    mtp_backends::compare_with_cpu(
+        emu,
+        "qwen3_next",
+        true,
+        MtpQuantization::Bf16,
+        mtp_backends::EMU_LOGIT_RTOL,
+    );
 }

@@ -4,13 +4,21 @@
 //! Both heads load the same tiny checkpoint and get identical inputs at every step: each
 //! propose drafts one token from the fixture's token and hidden (the draft is then rejected,
 //! so the next step's input does not depend on it), and the logits of every step are
-//! compared. Tolerance: `LOGIT_RTOL` of the largest logit. The kernels and the reference
-//! both accumulate in f32 but in different orders, and every activation between ops is
-//! rounded to BF16 (a relative step of 2^-8); the head stacks about ten such roundings
-//! (norms, eh_proj, attention, MLP or experts, final norm, NVFP4 LM head), so a few percent
-//! of the logits' scale bounds an honest difference, while a wrong kernel (a missed row, a
-//! wrong scale, a swapped operand) moves logits by their own size. A draft must equal the
-//! reference's wherever the reference's top two logits are further apart than twice that.
+//! compared within a tolerance relative to the largest logit:
+//! - [`EMU_LOGIT_RTOL`] for the emulator: the same kernel sources compiled for the host, so
+//!   the only differences are the order of f32 sums and the host's libm; measured at about
+//!   1.5e-7 of the scale (no BF16 activation rounded differently). One activation rounded
+//!   the other way (a BF16 step, 2^-8 of one element) moves the logits by well under the
+//!   tolerance, a wrong kernel (a missed row, a wrong scale, a swapped operand) by their
+//!   own size.
+//! - [`GPU_LOGIT_RTOL`] for a GPU, whose exp, sin and fused multiply-adds differ from the
+//!   host's: every activation between ops is rounded to BF16 and the head stacks about ten
+//!   such roundings (norms, eh_proj, attention, MLP or experts, final norm, NVFP4 LM head),
+//!   so a few percent of the scale bounds an honest difference (the target model's GPU test
+//!   allows 2% for two layers).
+//!
+//! A draft must equal the reference's wherever the reference's top two logits are further
+//! apart than twice the tolerance.
 #![allow(dead_code)]
 
 use crate::mtp_common::{scratch_dir, write_checkpoint_with, HIDDEN, VOCAB};
@@ -23,8 +31,10 @@ use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
 use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization};
 use std::sync::Arc;
 
-/// Relative tolerance of the logits, of their largest magnitude (see the module docs).
-pub const LOGIT_RTOL: f32 = 0.03;
+/// Logit tolerance on the emulator, relative to the largest logit (see the module docs).
+pub const EMU_LOGIT_RTOL: f32 = 2e-3;
+/// Logit tolerance on a GPU, relative to the largest logit (see the module docs).
+pub const GPU_LOGIT_RTOL: f32 = 0.03;
 
 /// Dense and MoE layouts: `(layout, moe)`. The device script runs them all; the emulator
 /// (a host thread per CUDA thread, seconds per forward) one of each kind.
@@ -35,9 +45,9 @@ pub const LAYOUTS: [(&str, bool); 4] = [
     ("qwen3_next", true),
 ];
 
-const PROMPT: usize = 6;
-const STEPS: usize = 2;
-const CHAINED: usize = 3;
+const PROMPT: usize = 5;
+const STEPS: usize = 3;
+const CHAINED: usize = 2;
 
 /// What one head computed: per step, the draft and the logits of its forward.
 struct Run {
@@ -136,14 +146,21 @@ fn margin(logits: &[f32]) -> f32 {
     a - b
 }
 
-/// `MtpHead` on `dut` gives the CPU's logits and drafts, for one layout.
-pub fn compare_with_cpu(dut: Arc<dyn GpuBackend>, layout: &str, moe: bool, quant: MtpQuantization) {
+/// `MtpHead` on `dut` gives the CPU's logits (within `rtol` of their scale) and drafts, for
+/// one layout.
+pub fn compare_with_cpu(
+    dut: Arc<dyn GpuBackend>,
+    layout: &str,
+    moe: bool,
+    quant: MtpQuantization,
+    rtol: f32,
+) {
     let want = run(Arc::new(CpuBackend::new()), layout, moe, quant);
     let got = run(dut.clone(), layout, moe, quant);
     let mut decided = 0;
     for (step, (g, w)) in got.logits.iter().zip(&want.logits).enumerate() {
         let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let tol = LOGIT_RTOL * scale;
+        let tol = rtol * scale;
         let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(
             g.len() == w.len() && diff <= tol,
