@@ -41,9 +41,17 @@ step "Rust tests (CPU backend)"
 cargo test
 
 step "CUDA backend: builds and fails cleanly without a GPU; kernels checked under CPU emulation"
-cargo test --features cuda --test cuda_backend --test model_cuda
-cargo test --features cuda-emu --test kernels_emulated --test model_emulated
+# The GPU tests in these files are ignored here (they need a device; tests/gpu/run.sh runs them).
+cargo test --features cuda --test cuda_backend --test model_cuda --test engine_cuda
+cargo test --features cuda-emu --test kernels_emulated --test model_emulated --test mtp_emulated
 cargo test --features cuda-emu --lib backend::cuda
+
+step "GPU check bundle builds (the test profile compiled above; run on a GPU by tests/gpu/run.sh)"
+bash tests/gpu/run.sh bundle --dev
+for t in cuda_backend model_cuda engine_cuda; do
+    n=$(target/gpu-bundle-dev/$t --ignored --list | grep -c ': test$')
+    [ "$n" -gt 0 ] || { echo "$t: no GPU tests in the bundle" >&2; exit 1; }
+done
 
 step "SmolLM2 (the real default model) against an independent numpy reference"
 SPECDRAFT_SMOLLM2_GGUF="$("$PY" -c 'from specdraft.models import fetch_default_model; print(fetch_default_model())')"
@@ -56,4 +64,4 @@ cargo run --quiet --example 02_spec_engine
 "$PY" examples/03_python_proposer.py
 
 step "Python tests"
-"$PY" -m pytest -q tests/python
+"$PY" -m pytest -q -rs tests/python

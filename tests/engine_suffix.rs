@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 const MAX: usize = 40;
 
-fn run(engine: &SpecEngine<specdraft::engine::TableTarget>) -> Generation {
+fn run(engine: &SpecEngine<specdraft::engine::testing::TableTarget>) -> Generation {
     let g = engine.generate(requests(&prompts(), MAX));
     for r in &g.results {
         assert!(r.error.is_none(), "{:?}", r.error);

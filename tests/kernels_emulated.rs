@@ -1,7 +1,9 @@
 //! The CUDA kernels of `cuda/`, run on the CPU through the emulated device model, against
 //! the CPU reference: every op, sizes that are not multiples of the block size, aliasing
 //! where an op allows it, and the same errors for bad arguments. Two injected faults prove
-//! that the comparison catches a missing barrier and a thread that never runs.
+//! that the comparison catches a missing barrier and a thread that never runs. Blocks run
+//! shuffled and overlapping (the emulator's default), so a kernel whose blocks depend on
+//! one another's order fails here too (`EmuBackend`'s own tests plant one).
 //!
 //! Tolerances are stated in `kernel_cases/mod.rs`.
 
@@ -141,6 +143,8 @@ fn a_missing_barrier_is_caught() {
         k::rms_norm(&dut, 3, 577, 21, false),
         k::softmax(&dut, 2, 577, 1.0, false, 101),
         k::argmax(&dut, 3, 1000, false, 91),
+        k::paged_attention(&dut, &[1, 17, 40], 1, 9, 3, 64, 16, 81),
+        k::paged_attention(&dut, &[5, 33], 5, 4, 2, 33, 8, 82),
     ];
     for r in results {
         assert!(
@@ -160,6 +164,9 @@ fn a_thread_that_never_runs_is_caught() {
     assert!(k::embedding(&dut, 3, 577, 50, 11).is_err());
     // A warp shuffle that reads the absent lane is an error of the launch itself.
     let err = k::rms_norm(&dut, 3, 33, 21, false).unwrap_err();
+    assert!(err.contains("absent or has returned"), "{err}");
+    // Attention sums q.k across a warp: the last warp's shuffle reads the absent lane.
+    let err = k::paged_attention(&dut, &[1, 17, 40], 1, 9, 3, 64, 16, 81).unwrap_err();
     assert!(err.contains("absent or has returned"), "{err}");
     assert_eq!(dut.ledger().live_count(), 0);
 }

@@ -4,17 +4,29 @@
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
-use specdraft::speculative::{DraftBinding, DraftProposer, DraftRunner, ProposerState};
+use specdraft::speculative::{
+    DraftBinding, DraftProposer, DraftRunner, PromptLookup, ProposerState,
+};
 use specdraft::Result;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// Implements only the required methods and counts every call to them, so a default that
+/// calls back into the proposer shows up.
 struct Minimal {
     allocs: AtomicUsize,
+    proposes: AtomicUsize,
+    verifies: AtomicUsize,
 }
 
 struct MinimalState(u32);
 specdraft::impl_proposer_state!(MinimalState);
+
+impl Minimal {
+    fn calls(&self) -> [usize; 3] {
+        [&self.allocs, &self.proposes, &self.verifies].map(|c| c.load(Ordering::SeqCst))
+    }
+}
 
 impl DraftProposer for Minimal {
     fn alloc_state(&self, _gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
@@ -23,10 +35,10 @@ impl DraftProposer for Minimal {
     }
     fn propose(
         &self,
-        _last_token: u32,
+        last_token: u32,
         _target_hidden: DevicePtr,
-        _position: usize,
-        _num_drafts: usize,
+        position: usize,
+        num_drafts: usize,
         _state: &mut dyn ProposerState,
         _ctx: &ForwardContext<'_>,
         _stream: u64,
@@ -34,7 +46,11 @@ impl DraftProposer for Minimal {
         _grammar_bitmask: Option<&[i32]>,
         _target_hidden_stack: Option<DevicePtr>,
     ) -> Result<Vec<u32>> {
-        Ok(vec![])
+        self.proposes.fetch_add(1, Ordering::SeqCst);
+        // Recognisably its own: the last token plus 1, 2, ..., offset by the position.
+        Ok((1..=num_drafts as u32)
+            .map(|i| last_token + i + position as u32)
+            .collect())
     }
     fn after_verify(
         &self,
@@ -42,6 +58,7 @@ impl DraftProposer for Minimal {
         _state: &mut dyn ProposerState,
         _stream: u64,
     ) -> Result<()> {
+        self.verifies.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
 }
@@ -57,6 +74,8 @@ fn fixture() -> Fixture {
     Fixture {
         p: Minimal {
             allocs: AtomicUsize::new(0),
+            proposes: AtomicUsize::new(0),
+            verifies: AtomicUsize::new(0),
         },
         gpu: Arc::new(CpuBackend::new()),
         config: Arc::new(ModelConfig::tiny(32)),
@@ -137,12 +156,108 @@ fn install_drafter_kv_is_false() {
         .install_drafter_kv(&mut *f.state(), vec![1, 2], 20, Some(19)));
 }
 
+/// Takes fixed drafter blocks at the end of every turn and records what comes back through
+/// `free_drafter_kv`; keeps the default `install_drafter_kv`.
+#[derive(Default)]
+struct Carrier {
+    freed: std::sync::Mutex<Vec<Vec<u32>>>,
+    prefilled: std::sync::Mutex<Vec<usize>>,
+}
+
+impl DraftProposer for Carrier {
+    fn alloc_state(&self, _gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
+        Ok(Box::new(MinimalState(0)))
+    }
+    fn propose(
+        &self,
+        _t: u32,
+        _h: DevicePtr,
+        _p: usize,
+        _n: usize,
+        _s: &mut dyn ProposerState,
+        _c: &ForwardContext<'_>,
+        _st: u64,
+        _d: Option<DevicePtr>,
+        _m: Option<&[i32]>,
+        _k: Option<DevicePtr>,
+    ) -> Result<Vec<u32>> {
+        Ok(vec![])
+    }
+    fn after_verify(&self, _a: usize, _s: &mut dyn ProposerState, _st: u64) -> Result<()> {
+        Ok(())
+    }
+    fn prefill_drafter(
+        &self,
+        prompt: &[u32],
+        _h: DevicePtr,
+        _s: &mut dyn ProposerState,
+        _c: &ForwardContext<'_>,
+        _st: u64,
+    ) -> Result<usize> {
+        self.prefilled.lock().unwrap().push(prompt.len());
+        Ok(0)
+    }
+    fn take_drafter_kv(
+        &self,
+        _s: &mut dyn ProposerState,
+    ) -> Option<(Vec<u32>, usize, Option<usize>)> {
+        Some((vec![5, 6, 7], 3, Some(2)))
+    }
+    fn free_drafter_kv(&self, blocks: &[u32]) {
+        // Also called while a failed test unwinds (the conversation's drop): never panic here.
+        self.freed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(blocks.to_vec());
+    }
+}
+
 #[test]
-fn free_drafter_kv_does_nothing() {
+fn a_declined_install_hands_the_blocks_back_and_prefills_from_scratch() {
+    use specdraft::engine::testing::TableTarget;
+    use specdraft::engine::{GenerateRequest, SpecEngine};
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let target = Arc::new(TableTarget::new(gpu.clone(), 16, 64, 16, 3, 0.2).unwrap());
+    let carrier = Arc::new(Carrier::default());
+    let engine = SpecEngine::new(target, Some(carrier.clone()), 2).unwrap();
+    let mut chat = engine.conversation();
+    chat.send(GenerateRequest::new(vec![1, 2, 3, 4], 3))
+        .unwrap();
+    assert!(carrier.freed.lock().unwrap().is_empty());
+    chat.send(GenerateRequest::new(vec![5, 6], 3)).unwrap();
+    // The default install declined: the carried blocks came back once, and the drafter
+    // was prefilled over the whole second prompt (4 + 3 + 2 tokens).
+    assert_eq!(*carrier.freed.lock().unwrap(), vec![vec![5, 6, 7]]);
+    assert_eq!(*carrier.prefilled.lock().unwrap(), vec![4, 9]);
+    drop((chat, engine));
+    assert_eq!(
+        carrier.freed.lock().unwrap().len(),
+        2,
+        "dropped with blocks"
+    );
+    assert_eq!(
+        gpu.ledger().live_count(),
+        0,
+        "{:?}",
+        gpu.ledger().live_report()
+    );
+}
+
+#[test]
+fn free_drafter_kv_touches_nothing() {
+    use specdraft::backend::GpuBackendExt;
+    use specdraft::memory::BlockAllocator;
     let f = fixture();
-    f.p.free_drafter_kv(&[0, 1, 2]);
-    assert_eq!(f.gpu.ledger().live_count(), 0);
-    assert_eq!(f.p.allocs.load(Ordering::SeqCst), 0);
+    // Live device memory and live blocks that the default must leave alone.
+    let held = f.gpu.upload(&[7u32; 8], "owned by the test").unwrap();
+    let pool = BlockAllocator::new(8, 16).unwrap();
+    let blocks = pool.alloc(3).unwrap();
+    f.p.free_drafter_kv(&blocks);
+    assert_eq!(f.gpu.ledger().live_count(), 1);
+    assert_eq!(pool.num_free(), 5);
+    assert_eq!(f.p.calls(), [0, 0, 0], "the default called the proposer");
+    pool.free(&blocks).unwrap();
+    f.gpu.free(held).unwrap();
 }
 
 #[test]
@@ -251,44 +366,68 @@ fn circuit_draft_is_none() {
         .is_none());
 }
 
-struct NeverRuns;
-impl DraftRunner for NeverRuns {
+/// A runner that counts its calls and drafts something no proposer here would.
+#[derive(Default)]
+struct CountingRunner(AtomicUsize);
+impl DraftRunner for CountingRunner {
     fn run(
         &self,
         _b: &DraftBinding,
         _t: u32,
         _h: DevicePtr,
         _p: usize,
-        _n: usize,
+        n: usize,
         _s: &mut dyn ProposerState,
         _c: &ForwardContext<'_>,
         _st: u64,
     ) -> Result<Vec<u32>> {
-        Ok(vec![9])
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(vec![9; n])
     }
 }
 
 #[test]
 fn set_circuit_draft_is_ignored() {
     let f = fixture();
-    f.p.set_circuit_draft(Some(Arc::new(NeverRuns)));
-    let drafts =
-        f.p.propose(
-            1,
+    let runner = Arc::new(CountingRunner::default());
+    let mut state = f.state();
+    let propose = |p: &dyn DraftProposer, s: &mut dyn ProposerState, last: u32| {
+        p.propose(
+            last,
             DevicePtr::NULL,
-            0,
+            5,
             4,
-            &mut *f.state(),
+            s,
             &f.ctx(),
             0,
             None,
             None,
             None,
         )
-        .unwrap();
-    assert!(
-        drafts.is_empty(),
-        "a proposer without a binding must keep its own forward"
-    );
+        .unwrap()
+    };
+    f.p.set_circuit_draft(Some(runner.clone()));
+    assert_eq!(propose(&f.p, &mut *state, 3), vec![9, 10, 11, 12]);
     f.p.set_circuit_draft(None);
+    assert_eq!(propose(&f.p, &mut *state, 3), vec![9, 10, 11, 12]);
+    assert_eq!(f.p.calls(), [1, 2, 0]);
+
+    // A Rust proposer without a binding (PromptLookup keeps the default) drafts the same
+    // with a runner set as without, and never runs it.
+    let lookup = PromptLookup::new(1, 2).unwrap();
+    let prompt = [4, 5, 6, 7, 4, 5];
+    let fresh = || {
+        let mut s = lookup.alloc_state(&*f.gpu).unwrap();
+        lookup
+            .prefill_drafter(&prompt, DevicePtr::NULL, &mut *s, &f.ctx(), 0)
+            .unwrap();
+        s
+    };
+    let (mut plain, mut with_runner) = (fresh(), fresh());
+    let want = propose(&lookup, &mut *plain, 5);
+    assert_eq!(want, vec![6, 7, 4, 5], "the lookup continues the repeat");
+    lookup.set_circuit_draft(Some(runner.clone()));
+    assert_eq!(propose(&lookup, &mut *with_runner, 5), want);
+    lookup.set_circuit_draft(None);
+    assert_eq!(runner.0.load(Ordering::SeqCst), 0, "the runner ran");
 }

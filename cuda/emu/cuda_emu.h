@@ -2,8 +2,10 @@
 // can run (and be tested) on a machine without a GPU.
 //
 // The model, and why it is faithful enough for the kernels in this project:
-// - Every thread of a block is a real std::thread. Blocks of one launch run one after
-//   another; the threads of a block run concurrently, so a missing barrier is a real race.
+// - Every thread of a block is a real std::thread, and the threads of a block run
+//   concurrently, so a missing barrier is a real race. The blocks of a launch run in an
+//   order shuffled from a seed, several at a time on their own threads (see runtime.cpp),
+//   so a kernel whose blocks depend on one another's order is a real race too.
 // - __syncthreads() is a barrier over the block's threads that have not returned (the
 //   sm_70+ rule: exited threads no longer count), so an early `return` never deadlocks.
 // - Shared memory is per block: SD_EMU_SHARED hands every thread of a block the same

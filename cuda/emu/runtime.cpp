@@ -2,19 +2,24 @@
 // (see cuda_emu.h for the model), and exposes `sd_emu_launch` to Rust.
 //
 // Invariants:
-// - A launch owns all of its state (barriers, warp exchanges, shared buffers), so any
-//   number of launches may run concurrently from different host threads.
-// - Blocks run one after another; between blocks every thread of the launch waits at a
-//   full barrier, then shared buffers are dropped and the barriers re-armed.
+// - A launch owns all of its state (block groups, barriers, warp exchanges, shared
+//   buffers), so any number of launches may run concurrently from different host threads.
+// - The blocks of a launch are taken from one queue, in launch order or shuffled by a seed,
+//   by `concurrent` groups of threads that each run one block at a time: up to that many
+//   blocks are in flight at once, in an order no kernel may depend on (as on a GPU). A
+//   group's threads wait at a full barrier between its blocks, while its first thread takes
+//   the next block, drops the shared buffers and re-arms the barriers.
 // - Nothing here throws across the C boundary: errors come back as a status and message.
 #include "cuda_emu.h"
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -82,15 +87,41 @@ std::map<std::string, KernelEntry>& registry() {
 constexpr unsigned FAULT_NO_BARRIERS = 1;
 constexpr unsigned FAULT_DROP_LAST_THREAD = 2;
 
+// What every group of a launch shares: the kernel, its arguments, the block queue and the
+// first error.
 struct Launch {
     const KernelEntry* kernel = nullptr;
     void** params = nullptr;
     dim3 grid, block;
-    unsigned threads = 0;  // threads that actually run per block
     unsigned faults = 0;
 
-    Barrier block_barrier;     // __syncthreads
-    Barrier between_blocks;    // all threads of the launch, between blocks
+    std::vector<unsigned long long> order;  // block numbers, in the order they are taken
+    std::atomic<size_t> next{0};
+
+    std::mutex error_mutex;
+    std::string error;
+
+    void fail(const char* message) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (error.empty()) error = message;
+    }
+
+    // The next block to run; false when the queue is empty.
+    bool take(unsigned long long* n) {
+        const size_t i = next.fetch_add(1);
+        if (i >= order.size()) return false;
+        *n = order[i];
+        return true;
+    }
+};
+
+// One block in flight: the threads that run it and the per-block state they share.
+struct Group {
+    Launch* launch = nullptr;
+    unsigned threads = 0;  // threads that actually run per block
+
+    Barrier block_barrier;   // __syncthreads
+    Barrier between_blocks;  // all threads of the group, between blocks
     std::vector<std::unique_ptr<Warp>> warps;
 
     std::mutex shared_mutex;
@@ -101,13 +132,9 @@ struct Launch {
     std::condition_variable turn_cv;
     unsigned turn = 0;
 
-    std::mutex error_mutex;
-    std::string error;
-
-    void fail(const char* message) {
-        std::lock_guard<std::mutex> lock(error_mutex);
-        if (error.empty()) error = message;
-    }
+    // Set by thread 0 between blocks, read by the others after the barrier.
+    unsigned long long block = 0;
+    bool done = false;
 
     void arm_block() {
         block_barrier.arm(threads);
@@ -122,39 +149,64 @@ struct Launch {
     }
 };
 
-thread_local Launch* current = nullptr;
+thread_local Group* current = nullptr;
 thread_local unsigned linear_tid = 0;
 
-void run_thread(Launch* launch, unsigned tid) {
-    current = launch;
+void run_thread(Group* group, unsigned tid) {
+    current = group;
     linear_tid = tid;
-    const dim3 b = launch->block, g = launch->grid;
+    Launch& launch = *group->launch;
+    const dim3 b = launch.block, g = launch.grid;
     threadIdx = dim3(tid % b.x, (tid / b.x) % b.y, tid / (b.x * b.y));
     blockDim = b;
     gridDim = g;
-    const unsigned long long blocks = 1ull * g.x * g.y * g.z;
-    Warp& warp = *launch->warps[tid / 32];
-    const bool serial = launch->faults & FAULT_NO_BARRIERS;
-    for (unsigned long long n = 0; n < blocks; ++n) {
+    Warp& warp = *group->warps[tid / 32];
+    const bool serial = launch.faults & FAULT_NO_BARRIERS;
+    for (;;) {
+        if (tid == 0) {
+            group->done = !launch.take(&group->block);
+            group->arm_block();
+        }
+        group->between_blocks.arrive_and_wait();
+        if (group->done) break;
+        const unsigned long long n = group->block;
         blockIdx = dim3(unsigned(n % g.x), unsigned((n / g.x) % g.y), unsigned(n / (1ull * g.x * g.y)));
         if (serial) {
-            std::unique_lock<std::mutex> lock(launch->turn_mutex);
-            launch->turn_cv.wait(lock, [&] { return launch->turn == tid; });
+            std::unique_lock<std::mutex> lock(group->turn_mutex);
+            group->turn_cv.wait(lock, [&] { return group->turn == tid; });
         }
-        launch->kernel->invoker(launch->kernel->fn, launch->params);
+        launch.kernel->invoker(launch.kernel->fn, launch.params);
         if (serial) {
-            std::lock_guard<std::mutex> lock(launch->turn_mutex);
-            ++launch->turn;
-            launch->turn_cv.notify_all();
+            std::lock_guard<std::mutex> lock(group->turn_mutex);
+            ++group->turn;
+            group->turn_cv.notify_all();
         }
         warp.active[tid % 32] = false;
         warp.barrier.leave();
-        launch->block_barrier.leave();
-        launch->between_blocks.arrive_and_wait();
-        if (tid == 0) launch->arm_block();
-        launch->between_blocks.arrive_and_wait();
+        group->block_barrier.leave();
+        // Every thread is out of the block before thread 0 re-arms for the next one.
+        group->between_blocks.arrive_and_wait();
     }
     current = nullptr;
+}
+
+// splitmix64: a small, well-spread generator for the block order.
+uint64_t mix(uint64_t& state) {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Block numbers 0..blocks-1, shuffled (Fisher-Yates) unless `seed` is 0.
+std::vector<unsigned long long> block_order(unsigned long long blocks, uint64_t seed) {
+    std::vector<unsigned long long> order(blocks);
+    std::iota(order.begin(), order.end(), 0ull);
+    if (seed != 0) {
+        uint64_t state = seed;
+        for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[mix(state) % i]);
+    }
+    return order;
 }
 
 }  // namespace
@@ -164,18 +216,18 @@ void register_kernel(const char* name, void* fn, Invoker invoker, const char* si
 }
 
 void report(const char* message) {
-    if (current) current->fail(message);
+    if (current) current->launch->fail(message);
 }
 
 unsigned lane_id() { return linear_tid % 32; }
 
 void syncthreads() {
-    if (!current || (current->faults & FAULT_NO_BARRIERS)) return;
+    if (!current || (current->launch->faults & FAULT_NO_BARRIERS)) return;
     current->block_barrier.arrive_and_wait();
 }
 
 void syncwarp() {
-    if (!current || (current->faults & FAULT_NO_BARRIERS)) return;
+    if (!current || (current->launch->faults & FAULT_NO_BARRIERS)) return;
     current->warps[linear_tid / 32]->barrier.arrive_and_wait();
 }
 
@@ -189,7 +241,7 @@ void* shared_buffer(const void* key, size_t bytes) {
 uint64_t shuffle(uint64_t value, int src_lane, bool src_in_range) {
     Warp& warp = *current->warps[linear_tid / 32];
     const unsigned lane = linear_tid % 32;
-    if (current->faults & FAULT_NO_BARRIERS) {
+    if (current->launch->faults & FAULT_NO_BARRIERS) {
         // No exchange at all: read whatever the source lane left behind.
         warp.slots[lane] = value;
         return src_in_range ? warp.slots[src_lane] : value;
@@ -199,7 +251,7 @@ uint64_t shuffle(uint64_t value, int src_lane, bool src_in_range) {
     uint64_t out = value;
     if (src_in_range) {
         if (src_lane < 0 || src_lane > 31 || !warp.active[src_lane]) {
-            current->fail("warp shuffle reads a lane that is absent or has returned");
+            current->launch->fail("warp shuffle reads a lane that is absent or has returned");
         } else {
             out = warp.slots[src_lane];
         }
@@ -215,10 +267,13 @@ uint64_t shuffle(uint64_t value, int src_lane, bool src_in_range) {
 // code per argument ('p' pointer, 'i' int, 'u' unsigned, 'f' float) and must equal the
 // kernel's. `faults` injects bugs to prove the tests catch them: 1 = no barriers and the
 // threads of a block run one at a time; 2 = the last thread of every block never runs.
+// `order_seed` 0 takes the blocks in launch order, any other value in an order shuffled
+// from it; `concurrent` blocks (at least 1) run at once, each on its own threads.
 // Returns 0, or non-zero with a message in `error` (NUL-terminated, truncated to `error_len`).
 extern "C" int sd_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                              unsigned by, unsigned bz, void** params, const char* signature,
-                             unsigned faults, char* error, size_t error_len) {
+                             unsigned faults, unsigned long long order_seed, unsigned concurrent,
+                             char* error, size_t error_len) {
     auto fail = [&](const std::string& message) {
         if (error && error_len > 0) {
             std::strncpy(error, message.c_str(), error_len - 1);
@@ -244,14 +299,26 @@ extern "C" int sd_emu_launch(const char* name, unsigned gx, unsigned gy, unsigne
         launch.grid = dim3(gx, gy, gz);
         launch.block = dim3(bx, by, bz);
         launch.faults = faults;
-        launch.threads = unsigned(threads);
-        if ((faults & sd_emu::FAULT_DROP_LAST_THREAD) && launch.threads > 1) --launch.threads;
-        for (unsigned w = 0; w * 32 < launch.threads; ++w) launch.warps.emplace_back(new sd_emu::Warp());
-        launch.between_blocks.arm(launch.threads);
-        launch.arm_block();
+        const unsigned long long blocks = 1ull * gx * gy * gz;
+        launch.order = sd_emu::block_order(blocks, order_seed);
+        unsigned per_block = unsigned(threads);
+        if ((faults & sd_emu::FAULT_DROP_LAST_THREAD) && per_block > 1) --per_block;
+        const unsigned groups = unsigned(std::min<unsigned long long>(std::max(concurrent, 1u), blocks));
+        std::vector<std::unique_ptr<sd_emu::Group>> group_list;
+        for (unsigned i = 0; i < groups; ++i) {
+            auto group = std::make_unique<sd_emu::Group>();
+            group->launch = &launch;
+            group->threads = per_block;
+            for (unsigned w = 0; w * 32 < per_block; ++w) group->warps.emplace_back(new sd_emu::Warp());
+            group->between_blocks.arm(per_block);
+            group->arm_block();
+            group_list.push_back(std::move(group));
+        }
         std::vector<std::thread> workers;
-        workers.reserve(launch.threads);
-        for (unsigned t = 0; t < launch.threads; ++t) workers.emplace_back(sd_emu::run_thread, &launch, t);
+        workers.reserve(size_t(groups) * per_block);
+        for (auto& group : group_list) {
+            for (unsigned t = 0; t < per_block; ++t) workers.emplace_back(sd_emu::run_thread, group.get(), t);
+        }
         for (auto& w : workers) w.join();
         if (!launch.error.empty()) return fail(std::string(name) + ": " + launch.error);
         return 0;
@@ -261,3 +328,44 @@ extern "C" int sd_emu_launch(const char* name, unsigned gx, unsigned gy, unsigne
         return fail("emulated launch failed");
     }
 }
+
+// The emulator's own test kernels (not part of cuda/, never in the GPU build): launched by
+// the unit tests of `EmuBackend` to show that a kernel whose blocks depend on each other's
+// order is caught.
+
+// A planted inter-block race: block b adds in[b] to what block b - 1 wrote to out, with no
+// grid-wide synchronisation between them. It computes the prefix sums only when the blocks
+// run one after another in launch order.
+extern "C" __global__ void sd_emu_selftest_chained(const float* in, float* out, int n) {
+    const int b = int(blockIdx.x);
+    if (threadIdx.x == 0 && b < n) out[b] = (b > 0 ? out[b - 1] : 0.0f) + in[b];
+}
+SD_EMU_REGISTER(sd_emu_selftest_chained)
+
+// The same prefix sums without the race: each block sums its own prefix of the input.
+extern "C" __global__ void sd_emu_selftest_independent(const float* in, float* out, int n) {
+    const int b = int(blockIdx.x);
+    if (threadIdx.x != 0 || b >= n) return;
+    float s = 0.0f;
+    for (int i = 0; i <= b; ++i) s += in[i];
+    out[b] = s;
+}
+SD_EMU_REGISTER(sd_emu_selftest_independent)
+
+// Whether blocks run at the same time: each block marks itself in flight, waits (up to
+// 0.2 s) to see another block in flight, records whether it did, and unmarks itself.
+extern "C" __global__ void sd_emu_selftest_overlap(float* in_flight, float* saw_other, int n) {
+    const int b = int(blockIdx.x);
+    if (threadIdx.x != 0 || b >= n) return;
+    volatile float* flags = in_flight;
+    flags[b] = 1.0f;
+    bool seen = false;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    while (!seen && std::chrono::steady_clock::now() < until) {
+        for (int j = 0; j < n; ++j) seen = seen || (j != b && flags[j] == 1.0f);
+        std::this_thread::yield();
+    }
+    saw_other[b] = seen ? 1.0f : 0.0f;
+    flags[b] = 0.0f;
+}
+SD_EMU_REGISTER(sd_emu_selftest_overlap)

@@ -1,62 +1,94 @@
 #!/usr/bin/env bash
-# The GPU check, for a machine with an NVIDIA GPU: every CUDA op against the CPU reference
-# on the real device (tests/cuda_backend.rs), the emulated-kernel tests, and the kernel
-# benchmark (benches/cuda_kernels.rs), in well under five minutes; then, when the Python
-# package can be had there, tests/python/test_cuda_backend.py through `specdraft.CudaBackend`.
+# The GPU check, for a machine with an NVIDIA GPU and no network, in under eight minutes:
+#   cuda_backend   every CUDA op against the CPU reference, copies and the ledger
+#   model_cuda     the target model's logits against the CPU's (SmolLM2 too when
+#                  $SPECDRAFT_SMOLLM2_GGUF names its file; otherwise that test is not run)
+#   engine_cuda    greedy speculative == plain on CUDA with PromptLookup (target model) and
+#                  with MtpHead (dense and MoE), MtpHead's logits and drafts against the
+#                  CPU's, and the ledger at zero after each
+#   cuda_kernels   the kernel benchmark
+#   model_decode   decode speed of a random model with SmolLM2's shape, on the CPU (the
+#                  baseline, same command) and on the GPU
+#   python_cuda    tests/python/test_cuda_backend.py through `specdraft.CudaBackend`, when
+#                  the Python package can be had there (optional)
+# The GPU tests are ignored in a plain `cargo test`; here they run with --ignored, where a
+# missing device is a failure, and a step in which no test ran counts as failed.
 #
-#   tests/gpu/run.sh bundle   build the three programs here (release, feature `cuda`) into
-#                             target/gpu-bundle/, for a GPU machine without a toolchain or
-#                             network: copy that folder along with the tree. With maturin
-#                             installed it also puts the wheel (kernels included) there.
-#   tests/gpu/run.sh          run them: from target/gpu-bundle/ when it is there, else build
-#                             with cargo first (installing nvcc with scripts/install-nvcc.sh
-#                             when it is missing). The Python step uses an installed
-#                             specdraft, else the bundled wheel installed offline into a
-#                             scratch venv that sees the system numpy and pytest; without
-#                             either it is reported as skipped and does not fail the run.
+#   tests/gpu/run.sh bundle [--dev]
+#        builds the programs (release; with --dev the test profile CI already compiles,
+#        to check that the bundle builds) into target/gpu-bundle/ (target/gpu-bundle-dev/),
+#        for a GPU machine without a toolchain or network: copy that folder along with the
+#        tree. In release, with maturin installed, it also puts the wheel there.
+#   tests/gpu/run.sh
+#        runs them: from target/gpu-bundle/ when it is there, else it builds first.
 #
-# With $OUT set, writes $OUT/gpu_summary.json (status of each step, test counts, the
-# benchmark figures) and the logs. Exit status: 0 only if every step passed on a GPU.
+# Writes $OUT/gpu_summary.json (each step's status and test counts, the benchmark figures)
+# and the logs ($OUT defaults to target/gpu-out). Exit status 0 only if every step passed
+# on a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-BUNDLE="${SPECDRAFT_GPU_BUNDLE:-target/gpu-bundle}"
+PROGRAMS="cuda_backend model_cuda engine_cuda cuda_kernels model_decode"
 OUT_DIR="${OUT:-target/gpu-out}"
-mkdir -p "$OUT_DIR"
-START=$(date +%s)
+BUDGET_S=470
 
 build_bundle() {
+    local profile=(--release) bundle="${SPECDRAFT_GPU_BUNDLE:-target/gpu-bundle}"
+    if [ "${1:-}" = "--dev" ]; then
+        profile=()
+        bundle="${SPECDRAFT_GPU_BUNDLE:-target/gpu-bundle-dev}"
+    fi
     if [ -z "${NVCC:-}" ] && ! command -v nvcc >/dev/null; then
         NVCC="$(scripts/install-nvcc.sh | tail -n 1)" || { echo "cannot install nvcc" >&2; return 1; }
         export NVCC
     fi
-    mkdir -p "$BUNDLE"
-    local json exe
-    for spec in "cuda:--test cuda_backend" "cuda-emu:--test kernels_emulated" "cuda:--bench cuda_kernels"; do
-        json=$(cargo test --release --features "${spec%%:*}" ${spec#*:} --no-run --message-format=json) || return 1
-        exe=$(printf '%s\n' "$json" | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
-        [ -n "$exe" ] || { echo "no executable for ${spec#*:}" >&2; return 1; }
-        cp "$exe" "$BUNDLE/$(basename "${spec#*:* }")"
-    done
-    # Optional: the Python step on the GPU machine is skipped without it.
-    if command -v maturin >/dev/null; then
-        rm -f "$BUNDLE"/specdraft-*.whl
-        maturin build --release --out "$BUNDLE" || return 1
-    else
-        echo "maturin not found: no wheel in $BUNDLE, the Python step will be skipped" >&2
+    mkdir -p "$bundle"
+    local json
+    json=$(cargo test "${profile[@]}" --features cuda --test cuda_backend --test model_cuda \
+        --test engine_cuda --bench cuda_kernels --bench model_decode --no-run \
+        --message-format=json) || return 1
+    # One executable per target: copy each under its target's name.
+    printf '%s\n' "$json" | python3 -c '
+import json, shutil, sys
+want, dest = sys.argv[1].split(), sys.argv[2]
+found = {}
+for line in sys.stdin:
+    m = json.loads(line) if line.startswith("{") else {}
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        found[m["target"]["name"]] = m["executable"]
+missing = [n for n in want if n not in found]
+if missing:
+    sys.exit("no executable for " + ", ".join(missing))
+for n in want:
+    shutil.copy2(found[n], f"{dest}/{n}")
+' "$PROGRAMS" "$bundle" || return 1
+    # Symbols make the programs several times larger; the copy to the GPU machine is small.
+    if [ ${#profile[@]} -gt 0 ] && command -v strip >/dev/null; then
+        for p in $PROGRAMS; do strip "$bundle/$p"; done
     fi
-    ls -la "$BUNDLE"
+    if [ ${#profile[@]} -gt 0 ] && command -v maturin >/dev/null; then
+        rm -f "$bundle"/specdraft-*.whl
+        maturin build --release --out "$bundle" || return 1
+    elif [ ${#profile[@]} -gt 0 ]; then
+        echo "maturin not found: no wheel in $bundle, the Python step will be skipped" >&2
+    fi
+    ls -la "$bundle"
 }
 
 if [ "${1:-}" = "bundle" ]; then
-    build_bundle
+    build_bundle "${2:-}"
     exit $?
 fi
 
-if [ ! -x "$BUNDLE/cuda_backend" ] || [ ! -x "$BUNDLE/cuda_kernels" ] || [ ! -x "$BUNDLE/kernels_emulated" ]; then
-    echo "== building (no prebuilt programs in $BUNDLE)"
-    build_bundle > "$OUT_DIR/build.log" 2>&1 || { cat "$OUT_DIR/build.log"; echo "build failed" >&2; }
-fi
-
+BUNDLE="${SPECDRAFT_GPU_BUNDLE:-target/gpu-bundle}"
+mkdir -p "$OUT_DIR"
+START=$(date +%s)
+for p in $PROGRAMS; do
+    if [ ! -x "$BUNDLE/$p" ]; then
+        echo "== building (no prebuilt $p in $BUNDLE)"
+        build_bundle > "$OUT_DIR/build.log" 2>&1 || { tail -n 30 "$OUT_DIR/build.log"; echo "build failed" >&2; }
+        break
+    fi
+done
 if [ -n "$(find cuda rust tests benches build.rs -newer "$BUNDLE/cuda_backend" -type f 2>/dev/null | head -n 1)" ]; then
     echo "== note: sources are newer than $BUNDLE; run 'tests/gpu/run.sh bundle' again if they changed"
 fi
@@ -64,34 +96,63 @@ fi
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 echo "== GPU: ${GPU:-none found by nvidia-smi}"
 
-# run NAME TIMEOUT PROGRAM ARGS...: runs one step, records status and test counts.
-declare -A STATUS PASSED FAILED
+declare -A STATUS PASSED FAILED IGNORED
+STEPS=""
+# run_step NAME LIMIT_S PROGRAM ARGS...: runs one step within what is left of the budget
+# and records its status and test counts (cargo's or pytest's summary line).
 run_step() {
     local name=$1 limit=$2; shift 2
-    echo "== $name"
-    if [ ! -x "$1" ]; then
-        STATUS[$name]="missing"; PASSED[$name]=0; FAILED[$name]=0
-        return
-    fi
+    STEPS="$STEPS $name"
+    local left=$(( BUDGET_S - ($(date +%s) - START) ))
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== $name (limit ${limit}s)"
+    PASSED[$name]=0; FAILED[$name]=0; IGNORED[$name]=0
+    if [ ! -x "$1" ] && ! command -v "$1" >/dev/null; then STATUS[$name]="missing"; return; fi
+    if [ "$limit" -le 5 ]; then STATUS[$name]="not run (out of time)"; return; fi
     timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
     local rc=$?
     tail -n 25 "$OUT_DIR/$name.log"
-    PASSED[$name]=$(sed -n 's/^test result: .* \([0-9]*\) passed.*/\1/p' "$OUT_DIR/$name.log" | head -n 1)
-    FAILED[$name]=$(sed -n 's/^test result: .* \([0-9]*\) failed.*/\1/p' "$OUT_DIR/$name.log" | head -n 1)
-    # pytest's summary line: "3 failed, 9 passed, 2 skipped in 1.2s".
-    if [ -z "${PASSED[$name]}" ]; then
-        PASSED[$name]=$(tail -n 1 "$OUT_DIR/$name.log" | sed -n 's/.*\b\([0-9]\+\) passed.*/\1/p')
-        FAILED[$name]=$(tail -n 1 "$OUT_DIR/$name.log" | sed -n 's/.*\b\([0-9]\+\) failed.*/\1/p')
-    fi
+    local line
+    line=$(grep -E '^test result: ' "$OUT_DIR/$name.log" | tail -n 1)
+    [ -z "$line" ] && line=$(grep -E '[0-9]+ (passed|failed)' "$OUT_DIR/$name.log" | tail -n 1)
+    PASSED[$name]=$(printf '%s' "$line" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+' || echo 0)
+    # pytest counts errors (a failed fixture) apart from failures: both are failures here.
+    local n failed=0
+    for n in $(printf '%s' "$line" | grep -oE '[0-9]+ (failed|errors?)' | grep -oE '^[0-9]+'); do
+        failed=$((failed + n))
+    done
+    FAILED[$name]=$failed
+    IGNORED[$name]=$(printf '%s' "$line" | grep -oE '[0-9]+ (ignored|skipped)' | grep -oE '[0-9]+' || echo 0)
     if [ $rc -eq 124 ]; then STATUS[$name]="timed out"
     elif [ $rc -ne 0 ]; then STATUS[$name]="failed"
-    elif grep -q "no GPU, skipped\|\"skipped\"\|no usable CUDA GPU" "$OUT_DIR/$name.log"; then STATUS[$name]="skipped (no GPU)"
+    # A benchmark that finds no GPU says so in its JSON and exits 0.
+    elif grep -q '"skipped"' "$OUT_DIR/$name.log" "${SPECDRAFT_BENCH_JSON:-/dev/null}" 2>/dev/null; then
+        STATUS[$name]="failed (skipped: no GPU)"
+    elif [ -n "$line" ] && [ "${PASSED[$name]:-0}" -eq 0 ]; then STATUS[$name]="failed (no test ran)"
     else STATUS[$name]="passed"; fi
 }
 
-run_step cuda_backend 150 "$BUNDLE/cuda_backend" --nocapture
-run_step kernels_emulated 120 "$BUNDLE/kernels_emulated"
-SPECDRAFT_BENCH_JSON="$OUT_DIR/gpu_bench.json" run_step cuda_kernels 90 "$BUNDLE/cuda_kernels"
+run_step cuda_backend 90 "$BUNDLE/cuda_backend" --include-ignored
+if [ -n "${SPECDRAFT_SMOLLM2_GGUF:-}" ]; then
+    run_step model_cuda 90 "$BUNDLE/model_cuda" --ignored
+else
+    echo "== model_cuda: SPECDRAFT_SMOLLM2_GGUF not set, the SmolLM2 test is not run"
+    run_step model_cuda 90 "$BUNDLE/model_cuda" --ignored --skip smollm2
+fi
+run_step engine_cuda 150 "$BUNDLE/engine_cuda" --ignored --test-threads 1
+SPECDRAFT_BENCH_JSON="$OUT_DIR/cuda_kernels.json" run_step cuda_kernels 60 "$BUNDLE/cuda_kernels"
+
+# Decode: a random model of SmolLM2's shape (no network here), CPU baseline then GPU.
+MODEL_DIR="$OUT_DIR/decode-model"
+if python3 tests/gpu/write_decode_model.py "$MODEL_DIR" > "$OUT_DIR/decode_model_write.log" 2>&1; then
+    run_step decode_cpu 90 "$BUNDLE/model_decode" --bench "$MODEL_DIR"
+    run_step decode_cuda 60 "$BUNDLE/model_decode" --bench "$MODEL_DIR" --cuda
+else
+    cat "$OUT_DIR/decode_model_write.log"
+    STEPS="$STEPS decode_cpu decode_cuda"
+    for s in decode_cpu decode_cuda; do STATUS[$s]="failed (no model)"; PASSED[$s]=0; FAILED[$s]=0; IGNORED[$s]=0; done
+fi
+rm -rf "$MODEL_DIR"
 
 # The Python package: an installed specdraft that has CudaBackend, else the bundled wheel.
 PY="${PYTHON:-python3}"
@@ -104,29 +165,42 @@ if ! "$PY" -c "import specdraft, pytest; specdraft.CudaBackend" >/dev/null 2>&1;
     fi
 fi
 if "$PY" -c "import specdraft, pytest; specdraft.CudaBackend" >/dev/null 2>&1; then
-    run_step python_cuda 120 "$PY" -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda_backend.py
+    # A GPU test skipped for want of a GPU is a failure here.
+    SPECDRAFT_REQUIRE_GPU=1 run_step python_cuda 60 "$PY" -m pytest -q -rs -p no:cacheprovider \
+        tests/python/test_cuda_backend.py
 else
     echo "== python_cuda: skipped (no specdraft with CudaBackend, pytest and numpy for $PY)"
-    STATUS[python_cuda]="skipped (python package not installed)"; PASSED[python_cuda]=0; FAILED[python_cuda]=0
+    STEPS="$STEPS python_cuda"
+    STATUS[python_cuda]="skipped (python package not installed)"; PASSED[python_cuda]=0; FAILED[python_cuda]=0; IGNORED[python_cuda]=0
 fi
 
-BENCH="null"
-[ -s "$OUT_DIR/gpu_bench.json" ] && BENCH=$(cat "$OUT_DIR/gpu_bench.json")
+# The last JSON line a program printed, or null.
+json_of() { local j; j=$(grep -E '^\{' "$1" 2>/dev/null | tail -n 1); printf '%s' "${j:-null}"; }
+KERNELS="null"
+[ -s "$OUT_DIR/cuda_kernels.json" ] && KERNELS=$(cat "$OUT_DIR/cuda_kernels.json")
+DECODE_CPU=$(json_of "$OUT_DIR/decode_cpu.log")
+DECODE_CUDA=$(json_of "$OUT_DIR/decode_cuda.log")
+# The GPU's decode speed as a multiple of the CPU's, both measured above on the same model.
+SPEEDUP=$(python3 -c 'import json, sys
+a, b = (json.loads(x) for x in sys.argv[1:])
+print(round(b["decode_tokens_per_s"] / a["decode_tokens_per_s"], 2))' "$DECODE_CPU" "$DECODE_CUDA" 2>/dev/null || echo null)
 {
     printf '{\n  "gpu": "%s",\n  "seconds": %d,\n  "steps": {\n' "${GPU:-none}" $(( $(date +%s) - START ))
     sep=""
-    for name in cuda_backend kernels_emulated cuda_kernels python_cuda; do
-        printf '%s    "%s": {"status": "%s", "tests_passed": %s, "tests_failed": %s}' "$sep" "$name" \
-            "${STATUS[$name]}" "${PASSED[$name]:-0}" "${FAILED[$name]:-0}"
+    for name in $STEPS; do
+        printf '%s    "%s": {"status": "%s", "tests_passed": %s, "tests_failed": %s, "tests_ignored": %s}' \
+            "$sep" "$name" "${STATUS[$name]}" "${PASSED[$name]:-0}" "${FAILED[$name]:-0}" "${IGNORED[$name]:-0}"
         sep=$',\n'
     done
-    printf '\n  },\n  "bench": %s\n}\n' "$BENCH"
+    printf '\n  },\n  "bench": {\n    "cuda_kernels": %s,\n    "decode_cpu": %s,\n    "decode_cuda": %s,\n    "decode_speedup_cuda_over_cpu": %s\n  }\n}\n' \
+        "$KERNELS" "$DECODE_CPU" "$DECODE_CUDA" "$SPEEDUP"
 } > "$OUT_DIR/gpu_summary.json"
 cat "$OUT_DIR/gpu_summary.json"
 
-for name in cuda_backend kernels_emulated cuda_kernels; do
-    [ "${STATUS[$name]}" = "passed" ] || exit 1
+for name in $STEPS; do
+    case "$name:${STATUS[$name]}" in
+        *:passed | "python_cuda:skipped (python package not installed)") ;;
+        *) exit 1 ;;
+    esac
 done
-# Optional step: only a run that happened has to pass.
-case "${STATUS[python_cuda]}" in passed | "skipped (python package not installed)") ;; *) exit 1 ;; esac
 exit 0

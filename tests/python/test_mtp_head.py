@@ -16,10 +16,6 @@ _spec = importlib.util.spec_from_file_location("mtp_reference", _HERE / "mtp_ref
 ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ref)
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(specdraft, "MtpHead"), reason="this build of specdraft has no MtpHead binding"
-)
-
 H, HEADS, KVH, HD, FFN, VOCAB = 64, 4, 2, 16, 96, 100
 
 

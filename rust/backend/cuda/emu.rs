@@ -6,6 +6,12 @@
 //! through the same host code as [`super::CudaBackend`] and then runs the real kernel
 //! source with one host thread per CUDA thread. It is slow by design; use it only to check.
 //!
+//! Blocks do not run in launch order: each launch takes them in an order shuffled from the
+//! backend's seed (a new permutation every launch), several at once on their own threads,
+//! so a kernel whose blocks depend on one another's order or timing (a race between blocks)
+//! gives wrong results here as it would on a GPU. [`EmuBackend::in_launch_order`] runs one
+//! block at a time in launch order, the schedule that hides such races.
+//!
 //! Invariants: launches are synchronous (the work is done when the call returns), and the
 //! host views of every buffer a kernel touches are held until then, so a concurrent `free`
 //! cannot pull memory from under a running kernel.
@@ -13,7 +19,8 @@
 use super::launch::{Arg, DeviceRange, KernelLauncher, Shape};
 use crate::backend::{AllocationLedger, BackendError, CpuBackend, DevicePtr, GpuBackend};
 use std::any::Any;
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 extern "C" {
     fn sd_emu_launch(
@@ -27,6 +34,8 @@ extern "C" {
         params: *mut *mut c_void,
         signature: *const c_char,
         faults: c_uint,
+        order_seed: c_ulonglong,
+        concurrent: c_uint,
         error: *mut c_char,
         error_len: usize,
     ) -> c_int;
@@ -51,10 +60,20 @@ impl EmuFault {
     }
 }
 
+/// Seed of the default block order.
+const DEFAULT_ORDER_SEED: u64 = 0x5eed_b10c;
+/// Blocks in flight at once by default: enough for blocks to overlap, few enough that the
+/// threads (one per CUDA thread of each block in flight) stay cheap.
+const DEFAULT_CONCURRENT_BLOCKS: u32 = 2;
+
 /// The CUDA kernels on the CPU, through the emulated device model.
 pub struct EmuBackend {
     memory: CpuBackend,
     fault: Option<EmuFault>,
+    /// 0: blocks in launch order; otherwise the seed of every launch's shuffled order.
+    order_seed: u64,
+    concurrent_blocks: u32,
+    launches: AtomicU64,
 }
 
 impl Default for EmuBackend {
@@ -64,20 +83,55 @@ impl Default for EmuBackend {
 }
 
 impl EmuBackend {
-    /// An emulated device with host memory.
+    /// An emulated device with host memory, blocks shuffled and overlapping.
     pub fn new() -> Self {
         EmuBackend {
             memory: CpuBackend::new(),
             fault: None,
+            order_seed: DEFAULT_ORDER_SEED,
+            concurrent_blocks: DEFAULT_CONCURRENT_BLOCKS,
+            launches: AtomicU64::new(0),
         }
     }
 
     /// An emulated device whose every launch carries `fault`.
     pub fn with_fault(fault: EmuFault) -> Self {
         EmuBackend {
-            memory: CpuBackend::new(),
             fault: Some(fault),
+            ..Self::new()
         }
+    }
+
+    /// The same device with blocks in orders shuffled from `seed` (each launch its own
+    /// permutation) and `concurrent_blocks` (at least 1) of them in flight at once.
+    pub fn with_schedule(mut self, seed: u64, concurrent_blocks: u32) -> Self {
+        // Seed 0 is the launch-order schedule on the C side.
+        self.order_seed = seed.max(1);
+        self.concurrent_blocks = concurrent_blocks.max(1);
+        self
+    }
+
+    /// The same device running one block at a time in launch order: the schedule under
+    /// which a kernel that depends on the order of its blocks still looks right.
+    pub fn in_launch_order(mut self) -> Self {
+        self.order_seed = 0;
+        self.concurrent_blocks = 1;
+        self
+    }
+
+    /// The block order of the next launch: 0 (launch order) or a nonzero seed.
+    fn next_order_seed(&self) -> u64 {
+        if self.order_seed == 0 {
+            return 0;
+        }
+        let n = self.launches.fetch_add(1, Ordering::Relaxed);
+        // splitmix64 of (seed, launch number); never 0.
+        let mut z = self
+            .order_seed
+            .wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)).max(1)
     }
 }
 
@@ -141,6 +195,8 @@ impl KernelLauncher for EmuBackend {
                 params.as_mut_ptr(),
                 signature.as_ptr(),
                 self.fault.map_or(0, EmuFault::bits),
+                self.next_order_seed(),
+                self.concurrent_blocks,
                 error.as_mut_ptr(),
                 error.len(),
             )
@@ -209,6 +265,7 @@ impl GpuBackend for EmuBackend {
 mod tests {
     use super::*;
     use crate::backend::cuda::KERNEL_NAMES;
+    use crate::backend::GpuBackendExt;
 
     const ONE: Shape = Shape {
         grid: (1, 1, 1),
@@ -251,5 +308,73 @@ mod tests {
         );
         // n = 0: the kernel touches nothing, so null pointers are fine.
         emu.launch("sd_add", ONE, &args, 0).unwrap();
+    }
+
+    /// Runs one of the emulator's self-test kernels, `kernel(input, out, n)` over one block
+    /// per element of `input`, and returns `out`; `out` starts as NaN, so a read of an
+    /// element not yet written shows.
+    fn selftest(emu: &EmuBackend, kernel: &'static str, input: &[f32]) -> Vec<f32> {
+        let n = input.len();
+        let x = emu.upload(input, "test:in").unwrap();
+        let out = emu.alloc(n * 4, "test:out").unwrap();
+        emu.memset(out, 0xff, n * 4, 0).unwrap();
+        {
+            let x_range = emu.resolve(x, n * 4, "in").unwrap();
+            let out_range = emu.resolve(out, n * 4, "out").unwrap();
+            let shape = Shape {
+                grid: (n as u32, 1, 1),
+                block: (32, 1, 1),
+            };
+            let args = [
+                Arg::Ptr(x_range.addr()),
+                Arg::Ptr(out_range.addr()),
+                Arg::I32(n as i32),
+            ];
+            emu.launch(kernel, shape, &args, 0).unwrap();
+        }
+        let got = emu.download::<f32>(out, n).unwrap();
+        emu.free(x).unwrap();
+        emu.free(out).unwrap();
+        got
+    }
+
+    #[test]
+    fn a_race_between_blocks_is_caught() {
+        let input: Vec<f32> = (1..=64).map(|i| i as f32).collect();
+        let want: Vec<f32> = (1..=64).map(|i| (i * (i + 1) / 2) as f32).collect();
+        let (racy, sound) = ("sd_emu_selftest_chained", "sd_emu_selftest_independent");
+        // One block at a time in launch order, block b finds block b - 1's result: the race
+        // is invisible.
+        let ordered = EmuBackend::new().in_launch_order();
+        assert_eq!(selftest(&ordered, racy, &input), want);
+        // Shuffled (alone or overlapping), it is not; the race-free kernel is right under
+        // every schedule, so every block ran exactly once.
+        for (seed, concurrent) in [(1, 1), (2, 2), (3, 4), (u64::MAX, 2)] {
+            let emu = EmuBackend::new().with_schedule(seed, concurrent);
+            assert_ne!(selftest(&emu, racy, &input), want, "seed {seed}");
+            assert_eq!(selftest(&emu, sound, &input), want, "seed {seed}");
+        }
+        // The default schedule catches it, launch after launch.
+        let emu = EmuBackend::new();
+        for _ in 0..3 {
+            assert_ne!(selftest(&emu, racy, &input), want);
+        }
+        assert_eq!(emu.ledger().live_count(), 0);
+    }
+
+    #[test]
+    fn blocks_run_at_the_same_time_on_several_threads() {
+        let overlapped = |emu: &EmuBackend| {
+            let saw = selftest(emu, "sd_emu_selftest_overlap", &[0.0; 2]);
+            assert!(saw.iter().all(|&x| x == 0.0 || x == 1.0), "{saw:?}");
+            saw.contains(&1.0)
+        };
+        assert!(
+            overlapped(&EmuBackend::new()),
+            "the default runs two blocks at once"
+        );
+        assert!(overlapped(&EmuBackend::new().with_schedule(5, 3)));
+        assert!(!overlapped(&EmuBackend::new().with_schedule(5, 1)));
+        assert!(!overlapped(&EmuBackend::new().in_launch_order()));
     }
 }
