@@ -8,7 +8,7 @@ byte-level BPE: ``tokenizers.models.BPE(vocab, merges)`` with merges split on th
 space, a ``ByteLevel`` pre-tokenizer without a prefix space and a ``ByteLevel`` decoder.
 Control tokens (GGUF token type 3, e.g. ``<|im_start|>``) become special tokens so the chat
 template's markers encode to one id each. The chat template is the Jinja text in
-``tokenizer.chat_template``, rendered with ``jinja2``.
+``tokenizer.chat_template``, rendered in jinja2's sandbox by :mod:`specdraft.chat_template`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from specdraft.chat_template import CompiledTemplate
 
 __all__ = ["Tokenizer", "load_tokenizer"]
 
@@ -33,12 +35,16 @@ class Tokenizer:
         eos_token_id: int | None,
         bos_token: str = "",
         eos_token: str = "",
+        source: str | None = None,
     ) -> None:
+        """Wraps ``hf``; ``source`` (the model file) is named in errors about the template."""
         self.hf = hf
         self.chat_template = chat_template
         self.eos_token_id = eos_token_id
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.source = source or "the chat template given to Tokenizer"
+        self._compiled: CompiledTemplate | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -54,23 +60,30 @@ class Tokenizer:
         return str(self.hf.decode(list(ids), skip_special_tokens=False))
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_vars: Any,
     ) -> str:
         """``messages`` (``{"role", "content"}`` dicts) rendered with the model's template.
 
+        The template renders in jinja2's sandbox with the variables and helpers transformers
+        gives it (see :mod:`specdraft.chat_template`); one that reaches for Python internals
+        raises :class:`~specdraft.chat_template.UnsafeTemplateError` and runs nothing.
         Without a template, the plain contents joined by newlines.
         """
         if not self.chat_template:
             return "\n".join(m["content"] for m in messages)
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
+        if self._compiled is None or self._compiled.text != self.chat_template:
+            self._compiled = CompiledTemplate(self.chat_template, self.source)
+        return self._compiled.render(
+            messages,
+            add_generation_prompt,
+            self.bos_token,
+            self.eos_token,
+            tools=tools,
+            **template_vars,
         )
 
     def to_str(self) -> str:
@@ -121,6 +134,7 @@ def _from_gguf(path: Path) -> Tokenizer:
         int(eos) if eos is not None else None,
         bos_token=tokens[int(bos)] if bos is not None else "",
         eos_token=tokens[int(eos)] if eos is not None else "",
+        source=str(path),
     )
 
 
@@ -142,7 +156,7 @@ def _from_dir(path: Path) -> Tokenizer:
         eos, bos = text(cfg.get("eos_token")), text(cfg.get("bos_token"))
         if eos:
             eos_id = hf.token_to_id(eos)
-    return Tokenizer(hf, template, eos_id, bos_token=bos, eos_token=eos)
+    return Tokenizer(hf, template, eos_id, bos_token=bos, eos_token=eos, source=str(cfg_path))
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
