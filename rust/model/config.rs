@@ -1,5 +1,10 @@
 //! `ModelConfig`: the sizes and switches of a target model, read from a Hugging Face
 //! `config.json` (or built by hand, or from GGUF metadata by the loaders).
+//!
+//! A configuration comes from an untrusted file, so [`ModelConfig::validate`] bounds every
+//! size (see [`LIMITS`]): products of sizes cannot overflow, and a file cannot make a loader
+//! reserve memory for a model its tensors do not hold. `config.json` itself is read only up to
+//! [`MAX_CONFIG_BYTES`].
 
 use serde_json::{Map, Value};
 use std::path::Path;
@@ -23,7 +28,40 @@ pub enum ConfigError {
     /// A `model_type` this crate does not know.
     #[error("unknown model_type {0:?}; known: llama, qwen2, qwen3, qwen3_next, mimo, deepseek_v3, glm4_moe")]
     UnknownModelType(String),
+    /// The file is larger than any configuration.
+    #[error("{path} is {size} bytes; a configuration file is at most {limit} bytes")]
+    TooLarge { path: String, size: u64, limit: u64 },
+    /// An error about the contents of the file at `path`.
+    #[error("{path}: {source}")]
+    InFile {
+        path: String,
+        source: Box<ConfigError>,
+    },
 }
+
+/// The largest `config.json` read (real ones are a few kilobytes).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// How many of [`LIMITS`] (from the first) must be non-zero.
+const REQUIRED_SIZES: usize = 7;
+
+/// The largest value accepted for each size of a configuration. Real models are far below
+/// them (hidden 16,384, FFN 53,248, 128 heads, 512 experts, 262,144-token vocabularies); the
+/// limits keep every product of sizes far from overflowing `usize`. The first
+/// [`REQUIRED_SIZES`] are sizes every model has, which must also be non-zero.
+pub const LIMITS: [(&str, usize); 11] = [
+    ("hidden_size", 1 << 20),
+    ("intermediate_size", 1 << 22),
+    ("num_hidden_layers", 1 << 12),
+    ("num_attention_heads", 1 << 12),
+    ("num_key_value_heads", 1 << 12),
+    ("head_dim", 1 << 12),
+    ("vocab_size", 1 << 26),
+    ("max_position_embeddings", 1 << 32),
+    ("num_nextn_predict_layers", 1 << 8),
+    ("num_experts", 1 << 16),
+    ("moe_intermediate_size", 1 << 22),
+];
 
 /// The model family, which decides layer details (biases, q/k norm, MTP layout).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -205,21 +243,17 @@ impl Keys<'_> {
         }
     }
 
+    fn token_id(key: &str, v: &Value) -> Result<u32, ConfigError> {
+        v.as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .ok_or_else(|| Self::bad(key, format!("expected a u32 token id, found {v}")))
+    }
+
     fn token_ids(&self, key: &str) -> Result<Vec<u32>, ConfigError> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(Vec::new()),
-            Some(Value::Number(n)) => n
-                .as_u64()
-                .map(|x| vec![x as u32])
-                .ok_or_else(|| Self::bad(key, "expected a token id")),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .map(|x| x as u32)
-                        .ok_or_else(|| Self::bad(key, "expected token ids"))
-                })
-                .collect(),
+            Some(Value::Number(_)) => Ok(vec![Self::token_id(key, &self.map[key])?]),
+            Some(Value::Array(items)) => items.iter().map(|v| Self::token_id(key, v)).collect(),
             Some(v) => Err(Self::bad(
                 key,
                 format!("expected a token id or a list of them, found {v}"),
@@ -229,33 +263,57 @@ impl Keys<'_> {
 }
 
 impl ModelConfig {
-    /// Reads a HF `config.json` file.
+    /// Reads a HF `config.json` file; an error about its contents names the file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+        let map = Self::read_json(path)?;
+        Self::from_json_map(&map).map_err(|e| ConfigError::InFile {
             path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        Self::from_json_str(&text).map_err(|e| match e {
-            ConfigError::Json { message, .. } => ConfigError::Json {
-                path: path.display().to_string(),
-                message,
-            },
-            other => other,
+            source: Box::new(e),
         })
+    }
+
+    /// The JSON object in a `config.json` file, read only if it is at most
+    /// [`MAX_CONFIG_BYTES`] long.
+    pub fn read_json(path: &Path) -> Result<Map<String, Value>, ConfigError> {
+        let shown = || path.display().to_string();
+        let io = |e: std::io::Error| ConfigError::Io {
+            path: shown(),
+            message: e.to_string(),
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        let size = file.metadata().map_err(io)?.len();
+        if size > MAX_CONFIG_BYTES {
+            return Err(ConfigError::TooLarge {
+                path: shown(),
+                size,
+                limit: MAX_CONFIG_BYTES,
+            });
+        }
+        let mut text = String::new();
+        // The limit holds even if the file grows after the size was read.
+        std::io::Read::read_to_string(&mut std::io::Read::take(file, MAX_CONFIG_BYTES), &mut text)
+            .map_err(io)?;
+        Self::parse_object(&text).map_err(|message| ConfigError::Json {
+            path: shown(),
+            message,
+        })
+    }
+
+    fn parse_object(text: &str) -> Result<Map<String, Value>, String> {
+        match serde_json::from_str(text).map_err(|e| e.to_string())? {
+            Value::Object(map) => Ok(map),
+            _ => Err("the top level is not an object".into()),
+        }
     }
 
     /// Parses the text of a HF `config.json`.
     pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
-        let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+        let map = Self::parse_object(text).map_err(|message| ConfigError::Json {
             path: "config".into(),
-            message: e.to_string(),
+            message,
         })?;
-        let map = value.as_object().ok_or_else(|| ConfigError::Json {
-            path: "config".into(),
-            message: "the top level is not an object".into(),
-        })?;
-        Self::from_json_map(map)
+        Self::from_json_map(&map)
     }
 
     /// Builds a config from an already parsed JSON object.
@@ -366,18 +424,35 @@ impl ModelConfig {
         Ok(config)
     }
 
-    /// Checks the invariants every consumer relies on.
+    /// Checks the invariants every consumer relies on: sizes non-zero and within [`LIMITS`],
+    /// heads dividing evenly, positive finite scalars.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key: &str, message: String| Err(Keys::bad(key, message));
-        for (key, v) in [
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("vocab_size", self.vocab_size),
-        ] {
+        let moe = self.moe.as_ref();
+        let sizes = [
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.vocab_size,
+            self.max_position_embeddings,
+            self.num_nextn_predict_layers,
+            moe.map_or(0, |m| m.num_experts),
+            moe.map_or(0, |m| m.expert_intermediate_size),
+        ];
+        for ((key, limit), v) in LIMITS.iter().zip(sizes) {
+            if v > *limit {
+                return bad(key, format!("is {v}, above the largest accepted ({limit})"));
+            }
+        }
+        for (key, v) in LIMITS
+            .iter()
+            .map(|(k, _)| *k)
+            .zip(sizes)
+            .take(REQUIRED_SIZES)
+        {
             if v == 0 {
                 return bad(key, "must be greater than zero".into());
             }
@@ -397,18 +472,44 @@ impl ModelConfig {
                 format!("{} is odd; RoPE rotates pairs", self.head_dim),
             );
         }
-        if self.vocab_size > u32::MAX as usize {
-            return bad(
-                "vocab_size",
-                format!("{} does not fit u32 token ids", self.vocab_size),
-            );
+        if let Some(m) = moe {
+            if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                return bad(
+                    "num_experts_per_tok",
+                    format!("is {}, not in 1..={}", m.experts_per_token, m.num_experts),
+                );
+            }
+            if m.num_shared_experts > m.num_experts {
+                return bad(
+                    "n_shared_experts",
+                    format!(
+                        "is {}, more than the {} experts",
+                        m.num_shared_experts, m.num_experts
+                    ),
+                );
+            }
+            if !m.routed_scaling_factor.is_finite() {
+                return bad("routed_scaling_factor", "must be finite".into());
+            }
         }
-        if self.rms_norm_eps.is_nan()
-            || self.rms_norm_eps <= 0.0
-            || self.rope_theta.is_nan()
-            || self.rope_theta <= 0.0
-        {
-            return bad("rms_norm_eps / rope_theta", "must be positive".into());
+        let positive = [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("rope_theta", self.rope_theta),
+            (
+                "rope_scaling.factor",
+                self.rope_scaling.as_ref().map_or(1.0, |r| r.factor),
+            ),
+        ];
+        for (key, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return bad(key, format!("is {v}; it must be positive and finite"));
+            }
+        }
+        if !(self.partial_rotary_factor > 0.0 && self.partial_rotary_factor <= 1.0) {
+            return bad(
+                "partial_rotary_factor",
+                format!("is {}; it must be in (0, 1]", self.partial_rotary_factor),
+            );
         }
         Ok(())
     }
