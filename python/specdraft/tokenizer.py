@@ -1,7 +1,9 @@
 """Tokenizers for the target models, with their chat templates.
 
 A tokenizer is rebuilt from a GGUF file's metadata, or read from a Hugging Face
-``tokenizer.json``.
+``tokenizer.json``. Both are untrusted input: the GGUF header is read by specdraft's bounded
+parser and every field is checked before use, and a bad value is a ``CheckpointError``
+naming the file, the field and the value.
 
 SmolLM2 (and the other llama-family GGUFs with ``tokenizer.ggml.model == "gpt2"``) use a
 byte-level BPE: ``tokenizers.models.BPE(vocab, merges)`` with merges split on the first
@@ -18,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from specdraft._core import CheckpointError
 from specdraft.chat_template import CompiledTemplate
 
 __all__ = ["Tokenizer", "load_tokenizer"]
@@ -91,49 +94,107 @@ class Tokenizer:
         return str(self.hf.to_str())
 
 
-def _gguf_field(reader: Any, name: str) -> Any:  # noqa: ANN401 - gguf's field values
-    field = reader.fields.get(name)
-    if field is None:
-        return None
-    values = [field.parts[i] for i in field.data]
-    if field.types and field.types[0].name == "ARRAY":
-        if field.types[-1].name == "STRING":
-            return [bytes(v).decode("utf-8", errors="replace") for v in values]
-        return [v.tolist()[0] for v in values]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(values[0]).decode("utf-8", errors="replace")
-    return values[0].tolist()[0]
+#: The GGUF keys a tokenizer is built from.
+_GGUF_KEYS = [
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.chat_template",
+]
+#: The most tokens a vocabulary may have (the model loader's limit too).
+_MAX_VOCAB = 1 << 26
+
+
+def _shown(value: Any) -> str:  # noqa: ANN401 - any metadata value
+    """``value`` for a message, cut short: a hostile file's values can be huge."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Fields:
+    """The tokenizer's GGUF metadata, each value checked on access.
+
+    A bad one is a ``CheckpointError`` naming the file, the key and the value.
+    """
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path, self.meta = path, meta
+
+    def bad(self, key: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {key} is {_shown(self.meta.get(key))}; {what}")
+
+    def string_list(self, key: str) -> list[str]:
+        value = self.meta.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.bad(key, "expected a list of strings")
+        return value
+
+    def int_list(self, key: str, length: int) -> list[int]:
+        value = self.meta.get(key)
+        if value is None:
+            return [0] * length
+        if not isinstance(value, list) or not all(type(v) is int for v in value):
+            raise self.bad(key, "expected a list of integers")
+        if len(value) != length:
+            raise self.bad(key, f"expected {length} entries, one per token, found {len(value)}")
+        return value
+
+    def token_id(self, key: str, vocab: int) -> int | None:
+        value = self.meta.get(key)
+        if value is not None and not (type(value) is int and 0 <= value < vocab):
+            raise self.bad(key, f"expected a token id below the vocabulary size {vocab}")
+        return value
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    import gguf
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HfTokenizer
 
-    reader = gguf.GGUFReader(str(path))
-    kind = _gguf_field(reader, "tokenizer.ggml.model")
+    from specdraft._core import gguf_metadata
+
+    # specdraft's own GGUF parser reads the header: it bounds every count and length and the
+    # memory the header takes, which the gguf package's reader does not.
+    fields = _Fields(path, gguf_metadata(str(path), _GGUF_KEYS))
+    kind = fields.meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(
-            f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported"
-        )
-    tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
-    merges_raw: list[str] = _gguf_field(reader, "tokenizer.ggml.merges") or []
-    types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or []
+        raise fields.bad("tokenizer.ggml.model", "only byte-level BPE ('gpt2') is supported")
+    tokens = fields.string_list("tokenizer.ggml.tokens")
+    if not 0 < len(tokens) <= _MAX_VOCAB:
+        raise fields.bad("tokenizer.ggml.tokens", f"expected 1 to {_MAX_VOCAB} tokens")
+    merges_raw = fields.string_list("tokenizer.ggml.merges")
+    types = fields.int_list("tokenizer.ggml.token_type", len(tokens))
+    eos = fields.token_id("tokenizer.ggml.eos_token_id", len(tokens))
+    bos = fields.token_id("tokenizer.ggml.bos_token_id", len(tokens))
+    template = fields.meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise fields.bad("tokenizer.chat_template", "expected a string")
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-    hf = HfTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    merges = []
+    for i, m in enumerate(merges_raw):
+        pair = m.split(" ", 1)
+        if len(pair) != 2:
+            raise CheckpointError(
+                f"{path}: tokenizer.ggml.merges[{i}] is {_shown(m)}; expected two tokens "
+                "separated by a space"
+            )
+        merges.append((pair[0], pair[1]))
+    try:
+        hf = HfTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    except Exception as e:
+        raise CheckpointError(f"{path}: the BPE vocabulary and merges do not fit: {e}") from e
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     specials = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
     hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
     return Tokenizer(
         hf,
-        _gguf_field(reader, "tokenizer.chat_template"),
-        int(eos) if eos is not None else None,
-        bos_token=tokens[int(bos)] if bos is not None else "",
-        eos_token=tokens[int(eos)] if eos is not None else "",
+        template,
+        eos,
+        bos_token=tokens[bos] if bos is not None else "",
+        eos_token=tokens[eos] if eos is not None else "",
         source=str(path),
     )
 
@@ -141,22 +202,55 @@ def _from_gguf(path: Path) -> Tokenizer:
 def _from_dir(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HfTokenizer
 
-    hf = HfTokenizer.from_file(str(path / "tokenizer.json"))
+    file = path / "tokenizer.json"
+    try:
+        hf = HfTokenizer.from_file(str(file))
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a tokenizer the tokenizers library reads: {e}") from e
+    # specdraft never pads or truncates a prompt; a file's padding to a huge fixed length
+    # would otherwise make every encode allocate that much.
+    hf.no_padding()
+    hf.no_truncation()
     template = None
     eos_id = None
     eos = bos = ""
     cfg_path = path / "tokenizer_config.json"
     if cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text())
-        template = cfg.get("chat_template")
+        try:
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{cfg_path}: not JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{cfg_path}: the top level is {_shown(cfg)}, not an object")
+        template = _config_template(cfg_path, cfg.get("chat_template"))
 
-        def text(v: Any) -> str:  # noqa: ANN401 - a string or {"content": ...}
-            return v.get("content", "") if isinstance(v, dict) else (v or "")
+        def text(key: str) -> str:
+            v = cfg.get(key)
+            v = v.get("content", "") if isinstance(v, dict) else v
+            if v is not None and not isinstance(v, str):
+                raise CheckpointError(f"{cfg_path}: {key} is {_shown(v)}; expected a string")
+            return v or ""
 
-        eos, bos = text(cfg.get("eos_token")), text(cfg.get("bos_token"))
+        eos, bos = text("eos_token"), text("bos_token")
         if eos:
             eos_id = hf.token_to_id(eos)
     return Tokenizer(hf, template, eos_id, bos_token=bos, eos_token=eos, source=str(cfg_path))
+
+
+def _config_template(cfg_path: Path, value: Any) -> str | None:  # noqa: ANN401 - JSON
+    """The template of a ``chat_template`` entry.
+
+    The entry is one template, or transformers' list of named ones (``default`` is used).
+    """
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is not None and not isinstance(value, str):
+        raise CheckpointError(
+            f"{cfg_path}: chat_template is {_shown(value)}; expected a string or a list of "
+            "named templates with a 'default'"
+        )
+    return value
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
