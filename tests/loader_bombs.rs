@@ -3,10 +3,10 @@
 //! gigabytes. Each is a clear error naming the file, the field and the value, returned
 //! within a second with a bounded amount of memory.
 //!
-//! How memory is checked: this test binary counts, per thread, the bytes its heap holds; a
-//! loader call runs on a fresh thread, and the peak its heap reached is compared with a
-//! bound (files are memory-mapped, so a file's own size is not on the heap).
+//! How memory is checked: see `tests/bounded` (a counting allocator; each load runs on a
+//! fresh thread whose heap growth is bounded).
 
+mod bounded;
 mod model_util;
 mod mtp_common;
 
@@ -18,65 +18,16 @@ use specdraft::model::{
 };
 use specdraft::speculative::{MtpHead, MtpQuantization};
 use specdraft::Error;
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Counts the bytes each thread's allocations hold, and the peak.
-struct CountingAllocator;
-
-thread_local! {
-    static LIVE: Cell<isize> = const { Cell::new(0) };
-    static PEAK: Cell<isize> = const { Cell::new(0) };
-}
-
-fn track(delta: isize) {
-    // try_with: a thread being torn down has no counters left, and needs none.
-    let _ = LIVE.try_with(|live| {
-        live.set(live.get() + delta);
-        let _ = PEAK.try_with(|peak| peak.set(peak.get().max(live.get())));
-    });
-}
-
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        track(layout.size() as isize);
-        System.alloc(layout)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        track(-(layout.size() as isize));
-        System.dealloc(ptr, layout)
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        track(new_size as isize - layout.size() as isize);
-        System.realloc(ptr, layout, new_size)
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: CountingAllocator = CountingAllocator;
-
 /// Heap any of these loads may use beyond what they started with.
 const MEMORY_BOUND: isize = 1 << 20;
 
-/// Runs `load` on a fresh thread; returns its result once it is back, failing the test if
-/// that takes more than a second or the thread's heap grew by more than [`MEMORY_BOUND`].
+/// Each is refused within a second, the bound (they take microseconds).
 fn bounded<T: Send + 'static>(load: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let start = LIVE.with(|l| l.get());
-        PEAK.with(|p| p.set(start));
-        let out = load();
-        let grew = PEAK.with(|p| p.get()) - start;
-        let _ = tx.send((out, grew));
-    });
-    let (out, grew) = rx
-        .recv_timeout(Duration::from_secs(1))
-        .expect("the load did not finish within a second");
-    assert!(grew <= MEMORY_BOUND, "the load's heap grew by {grew} bytes");
-    out
+    bounded::bounded(MEMORY_BOUND, Duration::from_secs(1), load)
 }
 
 fn gguf_err(path: &Path) -> ModelError {
