@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 SAMPLE = "Hello, world! <|im_start|>user\nÇa va? 1234<|im_end|>"
-TIMEOUT_S = 5
+TIMEOUT_S = 10
 MEMORY_CAP = 4 << 30
 
 _WORK = Path(tempfile.mkdtemp(prefix="specdraft-fuzz-tok-"))

@@ -54,6 +54,9 @@ run() {
     local corpus="$OUT/corpus/$target" artifacts="$OUT/artifacts/$target" log="$OUT/$target.log"
     rm -rf "$corpus" && mkdir -p "$corpus" "$artifacts" "$OUT/slowest"
     rm -f "$OUT/slowest/$target".*
+    # Failing inputs of earlier runs stay; only this run's are counted.
+    local started="$OUT/$target.started"
+    touch "$started"
     local limits=()
     [[ "$seconds" -gt 0 ]] && limits+=("-max_total_time=$seconds")
     [[ "$runs" -gt 0 ]] && limits+=("-runs=$runs")
@@ -66,15 +69,17 @@ run() {
         SPECDRAFT_FUZZ_SLOWEST="$OUT/slowest" "$PY" fuzz/tokenizer_gguf.py \
             "$OUT/seeds/$target" "$artifacts" "${py_limits[@]}" >"$log" 2>&1 || status=$?
     else
-        SPECDRAFT_FUZZ_SLOWEST="$OUT/slowest" "$BIN/$target" -seed="$seed" -timeout=2 \
+        # -timeout is wall time: a hang detector, generous because a shared machine can
+        # stall a process for seconds (inputs take milliseconds of CPU).
+        SPECDRAFT_FUZZ_SLOWEST="$OUT/slowest" "$BIN/$target" -seed="$seed" -timeout=10 \
             -rss_limit_mb=4096 -max_len=262144 -print_final_stats=1 \
             -artifact_prefix="$artifacts/" "${limits[@]}" "$corpus" "$OUT/seeds/$target" \
             >"$log" 2>&1 || status=$?
     fi
     local execs crashes slowest
     execs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)"
-    crashes="$(find "$artifacts" -type f \( -name 'crash-*' -o -name 'timeout-*' -o -name 'oom-*' \
-        -o -name 'leak-*' \) | wc -l)"
+    crashes="$(find "$artifacts" -type f -newer "$started" \( -name 'crash-*' -o -name 'timeout-*' \
+        -o -name 'oom-*' -o -name 'leak-*' \) | wc -l)"
     slowest="$(cat "$OUT/slowest/$target.txt" 2>/dev/null || echo "none")"
     printf '%-15s executions=%s failing_inputs=%s slowest=%s (%s)\n' "$target" \
         "${execs:-?}" "$crashes" "${slowest%$'\n'}" "$OUT/slowest/$target.bin"

@@ -143,8 +143,11 @@ pub fn pack_checkpoint(config: &[u8], weights: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A fuzz target: one input, checked inside.
+pub type Target = fn(&[u8]);
+
 /// Every target by name.
-pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+pub const TARGETS: [(&str, Target); 4] = [
     ("gguf", gguf),
     ("safetensors", safetensors),
     ("config_json", config_json),
