@@ -11,6 +11,7 @@
 
 mod batch;
 mod config;
+mod config_limits;
 mod context;
 pub mod decoder_weights;
 mod error;
@@ -25,7 +26,8 @@ mod target;
 pub mod tensors;
 mod weights;
 
-pub use config::{ConfigError, ModelConfig, ModelFamily, MoeConfig, RopeScaling};
+pub use config::{ConfigError, ModelConfig, ModelFamily, MoeConfig, RopeScaling, MAX_CONFIG_BYTES};
+pub use config_limits::LIMITS;
 pub use context::{Communicator, ForwardContext};
 pub use decoder_weights::{DecoderWeights, NameScheme};
 pub use error::ModelError;
