@@ -24,7 +24,7 @@ ALL_TARGETS=("${RUST_TARGETS[@]}" tokenizer_gguf)
 OUT="$PWD/fuzz/out"
 SMOKE_PY_RUNS=500
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 
 seeds() {
     if [[ -f "$OUT/seeds/.done" ]]; then return; fi
