@@ -25,7 +25,7 @@ use std::time::Duration;
 /// Heap any of these loads may use beyond what they started with.
 const MEMORY_BOUND: isize = 1 << 20;
 
-/// Each is refused within a second, the bound (they take microseconds).
+/// Each must be refused within a second (they take microseconds).
 fn bounded<T: Send + 'static>(load: impl FnOnce() -> T + Send + 'static) -> T {
     bounded::bounded(MEMORY_BOUND, Duration::from_secs(1), load)
 }
