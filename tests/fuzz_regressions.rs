@@ -3,9 +3,11 @@
 //! and a short mutation smoke with a fixed seed runs every target (what CI runs; the long,
 //! coverage-guided runs are `scripts/fuzz.sh TARGET SECONDS`).
 //!
-//! `tests/fuzz_inputs/<target>/` holds each input a fuzzer found that crashed, hung or
-//! over-allocated a target, minimized and named after what it broke. Every input here must
-//! return within a second with a bounded heap (see `tests/bounded`). The seeds are the tiny
+//! `tests/fuzz_inputs/<target>/` holds inputs that crashed, hung or over-allocated a target,
+//! minimized and named after what they broke: those the fuzzers find, and hand-made ones
+//! that broke the loaders before they checked sizes (dims whose product overflows, a hidden
+//! size of 2^40 that asked for terabytes).
+//! Each must now return within the time limit with a bounded heap (see `tests/bounded`). The seeds are the tiny
 //! checkpoints the other tests write; when `SPECDRAFT_FUZZ_SEEDS` names a folder, they are
 //! saved there as `<target>/<name>` for the fuzz script.
 
