@@ -93,7 +93,7 @@ smoke() {
     seeds
     local failed=0
     cargo test --quiet --test fuzz_regressions -- --nocapture >"$OUT/smoke.log" 2>&1 || failed=1
-    sed -n 's/^fuzz smoke: //p' "$OUT/smoke.log" | while read -r target rest; do
+    sed -n 's/.*fuzz smoke: //p' "$OUT/smoke.log" | while read -r target rest; do
         printf '%-15s %s\n' "$target" "$rest"
     done
     [[ $failed -eq 0 ]] || echo "  the Rust smoke failed; see $OUT/smoke.log" >&2
