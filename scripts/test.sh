@@ -63,5 +63,8 @@ cargo run --quiet --example 01_rust_proposer
 cargo run --quiet --example 02_spec_engine
 "$PY" examples/03_python_proposer.py
 
+step "fuzz smoke: every loader fuzz target, a few hundred inputs each from a fixed seed"
+PYTHON="$PY" bash scripts/fuzz.sh smoke
+
 step "Python tests"
 "$PY" -m pytest -q -rs tests/python

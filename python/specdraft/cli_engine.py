@@ -304,7 +304,10 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         "--proposer",
         action="append",
         default=[],
-        help="prompt-lookup, suffix or module:Class (repeatable; default prompt-lookup)",
+        help=(
+            "prompt-lookup, suffix, or module:Class, which imports and runs that module "
+            "(repeatable; default prompt-lookup)"
+        ),
     )
     p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")
     p.add_argument("--batch", type=int, default=1, help="prompts generated together")
@@ -364,7 +367,9 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat)")
     _model_args(p, 256)
     p.add_argument(
-        "--proposer", default="prompt-lookup", help="prompt-lookup, suffix, none or module:Class"
+        "--proposer",
+        default="prompt-lookup",
+        help="prompt-lookup, suffix, none or module:Class (imports and runs it)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -3,13 +3,16 @@
 A tokenizer is rebuilt from a GGUF file's metadata, or read from a Hugging Face
 ``tokenizer.json``. :func:`load_tokenizer` is the one way to get a model's tokenizer;
 ``specdraft.load_model`` attaches the same one to the model it loads (``model.tokenizer``).
+Both are untrusted input: the GGUF header is read by specdraft's bounded
+parser and every field is checked before use, and a bad value is a ``CheckpointError``
+naming the file, the field and the value.
 
 SmolLM2 (and the other llama-family GGUFs with ``tokenizer.ggml.model == "gpt2"``) use a
 byte-level BPE: ``tokenizers.models.BPE(vocab, merges)`` with merges split on the first
 space, a ``ByteLevel`` pre-tokenizer without a prefix space and a ``ByteLevel`` decoder.
 Control tokens (GGUF token type 3, e.g. ``<|im_start|>``) become special tokens so the chat
 template's markers encode to one id each. The chat template is the Jinja text in
-``tokenizer.chat_template``, rendered with ``jinja2``.
+``tokenizer.chat_template``, rendered in jinja2's sandbox by :mod:`specdraft.chat_template`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from specdraft._core import CheckpointError
+from specdraft.chat_template import CompiledTemplate
 
 __all__ = ["Tokenizer", "load_tokenizer"]
 
@@ -41,12 +47,16 @@ class Tokenizer:
         eos_token_id: int | None,
         bos_token: str = "",
         eos_token: str = "",
+        source: str | None = None,
     ) -> None:
+        """Wraps ``hf``; ``source`` (the model file) is named in errors about the template."""
         self.hf = hf
         self.chat_template = chat_template
         self.eos_token_id = eos_token_id
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.source = source or "the chat template given to Tokenizer"
+        self._compiled: CompiledTemplate | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -62,28 +72,90 @@ class Tokenizer:
         return str(self.hf.decode(list(ids), skip_special_tokens=False))
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_vars: Any,
     ) -> str:
         """``messages`` (``{"role", "content"}`` dicts) rendered with the model's template.
 
+        The template renders in jinja2's sandbox with the variables and helpers transformers
+        gives it (see :mod:`specdraft.chat_template`); one that reaches for Python internals
+        raises :class:`~specdraft.chat_template.UnsafeTemplateError` and runs nothing.
         Without a template, the plain contents joined by newlines.
         """
         if not self.chat_template:
             return "\n".join(m["content"] for m in messages)
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
+        if self._compiled is None or self._compiled.text != self.chat_template:
+            self._compiled = CompiledTemplate(self.chat_template, self.source)
+        return self._compiled.render(
+            messages,
+            add_generation_prompt,
+            self.bos_token,
+            self.eos_token,
+            tools=tools,
+            **template_vars,
         )
 
     def to_str(self) -> str:
         """The ``tokenizer.json`` text (what llguidance's ``LLTokenizer`` takes)."""
         return str(self.hf.to_str())
+
+
+#: The GGUF keys a tokenizer is built from.
+_GGUF_KEYS = [
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.chat_template",
+]
+#: The most tokens a vocabulary may have (the model loader's limit too).
+_MAX_VOCAB = 1 << 26
+
+
+def _shown(value: Any) -> str:  # noqa: ANN401 - any metadata value
+    """``value`` for a message, cut short: a hostile file's values can be huge."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Fields:
+    """The tokenizer's GGUF metadata, each value checked on access.
+
+    A bad one is a ``CheckpointError`` naming the file, the key and the value.
+    """
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path, self.meta = path, meta
+
+    def bad(self, key: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {key} is {_shown(self.meta.get(key))}; {what}")
+
+    def string_list(self, key: str) -> list[str]:
+        value = self.meta.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.bad(key, "expected a list of strings")
+        return value
+
+    def int_list(self, key: str, length: int) -> list[int]:
+        value = self.meta.get(key)
+        if value is None:
+            return [0] * length
+        if not isinstance(value, list) or not all(type(v) is int for v in value):
+            raise self.bad(key, "expected a list of integers")
+        if len(value) != length:
+            raise self.bad(key, f"expected {length} entries, one per token, found {len(value)}")
+        return value
+
+    def token_id(self, key: str, vocab: int) -> int | None:
+        value = self.meta.get(key)
+        if value is not None and not (type(value) is int and 0 <= value < vocab):
+            raise self.bad(key, f"expected a token id below the vocabulary size {vocab}")
+        return value
 
 
 def _from_gguf(path: Path) -> Tokenizer:
@@ -92,60 +164,104 @@ def _from_gguf(path: Path) -> Tokenizer:
 
     from specdraft._core import gguf_metadata
 
-    keys = [
-        "tokenizer.ggml.model",
-        "tokenizer.ggml.tokens",
-        "tokenizer.ggml.merges",
-        "tokenizer.ggml.token_type",
-        "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.bos_token_id",
-        "tokenizer.chat_template",
-    ]
-    meta = gguf_metadata(str(path), keys)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2" or "tokenizer.ggml.tokens" not in meta:
+    # specdraft's own GGUF parser reads the header: it bounds every count and length and the
+    # memory the header takes, which the gguf package's reader does not.
+    fields = _Fields(path, gguf_metadata(str(path), _GGUF_KEYS))
+    kind = fields.meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
         raise _config_error(
             f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', is)"
         )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: list[int] = meta.get("tokenizer.ggml.token_type", [])
+    tokens = fields.string_list("tokenizer.ggml.tokens")
+    if not 0 < len(tokens) <= _MAX_VOCAB:
+        raise fields.bad("tokenizer.ggml.tokens", f"expected 1 to {_MAX_VOCAB} tokens")
+    merges_raw = fields.string_list("tokenizer.ggml.merges")
+    types = fields.int_list("tokenizer.ggml.token_type", len(tokens))
+    eos = fields.token_id("tokenizer.ggml.eos_token_id", len(tokens))
+    bos = fields.token_id("tokenizer.ggml.bos_token_id", len(tokens))
+    template = fields.meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise fields.bad("tokenizer.chat_template", "expected a string")
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    hf = HfTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    merges = []
+    for i, m in enumerate(merges_raw):
+        pair = m.split(" ", 1)
+        if len(pair) != 2:
+            raise CheckpointError(
+                f"{path}: tokenizer.ggml.merges[{i}] is {_shown(m)}; expected two tokens "
+                "separated by a space"
+            )
+        merges.append((pair[0], pair[1]))
+    try:
+        hf = HfTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    except Exception as e:
+        raise CheckpointError(f"{path}: the BPE vocabulary and merges do not fit: {e}") from e
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     specials = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
     hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
     return Tokenizer(
         hf,
-        meta.get("tokenizer.chat_template"),
-        int(eos) if eos is not None else None,
-        bos_token=tokens[int(bos)] if bos is not None else "",
-        eos_token=tokens[int(eos)] if eos is not None else "",
+        template,
+        eos,
+        bos_token=tokens[bos] if bos is not None else "",
+        eos_token=tokens[eos] if eos is not None else "",
+        source=str(path),
     )
 
 
 def _from_dir(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HfTokenizer
 
-    hf = HfTokenizer.from_file(str(path / "tokenizer.json"))
+    file = path / "tokenizer.json"
+    try:
+        hf = HfTokenizer.from_file(str(file))
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a tokenizer the tokenizers library reads: {e}") from e
+    # specdraft never pads or truncates a prompt; a file's padding to a huge fixed length
+    # would otherwise make every encode allocate that much.
+    hf.no_padding()
+    hf.no_truncation()
     template = None
     eos_id = None
     eos = bos = ""
     cfg_path = path / "tokenizer_config.json"
     if cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text())
-        template = cfg.get("chat_template")
+        try:
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{cfg_path}: not JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{cfg_path}: the top level is {_shown(cfg)}, not an object")
+        template = _config_template(cfg_path, cfg.get("chat_template"))
 
-        def text(v: Any) -> str:  # noqa: ANN401 - a string or {"content": ...}
-            return v.get("content", "") if isinstance(v, dict) else (v or "")
+        def text(key: str) -> str:
+            v = cfg.get(key)
+            v = v.get("content", "") if isinstance(v, dict) else v
+            if v is not None and not isinstance(v, str):
+                raise CheckpointError(f"{cfg_path}: {key} is {_shown(v)}; expected a string")
+            return v or ""
 
-        eos, bos = text(cfg.get("eos_token")), text(cfg.get("bos_token"))
+        eos, bos = text("eos_token"), text("bos_token")
         if eos:
             eos_id = hf.token_to_id(eos)
-    return Tokenizer(hf, template, eos_id, bos_token=bos, eos_token=eos)
+    return Tokenizer(hf, template, eos_id, bos_token=bos, eos_token=eos, source=str(cfg_path))
+
+
+def _config_template(cfg_path: Path, value: Any) -> str | None:  # noqa: ANN401 - JSON
+    """The template of a ``chat_template`` entry.
+
+    The entry is one template, or transformers' list of named ones (``default`` is used).
+    """
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is not None and not isinstance(value, str):
+        raise CheckpointError(
+            f"{cfg_path}: chat_template is {_shown(value)}; expected a string or a list of "
+            "named templates with a 'default'"
+        )
+    return value
 
 
 def load_tokenizer(path_or_name: str | os.PathLike[str]) -> Tokenizer:

@@ -1,5 +1,9 @@
 //! `ModelConfig`: the sizes and switches of a target model, read from a Hugging Face
 //! `config.json` (or built by hand, or from GGUF metadata by the loaders).
+//!
+//! A configuration comes from an untrusted file, so [`ModelConfig::validate`] (in
+//! `config_limits`) bounds every size; `config.json` itself is read only up to
+//! [`MAX_CONFIG_BYTES`].
 
 use serde_json::{Map, Value};
 use std::path::Path;
@@ -23,7 +27,19 @@ pub enum ConfigError {
     /// A `model_type` this crate does not know.
     #[error("unknown model_type {0:?}; known: llama, qwen2, qwen3, qwen3_next, mimo, deepseek_v3, glm4_moe")]
     UnknownModelType(String),
+    /// The file is larger than any configuration.
+    #[error("{path} is {size} bytes; a configuration file is at most {limit} bytes")]
+    TooLarge { path: String, size: u64, limit: u64 },
+    /// An error about the contents of the file at `path`.
+    #[error("{path}: {source}")]
+    InFile {
+        path: String,
+        source: Box<ConfigError>,
+    },
 }
+
+/// The largest `config.json` read (real ones are a few kilobytes).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// The model family, which decides layer details (biases, q/k norm, MTP layout).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -148,7 +164,7 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
-struct Keys<'a> {
+pub(super) struct Keys<'a> {
     map: &'a Map<String, Value>,
     model_type: &'a str,
 }
@@ -161,7 +177,7 @@ impl Keys<'_> {
         }
     }
 
-    fn bad(key: &str, message: impl Into<String>) -> ConfigError {
+    pub(super) fn bad(key: &str, message: impl Into<String>) -> ConfigError {
         ConfigError::BadValue {
             key: key.to_string(),
             message: message.into(),
@@ -205,21 +221,17 @@ impl Keys<'_> {
         }
     }
 
+    fn token_id(key: &str, v: &Value) -> Result<u32, ConfigError> {
+        v.as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .ok_or_else(|| Self::bad(key, format!("expected a u32 token id, found {v}")))
+    }
+
     fn token_ids(&self, key: &str) -> Result<Vec<u32>, ConfigError> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(Vec::new()),
-            Some(Value::Number(n)) => n
-                .as_u64()
-                .map(|x| vec![x as u32])
-                .ok_or_else(|| Self::bad(key, "expected a token id")),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .map(|x| x as u32)
-                        .ok_or_else(|| Self::bad(key, "expected token ids"))
-                })
-                .collect(),
+            Some(Value::Number(_)) => Ok(vec![Self::token_id(key, &self.map[key])?]),
+            Some(Value::Array(items)) => items.iter().map(|v| Self::token_id(key, v)).collect(),
             Some(v) => Err(Self::bad(
                 key,
                 format!("expected a token id or a list of them, found {v}"),
@@ -229,33 +241,57 @@ impl Keys<'_> {
 }
 
 impl ModelConfig {
-    /// Reads a HF `config.json` file.
+    /// Reads a HF `config.json` file; an error about its contents names the file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+        let map = Self::read_json(path)?;
+        Self::from_json_map(&map).map_err(|e| ConfigError::InFile {
             path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        Self::from_json_str(&text).map_err(|e| match e {
-            ConfigError::Json { message, .. } => ConfigError::Json {
-                path: path.display().to_string(),
-                message,
-            },
-            other => other,
+            source: Box::new(e),
         })
+    }
+
+    /// The JSON object in a `config.json` file, read only if it is at most
+    /// [`MAX_CONFIG_BYTES`] long.
+    pub fn read_json(path: &Path) -> Result<Map<String, Value>, ConfigError> {
+        let shown = || path.display().to_string();
+        let io = |e: std::io::Error| ConfigError::Io {
+            path: shown(),
+            message: e.to_string(),
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        let size = file.metadata().map_err(io)?.len();
+        if size > MAX_CONFIG_BYTES {
+            return Err(ConfigError::TooLarge {
+                path: shown(),
+                size,
+                limit: MAX_CONFIG_BYTES,
+            });
+        }
+        let mut text = String::new();
+        // The limit holds even if the file grows after the size was read.
+        std::io::Read::read_to_string(&mut std::io::Read::take(file, MAX_CONFIG_BYTES), &mut text)
+            .map_err(io)?;
+        Self::parse_object(&text).map_err(|message| ConfigError::Json {
+            path: shown(),
+            message,
+        })
+    }
+
+    fn parse_object(text: &str) -> Result<Map<String, Value>, String> {
+        match serde_json::from_str(text).map_err(|e| e.to_string())? {
+            Value::Object(map) => Ok(map),
+            _ => Err("the top level is not an object".into()),
+        }
     }
 
     /// Parses the text of a HF `config.json`.
     pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
-        let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+        let map = Self::parse_object(text).map_err(|message| ConfigError::Json {
             path: "config".into(),
-            message: e.to_string(),
+            message,
         })?;
-        let map = value.as_object().ok_or_else(|| ConfigError::Json {
-            path: "config".into(),
-            message: "the top level is not an object".into(),
-        })?;
-        Self::from_json_map(map)
+        Self::from_json_map(&map)
     }
 
     /// Builds a config from an already parsed JSON object.
@@ -364,53 +400,6 @@ impl ModelConfig {
         };
         config.validate()?;
         Ok(config)
-    }
-
-    /// Checks the invariants every consumer relies on.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |key: &str, message: String| Err(Keys::bad(key, message));
-        for (key, v) in [
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("vocab_size", self.vocab_size),
-        ] {
-            if v == 0 {
-                return bad(key, "must be greater than zero".into());
-            }
-        }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
-            return bad(
-                "num_key_value_heads",
-                format!(
-                    "{} does not divide num_attention_heads {}",
-                    self.num_key_value_heads, self.num_attention_heads
-                ),
-            );
-        }
-        if self.head_dim % 2 != 0 {
-            return bad(
-                "head_dim",
-                format!("{} is odd; RoPE rotates pairs", self.head_dim),
-            );
-        }
-        if self.vocab_size > u32::MAX as usize {
-            return bad(
-                "vocab_size",
-                format!("{} does not fit u32 token ids", self.vocab_size),
-            );
-        }
-        if self.rms_norm_eps.is_nan()
-            || self.rms_norm_eps <= 0.0
-            || self.rope_theta.is_nan()
-            || self.rope_theta <= 0.0
-        {
-            return bad("rms_norm_eps / rope_theta", "must be positive".into());
-        }
-        Ok(())
     }
 
     /// A small Llama-family config for tests and examples.

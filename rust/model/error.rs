@@ -20,6 +20,16 @@ pub enum ModelError {
         format: &'static str,
         message: String,
     },
+    /// A size, count, offset or length in a file's header is out of range: it overflows, is
+    /// more than the rest of the file could hold, or is beyond what this crate accepts. It is
+    /// refused before anything is allocated for it.
+    #[error("{path}: {field} is {value}, out of range: {reason}")]
+    OutOfRange {
+        path: String,
+        field: String,
+        value: String,
+        reason: String,
+    },
     /// A tensor's data runs past the end of the file.
     #[error("tensor {tensor:?} in {path} is truncated: it needs bytes {start}..{end} but the file has {file_len}")]
     Truncated {

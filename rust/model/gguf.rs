@@ -6,16 +6,22 @@
 //! at parsing, while this crate needs the parse, exact errors naming the tensor, and the
 //! block dequantization in [`super::tensors`] on top of one memory map.
 //!
-//! Invariants: every tensor's byte range is checked against the file length at open, so a
-//! cut-short file is an error naming the first tensor that does not fit; shapes are
-//! reported outermost first (GGUF stores dims innermost first).
+//! A GGUF file is untrusted input: the header is read by [`super::gguf_reader`], which checks
+//! every count and length before allocating and bounds the memory the header takes.
+//!
+//! Invariants: every tensor's byte range is checked (aligned, computed without overflow,
+//! inside the file) at open, so a cut-short file is an error naming the first tensor that
+//! does not fit, and a tensor of a known type holds exactly the bytes its shape needs; keys
+//! and tensor names are unique; shapes are reported outermost first (GGUF stores dims
+//! innermost first).
 
 use super::config::{ModelFamily, RopeScaling};
+use super::file_bytes::FileBytes;
+use super::gguf_reader::{Reader, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES};
 use super::tensors::{RawTensor, TensorSource, TensorType};
 use super::{ModelConfig, ModelError};
-use memmap2::Mmap;
 use std::collections::HashMap;
-use std::fs::File;
+use std::mem::size_of;
 use std::path::Path;
 
 const MAGIC: &[u8; 4] = b"GGUF";
@@ -81,102 +87,30 @@ struct TensorEntry {
     end: usize,
 }
 
-/// A memory-mapped GGUF file.
+/// A parsed GGUF file; its bytes are memory-mapped (or owned, see [`GgufFile::from_bytes`]).
 pub struct GgufFile {
     path: String,
-    map: Mmap,
+    bytes: FileBytes,
     /// Metadata key/values.
     pub metadata: HashMap<String, GgufValue>,
     tensors: HashMap<String, TensorEntry>,
     order: Vec<String>,
 }
 
-struct Cursor<'a> {
-    b: &'a [u8],
-    pos: usize,
-    path: &'a str,
-}
+/// The tensor dims GGUF allows (ggml's `GGML_MAX_DIMS`).
+const MAX_DIMS: u32 = 4;
+/// The largest `general.alignment` accepted (GGUF writers use 32).
+const MAX_ALIGNMENT: u64 = 1 << 30;
+/// Memory one tensor info takes beyond its name and dims (the map entry, the order list).
+const TENSOR_INFO_MEMORY: usize = size_of::<TensorEntry>() + 2 * size_of::<String>() + 16;
 
-impl<'a> Cursor<'a> {
-    fn err(&self, message: String) -> ModelError {
-        ModelError::Format {
-            path: self.path.to_string(),
-            format: "GGUF",
-            message,
-        }
-    }
-
-    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], ModelError> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.b.len());
-        let Some(end) = end else {
-            return Err(self.err(format!(
-                "the file ends at byte {} while reading {what} ({n} bytes at {})",
-                self.b.len(),
-                self.pos
-            )));
-        };
-        let s = &self.b[self.pos..end];
-        self.pos = end;
-        Ok(s)
-    }
-
-    fn u32(&mut self, what: &str) -> Result<u32, ModelError> {
-        let b = self.take(4, what)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-
-    fn u64(&mut self, what: &str) -> Result<u64, ModelError> {
-        let b = self.take(8, what)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
-    }
-
-    fn string(&mut self, what: &str) -> Result<String, ModelError> {
-        let n = self.u64(what)? as usize;
-        Ok(String::from_utf8_lossy(self.take(n, what)?).into_owned())
-    }
-
-    fn value(&mut self, ty: u32, key: &str, depth: usize) -> Result<GgufValue, ModelError> {
-        let what = format!("the value of {key:?}");
-        let mut fixed = |n: usize| -> Result<u64, ModelError> {
-            let b = self.take(n, &what)?;
-            let mut a = [0u8; 8];
-            a[..n].copy_from_slice(b);
-            Ok(u64::from_le_bytes(a))
-        };
-        Ok(match ty {
-            0 => GgufValue::UInt(fixed(1)?),
-            1 => GgufValue::Int(fixed(1)? as u8 as i8 as i64),
-            2 => GgufValue::UInt(fixed(2)?),
-            3 => GgufValue::Int(fixed(2)? as u16 as i16 as i64),
-            4 => GgufValue::UInt(fixed(4)?),
-            5 => GgufValue::Int(fixed(4)? as u32 as i32 as i64),
-            6 => GgufValue::Float(f32::from_bits(fixed(4)? as u32) as f64),
-            7 => GgufValue::Bool(fixed(1)? != 0),
-            8 => GgufValue::Str(self.string(&what)?),
-            9 if depth < 4 => {
-                let inner = self.u32(&what)?;
-                let n = self.u64(&what)? as usize;
-                // Every element takes at least one byte: a count larger than the rest of
-                // the file is corruption, not a reason to reserve gigabytes.
-                if n > self.b.len() - self.pos {
-                    return Err(self.err(format!(
-                        "{key:?}: array of {n} elements is longer than the file"
-                    )));
-                }
-                let mut v = Vec::with_capacity(n);
-                for _ in 0..n {
-                    v.push(self.value(inner, key, depth + 1)?);
-                }
-                GgufValue::Array(v)
-            }
-            10 => GgufValue::UInt(fixed(8)?),
-            11 => GgufValue::Int(fixed(8)? as i64),
-            12 => GgufValue::Float(f64::from_bits(fixed(8)?)),
-            other => return Err(self.err(format!("{key:?} has unknown value type {other}"))),
-        })
-    }
+/// One tensor info as read, before its byte range is placed.
+struct TensorInfo {
+    name: String,
+    shape: Vec<usize>,
+    numel: usize,
+    dtype: TensorType,
+    offset: u64,
 }
 
 fn ggml_type(t: u32) -> TensorType {
@@ -200,93 +134,165 @@ fn ggml_type(t: u32) -> TensorType {
     }
 }
 
+/// Reads one tensor info: its name, dims (innermost first in the file), type and offset.
+fn read_tensor_info(r: &mut Reader<'_>) -> Result<TensorInfo, ModelError> {
+    let name = r.name("a tensor name")?;
+    let n_dims = r.u32(&format!("the dims count of tensor {name:?}"))?;
+    if n_dims > MAX_DIMS {
+        return Err(r.out_of_range(
+            format!("the dims count of tensor {name:?}"),
+            n_dims,
+            format!("GGUF tensors have at most {MAX_DIMS} dims"),
+        ));
+    }
+    let mut dims = Vec::with_capacity(n_dims as usize);
+    for _ in 0..n_dims {
+        dims.push(r.u64(&format!("a dim of tensor {name:?}"))?);
+    }
+    r.charge(TENSOR_INFO_MEMORY + 2 * name.len() + dims.len() * 8, &name)?;
+    let numel = dims
+        .iter()
+        .try_fold(1usize, |n, &d| usize::try_from(d).ok()?.checked_mul(n))
+        .ok_or_else(|| {
+            r.out_of_range(
+                format!("the shape of tensor {name:?}"),
+                format!("{dims:?} (innermost first)"),
+                "its element count overflows 64 bits",
+            )
+        })?;
+    let dtype = ggml_type(r.u32(&format!("the type of tensor {name:?}"))?);
+    let offset = r.u64(&format!("the data offset of tensor {name:?}"))?;
+    // The product fitting usize means every dim does too.
+    let shape = dims.iter().rev().map(|&d| d as usize).collect();
+    Ok(TensorInfo {
+        name,
+        shape,
+        numel,
+        dtype,
+        offset,
+    })
+}
+
+/// The byte range of a tensor's data, checked: aligned, without overflow, inside the file.
+fn place_tensor(
+    r: &Reader<'_>,
+    info: &TensorInfo,
+    data_start: usize,
+    align: u64,
+    file_len: usize,
+) -> Result<(usize, usize), ModelError> {
+    let name = &info.name;
+    if info.offset % align != 0 {
+        return Err(r.out_of_range(
+            format!("the data offset of tensor {name:?}"),
+            info.offset,
+            format!("offsets are multiples of the alignment, {align}"),
+        ));
+    }
+    // A type without a known size is accepted here and refused on conversion.
+    let nbytes = match (&info.dtype, info.dtype.nbytes(info.numel)) {
+        (_, Some(n)) => n,
+        (TensorType::Other(_), None) => 0,
+        (t, None) => {
+            return Err(r.out_of_range(
+                format!("the shape of tensor {name:?}"),
+                format!("{:?}", info.shape),
+                format!(
+                    "{} elements of type {} are not a whole number of blocks, or overflow",
+                    info.numel,
+                    t.name()
+                ),
+            ))
+        }
+    };
+    let start = usize::try_from(info.offset)
+        .ok()
+        .and_then(|o| data_start.checked_add(o));
+    let end = start.and_then(|s| s.checked_add(nbytes));
+    match (start, end) {
+        (Some(start), Some(end)) if end <= file_len => Ok((start, end)),
+        _ => Err(ModelError::Truncated {
+            path: r.path().to_string(),
+            tensor: name.clone(),
+            start: start.unwrap_or(usize::MAX),
+            end: end.unwrap_or(usize::MAX),
+            file_len,
+        }),
+    }
+}
+
 impl GgufFile {
     /// Maps and parses a GGUF file (versions 2 and 3).
     pub fn open(path: impl AsRef<Path>) -> Result<Self, ModelError> {
         let p = path.as_ref();
-        let path = p.display().to_string();
-        let io = |e: std::io::Error| ModelError::Io {
-            path: path.clone(),
-            message: e.to_string(),
-        };
-        let file = File::open(p).map_err(io)?;
-        // SAFETY: read-only map; modifying the file while loading is unsupported, as with
-        // every mmap-based loader.
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let mut c = Cursor {
-            b: &map,
-            pos: 0,
-            path: &path,
-        };
-        if c.take(4, "the magic")? != MAGIC {
-            return Err(c.err("it does not start with the GGUF magic".into()));
+        Self::parse(p.display().to_string(), FileBytes::map(p)?)
+    }
+
+    /// Parses a GGUF file held in memory; `name` stands for its path in messages.
+    pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<Self, ModelError> {
+        Self::parse(name.to_string(), FileBytes::Owned(bytes))
+    }
+
+    fn parse(path: String, bytes: FileBytes) -> Result<Self, ModelError> {
+        let mut r = Reader::new(&bytes, &path);
+        if r.take(4, "the magic")? != MAGIC {
+            return Err(r.format_err("it does not start with the GGUF magic".into()));
         }
-        let version = c.u32("the version")?;
+        let version = r.u32("the version")?;
         if !(2..=3).contains(&version) {
-            return Err(c.err(format!("version {version} is not supported (2 or 3)")));
+            return Err(r.out_of_range("the version", version, "versions 2 and 3 are read"));
         }
-        let n_tensors = c.u64("the tensor count")? as usize;
-        let n_kv = c.u64("the metadata count")? as usize;
+        let n_tensors = r.count("the tensor count", MIN_TENSOR_INFO_BYTES)?;
+        let n_kv = r.count("the metadata count", MIN_KV_BYTES)?;
         let mut metadata = HashMap::new();
         for _ in 0..n_kv {
-            let key = c.string("a metadata key")?;
-            let ty = c.u32("a metadata type")?;
-            let v = c.value(ty, &key, 0)?;
-            metadata.insert(key, v);
+            let key = r.name("a metadata key")?;
+            let ty = r.u32(&format!("the type of {key:?}"))?;
+            let value = r.value(ty, &key, 0)?;
+            r.charge(size_of::<(String, GgufValue)>() + 16, &key)?;
+            if metadata.contains_key(&key) {
+                return Err(r.format_err(format!("metadata key {key:?} appears twice")));
+            }
+            metadata.insert(key, value);
         }
         let mut infos = Vec::new();
         for _ in 0..n_tensors {
-            let name = c.string("a tensor name")?;
-            let n_dims = c.u32("tensor dims")? as usize;
-            if n_dims > 8 {
-                return Err(c.err(format!("tensor {name:?} has {n_dims} dims")));
-            }
-            let mut dims = Vec::with_capacity(n_dims);
-            for _ in 0..n_dims {
-                dims.push(c.u64("a tensor dim")? as usize);
-            }
-            let ty = ggml_type(c.u32("a tensor type")?);
-            let offset = c.u64("a tensor offset")? as usize;
-            dims.reverse();
-            infos.push((name, dims, ty, offset));
+            infos.push(read_tensor_info(&mut r)?);
         }
-        let align = metadata
-            .get("general.alignment")
-            .and_then(GgufValue::as_u64)
-            .unwrap_or(32)
-            .max(1) as usize;
-        let data_start = c.pos.div_ceil(align) * align;
+        let align = match metadata.get("general.alignment") {
+            None => 32,
+            Some(v) => v
+                .as_u64()
+                .filter(|a| a.is_power_of_two() && *a <= MAX_ALIGNMENT)
+                .ok_or_else(|| {
+                    r.out_of_range(
+                        "metadata \"general.alignment\"",
+                        format!("{v:?}"),
+                        format!("a power of two up to {MAX_ALIGNMENT} is expected"),
+                    )
+                })?,
+        };
+        // align <= 2^30 and pos <= the file's length: the rounding cannot overflow.
+        let data_start = r.pos.div_ceil(align as usize) * align as usize;
         let mut tensors = HashMap::new();
         let mut order = Vec::new();
-        for (name, shape, dtype, offset) in infos {
-            let numel: usize = shape.iter().product();
-            // A type without a known size is accepted here and refused on conversion.
-            let nbytes = dtype.nbytes(numel).unwrap_or(0);
-            let start = data_start.saturating_add(offset);
-            let end = start.saturating_add(nbytes);
-            if end > map.len() {
-                return Err(ModelError::Truncated {
-                    path,
-                    tensor: name,
-                    start,
-                    end,
-                    file_len: map.len(),
-                });
+        for info in infos {
+            let (start, end) = place_tensor(&r, &info, data_start, align, bytes.len())?;
+            if tensors.contains_key(&info.name) {
+                return Err(r.format_err(format!("tensor {:?} appears twice", info.name)));
             }
-            order.push(name.clone());
-            tensors.insert(
-                name,
-                TensorEntry {
-                    dtype,
-                    shape,
-                    start,
-                    end,
-                },
-            );
+            order.push(info.name.clone());
+            let entry = TensorEntry {
+                dtype: info.dtype,
+                shape: info.shape,
+                start,
+                end,
+            };
+            tensors.insert(info.name, entry);
         }
         Ok(GgufFile {
             path,
-            map,
+            bytes,
             metadata,
             tensors,
             order,
@@ -311,10 +317,9 @@ impl GgufFile {
     fn meta_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
         match self.metadata.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as usize))
-                .ok_or_else(|| self.meta_err(key, "is not a non-negative integer")),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+                self.meta_err(key, &format!("is {v:?}, not a non-negative integer"))
+            }),
         }
     }
 
@@ -324,7 +329,7 @@ impl GgufFile {
             Some(v) => v
                 .as_f64()
                 .map(|x| Some(x as f32))
-                .ok_or_else(|| self.meta_err(key, "is not a number")),
+                .ok_or_else(|| self.meta_err(key, &format!("is {v:?}, not a number"))),
         }
     }
 
@@ -370,7 +375,10 @@ impl GgufFile {
                 .get("tokenizer.ggml.tokens")
                 .and_then(GgufValue::as_array)
                 .map(|a| a.len())
-                .or_else(|| self.tensors.get("token_embd.weight").map(|t| t.shape[0]))
+                .or_else(|| {
+                    let embedding = self.tensors.get("token_embd.weight")?;
+                    embedding.shape.first().copied()
+                })
                 .ok_or_else(|| self.meta_err(&key("vocab_size"), "is missing"))?,
         };
         let rope_scaling = match self
@@ -388,7 +396,15 @@ impl GgufFile {
                     .meta_usize(&key("rope.scaling.original_context_length"))?,
             }),
         };
-        let eos = self.meta_usize("tokenizer.ggml.eos_token_id")?;
+        let eos = match self.meta_usize("tokenizer.ggml.eos_token_id")? {
+            None => None,
+            Some(e) => Some(u32::try_from(e).map_err(|_| {
+                self.meta_err(
+                    "tokenizer.ggml.eos_token_id",
+                    &format!("is {e}, not a u32 token id"),
+                )
+            })?),
+        };
         let config = ModelConfig {
             family,
             hidden_size,
@@ -410,7 +426,7 @@ impl GgufFile {
             qk_norm: self.tensors.contains_key("blk.0.attn_q_norm.weight"),
             num_nextn_predict_layers: 0,
             moe: None,
-            eos_token_ids: eos.map(|e| vec![e as u32]).unwrap_or_default(),
+            eos_token_ids: eos.map(|e| vec![e]).unwrap_or_default(),
         };
         config.validate()?;
         Ok(config)
@@ -430,7 +446,7 @@ impl TensorSource for GgufFile {
         Ok(self.tensors.get(name).map(|t| RawTensor {
             dtype: t.dtype.clone(),
             shape: t.shape.clone(),
-            data: &self.map[t.start..t.end],
+            data: &self.bytes[t.start..t.end],
         }))
     }
 }

@@ -12,10 +12,13 @@
 
 mod batch;
 mod config;
+mod config_limits;
 mod context;
 pub mod decoder_weights;
 mod error;
+mod file_bytes;
 pub mod gguf;
+mod gguf_reader;
 pub mod hf_checkpoint;
 pub mod layers;
 mod levers;
@@ -24,7 +27,8 @@ mod target;
 pub mod tensors;
 mod weights;
 
-pub use config::{ConfigError, ModelConfig, ModelFamily, MoeConfig, RopeScaling};
+pub use config::{ConfigError, ModelConfig, ModelFamily, MoeConfig, RopeScaling, MAX_CONFIG_BYTES};
+pub use config_limits::LIMITS;
 pub use context::{Communicator, ForwardContext};
 pub use decoder_weights::{DecoderWeights, NameScheme};
 pub use error::ModelError;

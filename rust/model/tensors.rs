@@ -36,13 +36,14 @@ pub enum TensorType {
 pub const BF16_CONVERTIBLE: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
 
 impl TensorType {
-    /// Bytes taken by `n` elements, or `None` for a type without a fixed size or a block
-    /// type whose block does not divide `n`.
+    /// Bytes taken by `n` elements, or `None` for a type without a fixed size, a block
+    /// type whose block does not divide `n`, or a size that overflows `usize` (`n` comes
+    /// from a file's header).
     pub fn nbytes(&self, n: usize) -> Option<usize> {
-        let blocks = |bytes: usize| (n % 32 == 0).then_some(n / 32 * bytes);
+        let blocks = |bytes: usize| (n % 32 == 0).then(|| (n / 32).checked_mul(bytes))?;
         match self {
-            TensorType::F32 => Some(n * 4),
-            TensorType::F16 | TensorType::Bf16 => Some(n * 2),
+            TensorType::F32 => n.checked_mul(4),
+            TensorType::F16 | TensorType::Bf16 => n.checked_mul(2),
             TensorType::U8 | TensorType::F8E4M3 => Some(n),
             TensorType::Q8_0 => blocks(34),
             TensorType::Q4_0 => blocks(18),
@@ -60,7 +61,8 @@ impl TensorType {
     }
 }
 
-/// One tensor as stored: its type, shape (outermost first) and bytes.
+/// One tensor as stored: its type, shape (outermost first) and bytes. The loaders guarantee
+/// that a tensor of a type with a fixed size holds exactly `dtype.nbytes(numel())` bytes.
 #[derive(Clone, Debug)]
 pub struct RawTensor<'a> {
     /// Element type.
@@ -72,9 +74,10 @@ pub struct RawTensor<'a> {
 }
 
 impl RawTensor<'_> {
-    /// Number of elements.
+    /// Number of elements (saturating: a shape whose product overflows has no size, and
+    /// [`TensorType::nbytes`] refuses it).
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape.iter().fold(1usize, |n, &d| n.saturating_mul(d))
     }
 
     /// The values as BF16 (f32/f16 rounded to nearest even; GGUF blocks dequantized in f32

@@ -14,7 +14,7 @@ use crate::backend::GpuBackend;
 use crate::model::layers::load_linear;
 use crate::model::tensors::{TensorSource, TensorType};
 use crate::model::{
-    DeviceAllocations, Linear, ModelConfig, ModelError, ModelLevers, QuantizedWeight,
+    ConfigError, DeviceAllocations, Linear, ModelConfig, ModelError, ModelLevers, QuantizedWeight,
     SafetensorsCheckpoint,
 };
 use std::path::Path;
@@ -35,7 +35,7 @@ impl MtpHead {
         levers: &ModelLevers,
     ) -> crate::Result<Self> {
         let (config, src) = SafetensorsCheckpoint::open_with_config(dir.as_ref())?;
-        let groups = moe_groups(&dir.as_ref().join("config.json"));
+        let groups = moe_groups(&dir.as_ref().join("config.json"), &config)?;
         Self::from_source(
             &src,
             &config,
@@ -100,20 +100,44 @@ impl MtpHead {
     }
 }
 
-/// `(n_group, topk_group)` from a `config.json` (`(1, 1)` when absent or unreadable; the
-/// file was already parsed once, so a broken one has been reported).
-fn moe_groups(path: &Path) -> (usize, usize) {
-    let value: Option<serde_json::Value> = std::fs::read_to_string(path)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
-    let get = |key: &str| {
-        value
-            .as_ref()
-            .and_then(|v| v.get(key))
-            .and_then(|v| v.as_u64())
-            .map_or(1, |n| n.max(1) as usize)
+/// `(n_group, topk_group)` from a `config.json` (`(1, 1)` when absent): the routed experts
+/// split into `n_group` equal groups, of which the `topk_group` best are kept. Values that do
+/// not describe such a split are errors naming the file.
+fn moe_groups(path: &Path, config: &ModelConfig) -> Result<(usize, usize), ConfigError> {
+    let map = ModelConfig::read_json(path)?;
+    let bad = |key: &str, message: String| ConfigError::InFile {
+        path: path.display().to_string(),
+        source: Box::new(ConfigError::BadValue {
+            key: key.to_string(),
+            message,
+        }),
     };
-    (get("n_group"), get("topk_group"))
+    let get = |key: &str| match map.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(1),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|&n| n > 0)
+            .ok_or_else(|| bad(key, format!("expected a positive integer, found {v}"))),
+    };
+    // Only routed experts are grouped; a dense model's values are never used.
+    let Some(experts) = config.moe.as_ref().map(|m| m.num_experts) else {
+        return Ok((1, 1));
+    };
+    let (n_group, topk_group) = (get("n_group")?, get("topk_group")?);
+    if experts % n_group != 0 {
+        return Err(bad(
+            "n_group",
+            format!("is {n_group}, which does not divide the {experts} routed experts"),
+        ));
+    }
+    if topk_group > n_group {
+        return Err(bad(
+            "topk_group",
+            format!("is {topk_group}, more than the {n_group} groups"),
+        ));
+    }
+    Ok((n_group, topk_group))
 }
 
 fn load_lm_head(
