@@ -146,6 +146,7 @@ fn model_class(e: &ModelError) -> Class {
     match e {
         ModelError::Io { .. }
         | ModelError::Format { .. }
+        | ModelError::OutOfRange { .. }
         | ModelError::Truncated { .. }
         | ModelError::MissingTensor { .. }
         | ModelError::ShapeMismatch { .. }
