@@ -53,6 +53,7 @@ from specdraft._core import (
     load_model,
     quantize_nvfp4,
 )
+from specdraft.chat_template import UnsafeTemplateError
 from specdraft.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -87,6 +88,7 @@ __all__ = [
     "SuffixDecoding",
     "TargetModel",
     "Tokenizer",
+    "UnsafeTemplateError",
     "Violation",
     "__version__",
     "check_proposer",

@@ -333,6 +333,7 @@ def test_a_template_reaching_python_internals_is_refused_and_runs_nothing(
     message = str(info.value)
     assert "unsafe" in message and "/models/evil.gguf" in message, message
     assert isinstance(info.value, specdraft.CheckpointError)
+    assert isinstance(info.value, specdraft.UnsafeTemplateError)
     assert not marker.exists()
 
 
