@@ -518,26 +518,19 @@ class PromptLookup(DraftProposer):
         earlier occurrence of its longest matching suffix.
         """
 
+@disjoint_base
 class SuffixDecoding(DraftProposer):
-    """Drafting from suffix trees (Rust; no device memory), after SuffixDecoding.
-
-    One tree per sequence over its prompt and output, and one shared by every sequence of
-    this proposer over the outputs of finished ones (added at ``free_state``; the oldest
-    evicted beyond ``max_tree_nodes``). Drafts the most frequent continuation of the
-    history's end as a chain, while its estimated probability stays at least
-    ``min_token_prob``, at most ``floor(L * max_spec_factor)`` drafts for an ``L``-token
-    match. ``propose_batch``'s ``out_conf`` gets each draft's probability given those before
-    it. Its state is an opaque :class:`ProposerState`.
+    """Drafting from suffix trees over the prompt, the output so far and the outputs of earlier
+    sequences on this proposer (host-only, no device memory).
     """
 
-    def __init__(
-        self,
-        max_depth: int = 24,
-        min_token_prob: float = 0.1,
-        max_spec_factor: float = 1.0,
-        max_tree_nodes: int = 1048576,
-    ) -> None:
-        """Raises ``ProposerError`` naming the first option out of range."""
+    def __new__(
+        cls,
+        max_depth: int = ...,
+        min_token_prob: float = ...,
+        max_spec_factor: float = ...,
+        max_tree_nodes: int = ...,
+    ) -> Self: ...
     @property
     def max_depth(self) -> int:
         """Longest string the trees keep: the matched suffix plus its drafts."""
@@ -546,14 +539,14 @@ class SuffixDecoding(DraftProposer):
         """Drafting stops before a draft reached with a lower estimated probability."""
     @property
     def max_spec_factor(self) -> float:
-        """A match of ``L`` tokens drafts at most ``floor(L * max_spec_factor)`` tokens."""
+        """A match of `L` tokens drafts at most `floor(L * max_spec_factor)` tokens."""
     @property
     def max_tree_nodes(self) -> int:
-        """The shared tree's bound, in nodes and in stored output tokens (0: none kept)."""
+        """The shared tree's bound, in nodes and in stored output tokens."""
     def shared_tree(self) -> dict[str, int]:
-        """What the shared tree holds: ``outputs``, ``tokens``, ``nodes``, ``bytes``."""
+        """What the shared tree of earlier outputs holds: outputs, tokens, nodes, bytes."""
     def remember_output(self, output: Sequence[int]) -> None:
-        """Adds ``output`` to the shared tree as if a sequence had just produced it."""
+        """Adds `output` to the shared tree as if a sequence had just produced it."""
 
 @final
 class Violation:
@@ -726,7 +719,10 @@ class TargetModel:
         `len(tokens) * vocab_size` values (row-major); the KV it used is returned at once.
         """
     def hidden_states(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
-        """The hidden state before the final norm at every position, ``[len, hidden]``."""
+        """The hidden state before the final norm at every position of a fresh forward over
+        `tokens` (teacher forcing), as a float32 numpy array `[len(tokens), hidden]`; long
+        inputs run in chunks of `max_rows`, and the KV is returned at once.
+        """
     def generate_greedy(self, prompt: Sequence[int], max_tokens: int = 16) -> list[int]:
         """Greedy decoding without drafting (the engine with no proposer): the ids that follow
         `prompt`, at most `max_tokens`, ending after an end-of-sequence id.
