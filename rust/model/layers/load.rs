@@ -5,8 +5,8 @@
 //! Invariant: what these return lives in the given [`DeviceAllocations`] and has exactly
 //! the shape asked for; anything else is an error naming the tensor and the file.
 
-use crate::model::tensors::{TensorSource, TensorType};
 use crate::backend::FP8_BLOCK;
+use crate::model::tensors::{TensorSource, TensorType};
 use crate::model::{
     DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelError, QuantizedWeight,
 };
@@ -165,7 +165,7 @@ pub fn load_norm(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{CpuBackend, GpuBackend};
+    use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
     use crate::model::tensors::RawTensor;
     use std::collections::HashMap;
     use std::sync::Arc;

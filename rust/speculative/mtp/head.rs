@@ -267,7 +267,11 @@ impl MtpHead {
             Linear::Dense(d) => Some(d.ptr),
             _ => None,
         };
-        weights.projections_mut().into_iter().filter_map(dense).collect()
+        weights
+            .projections_mut()
+            .into_iter()
+            .filter_map(dense)
+            .collect()
     }
 
     /// Frees the BF16 projections in `loaded` (owned by the allocations the head adopted)

@@ -26,8 +26,8 @@ mod state;
 pub mod weights;
 
 pub use circuit::ReferenceDraftRunner;
-pub use head::{MtpHead, MtpQuantization, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
 pub use fp8::{quantize_fp8, Fp8Host};
+pub use head::{MtpHead, MtpQuantization, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
 pub use nvfp4::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Host};
 pub use state::{MtpState, DRAFTER_BLOCK_SIZE};
 pub use weights::{find_layout, MtpLayout, MtpWeights};
