@@ -139,9 +139,10 @@ impl MtpHead {
     }
 }
 
-/// Drafts from a [`DraftBinding`] alone, with the head's equations; the reference a circuit
-/// executor is checked against. It allocates its scratch per call and frees it before
-/// returning. The state must be an [`MtpState`] whose rows the head has reserved.
+/// Drafts from a [`DraftBinding`] alone, with the head's equations (it rebuilds the head's
+/// forward from the slots and runs it); the reference a circuit executor is checked against,
+/// grammar masks included. It allocates its scratch per call and frees it before returning.
+/// The state must be an [`MtpState`] whose rows the head has reserved.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ReferenceDraftRunner;
 
@@ -292,6 +293,7 @@ impl DraftRunner for ReferenceDraftRunner {
         state: &mut dyn ProposerState,
         ctx: &ForwardContext<'_>,
         stream: u64,
+        grammar_bitmask: Option<&[i32]>,
     ) -> crate::Result<Vec<u32>> {
         let st =
             state
@@ -305,6 +307,16 @@ impl DraftRunner for ReferenceDraftRunner {
         let gpu: &dyn GpuBackend = ctx.gpu.as_ref();
         let (sc, slots) = Scratch::alloc(gpu, &spec, 1)?;
         let result = (|| {
+            let words = spec.draft_vocab.div_ceil(32);
+            if let Some(m) = grammar_bitmask {
+                let m = m.get(..words).ok_or_else(|| {
+                    missing(format!(
+                        "grammar_bitmask has {} words; the draft vocabulary needs {words}",
+                        m.len()
+                    ))
+                })?;
+                gpu.write(sc.grammar_mask, m, stream)?;
+            }
             let mut drafts = Vec::new();
             let (mut token, mut hidden) = (last_token, target_hidden);
             let base = st.rows();
@@ -331,12 +343,16 @@ impl DraftRunner for ReferenceDraftRunner {
                 gpu.argmax(ArgmaxArgs {
                     out: sc.picks,
                     logits: sc.logits,
-                    bitmask: None,
+                    bitmask: grammar_bitmask.map(|_| sc.grammar_mask),
                     rows: 1,
                     vocab: spec.draft_vocab,
                     stream,
                 })?;
                 let pick = gpu.download::<u32>(sc.picks, 1)?[0];
+                if pick == u32::MAX {
+                    // The mask allows no token: this step's row stays, and the run ends.
+                    break;
+                }
                 drafts.push(pick);
                 token = pick;
                 hidden = spec.chain_hidden(&sc, 0);
