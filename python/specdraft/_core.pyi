@@ -357,9 +357,15 @@ class ForwardContext:
 class ProposerState:
     """Per-sequence state of a Rust proposer, opaque to Python."""
 
-@final
 class DraftRunner:
-    """An opaque draft runner (see `set_circuit_draft`)."""
+    """A draft runner: what `set_circuit_draft` runs in place of a draft head's own forward.
+    Made by specdraft (see `ReferenceDraftRunner`); opaque to Python."""
+
+@final
+class ReferenceDraftRunner(DraftRunner):
+    """The reference circuit runner."""
+
+    def __new__(cls) -> ReferenceDraftRunner: ...
 
 @disjoint_base
 class DraftProposer:
