@@ -217,14 +217,14 @@ def test_a_reference_runner_made_in_python_drafts_what_numpy_drafts_under_a_mask
         token = allowed[int(np.argmax(logits[allowed]))]
         want.append(token)
 
-    def propose(bitmask):
-        state = head.alloc_state_for(gpu, 200)
-        head.prefill_drafter(tokens[:P], ptr, state, ctx)
-        drafts = head.propose(
+    def propose(bitmask, h=head):
+        state = h.alloc_state_for(gpu, 200)
+        h.prefill_drafter(tokens[:P], ptr, state, ctx)
+        drafts = h.propose(
             tokens[P], ptr.offset((P - 1) * H * 2), P, 4, state, ctx, grammar_bitmask=bitmask
         )
-        rows = head.drafter_rows(state)
-        head.free_state(gpu, state)
+        rows = h.drafter_rows(state)
+        h.free_state(gpu, state)
         return list(drafts), rows
 
     own = propose(mask)
