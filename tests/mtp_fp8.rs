@@ -3,7 +3,10 @@
 //! conformance, and they draft bit for bit what a BF16 head drafts on the same weights
 //! rounded to the FP8 grid (the head's earlier storage, BF16 copies of the rounded values).
 //!
-//! The rounding used for that comparison is written here from the format's definition: one
+//! An FP8 checkpoint (E4M3 projections with `weight_scale_inv`) loads as stored and drafts
+//! bit for bit like the BF16 values it holds.
+//!
+//! The rounding used for those comparisons is written here from the format's definition: one
 //! power-of-two scale per tensor, `2^ceil(log2(amax / 448))`, and each value the nearest
 //! E4M3 value (ties to the even code) times the scale, found by searching every code.
 
@@ -33,15 +36,13 @@ fn e4m3_magnitudes() -> Vec<f64> {
         .collect()
 }
 
-/// `w` rounded to the E4M3 grid under one power-of-two tensor scale.
-fn round_to_grid(w: &[f32]) -> Vec<f32> {
+/// `w` as E4M3 codes under one power-of-two tensor scale: `(codes, scale)`.
+fn encode(w: &[f32]) -> (Vec<u8>, f64) {
     let grid = e4m3_magnitudes();
     let amax = w.iter().fold(0f64, |m, x| m.max(f64::from(x.abs())));
-    if amax == 0.0 {
-        return w.to_vec();
-    }
     let scale = 2f64.powi((amax / 448.0).log2().ceil() as i32);
-    w.iter()
+    let codes = w
+        .iter()
         .map(|&x| {
             let a = f64::from(x.abs()) / scale;
             let mut best = 0usize;
@@ -51,13 +52,38 @@ fn round_to_grid(w: &[f32]) -> Vec<f32> {
                     best = c;
                 }
             }
-            (grid[best] * scale).copysign(f64::from(x)) as f32
+            let sign = if x < 0.0 && best != 0 { 0x80 } else { 0 };
+            best as u8 | sign
         })
-        .collect()
+        .collect();
+    (codes, scale)
+}
+
+/// `w` rounded to the E4M3 grid under one power-of-two tensor scale.
+fn round_to_grid(w: &[f32]) -> Vec<f32> {
+    let grid = e4m3_magnitudes();
+    let (codes, scale) = encode(w);
+    let value = |c: u8| grid[usize::from(c & 0x7f)] * if c & 0x80 != 0 { -1.0 } else { 1.0 };
+    codes.iter().map(|&c| (value(c) * scale) as f32).collect()
+}
+
+/// How [`write_copy`] stores the projections.
+#[derive(Clone, Copy, PartialEq)]
+enum Projections {
+    /// BF16 values on the FP8 grid.
+    RoundedBf16,
+    /// E4M3 bytes with f32 `weight_scale_inv` per 128 x 128 block, as DeepSeek-V3 ships.
+    Fp8,
 }
 
 /// Copies the checkpoint in `from` to `to` with every projection rounded to the FP8 grid.
 fn write_rounded_copy(from: &Path, to: &Path) {
+    write_copy(from, to, Projections::RoundedBf16);
+}
+
+/// Copies the checkpoint in `from` to `to` with every projection on the FP8 grid, stored as
+/// `how` says.
+fn write_copy(from: &Path, to: &Path, how: Projections) {
     std::fs::copy(from.join("config.json"), to.join("config.json")).unwrap();
     let bytes = std::fs::read(from.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -66,11 +92,24 @@ fn write_rounded_copy(from: &Path, to: &Path) {
         let is_projection = name.ends_with("_proj.weight") || name == "mtp.fc.weight";
         let is_lm_head = name.contains("shared_head.head") || name == "lm_head.weight";
         let mut data = view.data().to_vec();
+        let dtype = view.dtype();
         if is_projection && !is_lm_head {
             let values: Vec<f32> = data
                 .chunks_exact(2)
                 .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect();
+            if how == Projections::Fp8 {
+                let (codes, scale) = encode(&values);
+                let (o, i) = (view.shape()[0], view.shape()[1]);
+                let grid = vec![o.div_ceil(128), i.div_ceil(128)];
+                let scales: Vec<u8> = (0..grid[0] * grid[1])
+                    .flat_map(|_| (scale as f32).to_le_bytes())
+                    .collect();
+                let scale_name = name.replace(".weight", ".weight_scale_inv");
+                tensors.push((scale_name, safetensors::Dtype::F32, grid, scales));
+                tensors.push((name, safetensors::Dtype::F8_E4M3, vec![o, i], codes));
+                continue;
+            }
             data = round_to_grid(&values)
                 .iter()
                 .flat_map(|&v| {
@@ -81,7 +120,7 @@ fn write_rounded_copy(from: &Path, to: &Path) {
                 })
                 .collect();
         }
-        tensors.push((name, view.dtype(), view.shape().to_vec(), data));
+        tensors.push((name, dtype, view.shape().to_vec(), data));
     }
     let views: Vec<_> = tensors
         .iter()
@@ -184,6 +223,56 @@ fn fp8_head_drafts_what_a_bf16_head_drafts_on_fp8_rounded_weights() {
         gpu.free(hiddens).unwrap();
         assert_eq!(gpu.ledger().live_count(), 0, "{layout}");
     }
+}
+
+#[test]
+fn an_fp8_checkpoint_loads_as_stored_and_drafts_like_its_bf16_values() {
+    let dir = scratch_dir("mtp_fp8_ckpt");
+    let (rounded, stored) = (
+        scratch_dir("mtp_fp8_ckpt_rounded"),
+        scratch_dir("mtp_fp8_ckpt_stored"),
+    );
+    write_checkpoint(&dir, "mimo", 7);
+    write_rounded_copy(&dir, &rounded);
+    write_copy(&dir, &stored, Projections::Fp8);
+    let (gpu, fp8) = load(&stored, MtpQuantization::Bf16);
+    for (name, w) in fp8.weights().projections() {
+        assert!(matches!(w, Linear::Fp8(_)), "{name} is {w:?}");
+    }
+    let grid = load_on(&gpu, &rounded, MtpQuantization::Bf16);
+    let f = Fixture::new(
+        "fp8_ckpt_inputs",
+        "mimo",
+        ModelLevers::default(),
+        MtpQuantization::Bf16,
+    );
+    let hidden = f.gpu.download_bf16(f.hiddens, 20 * HIDDEN).unwrap();
+    let hiddens = gpu.upload_bf16(&hidden, "test:hiddens").unwrap();
+    let ctx = ForwardContext::new(
+        gpu.clone(),
+        Arc::new(BufferArena::empty(16)),
+        Arc::new(ModelConfig::from_file(dir.join("config.json")).unwrap()),
+        ModelLevers::default(),
+    );
+    let run = |head: &MtpHead| {
+        let mut st = head.alloc_state(gpu.as_ref()).unwrap();
+        head.prefill_drafter(&f.tokens[..10], hiddens, &mut *st, &ctx, 0)
+            .unwrap();
+        let h = hiddens.offset(9 * HIDDEN * 2);
+        let d = head
+            .propose(f.tokens[10], h, 10, 4, &mut *st, &ctx, 0, None, None, None)
+            .unwrap();
+        let logits = head.last_logits(gpu.as_ref(), 0).unwrap();
+        head.free_state(gpu.as_ref(), &mut *st).unwrap();
+        (d, logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+    };
+    let got = run(&fp8);
+    assert_eq!(got.0.len(), 4);
+    assert_eq!(got, run(&grid));
+    drop((fp8, grid));
+    gpu.free(hiddens).unwrap();
+    assert_eq!(gpu.ledger().live_count(), 0);
+    f.finish();
 }
 
 #[test]
