@@ -8,7 +8,7 @@
 use half::bf16;
 use specdraft::backend::{
     ArgmaxArgs, BackendError, CudaBackend, DevicePtr, Dtype, GpuBackend, GpuBackendExt, Kernels,
-    LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, SoftmaxArgs,
+    LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, SoftmaxArgs, FP8_BLOCK,
 };
 use std::time::Instant;
 
@@ -107,6 +107,32 @@ fn run(gpu: &CudaBackend) -> Result<Vec<serde_json::Value>, BackendError> {
                     codes,
                     block_scales: scales,
                     global_scale: 0.01,
+                },
+                bias: None,
+                rows: 1,
+                in_features: k,
+                out_features: n,
+                stream: 0,
+            })
+        },
+    )?;
+
+    let fp8 = b.buf(Dtype::U8, n * k, 0x38)?;
+    let fp8_scales = b.upload(&vec![
+        0.01f32;
+        n.div_ceil(FP8_BLOCK) * k.div_ceil(FP8_BLOCK)
+    ])?;
+    b.time(
+        &format!("linear_fp8 1x{k} @ {n}x{k}"),
+        n * k + k * 2 + n * 2,
+        |g| {
+            g.linear(LinearArgs {
+                out,
+                out_dtype: Dtype::Bf16,
+                x,
+                weight: LinearWeight::Fp8 {
+                    weight: fp8,
+                    block_scales: fp8_scales,
                 },
                 bias: None,
                 rows: 1,

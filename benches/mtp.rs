@@ -1,6 +1,6 @@
 //! MTP head propose latency on the CPU backend, as JSON lines.
 //!
-//! For a SmolLM2-sized head (hidden 576) and a hidden-2048 head, with BF16 and NVFP4
+//! For a SmolLM2-sized head (hidden 576) and a hidden-2048 head, with BF16, FP8 and NVFP4
 //! projections (the LM head is NVFP4 in both, as `MtpHead::new` takes it): the time per
 //! draft of `propose`, the weight bytes one draft step reads, and those bytes divided by the
 //! time (GB/s), next to the memcpy bandwidth measured on the same machine. A draft step
@@ -230,7 +230,11 @@ fn main() {
         },
     ];
     for shape in &shapes {
-        for quant in [MtpQuantization::Bf16, MtpQuantization::Nvfp4] {
+        for quant in [
+            MtpQuantization::Bf16,
+            MtpQuantization::Fp8,
+            MtpQuantization::Nvfp4,
+        ] {
             bench(shape, quant, memcpy, quick);
         }
     }

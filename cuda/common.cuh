@@ -38,6 +38,14 @@ __device__ __forceinline__ void sd_st(__nv_bfloat16* p, float v) { *p = __float2
 __device__ __forceinline__ float sd_bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float sd_bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
+// FP8 E4M3 (float8_e4m3fn): bias 7, no infinities, S.1111.111 is NaN. Exact in f32.
+__device__ __forceinline__ float sd_fp8_e4m3(unsigned byte) {
+    const unsigned e = (byte >> 3) & 15u, m = byte & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
+    const float mag = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8u + m), (int)e - 10);
+    return (byte & 0x80u) ? -mag : mag;
+}
+
 __device__ __forceinline__ float sd_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(SD_FULL_MASK, v, o);
     return v;

@@ -14,14 +14,6 @@ __device__ __forceinline__ float sd_e2m1(unsigned code) {
     return (code & 8u) ? -mag : mag;
 }
 
-// FP8 E4M3 (float8_e4m3fn): bias 7, no infinities, S.1111.111 is NaN. Exact in f32.
-__device__ __forceinline__ float sd_fp8_e4m3(unsigned byte) {
-    const unsigned e = (byte >> 3) & 15u, m = byte & 7u;
-    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
-    const float mag = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8u + m), (int)e - 10);
-    return (byte & 0x80u) ? -mag : mag;
-}
-
 SD_KERNEL void sd_linear_nvfp4(void* out, int out_f32, const __nv_bfloat16* x,
                                const unsigned char* weight, const unsigned char* weight_scale,
                                float global_scale, const __nv_bfloat16* bias, int rows,

@@ -112,6 +112,7 @@ fn gpu_ops_match_reference() {
             &g,
             k::linear_nvfp4(&g, rows, inf / 16 * 16, outf, Dtype::Bf16, true, 51),
         );
+        check(&g, k::linear_fp8(&g, rows, inf, outf, Dtype::F32, true, 55));
     }
     for style in [RopeStyle::Half, RopeStyle::Interleaved] {
         check(&g, k::rope(&g, 7, 9, 64, 64, style, 61));

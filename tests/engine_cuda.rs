@@ -92,6 +92,13 @@ fn mtp_head_on_the_gpu_matches_the_cpu() {
         MtpQuantization::Nvfp4,
         mtp_backends::GPU_LOGIT_RTOL,
     );
+    mtp_backends::compare_with_cpu(
+        cuda(),
+        "mimo",
+        false,
+        MtpQuantization::Fp8,
+        mtp_backends::GPU_LOGIT_RTOL,
+    );
 }
 
 #[test]

@@ -80,6 +80,22 @@ fn linear_nvfp4_matches_reference() {
 }
 
 #[test]
+fn linear_fp8_matches_reference() {
+    let dut = EmuBackend::new();
+    // Sizes that cross the 128 x 128 scale blocks in both directions, and ones inside one.
+    for (rows, inf, outf) in [(1, 7, 3), (3, 130, 9), (7, 300, 131), (5, 256, 8)] {
+        check(
+            &dut,
+            k::linear_fp8(&dut, rows, inf, outf, Dtype::Bf16, false, 55),
+        );
+        check(
+            &dut,
+            k::linear_fp8(&dut, rows, inf, outf, Dtype::F32, true, 56),
+        );
+    }
+}
+
+#[test]
 fn rope_matches_reference() {
     let dut = EmuBackend::new();
     for style in [RopeStyle::Half, RopeStyle::Interleaved] {

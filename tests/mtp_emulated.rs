@@ -1,5 +1,5 @@
 //! `MtpHead` on the CUDA kernels, run on the CPU through the device emulation (feature
-//! `cuda-emu`), against the same head on the CPU reference: a dense head with NVFP4
+//! `cuda-emu`), against the same head on the CPU reference: dense heads with NVFP4 and FP8
 //! projections and a MoE head (Qwen3-Next: gated attention, q/k norms, partial RoPE, routed
 //! and shared experts), logits of every step, single and chained drafts, nothing leaked.
 //! Tolerances and why are in `mtp_backends/mod.rs`; the device script runs every layout.
@@ -33,6 +33,19 @@ fn emulated_kernels_run_a_moe_head_like_the_cpu() {
         "qwen3_next",
         true,
         MtpQuantization::Bf16,
+        mtp_backends::EMU_LOGIT_RTOL,
+    );
+}
+
+#[test]
+fn emulated_kernels_run_an_fp8_head_like_the_cpu() {
+    // MiMo: q/k/v biases added inside the FP8 kernel.
+    let emu = Arc::new(EmuBackend::new());
+    mtp_backends::compare_with_cpu(
+        emu,
+        "mimo",
+        false,
+        MtpQuantization::Fp8,
         mtp_backends::EMU_LOGIT_RTOL,
     );
 }

@@ -380,6 +380,7 @@ impl DraftRunner for CountingRunner {
         _s: &mut dyn ProposerState,
         _c: &ForwardContext<'_>,
         _st: u64,
+        _m: Option<&[i32]>,
     ) -> Result<Vec<u32>> {
         self.0.fetch_add(1, Ordering::SeqCst);
         Ok(vec![9; n])

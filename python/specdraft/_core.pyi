@@ -357,9 +357,23 @@ class ForwardContext:
 class ProposerState:
     """Per-sequence state of a Rust proposer, opaque to Python."""
 
-@final
+@disjoint_base
 class DraftRunner:
-    """An opaque draft runner (see `set_circuit_draft`)."""
+    """A draft runner: what `set_circuit_draft` runs in place of a draft head's own forward.
+    Made by specdraft (see `ReferenceDraftRunner`); opaque to Python.
+    """
+
+@final
+class ReferenceDraftRunner(DraftRunner):
+    """The reference circuit runner: drafts from the binding `circuit_draft` describes, with
+    the MTP head's equations, grammar masks included.
+
+    `head.set_circuit_draft(specdraft.ReferenceDraftRunner())` makes an `MtpHead` draft
+    through it (one sequence at a time: `propose_batch` then answers None); the drafts are
+    the head's own. A check for a circuit executor, and an example of the binding's use.
+    """
+
+    def __new__(cls) -> ReferenceDraftRunner: ...
 
 @disjoint_base
 class DraftProposer:

@@ -15,6 +15,8 @@ pub enum Dtype {
     I32,
     /// Raw bytes (packed quantized weights, FP8 scales).
     U8,
+    /// FP8 E4M3 (`float8_e4m3fn`) elements, one byte each.
+    F8E4M3,
 }
 
 impl Dtype {
@@ -23,7 +25,7 @@ impl Dtype {
         match self {
             Dtype::Bf16 | Dtype::F16 => 2,
             Dtype::F32 | Dtype::U32 | Dtype::I32 => 4,
-            Dtype::U8 => 1,
+            Dtype::U8 | Dtype::F8E4M3 => 1,
         }
     }
 
@@ -36,6 +38,7 @@ impl Dtype {
             Dtype::U32 => "u32",
             Dtype::I32 => "i32",
             Dtype::U8 => "u8",
+            Dtype::F8E4M3 => "f8_e4m3",
         }
     }
 
@@ -48,6 +51,7 @@ impl Dtype {
             "u32" | "uint32" => Dtype::U32,
             "i32" | "int32" => Dtype::I32,
             "u8" | "uint8" => Dtype::U8,
+            "f8_e4m3" | "float8_e4m3fn" => Dtype::F8E4M3,
             _ => return None,
         })
     }

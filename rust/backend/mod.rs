@@ -32,7 +32,7 @@ pub use error::BackendError;
 pub use kernels::{
     ArgmaxArgs, CheckedMemory, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, Kernels, KvWriteArgs,
     LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
-    NVFP4_BLOCK,
+    FP8_BLOCK, NVFP4_BLOCK,
 };
 pub use ledger::{AllocationLedger, LiveAllocation};
 pub use traits::{GpuBackend, GpuBackendExt};

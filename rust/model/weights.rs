@@ -1,5 +1,6 @@
-//! Weights on the device: dense BF16 matrices and NVFP4 (ModelOpt layout) quantized ones,
-//! and [`Linear`], which runs either through the backend's one `linear` op (its
+//! Weights on the device: dense BF16 matrices, NVFP4 (ModelOpt layout) and block-scaled FP8
+//! quantized ones, and [`Linear`], which runs any of them through the backend's one `linear`
+//! op (its
 //! [`LinearWeight`] descriptor says which format the kernel reads).
 //!
 //! Invariants:
@@ -62,6 +63,20 @@ impl DeviceAllocations {
         let ptr = self.gpu.upload(data, tag)?;
         self.adopt(ptr);
         Ok(ptr)
+    }
+
+    /// Frees `ptr` now and stops owning it; an error if the set does not own it.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), BackendError> {
+        let mut ptrs = self.ptrs.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = ptrs.iter().position(|&p| p == ptr) else {
+            return Err(BackendError::InvalidArgument {
+                op: "DeviceAllocations::free",
+                message: format!("{ptr:?} is not owned by this set"),
+            });
+        };
+        ptrs.swap_remove(i);
+        drop(ptrs);
+        self.gpu.free(ptr)
     }
 
     /// Live allocations owned by the set.
@@ -163,13 +178,38 @@ impl QuantizedWeight {
     }
 }
 
-/// A projection weight of either kind, plus its optional bias.
+/// An FP8 E4M3 weight with a scale per 128 x 128 block (DeepSeek-V3's FP8 layout; see
+/// [`LinearWeight::Fp8`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8Weight {
+    /// One E4M3 byte per element, `[out_features, in_features]`.
+    pub weight: DevicePtr,
+    /// f32 `[ceil(out_features / 128), ceil(in_features / 128)]` (`weight_scale_inv`).
+    pub block_scales: DevicePtr,
+    /// Rows of the logical matrix.
+    pub out_features: usize,
+    /// Columns of the logical matrix.
+    pub in_features: usize,
+}
+
+impl Fp8Weight {
+    /// Bytes of device memory the weight occupies.
+    pub fn nbytes(&self) -> usize {
+        let blocks = self.out_features.div_ceil(crate::backend::FP8_BLOCK)
+            * self.in_features.div_ceil(crate::backend::FP8_BLOCK);
+        self.out_features * self.in_features + blocks * Dtype::F32.size()
+    }
+}
+
+/// A projection weight of any stored format, plus its optional bias.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Linear {
     /// BF16 `[out, in]`.
     Dense(DenseWeight),
     /// NVFP4 `[out, in]`.
     Nvfp4(QuantizedWeight),
+    /// FP8 E4M3 `[out, in]` with block scales.
+    Fp8(Fp8Weight),
 }
 
 impl Linear {
@@ -178,6 +218,7 @@ impl Linear {
         match self {
             Linear::Dense(w) => (w.shape[0], w.shape[1]),
             Linear::Nvfp4(w) => (w.out_features, w.in_features),
+            Linear::Fp8(w) => (w.out_features, w.in_features),
         }
     }
 
@@ -186,6 +227,7 @@ impl Linear {
         match self {
             Linear::Dense(w) => w.nbytes(),
             Linear::Nvfp4(w) => w.nbytes(),
+            Linear::Fp8(w) => w.nbytes(),
         }
     }
 
@@ -197,6 +239,10 @@ impl Linear {
                 codes: w.weight,
                 block_scales: w.weight_scale,
                 global_scale: w.weight_scale_2,
+            },
+            Linear::Fp8(w) => LinearWeight::Fp8 {
+                weight: w.weight,
+                block_scales: w.block_scales,
             },
         }
     }

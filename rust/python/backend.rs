@@ -382,7 +382,8 @@ impl PyBackend {
             Dtype::F32 => typed_array::<f32>(py, &bytes),
             Dtype::U32 => typed_array::<u32>(py, &bytes),
             Dtype::I32 => typed_array::<i32>(py, &bytes),
-            Dtype::U8 => typed_array::<u8>(py, &bytes),
+            // numpy has no FP8 dtype: its bytes come back as they are.
+            Dtype::U8 | Dtype::F8E4M3 => typed_array::<u8>(py, &bytes),
         };
         flat.call_method1("reshape", (PyTuple::new(py, &shape)?,))
     }

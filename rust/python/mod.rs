@@ -70,6 +70,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(target_model::load_model, m)?)?;
     m.add_function(wrap_pyfunction!(target_model::gguf_metadata, m)?)?;
     m.add_class::<mtp::PyMtpHead>()?;
+    m.add_class::<mtp::PyReferenceDraftRunner>()?;
     m.add_function(wrap_pyfunction!(mtp::quantize_nvfp4, m)?)?;
     engine::register(m)?;
     m.add(

@@ -1,4 +1,4 @@
-//! `specdraft.MtpHead` and `specdraft.quantize_nvfp4`.
+//! `specdraft.MtpHead`, `specdraft.ReferenceDraftRunner` and `specdraft.quantize_nvfp4`.
 //!
 //! `MtpHead` is a `specdraft.DraftProposer` subclass whose base holds the Rust head, so every
 //! protocol method runs in Rust; it is made with `MtpHead.from_checkpoint(path, gpu, ...)`
@@ -9,8 +9,9 @@
 use super::backend::{backend_arg, PyBackend};
 use super::errors::IntoPyResult;
 use super::model::PyModelLevers;
-use super::proposer::PyDraftProposer;
+use super::proposer::{PyDraftProposer, PyDraftRunner};
 use crate::speculative::mtp::quantize_nvfp4 as rust_quantize;
+use crate::speculative::mtp::ReferenceDraftRunner;
 use crate::speculative::{MtpHead, MtpQuantization};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -149,6 +150,30 @@ impl PyMtpHead {
             self.head.weights().layout.name(),
             self.head.draft_vocab_size()
         )
+    }
+}
+
+/// The reference circuit runner: drafts from the binding `circuit_draft` describes, with
+/// the MTP head's equations, grammar masks included.
+///
+/// `head.set_circuit_draft(specdraft.ReferenceDraftRunner())` makes an `MtpHead` draft
+/// through it (one sequence at a time: `propose_batch` then answers None); the drafts are
+/// the head's own. A check for a circuit executor, and an example of the binding's use.
+#[pyclass(name = "ReferenceDraftRunner", module = "specdraft", extends = PyDraftRunner, frozen)]
+pub struct PyReferenceDraftRunner;
+
+#[pymethods]
+impl PyReferenceDraftRunner {
+    #[new]
+    fn new() -> PyClassInitializer<Self> {
+        PyClassInitializer::from(PyDraftRunner {
+            inner: Arc::new(ReferenceDraftRunner),
+        })
+        .add_subclass(PyReferenceDraftRunner)
+    }
+
+    fn __repr__(&self) -> &'static str {
+        "ReferenceDraftRunner()"
     }
 }
 

@@ -68,8 +68,9 @@ impl DraftProposer for Abstract {
 /// The protocol's defaults, shared by every object that holds no Rust proposer.
 pub(crate) static ABSTRACT: Abstract = Abstract;
 
-/// An opaque draft runner (see `set_circuit_draft`).
-#[pyclass(name = "DraftRunner", module = "specdraft", frozen)]
+/// A draft runner: what `set_circuit_draft` runs in place of a draft head's own forward.
+/// Made by specdraft (see `ReferenceDraftRunner`); opaque to Python.
+#[pyclass(name = "DraftRunner", module = "specdraft", subclass, frozen)]
 pub struct PyDraftRunner {
     pub inner: Arc<dyn DraftRunner>,
 }

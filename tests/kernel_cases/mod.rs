@@ -13,6 +13,9 @@
 //! - F32 outputs: |got - want| <= 1e-5 * |want| + `atol`.
 #![allow(dead_code)]
 
+mod fp8;
+pub use fp8::linear_fp8;
+
 use half::bf16;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

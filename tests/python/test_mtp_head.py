@@ -179,3 +179,61 @@ def test_a_folder_without_a_module_raises_with_what_it_holds(tmp_path, gpu):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(specdraft.SpecdraftError, match="no MTP module"):
         specdraft.MtpHead.from_checkpoint(folder, gpu)
+
+
+def test_a_reference_runner_made_in_python_drafts_what_numpy_drafts_under_a_mask(tmp_path, gpu):
+    folder = write_checkpoint(tmp_path / "runner", "deepseek_v3", seed=3)
+    head = specdraft.MtpHead.from_checkpoint(folder, gpu)
+    runner = specdraft.ReferenceDraftRunner()
+    assert isinstance(runner, specdraft.DraftRunner)
+    ctx = specdraft.ForwardContext(gpu, specdraft.ModelConfig.from_file(folder / "config.json"))
+    rng = np.random.default_rng(2)
+    hid = ref.bf16(rng.uniform(-2, 2, (32, H)).astype(np.float32))
+    ptr = gpu.upload(hid, dtype="bf16")
+    tokens = [int(x) for x in rng.integers(0, VOCAB, 32)]
+    allowed = [t for t in range(VOCAB) if t % 3 == 0]
+    mask = np.zeros((VOCAB + 31) // 32, np.int32)
+    for t in allowed:
+        mask[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    numpy_head = ref.Head(
+        {
+            "checkpoint": str(folder),
+            "layout": "deepseek_v3",
+            "quant": "bf16",
+            "mtp_vocab_size": 0,
+            "levers": {
+                "mtp_kv_exact": False,
+                "mtp_target_postnorm": False,
+                "mtp_chain_postnorm": False,
+            },
+        }
+    )
+    P = 12
+    for i in range(1, P):
+        numpy_head.step(tokens[i], hid[i - 1], i, True, want_logits=False)
+    token, hidden, want = tokens[P], hid[P - 1], []
+    for j in range(4):
+        logits, hidden = numpy_head.step(token, hidden, P + j, j == 0)
+        token = allowed[int(np.argmax(logits[allowed]))]
+        want.append(token)
+
+    def propose(bitmask, h=head):
+        state = h.alloc_state_for(gpu, 200)
+        h.prefill_drafter(tokens[:P], ptr, state, ctx)
+        drafts = h.propose(
+            tokens[P], ptr.offset((P - 1) * H * 2), P, 4, state, ctx, grammar_bitmask=bitmask
+        )
+        rows = h.drafter_rows(state)
+        h.free_state(gpu, state)
+        return list(drafts), rows
+
+    own = propose(mask)
+    head.set_circuit_draft(runner)
+    through_runner = propose(mask)
+    # A mask that allows nothing in the vocabulary: no drafts, the verified token's row kept.
+    assert propose(np.zeros_like(mask)) == ([], P)
+    head.set_circuit_draft(None)
+    assert own == through_runner == (want, P + 3)
+    assert repr(runner) == "ReferenceDraftRunner()"
+    gpu.free(ptr)
+    del head

@@ -9,6 +9,7 @@
 //! so its kernel lives in `linear`, written to be fast and to give each row bitwise the
 //! same result whatever else is in the batch.
 
+use super::fp8::Fp8Rows;
 use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows};
 use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
@@ -141,6 +142,17 @@ impl Kernels for CpuBackend {
                     codes: unsafe { codes.bytes() },
                     scales: unsafe { block_scales.bytes() },
                     global_scale: *global_scale,
+                    in_features,
+                };
+                linear_rows(&src, &xs, bias, rows, in_features, out_features)
+            }
+            LinearWeight::Fp8 {
+                weight,
+                block_scales,
+            } => {
+                let src = Fp8Rows {
+                    weight: unsafe { weight.bytes() },
+                    block_scales: unsafe { block_scales.typed::<f32>() },
                     in_features,
                 };
                 linear_rows(&src, &xs, bias, rows, in_features, out_features)

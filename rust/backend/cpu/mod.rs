@@ -8,9 +8,11 @@
 //! - Every stream runs in order on the caller's thread: work is done when a call returns.
 //!
 //! The kernels are in `kernels` (the reference of every op) and `linear` (the fast
-//! matrix product), the scalar decoders of the weight formats in `formats`.
+//! matrix product, with the FP8 weight rows in `fp8`), the scalar decoders of the weight
+//! formats in `formats`.
 
 mod formats;
+mod fp8;
 mod kernels;
 mod linear;
 

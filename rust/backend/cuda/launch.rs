@@ -11,7 +11,7 @@ use crate::backend::kernels::CheckedMemory;
 use crate::backend::{BackendError, DevicePtr, GpuBackend, HostView};
 
 /// Names of every kernel entry point in the fatbin (`cuda/*.cu`).
-pub const KERNEL_NAMES: [&str; 12] = [
+pub const KERNEL_NAMES: [&str; 13] = [
     "sd_embedding",
     "sd_rms_norm",
     "sd_add",
@@ -19,6 +19,7 @@ pub const KERNEL_NAMES: [&str; 12] = [
     "sd_sigmoid_mul",
     "sd_linear_bf16",
     "sd_linear_nvfp4",
+    "sd_linear_fp8",
     "sd_rope",
     "sd_kv_write",
     "sd_paged_attention",
@@ -32,7 +33,8 @@ pub(super) const ROW_THREADS: u32 = 256;
 pub(super) const ELEMENT_THREADS: u32 = 256;
 /// Warps per block of the linear kernels (one output feature per warp).
 pub(super) const LINEAR_WARPS: u32 = 8;
-/// Input rows per block of the linear kernels (`SD_LINEAR_ROWS` / `SD_NVFP4_ROWS`).
+/// Input rows per block of the linear kernels (`SD_LINEAR_ROWS` / `SD_NVFP4_ROWS` /
+/// `SD_FP8_ROWS`).
 pub(super) const LINEAR_ROWS: usize = 4;
 /// Warps per block of paged attention (`SD_ATTN_WARPS`).
 pub(super) const ATTN_WARPS: u32 = 4;

@@ -82,6 +82,13 @@ impl<L: KernelLauncher> Kernels for L {
                 l.ptr(codes).ptr(block_scales).float(*global_scale);
                 "sd_linear_nvfp4"
             }
+            LinearWeight::Fp8 {
+                weight,
+                block_scales,
+            } => {
+                l.ptr(weight).ptr(block_scales);
+                "sd_linear_fp8"
+            }
         };
         l.opt_ptr(a.bias.as_ref());
         l.int("rows", a.rows)?

@@ -11,6 +11,9 @@ use crate::backend::{BackendError, DevicePtr, Dtype};
 
 /// Columns of an NVFP4 weight that share one FP8 block scale.
 pub const NVFP4_BLOCK: usize = 16;
+/// Rows and columns of an FP8 weight that share one scale (DeepSeek-V3's
+/// `weight_block_size = [128, 128]`).
+pub const FP8_BLOCK: usize = 128;
 
 /// A linear layer's weight, `[out_features, in_features]` logically, in its stored format.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -27,6 +30,13 @@ pub enum LinearWeight<P = DevicePtr> {
         block_scales: P,
         global_scale: f32,
     },
+    /// FP8 E4M3 (`float8_e4m3fn`, W8A16) in the block-scaled layout of DeepSeek-V3's FP8
+    /// checkpoints: `weight` one E4M3 byte per element `[out_features, in_features]`, and
+    /// `block_scales` f32 `[ceil(out_features / 128), ceil(in_features / 128)]` (the
+    /// checkpoint's `weight_scale_inv`, a multiplier despite its name):
+    /// `W[o, c] = e4m3(weight[o, c]) * block_scales[o / 128, c / 128]`. A per-tensor scale is
+    /// the same value in every block.
+    Fp8 { weight: P, block_scales: P },
 }
 
 /// The buffers one weight format reads, for the aliasing check (at most two so far; a
@@ -77,16 +87,40 @@ impl LinearWeight {
                 };
                 Ok((checked, [Some(c), Some(s)]))
             }
+            LinearWeight::Fp8 {
+                weight,
+                block_scales,
+            } => {
+                let n = count(op, &[out_features, in_features])?;
+                let w = Operand::new(op, weight, n, Dtype::F8E4M3, "linear fp8 weight")?;
+                let grid = [
+                    out_features.div_ceil(FP8_BLOCK),
+                    in_features.div_ceil(FP8_BLOCK),
+                ];
+                let s = Operand::new(
+                    op,
+                    block_scales,
+                    count(op, &grid)?,
+                    Dtype::F32,
+                    "linear fp8 block_scales",
+                )?;
+                let checked = LinearWeight::Fp8 {
+                    weight: w.check(mem)?,
+                    block_scales: s.check(mem)?,
+                };
+                Ok((checked, [Some(w), Some(s)]))
+            }
         }
     }
 }
 
 impl<P> LinearWeight<P> {
-    /// The format's name in messages and bindings (`"bf16"`, `"nvfp4"`).
+    /// The format's name in messages and bindings (`"bf16"`, `"nvfp4"`, `"fp8"`).
     pub fn format(&self) -> &'static str {
         match self {
             LinearWeight::Bf16 { .. } => "bf16",
             LinearWeight::Nvfp4 { .. } => "nvfp4",
+            LinearWeight::Fp8 { .. } => "fp8",
         }
     }
 }

@@ -31,7 +31,7 @@ pub use basic::{
     SoftmaxArgs,
 };
 pub use check::CheckedMemory;
-pub use linear::{LinearArgs, LinearWeight, NVFP4_BLOCK};
+pub use linear::{LinearArgs, LinearWeight, FP8_BLOCK, NVFP4_BLOCK};
 
 use super::BackendError;
 

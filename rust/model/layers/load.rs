@@ -5,8 +5,11 @@
 //! Invariant: what these return lives in the given [`DeviceAllocations`] and has exactly
 //! the shape asked for; anything else is an error naming the tensor and the file.
 
+use crate::backend::FP8_BLOCK;
 use crate::model::tensors::{TensorSource, TensorType};
-use crate::model::{DenseWeight, DeviceAllocations, Linear, ModelError, QuantizedWeight};
+use crate::model::{
+    DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelError, QuantizedWeight,
+};
 use half::bf16;
 
 /// Loads a dense BF16 tensor of shape `expected`.
@@ -20,8 +23,10 @@ pub fn load_dense(
     Ok(DenseWeight::upload(allocs, name, expected, &data)?)
 }
 
-/// Loads projection `base` (`{base}.weight`, `[out, in]`): dense, or NVFP4 when the
-/// checkpoint stores packed codes with `{base}.weight_scale` / `weight_scale_2`.
+/// Loads projection `base` (`{base}.weight`, `[out, in]`): dense, NVFP4 when the
+/// checkpoint stores packed codes with `{base}.weight_scale` / `weight_scale_2`, or FP8 when
+/// it stores E4M3 elements with f32 `{base}.weight_scale_inv` per 128 x 128 block
+/// (DeepSeek-V3's FP8 layout), kept as they are.
 pub fn load_linear(
     allocs: &DeviceAllocations,
     src: &dyn TensorSource,
@@ -31,6 +36,9 @@ pub fn load_linear(
 ) -> crate::Result<Linear> {
     let wname = format!("{base}.weight");
     let w = src.require(&wname)?;
+    if w.dtype == TensorType::F8E4M3 {
+        return load_fp8(allocs, src, base, out_f, in_f);
+    }
     if w.dtype != TensorType::U8 {
         return Ok(Linear::Dense(load_dense(
             allocs,
@@ -80,6 +88,60 @@ pub fn load_linear(
     }))
 }
 
+/// Loads an FP8 projection: `{base}.weight` E4M3 `[out, in]` and f32
+/// `{base}.weight_scale_inv` `[ceil(out / 128), ceil(in / 128)]`.
+fn load_fp8(
+    allocs: &DeviceAllocations,
+    src: &dyn TensorSource,
+    base: &str,
+    out_f: usize,
+    in_f: usize,
+) -> crate::Result<Linear> {
+    let (wname, sname) = (format!("{base}.weight"), format!("{base}.weight_scale_inv"));
+    let w = src.require(&wname)?;
+    let s = src.require(&sname)?;
+    let grid = vec![out_f.div_ceil(FP8_BLOCK), in_f.div_ceil(FP8_BLOCK)];
+    let checks = [
+        (&wname, &w, TensorType::F8E4M3, vec![out_f, in_f]),
+        (&sname, &s, TensorType::F32, grid),
+    ];
+    for (name, t, dtype, shape) in checks {
+        if t.shape != shape {
+            return Err(ModelError::ShapeMismatch {
+                path: src.path().to_string(),
+                tensor: name.clone(),
+                expected: shape,
+                found: t.shape.clone(),
+            }
+            .into());
+        }
+        if t.dtype != dtype || dtype.nbytes(t.numel()) != Some(t.data.len()) {
+            return Err(ModelError::Format {
+                path: src.path().to_string(),
+                format: "FP8 projection",
+                message: format!(
+                    "{name} is {} in {} bytes, expected {} of shape {shape:?}",
+                    t.dtype.name(),
+                    t.data.len(),
+                    dtype.name()
+                ),
+            }
+            .into());
+        }
+    }
+    let scales: Vec<f32> = s
+        .data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Ok(Linear::Fp8(Fp8Weight {
+        weight: allocs.upload(w.data, &wname)?,
+        block_scales: allocs.upload(&scales, &sname)?,
+        out_features: out_f,
+        in_features: in_f,
+    }))
+}
+
 /// Loads an RMSNorm weight of `len`; a zero-centred one (stored as `w` for a scale of
 /// `1 + w`, as Qwen3-Next does) is stored with the 1 added, so every norm is a plain one.
 pub fn load_norm(
@@ -103,7 +165,7 @@ pub fn load_norm(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{CpuBackend, GpuBackend};
+    use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
     use crate::model::tensors::RawTensor;
     use std::collections::HashMap;
     use std::sync::Arc;
@@ -160,6 +222,43 @@ mod tests {
         src.0.remove("p.weight_scale");
         let err = load_linear(&allocs, &src, "p", 4, 32).unwrap_err();
         assert!(err.to_string().contains("p.weight_scale"), "{err}");
+        drop(allocs);
+        assert_eq!(gpu.ledger().live_count(), 0);
+    }
+
+    #[test]
+    fn fp8_projections_keep_their_bytes_and_block_scales() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let allocs = DeviceAllocations::new(gpu.clone());
+        let (out_f, in_f) = (130, 4);
+        let codes: Vec<u8> = (0..out_f * in_f).map(|i| (i % 251) as u8).collect();
+        let scales: Vec<u8> = [0.5f32, 3.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut m = HashMap::new();
+        m.insert(
+            "p.weight".to_string(),
+            (TensorType::F8E4M3, vec![out_f, in_f], codes.clone()),
+        );
+        m.insert(
+            "p.weight_scale_inv".to_string(),
+            (TensorType::F32, vec![2, 1], scales),
+        );
+        let mut src = MemSource(m);
+        match load_linear(&allocs, &src, "p", out_f, in_f).unwrap() {
+            Linear::Fp8(f) => {
+                assert_eq!((f.out_features, f.in_features), (out_f, in_f));
+                assert_eq!(gpu.download::<u8>(f.weight, out_f * in_f).unwrap(), codes);
+                let s = gpu.download::<f32>(f.block_scales, 2).unwrap();
+                assert_eq!(s, vec![0.5, 3.0]);
+            }
+            other => panic!("expected FP8, got {other:?}"),
+        }
+        // One block row of scales for 130 rows is one too few.
+        src.0.get_mut("p.weight_scale_inv").unwrap().1 = vec![1, 2];
+        let err = load_linear(&allocs, &src, "p", out_f, in_f).unwrap_err();
+        assert!(err.to_string().contains("p.weight_scale_inv"), "{err}");
+        src.0.remove("p.weight_scale_inv");
+        let err = load_linear(&allocs, &src, "p", out_f, in_f).unwrap_err();
+        assert!(err.to_string().contains("p.weight_scale_inv"), "{err}");
         drop(allocs);
         assert_eq!(gpu.ledger().live_count(), 0);
     }

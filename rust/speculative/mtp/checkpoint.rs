@@ -81,6 +81,7 @@ impl MtpHead {
             layout.zero_centered_norms(),
         )?;
         let lm_head = load_lm_head(&allocs, src, config, layout)?;
+        let loaded = MtpHead::dense_projections(&mut weights);
         let mut head = MtpHead::new(
             weights,
             embed,
@@ -96,6 +97,7 @@ impl MtpHead {
             levers,
         )?;
         head.adopt_into(allocs);
+        head.free_restored(&loaded)?;
         Ok(head)
     }
 }

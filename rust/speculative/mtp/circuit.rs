@@ -8,7 +8,9 @@
 //! `layer.<hf name>` for the decoder layer (`layer.self_attn.q_proj`, `...q_proj.bias`,
 //! `layer.self_attn.q_norm`, `layer.input_layernorm`, `layer.mlp.gate_proj`, ...).
 //! NVFP4 weights are `U8` slots with the logical `[out, in]` shape, the FP8 block scales in
-//! `block_scale` and `weight_scale_2` in `global_scale`.
+//! `block_scale` and `weight_scale_2` in `global_scale`. FP8 weights are `F8E4M3` slots of
+//! shape `[out, in]` with their f32 scales per 128 x 128 block (`weight_scale_inv`,
+//! `[ceil(out / 128), ceil(in / 128)]`) in `block_scale` and no `global_scale`.
 //!
 //! A head with a routed MoE MLP has no binding yet (`circuit_draft` returns `None` and a
 //! runner is ignored), since the slots above do not describe experts.
@@ -24,7 +26,7 @@ use super::weights::{MtpLayout, MtpWeights};
 use crate::backend::{ArgmaxArgs, DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::model::layers::{LayerWeights, Mlp, QkNorm, SwiGlu};
 use crate::model::{
-    DenseWeight, ForwardContext, Linear, ModelConfig, ModelLevers, QuantizedWeight,
+    DenseWeight, ForwardContext, Fp8Weight, Linear, ModelConfig, ModelLevers, QuantizedWeight,
 };
 use crate::speculative::{DraftBinding, DraftRunner, ProposerError, ProposerState, WeightSlot};
 
@@ -50,10 +52,22 @@ fn quant_slot(name: &str, w: &QuantizedWeight) -> WeightSlot {
     }
 }
 
+fn fp8_slot(name: &str, w: &Fp8Weight) -> WeightSlot {
+    WeightSlot {
+        name: name.to_string(),
+        ptr: w.weight,
+        dtype: Dtype::F8E4M3,
+        shape: vec![w.out_features, w.in_features],
+        block_scale: Some(w.block_scales),
+        global_scale: None,
+    }
+}
+
 fn linear_slot(name: &str, w: &Linear) -> WeightSlot {
     match w {
         Linear::Dense(d) => dense_slot(name, d),
         Linear::Nvfp4(q) => quant_slot(name, q),
+        Linear::Fp8(f) => fp8_slot(name, f),
     }
 }
 
@@ -125,9 +139,10 @@ impl MtpHead {
     }
 }
 
-/// Drafts from a [`DraftBinding`] alone, with the head's equations; the reference a circuit
-/// executor is checked against. It allocates its scratch per call and frees it before
-/// returning. The state must be an [`MtpState`] whose rows the head has reserved.
+/// Drafts from a [`DraftBinding`] alone, with the head's equations (it rebuilds the head's
+/// forward from the slots and runs it); the reference a circuit executor is checked against,
+/// grammar masks included. It allocates its scratch per call and frees it before returning.
+/// The state must be an [`MtpState`] whose rows the head has reserved.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ReferenceDraftRunner;
 
@@ -189,8 +204,17 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
     };
     let linear = |name: &str| -> crate::Result<Linear> {
         let s = need(name)?;
-        match s.dtype {
-            Dtype::U8 => Ok(Linear::Nvfp4(quant(s)?)),
+        match (s.dtype, s.block_scale, s.shape.as_slice()) {
+            (Dtype::U8, ..) => Ok(Linear::Nvfp4(quant(s)?)),
+            (Dtype::F8E4M3, Some(block_scales), &[o, i]) => Ok(Linear::Fp8(Fp8Weight {
+                weight: s.ptr,
+                block_scales,
+                out_features: o,
+                in_features: i,
+            })),
+            (Dtype::F8E4M3, ..) => Err(missing(format!(
+                "slot {name:?} is f8_e4m3 but lacks its block scales or a 2-d shape"
+            ))),
             _ => Ok(Linear::Dense(dense(name)?)),
         }
     };
@@ -269,6 +293,7 @@ impl DraftRunner for ReferenceDraftRunner {
         state: &mut dyn ProposerState,
         ctx: &ForwardContext<'_>,
         stream: u64,
+        grammar_bitmask: Option<&[i32]>,
     ) -> crate::Result<Vec<u32>> {
         let st =
             state
@@ -282,6 +307,16 @@ impl DraftRunner for ReferenceDraftRunner {
         let gpu: &dyn GpuBackend = ctx.gpu.as_ref();
         let (sc, slots) = Scratch::alloc(gpu, &spec, 1)?;
         let result = (|| {
+            let words = spec.draft_vocab.div_ceil(32);
+            if let Some(m) = grammar_bitmask {
+                let m = m.get(..words).ok_or_else(|| {
+                    missing(format!(
+                        "grammar_bitmask has {} words; the draft vocabulary needs {words}",
+                        m.len()
+                    ))
+                })?;
+                gpu.write(sc.grammar_mask, m, stream)?;
+            }
             let mut drafts = Vec::new();
             let (mut token, mut hidden) = (last_token, target_hidden);
             let base = st.rows();
@@ -308,12 +343,16 @@ impl DraftRunner for ReferenceDraftRunner {
                 gpu.argmax(ArgmaxArgs {
                     out: sc.picks,
                     logits: sc.logits,
-                    bitmask: None,
+                    bitmask: grammar_bitmask.map(|_| sc.grammar_mask),
                     rows: 1,
                     vocab: spec.draft_vocab,
                     stream,
                 })?;
                 let pick = gpu.download::<u32>(sc.picks, 1)?[0];
+                if pick == u32::MAX {
+                    // The mask allows no token: this step's row stays, and the run ends.
+                    break;
+                }
                 drafts.push(pick);
                 token = pick;
                 hidden = spec.chain_hidden(&sc, 0);

@@ -60,6 +60,22 @@ impl MtpHead {
         self.scratch.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Refuses a grammar mask too short for the draft vocabulary.
+    pub(crate) fn check_mask(&self, mask: &[i32]) -> crate::Result<()> {
+        let vd = self.spec.draft_vocab;
+        let words = vd.div_ceil(32);
+        if mask.len() < words {
+            return Err(bad(
+                "propose",
+                format!(
+                    "grammar_bitmask has {} words; the draft vocabulary of {vd} needs {words}",
+                    mask.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub(crate) fn check_token(&self, method: &'static str, token: u32) -> crate::Result<()> {
         let vocab = self.spec.config.vocab_size;
         if token as usize >= vocab {
@@ -88,15 +104,7 @@ impl MtpHead {
         let vd = self.spec.draft_vocab;
         let words = vd.div_ceil(32);
         if let Some(m) = mask {
-            if m.len() < words {
-                return Err(bad(
-                    method,
-                    format!(
-                        "grammar_bitmask has {} words; the draft vocabulary of {vd} needs {words}",
-                        m.len()
-                    ),
-                ));
-            }
+            self.check_mask(m)?;
             if seqs.len() != 1 {
                 return Err(bad(method, "a grammar mask applies to one sequence".into()));
             }
@@ -300,10 +308,14 @@ impl MtpHead {
         st: &mut MtpState,
         ctx: &ForwardContext<'_>,
         stream: u64,
+        mask: Option<&[i32]>,
     ) -> crate::Result<Vec<u32>> {
         self.check_token("propose", last_token)?;
         if position == 0 {
             return Err(bad("propose", "position must be at least 1".into()));
+        }
+        if let Some(m) = mask {
+            self.check_mask(m)?;
         }
         st.settle_before(&self.kv, position)?;
         st.last_drafts.clear();
@@ -318,21 +330,36 @@ impl MtpHead {
             st,
             ctx,
             stream,
+            mask,
         )?;
-        if drafts.len() > room {
-            return Err(bad(
-                "propose",
-                format!(
-                    "the circuit runner drafted {} tokens, more than the {room} asked",
-                    drafts.len()
-                ),
-            ));
-        }
-        // The runner writes one row per draft, at the rows after the state's.
-        for step in 0..drafts.len() {
+        // The runner wrote one row per step at the rows after the state's: one per draft,
+        // and with a mask one more for the step whose mask allowed no token, if it ended so.
+        let rows = match (drafts.len().cmp(&room), mask) {
+            (std::cmp::Ordering::Equal, _) => drafts.len(),
+            (std::cmp::Ordering::Less, Some(_)) => drafts.len() + 1,
+            (std::cmp::Ordering::Less, None) => {
+                return Err(bad(
+                    "propose",
+                    format!(
+                        "the circuit runner drafted {} tokens of the {room} asked without a grammar mask",
+                        drafts.len()
+                    ),
+                ))
+            }
+            (std::cmp::Ordering::Greater, _) => {
+                return Err(bad(
+                    "propose",
+                    format!(
+                        "the circuit runner drafted {} tokens, more than the {room} asked",
+                        drafts.len()
+                    ),
+                ))
+            }
+        };
+        for step in 0..rows {
             st.pair_keys.push(position + step - 1);
         }
-        st.pending = drafts.len();
+        st.pending = rows;
         let rows = st.rows();
         st.truncate(&self.kv, rows)?;
         st.last_drafts = drafts.clone();

@@ -7,17 +7,17 @@
 
 use super::bad;
 use super::forward::{HeadSpec, Scratch};
-use super::nvfp4::{quantize_nvfp4, round_to_fp8_grid};
+use super::fp8::quantize_fp8;
+use super::nvfp4::quantize_nvfp4;
 use super::state::{DrafterKv, DRAFTER_BLOCK_SIZE};
 use super::weights::MtpWeights;
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
 use crate::model::layers::{rope_inv_freq, LayerShape};
 use crate::model::{
-    DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelLevers, QuantizedWeight,
+    DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelConfig, ModelLevers, QuantizedWeight,
 };
 use crate::speculative::DraftRunner;
-use half::bf16;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -27,9 +27,9 @@ use std::sync::{Arc, Mutex, RwLock};
 pub enum MtpQuantization {
     /// As given (BF16, or NVFP4 where the checkpoint already was).
     Bf16,
-    /// Rounded to the FP8 E4M3 grid with a power-of-two tensor scale. The values are exact
-    /// in BF16, so this computes what an FP8 W8A16 kernel computes; the weights stay
-    /// BF16-sized in memory until the backends have an FP8 linear.
+    /// Dense projections stored as FP8 E4M3 (one byte an element, W8A16) with one
+    /// power-of-two scale per tensor, in the `linear` op's block-scaled layout; projections
+    /// already FP8 in the checkpoint keep their own bytes and block scales.
     Fp8,
     /// Dense projections quantized to NVFP4 (ModelOpt layout) at construction.
     Nvfp4,
@@ -260,6 +260,34 @@ impl MtpHead {
         first.map_or(Ok(()), |e| Err(e.into()))
     }
 
+    /// The BF16 projections a forward reads (routed experts included), to tell which of
+    /// them [`MtpHead::new`] re-stored in another format.
+    pub(crate) fn dense_projections(weights: &mut MtpWeights) -> Vec<DevicePtr> {
+        let dense = |l: &mut Linear| match l {
+            Linear::Dense(d) => Some(d.ptr),
+            _ => None,
+        };
+        weights
+            .projections_mut()
+            .into_iter()
+            .filter_map(dense)
+            .collect()
+    }
+
+    /// Frees the BF16 projections in `loaded` (owned by the allocations the head adopted)
+    /// that the head no longer reads because `new` re-stored them as FP8 or NVFP4, so a
+    /// quantized head holds only its quantized copies.
+    pub(crate) fn free_restored(&mut self, loaded: &[DevicePtr]) -> crate::Result<()> {
+        let kept = Self::dense_projections(&mut self.spec.weights);
+        let Some(allocs) = &self.owned else {
+            return Ok(());
+        };
+        for p in loaded.iter().filter(|p| !kept.contains(p)) {
+            allocs.free(*p)?;
+        }
+        Ok(())
+    }
+
     /// Hands the head's own device memory to `allocs`, which frees it with the weights.
     pub(crate) fn adopt_into(&mut self, allocs: DeviceAllocations) {
         for p in std::mem::take(&mut *self.device.lock().unwrap_or_else(|e| e.into_inner())) {
@@ -353,7 +381,7 @@ fn check_weights(
     Ok(())
 }
 
-/// Re-stores one dense projection as `quant` asks (NVFP4 or FP8-grid copies owned by the head).
+/// Re-stores one dense projection as `quant` asks (NVFP4 or FP8 copies owned by the head).
 fn requantize(
     owned: &mut Owned<'_>,
     lin: &mut Linear,
@@ -382,14 +410,12 @@ fn requantize(
             });
         }
         MtpQuantization::Fp8 => {
-            let r: Vec<bf16> = round_to_fp8_grid(&values)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let ptr = owned.upload(&r, "mtp:fp8-grid weight")?;
-            *lin = Linear::Dense(DenseWeight {
-                ptr,
-                shape: vec![out_f, in_f],
+            let q = quantize_fp8(&values, out_f, in_f)?;
+            *lin = Linear::Fp8(Fp8Weight {
+                weight: owned.upload(&q.codes, "mtp:fp8 weight")?,
+                block_scales: owned.upload(&q.block_scales, "mtp:fp8 block_scales")?,
+                out_features: out_f,
+                in_features: in_f,
             });
         }
         MtpQuantization::Bf16 => {}

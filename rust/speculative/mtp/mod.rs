@@ -2,7 +2,7 @@
 //! after next from the target's hidden state and the token embedding, run autoregressively
 //! over its own paged KV to propose several drafts.
 //!
-//! One file per job: [`nvfp4`] (quantization), [`weights`] (weights and checkpoint layouts),
+//! One file per job: [`nvfp4`] and [`fp8`] (quantization), [`weights`] (weights and checkpoint layouts),
 //! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations
 //! around the model layer's decoder layer), `head` (construction), `draft` (the draft loop),
 //! `proposer` (the `DraftProposer` methods), `checkpoint` (loading from a checkpoint folder)
@@ -18,6 +18,7 @@ mod checkpoint;
 mod circuit;
 mod draft;
 mod forward;
+pub mod fp8;
 mod head;
 pub mod nvfp4;
 mod proposer;
@@ -25,6 +26,7 @@ mod state;
 pub mod weights;
 
 pub use circuit::ReferenceDraftRunner;
+pub use fp8::{quantize_fp8, Fp8Host};
 pub use head::{MtpHead, MtpQuantization, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
 pub use nvfp4::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Host};
 pub use state::{MtpState, DRAFTER_BLOCK_SIZE};

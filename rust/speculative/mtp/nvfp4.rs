@@ -1,5 +1,5 @@
-//! NVFP4 (NVIDIA ModelOpt layout) quantization and dequantization on the host, plus the FP8
-//! E4M3 rounding the head's `Fp8` projections use.
+//! NVFP4 (NVIDIA ModelOpt layout) quantization and dequantization on the host, and the FP8
+//! E4M3 encoder its block scales (and the head's `Fp8` projections, in `fp8`) use.
 //!
 //! Layout: `weight` u8 `[out, in/2]`, two E2M1 codes a byte, LOW nibble = even column;
 //! `weight_scale` FP8 E4M3 `[out, in/16]`, row-major; `weight_scale_2` f32 scalar.
@@ -215,20 +215,6 @@ pub fn dequantize_nvfp4(
             let code = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
             e2m1_to_f32(code) * fp8_e4m3_to_f32(scales[i / NVFP4_BLOCK]) * global_scale
         })
-        .collect()
-}
-
-/// Rounds `w` to the FP8 E4M3 grid with one power-of-two scale for the whole tensor, so
-/// each result is `fp8_value * 2^k` and therefore exact in BF16. This is what an FP8 (W8A16)
-/// projection with a power-of-two tensor scale computes.
-pub fn round_to_fp8_grid(w: &[f32]) -> Vec<f32> {
-    let amax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
-    if amax == 0.0 || !amax.is_finite() {
-        return w.to_vec();
-    }
-    let scale = 2f32.powi((amax / FP8_E4M3_MAX).log2().ceil() as i32);
-    w.iter()
-        .map(|&x| fp8_e4m3_to_f32(fp8_e4m3_from_f32(x / scale)) * scale)
         .collect()
 }
 

@@ -55,8 +55,8 @@ impl DraftProposer for MtpHead {
     ) -> crate::Result<Vec<u32>> {
         let gpu = ctx.gpu.as_ref();
         let st = self.state_mut(state, "propose")?;
-        let drafts = match (self.runner(), grammar_bitmask) {
-            (Some(runner), None) => self.propose_with_runner(
+        let drafts = match self.runner() {
+            Some(runner) => self.propose_with_runner(
                 &*runner,
                 last_token,
                 target_hidden,
@@ -65,8 +65,9 @@ impl DraftProposer for MtpHead {
                 st,
                 ctx,
                 stream,
+                grammar_bitmask,
             )?,
-            _ => {
+            None => {
                 let mut seqs = [DraftSeq {
                     state: st,
                     token: last_token,
