@@ -37,7 +37,8 @@ use super::{
 };
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::model::ModelLevers;
-use crate::speculative::DraftProposer;
+use crate::speculative::mtp::DRAFTER_BLOCK_SIZE;
+use crate::speculative::{DraftProposer, MtpHead};
 use crate::Result;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -46,6 +47,18 @@ use std::time::Instant;
 
 /// Reports the drafter's KV pool (see [`SpecEngine::with_drafter_pool`]).
 pub type DrafterPoolProbe = Arc<dyn Fn() -> KvPoolStatus + Send + Sync>;
+
+/// The probe of an [`MtpHead`]'s drafter KV pool.
+pub fn mtp_pool_probe(head: Arc<MtpHead>) -> DrafterPoolProbe {
+    Arc::new(move || {
+        let (num_blocks, num_free) = head.kv_blocks();
+        KvPoolStatus {
+            block_size: DRAFTER_BLOCK_SIZE,
+            num_blocks,
+            num_free,
+        }
+    })
+}
 
 /// The speculative decoding engine over one target and at most one proposer.
 ///

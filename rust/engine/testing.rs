@@ -58,6 +58,7 @@ pub struct TableTarget {
     forwards: AtomicUsize,
     live: AtomicUsize,
     peak: AtomicUsize,
+    peak_rows: AtomicUsize,
     pool: Option<BlockAllocator>,
 }
 
@@ -124,6 +125,7 @@ impl TableTarget {
             forwards: AtomicUsize::new(0),
             live: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
+            peak_rows: AtomicUsize::new(0),
             pool: None,
         })
     }
@@ -210,6 +212,16 @@ impl TableTarget {
     /// The most sequences that were alive at once.
     pub fn peak_sequences(&self) -> usize {
         self.peak.load(Ordering::Relaxed)
+    }
+
+    /// The most rows one forward carried.
+    pub fn peak_forward_rows(&self) -> usize {
+        self.peak_rows.load(Ordering::Relaxed)
+    }
+
+    /// The KV pool's blocks and how many are free, when it has one.
+    pub fn kv_blocks(&self) -> Option<(usize, usize)> {
+        self.pool.as_ref().map(|p| (p.num_blocks(), p.num_free()))
     }
 
     /// Sequences created and not yet freed.
@@ -347,6 +359,7 @@ impl TableTarget {
         self.gpu.write(self.logits, &logits, DEFAULT_STREAM)?;
         self.gpu.write(self.hiddens, &hiddens, DEFAULT_STREAM)?;
         self.forwards.fetch_add(1, Ordering::Relaxed);
+        self.peak_rows.fetch_max(rows, Ordering::Relaxed);
         Ok(TargetOutput {
             rows,
             row_offsets,

@@ -322,34 +322,31 @@ impl<T: Target> GenerationRun<T> {
     }
 
     /// Plans this iteration: each prefilling sequence's next chunk (within one forward's
-    /// rows), each decoding sequence's one row, preempting the newest until those fit, then
-    /// each decoding sequence's room for drafts. Returns the prefill work in sequence order.
+    /// rows), each decoding sequence's one row (a sequence whose prefill completes this
+    /// iteration decodes in it too), preempting the newest until those fit, then each
+    /// decoding sequence's room for drafts. Returns the prefill work in sequence order.
     fn plan(&mut self) -> Vec<(usize, usize)> {
         loop {
-            let (work, demands) = self.demands();
+            let (work, asks) = self.demands();
+            let demands: Vec<Demand> = asks.iter().map(|a| a.1).collect();
             let Some(pool) = self.engine.target.kv_pool() else {
                 for &i in &self.running {
                     self.seqs[i].row_cap = usize::MAX;
                 }
                 return work;
             };
-            if total_new_blocks(&pool, &demands) <= pool.num_free {
-                let live: Vec<usize> = self
-                    .running
-                    .iter()
-                    .copied()
-                    .filter(|&i| self.seqs[i].live())
-                    .collect();
-                for (i, rows) in live.into_iter().zip(grants(&pool, &demands)) {
-                    self.seqs[i].row_cap = rows;
+            let needed = total_new_blocks(&pool, &demands);
+            if needed <= pool.num_free {
+                for (&(i, _), rows) in asks.iter().zip(grants(&pool, &demands)) {
+                    // Rows the prefill chunk takes come before the decode step's.
+                    let chunk = work.iter().find(|w| w.0 == i).map_or(0, |w| w.1);
+                    self.seqs[i].row_cap = rows - chunk;
                 }
                 return work;
             }
             if self.running.len() == 1 {
                 // The oldest alone does not fit: blocks are held outside this call.
-                let i = self.running[0];
-                let seq = &mut self.seqs[i];
-                let needed = total_new_blocks(&pool, &demands);
+                let seq = &mut self.seqs[self.running[0]];
                 seq.fail(
                     EngineError::PoolHeldElsewhere {
                         request: seq.request,
@@ -368,9 +365,10 @@ impl<T: Target> GenerationRun<T> {
         }
     }
 
-    /// What each live running sequence asks this iteration, in admission order, and the
-    /// prefill work (sequence, rows) in sequence order.
-    fn demands(&mut self) -> (Vec<(usize, usize)>, Vec<Demand>) {
+    /// What each live running sequence asks this iteration (in admission order; its prefill
+    /// chunk, then its decode row and drafts when it will decode), and the prefill work
+    /// (sequence, rows) in sequence order.
+    fn demands(&mut self) -> (Vec<(usize, usize)>, Vec<(usize, Demand)>) {
         let mut budget = self.engine.forward_rows();
         let mut work = Vec::new();
         let mut demands = Vec::new();
@@ -381,27 +379,29 @@ impl<T: Target> GenerationRun<T> {
             }
             let kv_len = self.kv_len(i);
             let seq = &mut self.seqs[i];
-            let d = if seq.prefilling() {
-                let n = (seq.prefill_end - seq.prefilled).min(budget);
-                budget -= n;
-                if n > 0 {
-                    work.push((i, n));
+            let mut chunk = 0;
+            if seq.prefilling() {
+                chunk = (seq.prefill_end - seq.prefilled).min(budget);
+                budget -= chunk;
+                if chunk > 0 {
+                    work.push((i, chunk));
                 }
-                Demand {
-                    kv_len,
-                    need: n,
-                    extra: 0,
-                }
+            }
+            let decodes = seq.prefilled + chunk >= seq.prefill_end;
+            seq.row_cap = usize::MAX;
+            let extra = if decodes {
+                self.engine.draft_budget(seq)
             } else {
-                seq.row_cap = usize::MAX;
-                let extra = self.engine.draft_budget(seq);
+                0
+            };
+            demands.push((
+                i,
                 Demand {
                     kv_len,
-                    need: 1,
+                    need: chunk + usize::from(decodes),
                     extra,
-                }
-            };
-            demands.push(d);
+                },
+            ));
         }
         work.sort_unstable();
         (work, demands)
