@@ -44,7 +44,7 @@ pub(crate) fn grants(pool: &KvPoolStatus, demands: &[Demand]) -> Vec<usize> {
             let slack = held * pool.block_size - base;
             let room = slack.saturating_add(left.saturating_mul(pool.block_size));
             let extra = d.extra.min(room);
-            left -= pool.blocks_for(base + extra) - held;
+            left = left.saturating_sub(pool.blocks_for(base + extra) - held);
             d.need + extra
         })
         .collect()
