@@ -18,6 +18,7 @@
 mod conversation;
 mod error;
 mod grammar;
+mod guard;
 mod metrics;
 mod model_target;
 mod prefill;

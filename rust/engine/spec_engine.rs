@@ -30,6 +30,7 @@
 //! - A result's tokens are exactly the tokens emitted after its prompt.
 
 use super::error::Stage;
+use super::guard::PanicGuard;
 use super::sequence::EngineSequence;
 use super::{
     CarriedKv, Conversation, EngineError, GenerateRequest, Generation, GenerationRun, KvPoolStatus,
@@ -106,7 +107,9 @@ impl<T: Target> SpecEngine<T> {
         }
         Ok(SpecEngine {
             target,
-            proposer,
+            // Every call into the proposer goes through the guard, so a panic in it ends
+            // only the sequence the call was for.
+            proposer: proposer.map(|p| Arc::new(PanicGuard(p)) as Arc<dyn DraftProposer>),
             num_drafts,
             levers: ModelLevers::default(),
             max_batch: usize::MAX,
@@ -159,7 +162,7 @@ impl<T: Target> SpecEngine<T> {
         &self.target
     }
 
-    /// The proposer, if any.
+    /// The proposer, if any (behind the engine's panic guard).
     pub fn proposer(&self) -> Option<&Arc<dyn DraftProposer>> {
         self.proposer.as_ref()
     }
