@@ -519,15 +519,8 @@ class PromptLookup(DraftProposer):
         """
 
 class SuffixDecoding(DraftProposer):
-    """Drafting from suffix trees (Rust; no device memory), after SuffixDecoding.
-
-    One tree per sequence over its prompt and output, and one shared by every sequence of
-    this proposer over the outputs of finished ones (added at ``free_state``; the oldest
-    evicted beyond ``max_tree_nodes``). Drafts the most frequent continuation of the
-    history's end as a chain, while its estimated probability stays at least
-    ``min_token_prob``, at most ``floor(L * max_spec_factor)`` drafts for an ``L``-token
-    match. ``propose_batch``'s ``out_conf`` gets each draft's probability given those before
-    it. Its state is an opaque :class:`ProposerState`.
+    """Drafting from suffix trees over the prompt, the output so far and the outputs of earlier
+    sequences on this proposer (host-only, no device memory).
     """
 
     def __init__(
@@ -546,14 +539,14 @@ class SuffixDecoding(DraftProposer):
         """Drafting stops before a draft reached with a lower estimated probability."""
     @property
     def max_spec_factor(self) -> float:
-        """A match of ``L`` tokens drafts at most ``floor(L * max_spec_factor)`` tokens."""
+        """A match of `L` tokens drafts at most `floor(L * max_spec_factor)` tokens."""
     @property
     def max_tree_nodes(self) -> int:
-        """The shared tree's bound, in nodes and in stored output tokens (0: none kept)."""
+        """The shared tree's bound, in nodes and in stored output tokens."""
     def shared_tree(self) -> dict[str, int]:
-        """What the shared tree holds: ``outputs``, ``tokens``, ``nodes``, ``bytes``."""
+        """What the shared tree of earlier outputs holds: outputs, tokens, nodes, bytes."""
     def remember_output(self, output: Sequence[int]) -> None:
-        """Adds ``output`` to the shared tree as if a sequence had just produced it."""
+        """Adds `output` to the shared tree as if a sequence had just produced it."""
 
 @final
 class Violation:
@@ -726,7 +719,10 @@ class TargetModel:
         `len(tokens) * vocab_size` values (row-major); the KV it used is returned at once.
         """
     def hidden_states(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
-        """The hidden state before the final norm at every position, ``[len, hidden]``."""
+        """The hidden state before the final norm at every position of a fresh forward over
+        `tokens` (teacher forcing), as a float32 numpy array `[len(tokens), hidden]`; long
+        inputs run in chunks of `max_rows`, and the KV is returned at once.
+        """
     def generate_greedy(self, prompt: Sequence[int], max_tokens: int = 16) -> list[int]:
         """Greedy decoding without drafting (the engine with no proposer): the ids that follow
         `prompt`, at most `max_tokens`, ending after an end-of-sequence id.
@@ -774,8 +770,33 @@ class GenerationResult:
         """Acceptance and timing figures (a dict): drafted, accepted, verify_steps, emitted,
         decode_tokens, prompt_tokens, mean_acceptance_length, acceptance_rate,
         acceptance_by_position, drafted_at, accepted_at, draft_time_s, verify_time_s,
-        prefill_time_s, wall_time_s, tokens_per_s.
+        prefill_time_s, queue_time_s (time waiting for a slot and KV blocks),
+        time_to_first_token_s (from the call's start), preemptions, recomputed_tokens,
+        wall_time_s, tokens_per_s.
         """
+
+@final
+class GenerationStream:
+    """The iterator `SpecEngine.stream` returns: yields `(request_index, new_token_ids,
+    text_delta)` as tokens are verified (`text_delta` is None when the engine has no
+    tokenizer; it stops before the EOS token that ends a request). After the last item,
+    `results` holds one `GenerationResult` per prompt. `close()` (or leaving a `with` block)
+    stops the generation and frees what it holds; requests it cut short end with an error.
+    """
+
+    def __iter__(self) -> Self: ...
+    def __next__(self) -> tuple[int, list[int], str | None]: ...
+    @property
+    def results(self) -> list[GenerationResult] | None:
+        """One `GenerationResult` per prompt once the stream has ended (or been closed), else
+        None.
+        """
+    def close(self) -> None:
+        """Stops the generation now and frees everything it holds; requests that had not
+        ended end with an error saying so. Closing twice does nothing.
+        """
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *_args: object) -> bool: ...
 
 _Messages: TypeAlias = Sequence[dict[str, str]]
 
@@ -817,11 +838,16 @@ class Conversation:
 @final
 class SpecEngine:
     """`SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-    max_batch=None)`: speculative decoding on a target model with an optional proposer.
+    max_batch=256, max_batch_tokens=None)`: speculative decoding on a target model with an
+    optional proposer.
 
     `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
     a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
-    variables; `max_batch` bounds the sequences that run at once (the others wait).
+    variables. Prompts wait in a queue and run while the model's KV pool has room (the
+    newest is preempted and later recomputed when it runs dry, without changing its
+    output): `max_batch` bounds the sequences that run at once, `max_batch_tokens` the rows
+    of one forward (long prompts are prefilled in chunks of it; None: the model's limit).
+    A prompt whose `max_tokens` the whole pool could never hold fails alone.
     """
 
     def __new__(
@@ -832,7 +858,8 @@ class SpecEngine:
         *,
         tokenizer: Any | None = None,
         levers: ModelLevers | None = None,
-        max_batch: int | None = None,
+        max_batch: int = 256,
+        max_batch_tokens: int | None = None,
     ) -> Self: ...
     def generate(
         self,
@@ -850,6 +877,24 @@ class SpecEngine:
         `RequestError` and nothing runs; a prompt that fails while running (a proposer
         error, out of memory) has `finish_reason == "error"` and its exception in `error`,
         and the others run on.
+        """
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        grammar: Any | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerationStream:
+        """`generate`'s prompts and options, streamed: returns a `GenerationStream` that yields
+        `(request_index, new_token_ids, text_delta)` as tokens are verified (`text_delta`
+        is None without a tokenizer; multi-byte characters are never split). A bad request
+        raises `RequestError` before anything runs. Use it in a `with` block, or call
+        `close()`, to free its sequences early; its `results` hold the `GenerationResult`s
+        once it has ended.
         """
     def chat(
         self,
@@ -872,6 +917,12 @@ class SpecEngine:
     @property
     def num_drafts(self) -> int:
         """Most drafts per step."""
+    @property
+    def max_batch(self) -> int:
+        """Most sequences running at once."""
+    @property
+    def max_batch_tokens(self) -> int:
+        """Most rows in one forward (the model's own limit included)."""
     @property
     def proposer(self) -> DraftProposer | None:
         """The proposer object given at construction, or None."""

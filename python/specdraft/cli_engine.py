@@ -393,7 +393,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         "--max-batch-tokens",
         type=int,
         default=None,
-        help="most rows in one forward; longer prompts are prefilled in chunks (default: the model's)",
+        help="most rows in one forward; longer prompts are prefilled in chunks "
+        "(default: the model's)",
     )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--regex", help="constrain the output to this regular expression")

@@ -86,12 +86,12 @@ def test_a_raising_consumer_and_an_early_close_free_every_block(model_path, gpu)
     model = _load(model_path, gpu)
     engine = specdraft.SpecEngine(model, PyRandom(), num_drafts=3)
 
-    def consume() -> None:
-        for _index, _new, _delta in engine.stream(PROMPTS, max_tokens=40, ignore_eos=True):
+    def consume(e: specdraft.SpecEngine) -> None:
+        for _index, _new, _delta in e.stream(PROMPTS, max_tokens=40, ignore_eos=True):
             raise KeyError("consumer failed")
 
     with pytest.raises(KeyError):
-        consume()
+        consume(engine)
     assert _pool_is_free(model)
 
     with engine.stream(PROMPTS, max_tokens=40, ignore_eos=True) as stream:
