@@ -66,7 +66,10 @@ fn ignoring_eos(prompts: &[Vec<u32>], max_tokens: usize) -> Vec<GenerateRequest>
         .collect()
 }
 
-fn proposers() -> Vec<(&'static str, Option<Arc<dyn DraftProposer>>, usize)> {
+/// A proposer under test: its name, the proposer (None: plain decoding), its draft count.
+type Case = (&'static str, Option<Arc<dyn DraftProposer>>, usize);
+
+fn proposers() -> Vec<Case> {
     vec![
         ("none", None, 0),
         ("prompt_lookup", Some(Arc::new(PromptLookup::default())), 4),
@@ -167,7 +170,7 @@ fn three_hundred_requests_through_a_pool_that_holds_twenty_all_finish() {
         let t = Arc::new(TableTarget::new(gpu.clone(), 256, 256, 64, 5, 0.2).unwrap());
         let g = SpecEngine::new(t, None, 0)
             .unwrap()
-            .generate(ignoring_eos(&[prompt.clone()], 40));
+            .generate(ignoring_eos(std::slice::from_ref(&prompt), 40));
         g.results[0].tokens.clone()
     };
     assert_eq!(alone.len(), 40);
@@ -343,7 +346,8 @@ fn mtp_head_under_preemption_keeps_output_and_returns_both_pools() {
         .iter()
         .map(|p| {
             let e = SpecEngine::new(plain.clone(), None, 0).unwrap();
-            e.generate(ignoring_eos(&[p.clone()], 20)).results[0]
+            e.generate(ignoring_eos(std::slice::from_ref(p), 20))
+                .results[0]
                 .tokens
                 .clone()
         })

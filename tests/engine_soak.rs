@@ -182,7 +182,8 @@ fn soak_with_mixed_faults_leaves_nothing_behind() {
                     let msg = e.to_string();
                     let planted = p[0] >= 42;
                     assert!(
-                        msg.contains("out of device memory") || (planted && msg.contains("planted")),
+                        msg.contains("out of device memory")
+                            || (planted && msg.contains("planted")),
                         "an unplanted failure: {msg}"
                     );
                 }

@@ -18,6 +18,9 @@ use pyo3::prelude::*;
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
+/// What the stream yields: `(request_index, new_token_ids, text_delta)`.
+type StreamItem = (usize, Vec<u32>, Option<String>);
+
 /// One request's incremental detokenizer state.
 #[derive(Default)]
 struct TextState {
@@ -112,11 +115,7 @@ impl PyGenerationStream {
     }
 
     /// The item for `u`, or None when it carries no tokens.
-    fn item(
-        &mut self,
-        py: Python<'_>,
-        u: StreamUpdate,
-    ) -> PyResult<Option<(usize, Vec<u32>, Option<String>)>> {
+    fn item(&mut self, py: Python<'_>, u: StreamUpdate) -> PyResult<Option<StreamItem>> {
         let text = match &self.tokenizer {
             None => None,
             Some(tok) => {
@@ -144,7 +143,7 @@ impl PyGenerationStream {
         slf
     }
 
-    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<(usize, Vec<u32>, Option<String>)>> {
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<StreamItem>> {
         loop {
             if let Some(u) = self.buffered.pop_front() {
                 if let Some(item) = self.item(py, u)? {

@@ -34,6 +34,9 @@ use plan::{grants, total_new_blocks, Demand};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+/// A prefill chunk: the sequence and its rows.
+type Chunk = (usize, usize);
+
 /// Tokens a request emitted since the last [`GenerationRun::take_updates`], and whether it
 /// has ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -368,7 +371,7 @@ impl<T: Target> GenerationRun<T> {
     /// What each live running sequence asks this iteration (in admission order; its prefill
     /// chunk, then its decode row and drafts when it will decode), and the prefill work
     /// (sequence, rows) in sequence order.
-    fn demands(&mut self) -> (Vec<(usize, usize)>, Vec<(usize, Demand)>) {
+    fn demands(&mut self) -> (Vec<Chunk>, Vec<(usize, Demand)>) {
         let mut budget = self.engine.forward_rows();
         let mut work = Vec::new();
         let mut demands = Vec::new();
