@@ -134,3 +134,34 @@ def test_a_small_pool_queues_requests_instead_of_failing_them(model_path, gpu) -
     with pytest.raises(specdraft.RequestError):
         specdraft.SpecEngine(model, None, max_batch=0)
     del engine, model
+
+
+class _Writes:
+    """A stdout that keeps each write."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_generate_command_prints_as_it_goes(model_path, monkeypatch) -> None:
+    from specdraft.cli import main
+
+    gpu = specdraft.CpuBackend()
+    model = specdraft.load_model(model_path, gpu=gpu, max_seq_len=1024)
+    (want,) = specdraft.SpecEngine(model, None).generate(["hello"], max_tokens=16)
+    del model
+    assert len(want.text) >= 4, "the prompt gives enough text to stream"
+    out = _Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    args = ["generate", "--model", str(model_path), "--device", "cpu", "--max-seq-len", "1024"]
+    args += ["--no-chat", "--prompt", "hello", "--max-tokens", "16", "--max-batch-tokens", "2"]
+    assert main(args) == 0
+    assert "".join(out.parts) == want.text + "\n"
+    assert len([p for p in out.parts if p.strip()]) >= 2, out.parts
