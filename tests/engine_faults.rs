@@ -270,3 +270,42 @@ fn a_panicking_rust_proposer_ends_only_its_sequence() {
         assert_clean(&gpu, &target, before, method);
     }
 }
+
+#[test]
+fn a_kv_block_refusal_at_each_forward_ends_only_that_forwards_sequences() {
+    let expect = solo();
+    let gpu = cpu();
+    let target = pooled(&gpu);
+    let before = gpu.ledger().live_count();
+    let engine = SpecEngine::new(target.clone(), Some(Arc::new(PromptLookup::default())), 3)
+        .unwrap()
+        .with_max_batch_tokens(6);
+    let start = target.forward_count();
+    engine.generate(reqs());
+    let forwards = target.forward_count() - start;
+    assert!(forwards > 5, "{forwards} forwards");
+    for k in 0..forwards {
+        target.fail_kv_blocks_at(target.forward_count() + k);
+        let g = engine.generate(reqs());
+        target.fail_kv_blocks_at(usize::MAX);
+        let failed: Vec<usize> = (0..g.results.len())
+            .filter(|&i| g.results[i].error.is_some())
+            .collect();
+        // Which forward it was decides how many sequences it carried; one at least.
+        assert!(!failed.is_empty(), "forward {k}: nothing failed");
+        for (i, r) in g.results.iter().enumerate() {
+            match &r.error {
+                Some(e) => {
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains("KV block pool exhausted"),
+                        "forward {k}: {msg}"
+                    );
+                    assert_eq!(r.tokens, expect[i][..r.tokens.len()], "forward {k}: {i}");
+                }
+                None => assert_eq!(r.tokens, expect[i], "forward {k}: request {i}"),
+            }
+        }
+        assert_clean(&gpu, &target, before, &format!("forward {k}"));
+    }
+}

@@ -60,6 +60,8 @@ pub struct TableTarget {
     peak: AtomicUsize,
     peak_rows: AtomicUsize,
     pool: Option<BlockAllocator>,
+    /// The forward (counted by `forward_count`) whose KV blocks are refused, for tests.
+    fail_blocks_at: AtomicUsize,
 }
 
 fn mix(mut x: u64) -> u64 {
@@ -127,6 +129,7 @@ impl TableTarget {
             peak: AtomicUsize::new(0),
             peak_rows: AtomicUsize::new(0),
             pool: None,
+            fail_blocks_at: AtomicUsize::new(usize::MAX),
         })
     }
 
@@ -134,6 +137,12 @@ impl TableTarget {
     pub fn with_kv_blocks(mut self, num_blocks: usize, block_size: usize) -> Result<Self> {
         self.pool = Some(BlockAllocator::new(num_blocks, block_size)?);
         Ok(self)
+    }
+
+    /// Makes the KV pool refuse, once, the blocks of forward number `forward` (as counted by
+    /// [`TableTarget::forward_count`]; `usize::MAX`: none), as an exhausted pool would.
+    pub fn fail_kv_blocks_at(&self, forward: usize) {
+        self.fail_blocks_at.store(forward, Ordering::Relaxed);
     }
 
     /// Returns the blocks `seq` no longer needs for `len` tokens.
@@ -158,7 +167,22 @@ impl TableTarget {
             .zip(tokens)
             .map(|(s, t)| pool.blocks_for(s.tokens.len() + t.len()) - s.blocks.len())
             .collect();
-        let mut fresh = pool.alloc(need.iter().sum())?;
+        let total: usize = need.iter().sum();
+        let now = self.forwards.load(Ordering::Relaxed);
+        // One refusal: a failed forward does not count, so the next one has the same number.
+        if self
+            .fail_blocks_at
+            .compare_exchange(now, usize::MAX, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            return Err(crate::memory::MemoryError::Exhausted {
+                requested: total,
+                free: 0,
+                total: pool.num_blocks(),
+            }
+            .into());
+        }
+        let mut fresh = pool.alloc(total)?;
         for (seq, n) in seqs.iter_mut().zip(need) {
             seq.blocks.extend(fresh.drain(..n));
         }
