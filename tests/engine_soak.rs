@@ -1,6 +1,7 @@
 //! Soak: many short requests through a KV pool that holds a few at a time, with faults
-//! mixed in (allocation failures from the backend, a proposer that errors or panics in
-//! one of its methods for some requests). Every request that no fault hit gives its solo
+//! mixed in (allocation failures from the backend, one forward per batch whose KV blocks
+//! the pool refuses, a proposer that errors or panics in one of its methods for some
+//! requests). Every request that no fault hit gives its solo
 //! output; at the end the pool, the target's sequences and the backend's ledger are back
 //! where they started. `SPECDRAFT_SOAK_REQUESTS` sets the request count (default 3000);
 //! the figures are printed as one JSON line.
@@ -153,6 +154,7 @@ fn soak_with_mixed_faults_leaves_nothing_behind() {
     // Every 53rd allocation from the start fails.
     backend.inject_alloc_failures(backend.alloc_attempts() + 7, 53);
     let (mut done, mut errors, mut preemptions, mut rss_after_warmup) = (0, 0, 0, 0);
+    let mut kv_failures = 0u64;
     while done < requests {
         let n = (requests - done).min(250);
         let batch: Vec<(Vec<u32>, usize)> = (0..n)
@@ -168,6 +170,8 @@ fn soak_with_mixed_faults_leaves_nothing_behind() {
                 (p, rng.random_range(1..10))
             })
             .collect();
+        // One forward of each batch has its KV blocks refused.
+        target.fail_kv_blocks_at(target.forward_count() + rng.random_range(0..40));
         let g = engine.generate(
             batch
                 .iter()
@@ -181,8 +185,10 @@ fn soak_with_mixed_faults_leaves_nothing_behind() {
                     errors += 1;
                     let msg = e.to_string();
                     let planted = p[0] >= 42;
+                    let kv = msg.contains("KV block pool exhausted");
+                    kv_failures += u64::from(kv);
                     assert!(
-                        msg.contains("out of device memory")
+                        kv || msg.contains("out of device memory")
                             || (planted && msg.contains("planted")),
                         "an unplanted failure: {msg}"
                     );
@@ -214,12 +220,13 @@ fn soak_with_mixed_faults_leaves_nothing_behind() {
     assert!(preemptions > 0, "the pool never ran dry");
     assert!(saboteur.faults.load(Ordering::Relaxed) > 0);
     assert!(backend.injected_alloc_failures() > 0);
+    assert!(kv_failures > 0, "no KV refusal hit a sequence");
     assert_eq!(target.live_sequences(), 0);
     let live = gpu.ledger().live_count() - before;
     assert_eq!(live, 0);
     println!(
         "{{\"requests\": {requests}, \"errors\": {errors}, \"proposer_faults\": {}, \
-         \"alloc_faults\": {}, \"preemptions\": {preemptions}, \"live_allocations_at_end\": {live}, \
+         \"alloc_faults\": {}, \"sequences_failed_by_kv_refusals\": {kv_failures}, \"preemptions\": {preemptions}, \"live_allocations_at_end\": {live}, \
          \"peak_rss_kib_after_first_batch\": {rss_after_warmup}, \"peak_rss_kib\": {}}}",
         saboteur.faults.load(Ordering::Relaxed),
         backend.injected_alloc_failures(),
