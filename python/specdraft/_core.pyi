@@ -784,8 +784,33 @@ class GenerationResult:
         """Acceptance and timing figures (a dict): drafted, accepted, verify_steps, emitted,
         decode_tokens, prompt_tokens, mean_acceptance_length, acceptance_rate,
         acceptance_by_position, drafted_at, accepted_at, draft_time_s, verify_time_s,
-        prefill_time_s, wall_time_s, tokens_per_s.
+        prefill_time_s, queue_time_s (time waiting for a slot and KV blocks),
+        time_to_first_token_s (from the call's start), preemptions, recomputed_tokens,
+        wall_time_s, tokens_per_s.
         """
+
+@final
+class GenerationStream:
+    """The iterator `SpecEngine.stream` returns: yields `(request_index, new_token_ids,
+    text_delta)` as tokens are verified (`text_delta` is None when the engine has no
+    tokenizer; it stops before the EOS token that ends a request). After the last item,
+    `results` holds one `GenerationResult` per prompt. `close()` (or leaving a `with` block)
+    stops the generation and frees what it holds; requests it cut short end with an error.
+    """
+
+    def __iter__(self) -> Self: ...
+    def __next__(self) -> tuple[int, list[int], str | None]: ...
+    @property
+    def results(self) -> list[GenerationResult] | None:
+        """One `GenerationResult` per prompt once the stream has ended (or been closed), else
+        None.
+        """
+    def close(self) -> None:
+        """Stops the generation now and frees everything it holds; requests that had not
+        ended end with an error saying so. Closing twice does nothing.
+        """
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *_args: object) -> bool: ...
 
 _Messages: TypeAlias = Sequence[dict[str, str]]
 
@@ -827,11 +852,16 @@ class Conversation:
 @final
 class SpecEngine:
     """`SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-    max_batch=None)`: speculative decoding on a target model with an optional proposer.
+    max_batch=256, max_batch_tokens=None)`: speculative decoding on a target model with an
+    optional proposer.
 
     `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
     a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
-    variables; `max_batch` bounds the sequences that run at once (the others wait).
+    variables. Prompts wait in a queue and run while the model's KV pool has room (the
+    newest is preempted and later recomputed when it runs dry, without changing its
+    output): `max_batch` bounds the sequences that run at once, `max_batch_tokens` the rows
+    of one forward (long prompts are prefilled in chunks of it; None: the model's limit).
+    A prompt whose `max_tokens` the whole pool could never hold fails alone.
     """
 
     def __new__(
@@ -842,7 +872,8 @@ class SpecEngine:
         *,
         tokenizer: Any | None = None,
         levers: ModelLevers | None = None,
-        max_batch: int | None = None,
+        max_batch: int = 256,
+        max_batch_tokens: int | None = None,
     ) -> Self: ...
     def generate(
         self,
@@ -860,6 +891,24 @@ class SpecEngine:
         `RequestError` and nothing runs; a prompt that fails while running (a proposer
         error, out of memory) has `finish_reason == "error"` and its exception in `error`,
         and the others run on.
+        """
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        grammar: Any | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerationStream:
+        """`generate`'s prompts and options, streamed: returns a `GenerationStream` that yields
+        `(request_index, new_token_ids, text_delta)` as tokens are verified (`text_delta`
+        is None without a tokenizer; multi-byte characters are never split). A bad request
+        raises `RequestError` before anything runs. Use it in a `with` block, or call
+        `close()`, to free its sequences early; its `results` hold the `GenerationResult`s
+        once it has ended.
         """
     def chat(
         self,
@@ -882,6 +931,12 @@ class SpecEngine:
     @property
     def num_drafts(self) -> int:
         """Most drafts per step."""
+    @property
+    def max_batch(self) -> int:
+        """Most sequences running at once."""
+    @property
+    def max_batch_tokens(self) -> int:
+        """Most rows in one forward (the model's own limit included)."""
     @property
     def proposer(self) -> DraftProposer | None:
         """The proposer object given at construction, or None."""

@@ -316,12 +316,14 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """``specdraft generate``: prints the completion of ``--prompt``."""
+    """``specdraft generate``: prints the completion of ``--prompt`` as it is generated."""
     import specdraft
     from specdraft.grammar import Grammar
 
     try:
         proposer = make_proposer(args.proposer)
+        if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
+            raise ValueError("--max-batch-tokens must be at least 1")
         model, _ = _load(args, 1)
         tokenizer = model.tokenizer
         grammar = None
@@ -329,19 +331,29 @@ def run_generate(args: argparse.Namespace) -> int:
             grammar = Grammar.regex(tokenizer, args.regex)
         elif args.json_schema:
             grammar = Grammar.json_schema(tokenizer, args.json_schema)
-        engine = specdraft.SpecEngine(model, proposer, num_drafts=args.num_drafts)
-        options = {
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k,
-            "seed": args.seed,
-            "grammar": grammar,
-        }
-        if args.no_chat:
-            (result,) = engine.generate([args.prompt], **options)
-        else:
-            (result,) = engine.chat([[{"role": "user", "content": args.prompt}]], **options)
+        engine = specdraft.SpecEngine(
+            model,
+            proposer,
+            num_drafts=args.num_drafts,
+            max_batch_tokens=args.max_batch_tokens,
+        )
+        text = args.prompt
+        if not args.no_chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        stream = engine.stream(
+            [tokenizer.encode(text)],
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            grammar=grammar,
+        )
+        with stream:
+            for _, _, delta in stream:
+                sys.stdout.write(delta or "")
+                sys.stdout.flush()
+        (result,) = stream.results
     except ImportError as e:
         extra = "grammar" if "llguidance" in str(e) else "cli"
         print(f"specdraft generate: {e} (pip install 'specdraft[{extra}]')", file=sys.stderr)
@@ -349,13 +361,14 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError, specdraft.SpecdraftError) as e:
         print(f"specdraft generate: {e}", file=sys.stderr)
         return 2
+    print()
     if result.error:
         print(f"specdraft generate: {result.error}", file=sys.stderr)
         return 1
-    print(result.text)
     m = result.metrics
     _progress(
         f"{len(result.tokens)} tokens ({result.finish_reason}), {m['tokens_per_s']:.1f} tok/s, "
+        f"first token after {m['time_to_first_token_s']:.3f} s, "
         f"mean acceptance length {m['mean_acceptance_length']:.2f}"
     )
     return 0
@@ -376,6 +389,13 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="most rows in one forward; longer prompts are prefilled in chunks "
+        "(default: the model's)",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--regex", help="constrain the output to this regular expression")
     g.add_argument("--json-schema", help="constrain the output to JSON valid against this schema")

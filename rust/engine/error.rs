@@ -81,6 +81,27 @@ pub enum EngineError {
         index: usize,
         vocab_size: usize,
     },
+    /// A request the target's whole KV pool could never hold.
+    #[error("request {request}: the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs up to {rows} KV rows, but the target's KV pool holds {pool_rows} (lower max_tokens or give the model more KV blocks)")]
+    NeverFits {
+        request: usize,
+        prompt_len: usize,
+        max_tokens: usize,
+        rows: usize,
+        pool_rows: usize,
+    },
+    /// The KV pool has no room for a request although none of the call's sequences runs:
+    /// something outside the call holds its blocks.
+    #[error("request {request}: the target's KV pool has {free} of {total} blocks free and this request needs {needed}, with no sequence of this call running to free any")]
+    PoolHeldElsewhere {
+        request: usize,
+        needed: usize,
+        free: usize,
+        total: usize,
+    },
+    /// The caller stopped the generation (closed a stream) before the request ended.
+    #[error("request {request}: the generation was stopped before the request ended")]
+    Stopped { request: usize },
     /// Sampling parameters or engine settings that make no sense.
     #[error("invalid {what}: {message}")]
     InvalidArgument { what: &'static str, message: String },

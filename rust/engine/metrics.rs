@@ -35,9 +35,24 @@ pub struct Metrics {
     /// Time spent in verify forwards and verification.
     #[serde(serialize_with = "secs")]
     pub verify_time: Duration,
-    /// Time spent in the target's prefill.
+    /// Time spent in the target's prefill (a share of each prefill forward by rows,
+    /// recomputation after a preemption included).
     #[serde(serialize_with = "secs")]
     pub prefill_time: Duration,
+    /// Time spent waiting in the queue for a slot and KV blocks (after a preemption too).
+    /// Summed over requests in a total.
+    #[serde(serialize_with = "secs")]
+    pub queue_time: Duration,
+    /// From the call's start to the first emitted token (zero when none was emitted).
+    /// Summed over requests in a total; divide by `first_tokens` for the mean.
+    #[serde(serialize_with = "secs")]
+    pub time_to_first_token: Duration,
+    /// Requests that emitted a first token (1 or 0 for a request; summed in a total).
+    pub first_tokens: u64,
+    /// Times the sequence was preempted (its KV freed, to be recomputed).
+    pub preemptions: u64,
+    /// Rows prefilled again after preemptions.
+    pub recomputed_tokens: u64,
     /// Wall time from the start of the request (or of the batch) to its end.
     #[serde(serialize_with = "secs")]
     pub wall_time: Duration,
@@ -95,6 +110,14 @@ impl Metrics {
             .collect()
     }
 
+    /// Mean time to first token over the requests that emitted one; zero when none did.
+    pub fn mean_time_to_first_token(&self) -> Duration {
+        match self.first_tokens {
+            0 => Duration::ZERO,
+            n => self.time_to_first_token / n as u32,
+        }
+    }
+
     /// Emitted tokens per second of wall time; 0 when no time was measured.
     pub fn tokens_per_second(&self) -> f64 {
         let s = self.wall_time.as_secs_f64();
@@ -124,6 +147,11 @@ impl Metrics {
         self.draft_time += other.draft_time;
         self.verify_time += other.verify_time;
         self.prefill_time += other.prefill_time;
+        self.queue_time += other.queue_time;
+        self.time_to_first_token += other.time_to_first_token;
+        self.first_tokens += other.first_tokens;
+        self.preemptions += other.preemptions;
+        self.recomputed_tokens += other.recomputed_tokens;
         self.wall_time += other.wall_time;
     }
 }

@@ -1,6 +1,7 @@
 //! The engine layer: the speculative decoding loop that drives a `DraftProposer` against a
 //! target model, verification (greedy and lossless rejection sampling), grammar masks, and
-//! acceptance metrics.
+//! acceptance metrics, and the scheduler in front of the loop (queueing, continuous
+//! batching, preemption, chunked prefill).
 //!
 //! Invariants:
 //! - Greedy output is token for token what plain greedy decoding of the target gives,
@@ -17,10 +18,12 @@
 mod conversation;
 mod error;
 mod grammar;
+mod guard;
 mod metrics;
 mod model_target;
 mod prefill;
 mod request;
+mod scheduler;
 mod sequence;
 mod spec_engine;
 mod step;
@@ -33,6 +36,7 @@ pub use error::{EngineError, Stage};
 pub use grammar::GrammarMatcher;
 pub use metrics::Metrics;
 pub use request::{FinishReason, GenerateRequest, GenerateResult, Generation};
-pub use spec_engine::SpecEngine;
-pub use target::{Target, TargetOutput};
+pub use scheduler::{GenerationRun, StreamUpdate};
+pub use spec_engine::{mtp_pool_probe, DrafterPoolProbe, SpecEngine};
+pub use target::{KvPoolStatus, Target, TargetOutput};
 pub use verify::{argmax, sample_from, target_probs, verify, SamplingParams, Verdict};

@@ -1,6 +1,6 @@
 //! The [`Target`] adapter for the real [`TargetModel`]: every method forwards to the model.
 
-use super::{Target, TargetOutput};
+use super::{KvPoolStatus, Target, TargetOutput};
 use crate::backend::GpuBackend;
 use crate::memory::BufferArena;
 use crate::model::{ForwardOutput, KvSequence, LogitRows, ModelConfig, TargetModel};
@@ -63,6 +63,15 @@ impl Target for TargetModel {
 
     fn buffers(&self) -> &Arc<BufferArena> {
         TargetModel::buffers(self)
+    }
+
+    fn kv_pool(&self) -> Option<KvPoolStatus> {
+        let pool = TargetModel::kv_pool(self);
+        Some(KvPoolStatus {
+            block_size: pool.block_size(),
+            num_blocks: pool.num_blocks(),
+            num_free: pool.num_free(),
+        })
     }
 }
 

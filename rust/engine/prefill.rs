@@ -1,6 +1,12 @@
-//! Starting a sequence: proposer state (with carried drafter KV installed), the target's
-//! prefill (split at the target's row limit), the first token, and the drafter prefill
-//! (now, or at the first propose when deferred).
+//! Starting a sequence: admission (proposer state with carried drafter KV installed, the
+//! engine's buffers), the target's prefill in chunks that several sequences share in one
+//! forward, the first token, and the drafter prefill (now, or at the first propose when
+//! deferred).
+//!
+//! A sequence readmitted after a preemption prefills again every token but its last (its
+//! "prompt" from the target's and the drafter's point of view is then `tokens[..len - 1]`)
+//! and picks no token: its last token was already emitted, and the hidden of the last
+//! prefill row is the one that picked it, as after a decode step.
 //!
 //! The target hiddens the drafter prefill needs are copied out of the target's outputs as
 //! each prefill chunk lands, since those outputs are overwritten by the next forward and may
@@ -9,155 +15,232 @@
 //! Invariants:
 //! - Carried drafter KV is either installed into the new state (and only the prompt rows
 //!   after it are caught up) or freed: never both, never neither.
-//! - The drafter prefill runs at most once per sequence and before its first propose: at
-//!   the end of `start`, or at the first step when deferred. Its hiddens are engine-owned
-//!   copies, freed as soon as it has run.
-//! - After `start`, the target KV holds the whole prompt, `hidden_rows` row 0 is the hidden
-//!   of the last prompt row, and the first token is emitted (or the sequence has finished).
+//! - The drafter prefill runs at most once per admission and before its first propose: when
+//!   the target prefill completes, or at the first step when deferred. Its hiddens are
+//!   engine-owned copies, freed as soon as it has run.
+//! - When the target prefill completes, the target KV holds `tokens[..prefill_end]`,
+//!   `hidden_rows` row 0 is the hidden of the last of those rows, and (on a first
+//!   admission) the first token is emitted or the sequence has finished.
 //! - Every failure is returned wrapped with the sequence's request and the stage.
 
 use super::error::Stage;
 use super::sequence::{grammar_of, DrafterPrefill, EngineSequence, PendingPrefill};
-use super::{verify, EngineError, FinishReason, SpecEngine, Target};
+use super::{verify, EngineError, FinishReason, SpecEngine, Target, TargetOutput};
 use crate::backend::{GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
 use crate::Result;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 impl<T: Target> SpecEngine<T> {
-    /// Allocates the sequence's state, prefills the target, picks the first token and
-    /// (unless deferred) prefills the drafter.
-    pub(super) fn start(
-        &self,
-        seq: &mut EngineSequence<T::KvSequence>,
-        ctx: &ForwardContext<'_>,
-    ) -> Result<()> {
+    /// Admits `seq`: takes its engine buffers and proposer state and sets up its
+    /// (re)prefill; the target KV fills as its prefill chunks run.
+    pub(super) fn admit(&self, seq: &mut EngineSequence<T::KvSequence>) -> Result<()> {
+        seq.admitted = true;
+        seq.leave_queue();
+        seq.prefilled = 0;
+        seq.prefill_end = if seq.generated() == 0 {
+            seq.prompt_len
+        } else {
+            seq.tokens.len() - 1
+        };
+        seq.row_cap = usize::MAX;
         let request = seq.request;
-        let capture_first = self
-            .allocate(seq)
-            .map_err(|e| EngineError::at(request, Stage::Start, e))?;
-        self.prefill_target(seq, capture_first)
-            .map_err(|e| EngineError::at(request, Stage::TargetPrefill, e))?;
-        if seq.live() && !self.deferred_prefill() {
-            self.run_drafter_prefill(seq, ctx)?;
-        }
-        Ok(())
+        self.allocate(seq)
+            .map_err(|e| EngineError::at(request, Stage::Start, e))
     }
 
     /// The target's KV, the engine's hidden rows, the proposer state (with carried drafter
     /// KV installed when the proposer takes it) and the buffer for the drafter prefill's
-    /// hiddens. Returns the first prompt row whose hidden the drafter prefill needs.
-    fn allocate(&self, seq: &mut EngineSequence<T::KvSequence>) -> Result<usize> {
+    /// hiddens.
+    fn allocate(&self, seq: &mut EngineSequence<T::KvSequence>) -> Result<()> {
         let gpu = self.target.gpu();
         let hb = self.row_bytes();
-        let p = seq.prompt_len;
+        let p = seq.prefill_end;
         seq.kv = Some(self.target.new_sequence());
-        // The first prompt row whose hidden the drafter prefill needs.
-        let mut capture_first = 0;
-        if let Some(prop) = &self.proposer {
-            seq.hidden_rows = gpu.alloc((self.num_drafts + 1) * hb, "engine:hidden_rows")?;
-            let t = Instant::now();
-            let mut state = prop.alloc_state_for(gpu.as_ref(), p.saturating_add(seq.max_tokens))?;
-            let mut kind = DrafterPrefill::Prefill;
-            if let Some(kv) = seq.carry_in.take() {
-                // The newest carried row sits at position key + 1; it must lie inside the
-                // prompt, which by construction extends the sequence the rows came from.
-                match kv.last_pair_key {
-                    Some(key)
-                        if key + 1 < p
-                            && prop.install_drafter_kv(
-                                state.as_mut(),
-                                kv.blocks.clone(),
-                                kv.rows,
-                                Some(key),
-                            ) =>
-                    {
-                        kind = DrafterPrefill::Catchup {
-                            row_base: kv.rows,
-                            pos_base: key + 2,
-                        };
-                        capture_first = key + 1;
-                    }
-                    _ => prop.free_drafter_kv(&kv.blocks),
+        let Some(prop) = &self.proposer else {
+            return Ok(());
+        };
+        seq.hidden_rows = gpu.alloc((self.num_drafts + 1) * hb, "engine:hidden_rows")?;
+        let t = Instant::now();
+        let budget = seq.prompt_len.saturating_add(seq.max_tokens);
+        let mut state = prop.alloc_state_for(gpu.as_ref(), budget)?;
+        let mut kind = DrafterPrefill::Prefill;
+        // The first prefill row whose hidden the drafter prefill needs.
+        let mut first_row = 0;
+        if let Some(kv) = seq.carry_in.take() {
+            // The newest carried row sits at position key + 1; it must lie inside the
+            // prompt, which by construction extends the sequence the rows came from.
+            match kv.last_pair_key {
+                Some(key)
+                    if key + 1 < p
+                        && prop.install_drafter_kv(
+                            state.as_mut(),
+                            kv.blocks.clone(),
+                            kv.rows,
+                            Some(key),
+                        ) =>
+                {
+                    kind = DrafterPrefill::Catchup {
+                        row_base: kv.rows,
+                        pos_base: key + 2,
+                    };
+                    first_row = key + 1;
                 }
-            }
-            seq.state = Some(state);
-            seq.metrics.draft_time += t.elapsed();
-            let tokens = match kind {
-                DrafterPrefill::Prefill => seq.tokens.clone(),
-                DrafterPrefill::Catchup { pos_base, .. } => seq.tokens[pos_base.min(p)..].to_vec(),
-            };
-            let cap = prop.prefill_hidden_rows(self.target.max_seq_len());
-            if !tokens.is_empty() && tokens.len() <= cap {
-                let hiddens = gpu.alloc(tokens.len() * hb, "engine:prefill_hiddens")?;
-                seq.pending = Some(PendingPrefill {
-                    kind,
-                    tokens,
-                    hiddens,
-                });
+                _ => prop.free_drafter_kv(&kv.blocks),
             }
         }
-        Ok(capture_first)
+        seq.state = Some(state);
+        seq.metrics.draft_time += t.elapsed();
+        let tokens = match kind {
+            DrafterPrefill::Prefill => seq.tokens[..p].to_vec(),
+            DrafterPrefill::Catchup { pos_base, .. } => seq.tokens[pos_base.min(p)..p].to_vec(),
+        };
+        let cap = prop.prefill_hidden_rows(self.target.max_seq_len());
+        if !tokens.is_empty() && tokens.len() <= cap {
+            let hiddens = gpu.alloc(tokens.len() * hb, "engine:prefill_hiddens")?;
+            seq.pending = Some(PendingPrefill {
+                kind,
+                first_row,
+                tokens,
+                hiddens,
+            });
+        }
+        Ok(())
     }
 
-    /// The target's forward over the prompt (split at its row limit), capturing the
-    /// hiddens the drafter prefill needs, then the first token.
-    fn prefill_target(
+    /// One prefill forward over `work`: `(sequence, rows)` pairs in sequence order, each
+    /// sequence's next `rows` prompt tokens. A sequence whose prefill this completes gets its first token
+    /// (on a first admission) and its drafter prefill (unless deferred). A failed forward
+    /// ends every sequence it carried. Returns the forward's time.
+    pub(super) fn prefill_forward(
+        &self,
+        work: &[(usize, usize)],
+        seqs: &mut [EngineSequence<T::KvSequence>],
+        ctx: &ForwardContext<'_>,
+    ) -> Duration {
+        let chunks: Vec<Vec<u32>> = work
+            .iter()
+            .map(|&(i, n)| {
+                let begin = seqs[i].prefilled;
+                seqs[i].tokens[begin..begin + n].to_vec()
+            })
+            .collect();
+        let rows_total: usize = work.iter().map(|w| w.1).sum();
+        let t = Instant::now();
+        let mut member = vec![false; seqs.len()];
+        for &(i, _) in work {
+            member[i] = true;
+        }
+        let out = {
+            // `work` is in sequence order, so the members' KV come out in its order.
+            let kvs: std::result::Result<Vec<&mut T::KvSequence>, EngineError> = seqs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| member[*i])
+                .map(|(_, s)| s.kv_mut())
+                .collect();
+            let toks: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+            match kvs {
+                Ok(mut kvs) => self.target.forward_last(&mut kvs, &toks),
+                Err(e) => Err(e.into()),
+            }
+        };
+        let elapsed = t.elapsed();
+        let out = match out {
+            Ok(o) if o.rows == rows_total && o.row_offsets.len() >= work.len() => o,
+            Ok(o) => {
+                let e = EngineError::TargetOutput(format!(
+                    "prefill of {rows_total} tokens of {} sequences returned {} rows and {} offsets",
+                    work.len(),
+                    o.rows,
+                    o.row_offsets.len()
+                ));
+                for &(i, _) in work {
+                    seqs[i].fail(e.clone().into());
+                }
+                return elapsed;
+            }
+            Err(e) => {
+                for &(i, _) in work {
+                    seqs[i].fail_at(Stage::TargetPrefill, e.clone());
+                }
+                return elapsed;
+            }
+        };
+        for (k, &(i, n)) in work.iter().enumerate() {
+            let seq = &mut seqs[i];
+            seq.metrics.prefill_time += elapsed.mul_f64(n as f64 / rows_total as f64);
+            let request = seq.request;
+            let landed = self
+                .land_chunk(seq, &out, k, n)
+                .map_err(|e| EngineError::at(request, Stage::TargetPrefill, e));
+            match landed {
+                Err(e) => seq.fail(e),
+                Ok(())
+                    if seq.live()
+                        && seq.prefilled == seq.prefill_end
+                        && !self.deferred_prefill() =>
+                {
+                    if let Err(e) = self.run_drafter_prefill(seq, ctx) {
+                        seq.fail(e);
+                    }
+                }
+                Ok(()) => {}
+            }
+        }
+        elapsed
+    }
+
+    /// Takes in chunk `k` of a prefill forward (`n` rows of `seq`): copies the hiddens the
+    /// drafter prefill needs and, when the prefill is complete, the last row's hidden and
+    /// (on a first admission) the first token.
+    fn land_chunk(
         &self,
         seq: &mut EngineSequence<T::KvSequence>,
-        capture_first: usize,
+        out: &TargetOutput,
+        k: usize,
+        n: usize,
     ) -> Result<()> {
         let gpu = self.target.gpu();
         let hb = self.row_bytes();
-        let p = seq.prompt_len;
-        let vocab = self.target.config().vocab_size;
-        let max_rows = self.max_rows();
-        let prompt = seq.tokens.clone();
-        let mut last_logits = Vec::new();
-        let mut begin = 0;
-        while begin < p {
-            let end = p.min(begin.saturating_add(max_rows));
-            let out = self
-                .target
-                .forward_last(&mut [seq.kv_mut()?], &[&prompt[begin..end]])?;
-            if out.rows != end - begin {
-                return Err(EngineError::TargetOutput(format!(
-                    "prefill of {} tokens returned {} rows",
-                    end - begin,
-                    out.rows
-                ))
-                .into());
+        let row0 = out.row_offsets[k];
+        let begin = seq.prefilled;
+        let end = begin + n;
+        if let Some(pp) = &seq.pending {
+            let lo = begin.max(pp.first_row);
+            let hi = end.min(pp.first_row + pp.tokens.len());
+            if lo < hi {
+                gpu.copy_dtod(
+                    pp.hiddens.offset((lo - pp.first_row) * hb),
+                    out.hiddens.offset((row0 + lo - begin) * hb),
+                    (hi - lo) * hb,
+                    DEFAULT_STREAM,
+                )?;
             }
-            if let Some(pp) = &seq.pending {
-                let lo = begin.max(capture_first);
-                let hi = end.min(capture_first + pp.tokens.len());
-                if lo < hi {
-                    gpu.copy_dtod(
-                        pp.hiddens.offset((lo - capture_first) * hb),
-                        out.hiddens.offset((lo - begin) * hb),
-                        (hi - lo) * hb,
-                        DEFAULT_STREAM,
-                    )?;
-                }
-            }
-            if end == p {
-                let last = end - begin - 1;
-                let logits_row = if out.last_logits_only { 0 } else { last };
-                last_logits =
-                    gpu.download::<f32>(out.logits.offset(logits_row * vocab * 4), vocab)?;
-                if !seq.hidden_rows.is_null() {
-                    gpu.copy_dtod(
-                        seq.hidden_rows,
-                        out.hiddens.offset(last * hb),
-                        hb,
-                        DEFAULT_STREAM,
-                    )?;
-                }
-            }
-            begin = end;
+        }
+        seq.prefilled = end;
+        if end < seq.prefill_end {
+            return Ok(());
+        }
+        let last = row0 + n - 1;
+        if !seq.hidden_rows.is_null() {
+            gpu.copy_dtod(
+                seq.hidden_rows,
+                out.hiddens.offset(last * hb),
+                hb,
+                DEFAULT_STREAM,
+            )?;
         }
         seq.hidden_row = 0;
-        seq.metrics.prompt_tokens = p as u64;
+        if seq.generated() > 0 {
+            // A recomputation: the last token was picked before the preemption.
+            seq.metrics.recomputed_tokens += seq.prefill_end as u64;
+            return Ok(());
+        }
+        let vocab = self.target.config().vocab_size;
+        let logits_row = if out.last_logits_only { k } else { last };
+        let last_logits = gpu.download::<f32>(out.logits.offset(logits_row * vocab * 4), vocab)?;
+        seq.metrics.prompt_tokens = seq.prompt_len as u64;
         let verdict = verify(
             &[&last_logits],
             &[],
@@ -172,6 +255,7 @@ impl<T: Target> SpecEngine<T> {
         }
         let eos = &self.target.config().eos_token_ids;
         seq.metrics.emitted += seq.emit(&verdict.tokens, eos, self.target.max_seq_len()) as u64;
+        seq.mark_first_token();
         Ok(())
     }
 

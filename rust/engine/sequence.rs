@@ -7,7 +7,11 @@
 //!   copies, so a proposer that reuses the target's scratch cannot clobber them); row
 //!   `hidden_row` is the hidden whose logits picked the last token.
 //! - Every resource (`kv`, `state`, `hidden_rows`, the prefill capture, carried blocks) is released
-//!   exactly once, by the engine's `release`, whatever ended the sequence.
+//!   exactly once, by the engine's `release`, whatever ended the sequence; a preempted
+//!   sequence gives them up early (`preempt`) and takes fresh ones when it is readmitted.
+//! - While `admitted`, the target KV holds `tokens[..prefilled]` during the prefill and
+//!   `tokens[..len - 1]` once `prefilled == prefill_end`; a waiting sequence holds nothing
+//!   but its tokens, its sampler and its grammar, which preemption keeps as they are.
 
 use super::error::Stage;
 use super::{CarriedKv, EngineError, FinishReason, GrammarMatcher, Metrics, SamplingParams};
@@ -27,6 +31,8 @@ pub(super) enum DrafterPrefill {
 /// A drafter prefill waiting to run, with the captured target hiddens it needs.
 pub(super) struct PendingPrefill {
     pub kind: DrafterPrefill,
+    /// The first prefill row whose hidden it needs (`tokens[0]`'s position).
+    pub first_row: usize,
     /// The tokens it covers.
     pub tokens: Vec<u32>,
     /// Engine-owned BF16 `[tokens.len(), hidden]` copy of the paired target hiddens.
@@ -72,8 +78,20 @@ pub(super) struct EngineSequence<K> {
     pub carry_in: Option<CarriedKv>,
     pub carry_out: Option<CarriedKv>,
     pub released: bool,
-    /// Whether `start` ran (sequences wait for a free slot under `max_batch`).
+    /// Whether it holds its resources and takes part in steps (sequences wait in the queue
+    /// for a slot and for KV blocks, and go back to it when preempted).
     pub admitted: bool,
+    /// Tokens of `tokens[..prefill_end]` the target KV holds so far.
+    pub prefilled: usize,
+    /// Tokens the (re)prefill puts in the target KV: the prompt, or after a preemption
+    /// every token but the last.
+    pub prefill_end: usize,
+    /// Rows it may append to the target KV this step (the scheduler's grant).
+    pub row_cap: usize,
+    /// When it last joined the queue (at the call's start, or when preempted).
+    pub queued_at: Instant,
+    /// Generated tokens already handed to a stream.
+    pub streamed: usize,
 }
 
 impl<K> EngineSequence<K> {
@@ -98,9 +116,27 @@ impl<K> EngineSequence<K> {
         }
     }
 
-    /// Started and not finished: it takes part in steps.
+    /// Admitted, prefilled and not finished: it takes part in decode steps.
     pub fn active(&self) -> bool {
-        self.admitted && self.finish.is_none()
+        self.admitted && self.prefilled >= self.prefill_end && self.finish.is_none()
+    }
+
+    /// Admitted and not finished, with prompt rows still to prefill.
+    pub fn prefilling(&self) -> bool {
+        self.admitted && self.prefilled < self.prefill_end && self.finish.is_none()
+    }
+
+    /// Ends its wait in the queue (the time is added to its queue time).
+    pub fn leave_queue(&mut self) {
+        self.metrics.queue_time += self.queued_at.elapsed();
+    }
+
+    /// Records the first emitted token's time, once.
+    pub fn mark_first_token(&mut self) {
+        if self.metrics.first_tokens == 0 && self.generated() > 0 {
+            self.metrics.time_to_first_token = self.started.elapsed();
+            self.metrics.first_tokens = 1;
+        }
     }
 
     pub fn live(&self) -> bool {

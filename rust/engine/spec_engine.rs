@@ -18,7 +18,8 @@
 //! Invariants:
 //! - A bad request ([`SpecEngine::check_request`]) never starts: it holds nothing and its
 //!   result carries the request error.
-//! - Requests are admitted in order, at most `max_batch` at a time; a waiting request
+//! - Requests are admitted in order by the scheduler ([`GenerationRun`]), at most
+//!   `max_batch` at a time and only while the target's KV pool has room; a waiting request
 //!   holds nothing.
 //! - A failure ends only its own sequence (a failing `catchup_batch` ends its whole group,
 //!   since the protocol cannot say which member failed), and is recorded with its request
@@ -29,19 +30,36 @@
 //! - A result's tokens are exactly the tokens emitted after its prompt.
 
 use super::error::Stage;
+use super::guard::PanicGuard;
 use super::sequence::EngineSequence;
 use super::{
-    CarriedKv, Conversation, EngineError, FinishReason, GenerateRequest, GenerateResult,
-    Generation, Metrics, Target,
+    CarriedKv, Conversation, EngineError, GenerateRequest, Generation, GenerationRun, KvPoolStatus,
+    Metrics, Target,
 };
 use crate::backend::{DevicePtr, GpuBackend};
-use crate::model::{ForwardContext, ModelLevers};
-use crate::speculative::DraftProposer;
+use crate::model::ModelLevers;
+use crate::speculative::mtp::DRAFTER_BLOCK_SIZE;
+use crate::speculative::{DraftProposer, MtpHead};
 use crate::Result;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+/// Reports the drafter's KV pool (see [`SpecEngine::with_drafter_pool`]).
+pub type DrafterPoolProbe = Arc<dyn Fn() -> KvPoolStatus + Send + Sync>;
+
+/// The probe of an [`MtpHead`]'s drafter KV pool.
+pub fn mtp_pool_probe(head: Arc<MtpHead>) -> DrafterPoolProbe {
+    Arc::new(move || {
+        let (num_blocks, num_free) = head.kv_blocks();
+        KvPoolStatus {
+            block_size: DRAFTER_BLOCK_SIZE,
+            num_blocks,
+            num_free,
+        }
+    })
+}
 
 /// The speculative decoding engine over one target and at most one proposer.
 ///
@@ -54,6 +72,8 @@ pub struct SpecEngine<T: Target> {
     pub(super) num_drafts: usize,
     pub(super) levers: ModelLevers,
     pub(super) max_batch: usize,
+    pub(super) max_batch_tokens: usize,
+    pub(super) drafter_pool: Option<DrafterPoolProbe>,
 }
 
 impl<T: Target> Clone for SpecEngine<T> {
@@ -64,6 +84,8 @@ impl<T: Target> Clone for SpecEngine<T> {
             num_drafts: self.num_drafts,
             levers: self.levers,
             max_batch: self.max_batch,
+            max_batch_tokens: self.max_batch_tokens,
+            drafter_pool: self.drafter_pool.clone(),
         }
     }
 }
@@ -85,10 +107,14 @@ impl<T: Target> SpecEngine<T> {
         }
         Ok(SpecEngine {
             target,
-            proposer,
+            // Every call into the proposer goes through the guard, so a panic in it ends
+            // only the sequence the call was for.
+            proposer: proposer.map(|p| Arc::new(PanicGuard(p)) as Arc<dyn DraftProposer>),
             num_drafts,
             levers: ModelLevers::default(),
             max_batch: usize::MAX,
+            max_batch_tokens: usize::MAX,
+            drafter_pool: None,
         })
     }
 
@@ -99,11 +125,36 @@ impl<T: Target> SpecEngine<T> {
     }
 
     /// The same engine running at most `max_batch` sequences at once (at least 1); the
-    /// others wait and start as running ones finish, so the target's KV pool only has to
-    /// hold `max_batch` sequences.
+    /// others wait and start as running ones finish (the KV pool bounds them too).
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch.max(1);
         self
+    }
+
+    /// The same engine putting at most `max_batch_tokens` rows (at least 1) in one forward:
+    /// verify forwards split at it and long prompts are prefilled in chunks of it. The
+    /// target's own row limit applies as well.
+    pub fn with_max_batch_tokens(mut self, max_batch_tokens: usize) -> Self {
+        self.max_batch_tokens = max_batch_tokens.max(1);
+        self
+    }
+
+    /// The same engine admitting a request only while `probe` reports free drafter KV blocks
+    /// for its prompt and a step's rows (when other sequences are running). A drafter whose
+    /// pool runs short drafts less; this keeps it from running short.
+    pub fn with_drafter_pool(mut self, probe: DrafterPoolProbe) -> Self {
+        self.drafter_pool = Some(probe);
+        self
+    }
+
+    /// Most running sequences.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Most rows in one forward (the target's limit included).
+    pub fn max_batch_tokens(&self) -> usize {
+        self.forward_rows()
     }
 
     /// The target model.
@@ -111,7 +162,7 @@ impl<T: Target> SpecEngine<T> {
         &self.target
     }
 
-    /// The proposer, if any.
+    /// The proposer, if any (behind the engine's panic guard).
     pub fn proposer(&self) -> Option<&Arc<dyn DraftProposer>> {
         self.proposer.as_ref()
     }
@@ -132,9 +183,16 @@ impl<T: Target> SpecEngine<T> {
     }
 
     /// Generates every request, all sequences stepping together. Per-request problems (bad
-    /// prompt, failing proposer) end only that request and are reported in its result.
+    /// prompt, a request the KV pool can never hold, failing proposer) end only that request
+    /// and are reported in its result.
     pub fn generate(&self, requests: Vec<GenerateRequest>) -> Generation {
         self.run(requests, Vec::new(), false).0
+    }
+
+    /// A generation of `requests` to be stepped by the caller (for streaming): see
+    /// [`GenerationRun`].
+    pub fn begin(&self, requests: Vec<GenerateRequest>) -> GenerationRun<T> {
+        GenerationRun::new(self.clone(), requests, Vec::new(), false)
     }
 
     pub(super) fn max_rows(&self) -> usize {
@@ -142,6 +200,11 @@ impl<T: Target> SpecEngine<T> {
             0 => usize::MAX,
             m => m,
         }
+    }
+
+    /// Most rows in one forward: the target's limit and `max_batch_tokens`.
+    pub(super) fn forward_rows(&self) -> usize {
+        self.max_rows().min(self.max_batch_tokens).max(1)
     }
 
     pub(super) fn row_bytes(&self) -> usize {
@@ -164,96 +227,18 @@ impl<T: Target> SpecEngine<T> {
         carry_in: Vec<Option<CarriedKv>>,
         want_carry: bool,
     ) -> (Generation, Vec<Option<CarriedKv>>) {
-        let started = Instant::now();
-        let gpu = self.target.gpu().clone();
-        let ctx = ForwardContext::new(
-            gpu,
-            self.target.buffers().clone(),
-            self.target.config().clone(),
-            self.levers,
-        );
-        let mut carry_in = carry_in.into_iter();
-        let mut seqs: Vec<EngineSequence<T::KvSequence>> = requests
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| self.new_seq(i, r, carry_in.next().flatten()))
-            .collect();
-        // Entries without a request still own their blocks.
-        for extra in carry_in.flatten() {
-            if let Some(p) = &self.proposer {
-                p.free_drafter_kv(&extra.blocks);
-            }
-        }
-        let mut total = Metrics::default();
-        let mut next = 0;
-        loop {
-            // Admit waiting sequences while fewer than `max_batch` are active.
-            let mut active = seqs.iter().filter(|s| s.active()).count();
-            while active < self.max_batch && next < seqs.len() {
-                let seq = &mut seqs[next];
-                next += 1;
-                if seq.live() {
-                    seq.admitted = true;
-                    let t = Instant::now();
-                    if let Err(e) = self.start(seq, &ctx) {
-                        seq.fail(e);
-                    }
-                    total.prefill_time += t.elapsed();
-                }
-                if seq.live() {
-                    active += 1;
-                } else {
-                    self.release(seq, want_carry);
-                }
-            }
-            if active == 0 {
-                break;
-            }
-            self.step(&mut seqs, &ctx, &mut total);
-            for seq in seqs
-                .iter_mut()
-                .filter(|s| s.admitted && !s.live() && !s.released)
-            {
-                self.release(seq, want_carry);
-            }
-        }
-        for seq in seqs.iter_mut().filter(|s| !s.released) {
-            self.release(seq, want_carry);
-        }
-        let mut results = Vec::with_capacity(seqs.len());
-        let mut carry_out = Vec::with_capacity(seqs.len());
-        for seq in seqs {
-            let mut counters = seq.metrics.clone();
-            counters.draft_time = Duration::ZERO;
-            counters.verify_time = Duration::ZERO;
-            counters.prefill_time = Duration::ZERO;
-            counters.wall_time = Duration::ZERO;
-            total.merge(&counters);
-            carry_out.push(seq.carry_out);
-            results.push(GenerateResult {
-                tokens: seq.tokens[seq.prompt_len.min(seq.tokens.len())..].to_vec(),
-                finish: seq.finish.unwrap_or(FinishReason::Error),
-                metrics: seq.metrics,
-                error: seq.error,
-            });
-        }
-        total.wall_time = started.elapsed();
-        (
-            Generation {
-                results,
-                metrics: total,
-            },
-            carry_out,
-        )
+        GenerationRun::new(self.clone(), requests, carry_in, want_carry).run_to_end()
     }
 
-    fn new_seq(
+    pub(super) fn new_seq(
         &self,
         index: usize,
         r: GenerateRequest,
         carry: Option<CarriedKv>,
     ) -> EngineSequence<T::KvSequence> {
-        let checked = self.check_request(index, &r);
+        let checked = self
+            .check_request(index, &r)
+            .and_then(|()| self.check_fits(index, &r));
         let mut seq = EngineSequence {
             request: index,
             kv: None,
@@ -279,6 +264,11 @@ impl<T: Target> SpecEngine<T> {
             carry_out: None,
             released: false,
             admitted: false,
+            prefilled: 0,
+            prefill_end: 0,
+            row_cap: usize::MAX,
+            queued_at: Instant::now(),
+            streamed: 0,
         };
         if let Err(e) = checked {
             seq.fail(e.into());
@@ -333,10 +323,52 @@ impl<T: Target> SpecEngine<T> {
         Ok(())
     }
 
+    /// Checks that the target's KV pool can ever hold `request`: the most rows it can need
+    /// (prompt plus `max_tokens`, cut at the context, less the last token, which never
+    /// enters the KV) must fit the whole pool.
+    pub fn check_fits(
+        &self,
+        index: usize,
+        request: &GenerateRequest,
+    ) -> std::result::Result<(), EngineError> {
+        let Some(pool) = self.target.kv_pool() else {
+            return Ok(());
+        };
+        let rows = self.most_kv_rows(request.prompt.len(), request.max_tokens);
+        if pool.blocks_for(rows) > pool.num_blocks {
+            return Err(EngineError::NeverFits {
+                request: index,
+                prompt_len: request.prompt.len(),
+                max_tokens: request.max_tokens,
+                rows,
+                pool_rows: pool.capacity_rows(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The most target KV rows a sequence with this prompt and `max_tokens` ever holds.
+    pub(super) fn most_kv_rows(&self, prompt_len: usize, max_tokens: usize) -> usize {
+        prompt_len
+            .saturating_add(max_tokens)
+            .min(self.target.max_seq_len())
+            .saturating_sub(1)
+    }
+
     /// Releases everything `seq` holds (each resource once), taking its drafter KV first
     /// when the caller carries it. A failure here is recorded as the sequence's error.
     pub(super) fn release(&self, seq: &mut EngineSequence<T::KvSequence>, want_carry: bool) {
         seq.released = true;
+        self.free_held(seq, want_carry);
+        if let (Some(kv), Some(prop)) = (seq.carry_in.take(), &self.proposer) {
+            prop.free_drafter_kv(&kv.blocks);
+        }
+        seq.metrics.wall_time = seq.started.elapsed();
+    }
+
+    /// Frees what an admitted `seq` holds (proposer state, engine buffers, target KV),
+    /// keeping its tokens, sampler and grammar: what a preemption gives up.
+    pub(super) fn free_held(&self, seq: &mut EngineSequence<T::KvSequence>, want_carry: bool) {
         let gpu: &dyn GpuBackend = self.target.gpu().as_ref();
         if let (Some(mut state), Some(prop)) = (seq.state.take(), &self.proposer) {
             if want_carry && seq.error.is_none() {
@@ -368,9 +400,5 @@ impl<T: Target> SpecEngine<T> {
                 seq.fail_at(Stage::Release, e);
             }
         }
-        if let (Some(kv), Some(prop)) = (seq.carry_in.take(), &self.proposer) {
-            prop.free_drafter_kv(&kv.blocks);
-        }
-        seq.metrics.wall_time = seq.started.elapsed();
     }
 }

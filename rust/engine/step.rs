@@ -26,14 +26,16 @@ use std::time::{Duration, Instant};
 
 impl<T: Target> SpecEngine<T> {
     /// Drafts this step may hold: no more than can be emitted before `max_tokens`, than
-    /// fits the context, or than one forward's rows allow.
+    /// fits the context, than one forward's rows allow, or than the KV rows the scheduler
+    /// granted the sequence for this step.
     pub(super) fn draft_budget(&self, seq: &EngineSequence<T::KvSequence>) -> usize {
         let remaining = seq.max_tokens.saturating_sub(seq.generated());
         let room = self.target.max_seq_len().saturating_sub(seq.tokens.len());
         self.num_drafts
             .min(remaining.saturating_sub(1))
             .min(room.saturating_sub(1))
-            .min(self.max_rows().saturating_sub(1))
+            .min(self.forward_rows().saturating_sub(1))
+            .min(seq.row_cap.saturating_sub(1))
     }
 
     pub(super) fn step(
@@ -85,7 +87,7 @@ impl<T: Target> SpecEngine<T> {
 
         let t_verify = Instant::now();
         let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].active()).collect();
-        let max_rows = self.max_rows();
+        let max_rows = self.forward_rows();
         let mut proposer_time = Duration::ZERO;
         let mut chunk: Vec<usize> = Vec::new();
         let mut chunk_rows = 0;

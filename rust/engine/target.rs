@@ -12,6 +12,9 @@
 //! - The output buffers stay valid until the next `forward` and belong to the target: the
 //!   engine copies what it keeps past that point.
 //! - `trim` shortens a sequence's KV to `new_len` tokens; `free_sequence` releases it.
+//! - When `kv_pool` reports a paged pool, a sequence of `n` tokens holds exactly
+//!   `ceil(n / block_size)` of its blocks, taken by `forward` and returned by `trim` and
+//!   `free_sequence`; the scheduler plans every forward from these figures.
 
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
@@ -33,6 +36,29 @@ pub struct TargetOutput {
     pub last_logits_only: bool,
     /// BF16 `[rows, hidden_size]`, each row the hidden state before the final norm.
     pub hiddens: DevicePtr,
+}
+
+/// A paged KV pool's shape and how much of it is free at the moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvPoolStatus {
+    /// Rows (tokens) a block holds.
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Blocks free now.
+    pub num_free: usize,
+}
+
+impl KvPoolStatus {
+    /// Blocks a sequence of `rows` tokens holds.
+    pub fn blocks_for(&self, rows: usize) -> usize {
+        rows.div_ceil(self.block_size.max(1))
+    }
+
+    /// Rows the whole pool holds.
+    pub fn capacity_rows(&self) -> usize {
+        self.num_blocks.saturating_mul(self.block_size)
+    }
 }
 
 /// The model that verifies drafts.
@@ -73,4 +99,9 @@ pub trait Target: Send + Sync {
     /// The shared forward scratch; its `max_rows` bounds the rows of one forward
     /// (0 or `usize::MAX`: unbounded).
     fn buffers(&self) -> &Arc<BufferArena>;
+    /// The paged KV pool sequences take their blocks from, or `None` when the target's KV
+    /// is not bounded by one (the default).
+    fn kv_pool(&self) -> Option<KvPoolStatus> {
+        None
+    }
 }

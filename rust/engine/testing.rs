@@ -12,10 +12,14 @@
 //! hands a proposer. It enforces the target contract strictly: a forward of more rows than
 //! its arena's `max_rows`, past `max_seq_len`, with an id outside the vocabulary, or on a
 //! freed sequence is an error (the same `ModelError::InvalidInput` the real model returns).
+//!
+//! With [`TableTarget::with_kv_blocks`] its sequences take blocks from a paged pool as the
+//! real model's do (`ceil(len / block_size)` each, all or nothing per forward), so tests can
+//! run the scheduler's admission and preemption against a pool they size.
 
-use super::{EngineError, Target, TargetOutput};
+use super::{EngineError, KvPoolStatus, Target, TargetOutput};
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt, DEFAULT_STREAM};
-use crate::memory::BufferArena;
+use crate::memory::{BlockAllocator, BufferArena};
 use crate::model::ModelConfig;
 use crate::model::ModelError;
 use crate::Result;
@@ -29,6 +33,7 @@ use std::sync::Arc;
 #[derive(Debug, Default)]
 pub struct TableKv {
     tokens: Vec<u32>,
+    blocks: Vec<u32>,
     freed: bool,
 }
 
@@ -53,6 +58,10 @@ pub struct TableTarget {
     forwards: AtomicUsize,
     live: AtomicUsize,
     peak: AtomicUsize,
+    peak_rows: AtomicUsize,
+    pool: Option<BlockAllocator>,
+    /// The forward (counted by `forward_count`) whose KV blocks are refused, for tests.
+    fail_blocks_at: AtomicUsize,
 }
 
 fn mix(mut x: u64) -> u64 {
@@ -118,7 +127,66 @@ impl TableTarget {
             forwards: AtomicUsize::new(0),
             live: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
+            peak_rows: AtomicUsize::new(0),
+            pool: None,
+            fail_blocks_at: AtomicUsize::new(usize::MAX),
         })
+    }
+
+    /// The same target with its KV in a pool of `num_blocks` blocks of `block_size` rows.
+    pub fn with_kv_blocks(mut self, num_blocks: usize, block_size: usize) -> Result<Self> {
+        self.pool = Some(BlockAllocator::new(num_blocks, block_size)?);
+        Ok(self)
+    }
+
+    /// Makes the KV pool refuse, once, the blocks of forward number `forward` (as counted by
+    /// [`TableTarget::forward_count`]; `usize::MAX`: none), as an exhausted pool would.
+    pub fn fail_kv_blocks_at(&self, forward: usize) {
+        self.fail_blocks_at.store(forward, Ordering::Relaxed);
+    }
+
+    /// Returns the blocks `seq` no longer needs for `len` tokens.
+    fn shrink_blocks(&self, seq: &mut TableKv, len: usize) -> Result<()> {
+        if let Some(pool) = &self.pool {
+            let keep = pool.blocks_for(len);
+            if seq.blocks.len() > keep {
+                pool.free(&seq.blocks[keep..])?;
+                seq.blocks.truncate(keep);
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the blocks every sequence needs for its new tokens, all or nothing.
+    fn grow_blocks(&self, seqs: &mut [&mut TableKv], tokens: &[&[u32]]) -> Result<()> {
+        let Some(pool) = &self.pool else {
+            return Ok(());
+        };
+        let need: Vec<usize> = seqs
+            .iter()
+            .zip(tokens)
+            .map(|(s, t)| pool.blocks_for(s.tokens.len() + t.len()) - s.blocks.len())
+            .collect();
+        let total: usize = need.iter().sum();
+        let now = self.forwards.load(Ordering::Relaxed);
+        // One refusal: a failed forward does not count, so the next one has the same number.
+        if self
+            .fail_blocks_at
+            .compare_exchange(now, usize::MAX, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            return Err(crate::memory::MemoryError::Exhausted {
+                requested: total,
+                free: 0,
+                total: pool.num_blocks(),
+            }
+            .into());
+        }
+        let mut fresh = pool.alloc(total)?;
+        for (seq, n) in seqs.iter_mut().zip(need) {
+            seq.blocks.extend(fresh.drain(..n));
+        }
+        Ok(())
     }
 
     /// The same target with `eos` as its EOS ids.
@@ -168,6 +236,16 @@ impl TableTarget {
     /// The most sequences that were alive at once.
     pub fn peak_sequences(&self) -> usize {
         self.peak.load(Ordering::Relaxed)
+    }
+
+    /// The most rows one forward carried.
+    pub fn peak_forward_rows(&self) -> usize {
+        self.peak_rows.load(Ordering::Relaxed)
+    }
+
+    /// The KV pool's blocks and how many are free, when it has one.
+    pub fn kv_blocks(&self) -> Option<(usize, usize)> {
+        self.pool.as_ref().map(|p| (p.num_blocks(), p.num_free()))
     }
 
     /// Sequences created and not yet freed.
@@ -225,7 +303,7 @@ impl Target for TableTarget {
             ));
         }
         seq.tokens.truncate(new_len);
-        Ok(())
+        self.shrink_blocks(seq, new_len)
     }
 
     fn free_sequence(&self, seq: &mut TableKv) -> Result<()> {
@@ -238,11 +316,19 @@ impl Target for TableTarget {
         seq.freed = true;
         seq.tokens.clear();
         self.live.fetch_sub(1, Ordering::Relaxed);
-        Ok(())
+        self.shrink_blocks(seq, 0)
     }
 
     fn buffers(&self) -> &Arc<BufferArena> {
         &self.buffers
+    }
+
+    fn kv_pool(&self) -> Option<KvPoolStatus> {
+        self.pool.as_ref().map(|p| KvPoolStatus {
+            block_size: p.block_size(),
+            num_blocks: p.num_blocks(),
+            num_free: p.num_free(),
+        })
     }
 }
 
@@ -273,33 +359,14 @@ impl TableTarget {
         }
         let v = self.config.vocab_size;
         let hidden = self.config.hidden_size;
+        for (seq, toks) in seqs.iter().zip(tokens) {
+            self.check_input(seq, toks)?;
+        }
+        self.grow_blocks(seqs, tokens)?;
         let mut logits = Vec::with_capacity(rows * v);
         let mut hiddens = Vec::with_capacity(rows * hidden);
         let mut row_offsets = Vec::with_capacity(seqs.len());
         for (seq, toks) in seqs.iter_mut().zip(tokens) {
-            if seq.freed {
-                return Err(contract_broken(
-                    "table_target.forward",
-                    "forward on a freed sequence".into(),
-                ));
-            }
-            if seq.tokens.len() + toks.len() > self.max_seq_len {
-                return Err(contract_broken(
-                    "table_target.forward",
-                    format!(
-                        "sequence of {} tokens plus {} exceeds max_seq_len {}",
-                        seq.tokens.len(),
-                        toks.len(),
-                        self.max_seq_len
-                    ),
-                ));
-            }
-            if let Some(&t) = toks.iter().find(|&&t| t as usize >= v) {
-                return Err(contract_broken(
-                    "table_target.forward",
-                    format!("token {t} outside the vocabulary of {v}"),
-                ));
-            }
             row_offsets.push(hiddens.len() / hidden);
             for (k, &t) in toks.iter().enumerate() {
                 seq.tokens.push(t);
@@ -316,6 +383,7 @@ impl TableTarget {
         self.gpu.write(self.logits, &logits, DEFAULT_STREAM)?;
         self.gpu.write(self.hiddens, &hiddens, DEFAULT_STREAM)?;
         self.forwards.fetch_add(1, Ordering::Relaxed);
+        self.peak_rows.fetch_max(rows, Ordering::Relaxed);
         Ok(TargetOutput {
             rows,
             row_offsets,
@@ -323,5 +391,34 @@ impl TableTarget {
             last_logits_only: last_only,
             hiddens: self.hiddens,
         })
+    }
+
+    /// Refuses a forward input that breaks the target contract.
+    fn check_input(&self, seq: &TableKv, toks: &[u32]) -> Result<()> {
+        let v = self.config.vocab_size;
+        if seq.freed {
+            return Err(contract_broken(
+                "table_target.forward",
+                "forward on a freed sequence".into(),
+            ));
+        }
+        if seq.tokens.len() + toks.len() > self.max_seq_len {
+            return Err(contract_broken(
+                "table_target.forward",
+                format!(
+                    "sequence of {} tokens plus {} exceeds max_seq_len {}",
+                    seq.tokens.len(),
+                    toks.len(),
+                    self.max_seq_len
+                ),
+            ));
+        }
+        if let Some(&t) = toks.iter().find(|&&t| t as usize >= v) {
+            return Err(contract_broken(
+                "table_target.forward",
+                format!("token {t} outside the vocabulary of {v}"),
+            ));
+        }
+        Ok(())
     }
 }

@@ -17,8 +17,10 @@ use super::generation::{
     to_py_result, GenerateOptions, PyGenerationResult,
 };
 use super::model::PyModelLevers;
+use super::mtp::PyMtpHead;
+use super::stream::PyGenerationStream;
 use super::target_model::PyTargetModel;
-use crate::engine::{Metrics, SpecEngine};
+use crate::engine::{mtp_pool_probe, GenerateRequest, Metrics, SpecEngine};
 use crate::model::{ModelLevers, TargetModel};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -26,11 +28,16 @@ use pyo3::types::{PyDict, PyString};
 use std::sync::{Arc, Mutex};
 
 /// `SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-/// max_batch=None)`: speculative decoding on a target model with an optional proposer.
+/// max_batch=256, max_batch_tokens=None)`: speculative decoding on a target model with an
+/// optional proposer.
 ///
 /// `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
 /// a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
-/// variables; `max_batch` bounds the sequences that run at once (the others wait).
+/// variables. Prompts wait in a queue and run while the model's KV pool has room (the
+/// newest is preempted and later recomputed when it runs dry, without changing its
+/// output): `max_batch` bounds the sequences that run at once, `max_batch_tokens` the rows
+/// of one forward (long prompts are prefilled in chunks of it; None: the model's limit).
+/// A prompt whose `max_tokens` the whole pool could never hold fails alone.
 #[pyclass(name = "SpecEngine", module = "specdraft", frozen)]
 pub struct PySpecEngine {
     pub(super) engine: SpecEngine<TargetModel>,
@@ -45,6 +52,35 @@ impl PySpecEngine {
         &self.engine.target().config().eos_token_ids
     }
 
+    /// The requests of `prompts`, each checked (raising `RequestError` for the first bad
+    /// one).
+    fn checked_requests(
+        &self,
+        prompts: Vec<Vec<u32>>,
+        options: &GenerateOptions<'_, '_>,
+    ) -> PyResult<Vec<GenerateRequest>> {
+        let requests = options.requests(prompts)?;
+        for (i, r) in requests.iter().enumerate() {
+            self.engine
+                .check_request(i, r)
+                .map_err(|e| to_pyerr(&e.into()))?;
+        }
+        Ok(requests)
+    }
+
+    /// Token ids of each of `prompts` (a list of strings or of token-id lists).
+    fn prompt_list(&self, prompts: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+        if prompts.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(
+                "prompts must be a list (of strings or of token-id lists), not one string",
+            ));
+        }
+        prompts
+            .try_iter()?
+            .map(|p| prompt_ids(&p?, self.tokenizer.as_ref()))
+            .collect()
+    }
+
     /// Checks every request (raising `RequestError` for the first bad one), runs them all
     /// together and converts the results.
     fn run(
@@ -53,12 +89,7 @@ impl PySpecEngine {
         prompts: Vec<Vec<u32>>,
         options: &GenerateOptions<'_, '_>,
     ) -> PyResult<Vec<PyGenerationResult>> {
-        let requests = options.requests(prompts)?;
-        for (i, r) in requests.iter().enumerate() {
-            self.engine
-                .check_request(i, r)
-                .map_err(|e| to_pyerr(&e.into()))?;
-        }
+        let requests = self.checked_requests(prompts, options)?;
         let engine = self.engine.clone();
         let generation = py.detach(move || run_exclusive(|| engine.generate(requests)));
         *self.last_metrics.lock().unwrap_or_else(|e| e.into_inner()) = Some(generation.metrics);
@@ -73,15 +104,22 @@ impl PySpecEngine {
 #[pymethods]
 impl PySpecEngine {
     #[new]
-    #[pyo3(signature = (model, proposer = None, num_drafts = 4, *, tokenizer = None, levers = None, max_batch = None))]
+    #[pyo3(signature = (model, proposer = None, num_drafts = 4, *, tokenizer = None, levers = None, max_batch = 256, max_batch_tokens = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Bound<'_, PyAny>,
         proposer: Option<&Bound<'_, PyAny>>,
         num_drafts: usize,
         tokenizer: Option<Bound<'_, PyAny>>,
         levers: Option<PyModelLevers>,
-        max_batch: Option<usize>,
+        max_batch: usize,
+        max_batch_tokens: Option<usize>,
     ) -> PyResult<Self> {
+        if max_batch == 0 || max_batch_tokens == Some(0) {
+            return Err(super::errors::request_error(
+                "max_batch and max_batch_tokens must be at least 1",
+            ));
+        }
         let model = model.cast::<PyTargetModel>().map_err(|_| {
             PyTypeError::new_err(format!(
                 "model must be a specdraft.TargetModel (from specdraft.load_model), got {}",
@@ -96,9 +134,13 @@ impl PySpecEngine {
         };
         let mut engine = SpecEngine::new(target, rust, num_drafts)
             .py()?
-            .with_levers(levers);
-        if let Some(n) = max_batch {
-            engine = engine.with_max_batch(n);
+            .with_levers(levers)
+            .with_max_batch(max_batch);
+        if let Some(n) = max_batch_tokens {
+            engine = engine.with_max_batch_tokens(n);
+        }
+        if let Some(head) = proposer.and_then(|p| p.cast::<PyMtpHead>().ok()) {
+            engine = engine.with_drafter_pool(mtp_pool_probe(head.get().head().clone()));
         }
         let py = model.py();
         let tokenizer = match tokenizer {
@@ -132,15 +174,7 @@ impl PySpecEngine {
         grammar: Option<&Bound<'_, PyAny>>,
         ignore_eos: bool,
     ) -> PyResult<Vec<PyGenerationResult>> {
-        if prompts.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err(
-                "prompts must be a list (of strings or of token-id lists), not one string",
-            ));
-        }
-        let ids = prompts
-            .try_iter()?
-            .map(|p| prompt_ids(&p?, self.tokenizer.as_ref()))
-            .collect::<PyResult<Vec<_>>>()?;
+        let ids = self.prompt_list(prompts)?;
         let options = GenerateOptions {
             max_tokens,
             sampling: sampling(temperature, top_p, top_k, seed),
@@ -148,6 +182,44 @@ impl PySpecEngine {
             ignore_eos,
         };
         self.run(py, ids, &options)
+    }
+
+    /// `generate`'s prompts and options, streamed: returns a `GenerationStream` that yields
+    /// `(request_index, new_token_ids, text_delta)` as tokens are verified (`text_delta`
+    /// is None without a tokenizer; multi-byte characters are never split). A bad request
+    /// raises `RequestError` before anything runs. Use it in a `with` block, or call
+    /// `close()`, to free its sequences early; its `results` hold the `GenerationResult`s
+    /// once it has ended.
+    #[pyo3(signature = (prompts, max_tokens = 64, temperature = 0.0, top_p = 1.0, top_k = 0, seed = 0, grammar = None, ignore_eos = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn stream(
+        &self,
+        py: Python<'_>,
+        prompts: &Bound<'_, PyAny>,
+        max_tokens: usize,
+        temperature: f32,
+        top_p: f32,
+        top_k: usize,
+        seed: u64,
+        grammar: Option<&Bound<'_, PyAny>>,
+        ignore_eos: bool,
+    ) -> PyResult<PyGenerationStream> {
+        let ids = self.prompt_list(prompts)?;
+        let options = GenerateOptions {
+            max_tokens,
+            sampling: sampling(temperature, top_p, top_k, seed),
+            grammar,
+            ignore_eos,
+        };
+        let requests = self.checked_requests(ids, &options)?;
+        let n = requests.len();
+        let run = self.engine.begin(requests);
+        Ok(PyGenerationStream::new(
+            run,
+            n,
+            self.tokenizer.as_ref().map(|t| t.clone_ref(py)),
+            self.eos().to_vec(),
+        ))
     }
 
     /// One reply per conversation, each a list of `{"role", "content"}` messages rendered
@@ -205,6 +277,18 @@ impl PySpecEngine {
         self.engine.num_drafts()
     }
 
+    /// Most sequences running at once.
+    #[getter]
+    fn max_batch(&self) -> usize {
+        self.engine.max_batch()
+    }
+
+    /// Most rows in one forward (the model's own limit included).
+    #[getter]
+    fn max_batch_tokens(&self) -> usize {
+        self.engine.max_batch_tokens()
+    }
+
     /// The proposer object given at construction, or None.
     #[getter]
     fn proposer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
@@ -240,5 +324,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySpecEngine>()?;
     m.add_class::<PyConversation>()?;
     m.add_class::<PyGenerationResult>()?;
+    m.add_class::<PyGenerationStream>()?;
     Ok(())
 }

@@ -169,9 +169,11 @@ fn engine_class(e: &EngineError) -> Class {
             other => other,
         },
         EngineError::ProposerContract { .. } => Class::Proposer,
-        EngineError::TargetOutput(_) | EngineError::NoKv { .. } | EngineError::Grammar(_) => {
-            Class::Generation
-        }
+        EngineError::NeverFits { .. } | EngineError::PoolHeldElsewhere { .. } => Class::Allocation,
+        EngineError::TargetOutput(_)
+        | EngineError::NoKv { .. }
+        | EngineError::Grammar(_)
+        | EngineError::Stopped { .. } => Class::Generation,
     }
 }
 

@@ -142,6 +142,13 @@ pub fn metrics_dict<'py>(py: Python<'py>, m: &Metrics) -> PyResult<Bound<'py, Py
     d.set_item("draft_time_s", m.draft_time.as_secs_f64())?;
     d.set_item("verify_time_s", m.verify_time.as_secs_f64())?;
     d.set_item("prefill_time_s", m.prefill_time.as_secs_f64())?;
+    d.set_item("queue_time_s", m.queue_time.as_secs_f64())?;
+    d.set_item(
+        "time_to_first_token_s",
+        m.mean_time_to_first_token().as_secs_f64(),
+    )?;
+    d.set_item("preemptions", m.preemptions)?;
+    d.set_item("recomputed_tokens", m.recomputed_tokens)?;
     d.set_item("wall_time_s", m.wall_time.as_secs_f64())?;
     d.set_item("tokens_per_s", m.tokens_per_second())?;
     Ok(d)
@@ -164,7 +171,9 @@ pub struct PyGenerationResult {
     /// Acceptance and timing figures (a dict): drafted, accepted, verify_steps, emitted,
     /// decode_tokens, prompt_tokens, mean_acceptance_length, acceptance_rate,
     /// acceptance_by_position, drafted_at, accepted_at, draft_time_s, verify_time_s,
-    /// prefill_time_s, wall_time_s, tokens_per_s.
+    /// prefill_time_s, queue_time_s (time waiting for a slot and KV blocks),
+    /// time_to_first_token_s (from the call's start), preemptions, recomputed_tokens,
+    /// wall_time_s, tokens_per_s.
     pub metrics: Py<PyDict>,
 }
 

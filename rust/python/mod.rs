@@ -36,6 +36,7 @@ mod mtp;
 mod proposer;
 mod rust_proposers;
 mod state;
+mod stream;
 mod target_model;
 mod testing;
 

@@ -42,6 +42,13 @@ pub struct PyMtpHead {
     head: Arc<MtpHead>,
 }
 
+impl PyMtpHead {
+    /// The Rust head (the engine reads its drafter KV pool).
+    pub(super) fn head(&self) -> &Arc<MtpHead> {
+        &self.head
+    }
+}
+
 #[pymethods]
 impl PyMtpHead {
     #[new]

@@ -130,6 +130,30 @@ pub struct CpuBackend {
     streams: Mutex<HashSet<u64>>,
     next_stream: AtomicU64,
     memory_limit: Option<usize>,
+    faults: AllocFaults,
+}
+
+/// Injected allocation failures, for tests of what a full device does to a caller: the
+/// attempt numbered `first`, then every `every`-th after it (0: only `first`), fails.
+struct AllocFaults {
+    attempts: AtomicU64,
+    first: AtomicU64,
+    every: AtomicU64,
+    injected: AtomicU64,
+}
+
+impl AllocFaults {
+    /// Counts an attempt; true when it is to fail.
+    fn hit(&self) -> bool {
+        let k = self.attempts.fetch_add(1, Ordering::Relaxed);
+        let first = self.first.load(Ordering::Relaxed);
+        let every = self.every.load(Ordering::Relaxed);
+        let fail = k >= first && (k == first || (every > 0 && (k - first) % every == 0));
+        if fail {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+        }
+        fail
+    }
 }
 
 impl Default for CpuBackend {
@@ -148,7 +172,36 @@ impl CpuBackend {
             streams: Mutex::new(HashSet::new()),
             next_stream: AtomicU64::new(1),
             memory_limit: None,
+            faults: AllocFaults {
+                attempts: AtomicU64::new(0),
+                first: AtomicU64::new(u64::MAX),
+                every: AtomicU64::new(0),
+                injected: AtomicU64::new(0),
+            },
         }
+    }
+
+    /// Makes allocation attempt `first` (counted from this backend's creation, see
+    /// [`CpuBackend::alloc_attempts`]) fail as an out-of-memory device would, then every
+    /// `every`-th attempt after it (0: only that one). For fault-injection tests.
+    pub fn inject_alloc_failures(&self, first: u64, every: u64) {
+        self.faults.every.store(every, Ordering::Relaxed);
+        self.faults.first.store(first, Ordering::Relaxed);
+    }
+
+    /// Stops injecting allocation failures.
+    pub fn clear_alloc_failures(&self) {
+        self.faults.first.store(u64::MAX, Ordering::Relaxed);
+    }
+
+    /// Allocation attempts so far, failed ones included.
+    pub fn alloc_attempts(&self) -> u64 {
+        self.faults.attempts.load(Ordering::Relaxed)
+    }
+
+    /// Allocation failures injected so far.
+    pub fn injected_alloc_failures(&self) -> u64 {
+        self.faults.injected.load(Ordering::Relaxed)
     }
 
     /// A CPU backend that refuses to hold more than `bytes` live bytes, as a device would.
@@ -252,6 +305,9 @@ impl GpuBackend for CpuBackend {
             live_bytes: self.ledger.live_bytes(),
             live_count: self.ledger.live_count(),
         };
+        if self.faults.hit() {
+            return Err(oom());
+        }
         if let Some(limit) = self.memory_limit {
             if self.ledger.live_bytes().saturating_add(nbytes) > limit {
                 return Err(oom());
