@@ -71,14 +71,16 @@ def accepted_counts(drafts: np.ndarray, seq: np.ndarray, start: int) -> np.ndarr
     """Accepted drafts at each base position ``p`` in ``start .. len(seq) - 1``.
 
     ``drafts[j, p - 1]`` is draft ``j`` drafted after position ``p``; it is accepted while
-    it and all drafts before it equal ``seq[p + 1 + j]`` (drafts past the end never are).
+    it and all drafts before it equal ``seq[p + 1 + j]``. As the engine's draft budget at
+    ``max_tokens`` does, a verify leaves room for the target's own token: at most
+    ``len(seq) - 2 - p`` drafts count.
     """
     k = drafts.shape[0]
     n = len(seq)
     out = []
     for p in range(start, n - 1):
         a = 0
-        while a < k and p + 1 + a < n and int(drafts[a, p - 1]) == int(seq[p + 1 + a]):
+        while a < k and p + 2 + a < n and int(drafts[a, p - 1]) == int(seq[p + 1 + a]):
             a += 1
         out.append(a)
     return np.asarray(out, dtype=np.int64)
