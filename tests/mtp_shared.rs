@@ -3,6 +3,7 @@
 //! with a separate LM head or a tied one; it keeps the target's memory alive; a head made
 //! for another hidden size or vocabulary is refused naming both values.
 
+#[allow(unused_imports)] // the GGUF writer is not used here
 mod model_util;
 mod mtp_common;
 
