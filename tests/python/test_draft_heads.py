@@ -64,6 +64,11 @@ def test_the_shipped_head_is_found_by_name_and_by_its_target(model_path):
         draft_head_path("nope")
     with pytest.raises(ValueError, match="no shipped draft head was trained for other.gguf"):
         default_head_for("other.gguf")
+    from specdraft.cli_engine import make_proposer
+
+    for name in ("mtp", HEAD):
+        with pytest.raises(ValueError, match="drafts beside a loaded target model"):
+            make_proposer(name)
 
 
 def test_the_shipped_head_shares_the_targets_embedding_and_lm_head(model_path, gpu):
