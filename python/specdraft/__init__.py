@@ -10,7 +10,9 @@ methods.
 
 Run one against a model with :class:`SpecEngine` (``load_model("smollm2")`` brings its
 tokenizer, so text and chat messages just work), and check any proposer against the
-protocol with :func:`check_proposer`. Hooks for tests live in :mod:`specdraft.testing`.
+protocol with :func:`check_proposer`. :func:`load_draft_head` loads a trained MTP draft
+head shipped with the package (``"smollm2-mtp"``) beside its target model. Hooks for
+tests live in :mod:`specdraft.testing`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from specdraft._core import (
     quantize_nvfp4,
 )
 from specdraft.chat_template import UnsafeTemplateError
+from specdraft.heads import load_draft_head
 from specdraft.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -97,6 +100,7 @@ __all__ = [
     "__version__",
     "check_proposer",
     "default_backend",
+    "load_draft_head",
     "load_model",
     "load_tokenizer",
     "quantize_nvfp4",

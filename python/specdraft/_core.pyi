@@ -609,6 +609,7 @@ class MtpHead(DraftProposer):
         path: str | PathLike[str],
         gpu: Backend,
         *,
+        target: TargetModel | None = None,
         quant: str = "bf16",
         mtp_vocab_size: int = 0,
         max_seq_len: int = 4096,
@@ -621,6 +622,7 @@ class MtpHead(DraftProposer):
         path: str | PathLike[str],
         gpu: Backend,
         *,
+        target: TargetModel | None = None,
         quant: str = "bf16",
         mtp_vocab_size: int = 0,
         max_seq_len: int = 4096,
@@ -630,8 +632,12 @@ class MtpHead(DraftProposer):
         """Loads the MTP module of the checkpoint folder `path` onto `gpu`; called on a
         subclass, returns an instance of that subclass.
 
-        `quant` is `"bf16"`, `"fp8"` or `"nvfp4"` (the head's projections);
-        `mtp_vocab_size` restricts drafts to the first rows of the LM head (0: all).
+        With `target` (a `TargetModel` on `gpu`) the folder need hold only the head's own
+        weights: the embedding, final norm and LM head are the target's, read in place (no
+        copy), and the head keeps the target alive. `quant` is `"bf16"`, `"fp8"` or
+        `"nvfp4"` (the head's projections); `mtp_vocab_size` restricts drafts to the first
+        rows of the LM head (0: all, or beside a target the `mtp_vocab_size` of the head's
+        `config.json`).
         """
     @property
     def draft_vocab_size(self) -> int:
@@ -642,6 +648,11 @@ class MtpHead(DraftProposer):
     @property
     def kv_blocks(self) -> tuple[int, int]:
         """`(total, free)` blocks of the drafter KV pool."""
+    @property
+    def shares_target(self) -> bool:
+        """Whether the head reads a target's embedding and LM head in place (loaded with
+        `target=`).
+        """
     @property
     def layout(self) -> str:
         """The checkpoint layout: `"deepseek_v3"`, `"mimo"` or `"qwen3_next"`."""

@@ -40,13 +40,24 @@ def _backend(device: str) -> Any:  # noqa: ANN401 - a specdraft backend
     return specdraft.default_backend()
 
 
-def make_proposer(name: str) -> Any:  # noqa: ANN401 - a specdraft.DraftProposer or None
+#: What ``specdraft bench`` compares with the baseline when no ``--proposer`` is given.
+DEFAULT_BENCH_PROPOSERS = ["prompt-lookup", "mtp"]
+
+
+def make_proposer(
+    name: str,
+    model: Any = None,  # noqa: ANN401 - the specdraft.TargetModel a draft head drafts for
+    model_name: str | None = None,
+) -> Any:  # noqa: ANN401 - a specdraft.DraftProposer or None
     """The proposer called ``name``.
 
     ``prompt-lookup``, ``suffix`` (:class:`specdraft.SuffixDecoding`), ``none`` (plain
-    decoding), or ``module:Class`` (built with no arguments).
+    decoding), ``mtp`` (the shipped MTP draft head trained for ``model_name``'s file), the
+    name of a shipped head (``smollm2-mtp``), or ``module:Class`` (built with no
+    arguments). A draft head is loaded beside ``model``, sharing its embedding and LM head.
     """
     import specdraft
+    from specdraft.heads import default_head_for, load_draft_head, shipped_heads
 
     key = name.strip().lower()
     if key in ("none", "baseline"):
@@ -55,9 +66,18 @@ def make_proposer(name: str) -> Any:  # noqa: ANN401 - a specdraft.DraftProposer
         return specdraft.PromptLookup()
     if key in ("suffix", "suffix-decoding", "suffix_decoding", "suffixdecoding"):
         return specdraft.SuffixDecoding()
+    if key == "mtp" or key in shipped_heads():
+        if model is None:
+            raise ValueError(f"--proposer {name!r} drafts beside a loaded target model")
+        if key == "mtp":
+            from specdraft.models import resolve_model
+
+            key = default_head_for(resolve_model(model_name or "smollm2"))
+        return load_draft_head(key, model)
     if ":" not in name:
         raise ValueError(
-            f"--proposer {name!r}: expected 'prompt-lookup', 'suffix', 'none' or 'module:Class'"
+            f"--proposer {name!r}: expected 'prompt-lookup', 'suffix', 'mtp', a shipped head "
+            f"({', '.join(shipped_heads())}), 'none' or 'module:Class'"
         )
     module_name, _, attr = name.partition(":")
     try:
@@ -234,12 +254,20 @@ def run_model_bench(args: argparse.Namespace) -> int:
     from specdraft.bench_prompts import bench_prompts
 
     try:
-        names = args.proposer or ["prompt-lookup"]
-        proposers = [(n, make_proposer(n)) for n in names]
+        names = args.proposer or DEFAULT_BENCH_PROPOSERS
         chosen = bench_prompts(args.prompts)
         if args.max_tokens < 1 or args.num_drafts < 1 or args.batch < 1:
             raise ValueError("--max-tokens, --num-drafts and --batch must be at least 1")
         model, device = _load(args, args.batch)
+        proposers = []
+        for n in names:
+            try:
+                proposers.append((n, make_proposer(n, model, args.model)))
+            except ValueError as e:
+                if args.proposer:
+                    raise
+                # A default row this model has no proposer for (no shipped head) is left out.
+                _progress(f"specdraft bench: no {n} row: {e}")
     except ImportError as e:
         print(
             f"specdraft bench: {e} (a dependency is missing: reinstall specdraft)",
@@ -305,8 +333,9 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help=(
-            "prompt-lookup, suffix, or module:Class, which imports and runs that module "
-            "(repeatable; default prompt-lookup)"
+            "prompt-lookup, suffix, mtp (the shipped draft head of the model), or "
+            "module:Class, which imports and runs that module (repeatable; default "
+            "prompt-lookup and mtp)"
         ),
     )
     p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")
@@ -321,10 +350,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from specdraft.grammar import Grammar
 
     try:
-        proposer = make_proposer(args.proposer)
         if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
             raise ValueError("--max-batch-tokens must be at least 1")
         model, _ = _load(args, 1)
+        proposer = make_proposer(args.proposer, model, args.model)
         tokenizer = model.tokenizer
         grammar = None
         if args.regex:
@@ -382,7 +411,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument(
         "--proposer",
         default="prompt-lookup",
-        help="prompt-lookup, suffix, none or module:Class (imports and runs it)",
+        help="prompt-lookup, suffix, mtp (the model's shipped draft head), none or "
+        "module:Class (imports and runs it)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -6,15 +6,18 @@
 //! its weights live on. `quantize_nvfp4` is the Rust NVFP4 quantizer, which
 //! `specdraft quantize` uses.
 
-use super::backend::{backend_arg, PyBackend};
+use super::backend::{backend_arg, type_name, PyBackend};
 use super::errors::IntoPyResult;
 use super::model::PyModelLevers;
 use super::proposer::{PyDraftProposer, PyDraftRunner};
+use super::target_model::PyTargetModel;
+use crate::backend::GpuBackend;
+use crate::model::TargetModel;
 use crate::speculative::mtp::quantize_nvfp4 as rust_quantize;
 use crate::speculative::mtp::ReferenceDraftRunner;
 use crate::speculative::{MtpHead, MtpQuantization};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 use std::path::PathBuf;
@@ -52,12 +55,13 @@ impl PyMtpHead {
 #[pymethods]
 impl PyMtpHead {
     #[new]
-    #[pyo3(signature = (path, gpu, *, quant = "bf16", mtp_vocab_size = 0, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
+    #[pyo3(signature = (path, gpu, *, target = None, quant = "bf16", mtp_vocab_size = 0, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         gpu: &Bound<'_, PyAny>,
+        target: Option<&Bound<'_, PyAny>>,
         quant: &str,
         mtp_vocab_size: u32,
         max_seq_len: usize,
@@ -66,11 +70,21 @@ impl PyMtpHead {
     ) -> PyResult<PyClassInitializer<Self>> {
         let quant = parse_quant(quant)?;
         let gpu = backend_arg(gpu)?.get().arc()?;
+        let target = target.map(|t| target_arg(t, &gpu)).transpose()?;
         let levers = levers.map(|l| l.0).unwrap_or_default();
         let home = gpu.clone();
         let head = py
-            .detach(move || {
-                MtpHead::from_checkpoint(
+            .detach(move || match target {
+                Some(target) => MtpHead::from_checkpoint_for_target(
+                    path,
+                    target,
+                    quant,
+                    mtp_vocab_size,
+                    max_seq_len,
+                    main_kv_blocks,
+                    &levers,
+                ),
+                None => MtpHead::from_checkpoint(
                     path,
                     gpu,
                     quant,
@@ -78,7 +92,7 @@ impl PyMtpHead {
                     max_seq_len,
                     main_kv_blocks,
                     &levers,
-                )
+                ),
             })
             .py()?;
         let head = Arc::new(head);
@@ -91,15 +105,20 @@ impl PyMtpHead {
     /// Loads the MTP module of the checkpoint folder `path` onto `gpu`; called on a
     /// subclass, returns an instance of that subclass.
     ///
-    /// `quant` is `"bf16"`, `"fp8"` or `"nvfp4"` (the head's projections);
-    /// `mtp_vocab_size` restricts drafts to the first rows of the LM head (0: all).
+    /// With `target` (a `TargetModel` on `gpu`) the folder need hold only the head's own
+    /// weights: the embedding, final norm and LM head are the target's, read in place (no
+    /// copy), and the head keeps the target alive. `quant` is `"bf16"`, `"fp8"` or
+    /// `"nvfp4"` (the head's projections); `mtp_vocab_size` restricts drafts to the first
+    /// rows of the LM head (0: all, or beside a target the `mtp_vocab_size` of the head's
+    /// `config.json`).
     #[classmethod]
-    #[pyo3(signature = (path, gpu, *, quant = "bf16", mtp_vocab_size = 0, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
+    #[pyo3(signature = (path, gpu, *, target = None, quant = "bf16", mtp_vocab_size = 0, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
     #[allow(clippy::too_many_arguments)]
     fn from_checkpoint<'py>(
         cls: &Bound<'py, PyType>,
         path: PathBuf,
         gpu: &Bound<'py, PyAny>,
+        target: Option<Bound<'py, PyAny>>,
         quant: &str,
         mtp_vocab_size: u32,
         max_seq_len: usize,
@@ -107,6 +126,7 @@ impl PyMtpHead {
         levers: Option<Bound<'py, PyModelLevers>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let kwargs = PyDict::new(cls.py());
+        kwargs.set_item("target", target)?;
         kwargs.set_item("quant", quant)?;
         kwargs.set_item("mtp_vocab_size", mtp_vocab_size)?;
         kwargs.set_item("max_seq_len", max_seq_len)?;
@@ -131,6 +151,13 @@ impl PyMtpHead {
     #[getter]
     fn kv_blocks(&self) -> (usize, usize) {
         self.head.kv_blocks()
+    }
+
+    /// Whether the head reads a target's embedding and LM head in place (loaded with
+    /// `target=`).
+    #[getter]
+    fn shares_target(&self) -> bool {
+        self.head.shares_target()
     }
 
     /// The checkpoint layout: `"deepseek_v3"`, `"mimo"` or `"qwen3_next"`.
@@ -182,6 +209,24 @@ impl PyReferenceDraftRunner {
     fn __repr__(&self) -> &'static str {
         "ReferenceDraftRunner()"
     }
+}
+
+/// The Rust target behind a `target=` argument, which must live on `gpu`.
+fn target_arg(target: &Bound<'_, PyAny>, gpu: &Arc<dyn GpuBackend>) -> PyResult<Arc<TargetModel>> {
+    let model = target.cast::<PyTargetModel>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "target must be a specdraft TargetModel (specdraft.load_model), got {}",
+            type_name(target)
+        ))
+    })?;
+    let model = model.get().arc();
+    if !Arc::ptr_eq(model.gpu(), gpu) {
+        return Err(PyValueError::new_err(format!(
+            "the target lives on the {} backend it was loaded on, not on the gpu given; pass gpu=model.gpu",
+            model.gpu().name()
+        )));
+    }
+    Ok(model)
 }
 
 /// Quantizes a float32 `[out, in]` matrix to NVFP4 (ModelOpt layout) with the Rust

@@ -36,9 +36,9 @@ def _reference(folder: Path, vocab: int = 0) -> ref.Head:
 
 
 def _params(folder: Path) -> dict[str, jax.Array]:
-    raw = ref.q.read_safetensors(folder / "model.safetensors")
+    raw = ref.st.read_safetensors(folder / "model.safetensors")
     return {
-        part: jnp.asarray(ref.q.to_float32(*raw[tensor_name(1, part)]))
+        part: jnp.asarray(ref.st.to_float32(*raw[tensor_name(1, part)]))
         for part in param_shapes(DIMS)
     }
 
@@ -104,9 +104,9 @@ def test_exported_head_drafts_like_specdraft_mtp_head(tmp_path, case, gpu):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["mtp_vocab_size"] == draft_vocab and cfg["num_nextn_predict_layers"] == 1
     # Test-only: the target's shared tensors beside the head, so today's loader takes it.
-    raw = ref.q.read_safetensors(folder / "model.safetensors")
+    raw = ref.st.read_safetensors(folder / "model.safetensors")
     shared = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-    ref.q.write_safetensors(out / "target.safetensors", {n: raw[n] for n in shared})
+    ref.st.write_safetensors(out / "target.safetensors", {n: raw[n] for n in shared})
 
     head = specdraft.MtpHead.from_checkpoint(out, gpu, mtp_vocab_size=draft_vocab)
     frozen = {"embed": jnp.asarray(numpy_head.embed), "lm_head": jnp.asarray(numpy_head.lm)}

@@ -262,3 +262,132 @@ def test_chitchat_turns_alternate_user_and_assistant(tmp_path):
         {"role": "assistant", "content": "hi"},
         {"role": "user", "content": "bye"},
     ]
+
+
+# --- The trained head beside its target -------------------------------------------------
+
+
+def _beside(opts: RunOptions, gpu):
+    import specdraft
+
+    model = specdraft.load_model(opts.target, gpu=gpu, max_rows=64, max_seq_len=256, kv_blocks=128)
+    head = specdraft.MtpHead.from_checkpoint(
+        opts.out, gpu, target=model, max_seq_len=256, main_kv_blocks=128
+    )
+    return model, head
+
+
+def test_the_trained_head_drafts_beside_its_target_without_changing_the_output(run, gpu):
+    import specdraft
+
+    opts, _ = run
+    model, head = _beside(opts, gpu)
+    assert head.shares_target and head.draft_vocab_size == DRAFT_VOCAB  # from config.json
+    check = specdraft.check_proposer(
+        head, gpu=gpu, vocab_size=model.vocab_size, hidden_size=model.config.hidden_size
+    )
+    assert check.ok, check.violations
+    tok = model.tokenizer
+    accepted = 0
+    for text in ["alpha beta gamma", "hello world again the cat sat on"]:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}])
+        prompt = tok.encode(chat)
+        (plain,) = specdraft.SpecEngine(model, None).generate([prompt], max_tokens=24)
+        engine = specdraft.SpecEngine(model, head, num_drafts=3)
+        (spec,) = engine.generate([prompt], max_tokens=24)
+        assert list(spec.tokens) == list(plain.tokens) and len(plain.tokens) > 0
+        accepted += spec.metrics["accepted"]
+        del engine
+    assert accepted > 0, "the trained head never had a draft accepted"
+    del head, model
+
+
+def _allocation_of(ptr: int, report) -> tuple[int, int, str] | None:
+    for p, n, tag in report:
+        if int(p) <= ptr < int(p) + n:
+            return int(p), n, tag
+    return None
+
+
+def test_beside_a_target_the_head_allocates_no_copy_of_the_embedding_or_lm_head(run, gpu):
+    import specdraft
+
+    opts, _ = run
+    model = specdraft.load_model(opts.target, gpu=gpu, max_rows=64, max_seq_len=256, kv_blocks=128)
+    before = [(int(p), n, tag) for p, n, tag in gpu.live_report()]
+    head = specdraft.MtpHead.from_checkpoint(
+        opts.out, gpu, target=model, max_seq_len=256, main_kv_blocks=128
+    )
+    new = [(int(p), n, tag) for p, n, tag in gpu.live_report() if (int(p), n, tag) not in before]
+    binding = head.circuit_draft(model.config, specdraft.ModelLevers())
+    slots = {w["name"]: w for w in binding["weights"]}
+    # The shared tensors are read where the target keeps them.
+    for name in ("embed_tokens", "target_final_norm", "lm_head"):
+        assert _allocation_of(int(slots[name]["ptr"]), before) is not None, name
+        assert _allocation_of(int(slots[name]["ptr"]), new) is None, name
+    # Everything the head allocated is its own: the file's tensors and its caches/scratch.
+    own_tensors = set(read_safetensors(opts.out / WEIGHTS_FILE))
+    strays = [(n, tag) for _, n, tag in new if tag not in own_tensors and not tag.startswith("mtp")]
+    assert not strays, strays
+    loaded = {tag for _, _, tag in new if tag in own_tensors}
+    assert loaded == own_tensors
+    del head
+    assert [(int(p), n, tag) for p, n, tag in gpu.live_report()] == before
+    del model
+
+
+def test_a_head_for_another_target_is_refused_naming_the_mismatch(run, gpu, tmp_path):
+    import shutil
+
+    import specdraft
+
+    opts, _ = run
+    model = specdraft.load_model(opts.target, gpu=gpu, max_rows=64, max_seq_len=256, kv_blocks=128)
+    for key, value in [("hidden_size", 96), ("vocab_size", model.vocab_size + 16)]:
+        folder = tmp_path / key
+        shutil.copytree(opts.out, folder)
+        config = json.loads((folder / "config.json").read_text())
+        theirs = config[key]
+        config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(specdraft.ConfigError) as caught:
+            specdraft.MtpHead.from_checkpoint(folder, gpu, target=model)
+        message = str(caught.value)
+        assert key in message and str(value) in message and str(theirs) in message, message
+        del caught
+    with pytest.raises(ValueError, match="pass gpu=model.gpu"):
+        specdraft.MtpHead.from_checkpoint(opts.out, specdraft.CpuBackend(), target=model)
+    with pytest.raises(TypeError, match="target must be a specdraft TargetModel"):
+        specdraft.MtpHead.from_checkpoint(opts.out, gpu, target="model")
+    del model
+
+
+def test_the_evaluation_measures_what_the_engine_measures(run, gpu):
+    """The trainer's held-out walk and the engine's greedy run over the same prompts.
+
+    Both verify greedily against the target's own continuation, so they meet the same
+    verify steps; they differ only where the trainer (float32) and the engine (BF16
+    activations) pick different drafts at a near-tie of the head's logits.
+    """
+    import specdraft
+
+    opts, report = run
+    model, head = _beside(opts, gpu)
+    index = json.loads((opts.cache / "index.json").read_text())
+    tokens = np.fromfile(opts.cache / "tokens.u32", dtype="<u4")
+    accepted_at = np.zeros(SETTINGS.steps)
+    verify_steps = 0
+    for s in (s for s in index["sequences"] if s["split"] == "eval"):
+        seq = [int(t) for t in tokens[s["offset"] : s["offset"] + s["length"]]]
+        prompt, continuation = seq[: s["start"]], seq[s["start"] :]
+        engine = specdraft.SpecEngine(model, head, num_drafts=SETTINGS.steps)
+        (r,) = engine.generate([prompt], max_tokens=len(continuation))
+        del engine
+        assert list(r.tokens) == continuation[: len(r.tokens)]
+        accepted_at += np.asarray(r.metrics["accepted_at"][: SETTINGS.steps], dtype=float)
+        verify_steps += r.metrics["verify_steps"]
+    acc = report["acceptance"]
+    assert verify_steps == pytest.approx(acc["engine_verify_steps"], rel=0.1)
+    engine_length = 1.0 + accepted_at.sum() / verify_steps
+    assert engine_length == pytest.approx(acc["engine_mean_acceptance_length"], abs=0.1)
+    del head, model

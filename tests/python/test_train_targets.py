@@ -25,7 +25,7 @@ def test_hidden_states_through_the_final_norm_and_head_give_the_reference_logits
     tokens = [1, 7, 33, 2, 79, 40, 40, 5, 12, 64, 3, 17, 21, 8, 70, 9, 11, 30]
     hidden = model.hidden_states(tokens)
     assert hidden.shape == (len(tokens), HIDDEN) and hidden.dtype == np.float32
-    assert model.kv_blocks_free == 8, "hidden_states() returns the KV blocks it used"
+    assert model.kv_blocks[1] == 8, "hidden_states() returns the KV blocks it used"
     w = read_target_weights(path)
     eps = model.config.rms_norm_eps
     normed = hidden / np.sqrt(np.mean(hidden * hidden, axis=-1, keepdims=True) + eps)
@@ -38,6 +38,6 @@ def test_hidden_states_through_the_final_norm_and_head_give_the_reference_logits
     assert model.hidden_states([]).shape == (0, HIDDEN)
     with pytest.raises(specdraft.SpecdraftError, match="outside the vocabulary"):
         model.hidden_states([3, VOCAB])
-    assert model.kv_blocks_free == 8
+    assert model.kv_blocks[1] == 8
     del model
     assert gpu.live_allocs == 0

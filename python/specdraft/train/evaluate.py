@@ -10,7 +10,9 @@ token at ``p + 1 + j``. Two summaries are printed:
   ``j + 1`` drafts are accepted, and the mean acceptance length ``1 + E[accepted]``
   (accepted drafts plus the target's own token);
 - *engine walk*: starting at the prompt's end and jumping ``accepted + 1`` positions after
-  each verify, as the engine does; its mean acceptance length is the engine's figure.
+  each verify, as the engine does; its mean acceptance length and acceptance by position
+  (the fraction of verify steps whose first ``j + 1`` drafts are accepted) are the
+  engine's figures.
 
 The head's KV holds target-hidden rows for every earlier position (what the engine holds
 with ``mtp_kv_exact`` on).
@@ -39,6 +41,7 @@ class Acceptance:
     by_position: list[float] = field(default_factory=list)
     mean_length: float = 0.0
     engine_mean_length: float = 0.0
+    engine_by_position: list[float] = field(default_factory=list)
     rows: int = 0
     verify_steps: int = 0
 
@@ -49,6 +52,7 @@ class Acceptance:
             "acceptance_by_position": [round(x, 4) for x in self.by_position],
             "mean_acceptance_length": round(self.mean_length, 4),
             "engine_mean_acceptance_length": round(self.engine_mean_length, 4),
+            "engine_acceptance_by_position": [round(x, 4) for x in self.engine_by_position],
             "base_positions": self.rows,
             "engine_verify_steps": self.verify_steps,
         }
@@ -67,14 +71,16 @@ def accepted_counts(drafts: np.ndarray, seq: np.ndarray, start: int) -> np.ndarr
     """Accepted drafts at each base position ``p`` in ``start .. len(seq) - 1``.
 
     ``drafts[j, p - 1]`` is draft ``j`` drafted after position ``p``; it is accepted while
-    it and all drafts before it equal ``seq[p + 1 + j]`` (drafts past the end never are).
+    it and all drafts before it equal ``seq[p + 1 + j]``. As the engine's draft budget at
+    ``max_tokens`` does, a verify leaves room for the target's own token: at most
+    ``len(seq) - 2 - p`` drafts count.
     """
     k = drafts.shape[0]
     n = len(seq)
     out = []
     for p in range(start, n - 1):
         a = 0
-        while a < k and p + 1 + a < n and int(drafts[a, p - 1]) == int(seq[p + 1 + a]):
+        while a < k and p + 2 + a < n and int(drafts[a, p - 1]) == int(seq[p + 1 + a]):
             a += 1
         out.append(a)
     return np.asarray(out, dtype=np.int64)
@@ -145,5 +151,7 @@ def evaluate(
         result.mean_length = 1.0 + float(np.mean(allc))
     result.verify_steps = len(walked)
     if walked:
-        result.engine_mean_length = 1.0 + float(np.mean(walked))
+        steps = np.asarray(walked)
+        result.engine_mean_length = 1.0 + float(np.mean(steps))
+        result.engine_by_position = [float(np.mean(steps >= j + 1)) for j in range(k)]
     return result

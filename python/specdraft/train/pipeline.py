@@ -73,6 +73,7 @@ def _card(opts: RunOptions, report: dict[str, Any]) -> str:
     acc = report["acceptance"]
     by_pos = ", ".join(f"{x:.1%}" for x in acc["acceptance_by_position"])
     cov = report["draft_vocab_coverage"]
+    licences = "; ".join(corpus.LICENCES.get(c, f"{c}: not stated") for c in opts.corpora)
     return f"""# MTP draft head for {report["target"]["name"]}
 
 A DeepSeek-V3-style multi-token-prediction module (one decoder layer; the target's
@@ -95,6 +96,8 @@ embedding, final norm and LM head are shared, not stored here) trained by
 - Held-out greedy acceptance at {acc["drafts"]} drafts: by position [{by_pos}], mean
   acceptance length {acc["mean_acceptance_length"]:.3f} (engine walk
   {acc["engine_mean_acceptance_length"]:.3f}).
+
+Data licences: {licences}.
 
 `report.json` holds every figure.
 """

@@ -105,7 +105,7 @@ impl MtpHead {
 /// `(n_group, topk_group)` from a `config.json` (`(1, 1)` when absent): the routed experts
 /// split into `n_group` equal groups, of which the `topk_group` best are kept. Values that do
 /// not describe such a split are errors naming the file.
-fn moe_groups(path: &Path, config: &ModelConfig) -> Result<(usize, usize), ConfigError> {
+pub(super) fn moe_groups(path: &Path, config: &ModelConfig) -> Result<(usize, usize), ConfigError> {
     let map = ModelConfig::read_json(path)?;
     let bad = |key: &str, message: String| ConfigError::InFile {
         path: path.display().to_string(),

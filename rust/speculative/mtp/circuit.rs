@@ -4,7 +4,7 @@
 //! A binding's `kind` is `mtp:<layout>` (`deepseek_v3`, `mimo`, `qwen3_next`) followed by
 //! `+target_postnorm` and/or `+chain_postnorm` when those levers are on. Slot names:
 //! `embed_tokens`, `target_final_norm`, `enorm`, `hnorm`, `eh_proj`, `final_norm`,
-//! `lm_head` (the draft-vocabulary rows), `rope_inv_freq` (f32 `[rotary_dim / 2]`), and
+//! `lm_head` (the draft-vocabulary rows; NVFP4, or the target's own when shared), `rope_inv_freq` (f32 `[rotary_dim / 2]`), and
 //! `layer.<hf name>` for the decoder layer (`layer.self_attn.q_proj`, `...q_proj.bias`,
 //! `layer.self_attn.q_norm`, `layer.input_layernorm`, `layer.mlp.gate_proj`, ...).
 //! NVFP4 weights are `U8` slots with the logical `[out, in]` shape, the FP8 block scales in
@@ -20,7 +20,7 @@
 //! what the head does.
 
 use super::forward::{Depth, HeadSpec, HiddenKind, Row, Scratch};
-use super::head::MtpHead;
+use super::head::{first_rows, MtpHead};
 use super::state::MtpState;
 use super::weights::{MtpLayout, MtpWeights};
 use crate::backend::{ArgmaxArgs, DevicePtr, Dtype, GpuBackend, GpuBackendExt};
@@ -93,7 +93,7 @@ impl MtpHead {
             dense_slot("final_norm", &w.final_norm),
             dense_slot("layer.input_layernorm", &l.attn_norm),
             dense_slot("layer.post_attention_layernorm", &l.ffn_norm),
-            quant_slot("lm_head", &s.lm_head),
+            linear_slot("lm_head", &s.lm_head),
             WeightSlot {
                 name: "rope_inv_freq".into(),
                 ptr: s.inv_freq,
@@ -253,9 +253,9 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
         layer,
         final_norm: dense("final_norm")?,
     };
-    let lm = need("lm_head")?;
-    let mut lm_head = quant(lm)?;
-    lm_head.out_features = b.draft_vocab_size.min(lm_head.out_features);
+    let lm_head = linear("lm_head")?;
+    let draft_vocab = b.draft_vocab_size.min(lm_head.dims().0);
+    let lm_head = first_rows(&lm_head, draft_vocab);
     let freq = need("rope_inv_freq")?;
     let mut config = ModelConfig::tiny(b.vocab_size);
     config.hidden_size = b.hidden_size;
@@ -271,7 +271,7 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
         weights,
         embed: dense("embed_tokens")?,
         target_final_norm: dense("target_final_norm")?,
-        draft_vocab: lm_head.out_features,
+        draft_vocab,
         lm_head,
         k_cache: b.k_cache,
         v_cache: b.v_cache,

@@ -13,15 +13,14 @@
 use super::state::DRAFTER_BLOCK_SIZE;
 use super::weights::MtpWeights;
 use crate::backend::{
-    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, GpuBackendExt, LinearArgs, LinearWeight,
-    RmsNormArgs, RopeStyle,
+    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, GpuBackendExt, RmsNormArgs, RopeStyle,
 };
 use crate::memory::{ArenaSlot, BufferArena, SlotSpec};
 use crate::model::layers::{
     decoder_layer, layer_slots, LayerCache, LayerDepth, LayerIo, LayerScratch, LayerShape,
     ScratchShape,
 };
-use crate::model::{DenseWeight, ModelConfig, ModelLevers, QuantizedWeight};
+use crate::model::{DenseWeight, Linear, ModelConfig, ModelLevers};
 
 /// Device scratch for one forward of up to `rows` rows: the decoder layer's, and the
 /// head's own around it.
@@ -176,8 +175,8 @@ pub(crate) struct HeadSpec {
     pub weights: MtpWeights,
     pub embed: DenseWeight,
     pub target_final_norm: DenseWeight,
-    /// `draft_vocab` rows.
-    pub lm_head: QuantizedWeight,
+    /// The LM head's first `draft_vocab` rows (an NVFP4 copy, or the target's own head).
+    pub lm_head: Linear,
     pub draft_vocab: usize,
     pub k_cache: DevicePtr,
     pub v_cache: DevicePtr,
@@ -307,22 +306,8 @@ impl HeadSpec {
         }
 
         rms_norm(sc.final_normed, sc.residual, &w.final_norm)?;
-        let lm = &self.lm_head;
-        gpu.linear(LinearArgs {
-            out: sc.logits,
-            out_dtype: Dtype::F32,
-            x: sc.final_normed,
-            weight: LinearWeight::Nvfp4 {
-                codes: lm.weight,
-                block_scales: lm.weight_scale,
-                global_scale: lm.weight_scale_2,
-            },
-            bias: None,
-            rows: r,
-            in_features: h,
-            out_features: self.draft_vocab,
-            stream,
-        })?;
+        self.lm_head
+            .forward(gpu, sc.logits, Dtype::F32, sc.final_normed, None, r, stream)?;
         Ok(())
     }
 

@@ -16,6 +16,7 @@ use crate::memory::BlockAllocator;
 use crate::model::layers::{rope_inv_freq, LayerShape};
 use crate::model::{
     DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelConfig, ModelLevers, QuantizedWeight,
+    TargetModel,
 };
 use crate::speculative::DraftRunner;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,6 +58,10 @@ pub struct MtpHead {
     pub(crate) device: Mutex<Vec<DevicePtr>>,
     /// Weights loaded by `from_checkpoint` (and the memory above, once adopted): freed on drop.
     pub(crate) owned: Option<DeviceAllocations>,
+    /// The target whose embedding, final norm and LM head the head reads in place, when it
+    /// was loaded beside one ([`MtpHead::from_checkpoint_for_target`]): held so that memory
+    /// outlives the head.
+    pub(crate) target: Option<Arc<TargetModel>>,
     pub(crate) runner: RwLock<Option<Arc<dyn DraftRunner>>>,
 }
 
@@ -126,8 +131,48 @@ impl MtpHead {
             weights,
             embed_tokens,
             target_final_norm,
-            lm_head_nvfp4,
-            lm_head_nvfp4_t,
+            Linear::Nvfp4(lm_head_nvfp4),
+            lm_head_nvfp4_t.map(|(t, n)| (Linear::Nvfp4(t), n)),
+            config,
+            quant,
+            mtp_vocab_size,
+            max_seq_len,
+            main_kv_blocks,
+            levers,
+        );
+        if result.is_err() {
+            owned.free_all();
+        }
+        result
+    }
+
+    /// [`MtpHead::new`] with an LM head of any storage (the target's own, shared), and
+    /// drafts from its first `mtp_vocab_size` rows (all when 0).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn with_lm_head(
+        weights: MtpWeights,
+        embed_tokens: DenseWeight,
+        target_final_norm: DenseWeight,
+        lm_head: Linear,
+        config: &ModelConfig,
+        gpu: &dyn GpuBackend,
+        quant: MtpQuantization,
+        mtp_vocab_size: u32,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: &ModelLevers,
+    ) -> crate::Result<Self> {
+        let mut owned = Owned {
+            gpu,
+            ptrs: Vec::new(),
+        };
+        let result = Self::build(
+            &mut owned,
+            weights,
+            embed_tokens,
+            target_final_norm,
+            lm_head,
+            None,
             config,
             quant,
             mtp_vocab_size,
@@ -147,8 +192,8 @@ impl MtpHead {
         mut weights: MtpWeights,
         embed: DenseWeight,
         target_final_norm: DenseWeight,
-        lm_head: QuantizedWeight,
-        lm_head_t: Option<(QuantizedWeight, u32)>,
+        lm_head: Linear,
+        lm_head_t: Option<(Linear, u32)>,
         config: &ModelConfig,
         quant: MtpQuantization,
         mtp_vocab_size: u32,
@@ -160,30 +205,29 @@ impl MtpHead {
         let (h, vocab) = (config.hidden_size, config.vocab_size);
         let (kvh, hd) = (config.num_key_value_heads, config.head_dim);
         check_weights(&weights, &embed, &target_final_norm, config)?;
-        if lm_head.in_features != h || lm_head.out_features > vocab || lm_head.out_features == 0 {
+        let (lm_rows, lm_cols) = lm_head.dims();
+        if lm_cols != h || lm_rows > vocab || lm_rows == 0 {
             return Err(invalid(format!(
-                "lm_head_nvfp4 is [{}, {}]; expected [rows <= vocab_size {vocab}, hidden_size {h}]",
-                lm_head.out_features, lm_head.in_features
+                "lm_head is [{lm_rows}, {lm_cols}]; expected [rows <= vocab_size {vocab}, hidden_size {h}]"
             )));
         }
-        let (mut head, draft_vocab) = match lm_head_t {
+        let (head, draft_vocab) = match lm_head_t {
             Some((t, n)) => {
-                if t.in_features != h || t.out_features != n as usize || n == 0 {
+                let (rows, cols) = t.dims();
+                if cols != h || rows != n as usize || n == 0 {
                     return Err(invalid(format!(
-                        "lm_head_nvfp4_t is [{}, {}] with {n} rows declared; expected [{n}, {h}]",
-                        t.out_features, t.in_features
+                        "lm_head_nvfp4_t is [{rows}, {cols}] with {n} rows declared; expected [{n}, {h}]"
                     )));
                 }
                 (t, n as usize)
             }
-            None if mtp_vocab_size == 0 => (lm_head.clone(), lm_head.out_features),
-            None if mtp_vocab_size as usize <= lm_head.out_features => {
+            None if mtp_vocab_size == 0 => (lm_head.clone(), lm_rows),
+            None if mtp_vocab_size as usize <= lm_rows => {
                 (lm_head.clone(), mtp_vocab_size as usize)
             }
             None => {
                 return Err(invalid(format!(
-                    "mtp_vocab_size {mtp_vocab_size} exceeds the LM head's {} rows",
-                    lm_head.out_features
+                    "mtp_vocab_size {mtp_vocab_size} exceeds the LM head's {lm_rows} rows"
                 )))
             }
         };
@@ -192,8 +236,7 @@ impl MtpHead {
                 "the draft vocabulary ({draft_vocab}) exceeds vocab_size {vocab}"
             )));
         }
-        // Row-major NVFP4: the first n rows are a prefix of both buffers.
-        head.out_features = draft_vocab;
+        let head = first_rows(&head, draft_vocab);
         if max_seq_len == 0 || main_kv_blocks == 0 {
             return Err(invalid(format!(
                 "max_seq_len ({max_seq_len}) and main_kv_blocks ({main_kv_blocks}) must be positive"
@@ -242,6 +285,7 @@ impl MtpHead {
             max_seq_len,
             device: Mutex::new(std::mem::take(&mut owned.ptrs)),
             owned: None,
+            target: None,
             runner: RwLock::new(None),
         })
     }
@@ -379,6 +423,27 @@ fn check_weights(
         )));
     }
     Ok(())
+}
+
+/// The first `n` rows of a row-major `[out, in]` projection, read in place: every storage
+/// keeps a row's data (and its block scales) contiguous and in row order, so a prefix of
+/// each buffer is the smaller matrix.
+pub(crate) fn first_rows(lin: &Linear, n: usize) -> Linear {
+    match lin {
+        Linear::Dense(w) => {
+            let mut shape = w.shape.clone();
+            shape[0] = n;
+            Linear::Dense(DenseWeight { ptr: w.ptr, shape })
+        }
+        Linear::Nvfp4(q) => Linear::Nvfp4(QuantizedWeight {
+            out_features: n,
+            ..q.clone()
+        }),
+        Linear::Fp8(q) => Linear::Fp8(Fp8Weight {
+            out_features: n,
+            ..q.clone()
+        }),
+    }
 }
 
 /// Re-stores one dense projection as `quant` asks (NVFP4 or FP8 copies owned by the head).

@@ -5,7 +5,8 @@
 //! One file per job: [`nvfp4`] and [`fp8`] (quantization), [`weights`] (weights and checkpoint layouts),
 //! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations
 //! around the model layer's decoder layer), `head` (construction), `draft` (the draft loop),
-//! `proposer` (the `DraftProposer` methods), `checkpoint` (loading from a checkpoint folder)
+//! `proposer` (the `DraftProposer` methods), `checkpoint` (loading from a checkpoint folder),
+//! `shared` (loading a head beside its target, sharing the target's embedding and LM head)
 //! and `circuit` (the circuit binding and the reference runner).
 //!
 //! Invariants: every drafter row at RoPE position p pairs the token at p with the target
@@ -22,6 +23,7 @@ pub mod fp8;
 mod head;
 pub mod nvfp4;
 mod proposer;
+mod shared;
 mod state;
 pub mod weights;
 
