@@ -15,6 +15,8 @@
 //! [`testing`] holds `TableTarget`, a deterministic stand-in target for tests and examples.
 
 mod conversation;
+mod cost_model;
+mod draft_policy;
 mod error;
 mod grammar;
 mod metrics;
@@ -29,6 +31,8 @@ pub mod testing;
 mod verify;
 
 pub use conversation::{CarriedKv, Conversation};
+pub use cost_model::{CostCurve, CostCurves, CostModel, FixedCost, MeasuredCost};
+pub use draft_policy::DraftPolicyKind;
 pub use error::{EngineError, Stage};
 pub use grammar::GrammarMatcher;
 pub use metrics::Metrics;

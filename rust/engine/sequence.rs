@@ -9,6 +9,7 @@
 //! - Every resource (`kv`, `state`, `hidden_rows`, the prefill capture, carried blocks) is released
 //!   exactly once, by the engine's `release`, whatever ended the sequence.
 
+use super::draft_policy::SequenceDraftStats;
 use super::error::Stage;
 use super::{CarriedKv, EngineError, FinishReason, GrammarMatcher, Metrics, SamplingParams};
 use crate::backend::DevicePtr;
@@ -74,6 +75,8 @@ pub(super) struct EngineSequence<K> {
     pub released: bool,
     /// Whether `start` ran (sequences wait for a free slot under `max_batch`).
     pub admitted: bool,
+    /// The draft policy's estimates for this sequence.
+    pub draft_stats: SequenceDraftStats,
 }
 
 impl<K> EngineSequence<K> {

@@ -28,10 +28,11 @@
 //!   the sequence ended.
 //! - A result's tokens are exactly the tokens emitted after its prompt.
 
+use super::draft_policy::{DraftPolicy, DraftPolicyKind};
 use super::error::Stage;
 use super::sequence::EngineSequence;
 use super::{
-    CarriedKv, Conversation, EngineError, FinishReason, GenerateRequest, GenerateResult,
+    CarriedKv, Conversation, CostModel, EngineError, FinishReason, GenerateRequest, GenerateResult,
     Generation, Metrics, Target,
 };
 use crate::backend::{DevicePtr, GpuBackend};
@@ -54,6 +55,7 @@ pub struct SpecEngine<T: Target> {
     pub(super) num_drafts: usize,
     pub(super) levers: ModelLevers,
     pub(super) max_batch: usize,
+    pub(super) draft_policy: DraftPolicy,
 }
 
 impl<T: Target> Clone for SpecEngine<T> {
@@ -64,6 +66,7 @@ impl<T: Target> Clone for SpecEngine<T> {
             num_drafts: self.num_drafts,
             levers: self.levers,
             max_batch: self.max_batch,
+            draft_policy: self.draft_policy.clone(),
         }
     }
 }
@@ -89,6 +92,7 @@ impl<T: Target> SpecEngine<T> {
             num_drafts,
             levers: ModelLevers::default(),
             max_batch: usize::MAX,
+            draft_policy: DraftPolicy::default(),
         })
     }
 
@@ -104,6 +108,25 @@ impl<T: Target> SpecEngine<T> {
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch.max(1);
         self
+    }
+
+    /// The same engine choosing draft counts by `kind` (adaptive by default); the cost
+    /// model and the running acceptance figures start afresh.
+    pub fn with_draft_policy(mut self, kind: DraftPolicyKind) -> Self {
+        self.draft_policy = DraftPolicy::new(kind, self.draft_policy.cost.clone());
+        self
+    }
+
+    /// The same engine reading the adaptive policy's costs from `cost` (by default, what
+    /// it measures as it runs); the running acceptance figures start afresh.
+    pub fn with_cost_model(mut self, cost: Arc<dyn CostModel>) -> Self {
+        self.draft_policy = DraftPolicy::new(self.draft_policy.kind, cost);
+        self
+    }
+
+    /// The rule that picks each step's draft count.
+    pub fn draft_policy(&self) -> DraftPolicyKind {
+        self.draft_policy.kind
     }
 
     /// The target model.
@@ -279,6 +302,7 @@ impl<T: Target> SpecEngine<T> {
             carry_out: None,
             released: false,
             admitted: false,
+            draft_stats: Default::default(),
         };
         if let Err(e) = checked {
             seq.fail(e.into());

@@ -15,6 +15,7 @@
 //!   entered the sequence: drafts accepted past an EOS are not counted, so the proposer's
 //!   state (carried into a conversation's next turn) never runs ahead of the sequence.
 
+use super::draft_policy::batch_groups;
 use super::error::Stage;
 use super::sequence::{grammar_of, EngineSequence};
 use super::{verify, EngineError, FinishReason, Metrics, SpecEngine, Target, Verdict};
@@ -57,6 +58,8 @@ impl<T: Target> SpecEngine<T> {
             let wants = |i: usize, s: &EngineSequence<T::KvSequence>| {
                 s.active() && s.state.is_some() && budgets[i] > 0
             };
+            let may: Vec<bool> = seqs.iter().enumerate().map(|(i, s)| wants(i, s)).collect();
+            let asked = self.plan_drafts(seqs, &budgets, |i| may[i]);
             let mut single = Vec::new();
             let mut batchable = Vec::new();
             for (i, s) in seqs.iter().enumerate().filter(|(i, s)| wants(*i, s)) {
@@ -68,9 +71,9 @@ impl<T: Target> SpecEngine<T> {
             }
             let batch_max = prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1);
             if batch_max > 1 {
-                for group in batchable.chunks(batch_max) {
-                    if !self.propose_group(prop.as_ref(), group, &budgets, seqs, ctx) {
-                        single.extend_from_slice(group);
+                for group in batch_groups(&batchable, &asked, batch_max) {
+                    if !self.propose_group(prop.as_ref(), &group, &asked, seqs, ctx) {
+                        single.extend_from_slice(&group);
                     }
                 }
             } else {
@@ -78,13 +81,15 @@ impl<T: Target> SpecEngine<T> {
             }
             single.sort_unstable();
             for i in single {
-                self.propose_one(prop.as_ref(), &mut seqs[i], budgets[i], ctx);
+                self.propose_one(prop.as_ref(), &mut seqs[i], asked[i], ctx);
             }
         }
         total.draft_time += t_draft.elapsed();
 
         let t_verify = Instant::now();
         let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].active()).collect();
+        let returned: Vec<usize> = seqs.iter().map(|s| s.drafts.len()).collect();
+        let step_rows: usize = live.iter().map(|&i| 1 + returned[i]).sum();
         let max_rows = self.max_rows();
         let mut proposer_time = Duration::ZERO;
         let mut chunk: Vec<usize> = Vec::new();
@@ -105,8 +110,10 @@ impl<T: Target> SpecEngine<T> {
         if self.levers.mtp_kv_exact {
             proposer_time += self.catchup(seqs, ctx);
         }
-        total.verify_time += t_verify.elapsed().saturating_sub(proposer_time);
+        let verify_time = t_verify.elapsed().saturating_sub(proposer_time);
+        total.verify_time += verify_time;
         total.draft_time += proposer_time;
+        self.observe_step(seqs, &returned, step_rows, verify_time);
     }
 
     /// One `propose_batch` call for `group`; false when the caller should propose per

@@ -1,0 +1,428 @@
+//! How many drafts to ask of each sequence each step.
+//!
+//! [`DraftPolicyKind::Fixed`] asks for the whole budget every step (`num_drafts`, less
+//! what `max_tokens`, the context and a forward's rows leave room for).
+//! [`DraftPolicyKind::Adaptive`] (the default) picks, for each sequence, the count (0 to
+//! its budget) that maximises the step's expected tokens per second:
+//! - expected tokens of asking `k`: `1 + sum_{j<=k} prod_{m<=j} f_m * p_m`, where `p_m` is
+//!   the sequence's estimated acceptance at draft position `m` given the earlier drafts
+//!   were accepted, and `f_m` the estimated chance that the proposer returns a draft at
+//!   position `m` when asked (a lookup often returns fewer than asked);
+//! - expected seconds: the verify cost at the step's expected rows plus each sequence's
+//!   drafting cost at its count, both read from a [`CostModel`] measured on the running
+//!   backend;
+//! - the counts of a step's sequences share one forward, so they are chosen together,
+//!   one sequence at a time against the others' current choice, until none changes.
+//!
+//! Estimates are decayed counts: a sequence's own (recent steps weigh most) shrunk
+//! towards the engine's running figure for the same proposer, which starts optimistic.
+//!
+//! Invariants:
+//! - The policy only changes how many drafts are asked for, never what is verified or
+//!   emitted: greedy output is the same under either policy.
+//! - A count is never above the sequence's budget. Asking for 0 still calls `propose`
+//!   (with `num_drafts` 0), so a proposer that keeps the token history sees every token.
+//! - Cold start drafts: with no verify cost measured the whole budget is asked; with one
+//!   row count measured the next step measures the other end (the whole budget, or none)
+//!   so the cost's slope is known before the policy relies on it.
+//! - A sequence turned down to 0 is probed with 1 draft after `PROBE_FIRST` idle steps,
+//!   the wait doubling (up to `PROBE_MAX`) while probes fail, so it recovers when its text
+//!   becomes predictable; no probe is made where even a sure draft would not pay.
+//! - Choices are a pure function of the cost curves and the recorded outcomes: with a
+//!   fixed cost model ([`super::FixedCost`]) a run is exactly reproducible.
+
+use super::cost_model::{CostCurves, CostModel, MeasuredCost};
+use super::sequence::EngineSequence;
+use super::{EngineError, SpecEngine, Target};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Acceptance assumed at the first draft position before anything is measured.
+const COLD_ACCEPTANCE: f64 = 0.7;
+/// Pseudo-observations of the prior behind each estimate.
+const PRIOR_WEIGHT: f64 = 2.0;
+/// Share of a sequence's counts kept at each of its drafting steps (about 7 steps count).
+const SEQUENCE_KEEP: f64 = 0.85;
+/// Share of the engine's counts kept at each observation (about 200 observations count).
+const ENGINE_KEEP: f64 = 0.995;
+/// Idle steps before the first probe of a sequence turned down to 0.
+const PROBE_FIRST: usize = 4;
+/// The longest wait between probes.
+const PROBE_MAX: usize = 64;
+/// Rounds of choosing each sequence's count against the others'.
+const ROUNDS: usize = 4;
+
+/// Which rule picks the draft count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DraftPolicyKind {
+    /// The count that maximises expected tokens per second (see the module documentation).
+    #[default]
+    Adaptive,
+    /// Always the whole budget.
+    Fixed,
+}
+
+impl DraftPolicyKind {
+    /// The name used on the command line and in Python.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DraftPolicyKind::Adaptive => "adaptive",
+            DraftPolicyKind::Fixed => "fixed",
+        }
+    }
+}
+
+impl std::fmt::Display for DraftPolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for DraftPolicyKind {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self, EngineError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "adaptive" => Ok(DraftPolicyKind::Adaptive),
+            "fixed" => Ok(DraftPolicyKind::Fixed),
+            _ => Err(EngineError::InvalidArgument {
+                what: "draft_policy",
+                message: format!("{s:?} (expected \"adaptive\" or \"fixed\")"),
+            }),
+        }
+    }
+}
+
+/// Decayed hit and try counts by draft position (index 0 is the first draft).
+#[derive(Clone, Debug, Default)]
+struct PositionCounts {
+    hits: Vec<f64>,
+    tries: Vec<f64>,
+}
+
+impl PositionCounts {
+    fn decay(&mut self, keep: f64) {
+        self.hits.iter_mut().for_each(|x| *x *= keep);
+        self.tries.iter_mut().for_each(|x| *x *= keep);
+    }
+
+    fn add(&mut self, pos: usize, hit: bool) {
+        if self.tries.len() <= pos {
+            self.hits.resize(pos + 1, 0.0);
+            self.tries.resize(pos + 1, 0.0);
+        }
+        self.tries[pos] += 1.0;
+        if hit {
+            self.hits[pos] += 1.0;
+        }
+    }
+
+    /// The rate at `pos`, shrunk towards `prior` by [`PRIOR_WEIGHT`] pseudo-observations.
+    fn estimate(&self, pos: usize, prior: f64) -> f64 {
+        let hits = self.hits.get(pos).copied().unwrap_or(0.0);
+        let tries = self.tries.get(pos).copied().unwrap_or(0.0);
+        (hits + PRIOR_WEIGHT * prior) / (tries + PRIOR_WEIGHT)
+    }
+
+    /// Records one step that asked for `asked`, got `returned` and had `accepted` of
+    /// them accepted: acceptance into `accept`, the proposer's returns into `fill`.
+    fn observe(
+        accept: &mut Self,
+        fill: &mut Self,
+        asked: usize,
+        returned: usize,
+        accepted: usize,
+    ) {
+        for j in 0..returned.min(accepted + 1) {
+            accept.add(j, j < accepted);
+        }
+        for j in 0..asked.min(returned + 1) {
+            fill.add(j, j < returned);
+        }
+    }
+}
+
+/// The engine's running figures for its proposer, shared by every sequence.
+#[derive(Debug, Default)]
+struct EnginePrior {
+    accept: PositionCounts,
+    fill: PositionCounts,
+}
+
+/// One sequence's policy state.
+#[derive(Clone, Debug, Default)]
+pub(super) struct SequenceDraftStats {
+    accept: PositionCounts,
+    fill: PositionCounts,
+    /// Steps since the last one that asked for drafts.
+    idle: usize,
+    /// Idle steps before the next probe (0: not yet set, [`PROBE_FIRST`]).
+    probe_every: usize,
+    probing: bool,
+    /// This step's choice, until it is observed.
+    asked: Option<usize>,
+    /// The sequence's drafting time when this step's choice was made.
+    draft_mark: Duration,
+}
+
+impl SequenceDraftStats {
+    fn probe_every(&self) -> usize {
+        if self.probe_every == 0 {
+            PROBE_FIRST
+        } else {
+            self.probe_every
+        }
+    }
+}
+
+/// One sequence the policy chooses for: its budget and its state.
+pub(super) struct Candidate<'a> {
+    pub budget: usize,
+    pub stats: &'a SequenceDraftStats,
+}
+
+/// The policy an engine runs, with its cost model and running figures (shared by the
+/// engine's clones).
+#[derive(Clone)]
+pub(super) struct DraftPolicy {
+    pub kind: DraftPolicyKind,
+    pub cost: Arc<dyn CostModel>,
+    prior: Arc<Mutex<EnginePrior>>,
+}
+
+impl Default for DraftPolicy {
+    fn default() -> Self {
+        DraftPolicy::new(DraftPolicyKind::default(), Arc::new(MeasuredCost::default()))
+    }
+}
+
+/// Cumulative expected tokens gained and rows added by asking for `k` drafts, `k` = 0..=budget.
+struct Outlook {
+    gain: Vec<f64>,
+    rows: Vec<f64>,
+    draft: Vec<f64>,
+}
+
+impl DraftPolicy {
+    pub fn new(kind: DraftPolicyKind, cost: Arc<dyn CostModel>) -> Self {
+        DraftPolicy {
+            kind,
+            cost,
+            prior: Arc::new(Mutex::new(EnginePrior::default())),
+        }
+    }
+
+    fn prior(&self) -> std::sync::MutexGuard<'_, EnginePrior> {
+        // Plain counters: a panic elsewhere cannot leave them inconsistent.
+        self.prior.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The count for each candidate; `other_rows` rows of this step's forward belong to
+    /// sequences that do not draft.
+    pub fn choose(&self, candidates: &[Candidate<'_>], other_rows: usize) -> Vec<usize> {
+        let budgets = || candidates.iter().map(|c| c.budget).collect();
+        if self.kind == DraftPolicyKind::Fixed || candidates.is_empty() {
+            return budgets();
+        }
+        let curves = self.cost.curves();
+        let base_rows = other_rows + candidates.len();
+        match curves.verify.len() {
+            0 => return budgets(),
+            1 if curves.verify.first_x() == Some(base_rows) => return budgets(),
+            1 => return vec![0; candidates.len()],
+            _ => {}
+        }
+        let outlooks: Vec<Outlook> = {
+            let prior = self.prior();
+            candidates
+                .iter()
+                .map(|c| outlook(c, &prior, &curves))
+                .collect()
+        };
+        let verify = |rows: f64| curves.verify.at(rows).unwrap_or(0.0);
+        let rate = |tokens: f64, rows: f64, draft: f64| tokens / (verify(rows) + draft).max(1e-12);
+        let mut k = vec![0usize; candidates.len()];
+        let mut tokens = base_rows as f64;
+        let mut rows = base_rows as f64;
+        let mut draft: f64 = outlooks.iter().map(|o| o.draft[0]).sum();
+        for _ in 0..ROUNDS {
+            let mut changed = false;
+            for (i, o) in outlooks.iter().enumerate() {
+                tokens -= o.gain[k[i]];
+                rows -= o.rows[k[i]];
+                draft -= o.draft[k[i]];
+                let mut best = 0;
+                let mut best_rate = rate(tokens, rows, draft + o.draft[0]);
+                for n in 1..o.gain.len() {
+                    let r = rate(tokens + o.gain[n], rows + o.rows[n], draft + o.draft[n]);
+                    if r > best_rate * (1.0 + 1e-9) {
+                        best = n;
+                        best_rate = r;
+                    }
+                }
+                changed |= best != k[i];
+                k[i] = best;
+                tokens += o.gain[best];
+                rows += o.rows[best];
+                draft += o.draft[best];
+            }
+            if !changed {
+                break;
+            }
+        }
+        // Probes: a sequence idle long enough gets one draft, if one sure draft would pay.
+        for (i, (c, o)) in candidates.iter().zip(&outlooks).enumerate() {
+            if k[i] != 0 || c.budget == 0 || c.stats.idle < c.stats.probe_every() {
+                continue;
+            }
+            let now = rate(tokens, rows, draft);
+            let sure = rate(tokens + 1.0, rows + 1.0, draft - o.draft[0] + o.draft[1]);
+            if sure > now {
+                k[i] = 1;
+                tokens += 1.0;
+                rows += 1.0;
+                draft += o.draft[1] - o.draft[0];
+            }
+        }
+        k
+    }
+
+    /// Records the outcome of a step in which `stats`' sequence asked for its chosen count,
+    /// got `returned` drafts and had `accepted` of them accepted.
+    pub fn observe(&self, stats: &mut SequenceDraftStats, returned: usize, accepted: usize) {
+        let Some(asked) = stats.asked.take() else {
+            return;
+        };
+        if asked == 0 {
+            stats.idle += 1;
+            return;
+        }
+        let probe = std::mem::take(&mut stats.probing);
+        stats.idle = 0;
+        stats.accept.decay(SEQUENCE_KEEP);
+        stats.fill.decay(SEQUENCE_KEEP);
+        PositionCounts::observe(
+            &mut stats.accept,
+            &mut stats.fill,
+            asked,
+            returned,
+            accepted,
+        );
+        {
+            let mut prior = self.prior();
+            let EnginePrior { accept, fill } = &mut *prior;
+            accept.decay(ENGINE_KEEP);
+            fill.decay(ENGINE_KEEP);
+            PositionCounts::observe(accept, fill, asked, returned, accepted);
+        }
+        if accepted > 0 {
+            stats.probe_every = PROBE_FIRST;
+        } else if probe {
+            stats.probe_every = (stats.probe_every() * 2).min(PROBE_MAX);
+        }
+    }
+}
+
+/// What asking `candidate` for each count would gain and cost.
+fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, curves: &CostCurves) -> Outlook {
+    let s = candidate.stats;
+    let n = candidate.budget;
+    let (mut gain, mut rows) = (vec![0.0; n + 1], vec![0.0; n + 1]);
+    let (mut engine_p, mut engine_f) = (COLD_ACCEPTANCE, 1.0);
+    let (mut p, mut f) = (0.0, 0.0);
+    let (mut reach_row, mut reach_gain) = (1.0, 1.0);
+    for j in 0..n {
+        engine_p = prior.accept.estimate(j, engine_p);
+        engine_f = prior.fill.estimate(j, engine_f);
+        // Past the first position the sequence's own figure at the position before counts
+        // as much as the engine's at this one.
+        let (prior_p, prior_f) = if j == 0 {
+            (engine_p, engine_f)
+        } else {
+            ((engine_p + p) / 2.0, (engine_f + f) / 2.0)
+        };
+        p = s.accept.estimate(j, prior_p);
+        f = s.fill.estimate(j, prior_f);
+        reach_row *= f;
+        reach_gain *= f * p;
+        rows[j + 1] = rows[j] + reach_row;
+        gain[j + 1] = gain[j] + reach_gain;
+    }
+    let draft = (0..=n)
+        .map(|k| curves.draft.at(k as f64).unwrap_or(0.0))
+        .collect();
+    Outlook { gain, rows, draft }
+}
+
+/// Splits the sequences that propose together into `propose_batch` groups: equal counts
+/// together (one call asks one count of all), at most `batch_max` a group, in order.
+pub(super) fn batch_groups(batchable: &[usize], asked: &[usize], batch_max: usize) -> Vec<Vec<usize>> {
+    let mut sorted = batchable.to_vec();
+    sorted.sort_by_key(|&i| (asked[i], i));
+    let mut groups = Vec::new();
+    for run in sorted.chunk_by(|&a, &b| asked[a] == asked[b]) {
+        groups.extend(run.chunks(batch_max.max(1)).map(<[usize]>::to_vec));
+    }
+    groups
+}
+
+impl<T: Target> SpecEngine<T> {
+    /// This step's draft count for every sequence (0 where `may_draft` is false), recorded
+    /// in each drafting sequence's metrics and policy state.
+    pub(super) fn plan_drafts(
+        &self,
+        seqs: &mut [EngineSequence<T::KvSequence>],
+        budgets: &[usize],
+        may_draft: impl Fn(usize) -> bool,
+    ) -> Vec<usize> {
+        let drafting: Vec<usize> = (0..seqs.len()).filter(|&i| may_draft(i)).collect();
+        let others = seqs.iter().filter(|s| s.active()).count() - drafting.len();
+        let candidates: Vec<Candidate<'_>> = drafting
+            .iter()
+            .map(|&i| Candidate {
+                budget: budgets[i],
+                stats: &seqs[i].draft_stats,
+            })
+            .collect();
+        let chosen = self.draft_policy.choose(&candidates, others);
+        let mut asked = vec![0; seqs.len()];
+        for (&i, &k) in drafting.iter().zip(&chosen) {
+            let seq = &mut seqs[i];
+            asked[i] = k;
+            seq.draft_stats.asked = Some(k);
+            seq.draft_stats.draft_mark = seq.metrics.draft_time;
+            seq.draft_stats.probing = k > 0 && seq.draft_stats.idle >= seq.draft_stats.probe_every();
+            seq.metrics.record_draft_length(k);
+        }
+        asked
+    }
+
+    /// Feeds a finished step back: the verify step's `rows` and `verify_time`, and each
+    /// planned sequence's drafting time and outcome (`returned[i]` drafts went to verify;
+    /// what is left in `drafts` was accepted).
+    pub(super) fn observe_step(
+        &self,
+        seqs: &mut [EngineSequence<T::KvSequence>],
+        returned: &[usize],
+        rows: usize,
+        verify_time: Duration,
+    ) {
+        let policy = &self.draft_policy;
+        if rows > 0 {
+            policy.cost.record_verify(rows, verify_time.as_secs_f64());
+        }
+        for (seq, &got) in seqs.iter_mut().zip(returned) {
+            let Some(asked) = seq.draft_stats.asked else {
+                continue;
+            };
+            if seq.error.is_some() || !seq.proposed {
+                seq.draft_stats.asked = None;
+                continue;
+            }
+            let spent = seq.metrics.draft_time.saturating_sub(seq.draft_stats.draft_mark);
+            policy.cost.record_draft(asked, spent.as_secs_f64());
+            let accepted = seq.drafts.len();
+            policy.observe(&mut seq.draft_stats, got, accepted);
+        }
+    }
+}
