@@ -9,10 +9,10 @@ use engine_common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{DevicePtr, GpuBackend};
+use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
     CostCurve, CostCurves, DraftPolicyKind, FixedCost, GenerateRequest, SpecEngine,
 };
-use specdraft::engine::testing::TableTarget;
 use specdraft::model::ForwardContext;
 use specdraft::speculative::{DraftProposer, PromptLookup, ProposerState};
 use specdraft::Result;
@@ -144,7 +144,10 @@ fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
         "random drafter still asked after learning: {later:?}"
     );
     let oracle = mixed.asks_of(10);
-    assert!(oracle.iter().all(|a| a.1 > 0), "oracle turned down: {oracle:?}");
+    assert!(
+        oracle.iter().all(|a| a.1 > 0),
+        "oracle turned down: {oracle:?}"
+    );
     // Once its first verdicts are in, it is asked for all it may (the last step's budget
     // is cut by max_tokens).
     let settled = &oracle[2..oracle.len() - 1];
@@ -295,8 +298,14 @@ fn greedy_output_is_the_same_with_the_policy_on_or_off() {
 
 #[test]
 fn the_policy_names_parse_and_a_bad_one_is_refused() {
-    assert_eq!("adaptive".parse::<DraftPolicyKind>().unwrap(), DraftPolicyKind::Adaptive);
-    assert_eq!(" Fixed ".parse::<DraftPolicyKind>().unwrap(), DraftPolicyKind::Fixed);
+    assert_eq!(
+        "adaptive".parse::<DraftPolicyKind>().unwrap(),
+        DraftPolicyKind::Adaptive
+    );
+    assert_eq!(
+        " Fixed ".parse::<DraftPolicyKind>().unwrap(),
+        DraftPolicyKind::Fixed
+    );
     let e = "greedy".parse::<DraftPolicyKind>().unwrap_err().to_string();
     assert!(e.contains("draft_policy") && e.contains("greedy"), "{e}");
 }

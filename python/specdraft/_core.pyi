@@ -773,8 +773,9 @@ class GenerationResult:
     def metrics(self) -> dict[str, Any]:
         """Acceptance and timing figures (a dict): drafted, accepted, verify_steps, emitted,
         decode_tokens, prompt_tokens, mean_acceptance_length, acceptance_rate,
-        acceptance_by_position, drafted_at, accepted_at, draft_time_s, verify_time_s,
-        prefill_time_s, wall_time_s, tokens_per_s.
+        acceptance_by_position, drafted_at, accepted_at, draft_lengths (steps that asked
+        for k drafts at index k), draft_time_s, verify_time_s, prefill_time_s, wall_time_s,
+        tokens_per_s.
         """
 
 _Messages: TypeAlias = Sequence[dict[str, str]]
@@ -817,11 +818,16 @@ class Conversation:
 @final
 class SpecEngine:
     """`SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-    max_batch=None)`: speculative decoding on a target model with an optional proposer.
+    max_batch=None, draft_policy="adaptive")`: speculative decoding on a target model with
+    an optional proposer.
 
     `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
     a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
     variables; `max_batch` bounds the sequences that run at once (the others wait).
+    `draft_policy` is `"adaptive"` (each step, each sequence is asked for the draft count,
+    up to `num_drafts`, that maximises expected tokens per second from its measured
+    acceptance and the measured cost of drafting and verifying) or `"fixed"` (always
+    `num_drafts`).
     """
 
     def __new__(
@@ -833,7 +839,11 @@ class SpecEngine:
         tokenizer: Any | None = None,
         levers: ModelLevers | None = None,
         max_batch: int | None = None,
+        draft_policy: str = "adaptive",
     ) -> Self: ...
+    @property
+    def draft_policy(self) -> str:
+        """The rule that picks each step's draft count: "adaptive" or "fixed"."""
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

@@ -126,13 +126,7 @@ impl PositionCounts {
 
     /// Records one step that asked for `asked`, got `returned` and had `accepted` of
     /// them accepted: acceptance into `accept`, the proposer's returns into `fill`.
-    fn observe(
-        accept: &mut Self,
-        fill: &mut Self,
-        asked: usize,
-        returned: usize,
-        accepted: usize,
-    ) {
+    fn observe(accept: &mut Self, fill: &mut Self, asked: usize, returned: usize, accepted: usize) {
         for j in 0..returned.min(accepted + 1) {
             accept.add(j, j < accepted);
         }
@@ -192,7 +186,10 @@ pub(super) struct DraftPolicy {
 
 impl Default for DraftPolicy {
     fn default() -> Self {
-        DraftPolicy::new(DraftPolicyKind::default(), Arc::new(MeasuredCost::default()))
+        DraftPolicy::new(
+            DraftPolicyKind::default(),
+            Arc::new(MeasuredCost::default()),
+        )
     }
 }
 
@@ -356,7 +353,11 @@ fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, curves: &CostCurves) 
 
 /// Splits the sequences that propose together into `propose_batch` groups: equal counts
 /// together (one call asks one count of all), at most `batch_max` a group, in order.
-pub(super) fn batch_groups(batchable: &[usize], asked: &[usize], batch_max: usize) -> Vec<Vec<usize>> {
+pub(super) fn batch_groups(
+    batchable: &[usize],
+    asked: &[usize],
+    batch_max: usize,
+) -> Vec<Vec<usize>> {
     let mut sorted = batchable.to_vec();
     sorted.sort_by_key(|&i| (asked[i], i));
     let mut groups = Vec::new();
@@ -391,7 +392,8 @@ impl<T: Target> SpecEngine<T> {
             asked[i] = k;
             seq.draft_stats.asked = Some(k);
             seq.draft_stats.draft_mark = seq.metrics.draft_time;
-            seq.draft_stats.probing = k > 0 && seq.draft_stats.idle >= seq.draft_stats.probe_every();
+            seq.draft_stats.probing =
+                k > 0 && seq.draft_stats.idle >= seq.draft_stats.probe_every();
             seq.metrics.record_draft_length(k);
         }
         asked
@@ -419,10 +421,125 @@ impl<T: Target> SpecEngine<T> {
                 seq.draft_stats.asked = None;
                 continue;
             }
-            let spent = seq.metrics.draft_time.saturating_sub(seq.draft_stats.draft_mark);
+            let spent = seq
+                .metrics
+                .draft_time
+                .saturating_sub(seq.draft_stats.draft_mark);
             policy.cost.record_draft(asked, spent.as_secs_f64());
             let accepted = seq.drafts.len();
             policy.observe(&mut seq.draft_stats, got, accepted);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cost_model::{CostCurve, FixedCost};
+    use super::*;
+
+    fn policy(verify: &[(usize, f64)]) -> DraftPolicy {
+        let curves = CostCurves {
+            verify: CostCurve::from_points(verify.iter().copied()),
+            draft: CostCurve::default(),
+        };
+        DraftPolicy::new(DraftPolicyKind::Adaptive, Arc::new(FixedCost(curves)))
+    }
+
+    fn fresh(budgets: &[usize]) -> (Vec<SequenceDraftStats>, Vec<usize>) {
+        (
+            vec![SequenceDraftStats::default(); budgets.len()],
+            budgets.to_vec(),
+        )
+    }
+
+    fn choose(
+        p: &DraftPolicy,
+        stats: &[SequenceDraftStats],
+        budgets: &[usize],
+        others: usize,
+    ) -> Vec<usize> {
+        let c: Vec<Candidate<'_>> = stats
+            .iter()
+            .zip(budgets)
+            .map(|(stats, &budget)| Candidate { budget, stats })
+            .collect();
+        p.choose(&c, others)
+    }
+
+    #[test]
+    fn cold_start_drafts_then_measures_the_other_end() {
+        let (stats, budgets) = fresh(&[4, 2]);
+        // Nothing measured: the whole budget.
+        assert_eq!(choose(&policy(&[]), &stats, &budgets, 1), vec![4, 2]);
+        // Measured only at the full-draft row count: a plain step next.
+        assert_eq!(
+            choose(&policy(&[(9, 1.0)]), &stats, &budgets, 1),
+            vec![0, 0]
+        );
+        // Measured only at the plain row count (3 = 2 drafting + 1 other): draft.
+        assert_eq!(
+            choose(&policy(&[(3, 1.0)]), &stats, &budgets, 1),
+            vec![4, 2]
+        );
+        let fixed = DraftPolicy::new(DraftPolicyKind::Fixed, Arc::new(FixedCost::default()));
+        assert_eq!(choose(&fixed, &stats, &budgets, 0), vec![4, 2]);
+    }
+
+    #[test]
+    fn the_count_follows_acceptance_against_the_row_cost() {
+        // One row 1.0 s, each more 0.25 s: a draft pays when accepted more than 1 in 4.
+        let p = policy(&[(1, 1.0), (2, 1.25)]);
+        let mut stats = SequenceDraftStats::default();
+        // Always accepted: the whole budget.
+        for _ in 0..6 {
+            stats.asked = Some(4);
+            p.observe(&mut stats, 4, 4);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![4]);
+        // A fresh policy and a sequence whose first draft is always rejected: none.
+        let p = policy(&[(1, 1.0), (2, 1.25)]);
+        let mut stats = SequenceDraftStats::default();
+        for _ in 0..6 {
+            stats.asked = Some(4);
+            p.observe(&mut stats, 4, 0);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
+        // Idle long enough, it is probed with one draft; a failed probe doubles the wait.
+        for _ in 0..PROBE_FIRST {
+            stats.asked = Some(0);
+            p.observe(&mut stats, 0, 0);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![1]);
+        stats.asked = Some(1);
+        stats.probing = true;
+        p.observe(&mut stats, 1, 0);
+        assert_eq!(stats.probe_every(), 2 * PROBE_FIRST);
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
+    }
+
+    #[test]
+    fn a_proposer_that_returns_nothing_costs_no_rows() {
+        // A row costs half a plain step, drafting is free. A proposer that returns 4 right
+        // drafts one step in 4 and none otherwise pays: counted as 4 rows every step for an
+        // expected 1 token it would not (3 s for 2 tokens against 1 s for 1).
+        let p = policy(&[(1, 1.0), (2, 1.5)]);
+        let mut stats = SequenceDraftStats::default();
+        for step in 0..40 {
+            stats.asked = Some(4);
+            if step % 4 == 0 {
+                p.observe(&mut stats, 4, 4);
+            } else {
+                p.observe(&mut stats, 0, 0);
+            }
+        }
+        assert!(choose(&p, std::slice::from_ref(&stats), &[4], 0)[0] > 0);
+    }
+
+    #[test]
+    fn batch_groups_hold_equal_counts_in_order() {
+        let asked = [2, 0, 2, 4, 2, 2, 0];
+        let groups = batch_groups(&[0, 1, 2, 3, 4, 5, 6], &asked, 3);
+        assert_eq!(groups, vec![vec![1, 6], vec![0, 2, 4], vec![5], vec![3]]);
+        assert!(batch_groups(&[], &asked, 3).is_empty());
     }
 }

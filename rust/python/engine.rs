@@ -18,7 +18,7 @@ use super::generation::{
 };
 use super::model::PyModelLevers;
 use super::target_model::PyTargetModel;
-use crate::engine::{Metrics, SpecEngine};
+use crate::engine::{DraftPolicyKind, EngineError, Metrics, SpecEngine};
 use crate::model::{ModelLevers, TargetModel};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -26,11 +26,16 @@ use pyo3::types::{PyDict, PyString};
 use std::sync::{Arc, Mutex};
 
 /// `SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-/// max_batch=None)`: speculative decoding on a target model with an optional proposer.
+/// max_batch=None, draft_policy="adaptive")`: speculative decoding on a target model with
+/// an optional proposer.
 ///
 /// `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
 /// a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
 /// variables; `max_batch` bounds the sequences that run at once (the others wait).
+/// `draft_policy` is `"adaptive"` (each step, each sequence is asked for the draft count,
+/// up to `num_drafts`, that maximises expected tokens per second from its measured
+/// acceptance and the measured cost of drafting and verifying) or `"fixed"` (always
+/// `num_drafts`).
 #[pyclass(name = "SpecEngine", module = "specdraft", frozen)]
 pub struct PySpecEngine {
     pub(super) engine: SpecEngine<TargetModel>,
@@ -73,7 +78,7 @@ impl PySpecEngine {
 #[pymethods]
 impl PySpecEngine {
     #[new]
-    #[pyo3(signature = (model, proposer = None, num_drafts = 4, *, tokenizer = None, levers = None, max_batch = None))]
+    #[pyo3(signature = (model, proposer = None, num_drafts = 4, *, tokenizer = None, levers = None, max_batch = None, draft_policy = "adaptive"))]
     fn new(
         model: &Bound<'_, PyAny>,
         proposer: Option<&Bound<'_, PyAny>>,
@@ -81,7 +86,11 @@ impl PySpecEngine {
         tokenizer: Option<Bound<'_, PyAny>>,
         levers: Option<PyModelLevers>,
         max_batch: Option<usize>,
+        draft_policy: &str,
     ) -> PyResult<Self> {
+        let policy: DraftPolicyKind = draft_policy
+            .parse()
+            .map_err(|e: EngineError| to_pyerr(&e.into()))?;
         let model = model.cast::<PyTargetModel>().map_err(|_| {
             PyTypeError::new_err(format!(
                 "model must be a specdraft.TargetModel (from specdraft.load_model), got {}",
@@ -96,7 +105,8 @@ impl PySpecEngine {
         };
         let mut engine = SpecEngine::new(target, rust, num_drafts)
             .py()?
-            .with_levers(levers);
+            .with_levers(levers)
+            .with_draft_policy(policy);
         if let Some(n) = max_batch {
             engine = engine.with_max_batch(n);
         }
@@ -205,6 +215,12 @@ impl PySpecEngine {
         self.engine.num_drafts()
     }
 
+    /// The rule that picks each step's draft count: "adaptive" or "fixed".
+    #[getter]
+    fn draft_policy(&self) -> &'static str {
+        self.engine.draft_policy().as_str()
+    }
+
     /// The proposer object given at construction, or None.
     #[getter]
     fn proposer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
@@ -224,13 +240,14 @@ impl PySpecEngine {
 
     fn __repr__(&self) -> String {
         format!(
-            "SpecEngine(proposer={}, num_drafts={})",
+            "SpecEngine(proposer={}, num_drafts={}, draft_policy={:?})",
             if self.engine.proposer().is_some() {
                 "yes"
             } else {
                 "None"
             },
-            self.engine.num_drafts()
+            self.engine.num_drafts(),
+            self.engine.draft_policy().as_str()
         )
     }
 }
