@@ -3,12 +3,12 @@
 //! sequence, each measured on the running backend and refreshed as it runs.
 //!
 //! A [`CostCurve`] keeps an exponentially weighted mean of the measured seconds for each
-//! integer abscissa (rows, or drafts asked) and reads between and beyond them:
-//! - between measured points it interpolates linearly;
-//! - the curve it reads is the running maximum of the measured means from the left, so a
-//!   noisy measurement never makes more rows look cheaper than fewer;
-//! - beyond the measured range it extends the slope of the two nearest points (never
-//!   negative, never below zero); with one point it is flat; with none it is unknown.
+//! integer abscissa (rows, or drafts asked) and reads the straight line fitted through those
+//! means by least squares, each weighing as many measurements as it holds (up to
+//! [`FIT_WEIGHT_CAP`]): on a shared, noisy machine one point's noise would otherwise decide
+//! the slope between neighbours, which is all the policy acts on. The slope is never
+//! negative and the cost never below zero; with one point the curve is flat; with none it is
+//! unknown.
 //!
 //! [`CostModel`] is the seam tests use: the engine records what it measured and reads a
 //! snapshot ([`CostCurves`]) once a step, so a test model that ignores the records and
@@ -17,17 +17,22 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+/// Most measurements one point weighs in the fit.
+pub const FIT_WEIGHT_CAP: f64 = 16.0;
+
 /// Measured cost (seconds) against an integer abscissa.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CostCurve {
-    points: BTreeMap<usize, f64>,
+    /// Mean seconds and measurements held, by abscissa.
+    points: BTreeMap<usize, (f64, f64)>,
 }
 
 impl CostCurve {
-    /// A curve through fixed `(x, seconds)` points (a later duplicate `x` wins).
+    /// A curve through fixed `(x, seconds)` points (a later duplicate `x` wins), each
+    /// weighing one measurement.
     pub fn from_points(points: impl IntoIterator<Item = (usize, f64)>) -> Self {
         CostCurve {
-            points: points.into_iter().collect(),
+            points: points.into_iter().map(|(x, y)| (x, (y, 1.0))).collect(),
         }
     }
 
@@ -39,8 +44,11 @@ impl CostCurve {
         }
         self.points
             .entry(x)
-            .and_modify(|m| *m += weight * (seconds - *m))
-            .or_insert(seconds);
+            .and_modify(|(m, n)| {
+                *m += weight * (seconds - *m);
+                *n = (*n + 1.0).min(FIT_WEIGHT_CAP);
+            })
+            .or_insert((seconds, 1.0));
     }
 
     /// Distinct abscissas measured.
@@ -58,32 +66,31 @@ impl CostCurve {
         self.points.keys().next().copied()
     }
 
+    /// The fitted line's `(intercept, slope)`; `None` when nothing was measured.
+    pub fn line(&self) -> Option<(f64, f64)> {
+        let (mut sw, mut sx, mut sy) = (0.0, 0.0, 0.0);
+        for (&x, &(y, w)) in &self.points {
+            sw += w;
+            sx += w * x as f64;
+            sy += w * y;
+        }
+        if sw == 0.0 {
+            return None;
+        }
+        let (mx, my) = (sx / sw, sy / sw);
+        let (mut sxx, mut sxy) = (0.0, 0.0);
+        for (&x, &(y, w)) in &self.points {
+            let dx = x as f64 - mx;
+            sxx += w * dx * dx;
+            sxy += w * dx * (y - my);
+        }
+        let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+        Some((my - slope * mx, slope))
+    }
+
     /// The cost at `x` (see the module documentation); `None` when nothing was measured.
     pub fn at(&self, x: f64) -> Option<f64> {
-        let mut envelope: Vec<(f64, f64)> = Vec::with_capacity(self.points.len());
-        let mut top = f64::NEG_INFINITY;
-        for (&px, &py) in &self.points {
-            top = top.max(py);
-            envelope.push((px as f64, top));
-        }
-        let n = envelope.len();
-        match n {
-            0 => return None,
-            1 => return Some(envelope[0].1),
-            _ => {}
-        }
-        let line = |(x0, y0): (f64, f64), (x1, y1): (f64, f64)| {
-            let slope = ((y1 - y0) / (x1 - x0)).max(0.0);
-            move |x: f64| (y0 + slope * (x - x0)).max(0.0)
-        };
-        if x <= envelope[0].0 {
-            return Some(line(envelope[0], envelope[1])(x));
-        }
-        if x >= envelope[n - 1].0 {
-            return Some(line(envelope[n - 2], envelope[n - 1])(x));
-        }
-        let hi = envelope.partition_point(|&(px, _)| px < x);
-        Some(line(envelope[hi - 1], envelope[hi])(x))
+        self.line().map(|(a, b)| (a + b * x).max(0.0))
     }
 }
 
@@ -171,21 +178,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_curve_interpolates_extends_and_never_falls() {
+    fn a_curve_is_the_weighted_line_through_its_means() {
         let empty = CostCurve::default();
         assert_eq!(empty.at(3.0), None);
         let one = CostCurve::from_points([(4, 2.0)]);
         assert_eq!((one.at(1.0), one.at(9.0)), (Some(2.0), Some(2.0)));
-        // 1 -> 1.0, 3 -> 2.0, 5 -> 1.5 (noise): read as 2.0 at 5.
-        let c = CostCurve::from_points([(1, 1.0), (3, 2.0), (5, 1.5)]);
-        assert_eq!(c.at(2.0), Some(1.5));
-        assert_eq!(c.at(4.0), Some(2.0));
-        assert_eq!(c.at(7.0), Some(2.0));
-        // Below the first point the first slope (0.5 a row) goes on, down to zero.
-        assert_eq!(c.at(0.0), Some(0.5));
+        // On a line: read back exactly, and extended both ways.
+        let c = CostCurve::from_points([(1, 1.0), (3, 2.0), (5, 3.0)]);
+        assert_eq!(c.line(), Some((0.5, 0.5)));
+        assert_eq!((c.at(2.0), c.at(9.0)), (Some(1.5), Some(5.0)));
+        // Falling costs read as flat; a steep line stops at zero.
+        let falling = CostCurve::from_points([(1, 2.0), (2, 1.0)]);
+        assert_eq!((falling.at(1.0), falling.at(2.0)), (Some(1.5), Some(1.5)));
         let steep = CostCurve::from_points([(2, 1.0), (3, 5.0)]);
-        assert_eq!(steep.at(0.0), Some(0.0));
-        assert_eq!(steep.at(5.0), Some(13.0));
+        assert_eq!((steep.at(0.0), steep.at(5.0)), (Some(0.0), Some(13.0)));
+        // A point measured more often weighs more: 3 measurements at 1 s against one 3 s.
+        let mut w = CostCurve::default();
+        for _ in 0..3 {
+            w.record(2, 1.0, 0.5);
+        }
+        w.record(4, 3.0, 0.5);
+        w.record(6, 3.0, 0.5);
+        // Weighted means x 3.2, y 1.8; sxx 12.8, sxy 7.2: slope 0.5625, intercept 0.
+        let (a, b) = w.line().unwrap();
+        assert!((b - 0.5625).abs() < 1e-12 && a.abs() < 1e-12, "{a} {b}");
     }
 
     #[test]

@@ -27,7 +27,9 @@
 //!   so the cost's slope is known before the policy relies on it.
 //! - A sequence turned down to 0 is probed with 1 draft after `PROBE_FIRST` idle steps,
 //!   the wait doubling (up to `PROBE_MAX`) while probes fail, so it recovers when its text
-//!   becomes predictable; no probe is made where even a sure draft would not pay.
+//!   becomes predictable; no probe is made where even a sure draft would not pay. A new
+//!   sequence starts with the engine's wait (doubled by every failed probe, reset by every
+//!   accepted one), so a drafter that is never right is not probed afresh each request.
 //! - Choices are a pure function of the cost curves and the recorded outcomes: with a
 //!   fixed cost model ([`super::FixedCost`]) a run is exactly reproducible.
 
@@ -141,6 +143,8 @@ impl PositionCounts {
 struct EnginePrior {
     accept: PositionCounts,
     fill: PositionCounts,
+    /// The wait a new sequence starts with (0: [`PROBE_FIRST`]).
+    probe_every: usize,
 }
 
 /// One sequence's policy state.
@@ -150,23 +154,13 @@ pub(super) struct SequenceDraftStats {
     fill: PositionCounts,
     /// Steps since the last one that asked for drafts.
     idle: usize,
-    /// Idle steps before the next probe (0: not yet set, [`PROBE_FIRST`]).
+    /// Idle steps before the next probe (0: not yet set, the engine's).
     probe_every: usize,
     probing: bool,
     /// This step's choice, until it is observed.
     asked: Option<usize>,
     /// The sequence's drafting time when this step's choice was made.
     draft_mark: Duration,
-}
-
-impl SequenceDraftStats {
-    fn probe_every(&self) -> usize {
-        if self.probe_every == 0 {
-            PROBE_FIRST
-        } else {
-            self.probe_every
-        }
-    }
 }
 
 /// One sequence the policy chooses for: its budget and its state.
@@ -212,6 +206,20 @@ impl DraftPolicy {
     fn prior(&self) -> std::sync::MutexGuard<'_, EnginePrior> {
         // Plain counters: a panic elsewhere cannot leave them inconsistent.
         self.prior.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Idle steps before `stats`' sequence is probed.
+    pub fn probe_wait(&self, stats: &SequenceDraftStats) -> usize {
+        match (stats.probe_every, self.prior().probe_every) {
+            (0, 0) => PROBE_FIRST,
+            (0, engine) => engine,
+            (own, _) => own,
+        }
+    }
+
+    /// Whether `stats`' sequence is due a probe if it is turned down to 0 this step.
+    pub fn probe_due(&self, stats: &SequenceDraftStats) -> bool {
+        stats.idle >= self.probe_wait(stats)
     }
 
     /// The count for each candidate; `other_rows` rows of this step's forward belong to
@@ -269,7 +277,7 @@ impl DraftPolicy {
         }
         // Probes: a sequence idle long enough gets one draft, if one sure draft would pay.
         for (i, (c, o)) in candidates.iter().zip(&outlooks).enumerate() {
-            if k[i] != 0 || c.budget == 0 || c.stats.idle < c.stats.probe_every() {
+            if k[i] != 0 || c.budget == 0 || !self.probe_due(c.stats) {
                 continue;
             }
             let now = rate(tokens, rows, draft);
@@ -307,15 +315,21 @@ impl DraftPolicy {
         );
         {
             let mut prior = self.prior();
-            let EnginePrior { accept, fill } = &mut *prior;
+            let EnginePrior { accept, fill, .. } = &mut *prior;
             accept.decay(ENGINE_KEEP);
             fill.decay(ENGINE_KEEP);
             PositionCounts::observe(accept, fill, asked, returned, accepted);
         }
-        if accepted > 0 {
-            stats.probe_every = PROBE_FIRST;
-        } else if probe {
-            stats.probe_every = (stats.probe_every() * 2).min(PROBE_MAX);
+        if accepted > 0 || probe {
+            let wait = if accepted > 0 {
+                PROBE_FIRST
+            } else {
+                (self.probe_wait(stats) * 2).min(PROBE_MAX)
+            };
+            stats.probe_every = wait;
+            if probe {
+                self.prior().probe_every = wait;
+            }
         }
     }
 }
@@ -392,8 +406,7 @@ impl<T: Target> SpecEngine<T> {
             asked[i] = k;
             seq.draft_stats.asked = Some(k);
             seq.draft_stats.draft_mark = seq.metrics.draft_time;
-            seq.draft_stats.probing =
-                k > 0 && seq.draft_stats.idle >= seq.draft_stats.probe_every();
+            seq.draft_stats.probing = k > 0 && self.draft_policy.probe_due(&seq.draft_stats);
             seq.metrics.record_draft_length(k);
         }
         asked
@@ -513,7 +526,12 @@ mod tests {
         stats.asked = Some(1);
         stats.probing = true;
         p.observe(&mut stats, 1, 0);
-        assert_eq!(stats.probe_every(), 2 * PROBE_FIRST);
+        assert_eq!(p.probe_wait(&stats), 2 * PROBE_FIRST);
+        // A new sequence starts with the wait the failed probe left.
+        assert_eq!(
+            p.probe_wait(&SequenceDraftStats::default()),
+            2 * PROBE_FIRST
+        );
         assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
     }
 
