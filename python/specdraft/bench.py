@@ -307,8 +307,13 @@ def run_model_bench(args: argparse.Namespace) -> int:
         widths = parse_widths(args.batch)
         policies = _policies(args.draft_policy)
         chosen = bench_prompts(args.prompts)
-        if args.max_tokens < 1 or args.num_drafts < 1 or args.repeat < 1:
-            raise ValueError("--max-tokens, --num-drafts and --repeat must be at least 1")
+        for option, value in [
+            ("--max-tokens", args.max_tokens),
+            ("--num-drafts", args.num_drafts),
+            ("--repeat", args.repeat),
+        ]:
+            if value < 1:
+                raise ValueError(f"{option} must be at least 1, got {value}")
         _check_plot_dependency(args.plot)
         model, device = load_for_bench(args, max(widths))
     except ImportError as e:
@@ -337,6 +342,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
                 )
                 runs.append(_Run(name, policy, width, engine))
     turn = 0
+    started = time.perf_counter()
     for pass_index in range(args.repeat):
         for r in runs:
             r.passes.append(_Pass())
@@ -355,7 +361,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
                 done = min(start + width, len(prompts))
                 _progress(
                     f"pass {pass_index + 1}/{args.repeat}, batch {width}: "
-                    f"{done}/{len(prompts)} prompts"
+                    f"{done}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)"
                 )
     rows = bench_rows(runs)
     if args.json:
