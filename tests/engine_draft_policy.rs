@@ -309,3 +309,127 @@ fn the_policy_names_parse_and_a_bad_one_is_refused() {
     let e = "greedy".parse::<DraftPolicyKind>().unwrap_err().to_string();
     assert!(e.contains("draft_policy") && e.contains("greedy"), "{e}");
 }
+
+/// Drafts the target's greedy continuation for two positions, then wrong tokens, reporting
+/// high confidence in the first two and almost none in the rest (through `propose_batch`).
+struct Confident {
+    oracle: Oracle,
+}
+
+impl DraftProposer for Confident {
+    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
+        self.oracle.alloc_state(gpu)
+    }
+    fn prefill_drafter(
+        &self,
+        prompt: &[u32],
+        h: DevicePtr,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> Result<usize> {
+        self.oracle.prefill_drafter(prompt, h, state, ctx, stream)
+    }
+    fn propose(
+        &self,
+        last: u32,
+        h: DevicePtr,
+        position: usize,
+        n: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        d: Option<DevicePtr>,
+        mask: Option<&[i32]>,
+        stack: Option<DevicePtr>,
+    ) -> Result<Vec<u32>> {
+        let mut drafts = self
+            .oracle
+            .propose(last, h, position, n, state, ctx, stream, d, mask, stack)?;
+        for t in drafts.iter_mut().skip(2) {
+            *t = (*t + 1) % VOCAB;
+        }
+        Ok(drafts)
+    }
+    fn propose_batch(
+        &self,
+        last: &[u32],
+        h: &[DevicePtr],
+        positions: &[usize],
+        n: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        let mut all = Vec::new();
+        for i in 0..last.len() {
+            let d = self.propose(
+                last[i],
+                h[i],
+                positions[i],
+                n,
+                &mut *states[i],
+                ctx,
+                stream,
+                None,
+                None,
+                None,
+            )?;
+            all.push(d);
+        }
+        if let Some(conf) = conf {
+            *conf = all
+                .iter()
+                .map(|d| {
+                    (0..d.len())
+                        .map(|j| if j < 2 { 0.95 } else { 0.02 })
+                        .collect()
+                })
+                .collect();
+        }
+        Ok(Some(all))
+    }
+    fn propose_batch_max(
+        &self,
+        _b: &specdraft::memory::BufferArena,
+        _c: &specdraft::model::ModelConfig,
+    ) -> usize {
+        8
+    }
+    fn after_verify(&self, a: usize, state: &mut dyn ProposerState, stream: u64) -> Result<()> {
+        self.oracle.after_verify(a, state, stream)
+    }
+}
+
+#[test]
+fn drafts_the_proposer_doubts_are_not_verified() {
+    let gpu = cpu();
+    let target = table(&gpu);
+    let confident: Arc<dyn DraftProposer> = Arc::new(Confident {
+        oracle: Oracle {
+            target: target.clone(),
+            fail: None,
+        },
+    });
+    let prompts = vec![request(10, 1).prompt, request(20, 1).prompt];
+    let want = baseline(&target, &prompts, 40);
+    let run = |kind| {
+        let engine = SpecEngine::new(target.clone(), Some(confident.clone()), NUM_DRAFTS)
+            .unwrap()
+            .with_draft_policy(kind)
+            .with_cost_model(linear_cost(0.75, 0.25, 0.01));
+        let g = engine.generate(requests(&prompts, 40));
+        let got: Vec<Vec<u32>> = g.results.iter().map(|r| r.tokens.clone()).collect();
+        assert_eq!(got, want, "{kind}");
+        g.metrics
+    };
+    // Fixed verifies the doubted drafts too, and they are rejected.
+    let fixed = run(DraftPolicyKind::Fixed);
+    assert!(fixed.accepted < fixed.drafted);
+    // Adaptive cuts each step's drafts after the two the proposer is sure of.
+    let adaptive = run(DraftPolicyKind::Adaptive);
+    assert!(adaptive.drafted > 0);
+    assert_eq!(adaptive.accepted, adaptive.drafted);
+    assert_eq!(adaptive.drafted_at.len(), 2);
+}

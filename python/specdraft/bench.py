@@ -291,6 +291,19 @@ def _check_plot_dependency(path: str | None) -> None:
         ) from None
 
 
+def _progress_ratios(group: list[_Run], pass_index: int) -> None:
+    """Each run's ratios to plain decoding over this pass so far (figures survive a stop)."""
+    base = next((r for r in group if r.proposer == BASELINE), None)
+    if base is None:
+        return
+    for r in group:
+        if r is base:
+            continue
+        f = _figures(r.passes[pass_index], base.passes[pass_index])
+        kinds = ", ".join(f"{k} {v['speedup']:.3f}x" for k, v in f["by_kind"].items())
+        _progress(f"  {r.proposer} ({r.policy}): {f['speedup']:.3f}x ({kinds})")
+
+
 def run_model_bench(args: argparse.Namespace) -> int:
     """``specdraft bench`` on a model (see the module documentation); the exit status."""
     from specdraft.bench_prompts import bench_prompts
@@ -363,6 +376,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
                     f"pass {pass_index + 1}/{args.repeat}, batch {width}: "
                     f"{done}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)"
                 )
+            _progress_ratios(group, pass_index)
     rows = bench_rows(runs)
     if args.json:
         report = {

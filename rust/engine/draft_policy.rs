@@ -10,7 +10,8 @@
 //!   position `m` when asked (a lookup often returns fewer than asked);
 //! - expected seconds: the verify cost at the step's expected rows plus each sequence's
 //!   drafting cost at its count, both read from a [`CostModel`] measured on the running
-//!   backend;
+//!   backend (a verify row is taken to cost at least `MIN_ROW_SHARE` of the plain
+//!   forward's cost a row, so noise cannot make a useless drafter look free);
 //! - the counts of a step's sequences share one forward, so they are chosen together,
 //!   one sequence at a time against the others' current choice, until none changes.
 //!
@@ -30,12 +31,15 @@
 //!   becomes predictable; no probe is made where even a sure draft would not pay. A new
 //!   sequence starts with the engine's wait (doubled by every failed probe, reset by every
 //!   accepted one), so a drafter that is never right is not probed afresh each request.
+//! - Where `propose_batch` reports its confidence in each draft, the drafts of a step are
+//!   cut where their calibrated chance of acceptance would not pay for their verify rows
+//!   (see `draft_confidence`).
 //! - Choices are a pure function of the cost curves and the recorded outcomes: with a
 //!   fixed cost model ([`super::FixedCost`]) a run is exactly reproducible.
 
 use super::cost_model::{CostCurves, CostModel, MeasuredCost};
-use super::sequence::EngineSequence;
-use super::{EngineError, SpecEngine, Target};
+use super::draft_confidence::Calibration;
+use super::EngineError;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -51,6 +55,8 @@ const ENGINE_KEEP: f64 = 0.995;
 const PROBE_FIRST: usize = 4;
 /// The longest wait between probes.
 const PROBE_MAX: usize = 64;
+/// The least a verify row is taken to cost, as a share of the base forward's cost a row.
+const MIN_ROW_SHARE: f64 = 0.05;
 /// Rounds of choosing each sequence's count against the others'.
 const ROUNDS: usize = 4;
 
@@ -145,6 +151,8 @@ struct EnginePrior {
     fill: PositionCounts,
     /// The wait a new sequence starts with (0: [`PROBE_FIRST`]).
     probe_every: usize,
+    /// How often drafts were accepted against the confidence the proposer reported.
+    calibration: Calibration,
 }
 
 /// One sequence's policy state.
@@ -156,11 +164,15 @@ pub(super) struct SequenceDraftStats {
     idle: usize,
     /// Idle steps before the next probe (0: not yet set, the engine's).
     probe_every: usize,
-    probing: bool,
+    pub(super) probing: bool,
     /// This step's choice, until it is observed.
-    asked: Option<usize>,
+    pub(super) asked: Option<usize>,
+    /// Tokens one more verify row must bring this step to pay for itself.
+    pub(super) min_gain: f64,
+    /// The proposer's confidence in each draft sent to verification (empty: none given).
+    confs: Vec<f32>,
     /// The sequence's drafting time when this step's choice was made.
-    draft_mark: Duration,
+    pub(super) draft_mark: Duration,
 }
 
 /// One sequence the policy chooses for: its budget and its state.
@@ -222,10 +234,11 @@ impl DraftPolicy {
         stats.idle >= self.probe_wait(stats)
     }
 
-    /// The count for each candidate; `other_rows` rows of this step's forward belong to
-    /// sequences that do not draft.
-    pub fn choose(&self, candidates: &[Candidate<'_>], other_rows: usize) -> Vec<usize> {
-        let budgets = || candidates.iter().map(|c| c.budget).collect();
+    /// The count for each candidate (`other_rows` rows of this step's forward belong to
+    /// sequences that do not draft), and the tokens one more verify row must bring at those
+    /// counts (0 where the policy does not judge rows: fixed, or costs not yet known).
+    pub fn plan(&self, candidates: &[Candidate<'_>], other_rows: usize) -> (Vec<usize>, f64) {
+        let budgets = || (candidates.iter().map(|c| c.budget).collect(), 0.0);
         if self.kind == DraftPolicyKind::Fixed || candidates.is_empty() {
             return budgets();
         }
@@ -234,7 +247,7 @@ impl DraftPolicy {
         match curves.verify.len() {
             0 => return budgets(),
             1 if curves.verify.first_x() == Some(base_rows) => return budgets(),
-            1 => return vec![0; candidates.len()],
+            1 => return (vec![0; candidates.len()], 0.0),
             _ => {}
         }
         let outlooks: Vec<Outlook> = {
@@ -244,7 +257,13 @@ impl DraftPolicy {
                 .map(|c| outlook(c, &prior, &curves))
                 .collect()
         };
-        let verify = |rows: f64| curves.verify.at(rows).unwrap_or(0.0);
+        // The fitted line, its slope no less than MIN_ROW_SHARE of the base forward's cost a
+        // row: measurement noise on a loaded machine can flatten the slope to nothing, and
+        // then any drafter, however rarely right, would look free.
+        let (intercept, slope) = curves.verify.line().unwrap_or((0.0, 0.0));
+        let base_cost = (intercept + slope * base_rows as f64).max(0.0);
+        let per_row = slope.max(MIN_ROW_SHARE * base_cost / base_rows as f64);
+        let verify = |rows: f64| (base_cost + per_row * (rows - base_rows as f64)).max(0.0);
         let rate = |tokens: f64, rows: f64, draft: f64| tokens / (verify(rows) + draft).max(1e-12);
         let mut k = vec![0usize; candidates.len()];
         let mut tokens = base_rows as f64;
@@ -289,7 +308,30 @@ impl DraftPolicy {
                 draft += o.draft[1] - o.draft[0];
             }
         }
-        k
+        (k, per_row * rate(tokens, rows, draft))
+    }
+
+    /// Cuts `drafts` where the proposer's calibrated confidence (`confs`, one a draft) says
+    /// the rest would not pay this step, and keeps the confidences of those sent on.
+    pub fn trim(
+        &self,
+        stats: &mut SequenceDraftStats,
+        drafts: &mut Vec<u32>,
+        confs: Option<&[f32]>,
+    ) {
+        stats.confs.clear();
+        let Some(confs) = confs.filter(|c| c.len() >= drafts.len()) else {
+            return;
+        };
+        if self.kind == DraftPolicyKind::Fixed {
+            return;
+        }
+        let keep = self
+            .prior()
+            .calibration
+            .keep(&confs[..drafts.len()], stats.min_gain);
+        drafts.truncate(keep);
+        stats.confs.extend_from_slice(&confs[..keep]);
     }
 
     /// Records the outcome of a step in which `stats`' sequence asked for its chosen count,
@@ -298,6 +340,7 @@ impl DraftPolicy {
         let Some(asked) = stats.asked.take() else {
             return;
         };
+        let confs = std::mem::take(&mut stats.confs);
         if asked == 0 {
             stats.idle += 1;
             return;
@@ -315,10 +358,19 @@ impl DraftPolicy {
         );
         {
             let mut prior = self.prior();
-            let EnginePrior { accept, fill, .. } = &mut *prior;
+            let EnginePrior {
+                accept,
+                fill,
+                calibration,
+                ..
+            } = &mut *prior;
             accept.decay(ENGINE_KEEP);
             fill.decay(ENGINE_KEEP);
             PositionCounts::observe(accept, fill, asked, returned, accepted);
+            let judged = returned.min(confs.len());
+            if judged > 0 {
+                calibration.observe(&confs[..judged], accepted);
+            }
         }
         if accepted > 0 || probe {
             let wait = if accepted > 0 {
@@ -365,86 +417,6 @@ fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, curves: &CostCurves) 
     Outlook { gain, rows, draft }
 }
 
-/// Splits the sequences that propose together into `propose_batch` groups: equal counts
-/// together (one call asks one count of all), at most `batch_max` a group, in order.
-pub(super) fn batch_groups(
-    batchable: &[usize],
-    asked: &[usize],
-    batch_max: usize,
-) -> Vec<Vec<usize>> {
-    let mut sorted = batchable.to_vec();
-    sorted.sort_by_key(|&i| (asked[i], i));
-    let mut groups = Vec::new();
-    for run in sorted.chunk_by(|&a, &b| asked[a] == asked[b]) {
-        groups.extend(run.chunks(batch_max.max(1)).map(<[usize]>::to_vec));
-    }
-    groups
-}
-
-impl<T: Target> SpecEngine<T> {
-    /// This step's draft count for every sequence (0 where `may_draft` is false), recorded
-    /// in each drafting sequence's metrics and policy state.
-    pub(super) fn plan_drafts(
-        &self,
-        seqs: &mut [EngineSequence<T::KvSequence>],
-        budgets: &[usize],
-        may_draft: impl Fn(usize) -> bool,
-    ) -> Vec<usize> {
-        let drafting: Vec<usize> = (0..seqs.len()).filter(|&i| may_draft(i)).collect();
-        let others = seqs.iter().filter(|s| s.active()).count() - drafting.len();
-        let candidates: Vec<Candidate<'_>> = drafting
-            .iter()
-            .map(|&i| Candidate {
-                budget: budgets[i],
-                stats: &seqs[i].draft_stats,
-            })
-            .collect();
-        let chosen = self.draft_policy.choose(&candidates, others);
-        let mut asked = vec![0; seqs.len()];
-        for (&i, &k) in drafting.iter().zip(&chosen) {
-            let seq = &mut seqs[i];
-            asked[i] = k;
-            seq.draft_stats.asked = Some(k);
-            seq.draft_stats.draft_mark = seq.metrics.draft_time;
-            seq.draft_stats.probing = k > 0 && self.draft_policy.probe_due(&seq.draft_stats);
-            seq.metrics.record_draft_length(k);
-        }
-        asked
-    }
-
-    /// Feeds a finished step back: the verify step's `rows` and `verify_time`, and each
-    /// planned sequence's drafting time and outcome (`returned[i]` drafts went to verify;
-    /// what is left in `drafts` was accepted).
-    pub(super) fn observe_step(
-        &self,
-        seqs: &mut [EngineSequence<T::KvSequence>],
-        returned: &[usize],
-        rows: usize,
-        verify_time: Duration,
-    ) {
-        let policy = &self.draft_policy;
-        if rows > 0 {
-            policy.cost.record_verify(rows, verify_time.as_secs_f64());
-        }
-        for (seq, &got) in seqs.iter_mut().zip(returned) {
-            let Some(asked) = seq.draft_stats.asked else {
-                continue;
-            };
-            if seq.error.is_some() || !seq.proposed {
-                seq.draft_stats.asked = None;
-                continue;
-            }
-            let spent = seq
-                .metrics
-                .draft_time
-                .saturating_sub(seq.draft_stats.draft_mark);
-            policy.cost.record_draft(asked, spent.as_secs_f64());
-            let accepted = seq.drafts.len();
-            policy.observe(&mut seq.draft_stats, got, accepted);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::cost_model::{CostCurve, FixedCost};
@@ -476,7 +448,7 @@ mod tests {
             .zip(budgets)
             .map(|(stats, &budget)| Candidate { budget, stats })
             .collect();
-        p.choose(&c, others)
+        p.plan(&c, others).0
     }
 
     #[test]
@@ -551,13 +523,5 @@ mod tests {
             }
         }
         assert!(choose(&p, std::slice::from_ref(&stats), &[4], 0)[0] > 0);
-    }
-
-    #[test]
-    fn batch_groups_hold_equal_counts_in_order() {
-        let asked = [2, 0, 2, 4, 2, 2, 0];
-        let groups = batch_groups(&[0, 1, 2, 3, 4, 5, 6], &asked, 3);
-        assert_eq!(groups, vec![vec![1, 6], vec![0, 2, 4], vec![5], vec![3]]);
-        assert!(batch_groups(&[], &asked, 3).is_empty());
     }
 }

@@ -16,6 +16,7 @@
 
 mod conversation;
 mod cost_model;
+mod draft_confidence;
 mod draft_policy;
 mod error;
 mod grammar;
@@ -26,6 +27,7 @@ mod request;
 mod sequence;
 mod spec_engine;
 mod step;
+mod step_drafts;
 mod target;
 pub mod testing;
 mod verify;

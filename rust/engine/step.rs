@@ -15,9 +15,9 @@
 //!   entered the sequence: drafts accepted past an EOS are not counted, so the proposer's
 //!   state (carried into a conversation's next turn) never runs ahead of the sequence.
 
-use super::draft_policy::batch_groups;
 use super::error::Stage;
 use super::sequence::{grammar_of, EngineSequence};
+use super::step_drafts::batch_groups;
 use super::{verify, EngineError, FinishReason, Metrics, SpecEngine, Target, Verdict};
 use crate::backend::{DevicePtr, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
@@ -139,6 +139,7 @@ impl<T: Target> SpecEngine<T> {
             member[i] = true;
         }
         let t = Instant::now();
+        let mut confs = Vec::new();
         let result = {
             let mut states: Vec<&mut dyn ProposerState> = seqs
                 .iter_mut()
@@ -157,17 +158,18 @@ impl<T: Target> SpecEngine<T> {
                 &mut states,
                 ctx,
                 DEFAULT_STREAM,
-                None,
+                self.wants_confidence().then_some(&mut confs),
             )
         };
         let share = t.elapsed() / group.len() as u32;
         match result {
             Ok(Some(drafts)) if drafts.len() == group.len() => {
-                for (&i, d) in group.iter().zip(drafts) {
+                for (k, (&i, d)) in group.iter().zip(drafts).enumerate() {
                     let seq = &mut seqs[i];
                     seq.metrics.draft_time += share;
                     seq.proposed = true;
                     self.take_drafts(seq, d, budgets[i], n_max, "propose_batch");
+                    self.trim_drafts(seq, confs.get(k).map(Vec::as_slice));
                 }
                 true
             }
