@@ -508,6 +508,19 @@ mod tests {
     }
 
     #[test]
+    fn a_flat_measured_cost_does_not_make_a_useless_drafter_free() {
+        // Noise flattened the measured slope: rows look free. A drafter rejected 50 times
+        // running still gets nothing, since a row costs at least a share of a plain row.
+        let p = policy(&[(1, 1.0), (2, 1.0), (3, 0.9)]);
+        let mut stats = SequenceDraftStats::default();
+        for _ in 0..50 {
+            stats.asked = Some(4);
+            p.observe(&mut stats, 4, 0);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
+    }
+
+    #[test]
     fn a_proposer_that_returns_nothing_costs_no_rows() {
         // A row costs half a plain step, drafting is free. A proposer that returns 4 right
         // drafts one step in 4 and none otherwise pays: counted as 4 rows every step for an
