@@ -7,7 +7,9 @@ mod engine_common;
 use engine_common::*;
 use specdraft::backend::{DevicePtr, GpuBackend};
 use specdraft::engine::testing::{decode_hidden, TableTarget};
-use specdraft::engine::{EngineError, GenerateRequest, GrammarMatcher, SpecEngine};
+use specdraft::engine::{
+    DraftPolicyKind, EngineError, GenerateRequest, GrammarMatcher, SpecEngine,
+};
 use specdraft::memory::BlockAllocator;
 use specdraft::model::ForwardContext;
 use specdraft::speculative::{DraftProposer, ProposerError, ProposerState};
@@ -255,7 +257,9 @@ fn converse(
         Some(echo.clone() as Arc<dyn DraftProposer>),
         3,
     )
-    .unwrap();
+    .unwrap()
+    // Runs compared step by step must ask for the same drafts.
+    .with_draft_policy(DraftPolicyKind::Fixed);
     let mut conv = engine.conversation();
     let mut out = Turns {
         replies: vec![],
@@ -296,7 +300,9 @@ fn carried_equals_rebuilt(shared: bool) {
         Some(fresh.clone() as Arc<dyn DraftProposer>),
         3,
     )
-    .unwrap();
+    .unwrap()
+    // Runs compared step by step must ask for the same drafts.
+    .with_draft_policy(DraftPolicyKind::Fixed);
     let mut history = Vec::new();
     for (i, t) in turns().iter().enumerate() {
         history.extend_from_slice(t);

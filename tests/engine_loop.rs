@@ -5,7 +5,9 @@ mod engine_common;
 
 use engine_common::*;
 use specdraft::engine::testing::TableTarget;
-use specdraft::engine::{FinishReason, GenerateRequest, SamplingParams, SpecEngine};
+use specdraft::engine::{
+    DraftPolicyKind, FinishReason, GenerateRequest, SamplingParams, SpecEngine,
+};
 use specdraft::model::ModelLevers;
 use specdraft::speculative::{DraftProposer, PromptLookup, ProposerState};
 use std::sync::{Arc, Mutex};
@@ -60,7 +62,9 @@ fn oracle_is_always_accepted_and_metrics_add_up() {
         })),
         4,
     )
-    .unwrap();
+    .unwrap()
+    // Exact step counts: the whole budget every step.
+    .with_draft_policy(DraftPolicyKind::Fixed);
     let g = engine.generate(vec![GenerateRequest::new(vec![1, 2, 3], 21)]);
     let r = &g.results[0];
     assert_eq!(r.tokens.len(), 21);
@@ -92,6 +96,8 @@ fn calls_follow_the_protocol_order_with_mtp_pairing() {
     ));
     let engine = SpecEngine::new(target.clone(), Some(rec.clone()), 2)
         .unwrap()
+        // The exact call log: the whole budget every step.
+        .with_draft_policy(DraftPolicyKind::Fixed)
         .with_levers(ModelLevers {
             mtp_kv_exact: true,
             ..ModelLevers::default()
@@ -171,7 +177,11 @@ fn batched_generation_equals_each_alone() {
     let mut rec = Recorder::new(Arc::new(PromptLookup::default()), gpu.clone());
     rec.batch_max = 3;
     let rec = Arc::new(rec);
-    let engine = SpecEngine::new(target.clone(), Some(rec.clone()), 4).unwrap();
+    // Sampled output follows the drafts asked for (rejection sampling draws per draft), so
+    // batched and alone runs must ask for the same ones.
+    let engine = SpecEngine::new(target.clone(), Some(rec.clone()), 4)
+        .unwrap()
+        .with_draft_policy(DraftPolicyKind::Fixed);
     let sampled = |i: usize| SamplingParams {
         temperature: 0.8,
         top_p: 0.9,

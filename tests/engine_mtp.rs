@@ -215,7 +215,9 @@ fn carried_mtp_kv_drafts_like_a_head_rebuilt_from_scratch() {
         3,
     )
     .unwrap()
-    .with_levers(levers);
+    .with_levers(levers)
+    // Drafts compared step by step: the whole budget every step.
+    .with_draft_policy(specdraft::engine::DraftPolicyKind::Fixed);
     let turns: Vec<Vec<u32>> = vec![vec![1, 2, 3, 4, 5, 1, 2], vec![9, 8, 1, 2], vec![3, 3, 4]];
     let mut conv = engine.conversation();
     let mut carried = Vec::new();

@@ -11,7 +11,7 @@ mod stats;
 
 use specdraft::backend::{CpuBackend, GpuBackend};
 use specdraft::engine::testing::TableTarget;
-use specdraft::engine::{argmax, GenerateRequest, SamplingParams, SpecEngine};
+use specdraft::engine::{argmax, DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
 use specdraft::speculative::DraftProposer;
 use stats::{chi_square, reference, Fit};
 use std::collections::BTreeMap;
@@ -56,7 +56,10 @@ fn generate(
     s: SamplingParams,
     n: u64,
 ) -> Tables {
-    let engine = SpecEngine::new(target.clone(), proposer, 3).unwrap();
+    // Every step drafts the full count, so both draft paths are sampled often.
+    let engine = SpecEngine::new(target.clone(), proposer, 3)
+        .unwrap()
+        .with_draft_policy(DraftPolicyKind::Fixed);
     let requests = (0..n)
         .map(|seed| {
             GenerateRequest::new(PROMPT.to_vec(), 3)

@@ -885,7 +885,11 @@ class SpecEngine:
         levers: ModelLevers | None = None,
         max_batch: int = 256,
         max_batch_tokens: int | None = None,
+        draft_policy: str = "adaptive",
     ) -> Self: ...
+    @property
+    def draft_policy(self) -> str:
+        """The rule that picks each step's draft count: "adaptive" or "fixed"."""
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

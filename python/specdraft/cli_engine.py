@@ -1,24 +1,28 @@
-"""The model half of the command line: ``specdraft bench`` and ``specdraft generate``.
+"""The model half of the command line: ``specdraft generate``, and what it shares.
 
-``bench`` runs plain decoding (the baseline) and then each ``--proposer`` over the built-in
-prompt set (:mod:`specdraft.bench_prompts`, chat template applied), greedy, and prints one
-row per run: tokens/s, speedup over the baseline, mean acceptance length (tokens per verify
-forward), acceptance rate by draft position, and whether every output equals the
-baseline's token for token (greedy speculative decoding must not change the output).
-Progress goes to stderr; ``--json`` prints the same figures as JSON.
+``specdraft bench`` (:mod:`specdraft.bench`) shares the model options, loading, and
+proposers by name.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import sys
-import time
 from typing import Any
 
-__all__ = ["add_generate", "add_model_bench_args", "make_proposer", "run_model_bench"]
+from specdraft.bench import add_model_bench_args, run_model_bench
+
+__all__ = [
+    "add_generate",
+    "add_model_args",
+    "add_model_bench_args",
+    "load_for_bench",
+    "make_proposer",
+    "proposer_key",
+    "run_model_bench",
+]
 
 
 def _progress(message: str) -> None:
@@ -40,8 +44,26 @@ def _backend(device: str) -> Any:  # noqa: ANN401 - a specdraft backend
     return specdraft.default_backend()
 
 
-#: What ``specdraft bench`` compares with the baseline when no ``--proposer`` is given.
-DEFAULT_BENCH_PROPOSERS = ["prompt-lookup", "mtp"]
+#: Other spellings of :data:`specdraft.bench.PROPOSERS` names.
+_ALIASES = {
+    "none": "baseline",
+    "prompt_lookup": "prompt-lookup",
+    "promptlookup": "prompt-lookup",
+    "suffix-decoding": "suffix",
+    "suffix_decoding": "suffix",
+    "suffixdecoding": "suffix",
+}
+
+
+def proposer_key(name: str) -> str | None:
+    """The :data:`specdraft.bench.PROPOSERS` entry or shipped draft head ``name`` stands
+    for, or None."""
+    from specdraft.bench import PROPOSERS
+    from specdraft.heads import shipped_heads
+
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    return key if key in PROPOSERS or key in shipped_heads() else None
 
 
 def make_proposer(
@@ -49,34 +71,28 @@ def make_proposer(
     model: Any = None,  # noqa: ANN401 - the specdraft.TargetModel a draft head drafts for
     model_name: str | None = None,
 ) -> Any:  # noqa: ANN401 - a specdraft.DraftProposer or None
-    """The proposer called ``name``.
+    """The proposer called ``name`` for ``model`` (loaded from ``model_name``).
 
-    ``prompt-lookup``, ``suffix`` (:class:`specdraft.SuffixDecoding`), ``none`` (plain
-    decoding), ``mtp`` (the shipped MTP draft head trained for ``model_name``'s file), the
-    name of a shipped head (``smollm2-mtp``), or ``module:Class`` (built with no
-    arguments). A draft head is loaded beside ``model``, sharing its embedding and LM head.
+    A name of :data:`specdraft.bench.PROPOSERS` (``prompt-lookup``, ``suffix``, ``random``,
+    ``mtp``: the shipped MTP draft head trained for ``model_name``'s file; ``none`` or
+    ``baseline`` is plain decoding), the name of a shipped head (``smollm2-mtp``), or
+    ``module:Class`` (built with no arguments). A draft head is loaded beside ``model``,
+    sharing its embedding and LM head.
     """
     import specdraft
-    from specdraft.heads import default_head_for, load_draft_head, shipped_heads
+    from specdraft.bench import PROPOSERS
+    from specdraft.heads import load_draft_head, shipped_heads
 
-    key = name.strip().lower()
-    if key in ("none", "baseline"):
-        return None
-    if key in ("prompt-lookup", "prompt_lookup", "promptlookup"):
-        return specdraft.PromptLookup()
-    if key in ("suffix", "suffix-decoding", "suffix_decoding", "suffixdecoding"):
-        return specdraft.SuffixDecoding()
-    if key == "mtp" or key in shipped_heads():
+    key = proposer_key(name)
+    if key in PROPOSERS:
+        return PROPOSERS[key](model, model_name)
+    if key is not None:
         if model is None:
             raise ValueError(f"--proposer {name!r} drafts beside a loaded target model")
-        if key == "mtp":
-            from specdraft.models import resolve_model
-
-            key = default_head_for(resolve_model(model_name or "smollm2"))
         return load_draft_head(key, model)
     if ":" not in name:
         raise ValueError(
-            f"--proposer {name!r}: expected 'prompt-lookup', 'suffix', 'mtp', a shipped head "
+            f"--proposer {name!r}: expected one of {', '.join(PROPOSERS)}, a shipped head "
             f"({', '.join(shipped_heads())}), 'none' or 'module:Class'"
         )
     module_name, _, attr = name.partition(":")
@@ -93,8 +109,11 @@ def make_proposer(
     return proposer
 
 
-def _load(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:  # noqa: ANN401
-    """The model (with its tokenizer) and the name of the backend it runs on."""
+def load_for_bench(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:  # noqa: ANN401
+    """The model and the name of the backend it runs on.
+
+    The model carries its tokenizer; its KV pool holds ``sequences`` full-length sequences.
+    """
     import specdraft
     from specdraft.models import resolve_model
 
@@ -109,239 +128,13 @@ def _load(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:  # noqa:
     return model, type(gpu).__name__
 
 
-def _sum_lists(a: list[int], b: list[int]) -> list[int]:
-    n = max(len(a), len(b))
-    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
-
-
-def _run(
-    engine: Any,  # noqa: ANN401
-    prompts: list[list[int]],
-    kinds: list[str],
-    args: argparse.Namespace,
-    label: str,
-) -> dict[str, Any]:
-    outputs: list[list[int]] = []
-    # Tokens and seconds per prompt kind; a batch that mixes kinds counts as "mixed".
-    by_kind: dict[str, list[float]] = {}
-    totals: dict[str, Any] = {
-        "tokens": 0,
-        "seconds": 0.0,
-        "drafted": 0,
-        "accepted": 0,
-        "verify_steps": 0,
-        "decode_tokens": 0,
-        "drafted_at": [],
-        "accepted_at": [],
-        "draft_time_s": 0.0,
-        "verify_time_s": 0.0,
-        "errors": [],
-    }
-    for start in range(0, len(prompts), args.batch):
-        chunk = prompts[start : start + args.batch]
-        t0 = time.perf_counter()
-        results = engine.generate(chunk, max_tokens=args.max_tokens)
-        seconds = time.perf_counter() - t0
-        totals["seconds"] += seconds
-        tokens = 0
-        for r in results:
-            outputs.append(list(r.tokens))
-            m = r.metrics
-            tokens += len(r.tokens)
-            for k in ("drafted", "accepted", "verify_steps", "decode_tokens"):
-                totals[k] += m[k]
-            totals["drafted_at"] = _sum_lists(totals["drafted_at"], m["drafted_at"])
-            totals["accepted_at"] = _sum_lists(totals["accepted_at"], m["accepted_at"])
-            totals["draft_time_s"] += m["draft_time_s"]
-            totals["verify_time_s"] += m["verify_time_s"]
-            if r.error:
-                totals["errors"].append(r.error)
-        totals["tokens"] += tokens
-        chunk_kinds = set(kinds[start : start + args.batch])
-        kind = chunk_kinds.pop() if len(chunk_kinds) == 1 else "mixed"
-        acc = by_kind.setdefault(kind, [0.0, 0.0])
-        acc[0] += tokens
-        acc[1] += seconds
-        done = min(start + args.batch, len(prompts))
-        _progress(
-            f"[{label}] {done}/{len(prompts)} prompts: {tokens} tokens in {seconds:.2f} s "
-            f"({tokens / seconds if seconds else 0.0:.1f} tok/s)"
-        )
-    totals["outputs"] = outputs
-    totals["by_kind"] = by_kind
-    return totals
-
-
-def _row(name: str, t: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
-    tps = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
-    base_tps = (base["tokens"] / base["seconds"]) if base and base["seconds"] else tps
-    steps = t["verify_steps"]
-    return {
-        "proposer": name,
-        "tokens": t["tokens"],
-        "seconds": round(t["seconds"], 4),
-        "tokens_per_s": round(tps, 2),
-        "speedup": round(tps / base_tps, 3) if base_tps else 0.0,
-        "mean_acceptance_length": round(t["decode_tokens"] / steps, 3) if steps else 0.0,
-        "acceptance_rate": round(t["accepted"] / t["drafted"], 4) if t["drafted"] else 0.0,
-        "acceptance_by_position": [
-            round(a / d, 4) if d else 0.0
-            for a, d in zip(t["accepted_at"], t["drafted_at"], strict=False)
-        ],
-        "drafted": t["drafted"],
-        "accepted": t["accepted"],
-        "draft_time_s": round(t["draft_time_s"], 4),
-        "verify_time_s": round(t["verify_time_s"], 4),
-        "identical_to_baseline": None if base is None else t["outputs"] == base["outputs"],
-        "by_kind": _by_kind(t, base),
-        "errors": t["errors"],
-    }
-
-
-def _by_kind(t: dict[str, Any], base: dict[str, Any] | None) -> dict[str, dict[str, float]]:
-    """Tokens/s and speedup over the baseline for each prompt kind (grounded, open)."""
-    out = {}
-    for kind, (tokens, seconds) in t["by_kind"].items():
-        tps = tokens / seconds if seconds else 0.0
-        base_tokens, base_seconds = (base or t)["by_kind"].get(kind, (0.0, 0.0))
-        base_tps = base_tokens / base_seconds if base_seconds else 0.0
-        out[kind] = {
-            "tokens_per_s": round(tps, 2),
-            "speedup": round(tps / base_tps, 3) if base_tps else 0.0,
-        }
-    return out
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = [
-        "proposer",
-        "tok/s",
-        "speedup",
-        "grounded",
-        "open",
-        "accept len",
-        "acceptance by position",
-        "same output",
-    ]
-    body = []
-    for r in rows:
-        same = r["identical_to_baseline"]
-        body.append(
-            [
-                r["proposer"],
-                f"{r['tokens_per_s']:.1f}",
-                f"{r['speedup']:.2f}x",
-                *(
-                    f"{r['by_kind'][k]['speedup']:.2f}x" if k in r["by_kind"] else "-"
-                    for k in ("grounded", "open")
-                ),
-                f"{r['mean_acceptance_length']:.2f}",
-                " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-",
-                "-" if same is None else ("yes" if same else "NO"),
-            ]
-        )
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(b) for b in body)])
-
-
-def run_model_bench(args: argparse.Namespace) -> int:
-    """``specdraft bench`` on a model: the baseline, then each proposer."""
-    import specdraft
-    from specdraft.bench_prompts import bench_prompts
-
-    try:
-        names = args.proposer or DEFAULT_BENCH_PROPOSERS
-        chosen = bench_prompts(args.prompts)
-        if args.max_tokens < 1 or args.num_drafts < 1 or args.batch < 1:
-            raise ValueError("--max-tokens, --num-drafts and --batch must be at least 1")
-        model, device = _load(args, args.batch)
-        proposers = []
-        for n in names:
-            try:
-                proposers.append((n, make_proposer(n, model, args.model)))
-            except ValueError as e:
-                if args.proposer:
-                    raise
-                # A default row this model has no proposer for (no shipped head) is left out.
-                _progress(f"specdraft bench: no {n} row: {e}")
-    except ImportError as e:
-        print(
-            f"specdraft bench: {e} (a dependency is missing: reinstall specdraft)",
-            file=sys.stderr,
-        )
-        return 2
-    except (ValueError, RuntimeError, OSError, specdraft.SpecdraftError) as e:
-        print(f"specdraft bench: {e}", file=sys.stderr)
-        return 2
-    tokenizer = model.tokenizer
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(list(p.messages))) for p in chosen]
-    kinds = [p.kind for p in chosen]
-    # Warm-up: one-time costs (kernel loading, first allocations) stay out of the figures.
-    specdraft.SpecEngine(model, None).generate(prompts[:1], max_tokens=4)
-    runs: list[tuple[str, dict[str, Any]]] = []
-    base = _run(
-        specdraft.SpecEngine(model, None, max_batch=args.batch), prompts, kinds, args, "baseline"
-    )
-    runs.append(("baseline", base))
-    for name, proposer in proposers:
-        engine = specdraft.SpecEngine(
-            model, proposer, num_drafts=args.num_drafts, max_batch=args.batch
-        )
-        runs.append((name, _run(engine, prompts, kinds, args, name)))
-    rows = [_row(n, t, None if n == "baseline" else base) for n, t in runs]
-    if args.json:
-        report = {
-            "model": str(args.model),
-            "device": device,
-            "prompts": len(prompts),
-            "max_tokens": args.max_tokens,
-            "num_drafts": args.num_drafts,
-            "batch": args.batch,
-            "results": rows,
-        }
-        print(json.dumps(report, indent=2))
-    else:
-        print(
-            f"model {args.model} on {device}: {len(prompts)} prompts, "
-            f"{args.max_tokens} tokens max, {args.num_drafts} drafts, greedy"
-        )
-        print(_table(rows))
-    failed = [r for r in rows if r["errors"] or r["identical_to_baseline"] is False]
-    for r in failed:
-        for e in r["errors"]:
-            print(f"specdraft bench: {r['proposer']}: {e}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-def _model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """Adds the options that pick and size the model (shared by ``bench`` and ``generate``)."""
     p.add_argument("--model", default="smollm2", help="a model name, .gguf file or HF folder")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context of each sequence")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate")
     p.add_argument("--num-drafts", type=int, default=4, help="drafts per step")
-
-
-def add_model_bench_args(p: argparse.ArgumentParser) -> None:
-    """Adds the model-benchmark options to the ``bench`` parser."""
-    _model_args(p, 128)
-    p.add_argument(
-        "--proposer",
-        action="append",
-        default=[],
-        help=(
-            "prompt-lookup, suffix, mtp (the shipped draft head of the model), or "
-            "module:Class, which imports and runs that module (repeatable; default "
-            "prompt-lookup and mtp)"
-        ),
-    )
-    p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")
-    p.add_argument("--batch", type=int, default=1, help="prompts generated together")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.set_defaults(model_bench=run_model_bench)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -352,7 +145,9 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
             raise ValueError("--max-batch-tokens must be at least 1")
-        model, _ = _load(args, 1)
+        if proposer_key(args.proposer) is None:
+            make_proposer(args.proposer)  # a bad name fails before the model loads
+        model, _ = load_for_bench(args, 1)
         proposer = make_proposer(args.proposer, model, args.model)
         tokenizer = model.tokenizer
         grammar = None
@@ -365,6 +160,7 @@ def run_generate(args: argparse.Namespace) -> int:
             proposer,
             num_drafts=args.num_drafts,
             max_batch_tokens=args.max_batch_tokens,
+            draft_policy=args.draft_policy,
         )
         text = args.prompt
         if not args.no_chat:
@@ -407,11 +203,11 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     """Adds ``specdraft generate``."""
     p = subparsers.add_parser("generate", help="print a completion of a prompt")
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat)")
-    _model_args(p, 256)
+    add_model_args(p, 256)
     p.add_argument(
         "--proposer",
         default="prompt-lookup",
-        help="prompt-lookup, suffix, mtp (the model's shipped draft head), none or "
+        help="prompt-lookup, suffix, random, mtp (the model's shipped draft head), none or "
         "module:Class (imports and runs it)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -425,6 +221,12 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         default=None,
         help="most rows in one forward; longer prompts are prefilled in chunks "
         "(default: the model's)",
+    )
+    p.add_argument(
+        "--draft-policy",
+        choices=["adaptive", "fixed"],
+        default="adaptive",
+        help="adaptive: each step asks for the drafts that pay; fixed: always --num-drafts",
     )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--regex", help="constrain the output to this regular expression")

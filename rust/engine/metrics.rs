@@ -29,6 +29,9 @@ pub struct Metrics {
     pub drafted_at: Vec<u64>,
     /// Steps that accepted the draft at position `k`.
     pub accepted_at: Vec<u64>,
+    /// Steps at which the engine asked for `k` drafts (index `k`; 0 is a plain step), over
+    /// the steps at which the sequence could draft.
+    pub draft_lengths: Vec<u64>,
     /// Time spent in the proposer (prefill of the drafter, propose, catch-up, after_verify).
     #[serde(serialize_with = "secs")]
     pub draft_time: Duration,
@@ -81,6 +84,14 @@ impl Metrics {
                 self.accepted_at[k] += 1;
             }
         }
+    }
+
+    /// Records that a step asked for `k` drafts.
+    pub fn record_draft_length(&mut self, k: usize) {
+        if self.draft_lengths.len() <= k {
+            self.draft_lengths.resize(k + 1, 0);
+        }
+        self.draft_lengths[k] += 1;
     }
 
     /// Tokens emitted per verify forward; 0 before the first step.
@@ -143,6 +154,12 @@ impl Metrics {
         for k in 0..other.drafted_at.len() {
             self.drafted_at[k] += other.drafted_at[k];
             self.accepted_at[k] += other.accepted_at[k];
+        }
+        if self.draft_lengths.len() < other.draft_lengths.len() {
+            self.draft_lengths.resize(other.draft_lengths.len(), 0);
+        }
+        for (mine, theirs) in self.draft_lengths.iter_mut().zip(&other.draft_lengths) {
+            *mine += theirs;
         }
         self.draft_time += other.draft_time;
         self.verify_time += other.verify_time;

@@ -16,6 +16,9 @@
 //! [`testing`] holds `TableTarget`, a deterministic stand-in target for tests and examples.
 
 mod conversation;
+mod cost_model;
+mod draft_confidence;
+mod draft_policy;
 mod error;
 mod grammar;
 mod guard;
@@ -27,11 +30,14 @@ mod scheduler;
 mod sequence;
 mod spec_engine;
 mod step;
+mod step_drafts;
 mod target;
 pub mod testing;
 mod verify;
 
 pub use conversation::{CarriedKv, Conversation};
+pub use cost_model::{CostCurve, CostCurves, CostModel, FixedCost, MeasuredCost};
+pub use draft_policy::DraftPolicyKind;
 pub use error::{EngineError, Stage};
 pub use grammar::GrammarMatcher;
 pub use metrics::Metrics;

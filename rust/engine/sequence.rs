@@ -13,6 +13,7 @@
 //!   `tokens[..len - 1]` once `prefilled == prefill_end`; a waiting sequence holds nothing
 //!   but its tokens, its sampler and its grammar, which preemption keeps as they are.
 
+use super::draft_policy::SequenceDraftStats;
 use super::error::Stage;
 use super::{CarriedKv, EngineError, FinishReason, GrammarMatcher, Metrics, SamplingParams};
 use crate::backend::DevicePtr;
@@ -92,6 +93,8 @@ pub(super) struct EngineSequence<K> {
     pub queued_at: Instant,
     /// Generated tokens already handed to a stream.
     pub streamed: usize,
+    /// The draft policy's estimates for this sequence.
+    pub draft_stats: SequenceDraftStats,
 }
 
 impl<K> EngineSequence<K> {

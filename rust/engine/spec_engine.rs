@@ -29,12 +29,13 @@
 //!   the sequence ended.
 //! - A result's tokens are exactly the tokens emitted after its prompt.
 
+use super::draft_policy::{DraftPolicy, DraftPolicyKind};
 use super::error::Stage;
 use super::guard::PanicGuard;
 use super::sequence::EngineSequence;
 use super::{
-    CarriedKv, Conversation, EngineError, GenerateRequest, Generation, GenerationRun, KvPoolStatus,
-    Metrics, Target,
+    CarriedKv, Conversation, CostModel, EngineError, GenerateRequest, Generation, GenerationRun,
+    KvPoolStatus, Metrics, Target,
 };
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::model::ModelLevers;
@@ -74,6 +75,7 @@ pub struct SpecEngine<T: Target> {
     pub(super) max_batch: usize,
     pub(super) max_batch_tokens: usize,
     pub(super) drafter_pool: Option<DrafterPoolProbe>,
+    pub(super) draft_policy: DraftPolicy,
 }
 
 impl<T: Target> Clone for SpecEngine<T> {
@@ -86,6 +88,7 @@ impl<T: Target> Clone for SpecEngine<T> {
             max_batch: self.max_batch,
             max_batch_tokens: self.max_batch_tokens,
             drafter_pool: self.drafter_pool.clone(),
+            draft_policy: self.draft_policy.clone(),
         }
     }
 }
@@ -115,6 +118,7 @@ impl<T: Target> SpecEngine<T> {
             max_batch: usize::MAX,
             max_batch_tokens: usize::MAX,
             drafter_pool: None,
+            draft_policy: DraftPolicy::default(),
         })
     }
 
@@ -155,6 +159,25 @@ impl<T: Target> SpecEngine<T> {
     /// Most rows in one forward (the target's limit included).
     pub fn max_batch_tokens(&self) -> usize {
         self.forward_rows()
+    }
+
+    /// The same engine choosing draft counts by `kind` (adaptive by default); the cost
+    /// model and the running acceptance figures start afresh.
+    pub fn with_draft_policy(mut self, kind: DraftPolicyKind) -> Self {
+        self.draft_policy = DraftPolicy::new(kind, self.draft_policy.cost.clone());
+        self
+    }
+
+    /// The same engine reading the adaptive policy's costs from `cost` (by default, what
+    /// it measures as it runs); the running acceptance figures start afresh.
+    pub fn with_cost_model(mut self, cost: Arc<dyn CostModel>) -> Self {
+        self.draft_policy = DraftPolicy::new(self.draft_policy.kind, cost);
+        self
+    }
+
+    /// The rule that picks each step's draft count.
+    pub fn draft_policy(&self) -> DraftPolicyKind {
+        self.draft_policy.kind
     }
 
     /// The target model.
@@ -269,6 +292,7 @@ impl<T: Target> SpecEngine<T> {
             row_cap: usize::MAX,
             queued_at: Instant::now(),
             streamed: 0,
+            draft_stats: Default::default(),
         };
         if let Err(e) = checked {
             seq.fail(e.into());

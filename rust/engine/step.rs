@@ -17,6 +17,7 @@
 
 use super::error::Stage;
 use super::sequence::{grammar_of, EngineSequence};
+use super::step_drafts::batch_groups;
 use super::{verify, EngineError, FinishReason, Metrics, SpecEngine, Target, Verdict};
 use crate::backend::{DevicePtr, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
@@ -59,6 +60,8 @@ impl<T: Target> SpecEngine<T> {
             let wants = |i: usize, s: &EngineSequence<T::KvSequence>| {
                 s.active() && s.state.is_some() && budgets[i] > 0
             };
+            let may: Vec<bool> = seqs.iter().enumerate().map(|(i, s)| wants(i, s)).collect();
+            let asked = self.plan_drafts(seqs, &budgets, |i| may[i]);
             let mut single = Vec::new();
             let mut batchable = Vec::new();
             for (i, s) in seqs.iter().enumerate().filter(|(i, s)| wants(*i, s)) {
@@ -70,9 +73,9 @@ impl<T: Target> SpecEngine<T> {
             }
             let batch_max = prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1);
             if batch_max > 1 {
-                for group in batchable.chunks(batch_max) {
-                    if !self.propose_group(prop.as_ref(), group, &budgets, seqs, ctx) {
-                        single.extend_from_slice(group);
+                for group in batch_groups(&batchable, &asked, batch_max) {
+                    if !self.propose_group(prop.as_ref(), &group, &asked, seqs, ctx) {
+                        single.extend_from_slice(&group);
                     }
                 }
             } else {
@@ -80,13 +83,15 @@ impl<T: Target> SpecEngine<T> {
             }
             single.sort_unstable();
             for i in single {
-                self.propose_one(prop.as_ref(), &mut seqs[i], budgets[i], ctx);
+                self.propose_one(prop.as_ref(), &mut seqs[i], asked[i], ctx);
             }
         }
         total.draft_time += t_draft.elapsed();
 
         let t_verify = Instant::now();
         let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].active()).collect();
+        let returned: Vec<usize> = seqs.iter().map(|s| s.drafts.len()).collect();
+        let step_rows: usize = live.iter().map(|&i| 1 + returned[i]).sum();
         let max_rows = self.forward_rows();
         let mut proposer_time = Duration::ZERO;
         let mut chunk: Vec<usize> = Vec::new();
@@ -107,8 +112,10 @@ impl<T: Target> SpecEngine<T> {
         if self.levers.mtp_kv_exact {
             proposer_time += self.catchup(seqs, ctx);
         }
-        total.verify_time += t_verify.elapsed().saturating_sub(proposer_time);
+        let verify_time = t_verify.elapsed().saturating_sub(proposer_time);
+        total.verify_time += verify_time;
         total.draft_time += proposer_time;
+        self.observe_step(seqs, &returned, step_rows, verify_time);
     }
 
     /// One `propose_batch` call for `group`; false when the caller should propose per
@@ -134,6 +141,7 @@ impl<T: Target> SpecEngine<T> {
             member[i] = true;
         }
         let t = Instant::now();
+        let mut confs = Vec::new();
         let result = {
             let mut states: Vec<&mut dyn ProposerState> = seqs
                 .iter_mut()
@@ -152,17 +160,18 @@ impl<T: Target> SpecEngine<T> {
                 &mut states,
                 ctx,
                 DEFAULT_STREAM,
-                None,
+                self.wants_confidence().then_some(&mut confs),
             )
         };
         let share = t.elapsed() / group.len() as u32;
         match result {
             Ok(Some(drafts)) if drafts.len() == group.len() => {
-                for (&i, d) in group.iter().zip(drafts) {
+                for (k, (&i, d)) in group.iter().zip(drafts).enumerate() {
                     let seq = &mut seqs[i];
                     seq.metrics.draft_time += share;
                     seq.proposed = true;
                     self.take_drafts(seq, d, budgets[i], n_max, "propose_batch");
+                    self.trim_drafts(seq, confs.get(k).map(Vec::as_slice));
                 }
                 true
             }

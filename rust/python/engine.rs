@@ -20,7 +20,9 @@ use super::model::PyModelLevers;
 use super::mtp::PyMtpHead;
 use super::stream::PyGenerationStream;
 use super::target_model::PyTargetModel;
-use crate::engine::{mtp_pool_probe, GenerateRequest, Metrics, SpecEngine};
+use crate::engine::{
+    mtp_pool_probe, DraftPolicyKind, EngineError, GenerateRequest, Metrics, SpecEngine,
+};
 use crate::model::{ModelLevers, TargetModel};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -28,8 +30,8 @@ use pyo3::types::{PyDict, PyString};
 use std::sync::{Arc, Mutex};
 
 /// `SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-/// max_batch=256, max_batch_tokens=None)`: speculative decoding on a target model with an
-/// optional proposer.
+/// max_batch=256, max_batch_tokens=None, draft_policy="adaptive")`: speculative decoding on
+/// a target model with an optional proposer.
 ///
 /// `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
 /// a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
@@ -38,6 +40,10 @@ use std::sync::{Arc, Mutex};
 /// output): `max_batch` bounds the sequences that run at once, `max_batch_tokens` the rows
 /// of one forward (long prompts are prefilled in chunks of it; None: the model's limit).
 /// A prompt whose `max_tokens` the whole pool could never hold fails alone.
+/// `draft_policy` is `"adaptive"` (each step, each sequence is asked for the draft count,
+/// up to `num_drafts`, that maximises expected tokens per second from its measured
+/// acceptance and the measured cost of drafting and verifying) or `"fixed"` (always
+/// `num_drafts`).
 #[pyclass(name = "SpecEngine", module = "specdraft", frozen)]
 pub struct PySpecEngine {
     pub(super) engine: SpecEngine<TargetModel>,
@@ -104,7 +110,7 @@ impl PySpecEngine {
 #[pymethods]
 impl PySpecEngine {
     #[new]
-    #[pyo3(signature = (model, proposer = None, num_drafts = 4, *, tokenizer = None, levers = None, max_batch = 256, max_batch_tokens = None))]
+    #[pyo3(signature = (model, proposer = None, num_drafts = 4, *, tokenizer = None, levers = None, max_batch = 256, max_batch_tokens = None, draft_policy = "adaptive"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Bound<'_, PyAny>,
@@ -114,12 +120,16 @@ impl PySpecEngine {
         levers: Option<PyModelLevers>,
         max_batch: usize,
         max_batch_tokens: Option<usize>,
+        draft_policy: &str,
     ) -> PyResult<Self> {
         if max_batch == 0 || max_batch_tokens == Some(0) {
             return Err(super::errors::request_error(
                 "max_batch and max_batch_tokens must be at least 1",
             ));
         }
+        let policy: DraftPolicyKind = draft_policy
+            .parse()
+            .map_err(|e: EngineError| to_pyerr(&e.into()))?;
         let model = model.cast::<PyTargetModel>().map_err(|_| {
             PyTypeError::new_err(format!(
                 "model must be a specdraft.TargetModel (from specdraft.load_model), got {}",
@@ -135,7 +145,8 @@ impl PySpecEngine {
         let mut engine = SpecEngine::new(target, rust, num_drafts)
             .py()?
             .with_levers(levers)
-            .with_max_batch(max_batch);
+            .with_max_batch(max_batch)
+            .with_draft_policy(policy);
         if let Some(n) = max_batch_tokens {
             engine = engine.with_max_batch_tokens(n);
         }
@@ -289,6 +300,12 @@ impl PySpecEngine {
         self.engine.max_batch_tokens()
     }
 
+    /// The rule that picks each step's draft count: "adaptive" or "fixed".
+    #[getter]
+    fn draft_policy(&self) -> &'static str {
+        self.engine.draft_policy().as_str()
+    }
+
     /// The proposer object given at construction, or None.
     #[getter]
     fn proposer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
@@ -308,13 +325,14 @@ impl PySpecEngine {
 
     fn __repr__(&self) -> String {
         format!(
-            "SpecEngine(proposer={}, num_drafts={})",
+            "SpecEngine(proposer={}, num_drafts={}, draft_policy={:?})",
             if self.engine.proposer().is_some() {
                 "yes"
             } else {
                 "None"
             },
-            self.engine.num_drafts()
+            self.engine.num_drafts(),
+            self.engine.draft_policy().as_str()
         )
     }
 }

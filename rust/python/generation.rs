@@ -139,6 +139,7 @@ pub fn metrics_dict<'py>(py: Python<'py>, m: &Metrics) -> PyResult<Bound<'py, Py
     d.set_item("acceptance_by_position", m.acceptance_by_position())?;
     d.set_item("drafted_at", m.drafted_at.clone())?;
     d.set_item("accepted_at", m.accepted_at.clone())?;
+    d.set_item("draft_lengths", m.draft_lengths.clone())?;
     d.set_item("draft_time_s", m.draft_time.as_secs_f64())?;
     d.set_item("verify_time_s", m.verify_time.as_secs_f64())?;
     d.set_item("prefill_time_s", m.prefill_time.as_secs_f64())?;
@@ -170,10 +171,10 @@ pub struct PyGenerationResult {
     pub error: Option<Py<PyAny>>,
     /// Acceptance and timing figures (a dict): drafted, accepted, verify_steps, emitted,
     /// decode_tokens, prompt_tokens, mean_acceptance_length, acceptance_rate,
-    /// acceptance_by_position, drafted_at, accepted_at, draft_time_s, verify_time_s,
-    /// prefill_time_s, queue_time_s (time waiting for a slot and KV blocks),
-    /// time_to_first_token_s (from the call's start), preemptions, recomputed_tokens,
-    /// wall_time_s, tokens_per_s.
+    /// acceptance_by_position, drafted_at, accepted_at, draft_lengths (steps that asked
+    /// for k drafts at index k), draft_time_s, verify_time_s, prefill_time_s, queue_time_s
+    /// (time waiting for a slot and KV blocks), time_to_first_token_s (from the call's
+    /// start), preemptions, recomputed_tokens, wall_time_s, tokens_per_s.
     pub metrics: Py<PyDict>,
 }
 

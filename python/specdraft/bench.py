@@ -1,0 +1,466 @@
+"""``specdraft bench`` on a model: plain decoding against every proposer.
+
+Every proposer runs at several batch widths, under one or more draft policies.
+
+Each proposer of :data:`PROPOSERS` (or each ``--proposer``) gets one engine per batch width
+and draft policy, and the built-in prompt set (:mod:`specdraft.bench_prompts`, chat template
+applied, greedy) goes through every engine ``--repeat`` times: pass 2 replays the prompts
+through the same engines, so a proposer that learns across requests (``suffix``) shows it.
+The engines take turns prompt group by prompt group (the group is one ``generate`` call of
+``--batch`` prompts), rotating who goes first, so a machine whose load drifts during the run
+weighs on all of them alike; every figure is a ratio against plain decoding at the same batch
+width and pass, measured in the same command.
+
+One row per proposer, policy and batch width: tokens/s and the ratio to plain decoding (in
+all, per prompt kind, per pass), mean acceptance length, acceptance by draft position, the
+draft-length histogram (steps that asked for ``k`` drafts), and whether every output equals
+plain decoding's token for token. ``--json`` prints everything; ``--plot FILE.png`` draws
+tokens/s by proposer and batch width and acceptance by draft position (needs matplotlib:
+``pip install 'specdraft[plot]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import specdraft
+
+__all__ = [
+    "PROPOSERS",
+    "RandomDrafter",
+    "add_model_bench_args",
+    "bench_rows",
+    "parse_widths",
+    "run_model_bench",
+]
+
+# Plain decoding's row name.
+BASELINE = "baseline"
+
+
+class RandomDrafter(specdraft.DraftProposer):
+    """Drafts uniformly random token ids.
+
+    They are almost never accepted, so its row shows what a useless drafter costs (the
+    adaptive policy should turn it down to nearly nothing).
+    """
+
+    def alloc_state(self, gpu: Any) -> random.Random:  # noqa: ANN401 - a specdraft backend
+        """A seeded generator per sequence."""
+        return random.Random(0)
+
+    def propose(
+        self,
+        last_token: int,
+        target_hidden: Any,  # noqa: ANN401 - a specdraft.DevicePtr
+        position: int,
+        num_drafts: int,
+        state: random.Random,
+        ctx: Any,  # noqa: ANN401 - a forward context view
+        stream: int,
+        draft_embed_target: Any = None,  # noqa: ANN401
+        grammar_bitmask: Any = None,  # noqa: ANN401
+        target_hidden_stack: Any = None,  # noqa: ANN401
+    ) -> list[int]:
+        """``num_drafts`` random ids from the model's vocabulary."""
+        vocab = ctx.config.vocab_size
+        return [state.randrange(vocab) for _ in range(num_drafts)]
+
+    def after_verify(self, num_accepted: int, state: random.Random, stream: int) -> None:
+        """Nothing to update."""
+
+
+def shipped_head_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
+    """The shipped MTP draft head trained for the model file ``model_name`` (default
+    ``smollm2``), loaded beside ``model`` and sharing its embedding and LM head."""
+    from specdraft.heads import default_head_for, load_draft_head
+    from specdraft.models import resolve_model
+
+    if model is None:
+        raise ValueError("--proposer 'mtp' drafts beside a loaded target model")
+    return load_draft_head(default_head_for(resolve_model(model_name or "smollm2")), model)
+
+
+#: The proposers ``specdraft bench`` runs by default, in row order. Each entry builds a
+#: fresh proposer for the loaded model (None: plain decoding). Adding a proposer to the
+#: bench is one line here.
+PROPOSERS: dict[str, Callable[[Any, str | None], Any]] = {
+    BASELINE: lambda model, model_name: None,
+    "prompt-lookup": lambda model, model_name: specdraft.PromptLookup(),
+    "suffix": lambda model, model_name: specdraft.SuffixDecoding(),
+    "random": lambda model, model_name: RandomDrafter(),
+    "mtp": lambda model, model_name: shipped_head_for(model, model_name),
+}
+
+
+def parse_widths(text: str) -> list[int]:
+    """``"1,4,8"`` as ``[1, 4, 8]``: distinct widths of at least 1, in the order given."""
+    widths: list[int] = []
+    for part in text.split(","):
+        try:
+            w = int(part)
+        except ValueError:
+            raise ValueError(f"--batch {text!r}: {part!r} is not a whole number") from None
+        if w < 1:
+            raise ValueError(f"--batch {text!r}: each width must be at least 1")
+        if w not in widths:
+            widths.append(w)
+    return widths
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip().lower() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in ("adaptive", "fixed")]
+    if bad or not names:
+        raise ValueError(f"--draft-policy {text!r}: expected adaptive, fixed or both (comma)")
+    return list(dict.fromkeys(names))
+
+
+@dataclass
+class _Pass:
+    """What one engine did over one pass of the prompt set."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
+    outputs: list[list[int]] = field(default_factory=list)
+    counters: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, results: list[Any], seconds: float, kind: str) -> None:
+        tokens = sum(len(r.tokens) for r in results)
+        self.tokens += tokens
+        self.seconds += seconds
+        acc = self.by_kind.setdefault(kind, [0.0, 0.0])
+        acc[0] += tokens
+        acc[1] += seconds
+        for r in results:
+            self.outputs.append(list(r.tokens))
+            for key, value in r.metrics.items():
+                if key in ("drafted", "accepted", "verify_steps", "decode_tokens"):
+                    self.counters[key] = self.counters.get(key, 0) + value
+                elif key in ("drafted_at", "accepted_at", "draft_lengths"):
+                    self.counters[key] = _sum_lists(self.counters.get(key, []), value)
+            if r.error:
+                self.errors.append(str(r.error))
+
+
+def _sum_lists(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+@dataclass
+class _Run:
+    """One engine of the bench: a proposer at a batch width under a policy."""
+
+    proposer: str
+    policy: str | None
+    batch: int
+    engine: Any
+    passes: list[_Pass] = field(default_factory=list)
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else 0.0
+
+
+def _tps(tokens: float, seconds: float) -> float:
+    return tokens / seconds if seconds else 0.0
+
+
+def _figures(p: _Pass, base: _Pass | None) -> dict[str, Any]:
+    """A pass's (or a sum of passes') figures, with ratios to ``base``."""
+    c = p.counters
+    steps = c.get("verify_steps", 0)
+    drafted_at, accepted_at = c.get("drafted_at", []), c.get("accepted_at", [])
+    tps = _tps(p.tokens, p.seconds)
+    by_kind = {}
+    for kind, (tokens, seconds) in sorted(p.by_kind.items()):
+        ref = (base or p).by_kind.get(kind, [0.0, 0.0])
+        by_kind[kind] = {
+            "tokens_per_s": round(_tps(tokens, seconds), 2),
+            "speedup": _ratio(_tps(tokens, seconds), _tps(ref[0], ref[1])),
+        }
+    return {
+        "tokens": p.tokens,
+        "seconds": round(p.seconds, 4),
+        "tokens_per_s": round(tps, 2),
+        "speedup": _ratio(tps, _tps((base or p).tokens, (base or p).seconds)),
+        "by_kind": by_kind,
+        "mean_acceptance_length": round(c.get("decode_tokens", 0) / steps, 3) if steps else 0.0,
+        "acceptance_rate": _ratio(c.get("accepted", 0), c.get("drafted", 0)),
+        "acceptance_by_position": [
+            round(a / d, 4) if d else 0.0 for a, d in zip(accepted_at, drafted_at, strict=False)
+        ],
+        "drafted_at": drafted_at,
+        "accepted_at": accepted_at,
+        "drafted": c.get("drafted", 0),
+        "accepted": c.get("accepted", 0),
+        "draft_lengths": c.get("draft_lengths", []),
+    }
+
+
+def _merge(passes: list[_Pass]) -> _Pass:
+    total = _Pass()
+    for p in passes:
+        total.tokens += p.tokens
+        total.seconds += p.seconds
+        for kind, (tokens, seconds) in p.by_kind.items():
+            acc = total.by_kind.setdefault(kind, [0.0, 0.0])
+            acc[0] += tokens
+            acc[1] += seconds
+        for key, value in p.counters.items():
+            if isinstance(value, list):
+                total.counters[key] = _sum_lists(total.counters.get(key, []), value)
+            else:
+                total.counters[key] = total.counters.get(key, 0) + value
+        total.errors += p.errors
+    return total
+
+
+def bench_rows(runs: list[_Run]) -> list[dict[str, Any]]:
+    """One row per run: its figures over all passes and per pass.
+
+    Ratios are against the baseline run of the same batch width (and pass).
+    """
+    base_of = {r.batch: r for r in runs if r.proposer == BASELINE}
+    rows = []
+    for r in runs:
+        base = base_of.get(r.batch)
+        is_base = r is base
+        row: dict[str, Any] = {"proposer": r.proposer, "policy": r.policy, "batch": r.batch}
+        row.update(_figures(_merge(r.passes), None if base is None else _merge(base.passes)))
+        row["passes"] = [
+            _figures(p, None if base is None else base.passes[i]) for i, p in enumerate(r.passes)
+        ]
+        row["identical_to_baseline"] = (
+            None
+            if is_base or base is None
+            else all(p.outputs == base.passes[i].outputs for i, p in enumerate(r.passes))
+        )
+        row["errors"] = [e for p in r.passes for e in p.errors]
+        rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], repeat: int) -> str:
+    head = ["proposer", "policy", "batch", "tok/s", "speedup", "grounded", "open"]
+    if repeat > 1:
+        head.append(f"pass {repeat}")
+    head += ["accept len", "acceptance by position", "draft lengths", "same output"]
+    body = []
+    for r in rows:
+        same = r["identical_to_baseline"]
+        cells = [
+            r["proposer"],
+            r["policy"] or "-",
+            str(r["batch"]),
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            *(
+                f"{r['by_kind'][k]['speedup']:.2f}x" if k in r["by_kind"] else "-"
+                for k in ("grounded", "open")
+            ),
+        ]
+        if repeat > 1:
+            cells.append(f"{r['passes'][-1]['speedup']:.2f}x")
+        cells += [
+            f"{r['mean_acceptance_length']:.2f}",
+            " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-",
+            " ".join(str(x) for x in r["draft_lengths"]) or "-",
+            "-" if same is None else ("yes" if same else "NO"),
+        ]
+        body.append(cells)
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(b) for b in body)])
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _check_plot_dependency(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "--plot needs matplotlib, which specdraft's optional extra 'plot' brings: "
+            "pip install 'specdraft[plot]'"
+        ) from None
+
+
+def _progress_ratios(group: list[_Run], pass_index: int) -> None:
+    """Each run's ratios to plain decoding over this pass so far (figures survive a stop)."""
+    base = next((r for r in group if r.proposer == BASELINE), None)
+    if base is None:
+        return
+    for r in group:
+        if r is base:
+            continue
+        f = _figures(r.passes[pass_index], base.passes[pass_index])
+        kinds = ", ".join(f"{k} {v['speedup']:.3f}x" for k, v in f["by_kind"].items())
+        _progress(f"  {r.proposer} ({r.policy}): {f['speedup']:.3f}x ({kinds})")
+
+
+def run_model_bench(args: argparse.Namespace) -> int:
+    """``specdraft bench`` on a model (see the module documentation); the exit status."""
+    from specdraft.bench_prompts import bench_prompts
+    from specdraft.cli_engine import load_for_bench, make_proposer, proposer_key
+
+    try:
+        names = [proposer_key(n) or n for n in args.proposer] or [
+            n for n in PROPOSERS if n != BASELINE
+        ]
+        names = [n for n in dict.fromkeys(names) if n != BASELINE]
+        for n in names:
+            if proposer_key(n) is None:
+                make_proposer(n)  # a bad name fails before the model loads
+        widths = parse_widths(args.batch)
+        policies = _policies(args.draft_policy)
+        chosen = bench_prompts(args.prompts)
+        for option, value in [
+            ("--max-tokens", args.max_tokens),
+            ("--num-drafts", args.num_drafts),
+            ("--repeat", args.repeat),
+        ]:
+            if value < 1:
+                raise ValueError(f"{option} must be at least 1, got {value}")
+        _check_plot_dependency(args.plot)
+        model, device = load_for_bench(args, max(widths))
+    except ImportError as e:
+        print(f"specdraft bench: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, OSError, specdraft.SpecdraftError) as e:
+        print(f"specdraft bench: {e}", file=sys.stderr)
+        return 2
+    tokenizer = model.tokenizer
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(list(p.messages))) for p in chosen]
+    kinds = [p.kind for p in chosen]
+    # One-time costs (first allocations, page faults on the weights) stay out of the figures.
+    specdraft.SpecEngine(model, None).generate(prompts[:1], max_tokens=4)
+
+    runs: list[_Run] = []
+    if not args.proposer:
+        # A default row this model has no proposer for (no shipped draft head) is left out.
+        for name in list(names):
+            try:
+                make_proposer(name, model, args.model)
+            except ValueError as e:
+                _progress(f"specdraft bench: no {name} row: {e}")
+                names.remove(name)
+    for width in widths:
+        runs.append(_Run(BASELINE, None, width, specdraft.SpecEngine(model, None, max_batch=width)))
+        for name in names:
+            for policy in policies:
+                engine = specdraft.SpecEngine(
+                    model,
+                    make_proposer(name, model, args.model),
+                    num_drafts=args.num_drafts,
+                    max_batch=width,
+                    draft_policy=policy,
+                )
+                runs.append(_Run(name, policy, width, engine))
+    turn = 0
+    started = time.perf_counter()
+    for pass_index in range(args.repeat):
+        for r in runs:
+            r.passes.append(_Pass())
+        for width in widths:
+            group = [r for r in runs if r.batch == width]
+            for start in range(0, len(prompts), width):
+                chunk = prompts[start : start + width]
+                chunk_kinds = set(kinds[start : start + width])
+                kind = chunk_kinds.pop() if len(chunk_kinds) == 1 else "mixed"
+                turn += 1
+                order = group[turn % len(group) :] + group[: turn % len(group)]
+                for r in order:
+                    t0 = time.perf_counter()
+                    results = r.engine.generate(chunk, max_tokens=args.max_tokens)
+                    r.passes[-1].add(results, time.perf_counter() - t0, kind)
+                done = min(start + width, len(prompts))
+                _progress(
+                    f"pass {pass_index + 1}/{args.repeat}, batch {width}: "
+                    f"{done}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)"
+                )
+            _progress_ratios(group, pass_index)
+    rows = bench_rows(runs)
+    if args.json:
+        report = {
+            "model": str(args.model),
+            "device": device,
+            "prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "num_drafts": args.num_drafts,
+            "batch": widths,
+            "repeat": args.repeat,
+            "draft_policies": policies,
+            "results": rows,
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"model {args.model} on {device}: {len(prompts)} prompts x {args.repeat}, "
+            f"{args.max_tokens} tokens max, up to {args.num_drafts} drafts, greedy"
+        )
+        print(_table(rows, args.repeat))
+    if args.plot:
+        from specdraft.bench_plot import plot_rows
+
+        plot_rows(rows, args.plot)
+        _progress(f"plot written to {args.plot}")
+    failed = [r for r in rows if r["errors"] or r["identical_to_baseline"] is False]
+    for r in failed:
+        for e in r["errors"]:
+            print(f"specdraft bench: {r['proposer']}: {e}", file=sys.stderr)
+        if r["identical_to_baseline"] is False:
+            print(
+                f"specdraft bench: {r['proposer']} ({r['policy']}, batch {r['batch']}): "
+                "output differs from plain decoding",
+                file=sys.stderr,
+            )
+    return 1 if failed else 0
+
+
+def add_model_bench_args(p: argparse.ArgumentParser) -> None:
+    """Adds the model-benchmark options to the ``bench`` parser."""
+    from specdraft.cli_engine import add_model_args
+
+    add_model_args(p, 128)
+    p.add_argument(
+        "--proposer",
+        action="append",
+        default=[],
+        help=(
+            f"one of {', '.join(n for n in PROPOSERS if n != BASELINE)}, or module:Class, "
+            "which imports and runs that module (repeatable; default: all of them)"
+        ),
+    )
+    p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")
+    p.add_argument(
+        "--batch", default="1", help="prompts generated together; a comma list runs each width"
+    )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="passes over the prompt set through the same engines"
+    )
+    p.add_argument(
+        "--draft-policy",
+        default="adaptive",
+        help="adaptive, fixed, or both as a comma list (each proposer runs under each)",
+    )
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures to a PNG")
+    p.set_defaults(model_bench=run_model_bench)

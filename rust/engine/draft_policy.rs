@@ -1,0 +1,540 @@
+//! How many drafts to ask of each sequence each step.
+//!
+//! [`DraftPolicyKind::Fixed`] asks for the whole budget every step (`num_drafts`, less
+//! what `max_tokens`, the context and a forward's rows leave room for).
+//! [`DraftPolicyKind::Adaptive`] (the default) picks, for each sequence, the count (0 to
+//! its budget) that maximises the step's expected tokens per second:
+//! - expected tokens of asking `k`: `1 + sum_{j<=k} prod_{m<=j} f_m * p_m`, where `p_m` is
+//!   the sequence's estimated acceptance at draft position `m` given the earlier drafts
+//!   were accepted, and `f_m` the estimated chance that the proposer returns a draft at
+//!   position `m` when asked (a lookup often returns fewer than asked);
+//! - expected seconds: the verify cost at the step's expected rows plus each sequence's
+//!   drafting cost at its count, both read from a [`CostModel`] measured on the running
+//!   backend (a verify row is taken to cost at least `MIN_ROW_SHARE` of the plain
+//!   forward's cost a row, so noise cannot make a useless drafter look free);
+//! - the counts of a step's sequences share one forward, so they are chosen together,
+//!   one sequence at a time against the others' current choice, until none changes.
+//!
+//! Estimates are decayed counts: a sequence's own (recent steps weigh most) shrunk
+//! towards the engine's running figure for the same proposer, which starts optimistic.
+//!
+//! Invariants:
+//! - The policy only changes how many drafts are asked for, never what is verified or
+//!   emitted: greedy output is the same under either policy.
+//! - A count is never above the sequence's budget. Asking for 0 still calls `propose`
+//!   (with `num_drafts` 0), so a proposer that keeps the token history sees every token.
+//! - Cold start drafts: with no verify cost measured the whole budget is asked; with one
+//!   row count measured the next step measures the other end (the whole budget, or none)
+//!   so the cost's slope is known before the policy relies on it.
+//! - A sequence turned down to 0 is probed with 1 draft after `PROBE_FIRST` idle steps,
+//!   the wait doubling (up to `PROBE_MAX`) while probes fail, so it recovers when its text
+//!   becomes predictable; no probe is made where even a sure draft would not pay. A new
+//!   sequence starts with the engine's wait (doubled by every failed probe, reset by every
+//!   accepted one), so a drafter that is never right is not probed afresh each request.
+//! - Where `propose_batch` reports its confidence in each draft, the drafts of a step are
+//!   cut where their calibrated chance of acceptance would not pay for their verify rows
+//!   (see `draft_confidence`).
+//! - Choices are a pure function of the cost curves and the recorded outcomes: with a
+//!   fixed cost model ([`super::FixedCost`]) a run is exactly reproducible.
+
+use super::cost_model::{CostCurves, CostModel, MeasuredCost};
+use super::draft_confidence::Calibration;
+use super::EngineError;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Acceptance assumed at the first draft position before anything is measured.
+const COLD_ACCEPTANCE: f64 = 0.7;
+/// Pseudo-observations of the prior behind each estimate.
+const PRIOR_WEIGHT: f64 = 2.0;
+/// Share of a sequence's counts kept at each of its drafting steps (about 7 steps count).
+const SEQUENCE_KEEP: f64 = 0.85;
+/// Share of the engine's counts kept at each observation (about 200 observations count).
+const ENGINE_KEEP: f64 = 0.995;
+/// Idle steps before the first probe of a sequence turned down to 0.
+const PROBE_FIRST: usize = 4;
+/// The longest wait between probes.
+const PROBE_MAX: usize = 64;
+/// The least a verify row is taken to cost, as a share of the base forward's cost a row.
+const MIN_ROW_SHARE: f64 = 0.05;
+/// Rounds of choosing each sequence's count against the others'.
+const ROUNDS: usize = 4;
+
+/// Which rule picks the draft count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DraftPolicyKind {
+    /// The count that maximises expected tokens per second (see the module documentation).
+    #[default]
+    Adaptive,
+    /// Always the whole budget.
+    Fixed,
+}
+
+impl DraftPolicyKind {
+    /// The name used on the command line and in Python.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DraftPolicyKind::Adaptive => "adaptive",
+            DraftPolicyKind::Fixed => "fixed",
+        }
+    }
+}
+
+impl std::fmt::Display for DraftPolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for DraftPolicyKind {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self, EngineError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "adaptive" => Ok(DraftPolicyKind::Adaptive),
+            "fixed" => Ok(DraftPolicyKind::Fixed),
+            _ => Err(EngineError::InvalidArgument {
+                what: "draft_policy",
+                message: format!("{s:?} (expected \"adaptive\" or \"fixed\")"),
+            }),
+        }
+    }
+}
+
+/// Decayed hit and try counts by draft position (index 0 is the first draft).
+#[derive(Clone, Debug, Default)]
+struct PositionCounts {
+    hits: Vec<f64>,
+    tries: Vec<f64>,
+}
+
+impl PositionCounts {
+    fn decay(&mut self, keep: f64) {
+        self.hits.iter_mut().for_each(|x| *x *= keep);
+        self.tries.iter_mut().for_each(|x| *x *= keep);
+    }
+
+    fn add(&mut self, pos: usize, hit: bool) {
+        if self.tries.len() <= pos {
+            self.hits.resize(pos + 1, 0.0);
+            self.tries.resize(pos + 1, 0.0);
+        }
+        self.tries[pos] += 1.0;
+        if hit {
+            self.hits[pos] += 1.0;
+        }
+    }
+
+    /// The rate at `pos`, shrunk towards `prior` by [`PRIOR_WEIGHT`] pseudo-observations.
+    fn estimate(&self, pos: usize, prior: f64) -> f64 {
+        let hits = self.hits.get(pos).copied().unwrap_or(0.0);
+        let tries = self.tries.get(pos).copied().unwrap_or(0.0);
+        (hits + PRIOR_WEIGHT * prior) / (tries + PRIOR_WEIGHT)
+    }
+
+    /// Records one step that asked for `asked`, got `returned` and had `accepted` of
+    /// them accepted: acceptance into `accept`, the proposer's returns into `fill`.
+    fn observe(accept: &mut Self, fill: &mut Self, asked: usize, returned: usize, accepted: usize) {
+        for j in 0..returned.min(accepted + 1) {
+            accept.add(j, j < accepted);
+        }
+        for j in 0..asked.min(returned + 1) {
+            fill.add(j, j < returned);
+        }
+    }
+}
+
+/// The engine's running figures for its proposer, shared by every sequence.
+#[derive(Debug, Default)]
+struct EnginePrior {
+    accept: PositionCounts,
+    fill: PositionCounts,
+    /// The wait a new sequence starts with (0: [`PROBE_FIRST`]).
+    probe_every: usize,
+    /// How often drafts were accepted against the confidence the proposer reported.
+    calibration: Calibration,
+}
+
+/// One sequence's policy state.
+#[derive(Clone, Debug, Default)]
+pub(super) struct SequenceDraftStats {
+    accept: PositionCounts,
+    fill: PositionCounts,
+    /// Steps since the last one that asked for drafts.
+    idle: usize,
+    /// Idle steps before the next probe (0: not yet set, the engine's).
+    probe_every: usize,
+    pub(super) probing: bool,
+    /// This step's choice, until it is observed.
+    pub(super) asked: Option<usize>,
+    /// Tokens one more verify row must bring this step to pay for itself.
+    pub(super) min_gain: f64,
+    /// The proposer's confidence in each draft sent to verification (empty: none given).
+    confs: Vec<f32>,
+    /// The sequence's drafting time when this step's choice was made.
+    pub(super) draft_mark: Duration,
+}
+
+/// One sequence the policy chooses for: its budget and its state.
+pub(super) struct Candidate<'a> {
+    pub budget: usize,
+    pub stats: &'a SequenceDraftStats,
+}
+
+/// The policy an engine runs, with its cost model and running figures (shared by the
+/// engine's clones).
+#[derive(Clone)]
+pub(super) struct DraftPolicy {
+    pub kind: DraftPolicyKind,
+    pub cost: Arc<dyn CostModel>,
+    prior: Arc<Mutex<EnginePrior>>,
+}
+
+impl Default for DraftPolicy {
+    fn default() -> Self {
+        DraftPolicy::new(
+            DraftPolicyKind::default(),
+            Arc::new(MeasuredCost::default()),
+        )
+    }
+}
+
+/// Cumulative expected tokens gained and rows added by asking for `k` drafts, `k` = 0..=budget.
+struct Outlook {
+    gain: Vec<f64>,
+    rows: Vec<f64>,
+    draft: Vec<f64>,
+}
+
+impl DraftPolicy {
+    pub fn new(kind: DraftPolicyKind, cost: Arc<dyn CostModel>) -> Self {
+        DraftPolicy {
+            kind,
+            cost,
+            prior: Arc::new(Mutex::new(EnginePrior::default())),
+        }
+    }
+
+    fn prior(&self) -> std::sync::MutexGuard<'_, EnginePrior> {
+        // Plain counters: a panic elsewhere cannot leave them inconsistent.
+        self.prior.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Idle steps before `stats`' sequence is probed.
+    pub fn probe_wait(&self, stats: &SequenceDraftStats) -> usize {
+        match (stats.probe_every, self.prior().probe_every) {
+            (0, 0) => PROBE_FIRST,
+            (0, engine) => engine,
+            (own, _) => own,
+        }
+    }
+
+    /// Whether `stats`' sequence is due a probe if it is turned down to 0 this step.
+    pub fn probe_due(&self, stats: &SequenceDraftStats) -> bool {
+        stats.idle >= self.probe_wait(stats)
+    }
+
+    /// The count for each candidate (`other_rows` rows of this step's forward belong to
+    /// sequences that do not draft), and the tokens one more verify row must bring at those
+    /// counts (0 where the policy does not judge rows: fixed, or costs not yet known).
+    pub fn plan(&self, candidates: &[Candidate<'_>], other_rows: usize) -> (Vec<usize>, f64) {
+        let budgets = || (candidates.iter().map(|c| c.budget).collect(), 0.0);
+        if self.kind == DraftPolicyKind::Fixed || candidates.is_empty() {
+            return budgets();
+        }
+        let curves = self.cost.curves();
+        let base_rows = other_rows + candidates.len();
+        match curves.verify.len() {
+            0 => return budgets(),
+            1 if curves.verify.first_x() == Some(base_rows) => return budgets(),
+            1 => return (vec![0; candidates.len()], 0.0),
+            _ => {}
+        }
+        let outlooks: Vec<Outlook> = {
+            let prior = self.prior();
+            candidates
+                .iter()
+                .map(|c| outlook(c, &prior, &curves))
+                .collect()
+        };
+        // The fitted line, its slope no less than MIN_ROW_SHARE of the base forward's cost a
+        // row: measurement noise on a loaded machine can flatten the slope to nothing, and
+        // then any drafter, however rarely right, would look free.
+        let (intercept, slope) = curves.verify.line().unwrap_or((0.0, 0.0));
+        let base_cost = (intercept + slope * base_rows as f64).max(0.0);
+        let per_row = slope.max(MIN_ROW_SHARE * base_cost / base_rows as f64);
+        let verify = |rows: f64| (base_cost + per_row * (rows - base_rows as f64)).max(0.0);
+        let rate = |tokens: f64, rows: f64, draft: f64| tokens / (verify(rows) + draft).max(1e-12);
+        let mut k = vec![0usize; candidates.len()];
+        let mut tokens = base_rows as f64;
+        let mut rows = base_rows as f64;
+        let mut draft: f64 = outlooks.iter().map(|o| o.draft[0]).sum();
+        for _ in 0..ROUNDS {
+            let mut changed = false;
+            for (i, o) in outlooks.iter().enumerate() {
+                tokens -= o.gain[k[i]];
+                rows -= o.rows[k[i]];
+                draft -= o.draft[k[i]];
+                let mut best = 0;
+                let mut best_rate = rate(tokens, rows, draft + o.draft[0]);
+                for n in 1..o.gain.len() {
+                    let r = rate(tokens + o.gain[n], rows + o.rows[n], draft + o.draft[n]);
+                    if r > best_rate * (1.0 + 1e-9) {
+                        best = n;
+                        best_rate = r;
+                    }
+                }
+                changed |= best != k[i];
+                k[i] = best;
+                tokens += o.gain[best];
+                rows += o.rows[best];
+                draft += o.draft[best];
+            }
+            if !changed {
+                break;
+            }
+        }
+        // Probes: a sequence idle long enough gets one draft, if one sure draft would pay.
+        for (i, (c, o)) in candidates.iter().zip(&outlooks).enumerate() {
+            if k[i] != 0 || c.budget == 0 || !self.probe_due(c.stats) {
+                continue;
+            }
+            let now = rate(tokens, rows, draft);
+            let sure = rate(tokens + 1.0, rows + 1.0, draft - o.draft[0] + o.draft[1]);
+            if sure > now {
+                k[i] = 1;
+                tokens += 1.0;
+                rows += 1.0;
+                draft += o.draft[1] - o.draft[0];
+            }
+        }
+        (k, per_row * rate(tokens, rows, draft))
+    }
+
+    /// Cuts `drafts` where the proposer's calibrated confidence (`confs`, one a draft) says
+    /// the rest would not pay this step, and keeps the confidences of those sent on.
+    pub fn trim(
+        &self,
+        stats: &mut SequenceDraftStats,
+        drafts: &mut Vec<u32>,
+        confs: Option<&[f32]>,
+    ) {
+        stats.confs.clear();
+        let Some(confs) = confs.filter(|c| c.len() >= drafts.len()) else {
+            return;
+        };
+        if self.kind == DraftPolicyKind::Fixed {
+            return;
+        }
+        let keep = self
+            .prior()
+            .calibration
+            .keep(&confs[..drafts.len()], stats.min_gain);
+        drafts.truncate(keep);
+        stats.confs.extend_from_slice(&confs[..keep]);
+    }
+
+    /// Records the outcome of a step in which `stats`' sequence asked for its chosen count,
+    /// got `returned` drafts and had `accepted` of them accepted.
+    pub fn observe(&self, stats: &mut SequenceDraftStats, returned: usize, accepted: usize) {
+        let Some(asked) = stats.asked.take() else {
+            return;
+        };
+        let confs = std::mem::take(&mut stats.confs);
+        if asked == 0 {
+            stats.idle += 1;
+            return;
+        }
+        let probe = std::mem::take(&mut stats.probing);
+        stats.idle = 0;
+        stats.accept.decay(SEQUENCE_KEEP);
+        stats.fill.decay(SEQUENCE_KEEP);
+        PositionCounts::observe(
+            &mut stats.accept,
+            &mut stats.fill,
+            asked,
+            returned,
+            accepted,
+        );
+        {
+            let mut prior = self.prior();
+            let EnginePrior {
+                accept,
+                fill,
+                calibration,
+                ..
+            } = &mut *prior;
+            accept.decay(ENGINE_KEEP);
+            fill.decay(ENGINE_KEEP);
+            PositionCounts::observe(accept, fill, asked, returned, accepted);
+            let judged = returned.min(confs.len());
+            if judged > 0 {
+                calibration.observe(&confs[..judged], accepted);
+            }
+        }
+        if accepted > 0 || probe {
+            let wait = if accepted > 0 {
+                PROBE_FIRST
+            } else {
+                (self.probe_wait(stats) * 2).min(PROBE_MAX)
+            };
+            stats.probe_every = wait;
+            if probe {
+                self.prior().probe_every = wait;
+            }
+        }
+    }
+}
+
+/// What asking `candidate` for each count would gain and cost.
+fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, curves: &CostCurves) -> Outlook {
+    let s = candidate.stats;
+    let n = candidate.budget;
+    let (mut gain, mut rows) = (vec![0.0; n + 1], vec![0.0; n + 1]);
+    let (mut engine_p, mut engine_f) = (COLD_ACCEPTANCE, 1.0);
+    let (mut p, mut f) = (0.0, 0.0);
+    let (mut reach_row, mut reach_gain) = (1.0, 1.0);
+    for j in 0..n {
+        engine_p = prior.accept.estimate(j, engine_p);
+        engine_f = prior.fill.estimate(j, engine_f);
+        // Past the first position the sequence's own figure at the position before counts
+        // as much as the engine's at this one.
+        let (prior_p, prior_f) = if j == 0 {
+            (engine_p, engine_f)
+        } else {
+            ((engine_p + p) / 2.0, (engine_f + f) / 2.0)
+        };
+        p = s.accept.estimate(j, prior_p);
+        f = s.fill.estimate(j, prior_f);
+        reach_row *= f;
+        reach_gain *= f * p;
+        rows[j + 1] = rows[j] + reach_row;
+        gain[j + 1] = gain[j] + reach_gain;
+    }
+    let draft = (0..=n)
+        .map(|k| curves.draft.at(k as f64).unwrap_or(0.0))
+        .collect();
+    Outlook { gain, rows, draft }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cost_model::{CostCurve, FixedCost};
+    use super::*;
+
+    fn policy(verify: &[(usize, f64)]) -> DraftPolicy {
+        let curves = CostCurves {
+            verify: CostCurve::from_points(verify.iter().copied()),
+            draft: CostCurve::default(),
+        };
+        DraftPolicy::new(DraftPolicyKind::Adaptive, Arc::new(FixedCost(curves)))
+    }
+
+    fn fresh(budgets: &[usize]) -> (Vec<SequenceDraftStats>, Vec<usize>) {
+        (
+            vec![SequenceDraftStats::default(); budgets.len()],
+            budgets.to_vec(),
+        )
+    }
+
+    fn choose(
+        p: &DraftPolicy,
+        stats: &[SequenceDraftStats],
+        budgets: &[usize],
+        others: usize,
+    ) -> Vec<usize> {
+        let c: Vec<Candidate<'_>> = stats
+            .iter()
+            .zip(budgets)
+            .map(|(stats, &budget)| Candidate { budget, stats })
+            .collect();
+        p.plan(&c, others).0
+    }
+
+    #[test]
+    fn cold_start_drafts_then_measures_the_other_end() {
+        let (stats, budgets) = fresh(&[4, 2]);
+        // Nothing measured: the whole budget.
+        assert_eq!(choose(&policy(&[]), &stats, &budgets, 1), vec![4, 2]);
+        // Measured only at the full-draft row count: a plain step next.
+        assert_eq!(
+            choose(&policy(&[(9, 1.0)]), &stats, &budgets, 1),
+            vec![0, 0]
+        );
+        // Measured only at the plain row count (3 = 2 drafting + 1 other): draft.
+        assert_eq!(
+            choose(&policy(&[(3, 1.0)]), &stats, &budgets, 1),
+            vec![4, 2]
+        );
+        let fixed = DraftPolicy::new(DraftPolicyKind::Fixed, Arc::new(FixedCost::default()));
+        assert_eq!(choose(&fixed, &stats, &budgets, 0), vec![4, 2]);
+    }
+
+    #[test]
+    fn the_count_follows_acceptance_against_the_row_cost() {
+        // One row 1.0 s, each more 0.25 s: a draft pays when accepted more than 1 in 4.
+        let p = policy(&[(1, 1.0), (2, 1.25)]);
+        let mut stats = SequenceDraftStats::default();
+        // Always accepted: the whole budget.
+        for _ in 0..6 {
+            stats.asked = Some(4);
+            p.observe(&mut stats, 4, 4);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![4]);
+        // A fresh policy and a sequence whose first draft is always rejected: none.
+        let p = policy(&[(1, 1.0), (2, 1.25)]);
+        let mut stats = SequenceDraftStats::default();
+        for _ in 0..6 {
+            stats.asked = Some(4);
+            p.observe(&mut stats, 4, 0);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
+        // Idle long enough, it is probed with one draft; a failed probe doubles the wait.
+        for _ in 0..PROBE_FIRST {
+            stats.asked = Some(0);
+            p.observe(&mut stats, 0, 0);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![1]);
+        stats.asked = Some(1);
+        stats.probing = true;
+        p.observe(&mut stats, 1, 0);
+        assert_eq!(p.probe_wait(&stats), 2 * PROBE_FIRST);
+        // A new sequence starts with the wait the failed probe left.
+        assert_eq!(
+            p.probe_wait(&SequenceDraftStats::default()),
+            2 * PROBE_FIRST
+        );
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
+    }
+
+    #[test]
+    fn a_flat_measured_cost_does_not_make_a_useless_drafter_free() {
+        // Noise flattened the measured slope: rows look free. A drafter rejected 50 times
+        // running still gets nothing, since a row costs at least a share of a plain row.
+        let p = policy(&[(1, 1.0), (2, 1.0), (3, 0.9)]);
+        let mut stats = SequenceDraftStats::default();
+        for _ in 0..50 {
+            stats.asked = Some(4);
+            p.observe(&mut stats, 4, 0);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
+    }
+
+    #[test]
+    fn a_proposer_that_returns_nothing_costs_no_rows() {
+        // A row costs half a plain step, drafting is free. A proposer that returns 4 right
+        // drafts one step in 4 and none otherwise pays: counted as 4 rows every step for an
+        // expected 1 token it would not (3 s for 2 tokens against 1 s for 1).
+        let p = policy(&[(1, 1.0), (2, 1.5)]);
+        let mut stats = SequenceDraftStats::default();
+        for step in 0..40 {
+            stats.asked = Some(4);
+            if step % 4 == 0 {
+                p.observe(&mut stats, 4, 4);
+            } else {
+                p.observe(&mut stats, 0, 0);
+            }
+        }
+        assert!(choose(&p, std::slice::from_ref(&stats), &[4], 0)[0] > 0);
+    }
+}

@@ -1,0 +1,136 @@
+"""The draft policy from Python (``SpecEngine(draft_policy=...)``, the draft-length
+histogram) and ``specdraft bench`` with batch widths, repeated passes, policies, the
+proposer table and plots, on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import specdraft
+
+gguf = pytest.importorskip("gguf")
+from test_engine import _load, write_tiny_chat_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bench") / "tiny-chat.gguf"
+    write_tiny_chat_gguf(path)
+    return path
+
+
+def test_the_policy_is_chosen_by_name_and_reported_per_request(tiny, gpu) -> None:
+    model = _load(tiny, gpu)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]]
+    plain = [list(r.tokens) for r in specdraft.SpecEngine(model).generate(prompts, 24)]
+    lookup = specdraft.PromptLookup()
+    assert specdraft.SpecEngine(model, lookup).draft_policy == "adaptive"
+    for policy in ("adaptive", "fixed"):
+        engine = specdraft.SpecEngine(model, lookup, num_drafts=3, draft_policy=policy)
+        assert engine.draft_policy == policy and policy in repr(engine)
+        results = engine.generate(prompts, 24, ignore_eos=True)
+        assert [list(r.tokens) for r in results] == plain
+        for r in results:
+            lengths = r.metrics["draft_lengths"]
+            assert len(lengths) <= 4, lengths
+            # One count a step that could draft: never more than the verify steps.
+            assert 0 < sum(lengths) <= r.metrics["verify_steps"]
+            if policy == "fixed":
+                assert lengths[0] == 0, "fixed never asks for 0"
+    with pytest.raises(specdraft.SpecdraftError, match='draft_policy: "greedy"'):
+        specdraft.SpecEngine(model, lookup, draft_policy="greedy")
+
+
+def _bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from specdraft.cli import main
+
+    code = main(["bench", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _common(tiny: Path) -> list[str]:
+    return ["--model", str(tiny), "--device", "cpu", "--max-seq-len", "1024"]
+
+
+def test_bench_rows_cover_every_proposer_width_policy_and_pass(tiny, capsys) -> None:
+    from specdraft.bench import PROPOSERS
+
+    args = [*_common(tiny), "--prompts", "3", "--max-tokens", "6", "--json"]
+    args += ["--batch", "1,2", "--repeat", "2", "--draft-policy", "adaptive,fixed"]
+    code, out, err = _bench(capsys, *args)
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["batch"], report["repeat"]) == ([1, 2], 2)
+    assert report["draft_policies"] == ["adaptive", "fixed"]
+    proposers = [n for n in PROPOSERS if n != "baseline"]
+    assert {"prompt-lookup", "suffix", "random"} <= set(proposers)
+    want = []
+    for width in (1, 2):
+        want.append(("baseline", None, width))
+        want += [(n, p, width) for n in proposers for p in ("adaptive", "fixed")]
+    rows = report["results"]
+    assert [(r["proposer"], r["policy"], r["batch"]) for r in rows] == want
+    tokens_of = {r["batch"]: r["tokens"] for r in rows if r["proposer"] == "baseline"}
+    for r in rows:
+        assert len(r["passes"]) == 2
+        assert r["tokens"] == sum(p["tokens"] for p in r["passes"])
+        assert r["tokens"] == tokens_of[r["batch"]]
+        assert r["errors"] == []
+        if r["proposer"] == "baseline":
+            assert r["speedup"] == 1.0 and r["identical_to_baseline"] is None
+            assert all(p["speedup"] == 1.0 for p in r["passes"])
+            assert r["draft_lengths"] == []
+        else:
+            assert r["identical_to_baseline"] is True
+            assert r["passes"][1]["by_kind"]["grounded"]["tokens_per_s"] > 0
+            if r["policy"] == "fixed":
+                assert r["draft_lengths"][0] == 0
+    assert "pass 2/2, batch 2" in err
+
+
+def test_a_proposer_added_to_the_table_gets_its_rows(tiny, capsys, monkeypatch) -> None:
+    from specdraft import bench
+
+    monkeypatch.setitem(bench.PROPOSERS, "lookup-2", lambda model: specdraft.PromptLookup())
+    code, out, err = _bench(capsys, *_common(tiny), "--prompts", "1", "--max-tokens", "4")
+    assert code == 0, err
+    assert "lookup-2" in out and "random" in out
+    code, out, err = _bench(
+        capsys, *_common(tiny), "--prompts", "1", "--max-tokens", "4", "--proposer", "lookup-2"
+    )
+    assert code == 0, err
+    lines = [line.split()[0] for line in out.splitlines()[3:]]
+    assert lines == ["baseline", "lookup-2"]
+
+
+def test_bad_bench_options_are_named(tiny, capsys) -> None:
+    for extra, message in [
+        (["--batch", "1,x"], "--batch '1,x': 'x' is not a whole number"),
+        (["--batch", "0"], "each width must be at least 1"),
+        (["--draft-policy", "greedy"], "--draft-policy 'greedy'"),
+        (["--repeat", "0"], "--repeat must be at least 1"),
+        (["--proposer", "nonesuch"], "--proposer 'nonesuch'"),
+    ]:
+        code, _, err = _bench(capsys, *_common(tiny), *extra)
+        assert code == 2 and message in err, (extra, err)
+
+
+def test_plot_needs_matplotlib_and_says_so(tiny, capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    png = tmp_path / "bench.png"
+    code, _, err = _bench(capsys, *_common(tiny), "--prompts", "1", "--plot", str(png))
+    assert code == 2 and "pip install 'specdraft[plot]'" in err
+    assert not png.exists()
+
+
+def test_plot_draws_a_png(tiny, capsys, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    args = [*_common(tiny), "--prompts", "2", "--max-tokens", "4", "--batch", "1,2"]
+    code, _, err = _bench(capsys, *args, "--plot", str(png))
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
