@@ -41,6 +41,7 @@ impl NameScheme {
         };
         LayerNames {
             prefix,
+            /// How the checkpoint names the parts after the prefix.
             scheme: self,
         }
     }
