@@ -19,6 +19,8 @@
 //! The Python bindings (feature `python`) sit on top of every layer; a Rust engine builder
 //! needs neither pyo3 nor a GPU toolkit to use this crate.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod engine;
 pub mod error;

@@ -65,59 +65,91 @@ impl std::fmt::Display for Stage {
 pub enum EngineError {
     /// A request with no prompt tokens.
     #[error("request {request}: the prompt is empty (a sequence needs at least one token)")]
-    EmptyPrompt { request: usize },
+    EmptyPrompt {
+        /// Index of the request in the call's request list.
+        request: usize,
+    },
     /// A prompt that leaves no room in the target's context.
     #[error("request {request}: the prompt has {len} tokens but the model's context holds {max_seq_len} (the prompt must be shorter than the context)")]
     PromptTooLong {
+        /// Index of the request in the call's request list.
         request: usize,
+        /// The prompt's length in tokens.
         len: usize,
+        /// The target's context length in tokens.
         max_seq_len: usize,
     },
     /// A prompt token outside the vocabulary.
     #[error("request {request}: prompt token {token} at index {index} is outside the vocabulary of {vocab_size}")]
     PromptTokenOutOfVocab {
+        /// Index of the request in the call's request list.
         request: usize,
+        /// The offending token id.
         token: u32,
+        /// Its position in the prompt.
         index: usize,
+        /// The target's vocabulary size (valid ids are below it).
         vocab_size: usize,
     },
     /// A request the target's whole KV pool could never hold.
     #[error("request {request}: the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs up to {rows} KV rows, but the target's KV pool holds {pool_rows} (lower max_tokens or give the model more KV blocks)")]
     NeverFits {
+        /// Index of the request in the call's request list.
         request: usize,
+        /// The prompt's length in tokens.
         prompt_len: usize,
+        /// The request's `max_tokens`.
         max_tokens: usize,
+        /// KV rows the request may need at most.
         rows: usize,
+        /// KV rows the target's whole pool holds.
         pool_rows: usize,
     },
     /// The KV pool has no room for a request although none of the call's sequences runs:
     /// something outside the call holds its blocks.
     #[error("request {request}: the target's KV pool has {free} of {total} blocks free and this request needs {needed}, with no sequence of this call running to free any")]
     PoolHeldElsewhere {
+        /// Index of the request in the call's request list.
         request: usize,
+        /// KV blocks the request needs to start.
         needed: usize,
+        /// KV blocks free in the pool.
         free: usize,
+        /// KV blocks in the pool.
         total: usize,
     },
     /// The caller stopped the generation (closed a stream) before the request ended.
     #[error("request {request}: the generation was stopped before the request ended")]
-    Stopped { request: usize },
+    Stopped {
+        /// Index of the request in the call's request list.
+        request: usize,
+    },
     /// Sampling parameters or engine settings that make no sense.
     #[error("invalid {what}: {message}")]
-    InvalidArgument { what: &'static str, message: String },
+    InvalidArgument {
+        /// The parameter or setting that was refused.
+        what: &'static str,
+        /// Why it was refused.
+        message: String,
+    },
     /// A stage of a running request failed in a layer below; `source` is that layer's
     /// error, unchanged. Its message is repeated here so a single line says everything.
     #[error("request {request}: {stage} failed: {source}")]
     Step {
+        /// Index of the request in the call's request list.
         request: usize,
+        /// The stage that failed.
         stage: Stage,
         #[source]
+        /// The lower layer's error, unchanged.
         source: Box<crate::Error>,
     },
     /// A proposer returned drafts that break the protocol (too many, or out of vocabulary).
     #[error("{method} broke the protocol: {message}")]
     ProposerContract {
+        /// The proposer method whose output broke the protocol.
         method: &'static str,
+        /// What was wrong with the drafts.
         message: String,
     },
     /// The target returned output of the wrong shape.
@@ -125,7 +157,10 @@ pub enum EngineError {
     TargetOutput(String),
     /// A running request has no target KV: the engine's own bookkeeping is broken.
     #[error("request {request}: the sequence holds no target KV (it was never started or is already released)")]
-    NoKv { request: usize },
+    NoKv {
+        /// Index of the request in the call's request list.
+        request: usize,
+    },
     /// A grammar matcher failed or refused a token the engine emitted.
     #[error("grammar: {0}")]
     Grammar(String),

@@ -9,16 +9,27 @@ pub enum MemoryError {
     /// The pool has fewer free blocks than were asked for; nothing was allocated.
     #[error("KV block pool exhausted: asked for {requested} blocks, {free} of {total} free")]
     Exhausted {
+        /// Blocks asked for.
         requested: usize,
+        /// Blocks free in the pool.
         free: usize,
+        /// Blocks in the pool.
         total: usize,
     },
     /// A block id outside the pool.
     #[error("block {block} is outside the pool of {total} blocks")]
-    InvalidBlock { block: u32, total: usize },
+    InvalidBlock {
+        /// The block id given.
+        block: u32,
+        /// Blocks in the pool (valid ids are below it).
+        total: usize,
+    },
     /// Free, retain or release of a block nobody holds.
     #[error("block {block} is not allocated (its reference count is already zero)")]
-    NotAllocated { block: u32 },
+    NotAllocated {
+        /// The block id given.
+        block: u32,
+    },
     /// A pool or arena was asked for with a zero or overflowing size.
     #[error("invalid size: {0}")]
     InvalidSize(String),

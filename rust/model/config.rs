@@ -14,26 +14,55 @@ use thiserror::Error;
 pub enum ConfigError {
     /// The file could not be read.
     #[error("cannot read {path}: {message}")]
-    Io { path: String, message: String },
+    Io {
+        /// The file's path as given.
+        path: String,
+        /// The operating system's reason.
+        message: String,
+    },
     /// The text is not JSON, or not a JSON object.
     #[error("{path} is not a JSON object: {message}")]
-    Json { path: String, message: String },
+    Json {
+        /// The file's path as given.
+        path: String,
+        /// The parser's reason.
+        message: String,
+    },
     /// A required key is absent.
     #[error("config is missing required key {key:?} (model_type {model_type:?})")]
-    MissingKey { key: String, model_type: String },
+    MissingKey {
+        /// The absent key.
+        key: String,
+        /// The config's `model_type`, which decides the required keys.
+        model_type: String,
+    },
     /// A key has the wrong type or an impossible value.
     #[error("config key {key:?}: {message}")]
-    BadValue { key: String, message: String },
+    BadValue {
+        /// The key with the bad value.
+        key: String,
+        /// What is wrong with its value.
+        message: String,
+    },
     /// A `model_type` this crate does not know.
     #[error("unknown model_type {0:?}; known: llama, qwen2, qwen3, qwen3_next, mimo, deepseek_v3, glm4_moe")]
     UnknownModelType(String),
     /// The file is larger than any configuration.
     #[error("{path} is {size} bytes; a configuration file is at most {limit} bytes")]
-    TooLarge { path: String, size: u64, limit: u64 },
+    TooLarge {
+        /// The file's path as given.
+        path: String,
+        /// The file's size in bytes.
+        size: u64,
+        /// The largest size read, in bytes ([`MAX_CONFIG_BYTES`]).
+        limit: u64,
+    },
     /// An error about the contents of the file at `path`.
     #[error("{path}: {source}")]
     InFile {
+        /// The file's path as given.
         path: String,
+        /// The error about its contents.
         source: Box<ConfigError>,
     },
 }

@@ -13,8 +13,11 @@ use super::{ModelConfig, ModelError};
 
 /// Every weight of a decoder-only Llama-family model.
 pub struct DecoderWeights {
+    /// `[vocab, hidden]`: the token embedding.
     pub embed: DenseWeight,
+    /// The decoder layers, first to last.
     pub layers: Vec<LayerWeights>,
+    /// `[hidden]`: the RMSNorm before the LM head.
     pub final_norm: DenseWeight,
     /// `None` when tied to the embedding.
     pub lm_head: Option<Linear>,

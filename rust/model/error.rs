@@ -11,13 +11,21 @@ use thiserror::Error;
 pub enum ModelError {
     /// The file could not be opened, mapped or listed.
     #[error("cannot read {path}: {message}")]
-    Io { path: String, message: String },
+    Io {
+        /// The file's path as given.
+        path: String,
+        /// The operating system's reason.
+        message: String,
+    },
     /// The file is not a well-formed checkpoint of its format (bad magic, cut short,
     /// inconsistent header).
     #[error("{path} is not a valid {format} file: {message}")]
     Format {
+        /// The file's path as given.
         path: String,
+        /// The checkpoint format it was read as (e.g. "GGUF", "safetensors").
         format: &'static str,
+        /// What about the file is malformed.
         message: String,
     },
     /// A size, count, offset or length in a file's header is out of range: it overflows, is
@@ -25,42 +33,69 @@ pub enum ModelError {
     /// refused before anything is allocated for it.
     #[error("{path}: {field} is {value}, out of range: {reason}")]
     OutOfRange {
+        /// The file's path as given.
         path: String,
+        /// The header field that holds the bad value.
         field: String,
+        /// The value as read from the file.
         value: String,
+        /// Which bound it breaks.
         reason: String,
     },
     /// A tensor's data runs past the end of the file.
     #[error("tensor {tensor:?} in {path} is truncated: it needs bytes {start}..{end} but the file has {file_len}")]
     Truncated {
+        /// The file's path as given.
         path: String,
+        /// The tensor's name in the checkpoint.
         tensor: String,
+        /// Byte offset in the file where the tensor's data starts.
         start: usize,
+        /// Byte offset one past the tensor's last byte.
         end: usize,
+        /// The file's length in bytes.
         file_len: usize,
     },
     /// A tensor the model needs is absent.
     #[error("tensor {tensor:?} is missing from {path}")]
-    MissingTensor { path: String, tensor: String },
+    MissingTensor {
+        /// The file's path as given.
+        path: String,
+        /// The name of the tensor that was looked for.
+        tensor: String,
+    },
     /// A tensor has another shape than the configuration implies.
     #[error("tensor {tensor:?} in {path} has shape {found:?}, expected {expected:?}")]
     ShapeMismatch {
+        /// The file's path as given.
         path: String,
+        /// The tensor's name in the checkpoint.
         tensor: String,
+        /// The shape the configuration implies, outermost dimension first.
         expected: Vec<usize>,
+        /// The shape the file records, outermost dimension first.
         found: Vec<usize>,
     },
     /// A tensor's element type is one this crate cannot read.
     #[error("tensor {tensor:?} in {path} has type {dtype}, which is not supported (supported: {supported})")]
     UnsupportedType {
+        /// The file's path as given.
         path: String,
+        /// The tensor's name in the checkpoint.
         tensor: String,
+        /// The element type the file records for it.
         dtype: String,
+        /// The element types this crate reads, for the message.
         supported: &'static str,
     },
     /// A forward or sequence call was given input that breaks its contract.
     #[error("{op}: {message}")]
-    InvalidInput { op: &'static str, message: String },
+    InvalidInput {
+        /// The call that refused its input.
+        op: &'static str,
+        /// Which part of the contract the input breaks.
+        message: String,
+    },
 }
 
 impl ModelError {

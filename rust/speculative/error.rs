@@ -8,30 +8,45 @@ pub enum ProposerError {
     /// A token id at or beyond the vocabulary.
     #[error("{method}: token id {token} is outside the vocabulary of {vocab_size}")]
     TokenOutOfVocab {
+        /// The proposer method that failed.
         method: &'static str,
+        /// The offending token id.
         token: u64,
+        /// The vocabulary size (valid ids are below it).
         vocab_size: usize,
     },
     /// A state of another proposer's type was passed in.
     #[error("{method}: the state is not a {expected} (it was made by another proposer)")]
     WrongState {
+        /// The proposer method that failed.
         method: &'static str,
+        /// The state type this proposer makes.
         expected: &'static str,
     },
     /// Arguments that do not fit together (lengths, counts, sizes).
     #[error("{method}: {message}")]
     InvalidArgument {
+        /// The proposer method that failed.
         method: &'static str,
+        /// Which arguments do not fit and why.
         message: String,
     },
     /// A proposer written in Python raised or returned something unusable.
     #[error("{method} of Python proposer {class}: {message}")]
     Python {
+        /// The proposer method that failed.
         method: String,
+        /// The Python proposer's class name.
         class: String,
+        /// The Python exception or what was unusable in the result.
         message: String,
     },
     /// Any other failure inside a proposer.
     #[error("{method}: {message}")]
-    Failed { method: String, message: String },
+    Failed {
+        /// The proposer method that failed.
+        method: String,
+        /// What went wrong.
+        message: String,
+    },
 }

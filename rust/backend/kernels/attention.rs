@@ -10,14 +10,23 @@ use crate::backend::{BackendError, DevicePtr, Dtype};
 /// carries the base and any scaling, `positions` u32 `[rows]`. `x` is apart from both.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RopeArgs<P = DevicePtr> {
+    /// BF16 `[rows, heads, head_dim]`, rotated in place.
     pub x: P,
+    /// u32 `[rows]`: each row's token position.
     pub positions: P,
+    /// f32 `[rotary_dim / 2]`: the inverse frequency of each rotated pair.
     pub inv_freq: P,
+    /// Token rows in `x`.
     pub rows: usize,
+    /// Heads per row.
     pub heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
+    /// Leading elements of each head that are rotated (even, at most `head_dim`).
     pub rotary_dim: usize,
+    /// Which elements pair up in a rotation.
     pub style: RopeStyle,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 
@@ -62,21 +71,33 @@ impl RopeArgs {
 /// `>= num_slots` is an error; the two caches are apart from each other and from the inputs.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KvWriteArgs<P = DevicePtr> {
+    /// BF16 `[num_slots, kv_heads, head_dim]`: the key cache written into.
     pub k_cache: P,
+    /// BF16 `[num_slots, kv_heads, head_dim]`: the value cache written into.
     pub v_cache: P,
+    /// BF16 `[rows, kv_heads, head_dim]`: the key rows to write.
     pub k: P,
+    /// BF16 `[rows, kv_heads, head_dim]`: the value rows to write.
     pub v: P,
+    /// u32 `[rows]`: the cache slot of each row.
     pub slots: P,
+    /// Rows to write.
     pub rows: usize,
+    /// KV heads per row.
     pub kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
+    /// Slots in each cache (blocks times block size).
     pub num_slots: usize,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 
 /// A validated [`KvWriteArgs`] and the slots it read.
 pub struct CheckedKvWrite<R> {
+    /// The arguments, with pointers resolved.
     pub args: KvWriteArgs<R>,
+    /// The slot of each row, read from the device.
     pub slots: Vec<u32>,
 }
 
@@ -141,27 +162,45 @@ impl KvWriteArgs {
 /// `scale`; `out` BF16 `[rows, heads, head_dim]` is apart from every input.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PagedAttentionArgs<P = DevicePtr> {
+    /// BF16 `[rows, heads, head_dim]`: the attention output.
     pub out: P,
+    /// BF16 `[rows, heads, head_dim]`: the queries.
     pub q: P,
+    /// BF16 `[num_slots, kv_heads, head_dim]`: the paged key cache.
     pub k_cache: P,
+    /// BF16 `[num_slots, kv_heads, head_dim]`: the paged value cache.
     pub v_cache: P,
+    /// u32 `[num_seqs, max_blocks_per_seq]`: each sequence's KV blocks in order.
     pub block_table: P,
+    /// u32 `[rows]`: the sequence each query row belongs to.
     pub row_seq: P,
+    /// u32 `[rows]`: how many cached rows each query row attends to.
     pub row_ctx_len: P,
+    /// Query rows.
     pub rows: usize,
+    /// Query heads per row.
     pub heads: usize,
+    /// KV heads per row (divides `heads`).
     pub kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
+    /// Cache rows per KV block.
     pub block_size: usize,
+    /// Columns of `block_table`.
     pub max_blocks_per_seq: usize,
+    /// Multiplier of the scores before softmax (usually `1 / sqrt(head_dim)`).
     pub scale: f32,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 
 /// A validated [`PagedAttentionArgs`] and the index arrays it read.
 pub struct CheckedAttention<R> {
+    /// The arguments, with pointers resolved.
     pub args: PagedAttentionArgs<R>,
+    /// The sequence of each query row, read from the device.
     pub row_seq: Vec<u32>,
+    /// The context length of each query row, read from the device.
     pub row_ctx_len: Vec<u32>,
     /// `[num_seqs, max_blocks_per_seq]`, `num_seqs` the largest `row_seq` plus one.
     pub block_table: Vec<u32>,

@@ -8,18 +8,27 @@ use crate::backend::{BackendError, DevicePtr, Dtype};
 /// hidden]`, `ids` u32 `[rows]`; an id `>= vocab` is an error. `out` is apart from both.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EmbeddingArgs<P = DevicePtr> {
+    /// BF16 `[rows, hidden]`: the looked-up rows.
     pub out: P,
+    /// BF16 `[vocab, hidden]`: the embedding table.
     pub table: P,
+    /// u32 `[rows]`: the token ids.
     pub ids: P,
+    /// Tokens to look up.
     pub rows: usize,
+    /// Elements per embedding row.
     pub hidden: usize,
+    /// Rows in `table` (ids must be below it).
     pub vocab: usize,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 
 /// A validated [`EmbeddingArgs`] and the token ids it read.
 pub struct CheckedEmbedding<R> {
+    /// The arguments, with pointers resolved.
     pub args: EmbeddingArgs<R>,
+    /// The token ids, read from the device.
     pub ids: Vec<u32>,
 }
 
@@ -72,12 +81,19 @@ impl EmbeddingArgs {
 /// `[rows, dim]`, `weight` BF16 `[dim]`. `out` may be `x` itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RmsNormArgs<P = DevicePtr> {
+    /// BF16 `[rows, dim]`: the normalized rows (may be `x`).
     pub out: P,
+    /// BF16 `[rows, dim]`: the input rows.
     pub x: P,
+    /// BF16 `[dim]`: the per-element gain.
     pub weight: P,
+    /// Rows to normalize.
     pub rows: usize,
+    /// Elements per row.
     pub dim: usize,
+    /// Added to the mean square before the square root.
     pub eps: f32,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 
@@ -142,11 +158,17 @@ impl ElementwiseOp {
 /// `out = op(a, b)`, BF16 `[n]` each. `out` may be `a` or `b` itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ElementwiseArgs<P = DevicePtr> {
+    /// Which function of `a` and `b` is computed.
     pub op: ElementwiseOp,
+    /// BF16 `[n]`: the result (may be `a` or `b`).
     pub out: P,
+    /// BF16 `[n]`: the first operand.
     pub a: P,
+    /// BF16 `[n]`: the second operand.
     pub b: P,
+    /// Elements in each buffer.
     pub n: usize,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 
@@ -181,11 +203,17 @@ impl ElementwiseArgs {
 /// allowed gets `u32::MAX`. `out` is apart from the inputs.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ArgmaxArgs<P = DevicePtr> {
+    /// u32 `[rows]`: the chosen token of each row.
     pub out: P,
+    /// f32 `[rows, vocab]`.
     pub logits: P,
+    /// i32 `[rows, ceil(vocab / 32)]`: the allowed tokens, or `None` for all.
     pub bitmask: Option<P>,
+    /// Rows of logits.
     pub rows: usize,
+    /// Logits per row.
     pub vocab: usize,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 
@@ -229,11 +257,17 @@ impl ArgmaxArgs {
 /// `out` may be `logits` itself). `temperature` must be positive.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SoftmaxArgs<P = DevicePtr> {
+    /// f32 `[rows, vocab]`: the probabilities (may be `logits`).
     pub out: P,
+    /// f32 `[rows, vocab]`.
     pub logits: P,
+    /// Rows of logits.
     pub rows: usize,
+    /// Logits per row.
     pub vocab: usize,
+    /// Divisor of the logits before softmax (positive).
     pub temperature: f32,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 

@@ -19,15 +19,21 @@ pub const FP8_BLOCK: usize = 128;
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum LinearWeight<P = DevicePtr> {
     /// BF16, row-major.
-    Bf16 { weight: P },
+    Bf16 {
+        /// BF16 `[out_features, in_features]`.
+        weight: P,
+    },
     /// NVFP4 in NVIDIA ModelOpt's layout (W4A16: activations stay BF16): `codes` u8
     /// `[out_features, in_features / 2]` (two E2M1 codes a byte, low nibble first),
     /// `block_scales` FP8 E4M3 `[out_features, in_features / 16]`, and the tensor-wide
     /// `global_scale`: `W[o, c] = e2m1 * fp8(block_scales[o, c / 16]) * global_scale`.
     /// `in_features` must be a multiple of 16.
     Nvfp4 {
+        /// u8 `[out_features, in_features / 2]`: two E2M1 codes a byte, low nibble first.
         codes: P,
+        /// FP8 E4M3 `[out_features, in_features / 16]`.
         block_scales: P,
+        /// Tensor-wide multiplier of every element.
         global_scale: f32,
     },
     /// FP8 E4M3 (`float8_e4m3fn`, W8A16) in the block-scaled layout of DeepSeek-V3's FP8
@@ -36,7 +42,12 @@ pub enum LinearWeight<P = DevicePtr> {
     /// checkpoint's `weight_scale_inv`, a multiplier despite its name):
     /// `W[o, c] = e4m3(weight[o, c]) * block_scales[o / 128, c / 128]`. A per-tensor scale is
     /// the same value in every block.
-    Fp8 { weight: P, block_scales: P },
+    Fp8 {
+        /// E4M3 `[out_features, in_features]`, one byte per element.
+        weight: P,
+        /// f32 `[ceil(out_features / 128), ceil(in_features / 128)]`: each 128x128 block's multiplier.
+        block_scales: P,
+    },
 }
 
 /// The buffers one weight format reads, for the aliasing check (at most two so far; a
@@ -131,14 +142,23 @@ impl<P> LinearWeight<P> {
 /// from every input.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinearArgs<P = DevicePtr> {
+    /// `[rows, out_features]` of `out_dtype`.
     pub out: P,
+    /// Element type of `out` (`Bf16` or `F32`).
     pub out_dtype: Dtype,
+    /// BF16 `[rows, in_features]`: the input rows.
     pub x: P,
+    /// The weight, in its stored format.
     pub weight: LinearWeight<P>,
+    /// BF16 `[out_features]`, or `None` for no bias.
     pub bias: Option<P>,
+    /// Input rows.
     pub rows: usize,
+    /// Elements per input row.
     pub in_features: usize,
+    /// Elements per output row.
     pub out_features: usize,
+    /// The stream the op is queued on.
     pub stream: u64,
 }
 

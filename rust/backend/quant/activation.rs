@@ -31,6 +31,7 @@ impl ActKind {
 
 /// An input element: f32 or BF16 (widened exactly).
 pub trait InputElem: Copy + Send + Sync {
+    /// The value as an f32 (exact for both element types).
     fn to_f32(self) -> f32;
     /// The slice itself when it already is f32.
     fn as_f32(x: &[Self]) -> Option<&[f32]> {

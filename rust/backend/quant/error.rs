@@ -9,23 +9,33 @@ pub enum QuantError {
     /// A row length that is not a whole number of blocks.
     #[error("{format}: {len} elements per row is not a multiple of its block length {block_len}")]
     NotBlockAligned {
+        /// The weight format.
         format: BlockFormat,
+        /// Elements per row.
         len: usize,
+        /// Elements per block of the format.
         block_len: usize,
     },
     /// A buffer of the wrong length.
     #[error("{what}: expected {expected} {unit}, got {got}")]
     Length {
+        /// The buffer or argument whose length is wrong.
         what: &'static str,
+        /// The length it must have.
         expected: usize,
+        /// The length it has.
         got: usize,
+        /// What the lengths count (bytes, elements, rows).
         unit: &'static str,
     },
     /// Sizes whose product does not fit in `usize`.
     #[error("{what}: {a} x {b} overflows")]
     Overflow {
+        /// The size being computed.
         what: &'static str,
+        /// First factor.
         a: usize,
+        /// Second factor.
         b: usize,
     },
     /// A GGML type id this library does not know.

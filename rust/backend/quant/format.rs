@@ -17,18 +17,31 @@ pub const QK: usize = 32;
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BlockFormat {
+    /// IEEE single precision, 4 bytes an element.
     F32,
+    /// IEEE half precision, 2 bytes an element.
     F16,
+    /// bfloat16 (the top half of an f32), 2 bytes an element.
     BF16,
+    /// 32 4-bit codes with one f16 scale (`w = d * (q - 8)`), 18 bytes a block.
     Q4_0,
+    /// 32 4-bit codes with an f16 scale and minimum (`w = d * q + m`), 20 bytes a block.
     Q4_1,
+    /// 32 5-bit codes with one f16 scale (`w = d * (q - 16)`), 22 bytes a block.
     Q5_0,
+    /// 32 5-bit codes with an f16 scale and minimum (`w = d * q + m`), 24 bytes a block.
     Q5_1,
+    /// 32 signed 8-bit codes with one f16 scale (`w = d * q`), 34 bytes a block.
     Q8_0,
+    /// 256-element super-block of 2-bit codes, 4-bit sub-block scales and minimums, 84 bytes.
     Q2_K,
+    /// 256-element super-block of 3-bit codes with 6-bit sub-block scales, 110 bytes.
     Q3_K,
+    /// 256-element super-block of 4-bit codes, 6-bit sub-block scales and minimums, 144 bytes.
     Q4_K,
+    /// 256-element super-block of 5-bit codes, 6-bit sub-block scales and minimums, 176 bytes.
     Q5_K,
+    /// 256-element super-block of 6-bit codes with 8-bit sub-block scales, 210 bytes.
     Q6_K,
 }
 

@@ -143,14 +143,17 @@ impl PackedWeight {
         Self::new(format, out_features, in_features, &bytes)
     }
 
+    /// The format the weight's blocks are stored in.
     pub fn format(&self) -> BlockFormat {
         self.format
     }
 
+    /// Rows of the weight (outputs of the linear layer).
     pub fn out_features(&self) -> usize {
         self.out_features
     }
 
+    /// Elements per row (inputs of the linear layer).
     pub fn in_features(&self) -> usize {
         self.in_features
     }

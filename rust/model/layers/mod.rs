@@ -33,9 +33,13 @@ use crate::backend::{
 /// The sizes of a layer's attention.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerShape {
+    /// Width of the residual stream.
     pub hidden: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads (divides `heads`).
     pub kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
     /// Elements of each head RoPE rotates (even, at most `head_dim`).
     pub rotary_dim: usize,
@@ -73,17 +77,25 @@ pub struct LayerIo {
     pub block_table: DevicePtr,
     /// f32 `[rotary_dim / 2]`.
     pub inv_freq: DevicePtr,
+    /// Token rows in this forward.
     pub rows: usize,
+    /// Columns of `block_table`.
     pub max_blocks_per_seq: usize,
+    /// Which elements RoPE pairs up.
     pub rope_style: RopeStyle,
+    /// The stream every op of the layer is queued on.
     pub stream: u64,
 }
 
 /// The paged KV cache of one layer.
 pub struct LayerCache {
+    /// BF16 `[num_slots, kv_heads, head_dim]`: the key cache.
     pub k: DevicePtr,
+    /// BF16 `[num_slots, kv_heads, head_dim]`: the value cache.
     pub v: DevicePtr,
+    /// Slots in each cache (blocks times `block_size`).
     pub num_slots: usize,
+    /// Cache rows per KV block.
     pub block_size: usize,
 }
 

@@ -58,14 +58,21 @@ pub struct MoeMlp {
     pub router: DenseWeight,
     /// DeepSeek/GLM's `e_score_correction_bias`, used for choosing only.
     pub correction_bias: Option<Vec<f32>>,
+    /// The routed experts, in router order.
     pub experts: Vec<SwiGlu>,
     /// Qwen3-Next's `shared_expert_gate` `[1, hidden]`.
     pub shared_gate: Option<DenseWeight>,
+    /// How router logits become expert scores.
     pub scoring: MoeScoring,
+    /// Experts each row is routed to.
     pub top_k: usize,
+    /// Whether the chosen experts' weights are renormalised to sum to one.
     pub norm_topk_prob: bool,
+    /// Multiplier of the routed experts' summed output.
     pub routed_scaling_factor: f32,
+    /// Groups the experts are split into for group-limited routing (1: none).
     pub n_group: usize,
+    /// Groups kept before the top-k experts are chosen from them.
     pub topk_group: usize,
 }
 

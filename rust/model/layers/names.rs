@@ -14,16 +14,27 @@ pub enum NameScheme {
 /// The parts of a decoder layer, named in [`NameScheme::name`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Part {
+    /// The RMSNorm before attention (`input_layernorm` / `attn_norm`).
     AttnNorm,
+    /// The query projection.
     Q,
+    /// The key projection.
     K,
+    /// The value projection.
     V,
+    /// Attention's output projection.
     O,
+    /// The per-head RMSNorm of the queries.
     QNorm,
+    /// The per-head RMSNorm of the keys.
     KNorm,
+    /// The RMSNorm before the MLP (`post_attention_layernorm` / `ffn_norm`).
     FfnNorm,
+    /// The MLP's gate projection (the one through SiLU).
     Gate,
+    /// The MLP's up projection.
     Up,
+    /// The MLP's down projection, back to the residual width.
     Down,
 }
 
@@ -84,6 +95,7 @@ impl NameScheme {
 pub struct LayerNames {
     /// Everything before the part name, including the trailing dot.
     pub prefix: String,
+    /// How the checkpoint names the parts after the prefix.
     pub scheme: NameScheme,
 }
 

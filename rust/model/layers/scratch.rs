@@ -12,6 +12,7 @@ use crate::model::ModelConfig;
 /// What sizes a layer's scratch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScratchShape {
+    /// Width of the residual stream.
     pub hidden: usize,
     /// `heads * head_dim`.
     pub q_size: usize,
@@ -94,7 +95,9 @@ pub fn arena_slots(config: &ModelConfig) -> Vec<SlotSpec> {
 /// The gated-attention buffers: `q_proj`'s full output and the gate split from it.
 #[derive(Clone, Copy, Debug)]
 pub struct GatedScratch {
+    /// BF16 `[rows, 2 * heads * head_dim]`: `q_proj`'s output, query and gate interleaved per head.
     pub q_full: DevicePtr,
+    /// BF16 `[rows, heads * head_dim]`: the gate half.
     pub q_gate: DevicePtr,
 }
 
@@ -118,13 +121,19 @@ pub struct MoeScratch {
 /// A decoder layer's view of its scratch.
 #[derive(Clone, Copy, Debug)]
 pub struct LayerScratch {
+    /// BF16 `[rows, hidden]`: the normalized residual a sublayer reads.
     pub normed: DevicePtr,
+    /// BF16 `[rows, heads * head_dim]`: the queries.
     pub q: DevicePtr,
+    /// BF16 `[rows, kv_heads * head_dim]`: the new keys.
     pub k: DevicePtr,
+    /// BF16 `[rows, kv_heads * head_dim]`: the new values.
     pub v: DevicePtr,
+    /// BF16 `[rows, heads * head_dim]`: attention's output before `o_proj`.
     pub attn_out: DevicePtr,
     /// The MLP's gate projection, then `silu(gate) * up`.
     pub gate: DevicePtr,
+    /// BF16 `[rows, mlp_width]`: the MLP's up projection.
     pub up: DevicePtr,
     /// Present when the arena has the gated-attention slots.
     pub gated: Option<GatedScratch>,

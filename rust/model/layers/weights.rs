@@ -20,7 +20,9 @@ use crate::model::{DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelErr
 /// The per-head RMSNorm of q and k (`[head_dim]` each); the two come together.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QkNorm {
+    /// The query heads' norm weight.
     pub q: DenseWeight,
+    /// The key heads' norm weight.
     pub k: DenseWeight,
 }
 
@@ -28,8 +30,11 @@ pub struct QkNorm {
 /// `[hidden, width]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SwiGlu {
+    /// `[width, hidden]`: the projection that goes through SiLU.
     pub gate: Linear,
+    /// `[width, hidden]`: the projection the gate multiplies.
     pub up: Linear,
+    /// `[hidden, width]`: back to the residual width.
     pub down: Linear,
 }
 
@@ -127,20 +132,30 @@ pub struct LayerOptions {
 /// One decoder layer's weights.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerWeights {
+    /// `[hidden]`: the RMSNorm before attention.
     pub attn_norm: DenseWeight,
     /// `[heads * head_dim, hidden]`, or `[2 * heads * head_dim, hidden]` with gated attention
     /// (per head: `head_dim` query rows, then `head_dim` gate rows).
     pub q: Linear,
+    /// `[kv_heads * head_dim, hidden]`.
     pub k: Linear,
+    /// `[kv_heads * head_dim, hidden]`.
     pub v: Linear,
+    /// `[hidden, heads * head_dim]`: attention's output projection.
     pub o: Linear,
+    /// `[heads * head_dim]`, when the family's q projection has a bias.
     pub q_bias: Option<DenseWeight>,
+    /// `[kv_heads * head_dim]`, when the family's k projection has a bias.
     pub k_bias: Option<DenseWeight>,
+    /// `[kv_heads * head_dim]`, when the family's v projection has a bias.
     pub v_bias: Option<DenseWeight>,
+    /// The per-head q/k RMSNorm, for the families that have one.
     pub qk_norm: Option<QkNorm>,
     /// Whether attention has the sigmoid output gate.
     pub gated_attention: bool,
+    /// `[hidden]`: the RMSNorm before the MLP.
     pub ffn_norm: DenseWeight,
+    /// The MLP, dense or routed.
     pub mlp: Mlp,
 }
 

@@ -97,6 +97,7 @@ impl MtpLayout {
 /// with the target (see [`MtpHead::new`](super::MtpHead::new)).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MtpWeights {
+    /// Which family's MTP module this is (tensor names, concatenation order, attention).
     pub layout: MtpLayout,
     /// RMSNorm of the token embedding (`enorm`).
     pub enorm: DenseWeight,
@@ -104,6 +105,7 @@ pub struct MtpWeights {
     pub hnorm: DenseWeight,
     /// `[hidden, 2 * hidden]`, applied to the concatenation.
     pub eh_proj: Linear,
+    /// The module's decoder layer (attention and MLP), the same kind as a target layer's.
     pub layer: LayerWeights,
     /// The module's final RMSNorm (`shared_head.norm` / `final_layernorm` / `norm`).
     pub final_norm: DenseWeight,
