@@ -73,7 +73,6 @@ def test_the_default_models_tokenizer_matches_an_independent_reader() -> None:
 
 
 BAD_FIELDS = [
-    ("model", {"tokenizer__ggml__model": "llama"}, "tokenizer.ggml.model is 'llama'"),
     ("tokens-not-strings", {"tokenizer__ggml__tokens": [1, 2, 3]}, "list of strings"),
     ("no-tokens", {"tokenizer__ggml__tokens": None}, "tokenizer.ggml.tokens"),
     ("types-length", {"tokenizer__ggml__token_type": [1, 1]}, "expected 6 entries"),
@@ -99,6 +98,16 @@ def test_a_bad_field_is_an_error_naming_file_key_and_value(
     with pytest.raises(specdraft.CheckpointError) as info:
         load_tokenizer(path)
     assert str(path) in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_a_tokenizer_kind_it_cannot_build_is_a_config_error(tmp_path: Path) -> None:
+    # A SentencePiece ('llama') vocabulary is a valid file that specdraft cannot tokenize:
+    # ConfigError (the model loads without a tokenizer), not a broken-file CheckpointError.
+    path = _write(tmp_path / "spm.gguf", tokenizer__ggml__model="llama")
+    with pytest.raises(specdraft.ConfigError) as info:
+        load_tokenizer(path)
+    assert not isinstance(info.value, specdraft.CheckpointError)
+    assert str(path) in str(info.value) and "'llama'" in str(info.value), str(info.value)
 
 
 def _header(n_kv: int) -> bytes:
