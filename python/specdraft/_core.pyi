@@ -794,10 +794,10 @@ class GenerationResult:
     def metrics(self) -> dict[str, Any]:
         """Acceptance and timing figures (a dict): drafted, accepted, verify_steps, emitted,
         decode_tokens, prompt_tokens, mean_acceptance_length, acceptance_rate,
-        acceptance_by_position, drafted_at, accepted_at, draft_time_s, verify_time_s,
-        prefill_time_s, queue_time_s (time waiting for a slot and KV blocks),
-        time_to_first_token_s (from the call's start), preemptions, recomputed_tokens,
-        wall_time_s, tokens_per_s.
+        acceptance_by_position, drafted_at, accepted_at, draft_lengths (steps that asked
+        for k drafts at index k), draft_time_s, verify_time_s, prefill_time_s, queue_time_s
+        (time waiting for a slot and KV blocks), time_to_first_token_s (from the call's
+        start), preemptions, recomputed_tokens, wall_time_s, tokens_per_s.
         """
 
 @final
@@ -863,8 +863,8 @@ class Conversation:
 @final
 class SpecEngine:
     """`SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-    max_batch=256, max_batch_tokens=None)`: speculative decoding on a target model with an
-    optional proposer.
+    max_batch=256, max_batch_tokens=None, draft_policy="adaptive")`: speculative decoding on
+    a target model with an optional proposer.
 
     `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
     a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
@@ -873,6 +873,10 @@ class SpecEngine:
     output): `max_batch` bounds the sequences that run at once, `max_batch_tokens` the rows
     of one forward (long prompts are prefilled in chunks of it; None: the model's limit).
     A prompt whose `max_tokens` the whole pool could never hold fails alone.
+    `draft_policy` is `"adaptive"` (each step, each sequence is asked for the draft count,
+    up to `num_drafts`, that maximises expected tokens per second from its measured
+    acceptance and the measured cost of drafting and verifying) or `"fixed"` (always
+    `num_drafts`).
     """
 
     def __new__(

@@ -78,8 +78,10 @@ class RandomDrafter(specdraft.DraftProposer):
 
 
 def shipped_head_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
-    """The shipped MTP draft head trained for the model file ``model_name`` (default
-    ``smollm2``), loaded beside ``model`` and sharing its embedding and LM head."""
+    """The shipped MTP draft head for the model file ``model_name`` (default smollm2).
+
+    It is loaded beside ``model`` and shares its embedding and LM head.
+    """
     from specdraft.heads import default_head_for, load_draft_head
     from specdraft.models import resolve_model
 

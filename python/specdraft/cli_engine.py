@@ -56,8 +56,7 @@ _ALIASES = {
 
 
 def proposer_key(name: str) -> str | None:
-    """The :data:`specdraft.bench.PROPOSERS` entry or shipped draft head ``name`` stands
-    for, or None."""
+    """The :data:`specdraft.bench.PROPOSERS` entry or shipped head ``name`` means, or None."""
     from specdraft.bench import PROPOSERS
     from specdraft.heads import shipped_heads
 

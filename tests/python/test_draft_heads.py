@@ -102,7 +102,7 @@ def test_the_shipped_head_drafts_above_its_floor_without_changing_the_output(mod
     head = specdraft.load_draft_head(HEAD, model)
     prompt = _prompt(model)
     (plain,) = specdraft.SpecEngine(model, None).generate([prompt], max_tokens=NEW_TOKENS)
-    engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS)
+    engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS, draft_policy="fixed")
     (spec,) = engine.generate([prompt], max_tokens=NEW_TOKENS)
     assert list(spec.tokens) == list(plain.tokens)
     m = spec.metrics
@@ -123,7 +123,7 @@ def test_the_trainers_evaluation_agrees_with_the_engine(model_path, gpu, tmp_pat
     model = _load(model_path, gpu)
     head = specdraft.load_draft_head(HEAD, model)
     prompt = _prompt(model)
-    engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS)
+    engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS, draft_policy="fixed")
     (r,) = engine.generate([prompt], max_tokens=NEW_TOKENS)
     del engine
     seq = prompt + list(r.tokens)

@@ -380,7 +380,7 @@ def test_the_evaluation_measures_what_the_engine_measures(run, gpu):
     for s in (s for s in index["sequences"] if s["split"] == "eval"):
         seq = [int(t) for t in tokens[s["offset"] : s["offset"] + s["length"]]]
         prompt, continuation = seq[: s["start"]], seq[s["start"] :]
-        engine = specdraft.SpecEngine(model, head, num_drafts=SETTINGS.steps)
+        engine = specdraft.SpecEngine(model, head, num_drafts=SETTINGS.steps, draft_policy="fixed")
         (r,) = engine.generate([prompt], max_tokens=len(continuation))
         del engine
         assert list(r.tokens) == continuation[: len(r.tokens)]
