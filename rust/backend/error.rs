@@ -37,6 +37,13 @@ pub enum BackendError {
     /// A kernel was given inconsistent sizes or arguments.
     #[error("{op}: {message}")]
     InvalidArgument { op: &'static str, message: String },
+    /// A quantized CPU kernel refused its arguments (or a task of it failed).
+    #[error("{op}: {source}")]
+    Quant {
+        op: &'static str,
+        #[source]
+        source: super::quant::QuantError,
+    },
     /// The CUDA driver or device could not be used.
     #[error("CUDA unavailable: {0}")]
     CudaUnavailable(String),

@@ -37,4 +37,4 @@ pub use hf_checkpoint::SafetensorsCheckpoint;
 pub use levers::ModelLevers;
 pub use target::{ForwardOutput, KvSequence, LoadOptions, LogitRows, TargetModel, BLOCK_SIZE};
 pub use tensors::{RawTensor, TensorSource, TensorType};
-pub use weights::{DenseWeight, DeviceAllocations, Linear, QuantizedWeight};
+pub use weights::{DenseWeight, DeviceAllocations, Linear, PackedLinear, QuantizedWeight};

@@ -23,8 +23,7 @@ use super::tensors::TensorSource;
 use super::weights::DeviceAllocations;
 use super::{ModelConfig, ModelError};
 use crate::backend::{
-    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, LinearArgs, LinearWeight, RmsNormArgs, RopeStyle,
-    DEFAULT_STREAM,
+    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, RmsNormArgs, RopeStyle, DEFAULT_STREAM,
 };
 use crate::memory::{BlockAllocator, BufferArena};
 use std::path::Path;
@@ -397,7 +396,7 @@ impl TargetModel {
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         gpu.embedding(EmbeddingArgs {
             out: io.hidden,
-            table: w.embed.ptr,
+            table: w.embed.descriptor(),
             ids: at(0),
             rows,
             hidden: h,
@@ -435,24 +434,8 @@ impl TargetModel {
                 num_seqs
             }
         };
-        match &w.lm_head {
-            Some(head) => {
-                head.forward(gpu, self.logits, Dtype::F32, sc.normed, None, head_rows, s)?
-            }
-            None => gpu.linear(LinearArgs {
-                out: self.logits,
-                out_dtype: Dtype::F32,
-                x: sc.normed,
-                weight: LinearWeight::Bf16 {
-                    weight: w.embed.ptr,
-                },
-                bias: None,
-                rows: head_rows,
-                in_features: h,
-                out_features: c.vocab_size,
-                stream: s,
-            })?,
-        }
+        w.head()
+            .forward(gpu, self.logits, Dtype::F32, sc.normed, None, head_rows, s)?;
         Ok(ForwardOutput {
             rows,
             row_offsets,

@@ -1,6 +1,7 @@
-//! Weights on the device: dense BF16 matrices and NVFP4 (ModelOpt layout) quantized ones,
-//! and [`Linear`], which runs either through the backend's one `linear` op (its
-//! [`LinearWeight`] descriptor says which format the kernel reads).
+//! Weights on the device: dense BF16 matrices, NVFP4 (ModelOpt layout) quantized ones, and
+//! GGUF block formats repacked for the CPU kernels ([`PackedLinear`]); and [`Linear`], which
+//! runs any of them through the backend's one `linear` op (its [`LinearWeight`] descriptor
+//! says which format the kernel reads).
 //!
 //! Invariants:
 //! - A weight's pointers were allocated on the backend it is used with, and its `shape` is
@@ -8,6 +9,7 @@
 //! - Weights do not free themselves (a [`DevicePtr`] has no `Drop`); whoever loaded them
 //!   owns the pointers, usually through a [`DeviceAllocations`] that frees them all at once.
 
+use crate::backend::quant::BlockFormat;
 use crate::backend::{
     BackendError, DevicePtr, Dtype, ElementwiseArgs, ElementwiseOp, GpuBackend, GpuBackendExt,
     LinearArgs, LinearWeight,
@@ -163,13 +165,35 @@ impl QuantizedWeight {
     }
 }
 
-/// A projection weight of either kind, plus its optional bias.
+/// A weight in a GGUF block format, repacked for the CPU kernels
+/// ([`crate::backend::quant::PackedWeight`]): exactly as many bytes as the file's blocks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedLinear {
+    /// The packed bytes.
+    pub blocks: DevicePtr,
+    pub format: BlockFormat,
+    pub out_features: usize,
+    pub in_features: usize,
+}
+
+impl PackedLinear {
+    /// Bytes of device memory the weight occupies (the file's bytes for it).
+    pub fn nbytes(&self) -> usize {
+        self.format
+            .matrix_bytes(self.out_features, self.in_features)
+            .unwrap_or(usize::MAX)
+    }
+}
+
+/// A projection weight of any kind, plus its optional bias.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Linear {
     /// BF16 `[out, in]`.
     Dense(DenseWeight),
     /// NVFP4 `[out, in]`.
     Nvfp4(QuantizedWeight),
+    /// A GGUF block format `[out, in]`, repacked (CPU backends only).
+    Packed(PackedLinear),
 }
 
 impl Linear {
@@ -178,6 +202,7 @@ impl Linear {
         match self {
             Linear::Dense(w) => (w.shape[0], w.shape[1]),
             Linear::Nvfp4(w) => (w.out_features, w.in_features),
+            Linear::Packed(w) => (w.out_features, w.in_features),
         }
     }
 
@@ -186,7 +211,13 @@ impl Linear {
         match self {
             Linear::Dense(w) => w.nbytes(),
             Linear::Nvfp4(w) => w.nbytes(),
+            Linear::Packed(w) => w.nbytes(),
         }
+    }
+
+    /// The name of the stored format (`"bf16"`, `"nvfp4"`, `"q4_1"`, ...).
+    pub fn format_name(&self) -> &'static str {
+        self.descriptor().format()
     }
 
     /// The kernel's descriptor of this weight.
@@ -197,6 +228,12 @@ impl Linear {
                 codes: w.weight,
                 block_scales: w.weight_scale,
                 global_scale: w.weight_scale_2,
+            },
+            Linear::Packed(w) => LinearWeight::Packed {
+                blocks: w.blocks,
+                format: w.format,
+                out_features: w.out_features,
+                in_features: w.in_features,
             },
         }
     }

@@ -9,6 +9,11 @@
 //!
 //! The kernels are in `kernels` (the reference of every op) and `linear` (the fast
 //! matrix product), the scalar decoders of the weight formats in `formats`.
+//!
+//! Threads: the backend owns one [`KernelPool`] (one participant per core, the calling
+//! thread included), made on the first op that needs it; every parallel op (linear in any
+//! weight format, attention) runs on it and on nothing else, so the kernels never compete
+//! with another pool's threads for the cores.
 
 mod formats;
 mod kernels;
@@ -17,12 +22,13 @@ mod linear;
 pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
 
 use crate::backend::kernels::CheckedMemory;
+use crate::backend::quant::KernelPool;
 use crate::backend::{AllocationLedger, BackendError, DevicePtr, GpuBackend};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Alignment of every CPU allocation (a cache line; enough for any element type).
 const ALIGN: usize = 64;
@@ -128,6 +134,8 @@ pub struct CpuBackend {
     streams: Mutex<HashSet<u64>>,
     next_stream: AtomicU64,
     memory_limit: Option<usize>,
+    pool: OnceLock<KernelPool>,
+    threads: Option<usize>,
 }
 
 impl Default for CpuBackend {
@@ -146,7 +154,26 @@ impl CpuBackend {
             streams: Mutex::new(HashSet::new()),
             next_stream: AtomicU64::new(1),
             memory_limit: None,
+            pool: OnceLock::new(),
+            threads: None,
         }
+    }
+
+    /// A CPU backend whose kernels run on `threads` threads (the caller's included) rather
+    /// than one per core.
+    pub fn with_threads(threads: usize) -> Self {
+        CpuBackend {
+            threads: Some(threads.max(1)),
+            ..Self::new()
+        }
+    }
+
+    /// The pool every parallel kernel of this backend runs on.
+    pub fn kernel_pool(&self) -> &KernelPool {
+        self.pool.get_or_init(|| match self.threads {
+            Some(n) => KernelPool::new(n),
+            None => KernelPool::per_core(),
+        })
     }
 
     /// A CPU backend that refuses to hold more than `bytes` live bytes, as a device would.

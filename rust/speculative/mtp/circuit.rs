@@ -54,6 +54,16 @@ fn linear_slot(name: &str, w: &Linear) -> WeightSlot {
     match w {
         Linear::Dense(d) => dense_slot(name, d),
         Linear::Nvfp4(q) => quant_slot(name, q),
+        // GGUF blocks repacked for the CPU kernels have no slot layout: a U8 slot without
+        // scales, which a runner refuses rather than misreads.
+        Linear::Packed(p) => WeightSlot {
+            name: name.to_string(),
+            ptr: p.blocks,
+            dtype: Dtype::U8,
+            shape: vec![p.out_features, p.in_features],
+            block_scale: None,
+            global_scale: None,
+        },
     }
 }
 

@@ -238,7 +238,9 @@ impl HeadSpec {
 
         gpu.embedding(EmbeddingArgs {
             out: sc.embedding,
-            table: self.embed.ptr,
+            table: LinearWeight::Bf16 {
+                weight: self.embed.ptr,
+            },
             ids: sc.token_ids,
             rows: r,
             hidden: h,

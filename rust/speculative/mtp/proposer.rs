@@ -20,7 +20,7 @@ use super::bad;
 use super::draft::DraftSeq;
 use super::head::{MtpHead, MTP_MAX_BATCH};
 use super::state::MtpState;
-use crate::backend::{DevicePtr, EmbeddingArgs, GpuBackend, GpuBackendExt};
+use crate::backend::{DevicePtr, EmbeddingArgs, GpuBackend, GpuBackendExt, LinearWeight};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
 use crate::speculative::{DraftBinding, DraftProposer, DraftRunner, ProposerState};
@@ -83,7 +83,9 @@ impl DraftProposer for MtpHead {
             gpu.write(self.deferred, &[last], stream)?;
             gpu.embedding(EmbeddingArgs {
                 out: target,
-                table: self.spec.embed.ptr,
+                table: LinearWeight::Bf16 {
+                    weight: self.spec.embed.ptr,
+                },
                 ids: self.deferred,
                 rows: 1,
                 hidden: h,
