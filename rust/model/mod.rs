@@ -24,6 +24,7 @@ pub mod layers;
 mod levers;
 mod sequence;
 mod target;
+pub mod quantized_source;
 pub mod tensors;
 mod weights;
 
@@ -36,5 +37,6 @@ pub use gguf::{GgufFile, GgufValue};
 pub use hf_checkpoint::SafetensorsCheckpoint;
 pub use levers::ModelLevers;
 pub use target::{ForwardOutput, KvSequence, LoadOptions, LogitRows, TargetModel, BLOCK_SIZE};
+pub use quantized_source::{parse_weights_format, QuantizedSource};
 pub use tensors::{RawTensor, TensorSource, TensorType};
 pub use weights::{DenseWeight, DeviceAllocations, Linear, PackedLinear, QuantizedWeight};

@@ -19,7 +19,9 @@ use super::layers::{
     LayerShape,
 };
 pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
+use super::quantized_source::QuantizedSource;
 use super::tensors::TensorSource;
+use crate::backend::quant::BlockFormat;
 use super::weights::DeviceAllocations;
 use super::{ModelConfig, ModelError};
 use crate::backend::{
@@ -86,24 +88,54 @@ pub struct TargetModel {
 }
 
 impl TargetModel {
-    /// Loads a checkpoint: a HF directory (`config.json` + `*.safetensors`) or a `.gguf` file.
+    /// Loads a checkpoint: a HF directory (`config.json` + `*.safetensors`) or a `.gguf` file,
+    /// each weight in the format the file holds it in.
     pub fn load(
         path: impl AsRef<Path>,
         gpu: Arc<dyn GpuBackend>,
         opts: LoadOptions,
     ) -> crate::Result<Self> {
+        Self::load_with_weights(path, gpu, opts, None)
+    }
+
+    /// [`TargetModel::load`], with a HF checkpoint's float matrices quantized to `weights` at
+    /// load (see [`QuantizedSource`] for which); `None` keeps what the file has. A GGUF file
+    /// keeps its own formats, so asking it for another is an error.
+    pub fn load_with_weights(
+        path: impl AsRef<Path>,
+        gpu: Arc<dyn GpuBackend>,
+        opts: LoadOptions,
+        weights: Option<BlockFormat>,
+    ) -> crate::Result<Self> {
         let path = path.as_ref();
         if path.is_dir() {
             let (config, src) = SafetensorsCheckpoint::open_with_config(path)?;
+            let quantized = weights
+                .map(|format| QuantizedSource::new(&src, format))
+                .transpose()?;
+            let src: &dyn TensorSource = match &quantized {
+                Some(q) => q,
+                None => &src,
+            };
             Self::from_source(
                 gpu,
                 config,
-                &src,
+                src,
                 NameScheme::HuggingFace,
                 RopeStyle::Half,
                 opts,
             )
         } else if path.is_file() {
+            if let Some(format) = weights {
+                return Err(ModelError::invalid(
+                    "load_model",
+                    format!(
+                        "weights={format} quantizes a safetensors checkpoint at load; {} is a GGUF file, whose weights keep the formats they are stored in",
+                        path.display()
+                    ),
+                )
+                .into());
+            }
             let src = GgufFile::open(path)?;
             let config = src.model_config()?;
             // llama.cpp's converter permutes llama q/k rows for adjacent-pair RoPE; the
