@@ -33,8 +33,10 @@ pub fn parse_weights_format(name: &str) -> Result<BlockFormat, ModelError> {
 }
 
 fn quantizable(t: &RawTensor<'_>, name: &str, format: BlockFormat) -> bool {
-    matches!(t.dtype, TensorType::F32 | TensorType::F16 | TensorType::Bf16)
-        && name.ends_with(".weight")
+    matches!(
+        t.dtype,
+        TensorType::F32 | TensorType::F16 | TensorType::Bf16
+    ) && name.ends_with(".weight")
         && t.shape.len() == 2
         && t.shape[1] % format.block_len() == 0
 }

@@ -18,12 +18,12 @@ use super::layers::{
     arena_slots, decoder_layer, rope_inv_freq, LayerCache, LayerDepth, LayerIo, LayerScratch,
     LayerShape,
 };
-pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
 use super::quantized_source::QuantizedSource;
+pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
 use super::tensors::TensorSource;
-use crate::backend::quant::BlockFormat;
 use super::weights::DeviceAllocations;
 use super::{ModelConfig, ModelError};
+use crate::backend::quant::BlockFormat;
 use crate::backend::{
     DevicePtr, Dtype, EmbeddingArgs, GpuBackend, RmsNormArgs, RopeStyle, DEFAULT_STREAM,
 };
