@@ -1,14 +1,18 @@
 //! Plain decode speed of the target model (no drafting), printed as JSON: tokens/s, the
-//! weight bytes one token reads, the effective weight bandwidth, and a measured memcpy
-//! bandwidth of this machine to compare it with.
+//! weight bytes one token reads, the effective weight bandwidth, and the memory bandwidth of
+//! this machine measured in the same run (a parallel read on the backend's own kernel pool,
+//! and a memcpy) to compare it with; and the verify-cost table: the median time of a forward
+//! of 1..16 rows of one sequence (rolled back after each) over the one-row step's.
 //!
 //! `cargo bench --bench model_decode [-- PATH] [--cuda]`; without a path it uses
 //! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
 
+use specdraft::backend::quant::KernelPool;
 use specdraft::backend::{ArgmaxArgs, CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::{LoadOptions, LogitRows, TargetModel};
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -46,24 +50,51 @@ fn backend() -> Arc<dyn GpuBackend> {
     Arc::new(CpuBackend::new())
 }
 
-/// Best of several host memcpy passes over a buffer far larger than the caches, split
-/// across the rayon pool as the CPU kernels are.
-fn memcpy_gbps() -> f64 {
-    use rayon::prelude::*;
+/// Host memory bandwidth on `pool` (the threads the CPU kernels run on), best of several
+/// passes over buffers far larger than the caches: `(read GB/s, memcpy GB/s)`. A decode step
+/// only reads weights, so the read figure is its bound.
+fn host_gbps(pool: &KernelPool) -> (f64, f64) {
     let n = 256 << 20;
-    let src = vec![1u8; n];
-    let mut dst = vec![0u8; n];
-    let mut best = f64::MAX;
+    let src = vec![1u64; n / 8];
+    let mut dst = vec![0u64; n / 8];
+    let chunks = 64;
+    let per = src.len() / chunks;
+    let sums: Vec<AtomicU64> = (0..chunks).map(|_| AtomicU64::new(0)).collect();
+    let (mut read, mut copy) = (f64::MAX, f64::MAX);
     for _ in 0..5 {
         let t = Instant::now();
-        dst.par_chunks_mut(1 << 20)
-            .zip(src.par_chunks(1 << 20))
-            .for_each(|(d, s)| d.copy_from_slice(s));
-        best = best.min(t.elapsed().as_secs_f64());
+        pool.run(chunks, &|c| {
+            let s: u64 = src[c * per..(c + 1) * per]
+                .iter()
+                .fold(0u64, |a, &x| a.wrapping_add(x));
+            sums[c].store(s, Ordering::Relaxed);
+        })
+        .expect("read pass");
+        read = read.min(t.elapsed().as_secs_f64());
+        let d = SyncPtr(dst.as_mut_ptr());
+        let t = Instant::now();
+        pool.run(chunks, &|c| {
+            let d = &d;
+            // SAFETY: chunk `c` of `dst` is written by task `c` alone.
+            let out = unsafe { std::slice::from_raw_parts_mut(d.0.add(c * per), per) };
+            out.copy_from_slice(&src[c * per..(c + 1) * per]);
+        })
+        .expect("copy pass");
+        copy = copy.min(t.elapsed().as_secs_f64());
     }
-    assert_eq!(dst[n - 1], 1);
+    let total: u64 = sums.iter().map(|s| s.load(Ordering::Relaxed)).sum();
+    assert_eq!((total, dst[n / 8 - 1]), ((per * chunks) as u64, 1));
     // A copy reads and writes every byte.
-    2.0 * n as f64 / best / 1e9
+    (n as f64 / read / 1e9, 2.0 * n as f64 / copy / 1e9)
+}
+
+struct SyncPtr(*mut u64);
+// SAFETY: tasks write disjoint chunks through it while `host_gbps` holds the vector.
+unsafe impl Sync for SyncPtr {}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Best device-to-device copy bandwidth of the backend (the bound for a device's decode).
@@ -143,18 +174,32 @@ fn main() {
         generated.push(tok);
     }
     let per_token = t0.elapsed().as_secs_f64() / steps as f64;
-    // Speculative verification: one forward of the last token and 4 drafts (5 rows), rolled
-    // back after each step; ideally it costs little more than a 1-row decode.
-    let verify_rows = 5;
-    let verify_steps = 16;
+    // Speculative verification: one forward of the last token and k-1 drafts (k rows),
+    // rolled back after each; ideally it costs little more than a 1-row decode. Sizes are
+    // interleaved in each round so that a change of machine load hits them all alike.
     let base_len = seq.len();
-    let drafts: Vec<u32> = generated[generated.len() - verify_rows..].to_vec();
-    let tv = Instant::now();
-    for _ in 0..verify_steps {
-        model.forward(&mut [&mut seq], &[&drafts]).expect("verify");
-        model.trim(&mut seq, base_len).expect("trim");
+    let max_rows = 16;
+    let rounds = 9;
+    let drafts: Vec<u32> = generated[generated.len() - max_rows..].to_vec();
+    let mut times = vec![Vec::new(); max_rows + 1];
+    for _ in 0..rounds {
+        for (k, t) in times.iter_mut().enumerate().skip(1) {
+            let tv = Instant::now();
+            model
+                .forward(&mut [&mut seq], &[&drafts[..k]])
+                .expect("verify");
+            t.push(tv.elapsed().as_secs_f64());
+            model.trim(&mut seq, base_len).expect("trim");
+        }
     }
-    let per_verify = tv.elapsed().as_secs_f64() / verify_steps as f64;
+    let medians: Vec<f64> = times.iter_mut().skip(1).map(|t| median(t)).collect();
+    let verify_table: Vec<serde_json::Value> = medians
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            serde_json::json!({"rows": i + 1, "ms": m * 1e3, "cost_vs_one_row": m / medians[0]})
+        })
+        .collect();
     // Batched decode: 8 sequences, one token each per forward, weights read once per step.
     let batch = 8;
     let mut seqs: Vec<_> = (0..batch).map(|_| model.new_sequence()).collect();
@@ -178,11 +223,12 @@ fn main() {
         model.free_sequence(s).expect("free sequence");
     }
     let bytes = model.weight_bytes_per_token() as f64;
-    // The CPU backend's kernels use every core, so its bound is the parallel host copy.
-    let memcpy = if gpu.name() == "cpu" {
-        memcpy_gbps()
-    } else {
-        device_copy_gbps(gpu.as_ref())
+    // The CPU backend's kernels run on its pool, so its bound is that pool's host read.
+    let cpu = gpu.as_any().downcast_ref::<CpuBackend>();
+    let threads = cpu.map_or(0, |c| c.kernel_pool().threads());
+    let (read, memcpy) = match cpu {
+        Some(c) => host_gbps(c.kernel_pool()),
+        None => (f64::NAN, device_copy_gbps(gpu.as_ref())),
     };
     let weight_gbps = bytes / per_token / 1e9;
     println!(
@@ -191,17 +237,19 @@ fn main() {
             "bench": "model_decode",
             "backend": gpu.name(),
             "model": path.display().to_string(),
-            "threads": rayon::current_num_threads(),
+            "threads": threads,
             "load_s": load_s,
             "prefill_tokens": prompt.len(),
             "prefill_s": prefill_s,
             "decode_tokens_per_s": 1.0 / per_token,
             "batch8_decode_tokens_per_s": batch_tps,
             "ms_per_token": per_token * 1e3,
-            "verify5_ms": per_verify * 1e3,
-            "verify5_cost_in_decodes": per_verify / per_token,
+            "one_row_step_ms": medians[0] * 1e3,
+            "verify_cost": verify_table,
             "weight_bytes_per_token": bytes,
             "weight_gb_per_s": weight_gbps,
+            "read_gb_per_s": read,
+            "fraction_of_read": weight_gbps / read,
             "memcpy_gb_per_s": memcpy,
             "fraction_of_memcpy": weight_gbps / memcpy,
             "generated": generated,

@@ -243,7 +243,7 @@ fn index_and_cache_ops_refuse_outputs_over_their_inputs() {
         || {
             gpu.embedding(EmbeddingArgs {
                 out: table.offset(16),
-                table,
+                table: LinearWeight::Bf16 { weight: table },
                 ids,
                 rows: 2,
                 hidden,

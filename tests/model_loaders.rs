@@ -165,8 +165,23 @@ fn gguf_errors_name_the_tensor() {
     std::fs::write(&wrong_path, &wrong).unwrap();
     assert!(load_err(&wrong_path).to_string().contains("magic"));
 
-    // A block type this crate does not dequantize (Q6_K is ggml type 14).
+    // A ggml type this crate does not know (IQ2_XXS is ggml type 16) loads as a header but is
+    // refused, by name, when converted.
     let meta = [("general.architecture", Meta::Str("llama".into()))];
+    let iq = dir.join("iq2.gguf");
+    write_gguf(
+        &iq,
+        &meta,
+        &[("blk.0.ffn_up.weight".into(), vec![1, 256], 16, vec![])],
+    );
+    let f = GgufFile::open(&iq).unwrap();
+    let err = f.read_bf16("blk.0.ffn_up.weight", &[1, 256]).unwrap_err();
+    assert!(
+        matches!(&err, ModelError::UnsupportedType { tensor, dtype, .. } if tensor == "blk.0.ffn_up.weight" && dtype == "ggml type 16"),
+        "{err}"
+    );
+
+    // A K-quant (Q6_K, ggml type 14) dequantizes: a zero block is zeros.
     let q6 = dir.join("q6k.gguf");
     write_gguf(
         &q6,
@@ -179,11 +194,8 @@ fn gguf_errors_name_the_tensor() {
         )],
     );
     let f = GgufFile::open(&q6).unwrap();
-    let err = f.read_bf16("blk.0.ffn_up.weight", &[1, 256]).unwrap_err();
-    assert!(
-        matches!(&err, ModelError::UnsupportedType { tensor, dtype, .. } if tensor == "blk.0.ffn_up.weight" && dtype == "Q6_K"),
-        "{err}"
-    );
+    let v = f.read_bf16("blk.0.ffn_up.weight", &[1, 256]).unwrap();
+    assert!(v.iter().all(|x| x.to_f32() == 0.0) && v.len() == 256);
 
     // Missing metadata is named too.
     let bare = dir.join("bare.gguf");

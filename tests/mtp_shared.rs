@@ -69,12 +69,18 @@ fn a_head_beside_its_target_reads_the_targets_embedding_and_lm_head_in_place() {
                 .ptr
         };
         let w = model.weights();
+        let Linear::Dense(embed) = &w.embed else {
+            panic!(
+                "a BF16 checkpoint loads a dense embedding, not {:?}",
+                w.embed
+            )
+        };
         let lm_head = match &w.lm_head {
-            None => w.embed.ptr,
+            None => embed.ptr,
             Some(Linear::Dense(d)) => d.ptr,
             Some(other) => panic!("a BF16 checkpoint loads a dense LM head, not {other:?}"),
         };
-        assert_eq!(slot("embed_tokens"), w.embed.ptr, "tied {tied}");
+        assert_eq!(slot("embed_tokens"), embed.ptr, "tied {tied}");
         assert_eq!(slot("target_final_norm"), w.final_norm.ptr, "tied {tied}");
         assert_eq!(slot("lm_head"), lm_head, "tied {tied}");
         // The file holds the target's tensors too: none of them is loaded a second time.

@@ -759,10 +759,12 @@ def load_model(
     max_rows: int = 512,
     max_seq_len: int | None = None,
     kv_blocks: int | None = None,
+    weights: str | None = None,
 ) -> TargetModel:
     """Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
     (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
-    defaults to a new `CpuBackend`.
+    defaults to a new `CpuBackend`. `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
+    a safetensors checkpoint's matrices at load; `None` keeps what the file has.
     """
 
 def gguf_metadata(path: str | PathLike[str], keys: Sequence[str] | None = None) -> dict[str, Any]:

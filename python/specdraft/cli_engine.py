@@ -121,7 +121,9 @@ def load_for_bench(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:
     _progress(f"loading {path} on {type(gpu).__name__} ...")
     # The pool holds `sequences` full-length sequences (16-row blocks).
     kv_blocks = max(sequences, 1) * math.ceil(args.max_seq_len / 16) + 1
-    model = specdraft.load_model(path, gpu=gpu, max_seq_len=args.max_seq_len, kv_blocks=kv_blocks)
+    model = specdraft.load_model(
+        path, gpu=gpu, max_seq_len=args.max_seq_len, kv_blocks=kv_blocks, weights=args.weights
+    )
     if model.tokenizer is None:
         raise ValueError(f"{path} carries no tokenizer specdraft can read")
     return model, type(gpu).__name__
@@ -134,6 +136,14 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-seq-len", type=int, default=2048, help="context of each sequence")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate")
     p.add_argument("--num-drafts", type=int, default=4, help="drafts per step")
+    p.add_argument(
+        "--weights",
+        default=None,
+        help=(
+            "quantize a safetensors checkpoint's matrices at load (q8_0, q4_0, q4_1, q5_0, "
+            "q5_1, q4_k, q5_k, q6_k); default: the formats the file holds"
+        ),
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -61,6 +61,15 @@ pub enum BackendError {
         /// Which argument was wrong and why.
         message: String,
     },
+    /// A quantized CPU kernel refused its arguments (or a task of it failed).
+    #[error("{op}: {source}")]
+    Quant {
+        /// The kernel that failed.
+        op: &'static str,
+        /// The quantized kernel's error.
+        #[source]
+        source: super::quant::QuantError,
+    },
     /// The CUDA driver or device could not be used.
     #[error("CUDA unavailable: {0}")]
     CudaUnavailable(String),

@@ -13,8 +13,9 @@ use super::{ModelConfig, ModelError};
 
 /// Every weight of a decoder-only Llama-family model.
 pub struct DecoderWeights {
-    /// `[vocab, hidden]`: the token embedding.
-    pub embed: DenseWeight,
+    /// `[vocab, hidden]` in the checkpoint's format (a GGUF block format stays one on the CPU
+    /// backend); a tied LM head reads the same weight.
+    pub embed: Linear,
     /// The decoder layers, first to last.
     pub layers: Vec<LayerWeights>,
     /// `[hidden]`: the RMSNorm before the LM head.
@@ -33,7 +34,8 @@ impl DecoderWeights {
     ) -> crate::Result<Self> {
         let h = config.hidden_size;
         let (embed_name, norm_name, head_name) = scheme.globals();
-        let embed = load_dense(allocs, src, embed_name, &[config.vocab_size, h])?;
+        let embed_base = embed_name.trim_end_matches(".weight");
+        let embed = load_linear(allocs, src, embed_base, config.vocab_size, h)?;
         let options = LayerOptions {
             attention_bias: config.attention_bias,
             qk_norm: config.qk_norm,
@@ -78,5 +80,10 @@ impl DecoderWeights {
                 .lm_head
                 .as_ref()
                 .map_or(self.embed.nbytes(), Linear::nbytes)
+    }
+
+    /// The LM head: its own weight, or the embedding when tied.
+    pub fn head(&self) -> &Linear {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 }

@@ -20,6 +20,7 @@ use super::file_bytes::FileBytes;
 use super::gguf_reader::{Reader, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES};
 use super::tensors::{RawTensor, TensorSource, TensorType};
 use super::{ModelConfig, ModelError};
+use crate::backend::quant::BlockFormat;
 use std::collections::HashMap;
 use std::mem::size_of;
 use std::path::Path;
@@ -114,23 +115,9 @@ struct TensorInfo {
 }
 
 fn ggml_type(t: u32) -> TensorType {
-    match t {
-        0 => TensorType::F32,
-        1 => TensorType::F16,
-        2 => TensorType::Q4_0,
-        3 => TensorType::Q4_1,
-        8 => TensorType::Q8_0,
-        30 => TensorType::Bf16,
-        other => TensorType::Other(match other {
-            6 => "Q5_0".into(),
-            7 => "Q5_1".into(),
-            10 => "Q2_K".into(),
-            11 => "Q3_K".into(),
-            12 => "Q4_K".into(),
-            13 => "Q5_K".into(),
-            14 => "Q6_K".into(),
-            n => format!("ggml type {n}"),
-        }),
+    match BlockFormat::from_ggml_type(t) {
+        Ok(format) => TensorType::from_format(format),
+        Err(_) => TensorType::Other(format!("ggml type {t}")),
     }
 }
 

@@ -22,6 +22,7 @@ mod gguf_reader;
 pub mod hf_checkpoint;
 pub mod layers;
 mod levers;
+pub mod quantized_source;
 mod sequence;
 mod target;
 pub mod tensors;
@@ -35,6 +36,9 @@ pub use error::ModelError;
 pub use gguf::{GgufFile, GgufValue};
 pub use hf_checkpoint::SafetensorsCheckpoint;
 pub use levers::ModelLevers;
+pub use quantized_source::{parse_weights_format, QuantizedSource};
 pub use target::{ForwardOutput, KvSequence, LoadOptions, LogitRows, TargetModel, BLOCK_SIZE};
 pub use tensors::{RawTensor, TensorSource, TensorType};
-pub use weights::{DenseWeight, DeviceAllocations, Fp8Weight, Linear, QuantizedWeight};
+pub use weights::{
+    DenseWeight, DeviceAllocations, Fp8Weight, Linear, PackedLinear, QuantizedWeight,
+};

@@ -18,13 +18,14 @@ use super::layers::{
     arena_slots, decoder_layer, rope_inv_freq, LayerCache, LayerDepth, LayerIo, LayerScratch,
     LayerShape,
 };
+use super::quantized_source::QuantizedSource;
 pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
 use super::tensors::TensorSource;
 use super::weights::DeviceAllocations;
 use super::{ModelConfig, ModelError};
+use crate::backend::quant::BlockFormat;
 use crate::backend::{
-    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, LinearArgs, LinearWeight, RmsNormArgs, RopeStyle,
-    DEFAULT_STREAM,
+    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, RmsNormArgs, RopeStyle, DEFAULT_STREAM,
 };
 use crate::memory::{BlockAllocator, BufferArena};
 use std::path::Path;
@@ -87,24 +88,54 @@ pub struct TargetModel {
 }
 
 impl TargetModel {
-    /// Loads a checkpoint: a HF directory (`config.json` + `*.safetensors`) or a `.gguf` file.
+    /// Loads a checkpoint: a HF directory (`config.json` + `*.safetensors`) or a `.gguf` file,
+    /// each weight in the format the file holds it in.
     pub fn load(
         path: impl AsRef<Path>,
         gpu: Arc<dyn GpuBackend>,
         opts: LoadOptions,
     ) -> crate::Result<Self> {
+        Self::load_with_weights(path, gpu, opts, None)
+    }
+
+    /// [`TargetModel::load`], with a HF checkpoint's float matrices quantized to `weights` at
+    /// load (see [`QuantizedSource`] for which); `None` keeps what the file has. A GGUF file
+    /// keeps its own formats, so asking it for another is an error.
+    pub fn load_with_weights(
+        path: impl AsRef<Path>,
+        gpu: Arc<dyn GpuBackend>,
+        opts: LoadOptions,
+        weights: Option<BlockFormat>,
+    ) -> crate::Result<Self> {
         let path = path.as_ref();
         if path.is_dir() {
             let (config, src) = SafetensorsCheckpoint::open_with_config(path)?;
+            let quantized = weights
+                .map(|format| QuantizedSource::new(&src, format))
+                .transpose()?;
+            let src: &dyn TensorSource = match &quantized {
+                Some(q) => q,
+                None => &src,
+            };
             Self::from_source(
                 gpu,
                 config,
-                &src,
+                src,
                 NameScheme::HuggingFace,
                 RopeStyle::Half,
                 opts,
             )
         } else if path.is_file() {
+            if let Some(format) = weights {
+                return Err(ModelError::invalid(
+                    "load_model",
+                    format!(
+                        "weights={format} quantizes a safetensors checkpoint at load; {} is a GGUF file, whose weights keep the formats they are stored in",
+                        path.display()
+                    ),
+                )
+                .into());
+            }
             let src = GgufFile::open(path)?;
             let config = src.model_config()?;
             // llama.cpp's converter permutes llama q/k rows for adjacent-pair RoPE; the
@@ -397,7 +428,7 @@ impl TargetModel {
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         gpu.embedding(EmbeddingArgs {
             out: io.hidden,
-            table: w.embed.ptr,
+            table: w.embed.descriptor(),
             ids: at(0),
             rows,
             hidden: h,
@@ -435,24 +466,8 @@ impl TargetModel {
                 num_seqs
             }
         };
-        match &w.lm_head {
-            Some(head) => {
-                head.forward(gpu, self.logits, Dtype::F32, sc.normed, None, head_rows, s)?
-            }
-            None => gpu.linear(LinearArgs {
-                out: self.logits,
-                out_dtype: Dtype::F32,
-                x: sc.normed,
-                weight: LinearWeight::Bf16 {
-                    weight: w.embed.ptr,
-                },
-                bias: None,
-                rows: head_rows,
-                in_features: h,
-                out_features: c.vocab_size,
-                stream: s,
-            })?,
-        }
+        w.head()
+            .forward(gpu, self.logits, Dtype::F32, sc.normed, None, head_rows, s)?;
         Ok(ForwardOutput {
             rows,
             row_offsets,

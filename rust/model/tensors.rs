@@ -2,10 +2,13 @@
 //! first) and their bytes in a memory map, plus conversion of every supported type to BF16.
 //!
 //! Both loaders (safetensors directories and GGUF files) implement [`TensorSource`], so the
-//! model builder never sees a file format. GGUF's block-quantized types are dequantized here
-//! exactly as ggml defines them (block layouts below), then rounded to BF16 once.
+//! model builder never sees a file format. GGUF's block-quantized types
+//! ([`TensorType::Block`]) are kept as they are for backends with block kernels, and
+//! dequantized exactly as ggml defines them (by [`crate::backend::quant::dequantize_bf16`])
+//! for the others, rounded to BF16 once.
 
 use super::ModelError;
+use crate::backend::quant::{self, BlockFormat};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -22,33 +25,46 @@ pub enum TensorType {
     U8,
     /// FP8 E4M3 (NVFP4 block scales).
     F8E4M3,
-    /// GGUF Q8_0: blocks of 32 values, f16 scale + 32 i8.
-    Q8_0,
-    /// GGUF Q4_0: blocks of 32 values, f16 scale + 16 bytes of 4-bit codes (offset 8).
-    Q4_0,
-    /// GGUF Q4_1: blocks of 32 values, f16 scale, f16 minimum + 16 bytes of 4-bit codes.
-    Q4_1,
+    /// A GGUF block-quantized format (Q4_0 .. Q8_0, Q2_K .. Q6_K), rows of blocks as ggml
+    /// lays them out. Never a float format (those are the variants above).
+    Block(BlockFormat),
     /// Anything else, by the format's own name.
     Other(String),
 }
 
 /// The types [`RawTensor::to_bf16`] reads.
-pub const BF16_CONVERTIBLE: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
+pub const BF16_CONVERTIBLE: &str =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
 
 impl TensorType {
     /// Bytes taken by `n` elements, or `None` for a type without a fixed size, a block
     /// type whose block does not divide `n`, or a size that overflows `usize` (`n` comes
     /// from a file's header).
     pub fn nbytes(&self, n: usize) -> Option<usize> {
-        let blocks = |bytes: usize| (n % 32 == 0).then(|| (n / 32).checked_mul(bytes))?;
         match self {
             TensorType::F32 => n.checked_mul(4),
             TensorType::F16 | TensorType::Bf16 => n.checked_mul(2),
             TensorType::U8 | TensorType::F8E4M3 => Some(n),
-            TensorType::Q8_0 => blocks(34),
-            TensorType::Q4_0 => blocks(18),
-            TensorType::Q4_1 => blocks(20),
+            TensorType::Block(f) => f.row_bytes(n).ok(),
             TensorType::Other(_) => None,
+        }
+    }
+
+    /// The type of a tensor stored in `format` (float formats map to their own variants).
+    pub fn from_format(format: BlockFormat) -> Self {
+        match format {
+            BlockFormat::F32 => TensorType::F32,
+            BlockFormat::F16 => TensorType::F16,
+            BlockFormat::BF16 => TensorType::Bf16,
+            f => TensorType::Block(f),
+        }
+    }
+
+    /// The block format of a GGUF block type, `None` for every other type.
+    pub fn block_format(&self) -> Option<BlockFormat> {
+        match self {
+            TensorType::Block(f) => Some(*f),
+            _ => None,
         }
     }
 
@@ -56,6 +72,7 @@ impl TensorType {
     pub fn name(&self) -> String {
         match self {
             TensorType::Other(s) => s.clone(),
+            TensorType::Block(f) => f.name().to_uppercase(),
             t => format!("{t:?}").to_uppercase(),
         }
     }
@@ -123,56 +140,23 @@ impl RawTensor<'_> {
                     *v = bf16::from_le_bytes([d[j], d[j + 1]]);
                 }
             }),
-            TensorType::Q8_0 | TensorType::Q4_0 | TensorType::Q4_1 => {
-                let kind = self.dtype.clone();
-                let block_bytes = kind.nbytes(32).unwrap_or(0);
-                out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
-                    let mut vals = [0f32; 32];
-                    for (b, ob) in o.chunks_mut(32).enumerate() {
-                        let start = (c * CHUNK / 32 + b) * block_bytes;
-                        dequant_block(&kind, &d[start..start + block_bytes], &mut vals);
-                        for (v, x) in ob.iter_mut().zip(vals) {
-                            *v = bf16::from_f32(x);
-                        }
-                    }
-                })
+            TensorType::Block(format) => {
+                // Whole rows of blocks per chunk, converted in parallel (load time only).
+                let block = format.block_len();
+                let chunk = CHUNK.div_ceil(block) * block;
+                let bytes = format.row_bytes(chunk).map_err(|_| unsupported())?;
+                let failed = out
+                    .par_chunks_mut(chunk)
+                    .zip(d.par_chunks(bytes))
+                    .map(|(o, b)| quant::dequantize_bf16(format, b, o))
+                    .find_any(Result::is_err);
+                if failed.is_some() {
+                    return Err(unsupported());
+                }
             }
             _ => return Err(unsupported()),
         }
         Ok(out)
-    }
-}
-
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
-
-/// Dequantizes one 32-value ggml block.
-fn dequant_block(kind: &TensorType, block: &[u8], out: &mut [f32; 32]) {
-    match kind {
-        TensorType::Q8_0 => {
-            let d = f16_at(block, 0);
-            for (j, o) in out.iter_mut().enumerate() {
-                *o = block[2 + j] as i8 as f32 * d;
-            }
-        }
-        TensorType::Q4_0 => {
-            let d = f16_at(block, 0);
-            for j in 0..16 {
-                let q = block[2 + j];
-                out[j] = ((q & 0x0f) as i32 - 8) as f32 * d;
-                out[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
-            }
-        }
-        TensorType::Q4_1 => {
-            let (d, m) = (f16_at(block, 0), f16_at(block, 2));
-            for j in 0..16 {
-                let q = block[4 + j];
-                out[j] = (q & 0x0f) as f32 * d + m;
-                out[j + 16] = (q >> 4) as f32 * d + m;
-            }
-        }
-        _ => out.fill(0.0),
     }
 }
 
@@ -224,7 +208,7 @@ mod tests {
         q41.extend(f16b(-1.0));
         q41.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
         let t = RawTensor {
-            dtype: TensorType::Q4_1,
+            dtype: TensorType::Block(BlockFormat::Q4_1),
             shape: vec![32],
             data: &q41,
         };
@@ -242,7 +226,7 @@ mod tests {
         q40.extend(f16b(2.0));
         q40.extend((0..16u8).map(|j| j | (3 << 4)));
         let t = RawTensor {
-            dtype: TensorType::Q4_0,
+            dtype: TensorType::Block(BlockFormat::Q4_0),
             shape: vec![32],
             data: &q40,
         };
@@ -259,7 +243,7 @@ mod tests {
         q80.extend(f16b(0.25));
         q80.extend((0..32i8).map(|j| (j - 16) as u8));
         let t = RawTensor {
-            dtype: TensorType::Q8_0,
+            dtype: TensorType::Block(BlockFormat::Q8_0),
             shape: vec![32],
             data: &q80,
         };
@@ -284,17 +268,17 @@ mod tests {
         assert!(matches!(e, ModelError::Truncated { .. }));
         assert!(e.to_string().contains("blk.0.w"), "{e}");
         let t = RawTensor {
-            dtype: TensorType::Other("Q6_K".into()),
+            dtype: TensorType::Other("ggml type 99".into()),
             shape: vec![4],
             data: &[],
         };
         let e = t.to_bf16("x", "f.gguf").unwrap_err();
         assert!(
-            e.to_string().contains("Q6_K") && e.to_string().contains("\"x\""),
+            e.to_string().contains("ggml type 99") && e.to_string().contains("\"x\""),
             "{e}"
         );
         let t = RawTensor {
-            dtype: TensorType::Q4_1,
+            dtype: TensorType::Block(BlockFormat::Q4_1),
             shape: vec![33],
             data: &[0u8; 40],
         };

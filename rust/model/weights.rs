@@ -1,6 +1,6 @@
 //! Weights on the device: dense BF16 matrices, NVFP4 (ModelOpt layout) and block-scaled FP8
-//! quantized ones, and [`Linear`], which runs any of them through the backend's one `linear`
-//! op (its
+//! quantized ones, GGUF block formats repacked for the CPU kernels ([`PackedLinear`]); and
+//! [`Linear`], which runs any of them through the backend's one `linear` op (its
 //! [`LinearWeight`] descriptor says which format the kernel reads).
 //!
 //! Invariants:
@@ -9,6 +9,7 @@
 //! - Weights do not free themselves (a [`DevicePtr`] has no `Drop`); whoever loaded them
 //!   owns the pointers, usually through a [`DeviceAllocations`] that frees them all at once.
 
+use crate::backend::quant::BlockFormat;
 use crate::backend::{
     BackendError, DevicePtr, Dtype, ElementwiseArgs, ElementwiseOp, GpuBackend, GpuBackendExt,
     LinearArgs, LinearWeight,
@@ -201,7 +202,30 @@ impl Fp8Weight {
     }
 }
 
-/// A projection weight of any stored format, plus its optional bias.
+/// A weight in a GGUF block format, repacked for the CPU kernels
+/// ([`crate::backend::quant::PackedWeight`]): exactly as many bytes as the file's blocks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedLinear {
+    /// The packed bytes.
+    pub blocks: DevicePtr,
+    /// The GGUF block format of the rows.
+    pub format: BlockFormat,
+    /// Rows of the logical matrix.
+    pub out_features: usize,
+    /// Columns of the logical matrix.
+    pub in_features: usize,
+}
+
+impl PackedLinear {
+    /// Bytes of device memory the weight occupies (the file's bytes for it).
+    pub fn nbytes(&self) -> usize {
+        self.format
+            .matrix_bytes(self.out_features, self.in_features)
+            .unwrap_or(usize::MAX)
+    }
+}
+
+/// A projection weight of any kind, plus its optional bias.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Linear {
     /// BF16 `[out, in]`.
@@ -210,6 +234,8 @@ pub enum Linear {
     Nvfp4(QuantizedWeight),
     /// FP8 E4M3 `[out, in]` with block scales.
     Fp8(Fp8Weight),
+    /// A GGUF block format `[out, in]`, repacked (CPU backends only).
+    Packed(PackedLinear),
 }
 
 impl Linear {
@@ -219,6 +245,7 @@ impl Linear {
             Linear::Dense(w) => (w.shape[0], w.shape[1]),
             Linear::Nvfp4(w) => (w.out_features, w.in_features),
             Linear::Fp8(w) => (w.out_features, w.in_features),
+            Linear::Packed(w) => (w.out_features, w.in_features),
         }
     }
 
@@ -228,7 +255,13 @@ impl Linear {
             Linear::Dense(w) => w.nbytes(),
             Linear::Nvfp4(w) => w.nbytes(),
             Linear::Fp8(w) => w.nbytes(),
+            Linear::Packed(w) => w.nbytes(),
         }
+    }
+
+    /// The name of the stored format (`"bf16"`, `"nvfp4"`, `"q4_1"`, ...).
+    pub fn format_name(&self) -> &'static str {
+        self.descriptor().format()
     }
 
     /// The kernel's descriptor of this weight.
@@ -243,6 +276,12 @@ impl Linear {
             Linear::Fp8(w) => LinearWeight::Fp8 {
                 weight: w.weight,
                 block_scales: w.block_scales,
+            },
+            Linear::Packed(w) => LinearWeight::Packed {
+                blocks: w.blocks,
+                format: w.format,
+                out_features: w.out_features,
+                in_features: w.in_features,
             },
         }
     }

@@ -127,6 +127,7 @@ fn backend_class(e: &RustBackendError) -> Class {
         RustBackendError::CudaUnavailable(_) => Class::BackendUnavailable,
         RustBackendError::UnknownStream(_)
         | RustBackendError::InvalidArgument { .. }
+        | RustBackendError::Quant { .. }
         | RustBackendError::Driver { .. } => Class::Backend,
     }
 }

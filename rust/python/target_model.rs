@@ -14,7 +14,9 @@ use super::generation::run_exclusive;
 use super::model::PyModelConfig;
 use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use crate::engine::{GenerateRequest, SpecEngine};
-use crate::model::{GgufFile, GgufValue, LoadOptions, LogitRows, TargetModel};
+use crate::model::{
+    parse_weights_format, GgufFile, GgufValue, LoadOptions, LogitRows, TargetModel,
+};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -185,9 +187,10 @@ impl PyTargetModel {
 
 /// Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
 /// (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
-/// defaults to a new `CpuBackend`.
+/// defaults to a new `CpuBackend`. `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
+/// a safetensors checkpoint's matrices at load; `None` keeps what the file has.
 #[pyfunction]
-#[pyo3(signature = (path_or_name, gpu = None, max_rows = 512, max_seq_len = None, kv_blocks = None))]
+#[pyo3(signature = (path_or_name, gpu = None, max_rows = 512, max_seq_len = None, kv_blocks = None, weights = None))]
 pub fn load_model(
     py: Python<'_>,
     path_or_name: &Bound<'_, PyAny>,
@@ -195,7 +198,13 @@ pub fn load_model(
     max_rows: usize,
     max_seq_len: Option<usize>,
     kv_blocks: Option<usize>,
+    weights: Option<&str>,
 ) -> PyResult<PyTargetModel> {
+    let weights = weights
+        .map(parse_weights_format)
+        .transpose()
+        .map_err(crate::Error::from)
+        .py()?;
     let resolved = py
         .import("specdraft.models")?
         .call_method1("resolve_model", (path_or_name,))?;
@@ -216,7 +225,7 @@ pub fn load_model(
         .import("specdraft.tokenizer")?
         .call_method1("_tokenizer_or_none", (&resolved,))?;
     let model = py
-        .detach(move || TargetModel::load(&path, gpu, opts))
+        .detach(move || TargetModel::load_with_weights(&path, gpu, opts, weights))
         .py()?;
     Ok(PyTargetModel {
         inner: Arc::new(model),

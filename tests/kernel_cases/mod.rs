@@ -177,7 +177,7 @@ pub fn embedding(
         );
         b.embedding(EmbeddingArgs {
             out: o,
-            table: t,
+            table: LinearWeight::Bf16 { weight: t },
             ids: i,
             rows,
             hidden,
@@ -626,7 +626,7 @@ pub fn same_errors(dut: &dyn GpuBackend) -> Result<(), String> {
         let errs = [
             b.embedding(EmbeddingArgs {
                 out,
-                table,
+                table: LinearWeight::Bf16 { weight: table },
                 ids,
                 rows: 2,
                 hidden: 8,

@@ -85,7 +85,7 @@ def test_text_and_chat_just_work_on_smollm2(smollm2) -> None:
     assert hello.error is None, hello.error
     shown = list(hello.tokens)[: -1 if hello.finish_reason == "stop" else None]
     assert hello.text and hello.text == smollm2.tokenizer.decode(shown)
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    question = [{"role": "user", "content": "Name the capital of France."}]
     (answer,) = engine.chat([question], max_tokens=24)
     assert answer.error is None, answer.error
     assert "Paris" in answer.text, answer.text
@@ -97,7 +97,7 @@ def test_a_conversation_answers_turn_after_turn_on_smollm2(smollm2) -> None:
     tok = smollm2.tokenizer
     proposer = CarryingLookup()
     conv = specdraft.SpecEngine(smollm2, proposer, num_drafts=4).conversation()
-    first = conv.send("What is the capital of France?", max_tokens=24)
+    first = conv.send("Name the capital of France.", max_tokens=24)
     assert first.error is None and "Paris" in first.text, first.text
     # The reply is an answer, not an immediate end of turn.
     assert len(first.tokens) > 2 and first.text.strip()

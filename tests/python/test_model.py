@@ -66,3 +66,17 @@ def test_unknown_names_and_bad_files_raise_clear_errors(tmp_path: Path) -> None:
     bad.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(specdraft.CheckpointError, match="bad.gguf"):
         specdraft.load_model(bad)
+
+
+def test_weights_argument_reaches_the_loader_and_unknown_formats_are_refused(
+    tmp_path: Path,
+) -> None:
+    """``weights=`` names a block format; an unknown one lists the known, and a GGUF file
+    (whose weights keep their stored formats) refuses any."""
+    tiny = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(tiny)
+    with pytest.raises(specdraft.RequestError, match=r"q4_k_m.*q8_0"):
+        specdraft.load_model(tiny, weights="q4_k_m")
+    with pytest.raises(specdraft.RequestError, match="GGUF file"):
+        specdraft.load_model(tiny, weights="q8_0")
+    assert specdraft.load_model(tiny, weights=None).vocab_size == VOCAB

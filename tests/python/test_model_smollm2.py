@@ -24,7 +24,12 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 @pytest.mark.slow
 def test_smollm2_logits_match_the_numpy_reference() -> None:
-    """Top tokens agree and logits stay within 5% of their scale at several positions."""
+    """Top tokens agree and logits stay within 15% of their RMS at several positions.
+
+    The reference emulates the backend's roundings; after 30 layers flipped roundings leave
+    two correct implementations 3-8% of the logit RMS apart (``tests/model_smollm2.rs``
+    derives this, and checks one layer bit for bit), so this is the check against gross errors.
+    """
     path = fetch_default_model()
     reader = gguf.GGUFReader(str(path))
     tokenizer = ref.tokenizer_from_gguf(reader)
@@ -38,7 +43,9 @@ def test_smollm2_logits_match_the_numpy_reference() -> None:
     got = model.logits(tokens).reshape(len(tokens), model.vocab_size)
     for p in sorted({0, 1, len(tokens) // 2, len(tokens) - 1}):
         assert got[p].argmax() == want[p].argmax(), p
-        assert np.abs(got[p] - want[p]).max() < 0.05 * np.abs(want[p]).max(), p
+        rms = float(np.sqrt(np.mean(np.square(want[p].astype(np.float64)))))
+        err = float(np.sqrt(np.mean(np.square((got[p] - want[p]).astype(np.float64)))))
+        assert err <= 0.15 * rms, (p, err, rms)
     assert model.tokenizer.encode(PROMPT) == tokens, "load_model attaches the same tokenizer"
     follow = tokenizer.decode(model.generate_greedy(tokens, max_tokens=2))
     assert "Rome" in follow, follow

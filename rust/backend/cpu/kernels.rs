@@ -10,15 +10,19 @@
 //! same result whatever else is in the batch.
 
 use super::fp8::Fp8Rows;
-use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows};
+use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows, SharedOut, WeightRows};
 use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
     ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, Kernels, KvWriteArgs, LinearArgs,
     LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
 };
+use crate::backend::quant::{self, PackedView, QuantError};
 use crate::backend::{BackendError, Dtype};
 use half::bf16;
-use rayon::prelude::*;
+
+fn quant_err(op: &'static str) -> impl Fn(QuantError) -> BackendError {
+    move |source| BackendError::Quant { op, source }
+}
 
 fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
@@ -57,13 +61,67 @@ fn write_activations(out: &HostView, dtype: Dtype, values: &[f32]) {
 impl Kernels for CpuBackend {
     fn embedding(&self, args: EmbeddingArgs) -> Result<(), BackendError> {
         let c = args.validate(self)?;
-        let hidden = c.args.hidden;
+        let (hidden, vocab) = (c.args.hidden, c.args.vocab);
         // SAFETY: validated ranges; `out` is apart from the table.
-        let (table, out) =
-            unsafe { (c.args.table.typed::<bf16>(), c.args.out.typed_mut::<bf16>()) };
-        for (row, &t) in out.chunks_mut(hidden.max(1)).zip(&c.ids) {
-            let t = t as usize;
-            row.copy_from_slice(&table[t * hidden..(t + 1) * hidden]);
+        let out = unsafe { c.args.out.typed_mut::<bf16>() };
+        let rows = out.chunks_mut(hidden.max(1)).zip(&c.ids);
+        let mut buf = Vec::new();
+        let round = |row: &mut [bf16], values: &[f32]| {
+            row.iter_mut()
+                .zip(values)
+                .for_each(|(o, &v)| *o = bf16::from_f32(v));
+        };
+        match &c.args.table {
+            LinearWeight::Bf16 { weight } => {
+                // SAFETY: a validated range, only read.
+                let table = unsafe { weight.typed::<bf16>() };
+                for (row, &t) in rows {
+                    let t = t as usize;
+                    row.copy_from_slice(&table[t * hidden..(t + 1) * hidden]);
+                }
+            }
+            LinearWeight::Packed { blocks, format, .. } => {
+                // SAFETY: a validated range, only read.
+                let bytes = unsafe { blocks.bytes() };
+                let w = PackedView::from_packed(*format, vocab, hidden, bytes)
+                    .map_err(quant_err("embedding"))?;
+                buf.resize(hidden, 0.0);
+                for (row, &t) in rows {
+                    w.dequantize_row(t as usize, &mut buf)
+                        .map_err(quant_err("embedding"))?;
+                    round(row, &buf);
+                }
+            }
+            LinearWeight::Nvfp4 {
+                codes,
+                block_scales,
+                global_scale,
+            } => {
+                let src = Nvfp4Rows {
+                    // SAFETY: validated ranges, only read.
+                    codes: unsafe { codes.bytes() },
+                    scales: unsafe { block_scales.bytes() },
+                    global_scale: *global_scale,
+                    in_features: hidden,
+                };
+                for (row, &t) in rows {
+                    round(row, src.row(t as usize, &mut buf));
+                }
+            }
+            LinearWeight::Fp8 {
+                weight,
+                block_scales,
+            } => {
+                let src = Fp8Rows {
+                    // SAFETY: validated ranges, only read.
+                    weight: unsafe { weight.bytes() },
+                    block_scales: unsafe { block_scales.typed::<f32>() },
+                    in_features: hidden,
+                };
+                for (row, &t) in rows {
+                    round(row, src.row(t as usize, &mut buf));
+                }
+            }
         }
         Ok(())
     }
@@ -118,20 +176,37 @@ impl Kernels for CpuBackend {
     fn linear(&self, args: LinearArgs) -> Result<(), BackendError> {
         let a = args.validate(self)?;
         let (rows, in_features, out_features) = (a.rows, a.in_features, a.out_features);
-        // SAFETY: validated ranges; `out` is apart from every input, which are only read.
-        let xs = bf16_to_f32(unsafe { a.x.typed::<bf16>() });
+        let pool = self.kernel_pool();
+        // SAFETY (every view below): validated ranges; `out` is apart from every input, which
+        // are only read.
         let bias = a
             .bias
             .as_ref()
             .map(|b| bf16_to_f32(unsafe { b.typed::<bf16>() }));
         let bias = bias.as_deref();
+        if let LinearWeight::Packed { blocks, format, .. } = &a.weight {
+            let err = quant_err("linear");
+            let bytes = unsafe { blocks.bytes() };
+            let w =
+                PackedView::from_packed(*format, out_features, in_features, bytes).map_err(&err)?;
+            let x = unsafe { a.x.typed::<bf16>() };
+            if a.out_dtype == Dtype::F32 {
+                let out = unsafe { a.out.typed_mut::<f32>() };
+                return quant::linear(pool, &w, x, rows, bias, out).map_err(err);
+            }
+            let mut out = vec![0f32; rows * out_features];
+            quant::linear(pool, &w, x, rows, bias, &mut out).map_err(err)?;
+            write_activations(&a.out, a.out_dtype, &out);
+            return Ok(());
+        }
+        let xs = bf16_to_f32(unsafe { a.x.typed::<bf16>() });
         let result = match &a.weight {
             LinearWeight::Bf16 { weight } => {
                 let src = Bf16Rows {
                     weight: unsafe { weight.typed::<u16>() },
                     in_features,
                 };
-                linear_rows(&src, &xs, bias, rows, in_features, out_features)
+                linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
             }
             LinearWeight::Nvfp4 {
                 codes,
@@ -144,7 +219,7 @@ impl Kernels for CpuBackend {
                     global_scale: *global_scale,
                     in_features,
                 };
-                linear_rows(&src, &xs, bias, rows, in_features, out_features)
+                linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
             }
             LinearWeight::Fp8 {
                 weight,
@@ -155,9 +230,11 @@ impl Kernels for CpuBackend {
                     block_scales: unsafe { block_scales.typed::<f32>() },
                     in_features,
                 };
-                linear_rows(&src, &xs, bias, rows, in_features, out_features)
+                linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
             }
-        };
+            LinearWeight::Packed { .. } => unreachable!("handled above"),
+        }
+        .map_err(quant_err("linear"))?;
         write_activations(&a.out, a.out_dtype, &result);
         Ok(())
     }
@@ -223,40 +300,41 @@ impl Kernels for CpuBackend {
             )
         };
         let mut result = vec![0f32; a.rows * heads * head_dim];
-        result
-            .par_chunks_mut(head_dim.max(1))
-            .enumerate()
-            .for_each(|(rh, o)| {
-                let (r, h) = (rh / heads, rh % heads);
-                let s = seqs[r] as usize;
-                let kvh = h / group;
-                let qv = &qs[rh * head_dim..(rh + 1) * head_dim];
-                let n = lens[r] as usize;
-                let slot = |j: usize| {
-                    table[s * mbps + j / block_size] as usize * block_size + j % block_size
-                };
-                let mut scores = Vec::with_capacity(n);
-                let mut kbuf = vec![0f32; head_dim];
-                for j in 0..n {
-                    let base = slot(j) * width + kvh * head_dim;
-                    for (d, k) in kbuf.iter_mut().zip(&kc[base..base + head_dim]) {
-                        *d = k.to_f32();
-                    }
-                    scores.push(dot(qv, &kbuf) * scale);
+        let shared = SharedOut::new(&mut result);
+        let pool = self.kernel_pool();
+        pool.run(a.rows * heads, &|rh| {
+            // SAFETY: task `rh` is the only one writing chunk `rh`.
+            let o = unsafe { shared.chunk(rh, head_dim) };
+            let (r, h) = (rh / heads, rh % heads);
+            let s = seqs[r] as usize;
+            let kvh = h / group;
+            let qv = &qs[rh * head_dim..(rh + 1) * head_dim];
+            let n = lens[r] as usize;
+            let slot =
+                |j: usize| table[s * mbps + j / block_size] as usize * block_size + j % block_size;
+            let mut scores = Vec::with_capacity(n);
+            let mut kbuf = vec![0f32; head_dim];
+            for j in 0..n {
+                let base = slot(j) * width + kvh * head_dim;
+                for (d, k) in kbuf.iter_mut().zip(&kc[base..base + head_dim]) {
+                    *d = k.to_f32();
                 }
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut total = 0.0;
-                for sc in scores.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    total += *sc;
+                scores.push(dot(qv, &kbuf) * scale);
+            }
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut total = 0.0;
+            for sc in scores.iter_mut() {
+                *sc = (*sc - max).exp();
+                total += *sc;
+            }
+            for (j, p) in scores.iter().enumerate() {
+                let base = slot(j) * width + kvh * head_dim;
+                for (d, v) in o.iter_mut().zip(&vc[base..base + head_dim]) {
+                    *d += p / total * v.to_f32();
                 }
-                for (j, p) in scores.iter().enumerate() {
-                    let base = slot(j) * width + kvh * head_dim;
-                    for (d, v) in o.iter_mut().zip(&vc[base..base + head_dim]) {
-                        *d += p / total * v.to_f32();
-                    }
-                }
-            });
+            }
+        })
+        .map_err(quant_err("paged_attention"))?;
         write_activations(&a.out, Dtype::Bf16, &result);
         Ok(())
     }

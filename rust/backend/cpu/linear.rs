@@ -12,7 +12,8 @@
 //!   L1, so a verify forward of a few rows costs far less than that many 1-row forwards.
 
 use super::formats::{e2m1_to_f32, fp8_e4m3_to_f32};
-use rayon::prelude::*;
+use crate::backend::quant::{KernelPool, QuantError};
+use std::cell::RefCell;
 
 /// Independent running sums per dot product (two AVX2 registers of f32).
 const LANES: usize = 16;
@@ -230,30 +231,78 @@ unsafe fn task_avx2<S: WeightRows>(
     task(src, bufs, xs, rows, first, col, true)
 }
 
-/// `x @ weight^T (+ bias)` for `rows` rows, row-major `[rows, out_features]`.
+/// A `[f32]` that pool tasks write disjoint chunks of.
+#[derive(Clone, Copy)]
+pub(super) struct SharedOut {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: every task writes only its own chunk (see `chunk`), and the call that made it holds
+// the `&mut [f32]` until the pool has run every task.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    pub(super) fn new(v: &mut [f32]) -> Self {
+        SharedOut {
+            ptr: v.as_mut_ptr(),
+            len: v.len(),
+        }
+    }
+
+    /// Chunk `t` of `size` elements (the last may be short).
+    ///
+    /// # Safety
+    /// No two live chunks may overlap: each task takes only its own `t`.
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn chunk(&self, t: usize, size: usize) -> &mut [f32] {
+        let start = (t * size).min(self.len);
+        let end = (start + size).min(self.len);
+        // SAFETY: inside the slice `new` was given; disjointness is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), end - start) }
+    }
+}
+
+thread_local! {
+    /// Each pool thread's decode and widening scratch, reused between calls.
+    static BUFS: RefCell<(Vec<f32>, Vec<f32>)> = RefCell::default();
+}
+
+/// `x @ weight^T (+ bias)` for `rows` rows, row-major `[rows, out_features]`, on `pool`'s
+/// threads (the backend's one pool, so no other threads compete with them).
 ///
 /// `xs` is `[rows, in_features]`; `src` yields `out_features` rows.
 pub(super) fn linear_rows(
+    pool: &KernelPool,
     src: &impl WeightRows,
     xs: &[f32],
     bias: Option<&[f32]>,
     rows: usize,
     in_features: usize,
     out_features: usize,
-) -> Vec<f32> {
+) -> Result<Vec<f32>, QuantError> {
     let mut by_feature = vec![0f32; out_features * rows];
     if rows == 0 || out_features == 0 {
-        return by_feature;
+        return Ok(by_feature);
     }
     // Exactly `rows` rows, so that the tasks can derive `in_features` from the length.
     let xs = &xs[..rows * in_features];
     #[cfg(target_arch = "x86_64")]
     let avx2 = std::arch::is_x86_feature_detected!("avx2");
-    by_feature
-        .par_chunks_mut(FEATURES_PER_TASK * rows)
-        .enumerate()
-        .for_each_init(Default::default, |bufs, (t, col)| {
-            let first = t * FEATURES_PER_TASK;
+    let chunk = FEATURES_PER_TASK * rows;
+    let shared = SharedOut::new(&mut by_feature);
+    pool.run(out_features.div_ceil(FEATURES_PER_TASK), &|t| {
+        // SAFETY: task `t` is the only one writing chunk `t`.
+        let col = unsafe { shared.chunk(t, chunk) };
+        let first = t * FEATURES_PER_TASK;
+        BUFS.with(|cell| {
+            let mut fresh = Default::default();
+            let mut guard = cell.try_borrow_mut();
+            let bufs = match guard.as_deref_mut() {
+                Ok(b) => b,
+                Err(_) => &mut fresh,
+            };
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU supports AVX2 (checked above); the body is the portable one.
@@ -261,14 +310,15 @@ pub(super) fn linear_rows(
                 return;
             }
             task(src, bufs, xs, rows, first, col, false);
-        });
+        })
+    })?;
     if let Some(b) = bias {
         for (v, b) in by_feature.chunks_mut(rows).zip(b) {
             v.iter_mut().for_each(|v| *v += b);
         }
     }
     if rows == 1 {
-        return by_feature;
+        return Ok(by_feature);
     }
     let mut result = vec![0f32; rows * out_features];
     for (o, col) in by_feature.chunks(rows).enumerate() {
@@ -276,7 +326,7 @@ pub(super) fn linear_rows(
             result[r * out_features + o] = *v;
         }
     }
-    result
+    Ok(result)
 }
 
 /// BF16 weights `[out_features, in_features]`, read in place as their bits.
@@ -454,7 +504,8 @@ mod tests {
             weight: &w,
             in_features: inf,
         };
-        let got = linear_rows(&src, &xs, Some(&bias), rows, inf, outf);
+        let got =
+            linear_rows(&KernelPool::new(2), &src, &xs, Some(&bias), rows, inf, outf).unwrap();
         for r in 0..rows {
             for o in 0..outf {
                 let want: f32 = (0..inf)

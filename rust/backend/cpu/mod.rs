@@ -10,6 +10,11 @@
 //! The kernels are in `kernels` (the reference of every op) and `linear` (the fast
 //! matrix product, with the FP8 weight rows in `fp8`), the scalar decoders of the weight
 //! formats in `formats`.
+//!
+//! Threads: the backend owns one [`KernelPool`] (one participant per core, the calling
+//! thread included), made on the first op that needs it; every parallel op (linear in any
+//! weight format, attention) runs on it and on nothing else, so the kernels never compete
+//! with another pool's threads for the cores.
 
 mod formats;
 mod fp8;
@@ -19,12 +24,13 @@ mod linear;
 pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
 
 use crate::backend::kernels::CheckedMemory;
+use crate::backend::quant::KernelPool;
 use crate::backend::{AllocationLedger, BackendError, DevicePtr, GpuBackend};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Alignment of every CPU allocation (a cache line; enough for any element type).
 const ALIGN: usize = 64;
@@ -131,6 +137,8 @@ pub struct CpuBackend {
     next_stream: AtomicU64,
     memory_limit: Option<usize>,
     faults: AllocFaults,
+    pool: OnceLock<KernelPool>,
+    threads: Option<usize>,
 }
 
 /// Injected allocation failures, for tests of what a full device does to a caller: the
@@ -178,7 +186,26 @@ impl CpuBackend {
                 every: AtomicU64::new(0),
                 injected: AtomicU64::new(0),
             },
+            pool: OnceLock::new(),
+            threads: None,
         }
+    }
+
+    /// A CPU backend whose kernels run on `threads` threads (the caller's included) rather
+    /// than one per core.
+    pub fn with_threads(threads: usize) -> Self {
+        CpuBackend {
+            threads: Some(threads.max(1)),
+            ..Self::new()
+        }
+    }
+
+    /// The pool every parallel kernel of this backend runs on.
+    pub fn kernel_pool(&self) -> &KernelPool {
+        self.pool.get_or_init(|| match self.threads {
+            Some(n) => KernelPool::new(n),
+            None => KernelPool::per_core(),
+        })
     }
 
     /// Makes allocation attempt `first` (counted from this backend's creation, see

@@ -20,12 +20,27 @@ use crate::backend::kernels::{
 };
 use crate::backend::{BackendError, Dtype};
 
+/// The error for a weight format these kernels do not read: GGUF block formats reach a CUDA
+/// backend as BF16 (the model loader dequantizes them at upload), and tables only as BF16.
+fn unsupported_format<P>(op: &'static str, w: &LinearWeight<P>) -> BackendError {
+    BackendError::InvalidArgument {
+        op,
+        message: format!(
+            "the CUDA kernels do not read {} weights here (block formats are dequantized to bf16 at upload)",
+            w.format()
+        ),
+    }
+}
+
 impl<L: KernelLauncher> Kernels for L {
     fn embedding(&self, args: EmbeddingArgs) -> Result<(), BackendError> {
         let op = "embedding";
         let a = args.validate(self)?.args;
+        let LinearWeight::Bf16 { weight: table } = &a.table else {
+            return Err(unsupported_format(op, &a.table));
+        };
         let mut l = LaunchArgs::new(op);
-        l.ptr(&a.out).ptr(&a.table).ptr(&a.ids);
+        l.ptr(&a.out).ptr(table).ptr(&a.ids);
         l.int("rows", a.rows)?
             .int("hidden", a.hidden)?
             .int("vocab", a.vocab)?;
@@ -89,6 +104,7 @@ impl<L: KernelLauncher> Kernels for L {
                 l.ptr(weight).ptr(block_scales);
                 "sd_linear_fp8"
             }
+            w @ LinearWeight::Packed { .. } => return Err(unsupported_format(op, w)),
         };
         l.opt_ptr(a.bias.as_ref());
         l.int("rows", a.rows)?

@@ -2,16 +2,18 @@
 //! argmax and softmax, each with its one `validate` (see the module docs of `kernels`).
 
 use super::check::{apart, count, invalid, same_or_apart, CheckedMemory, Operand};
+use super::LinearWeight;
 use crate::backend::{BackendError, DevicePtr, Dtype};
 
-/// `out[r, :] = table[ids[r], :]`. `out` BF16 `[rows, hidden]`, `table` BF16 `[vocab,
-/// hidden]`, `ids` u32 `[rows]`; an id `>= vocab` is an error. `out` is apart from both.
+/// `out[r, :] = table[ids[r], :]`, each row decoded from the table's format and rounded to
+/// BF16. `out` BF16 `[rows, hidden]`, `table` a `[vocab, hidden]` [`LinearWeight`], `ids` u32
+/// `[rows]`; an id `>= vocab` is an error. `out` is apart from every input.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EmbeddingArgs<P = DevicePtr> {
     /// BF16 `[rows, hidden]`: the looked-up rows.
     pub out: P,
-    /// BF16 `[vocab, hidden]`: the embedding table.
-    pub table: P,
+    /// The `[vocab, hidden]` table in any weight format (a tied LM head's descriptor).
+    pub table: LinearWeight<P>,
     /// u32 `[rows]`: the token ids.
     pub ids: P,
     /// Tokens to look up.
@@ -48,13 +50,7 @@ impl EmbeddingArgs {
                 format!("token id {bad} is outside the vocabulary of {}", self.vocab),
             ));
         }
-        let table = Operand::new(
-            op,
-            self.table,
-            count(op, &[self.vocab, self.hidden])?,
-            Dtype::Bf16,
-            "embedding table",
-        )?;
+        let (table, table_read) = self.table.validate(mem, op, self.vocab, self.hidden)?;
         let out = Operand::new(
             op,
             self.out,
@@ -63,7 +59,7 @@ impl EmbeddingArgs {
             "embedding out",
         )?;
         let args = EmbeddingArgs {
-            table: table.check(mem)?,
+            table,
             out: out.check(mem)?,
             ids: ids_range,
             rows: self.rows,
@@ -71,7 +67,9 @@ impl EmbeddingArgs {
             vocab: self.vocab,
             stream: self.stream,
         };
-        apart(op, out, table)?;
+        for read in table_read.into_iter().flatten() {
+            apart(op, out, read)?;
+        }
         apart(op, out, ids)?;
         Ok(CheckedEmbedding { args, ids: values })
     }

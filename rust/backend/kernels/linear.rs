@@ -7,6 +7,7 @@
 //! checked once here for every format.
 
 use super::check::{apart, count, invalid, CheckedMemory, Operand};
+use crate::backend::quant::BlockFormat;
 use crate::backend::{BackendError, DevicePtr, Dtype};
 
 /// Columns of an NVFP4 weight that share one FP8 block scale.
@@ -48,27 +49,56 @@ pub enum LinearWeight<P = DevicePtr> {
         /// f32 `[ceil(out_features / 128), ceil(in_features / 128)]`: each 128x128 block's multiplier.
         block_scales: P,
     },
+    /// A GGUF block format ([`BlockFormat`]: Q4_0 .. Q8_0, the K-quants, or F32/F16/BF16),
+    /// `blocks` holding the matrix repacked for the CPU kernels
+    /// ([`crate::backend::quant::PackedWeight::bytes`]): exactly as many bytes as the file's
+    /// rows of blocks. The shape it was packed for travels with it and must be the op's.
+    /// Backends without block kernels (CUDA) are given BF16 instead at upload.
+    Packed {
+        /// The repacked blocks, `format.matrix_bytes(out_features, in_features)` bytes.
+        blocks: P,
+        /// The GGUF block format of the rows.
+        format: BlockFormat,
+        /// Rows of the matrix it was packed as.
+        out_features: usize,
+        /// Columns of the matrix it was packed as.
+        in_features: usize,
+    },
 }
 
 /// The buffers one weight format reads, for the aliasing check (at most two so far; a
 /// format with more raises the bound).
-type WeightOperands = [Option<Operand<'static>>; 2];
+pub(super) type WeightOperands = [Option<Operand<'static>>; 2];
 
 impl LinearWeight {
     /// The format's shape rules, then the ledger check of each buffer it reads (in the
     /// order listed in the variant). Returns the checked weight and the operands it reads,
     /// for the aliasing check.
-    fn validate<M: CheckedMemory + ?Sized>(
+    pub(super) fn validate<M: CheckedMemory + ?Sized>(
         self,
         mem: &M,
+        op: &'static str,
         out_features: usize,
         in_features: usize,
     ) -> Result<(LinearWeight<M::Range>, WeightOperands), BackendError> {
-        let op = "linear";
+        // Operand names in messages: the weight of a `linear`, the table of an `embedding`.
+        let name = |part: usize| -> &'static str {
+            let table = op == "embedding";
+            match (table, part) {
+                (false, 0) => "linear weight",
+                (false, 1) => "linear nvfp4 codes",
+                (false, 2) => "linear nvfp4 block_scales",
+                (false, _) => "linear packed blocks",
+                (true, 0) => "embedding table",
+                (true, 1) => "embedding table nvfp4 codes",
+                (true, 2) => "embedding table nvfp4 block_scales",
+                (true, _) => "embedding table packed blocks",
+            }
+        };
         match self {
             LinearWeight::Bf16 { weight } => {
                 let n = count(op, &[out_features, in_features])?;
-                let w = Operand::new(op, weight, n, Dtype::Bf16, "linear weight")?;
+                let w = Operand::new(op, weight, n, Dtype::Bf16, name(0))?;
                 let checked = LinearWeight::Bf16 {
                     weight: w.check(mem)?,
                 };
@@ -88,9 +118,9 @@ impl LinearWeight {
                     ));
                 }
                 let n = count(op, &[out_features, in_features / 2])?;
-                let c = Operand::new(op, codes, n, Dtype::U8, "linear nvfp4 codes")?;
+                let c = Operand::new(op, codes, n, Dtype::U8, name(1))?;
                 let n = count(op, &[out_features, in_features / NVFP4_BLOCK])?;
-                let s = Operand::new(op, block_scales, n, Dtype::U8, "linear nvfp4 block_scales")?;
+                let s = Operand::new(op, block_scales, n, Dtype::U8, name(2))?;
                 let checked = LinearWeight::Nvfp4 {
                     codes: c.check(mem)?,
                     block_scales: s.check(mem)?,
@@ -121,17 +151,45 @@ impl LinearWeight {
                 };
                 Ok((checked, [Some(w), Some(s)]))
             }
+            LinearWeight::Packed {
+                blocks,
+                format,
+                out_features: packed_out,
+                in_features: packed_in,
+            } => {
+                if (packed_out, packed_in) != (out_features, in_features) {
+                    return Err(invalid(
+                        op,
+                        format!(
+                            "a {format} weight packed as [{packed_out}, {packed_in}] used as [{out_features}, {in_features}]"
+                        ),
+                    ));
+                }
+                let n = format
+                    .matrix_bytes(out_features, in_features)
+                    .map_err(|e| invalid(op, format!("a {format} weight: {e}")))?;
+                let b = Operand::new(op, blocks, n, Dtype::U8, name(3))?;
+                let checked = LinearWeight::Packed {
+                    blocks: b.check(mem)?,
+                    format,
+                    out_features,
+                    in_features,
+                };
+                Ok((checked, [Some(b), None]))
+            }
         }
     }
 }
 
 impl<P> LinearWeight<P> {
-    /// The format's name in messages and bindings (`"bf16"`, `"nvfp4"`, `"fp8"`).
+    /// The format's name in messages and bindings (`"bf16"`, `"nvfp4"`, `"fp8"`,
+    /// `"q4_1"`, ...).
     pub fn format(&self) -> &'static str {
         match self {
             LinearWeight::Bf16 { .. } => "bf16",
             LinearWeight::Nvfp4 { .. } => "nvfp4",
             LinearWeight::Fp8 { .. } => "fp8",
+            LinearWeight::Packed { format, .. } => format.name(),
         }
     }
 }
@@ -179,7 +237,7 @@ impl LinearArgs {
             ));
         }
         let (rows, inf, outf) = (self.rows, self.in_features, self.out_features);
-        let (weight, weight_read) = self.weight.validate(mem, outf, inf)?;
+        let (weight, weight_read) = self.weight.validate(mem, op, outf, inf)?;
         let x = Operand::new(
             op,
             self.x,

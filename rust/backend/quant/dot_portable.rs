@@ -18,7 +18,7 @@
 use super::activation::QuantizedRows;
 use super::blocks::{spec, Epilogue, IntBlock, Spec};
 use super::linear::OutMatrix;
-use super::PackedWeight;
+use super::PackedView;
 use std::ops::Range;
 
 /// `sum a[i] * b[i]` in exact i32 arithmetic.
@@ -78,7 +78,7 @@ pub(crate) fn accumulate(
 
 /// Output features `outputs` of every row of `act`, written to `out` (no bias).
 pub(crate) fn quant_outputs(
-    w: &PackedWeight,
+    w: &PackedView<'_>,
     act: &QuantizedRows,
     outputs: Range<usize>,
     out: OutMatrix,

@@ -9,7 +9,7 @@
 //! rows.
 
 use super::linear::OutMatrix;
-use super::{BlockFormat, PackedWeight};
+use super::{BlockFormat, PackedView};
 use half::f16;
 use std::ops::Range;
 
@@ -60,7 +60,7 @@ fn dot(w: &[f32], x: &[f32]) -> f32 {
 
 /// Output features `outputs` of all `rows` rows of `x`, into `out` (no bias).
 pub(crate) fn float_outputs(
-    w: &PackedWeight,
+    w: &PackedView<'_>,
     x: &[f32],
     rows: usize,
     outputs: Range<usize>,
@@ -148,7 +148,7 @@ mod avx2 {
     /// The CPU must support AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn float_outputs_avx2(
-        w: &PackedWeight,
+        w: &PackedView<'_>,
         x: &[f32],
         rows: usize,
         outputs: Range<usize>,

@@ -11,7 +11,7 @@ use super::activation::{ActKind, InputElem, QuantizedRows};
 use super::format::checked_mul;
 use super::packed::GROUP_ROWS;
 use super::pool::{Isa, KernelPool};
-use super::{dot_portable, float_dot, PackedWeight, QuantError};
+use super::{dot_portable, float_dot, PackedView, PackedWeight, QuantError};
 use std::cell::RefCell;
 
 /// Tasks per thread: enough for the threads to even out, few enough to stay cheap.
@@ -62,14 +62,15 @@ fn check_len(
 
 /// `out = x @ w^T (+ bias)` for `rows` input rows (`x`: `[rows, in_features]`, f32 or BF16;
 /// `out`: `[rows, out_features]`), on `pool`'s threads with its instruction set.
-pub fn linear<T: InputElem>(
+pub fn linear<T: InputElem, D: AsRef<[u8]>>(
     pool: &KernelPool,
-    w: &PackedWeight,
+    w: &PackedWeight<D>,
     x: &[T],
     rows: usize,
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), QuantError> {
+    let w = &w.view();
     let (inf, outf) = (w.in_features(), w.out_features());
     check_len(
         "input rows",
@@ -125,7 +126,7 @@ pub fn linear<T: InputElem>(
 
 fn run<T: InputElem>(
     pool: &KernelPool,
-    w: &PackedWeight,
+    w: &PackedView<'_>,
     x: &[T],
     rows: usize,
     out: &mut [f32],

@@ -107,6 +107,6 @@ pub use dequant::{dequantize, dequantize_bf16};
 pub use error::QuantError;
 pub use format::{BlockFormat, QK, QK_K};
 pub use linear::linear;
-pub use packed::{PackedWeight, GROUP_ROWS};
+pub use packed::{PackedView, PackedWeight, GROUP_ROWS};
 pub use pool::{Isa, KernelPool};
 pub use quantize::{quantize, quantize_to_vec};

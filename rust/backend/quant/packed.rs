@@ -78,13 +78,44 @@ impl RecordLayout {
     }
 }
 
-/// A `[out_features, in_features]` weight matrix in the kernels' layout (see the module doc).
+/// A `[out_features, in_features]` weight matrix in the kernels' layout (see the module doc),
+/// owning its bytes (`D = Vec<u8>`, made by [`PackedWeight::new`]) or borrowing bytes packed
+/// earlier ([`PackedView`], made by [`PackedWeight::view`] or [`PackedView::from_packed`],
+/// which is how a backend runs the kernels on a buffer it holds).
 #[derive(Clone, Debug)]
-pub struct PackedWeight {
+pub struct PackedWeight<D = Vec<u8>> {
     format: BlockFormat,
     out_features: usize,
     in_features: usize,
-    data: Vec<u8>,
+    data: D,
+}
+
+/// A packed weight over borrowed bytes: what the kernels read.
+pub type PackedView<'a> = PackedWeight<&'a [u8]>;
+
+impl<'a> PackedView<'a> {
+    /// Borrows `bytes` that already hold a packed `[out_features, in_features]` matrix of
+    /// `format` (the [`PackedWeight::bytes`] of one). Only the length can be checked: bytes
+    /// that were not packed for this shape give wrong numbers, never undefined behaviour.
+    pub fn from_packed(
+        format: BlockFormat,
+        out_features: usize,
+        in_features: usize,
+        bytes: &'a [u8],
+    ) -> Result<Self, QuantError> {
+        format.row_bytes(in_features)?;
+        check_lengths(
+            format,
+            bytes.len(),
+            checked_mul("weight", out_features, in_features)?,
+        )?;
+        Ok(PackedWeight {
+            format,
+            out_features,
+            in_features,
+            data: bytes,
+        })
+    }
 }
 
 impl PackedWeight {
@@ -142,6 +173,18 @@ impl PackedWeight {
         let bytes = quantize::quantize_to_vec(format, values)?;
         Self::new(format, out_features, in_features, &bytes)
     }
+}
+
+impl<D: AsRef<[u8]>> PackedWeight<D> {
+    /// The same matrix over borrowed bytes.
+    pub fn view(&self) -> PackedView<'_> {
+        PackedWeight {
+            format: self.format,
+            out_features: self.out_features,
+            in_features: self.in_features,
+            data: self.data.as_ref(),
+        }
+    }
 
     /// The format the weight's blocks are stored in.
     pub fn format(&self) -> BlockFormat {
@@ -160,7 +203,7 @@ impl PackedWeight {
 
     /// The packed bytes (exactly as many as the file's).
     pub fn bytes(&self) -> &[u8] {
-        &self.data
+        self.data.as_ref()
     }
 
     /// Row `o` as f32, bit-identical to dequantizing that row of the file.
@@ -183,7 +226,7 @@ impl PackedWeight {
         }
         if !self.format.is_quantized() {
             let row = self.format.row_bytes(self.in_features)?;
-            return super::dequantize(self.format, &self.data[o * row..][..row], out);
+            return super::dequantize(self.format, &self.bytes()[o * row..][..row], out);
         }
         let n = self.format.block_len();
         for (b, chunk) in out.chunks_exact_mut(n).enumerate() {
@@ -217,7 +260,7 @@ impl PackedWeight {
     #[inline(always)]
     pub(crate) fn group_records(&self, g: usize) -> &[u8] {
         let bytes = GROUP_ROWS * self.format.row_bytes(self.in_features).unwrap_or(0);
-        &self.data[g * bytes..][..bytes]
+        &self.bytes()[g * bytes..][..bytes]
     }
 
     /// Block `b` of row `o` as integers, from a record or from the plain tail.
@@ -229,7 +272,7 @@ impl PackedWeight {
         }
         let bb = self.format.block_bytes();
         let row = bb * self.blocks();
-        IntBlock::from_plain(self.format, &self.data[o * row + b * bb..][..bb])
+        IntBlock::from_plain(self.format, &self.bytes()[o * row + b * bb..][..bb])
     }
 }
 

@@ -3,14 +3,23 @@
 //! format the checkpoint holds them in.
 //!
 //! Invariant: what these return lives in the given [`DeviceAllocations`] and has exactly
-//! the shape asked for; anything else is an error naming the tensor and the file.
+//! the shape asked for; anything else is an error naming the tensor and the file. A GGUF
+//! block-format projection stays in its format (repacked, the file's size) on a backend with
+//! block kernels (the CPU backend), and is dequantized to BF16 for any other.
 
-use crate::backend::FP8_BLOCK;
+use crate::backend::quant::PackedWeight;
+use crate::backend::{CpuBackend, GpuBackend, FP8_BLOCK};
 use crate::model::tensors::{TensorSource, TensorType};
 use crate::model::{
-    DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelError, QuantizedWeight,
+    DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelError, PackedLinear, QuantizedWeight,
 };
 use half::bf16;
+
+/// Whether `gpu` runs `linear` on GGUF block formats itself (only the CPU backend does; a
+/// GPU backend is given BF16).
+pub fn keeps_block_formats(gpu: &dyn GpuBackend) -> bool {
+    gpu.as_any().is::<CpuBackend>()
+}
 
 /// Loads a dense BF16 tensor of shape `expected`.
 pub fn load_dense(
@@ -38,6 +47,29 @@ pub fn load_linear(
     let w = src.require(&wname)?;
     if w.dtype == TensorType::F8E4M3 {
         return load_fp8(allocs, src, base, out_f, in_f);
+    }
+    if let (Some(format), true) = (w.dtype.block_format(), keeps_block_formats(&**allocs.gpu())) {
+        if w.shape != [out_f, in_f] {
+            return Err(ModelError::ShapeMismatch {
+                path: src.path().to_string(),
+                tensor: wname,
+                expected: vec![out_f, in_f],
+                found: w.shape.clone(),
+            }
+            .into());
+        }
+        let packed =
+            PackedWeight::new(format, out_f, in_f, w.data).map_err(|e| ModelError::Format {
+                path: src.path().to_string(),
+                format: "GGUF",
+                message: format!("tensor {wname:?}: {e}"),
+            })?;
+        return Ok(Linear::Packed(PackedLinear {
+            blocks: allocs.upload(packed.bytes(), &wname)?,
+            format,
+            out_features: out_f,
+            in_features: in_f,
+        }));
     }
     if w.dtype != TensorType::U8 {
         return Ok(Linear::Dense(load_dense(

@@ -68,6 +68,16 @@ fn linear_slot(name: &str, w: &Linear) -> WeightSlot {
         Linear::Dense(d) => dense_slot(name, d),
         Linear::Nvfp4(q) => quant_slot(name, q),
         Linear::Fp8(f) => fp8_slot(name, f),
+        // GGUF blocks repacked for the CPU kernels have no slot layout: a U8 slot without
+        // scales, which a runner refuses rather than misreads.
+        Linear::Packed(p) => WeightSlot {
+            name: name.to_string(),
+            ptr: p.blocks,
+            dtype: Dtype::U8,
+            shape: vec![p.out_features, p.in_features],
+            block_scale: None,
+            global_scale: None,
+        },
     }
 }
 
@@ -86,7 +96,7 @@ impl MtpHead {
             kind.push_str("+chain_postnorm");
         }
         let mut slots = vec![
-            dense_slot("embed_tokens", &s.embed),
+            linear_slot("embed_tokens", &s.embed),
             dense_slot("target_final_norm", &s.target_final_norm),
             dense_slot("enorm", &w.enorm),
             dense_slot("hnorm", &w.hnorm),
@@ -269,7 +279,7 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
         config,
         levers,
         weights,
-        embed: dense("embed_tokens")?,
+        embed: linear("embed_tokens")?,
         target_final_norm: dense("target_final_norm")?,
         draft_vocab,
         lm_head,

@@ -173,7 +173,7 @@ pub(crate) struct HeadSpec {
     pub config: ModelConfig,
     pub levers: ModelLevers,
     pub weights: MtpWeights,
-    pub embed: DenseWeight,
+    pub embed: Linear,
     pub target_final_norm: DenseWeight,
     /// The LM head's first `draft_vocab` rows (an NVFP4 copy, or the target's own head).
     pub lm_head: Linear,
@@ -237,7 +237,7 @@ impl HeadSpec {
 
         gpu.embedding(EmbeddingArgs {
             out: sc.embedding,
-            table: self.embed.ptr,
+            table: self.embed.descriptor(),
             ids: sc.token_ids,
             rows: r,
             hidden: h,

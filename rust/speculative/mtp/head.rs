@@ -15,8 +15,8 @@ use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
 use crate::model::layers::{rope_inv_freq, LayerShape};
 use crate::model::{
-    DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelConfig, ModelLevers, QuantizedWeight,
-    TargetModel,
+    DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelConfig, ModelLevers, PackedLinear,
+    QuantizedWeight, TargetModel,
 };
 use crate::speculative::DraftRunner;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -129,7 +129,7 @@ impl MtpHead {
         let result = Self::build(
             &mut owned,
             weights,
-            embed_tokens,
+            Linear::Dense(embed_tokens),
             target_final_norm,
             Linear::Nvfp4(lm_head_nvfp4),
             lm_head_nvfp4_t.map(|(t, n)| (Linear::Nvfp4(t), n)),
@@ -151,7 +151,7 @@ impl MtpHead {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn with_lm_head(
         weights: MtpWeights,
-        embed_tokens: DenseWeight,
+        embed_tokens: Linear,
         target_final_norm: DenseWeight,
         lm_head: Linear,
         config: &ModelConfig,
@@ -190,7 +190,7 @@ impl MtpHead {
     fn build(
         owned: &mut Owned<'_>,
         mut weights: MtpWeights,
-        embed: DenseWeight,
+        embed: Linear,
         target_final_norm: DenseWeight,
         lm_head: Linear,
         lm_head_t: Option<(Linear, u32)>,
@@ -384,7 +384,7 @@ impl MtpHead {
 
 fn check_weights(
     w: &MtpWeights,
-    embed: &DenseWeight,
+    embed: &Linear,
     final_norm: &DenseWeight,
     config: &ModelConfig,
 ) -> crate::Result<()> {
@@ -411,10 +411,11 @@ fn check_weights(
             )));
         }
     }
-    if embed.shape != [config.vocab_size, h] {
+    if embed.dims() != (config.vocab_size, h) {
+        let (rows, cols) = embed.dims();
         return Err(invalid(format!(
-            "embed_tokens has shape {:?}, expected [{}, {h}]",
-            embed.shape, config.vocab_size
+            "embed_tokens has shape [{rows}, {cols}], expected [{}, {h}]",
+            config.vocab_size
         )));
     }
     if h % 16 != 0 {
@@ -440,6 +441,10 @@ pub(crate) fn first_rows(lin: &Linear, n: usize) -> Linear {
             ..q.clone()
         }),
         Linear::Fp8(q) => Linear::Fp8(Fp8Weight {
+            out_features: n,
+            ..q.clone()
+        }),
+        Linear::Packed(q) => Linear::Packed(PackedLinear {
             out_features: n,
             ..q.clone()
         }),

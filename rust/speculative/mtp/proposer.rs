@@ -84,7 +84,7 @@ impl DraftProposer for MtpHead {
             gpu.write(self.deferred, &[last], stream)?;
             gpu.embedding(EmbeddingArgs {
                 out: target,
-                table: self.spec.embed.ptr,
+                table: self.spec.embed.descriptor(),
                 ids: self.deferred,
                 rows: 1,
                 hidden: h,

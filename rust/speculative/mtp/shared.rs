@@ -17,8 +17,7 @@ use super::checkpoint::moe_groups;
 use super::head::{MtpHead, MtpQuantization};
 use super::weights::{find_layout, MtpWeights};
 use crate::model::{
-    ConfigError, DeviceAllocations, Linear, ModelConfig, ModelLevers, SafetensorsCheckpoint,
-    TargetModel,
+    ConfigError, DeviceAllocations, ModelConfig, ModelLevers, SafetensorsCheckpoint, TargetModel,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -60,7 +59,7 @@ impl MtpHead {
         let lm_head = shared
             .lm_head
             .clone()
-            .unwrap_or_else(|| Linear::Dense(shared.embed.clone()));
+            .unwrap_or_else(|| shared.embed.clone());
         let mut head = MtpHead::with_lm_head(
             weights,
             shared.embed.clone(),

@@ -8,7 +8,7 @@ use super::*;
 /// The CPU must support AVX2, FMA and F16C; `w` is of format `F`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run<F: Fmt>(
-    w: &PackedWeight,
+    w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,
     out: OutMatrix,

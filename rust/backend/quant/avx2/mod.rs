@@ -20,7 +20,7 @@
 use super::activation::QuantizedRows;
 use super::linear::OutMatrix;
 use super::packed::{RecordLayout, GROUP_ROWS};
-use super::{BlockFormat, PackedWeight};
+use super::{BlockFormat, PackedView};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -152,7 +152,7 @@ mod formats {
 /// (Q8 for legacy formats, Q8K for K-quants) of `w.in_features()` columns.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quant_groups(
-    w: &PackedWeight,
+    w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,
     out: OutMatrix,
