@@ -4,7 +4,7 @@
 mod engine_common;
 
 use engine_common::*;
-use specdraft::engine::{Generation, SpecEngine};
+use specdraft::engine::{DraftPolicyKind, Generation, SpecEngine};
 use specdraft::speculative::{DraftProposer, SuffixDecoding};
 use std::sync::Arc;
 
@@ -30,7 +30,9 @@ fn greedy_output_equals_plain_output_on_every_pass() {
             Some(proposer.clone() as Arc<dyn DraftProposer>),
             n,
         )
-        .unwrap();
+        .unwrap()
+        // Every step asks for `n` drafts, so the passes' acceptance can be compared.
+        .with_draft_policy(DraftPolicyKind::Fixed);
         let first = run(&engine);
         let second = run(&engine);
         for g in [&first, &second] {
