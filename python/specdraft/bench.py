@@ -356,11 +356,13 @@ def run_model_bench(args: argparse.Namespace) -> int:
     specdraft.SpecEngine(model, None).generate(prompts[:1], max_tokens=4)
 
     runs: list[_Run] = []
+    unused: dict[str, Any] = {}
     if not args.proposer:
-        # A default row this model has no proposer for (no shipped draft head) is left out.
+        # A default row this model has no proposer for (no shipped draft head) is left out;
+        # a proposer built to find out serves the first engine of its row.
         for name in list(names):
             try:
-                make_proposer(name, model, args.model)
+                unused[name] = make_proposer(name, model, args.model)
             except ValueError as e:
                 _progress(f"specdraft bench: no {name} row: {e}")
                 names.remove(name)
@@ -368,9 +370,12 @@ def run_model_bench(args: argparse.Namespace) -> int:
         runs.append(_Run(BASELINE, None, width, specdraft.SpecEngine(model, None, max_batch=width)))
         for name in names:
             for policy in policies:
+                proposer = (
+                    unused.pop(name) if name in unused else make_proposer(name, model, args.model)
+                )
                 engine = specdraft.SpecEngine(
                     model,
-                    make_proposer(name, model, args.model),
+                    proposer,
                     num_drafts=args.num_drafts,
                     max_batch=width,
                     draft_policy=policy,
