@@ -15,7 +15,9 @@
 //! processes do not inflate, with hot weights: the compute cost alone.
 //!
 //! `cargo bench --bench quant_linear [-- FILTER...] [--quick]`: FILTERs keep the formats
-//! whose name contains one of them.
+//! whose name contains one of them. `-- --kernel` prints only the single-thread compute cost
+//! per call (fastest of many batches) by rows, the figure a kernel change moves; `-- --step`
+//! only the `smollm2_step` table.
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -70,7 +72,12 @@ fn thread_cpu_seconds() -> Option<f64> {
 
 /// Median CPU seconds per call of `f()` on this thread (batches of calls, so the clock's
 /// granularity does not matter).
-fn cpu_time(budget: Duration, mut f: impl FnMut()) -> Option<f64> {
+fn cpu_time(budget: Duration, f: impl FnMut()) -> Option<f64> {
+    cpu_samples(budget, f).map(median)
+}
+
+/// CPU seconds per call of `f()` on this thread, one sample per batch of ten calls.
+fn cpu_samples(budget: Duration, mut f: impl FnMut()) -> Option<Vec<f64>> {
     f();
     let start = Instant::now();
     let mut samples = Vec::new();
@@ -81,7 +88,71 @@ fn cpu_time(budget: Duration, mut f: impl FnMut()) -> Option<f64> {
         }
         samples.push((thread_cpu_seconds()? - t0) / 10.0);
     }
-    Some(median(samples))
+    Some(samples)
+}
+
+/// `--kernel`: the compute cost of rows alone. One thread, weights in cache, the *fastest*
+/// batch of calls (a shared machine only ever adds time), for SmolLM2's Q4_1 shapes and its
+/// Q8_0 head, at 1..16 rows and a 128-row prefill chunk: microseconds per call, the cost
+/// relative to one row, and GMAC/s.
+fn kernel_costs(rng: &mut SmallRng, budget: Duration) -> Value {
+    let single = KernelPool::new(1);
+    let cases = [
+        (BlockFormat::Q4_1, 576, 576),
+        (BlockFormat::Q4_1, 1536, 576),
+        (BlockFormat::Q4_1, 576, 1536),
+        (BlockFormat::Q4_K, 576, 1536),
+        (BlockFormat::Q8_0, 4096, 576),
+    ];
+    let mut out = Vec::new();
+    for (format, outf, inf) in cases {
+        let w = random_weight(rng, format, outf, inf);
+        let copies = vec![w.clone(); STREAM_BYTES.div_ceil(w.bytes().len())];
+        let x: Vec<f32> = (0..128 * inf)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let mut y = vec![0f32; 128 * outf];
+        let mut one = 0.0;
+        let mut rows_json = Vec::new();
+        let fastest = |v: Vec<f64>| v.into_iter().fold(f64::MAX, f64::min);
+        for rows in [1, 2, 3, 4, 5, 8, 9, 12, 16, 128] {
+            let Some(samples) = cpu_samples(budget, || {
+                linear(
+                    &single,
+                    &w,
+                    &x[..rows * inf],
+                    rows,
+                    None,
+                    &mut y[..rows * outf],
+                )
+                .unwrap()
+            }) else {
+                return Value::Null;
+            };
+            let best = fastest(samples);
+            // The same on one thread with the weights streamed from memory: how much of the
+            // memory time the compute hides.
+            let mut i = 0;
+            let streamed = cpu_samples(budget, || {
+                i = (i + 1) % copies.len();
+                let (x, y) = (&x[..rows * inf], &mut y[..rows * outf]);
+                linear(&single, &copies[i], x, rows, None, y).unwrap()
+            })
+            .map(fastest);
+            if rows == 1 {
+                one = best;
+            }
+            rows_json.push(json!({
+                "rows": rows, "cpu_us_min": best * 1e6, "cost_vs_1_row": best / one,
+                "gmacs": (rows * outf * inf) as f64 / best / 1e9,
+                "streamed_cpu_us_min": streamed.map(|s| s * 1e6),
+            }));
+        }
+        out.push(json!({
+            "format": format.name(), "out_features": outf, "in_features": inf, "rows": rows_json,
+        }));
+    }
+    Value::Array(out)
 }
 
 /// Random blocks with f16 scales of magnitude 2^-8..2^-4 (the test-weight recipe).
@@ -312,6 +383,19 @@ fn main() {
     let pool = KernelPool::per_core();
     let single = KernelPool::new(1);
     let mut rng = SmallRng::seed_from_u64(1);
+    if args.iter().any(|a| a == "--kernel") {
+        let report = json!({"kernel_cpu": kernel_costs(&mut rng, budget * 2)});
+        println!("{}", serde_json::to_string_pretty(&report).unwrap());
+        return;
+    }
+    if args.iter().any(|a| a == "--step") {
+        let step = smollm2_step(&pool, &mut rng, budget * 4);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({"smollm2_step": step})).unwrap()
+        );
+        return;
+    }
     let (read_gbps, memcpy_gbps) = bandwidth(&pool);
     let mut cases = Vec::new();
     for format in BlockFormat::ALL {

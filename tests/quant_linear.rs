@@ -231,6 +231,53 @@ fn long_calls_match_their_rows_computed_alone() {
 }
 
 #[test]
+fn long_tiled_calls_match_the_portable_path_rows_alone_and_the_reference() {
+    // Prefill-sized calls: several 32-row tiles, a partial last tile, output rows past the last
+    // full eight-row group, and inputs large enough to be quantized by several tasks.
+    let mut rng = SmallRng::seed_from_u64(36);
+    let simd = pool(2, Isa::detect());
+    let portable = pool(1, Isa::Portable);
+    for (format, inf) in [
+        (BlockFormat::Q4_1, 1536),
+        (BlockFormat::Q8_0, 576),
+        (BlockFormat::Q5_0, 576),
+        (BlockFormat::Q4_K, 1536),
+        (BlockFormat::Q6_K, 768),
+    ] {
+        let outf = 29;
+        let (bytes, w) = weight(&mut rng, format, outf, inf);
+        let x = inputs(&mut rng, 200, inf);
+        let (want, bound) = reference(format, &bytes, (outf, inf), &x, &vec![0.0; outf]);
+        for rows in [37, 200] {
+            let (x, n) = (&x[..rows * inf], rows * outf);
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            linear(&simd, &w, x, rows, None, &mut a).unwrap();
+            linear(&portable, &w, x, rows, None, &mut b).unwrap();
+            assert_eq!(
+                bits(&a),
+                bits(&b),
+                "{format}: {rows} rows, SIMD vs portable"
+            );
+            for r in 0..rows {
+                let mut one = vec![0f32; outf];
+                linear(&simd, &w, &x[r * inf..(r + 1) * inf], 1, None, &mut one).unwrap();
+                let got = &a[r * outf..(r + 1) * outf];
+                assert_eq!(bits(got), bits(&one), "{format}: row {r} of {rows}");
+            }
+            for (i, &g) in a.iter().enumerate() {
+                let err = (g as f64 - want[i]).abs();
+                assert!(
+                    err <= bound[i],
+                    "{format} {rows} rows, out {i}: {g} vs {} (bound {})",
+                    want[i],
+                    bound[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn simd_and_portable_paths_are_bit_identical() {
     if Isa::detect() == Isa::Portable {
         eprintln!("no AVX2 here: nothing to compare");
