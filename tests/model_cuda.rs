@@ -9,8 +9,8 @@
 mod model_util;
 
 use model_util::*;
-use specdraft::backend::{CpuBackend, CudaBackend, GpuBackend, GpuBackendExt};
-use specdraft::model::{LoadOptions, LogitRows, TargetModel};
+use specdraft::backend::{CpuBackend, CudaBackend, GpuBackend};
+use specdraft::model::LoadOptions;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -28,43 +28,13 @@ fn run(path: &Path, gpu: Arc<dyn GpuBackend>, prompt: &[u32]) -> Vec<Vec<f32>> {
         max_seq_len: Some(256),
         kv_blocks: Some(32),
     };
-    let model = TargetModel::load(path, gpu.clone(), opts).unwrap();
-    let v = model.config().vocab_size;
-    let logits = |out: &specdraft::model::ForwardOutput| -> Vec<f32> {
-        gpu.download(out.logits, out.logits_rows * v).unwrap()
+    let schedule = Schedule {
+        prefill: [prompt, &prompt[..prompt.len() / 2]],
+        decode: [&[11, 12, 13], &[14]],
+        trim_to: prompt.len() + 1,
+        replay: [&[15, 16], &[17]],
     };
-    let (mut a, mut b) = (model.new_sequence(), model.new_sequence());
-    let mut rows = Vec::new();
-    let half = &prompt[..prompt.len() / 2];
-    rows.push(logits(
-        &model
-            .forward(&mut [&mut a, &mut b], &[prompt, half])
-            .unwrap(),
-    ));
-    rows.push(logits(
-        &model
-            .forward(&mut [&mut a, &mut b], &[&[11, 12, 13], &[14]])
-            .unwrap(),
-    ));
-    model.trim(&mut a, prompt.len() + 1).unwrap();
-    let out = model
-        .forward_with(
-            &mut [&mut a, &mut b],
-            &[&[15, 16], &[17]],
-            LogitRows::LastPerSequence,
-        )
-        .unwrap();
-    rows.push(logits(&out));
-    model.free_sequence(&mut a).unwrap();
-    model.free_sequence(&mut b).unwrap();
-    drop(model);
-    assert_eq!(
-        gpu.ledger().live_count(),
-        0,
-        "{:?}",
-        gpu.ledger().live_report()
-    );
-    rows
+    schedule_logits(path, gpu, opts, &schedule)
 }
 
 fn argmax(r: &[f32]) -> usize {

@@ -7,8 +7,8 @@
 mod model_util;
 
 use model_util::*;
-use specdraft::backend::{CpuBackend, EmuBackend, GpuBackend, GpuBackendExt};
-use specdraft::model::{LoadOptions, LogitRows, TargetModel};
+use specdraft::backend::{CpuBackend, EmuBackend, GpuBackend};
+use specdraft::model::LoadOptions;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -18,44 +18,13 @@ fn run(path: &Path, gpu: Arc<dyn GpuBackend>) -> Vec<Vec<f32>> {
         max_seq_len: Some(48),
         kv_blocks: Some(8),
     };
-    let model = TargetModel::load(path, gpu.clone(), opts).unwrap();
-    let v = model.config().vocab_size;
-    let logits = |out: &specdraft::model::ForwardOutput| -> Vec<f32> {
-        gpu.download(out.logits, out.logits_rows * v).unwrap()
+    let schedule = Schedule {
+        prefill: [&[1, 5, 17, 33, 4], &[2, 9]],
+        decode: [&[11, 12], &[13]],
+        trim_to: 6,
+        replay: [&[30, 31], &[32]],
     };
-    let (mut a, mut b) = (model.new_sequence(), model.new_sequence());
-    let mut rows = Vec::new();
-    let prompt_a: &[u32] = &[1, 5, 17, 33, 4];
-    let prompt_b: &[u32] = &[2, 9];
-    rows.push(logits(
-        &model
-            .forward(&mut [&mut a, &mut b], &[prompt_a, prompt_b])
-            .unwrap(),
-    ));
-    rows.push(logits(
-        &model
-            .forward(&mut [&mut a, &mut b], &[&[11, 12], &[13]])
-            .unwrap(),
-    ));
-    model.trim(&mut a, 6).unwrap();
-    let out = model
-        .forward_with(
-            &mut [&mut a, &mut b],
-            &[&[30, 31], &[32]],
-            LogitRows::LastPerSequence,
-        )
-        .unwrap();
-    rows.push(logits(&out));
-    model.free_sequence(&mut a).unwrap();
-    model.free_sequence(&mut b).unwrap();
-    drop(model);
-    assert_eq!(
-        gpu.ledger().live_count(),
-        0,
-        "{:?}",
-        gpu.ledger().live_report()
-    );
-    rows
+    schedule_logits(path, gpu, opts, &schedule)
 }
 
 #[test]

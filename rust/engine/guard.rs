@@ -13,10 +13,7 @@
 //! The proposer's own data may be left half-updated by a panic; the engine never calls it
 //! again for the failed sequence except to free its state, which is guarded the same way.
 
-use crate::backend::{DevicePtr, GpuBackend};
-use crate::memory::BufferArena;
-use crate::model::{ForwardContext, ModelConfig, ModelLevers};
-use crate::speculative::{DraftBinding, DraftProposer, DraftRunner, ProposerError, ProposerState};
+use crate::speculative::{DraftProposer, ProposerError};
 use crate::Result;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -52,198 +49,27 @@ fn or_default<R>(default: R, f: impl FnOnce() -> R) -> R {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(default)
 }
 
-impl DraftProposer for PanicGuard {
-    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
-        guarded("alloc_state", || self.0.alloc_state(gpu))
-    }
-
-    fn propose(
-        &self,
-        last_token: u32,
-        target_hidden: DevicePtr,
-        position: usize,
-        num_drafts: usize,
-        state: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        stream: u64,
-        draft_embed_target: Option<DevicePtr>,
-        grammar_bitmask: Option<&[i32]>,
-        target_hidden_stack: Option<DevicePtr>,
-    ) -> Result<Vec<u32>> {
-        guarded("propose", || {
-            self.0.propose(
-                last_token,
-                target_hidden,
-                position,
-                num_drafts,
-                state,
-                ctx,
-                stream,
-                draft_embed_target,
-                grammar_bitmask,
-                target_hidden_stack,
-            )
-        })
-    }
-
-    fn after_verify(
-        &self,
-        num_accepted: usize,
-        state: &mut dyn ProposerState,
-        stream: u64,
-    ) -> Result<()> {
-        guarded("after_verify", || {
-            self.0.after_verify(num_accepted, state, stream)
-        })
-    }
-
-    fn alloc_state_for(
-        &self,
-        gpu: &dyn GpuBackend,
-        budget_tokens: usize,
-    ) -> Result<Box<dyn ProposerState>> {
-        guarded("alloc_state_for", || {
-            self.0.alloc_state_for(gpu, budget_tokens)
-        })
-    }
-
-    fn block_gamma(&self) -> Option<usize> {
-        or_default(None, || self.0.block_gamma())
-    }
-
-    fn prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
-        or_default(max_seq_len, || self.0.prefill_hidden_rows(max_seq_len))
-    }
-
-    fn needs_comm(&self) -> bool {
-        or_default(false, || self.0.needs_comm())
-    }
-
-    fn prefill_uses_shared_buffers(&self) -> bool {
-        or_default(false, || self.0.prefill_uses_shared_buffers())
-    }
-
-    fn drafter_rows(&self, state: &mut dyn ProposerState) -> usize {
-        or_default(0, || self.0.drafter_rows(state))
-    }
-
-    fn last_pair_key(&self, state: &mut dyn ProposerState) -> Option<usize> {
-        or_default(None, || self.0.last_pair_key(state))
-    }
-
-    fn take_drafter_kv(
-        &self,
-        state: &mut dyn ProposerState,
-    ) -> Option<(Vec<u32>, usize, Option<usize>)> {
-        or_default(None, || self.0.take_drafter_kv(state))
-    }
-
-    fn install_drafter_kv(
-        &self,
-        state: &mut dyn ProposerState,
-        blocks: Vec<u32>,
-        rows: usize,
-        last_pair_key: Option<usize>,
-    ) -> bool {
-        or_default(false, || {
-            self.0
-                .install_drafter_kv(state, blocks, rows, last_pair_key)
-        })
-    }
-
-    fn free_drafter_kv(&self, blocks: &[u32]) {
-        or_default((), || self.0.free_drafter_kv(blocks))
-    }
-
-    fn catchup_drafter(
-        &self,
-        tokens: &[u32],
-        hiddens: DevicePtr,
-        row_base: usize,
-        pos_base: usize,
-        state: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        stream: u64,
-    ) -> Result<usize> {
-        guarded("catchup_drafter", || {
-            self.0
-                .catchup_drafter(tokens, hiddens, row_base, pos_base, state, ctx, stream)
-        })
-    }
-
-    fn propose_batch(
-        &self,
-        last_tokens: &[u32],
-        target_hiddens: &[DevicePtr],
-        positions: &[usize],
-        num_drafts: usize,
-        states: &mut [&mut dyn ProposerState],
-        ctx: &ForwardContext<'_>,
-        stream: u64,
-        out_conf: Option<&mut Vec<Vec<f32>>>,
-    ) -> Result<Option<Vec<Vec<u32>>>> {
-        guarded("propose_batch", || {
-            self.0.propose_batch(
-                last_tokens,
-                target_hiddens,
-                positions,
-                num_drafts,
-                states,
-                ctx,
-                stream,
-                out_conf,
-            )
-        })
-    }
-
-    fn propose_batch_max(&self, buffers: &BufferArena, config: &ModelConfig) -> usize {
-        or_default(1, || self.0.propose_batch_max(buffers, config))
-    }
-
-    fn catchup_batch(
-        &self,
-        tokens: &[Vec<u32>],
-        hiddens: &[Vec<DevicePtr>],
-        first_pos: &[usize],
-        states: &mut [&mut dyn ProposerState],
-        ctx: &ForwardContext<'_>,
-        stream: u64,
-    ) -> Result<usize> {
-        guarded("catchup_batch", || {
-            self.0
-                .catchup_batch(tokens, hiddens, first_pos, states, ctx, stream)
-        })
-    }
-
-    fn prefill_drafter(
-        &self,
-        prompt_tokens: &[u32],
-        hiddens: DevicePtr,
-        state: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        stream: u64,
-    ) -> Result<usize> {
-        guarded("prefill_drafter", || {
-            self.0
-                .prefill_drafter(prompt_tokens, hiddens, state, ctx, stream)
-        })
-    }
-
-    fn read_deferred_draft_token(&self, gpu: &dyn GpuBackend) -> Result<u32> {
-        guarded("read_deferred_draft_token", || {
-            self.0.read_deferred_draft_token(gpu)
-        })
-    }
-
-    fn free_state(&self, gpu: &dyn GpuBackend, state: &mut dyn ProposerState) -> Result<()> {
-        guarded("free_state", || self.0.free_state(gpu, state))
-    }
-
-    fn circuit_draft(&self, config: &ModelConfig, levers: &ModelLevers) -> Option<DraftBinding> {
-        or_default(None, || self.0.circuit_draft(config, levers))
-    }
-
-    fn set_circuit_draft(&self, runner: Option<Arc<dyn DraftRunner>>) {
-        or_default((), || self.0.set_circuit_draft(runner))
-    }
+/// Writes `impl DraftProposer for PanicGuard` from the protocol's method list: a method
+/// with an error channel is run under [`guarded`], one without under [`or_default`] with
+/// the protocol's default.
+macro_rules! guard_every_method {
+    ($($variant:ident => fn $name:ident ($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty,
+        $answer:ident $(($default:expr))?;)+) => {
+        #[allow(clippy::too_many_arguments, clippy::unused_unit)]
+        impl DraftProposer for PanicGuard {
+            $(
+                fn $name(&self, $($arg: $ty),*) -> $ret {
+                    guard_every_method!(@call $answer $(($default))?, self.0.$name($($arg),*), $name)
+                }
+            )+
+        }
+    };
+    (@call fallible, $call:expr, $name:ident) => {
+        guarded(stringify!($name), || $call)
+    };
+    (@call default($default:expr), $call:expr, $name:ident) => {
+        or_default($default, || $call)
+    };
 }
+
+crate::speculative::with_protocol_methods!(guard_every_method);

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use std::sync::Arc;
 
 impl PyProposer {
-    pub(super) fn dispatch_block_gamma(&self) -> Option<usize> {
+    pub(super) fn block_gamma(&self) -> Option<usize> {
         if !self.python(M::BlockGamma) {
             return self.fallback().block_gamma();
         }
@@ -28,7 +28,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_needs_comm(&self) -> bool {
+    pub(super) fn needs_comm(&self) -> bool {
         if !self.python(M::NeedsComm) {
             return self.fallback().needs_comm();
         }
@@ -42,7 +42,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_circuit_draft(
+    pub(super) fn circuit_draft(
         &self,
         config: &ModelConfig,
         levers: &ModelLevers,
@@ -71,7 +71,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_set_circuit_draft(&self, runner: Option<Arc<dyn DraftRunner>>) {
+    pub(super) fn set_circuit_draft(&self, runner: Option<Arc<dyn DraftRunner>>) {
         let m = M::SetCircuitDraft;
         if !self.python(m) {
             return self.fallback().set_circuit_draft(runner);

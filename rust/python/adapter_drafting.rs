@@ -22,7 +22,7 @@ use std::sync::Arc;
 // The methods take the protocol's arguments, as its signatures spell them.
 #[allow(clippy::too_many_arguments)]
 impl PyProposer {
-    pub(super) fn dispatch_propose(
+    pub(super) fn propose(
         &self,
         last_token: u32,
         target_hidden: DevicePtr,
@@ -71,7 +71,7 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_after_verify(
+    pub(super) fn after_verify(
         &self,
         num_accepted: usize,
         state: &mut dyn ProposerState,
@@ -94,7 +94,7 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_propose_batch(
+    pub(super) fn propose_batch(
         &self,
         last_tokens: &[u32],
         target_hiddens: &[DevicePtr],
@@ -164,11 +164,7 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_propose_batch_max(
-        &self,
-        buffers: &BufferArena,
-        config: &ModelConfig,
-    ) -> usize {
+    pub(super) fn propose_batch_max(&self, buffers: &BufferArena, config: &ModelConfig) -> usize {
         let m = M::ProposeBatchMax;
         if !self.python(m) {
             if self.python(M::Propose) && !self.python(M::ProposeBatch) {
@@ -193,7 +189,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_read_deferred_draft_token(&self, gpu: &dyn GpuBackend) -> Result<u32> {
+    pub(super) fn read_deferred_draft_token(&self, gpu: &dyn GpuBackend) -> Result<u32> {
         let m = M::ReadDeferredDraftToken;
         if !self.python(m) {
             return self.fallback().read_deferred_draft_token(gpu);

@@ -15,10 +15,7 @@ use crate::Result;
 use pyo3::prelude::*;
 
 impl PyProposer {
-    pub(super) fn dispatch_alloc_state(
-        &self,
-        gpu: &dyn GpuBackend,
-    ) -> Result<Box<dyn ProposerState>> {
+    pub(super) fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
         if !self.python(M::AllocState) {
             let st = self.fallback().alloc_state(gpu)?;
             return self.wrap_rust_state(st);
@@ -31,14 +28,14 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_alloc_state_for(
+    pub(super) fn alloc_state_for(
         &self,
         gpu: &dyn GpuBackend,
         budget_tokens: usize,
     ) -> Result<Box<dyn ProposerState>> {
         if !self.python(M::AllocStateFor) {
             if self.python(M::AllocState) || self.rust.is_none() {
-                return self.dispatch_alloc_state(gpu);
+                return self.alloc_state(gpu);
             }
             let st = self.fallback().alloc_state_for(gpu, budget_tokens)?;
             return self.wrap_rust_state(st);
@@ -51,7 +48,7 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_free_state(
+    pub(super) fn free_state(
         &self,
         gpu: &dyn GpuBackend,
         state: &mut dyn ProposerState,
@@ -69,7 +66,7 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_drafter_rows(&self, state: &mut dyn ProposerState) -> usize {
+    pub(super) fn drafter_rows(&self, state: &mut dyn ProposerState) -> usize {
         let m = M::DrafterRows;
         self.state_query(
             m,
@@ -83,7 +80,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_last_pair_key(&self, state: &mut dyn ProposerState) -> Option<usize> {
+    pub(super) fn last_pair_key(&self, state: &mut dyn ProposerState) -> Option<usize> {
         let m = M::LastPairKey;
         self.state_query(
             m,
@@ -97,7 +94,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_take_drafter_kv(
+    pub(super) fn take_drafter_kv(
         &self,
         state: &mut dyn ProposerState,
     ) -> Option<(Vec<u32>, usize, Option<usize>)> {
@@ -114,7 +111,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_install_drafter_kv(
+    pub(super) fn install_drafter_kv(
         &self,
         state: &mut dyn ProposerState,
         blocks: Vec<u32>,
@@ -150,7 +147,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_free_drafter_kv(&self, blocks: &[u32]) {
+    pub(super) fn free_drafter_kv(&self, blocks: &[u32]) {
         let m = M::FreeDrafterKv;
         if !self.python(m) {
             return self.fallback().free_drafter_kv(blocks);

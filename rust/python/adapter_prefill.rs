@@ -19,7 +19,7 @@ use pyo3::types::PyList;
 // The methods take the protocol's arguments, as its signatures spell them.
 #[allow(clippy::too_many_arguments)]
 impl PyProposer {
-    pub(super) fn dispatch_prefill_drafter(
+    pub(super) fn prefill_drafter(
         &self,
         prompt_tokens: &[u32],
         hiddens: DevicePtr,
@@ -48,7 +48,7 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_catchup_drafter(
+    pub(super) fn catchup_drafter(
         &self,
         tokens: &[u32],
         hiddens: DevicePtr,
@@ -81,7 +81,7 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_catchup_batch(
+    pub(super) fn catchup_batch(
         &self,
         tokens: &[Vec<u32>],
         hiddens: &[Vec<DevicePtr>],
@@ -119,7 +119,7 @@ impl PyProposer {
         })
     }
 
-    pub(super) fn dispatch_prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
+    pub(super) fn prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
         if !self.python(M::PrefillHiddenRows) {
             return self.fallback().prefill_hidden_rows(max_seq_len);
         }
@@ -133,7 +133,7 @@ impl PyProposer {
         )
     }
 
-    pub(super) fn dispatch_prefill_uses_shared_buffers(&self) -> bool {
+    pub(super) fn prefill_uses_shared_buffers(&self) -> bool {
         let m = M::PrefillUsesSharedBuffers;
         if !self.python(m) {
             return self.fallback().prefill_uses_shared_buffers();

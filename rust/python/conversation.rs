@@ -17,7 +17,7 @@
 use super::engine::PySpecEngine;
 use super::errors::IntoPyResult;
 use super::generation::{
-    decode, encode, need_tokenizer, prompt_ids, render_chat, run_exclusive, sampling, text_tokens,
+    decode, encode, need_tokenizer, prompt_ids, render_chat, run_exclusive, text_tokens,
     to_py_result, GenerateOptions, PyGenerationResult,
 };
 use crate::engine::{Conversation, GenerateResult};
@@ -165,12 +165,15 @@ impl PyConversation {
         grammar: Option<&Bound<'_, PyAny>>,
         ignore_eos: bool,
     ) -> PyResult<PyGenerationResult> {
-        let options = GenerateOptions {
+        let options = GenerateOptions::new(
             max_tokens,
-            sampling: sampling(temperature, top_p, top_k, seed),
+            temperature,
+            top_p,
+            top_k,
+            seed,
             grammar,
             ignore_eos,
-        };
+        );
         let mut guard = self.lock()?;
         let result = match message.cast::<PyString>() {
             Ok(text) => self.send_text(py, &mut guard, &text.to_cow()?, &options)?,

@@ -13,8 +13,8 @@ use super::adapter::wrap;
 use super::conversation::PyConversation;
 use super::errors::{to_pyerr, IntoPyResult};
 use super::generation::{
-    encode, metrics_dict, need_tokenizer, prompt_ids, render_chat, run_exclusive, sampling,
-    to_py_result, GenerateOptions, PyGenerationResult,
+    encode, metrics_dict, need_tokenizer, prompt_ids, render_chat, run_exclusive, to_py_result,
+    GenerateOptions, PyGenerationResult,
 };
 use super::model::PyModelLevers;
 use super::mtp::PyMtpHead;
@@ -186,12 +186,15 @@ impl PySpecEngine {
         ignore_eos: bool,
     ) -> PyResult<Vec<PyGenerationResult>> {
         let ids = self.prompt_list(prompts)?;
-        let options = GenerateOptions {
+        let options = GenerateOptions::new(
             max_tokens,
-            sampling: sampling(temperature, top_p, top_k, seed),
+            temperature,
+            top_p,
+            top_k,
+            seed,
             grammar,
             ignore_eos,
-        };
+        );
         self.run(py, ids, &options)
     }
 
@@ -216,12 +219,15 @@ impl PySpecEngine {
         ignore_eos: bool,
     ) -> PyResult<PyGenerationStream> {
         let ids = self.prompt_list(prompts)?;
-        let options = GenerateOptions {
+        let options = GenerateOptions::new(
             max_tokens,
-            sampling: sampling(temperature, top_p, top_k, seed),
+            temperature,
+            top_p,
+            top_k,
+            seed,
             grammar,
             ignore_eos,
-        };
+        );
         let requests = self.checked_requests(ids, &options)?;
         let n = requests.len();
         let run = self.engine.begin(requests);
@@ -262,12 +268,15 @@ impl PySpecEngine {
             }
             ids.push(encode(tok, &render_chat(tok, &messages, true)?)?);
         }
-        let options = GenerateOptions {
+        let options = GenerateOptions::new(
             max_tokens,
-            sampling: sampling(temperature, top_p, top_k, seed),
+            temperature,
+            top_p,
+            top_k,
+            seed,
             grammar,
             ignore_eos,
-        };
+        );
         self.run(py, ids, &options)
     }
 

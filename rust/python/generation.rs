@@ -40,7 +40,32 @@ pub struct GenerateOptions<'a, 'py> {
     pub ignore_eos: bool,
 }
 
-impl GenerateOptions<'_, '_> {
+impl<'a, 'py> GenerateOptions<'a, 'py> {
+    /// The options of the Python keyword arguments, in their order (the sampling values
+    /// are checked with the request).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        max_tokens: usize,
+        temperature: f32,
+        top_p: f32,
+        top_k: usize,
+        seed: u64,
+        grammar: Option<&'a Bound<'py, PyAny>>,
+        ignore_eos: bool,
+    ) -> Self {
+        GenerateOptions {
+            max_tokens,
+            sampling: SamplingParams {
+                temperature,
+                top_p,
+                top_k,
+                seed,
+            },
+            grammar,
+            ignore_eos,
+        }
+    }
+
     /// The engine requests for `prompts`, one per prompt.
     pub fn requests(&self, prompts: Vec<Vec<u32>>) -> PyResult<Vec<GenerateRequest>> {
         let grammars = matchers(self.grammar, prompts.len())?;
@@ -59,16 +84,6 @@ impl GenerateOptions<'_, '_> {
                 r
             })
             .collect())
-    }
-}
-
-/// The sampling parameters of the Python keyword arguments (checked with the request).
-pub fn sampling(temperature: f32, top_p: f32, top_k: usize, seed: u64) -> SamplingParams {
-    SamplingParams {
-        temperature,
-        top_p,
-        top_k,
-        seed,
     }
 }
 

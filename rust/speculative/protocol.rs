@@ -32,10 +32,124 @@ use crate::Result;
 use std::any::Any;
 use std::sync::Arc;
 
-/// Declares [`ProtocolMethod`] from one line per method, `Variant => name`, in the
-/// specification's order (the three required methods first).
-macro_rules! protocol_methods {
-    ($($variant:ident => $name:ident,)+) => {
+/// Hands the protocol's method list to the macro `$callback`: one entry per method, in the
+/// specification's order (the three required methods first), as
+/// `Variant => fn name(argument: Type, ...) -> Return, answer;`.
+///
+/// `answer` is `fallible` for a method that reports failure through its `Result`, and
+/// `default(VALUE)` for one without an error channel: `VALUE` is what the protocol's default
+/// returns, the answer when the method cannot run. Every place that must name each method
+/// ([`ProtocolMethod`], the engine's panic guard, the adapter for Python proposers) is
+/// written from this list, so a new method is one entry here and one in the trait. A
+/// signature that differs from the trait's does not compile where it implements the trait.
+macro_rules! with_protocol_methods {
+    ($callback:ident) => {
+        $callback! {
+            AllocState => fn alloc_state(
+                gpu: &dyn $crate::backend::GpuBackend,
+            ) -> $crate::Result<Box<dyn $crate::speculative::ProposerState>>, fallible;
+            Propose => fn propose(
+                last_token: u32,
+                target_hidden: $crate::backend::DevicePtr,
+                position: usize,
+                num_drafts: usize,
+                state: &mut dyn $crate::speculative::ProposerState,
+                ctx: &$crate::model::ForwardContext<'_>,
+                stream: u64,
+                draft_embed_target: Option<$crate::backend::DevicePtr>,
+                grammar_bitmask: Option<&[i32]>,
+                target_hidden_stack: Option<$crate::backend::DevicePtr>,
+            ) -> $crate::Result<Vec<u32>>, fallible;
+            AfterVerify => fn after_verify(
+                num_accepted: usize,
+                state: &mut dyn $crate::speculative::ProposerState,
+                stream: u64,
+            ) -> $crate::Result<()>, fallible;
+            AllocStateFor => fn alloc_state_for(
+                gpu: &dyn $crate::backend::GpuBackend,
+                budget_tokens: usize,
+            ) -> $crate::Result<Box<dyn $crate::speculative::ProposerState>>, fallible;
+            BlockGamma => fn block_gamma() -> Option<usize>, default(None);
+            PrefillHiddenRows => fn prefill_hidden_rows(max_seq_len: usize) -> usize,
+                default(max_seq_len);
+            NeedsComm => fn needs_comm() -> bool, default(false);
+            PrefillUsesSharedBuffers => fn prefill_uses_shared_buffers() -> bool, default(false);
+            DrafterRows => fn drafter_rows(
+                state: &mut dyn $crate::speculative::ProposerState,
+            ) -> usize, default(0);
+            LastPairKey => fn last_pair_key(
+                state: &mut dyn $crate::speculative::ProposerState,
+            ) -> Option<usize>, default(None);
+            TakeDrafterKv => fn take_drafter_kv(
+                state: &mut dyn $crate::speculative::ProposerState,
+            ) -> Option<(Vec<u32>, usize, Option<usize>)>, default(None);
+            InstallDrafterKv => fn install_drafter_kv(
+                state: &mut dyn $crate::speculative::ProposerState,
+                blocks: Vec<u32>,
+                rows: usize,
+                last_pair_key: Option<usize>,
+            ) -> bool, default(false);
+            FreeDrafterKv => fn free_drafter_kv(blocks: &[u32]) -> (), default(());
+            CatchupDrafter => fn catchup_drafter(
+                tokens: &[u32],
+                hiddens: $crate::backend::DevicePtr,
+                row_base: usize,
+                pos_base: usize,
+                state: &mut dyn $crate::speculative::ProposerState,
+                ctx: &$crate::model::ForwardContext<'_>,
+                stream: u64,
+            ) -> $crate::Result<usize>, fallible;
+            ProposeBatch => fn propose_batch(
+                last_tokens: &[u32],
+                target_hiddens: &[$crate::backend::DevicePtr],
+                positions: &[usize],
+                num_drafts: usize,
+                states: &mut [&mut dyn $crate::speculative::ProposerState],
+                ctx: &$crate::model::ForwardContext<'_>,
+                stream: u64,
+                out_conf: Option<&mut Vec<Vec<f32>>>,
+            ) -> $crate::Result<Option<Vec<Vec<u32>>>>, fallible;
+            ProposeBatchMax => fn propose_batch_max(
+                buffers: &$crate::memory::BufferArena,
+                config: &$crate::model::ModelConfig,
+            ) -> usize, default(1);
+            CatchupBatch => fn catchup_batch(
+                tokens: &[Vec<u32>],
+                hiddens: &[Vec<$crate::backend::DevicePtr>],
+                first_pos: &[usize],
+                states: &mut [&mut dyn $crate::speculative::ProposerState],
+                ctx: &$crate::model::ForwardContext<'_>,
+                stream: u64,
+            ) -> $crate::Result<usize>, fallible;
+            PrefillDrafter => fn prefill_drafter(
+                prompt_tokens: &[u32],
+                hiddens: $crate::backend::DevicePtr,
+                state: &mut dyn $crate::speculative::ProposerState,
+                ctx: &$crate::model::ForwardContext<'_>,
+                stream: u64,
+            ) -> $crate::Result<usize>, fallible;
+            ReadDeferredDraftToken => fn read_deferred_draft_token(
+                gpu: &dyn $crate::backend::GpuBackend,
+            ) -> $crate::Result<u32>, fallible;
+            FreeState => fn free_state(
+                gpu: &dyn $crate::backend::GpuBackend,
+                state: &mut dyn $crate::speculative::ProposerState,
+            ) -> $crate::Result<()>, fallible;
+            CircuitDraft => fn circuit_draft(
+                config: &$crate::model::ModelConfig,
+                levers: &$crate::model::ModelLevers,
+            ) -> Option<$crate::speculative::DraftBinding>, default(None);
+            SetCircuitDraft => fn set_circuit_draft(
+                runner: Option<std::sync::Arc<dyn $crate::speculative::DraftRunner>>,
+            ) -> (), default(());
+        }
+    };
+}
+pub(crate) use with_protocol_methods;
+
+/// Declares [`ProtocolMethod`] from the method list.
+macro_rules! declare_protocol_method {
+    ($($variant:ident => fn $name:ident ($($args:tt)*) -> $ret:ty, $answer:ident $(($default:expr))?;)+) => {
         /// One method of the [`DraftProposer`] protocol.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub enum ProtocolMethod {
@@ -64,30 +178,7 @@ macro_rules! protocol_methods {
     };
 }
 
-protocol_methods! {
-    AllocState => alloc_state,
-    Propose => propose,
-    AfterVerify => after_verify,
-    AllocStateFor => alloc_state_for,
-    BlockGamma => block_gamma,
-    PrefillHiddenRows => prefill_hidden_rows,
-    NeedsComm => needs_comm,
-    PrefillUsesSharedBuffers => prefill_uses_shared_buffers,
-    DrafterRows => drafter_rows,
-    LastPairKey => last_pair_key,
-    TakeDrafterKv => take_drafter_kv,
-    InstallDrafterKv => install_drafter_kv,
-    FreeDrafterKv => free_drafter_kv,
-    CatchupDrafter => catchup_drafter,
-    ProposeBatch => propose_batch,
-    ProposeBatchMax => propose_batch_max,
-    CatchupBatch => catchup_batch,
-    PrefillDrafter => prefill_drafter,
-    ReadDeferredDraftToken => read_deferred_draft_token,
-    FreeState => free_state,
-    CircuitDraft => circuit_draft,
-    SetCircuitDraft => set_circuit_draft,
-}
+with_protocol_methods!(declare_protocol_method);
 
 impl ProtocolMethod {
     /// How many of the methods (the first ones) a proposer must implement.

@@ -3,9 +3,9 @@
 //! reference. Tolerances as in `mod.rs`, with `atol` covering f32 sums of `in_features`
 //! products of magnitude at most 448 * 2^-6 = 7 taken in a different order.
 
-use super::{both, close, rng, uniform, Scope, BF16_RTOL, F32_RTOL};
+use super::{rng, uniform, LinearCase};
 use rand::Rng;
-use specdraft::backend::{Dtype, GpuBackend, GpuBackendExt, LinearArgs, LinearWeight, FP8_BLOCK};
+use specdraft::backend::{Dtype, GpuBackend, LinearWeight, FP8_BLOCK};
 
 pub fn linear_fp8(
     dut: &dyn GpuBackend,
@@ -16,8 +16,6 @@ pub fn linear_fp8(
     with_bias: bool,
     seed: u64,
 ) -> Result<(), String> {
-    let x = uniform(seed, rows * inf, -1.0, 1.0);
-    let bias = uniform(seed + 2, outf, -1.0, 1.0);
     let mut r = rng(seed + 1);
     let codes: Vec<u8> = (0..outf * inf)
         .map(|_| loop {
@@ -29,39 +27,11 @@ pub fn linear_fp8(
         .collect();
     let blocks = outf.div_ceil(FP8_BLOCK) * inf.div_ceil(FP8_BLOCK);
     let scales = uniform(seed + 3, blocks, 1.0 / 1024.0, 1.0 / 64.0);
-    let (got, want) = both(dut, |b| {
-        let s = Scope::new(b);
-        let (px, pw, ps) = (s.bf16(&x)?, s.u8(&codes)?, s.f32(&scales)?);
-        let pb = if with_bias {
-            Some(s.bf16(&bias)?)
-        } else {
-            None
-        };
-        let o = s.out(out_dtype, rows * outf)?;
-        b.linear(LinearArgs {
-            out: o,
-            out_dtype,
-            x: px,
-            weight: LinearWeight::Fp8 {
-                weight: pw,
-                block_scales: ps,
-            },
-            bias: pb,
-            rows,
-            in_features: inf,
-            out_features: outf,
-            stream: 0,
-        })?;
-        match out_dtype {
-            Dtype::F32 => b.download::<f32>(o, rows * outf),
-            _ => b.download_bf16(o, rows * outf),
-        }
-    })?;
-    let atol = 7.0 * 1e-6 * inf as f32;
-    let rtol = if out_dtype == Dtype::F32 {
-        F32_RTOL
-    } else {
-        BF16_RTOL
-    };
-    close("linear_fp8", &got, &want, rtol, atol)
+    let case = LinearCase::new(rows, inf, outf, out_dtype, with_bias, seed);
+    case.check(dut, "linear_fp8", 7.0 * 1e-6 * inf as f32, |s| {
+        Ok(LinearWeight::Fp8 {
+            weight: s.u8(&codes)?,
+            block_scales: s.f32(&scales)?,
+        })
+    })
 }

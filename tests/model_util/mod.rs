@@ -4,7 +4,11 @@
 #![allow(dead_code)]
 
 mod gguf_writer;
+mod schedule;
 pub use gguf_writer::*;
+// Used by the backend tests only; the other model tests share this module.
+#[allow(unused_imports)]
+pub use schedule::*;
 
 use half::bf16;
 use std::collections::HashMap;
