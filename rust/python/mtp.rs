@@ -24,14 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 fn parse_quant(quant: &str) -> PyResult<MtpQuantization> {
-    match quant.to_ascii_lowercase().as_str() {
-        "bf16" => Ok(MtpQuantization::Bf16),
-        "fp8" => Ok(MtpQuantization::Fp8),
-        "nvfp4" => Ok(MtpQuantization::Nvfp4),
-        other => Err(PyValueError::new_err(format!(
-            "quant must be \"bf16\", \"fp8\" or \"nvfp4\", not {other:?}"
-        ))),
-    }
+    MtpQuantization::parse(quant).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// The multi-token-prediction draft head of a checkpoint.
