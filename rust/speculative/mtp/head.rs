@@ -409,6 +409,13 @@ impl MtpHead {
         self.spec.draft_vocab
     }
 
+    /// The storage of the head's own projections as a draft step reads them (`"bf16"`,
+    /// `"q8_0"`, ...; `eh_proj`'s, which every projection shares unless a row width does not
+    /// divide into the blocks asked for).
+    pub fn projection_format(&self) -> &'static str {
+        self.spec.weights.eh_proj.format_name()
+    }
+
     /// The storage of the LM head drafts are chosen with (`"nvfp4"`, or the shared target's
     /// own format, `"q8_0"` say).
     pub fn lm_head_format(&self) -> &'static str {
