@@ -125,6 +125,9 @@ impl MtpHead {
         }
         if num_drafts == 0 {
             self.write_verified_rows(gpu, seqs, stream)?;
+            if let Some(c) = conf {
+                *c = vec![Vec::new(); seqs.len()];
+            }
             return Ok(vec![Vec::new(); seqs.len()]);
         }
         let sc = self.lock_scratch();
