@@ -220,7 +220,7 @@ fn quantization_names_parse_and_bad_ones_are_refused_listing_the_known() {
         assert_eq!(MtpQuantization::parse(q.name()).unwrap(), q);
     }
     for bad in ["int4", "q2_k", "f16", ""] {
-        let err = MtpQuantization::parse(bad).err().expect(bad).to_string();
+        let err = MtpQuantization::parse(bad).expect_err(bad).to_string();
         assert!(
             err.contains(&format!("{bad:?}")) && err.contains("q8_0"),
             "{err}"
