@@ -10,34 +10,13 @@
 use specdraft::backend::quant::KernelPool;
 use specdraft::backend::{ArgmaxArgs, CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::{LoadOptions, LogitRows, TargetModel};
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-fn model_path() -> PathBuf {
-    if let Some(p) = std::env::args().skip(1).find(|a| !a.starts_with('-')) {
-        return PathBuf::from(p);
-    }
-    if let Ok(p) = std::env::var("SPECDRAFT_SMOLLM2_GGUF") {
-        return PathBuf::from(p);
-    }
-    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
-        .args([
-            "-c",
-            "from specdraft.models import fetch_default_model; print(fetch_default_model())",
-        ])
-        .env("PYTHONPATH", concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
+#[path = "common/default_model.rs"]
+mod default_model;
+use default_model::model_path;
 
 /// The backend: `--cuda` (feature `cuda`) for device 0, else the CPU.
 fn backend() -> Arc<dyn GpuBackend> {

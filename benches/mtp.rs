@@ -1,17 +1,20 @@
 //! MTP head propose latency on the CPU backend, as JSON lines.
 //!
-//! For a SmolLM2-sized head (hidden 576) and a hidden-2048 head, with BF16, FP8 and NVFP4
+//! For a SmolLM2-sized head (hidden 576) and a hidden-2048 head, with BF16, FP8, NVFP4 and Q8_0
 //! projections (the LM head is NVFP4 in both, as `MtpHead::new` takes it): the time per
 //! draft of `propose`, the weight bytes one draft step reads, and those bytes divided by the
 //! time (GB/s), next to the memcpy bandwidth measured on the same machine. A draft step
 //! reads every weight once, so GB/s near the memcpy figure means the forward is
 //! memory-bound, as it is on a GPU.
 //!
-//! `cargo bench --bench mtp` (add `-- --quick` for fewer repetitions).
+//! Under `cargo bench` it then compares the draft step of the shipped SmolLM2 head with a
+//! one-row step of the real default model (`mtp/step_cost.rs`): `cargo bench --bench mtp
+//! -- --step-cost` runs that comparison alone. Add `--quick` for fewer repetitions.
 
 use half::bf16;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use specdraft::backend::quant::BlockFormat;
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::memory::BufferArena;
 use specdraft::model::layers::{LayerWeights, Mlp, SwiGlu};
@@ -22,6 +25,11 @@ use specdraft::speculative::mtp::{quantize_nvfp4, MtpLayout};
 use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization, MtpWeights};
 use std::sync::Arc;
 use std::time::Instant;
+
+#[path = "common/default_model.rs"]
+mod default_model;
+#[path = "mtp/step_cost.rs"]
+mod step_cost;
 
 struct Shape {
     name: &'static str,
@@ -190,7 +198,7 @@ fn bench(shape: &Shape, quant: MtpQuantization, memcpy: f64, quick: bool) {
         "{}",
         serde_json::json!({
             "bench": "mtp_propose", "backend": "cpu", "head": shape.name, "hidden": h,
-            "vocab": shape.vocab, "projections": format!("{quant:?}").to_lowercase(), "lm_head": "nvfp4",
+            "vocab": shape.vocab, "projections": quant.name(), "lm_head": "nvfp4",
             "num_drafts": n, "ms_per_draft": secs * 1e3, "weight_bytes_per_draft": bytes,
             "weight_gbps": bytes as f64 / secs / 1e9, "memcpy_gbps": memcpy,
         })
@@ -204,6 +212,12 @@ fn bench(shape: &Shape, quant: MtpQuantization, memcpy: f64, quick: bool) {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // The comparison needs the real model and an optimised build: only under `cargo bench`.
+    let real = std::env::args().any(|a| a == "--bench");
+    if std::env::args().any(|a| a == "--step-cost") {
+        step_cost::run(quick);
+        return;
+    }
     let memcpy = memcpy_gbps(quick);
     println!(
         "{}",
@@ -234,8 +248,12 @@ fn main() {
             MtpQuantization::Bf16,
             MtpQuantization::Fp8,
             MtpQuantization::Nvfp4,
+            MtpQuantization::Block(BlockFormat::Q8_0),
         ] {
             bench(shape, quant, memcpy, quick);
         }
+    }
+    if real {
+        step_cost::run(quick);
     }
 }

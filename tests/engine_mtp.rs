@@ -15,15 +15,32 @@ use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization, ProposerSt
 use specdraft::Result;
 use std::sync::{Arc, Mutex};
 
-/// `MtpHead` with every draft it returns logged, so two runs can be compared draft by draft.
+/// `MtpHead` with every draft it returns logged, so two runs can be compared draft by draft;
+/// it asks the head for no drafts at the positions `skip` names (a controlled draft policy).
 struct Logged {
     inner: Arc<MtpHead>,
     drafts: Mutex<Vec<Vec<u32>>>,
+    skip: fn(usize) -> bool,
+    at: Mutex<Vec<(usize, Vec<u32>)>>,
 }
 
 impl Logged {
+    fn new(inner: Arc<MtpHead>, skip: fn(usize) -> bool) -> Self {
+        Logged {
+            inner,
+            drafts: Mutex::new(Vec::new()),
+            skip,
+            at: Mutex::new(Vec::new()),
+        }
+    }
+
     fn take(&self) -> Vec<Vec<u32>> {
         std::mem::take(&mut *self.drafts.lock().unwrap())
+    }
+
+    /// `(position, drafts)` of every propose that drafted, in order.
+    fn take_at(&self) -> Vec<(usize, Vec<u32>)> {
+        std::mem::take(&mut *self.at.lock().unwrap())
     }
 }
 
@@ -52,8 +69,12 @@ impl DraftProposer for Logged {
         m: Option<&[i32]>,
         k: Option<DevicePtr>,
     ) -> Result<Vec<u32>> {
+        let n = if (self.skip)(pos) { 0 } else { n };
         let out = self.inner.propose(last, h, pos, n, s, ctx, st, d, m, k)?;
         self.drafts.lock().unwrap().push(out.clone());
+        if n > 0 {
+            self.at.lock().unwrap().push((pos, out.clone()));
+        }
         Ok(out)
     }
     fn after_verify(&self, a: usize, s: &mut dyn ProposerState, st: u64) -> Result<()> {
@@ -205,10 +226,7 @@ fn carried_mtp_kv_drafts_like_a_head_rebuilt_from_scratch() {
         ..ModelLevers::default()
     };
     let (gpu, target, head) = setup("carry", levers);
-    let logged = Arc::new(Logged {
-        inner: head.clone(),
-        drafts: Mutex::new(Vec::new()),
-    });
+    let logged = Arc::new(Logged::new(head.clone(), |_| false));
     let engine = SpecEngine::new(
         target.clone(),
         Some(logged.clone() as Arc<dyn DraftProposer>),
@@ -239,6 +257,66 @@ fn carried_mtp_kv_drafts_like_a_head_rebuilt_from_scratch() {
     }
     // Dropping the conversation freed the carried blocks.
     drop((conv, engine, target, logged));
+    let (total, free) = head.kv_blocks();
+    assert_eq!(total, free, "drafter KV blocks still held");
+    drop(head);
+    assert_eq!(gpu.ledger().live_count(), 0);
+}
+
+#[test]
+fn steps_without_drafts_leave_the_drafter_kv_as_drafting_every_step_does() {
+    // Exact drafter KV: every row comes from the target's hidden, so a head's rows, and so
+    // its drafts at a position, depend only on the tokens before it, never on which steps
+    // drafted. A head whose steps at positions 12..=17 draft nothing must still see those
+    // tokens, and draft what a head that drafted every step drafts at the same positions.
+    let levers = ModelLevers {
+        mtp_kv_exact: true,
+        ..ModelLevers::default()
+    };
+    let (gpu, target, head) = setup("zero_drafts", levers);
+    let plain = SpecEngine::new(target.clone(), None, 0).unwrap();
+    let base = tokens(plain.generate(engine_common::requests(&prompts(), 24)));
+    let run = |skip: fn(usize) -> bool| {
+        let logged = Arc::new(Logged::new(head.clone(), skip));
+        let engine = SpecEngine::new(
+            target.clone(),
+            Some(logged.clone() as Arc<dyn DraftProposer>),
+            3,
+        )
+        .unwrap()
+        .with_levers(levers)
+        .with_draft_policy(specdraft::engine::DraftPolicyKind::Fixed);
+        let mut out = Vec::new();
+        for p in prompts() {
+            let g = engine.generate(vec![GenerateRequest::new(p, 24)]);
+            out.push((tokens(g).remove(0), logged.take_at()));
+        }
+        out
+    };
+    let every = run(|_| false);
+    let skipping = run(|pos| (12..=17).contains(&pos));
+    let mut compared_after_skips = 0;
+    for (i, ((t_every, at_every), (t_skip, at_skip))) in every.iter().zip(&skipping).enumerate() {
+        assert_eq!(
+            t_every, &base[i],
+            "prompt {i}: greedy output, drafting every step"
+        );
+        assert_eq!(
+            t_skip, &base[i],
+            "prompt {i}: greedy output, skipping steps"
+        );
+        for (pos, drafts) in at_skip {
+            if let Some((_, d)) = at_every.iter().find(|(p, _)| p == pos) {
+                assert_eq!(drafts, d, "prompt {i}: drafts at position {pos}");
+                compared_after_skips += usize::from(*pos > 17);
+            }
+        }
+    }
+    assert!(
+        compared_after_skips > 0,
+        "no position after the skipped steps was drafted by both runs: {every:?} {skipping:?}"
+    );
+    drop((plain, target));
     let (total, free) = head.kv_blocks();
     assert_eq!(total, free, "drafter KV blocks still held");
     drop(head);

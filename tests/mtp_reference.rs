@@ -168,7 +168,7 @@ fn drive(case: &Case) {
             "mtp_target_postnorm": case.levers.mtp_target_postnorm,
             "mtp_chain_postnorm": case.levers.mtp_chain_postnorm,
         },
-        "quant": match case.quant { MtpQuantization::Nvfp4 => "nvfp4", MtpQuantization::Fp8 => "fp8", MtpQuantization::Bf16 => "bf16" },
+        "quant": case.quant.name(),
         "mtp_vocab_size": case.mtp_vocab_size,
         "hiddens": hidden_file, "hidden_rows": total, "prompt_len": prompt_len,
         "tokens": tokens, "rounds": rounds,

@@ -634,14 +634,19 @@ class MtpHead(DraftProposer):
 
         With `target` (a `TargetModel` on `gpu`) the folder need hold only the head's own
         weights: the embedding, final norm and LM head are the target's, read in place (no
-        copy), and the head keeps the target alive. `quant` is `"bf16"`, `"fp8"` or
-        `"nvfp4"` (the head's projections); `mtp_vocab_size` restricts drafts to the first
+        copy), and the head keeps the target alive. `quant` is how the head's projections
+        are stored: `"bf16"` (as given), `"fp8"`, `"nvfp4"`, or a GGUF block format such as
+        `"q8_0"`, quantized at load by the quantizer `load_model(weights=...)` uses and run
+        on the CPU backend's block kernels (another backend keeps the projections as given); `mtp_vocab_size` restricts drafts to the first
         rows of the LM head (0: all, or beside a target the `mtp_vocab_size` of the head's
         `config.json`).
         """
     @property
     def draft_vocab_size(self) -> int:
         """Rows of the LM head drafts are chosen from."""
+    @property
+    def projection_format(self) -> str:
+        """How the head's own projections are stored (`"bf16"`, `"q8_0"`, ...)."""
     @property
     def bytes_per_draft(self) -> int:
         """Bytes of weights one draft step reads."""

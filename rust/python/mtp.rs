@@ -24,14 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 fn parse_quant(quant: &str) -> PyResult<MtpQuantization> {
-    match quant.to_ascii_lowercase().as_str() {
-        "bf16" => Ok(MtpQuantization::Bf16),
-        "fp8" => Ok(MtpQuantization::Fp8),
-        "nvfp4" => Ok(MtpQuantization::Nvfp4),
-        other => Err(PyValueError::new_err(format!(
-            "quant must be \"bf16\", \"fp8\" or \"nvfp4\", not {other:?}"
-        ))),
-    }
+    MtpQuantization::parse(quant).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// The multi-token-prediction draft head of a checkpoint.
@@ -107,8 +100,10 @@ impl PyMtpHead {
     ///
     /// With `target` (a `TargetModel` on `gpu`) the folder need hold only the head's own
     /// weights: the embedding, final norm and LM head are the target's, read in place (no
-    /// copy), and the head keeps the target alive. `quant` is `"bf16"`, `"fp8"` or
-    /// `"nvfp4"` (the head's projections); `mtp_vocab_size` restricts drafts to the first
+    /// copy), and the head keeps the target alive. `quant` is how the head's projections
+    /// are stored: `"bf16"` (as given), `"fp8"`, `"nvfp4"`, or a GGUF block format such as
+    /// `"q8_0"`, quantized at load by the quantizer `load_model(weights=...)` uses and run
+    /// on the CPU backend's block kernels (another backend keeps the projections as given); `mtp_vocab_size` restricts drafts to the first
     /// rows of the LM head (0: all, or beside a target the `mtp_vocab_size` of the head's
     /// `config.json`).
     #[classmethod]
@@ -139,6 +134,12 @@ impl PyMtpHead {
     #[getter]
     fn draft_vocab_size(&self) -> usize {
         self.head.draft_vocab_size()
+    }
+
+    /// How the head's own projections are stored (`"bf16"`, `"q8_0"`, ...).
+    #[getter]
+    fn projection_format(&self) -> &'static str {
+        self.head.projection_format()
     }
 
     /// Bytes of weights one draft step reads.

@@ -74,7 +74,8 @@ def test_the_shipped_head_is_found_by_name_and_by_its_target(model_path):
 def test_the_shipped_head_shares_the_targets_embedding_and_lm_head(model_path, gpu):
     model = _load(model_path, gpu)
     before = [(int(p), n, tag) for p, n, tag in gpu.live_report()]
-    head = specdraft.load_draft_head(HEAD, model)
+    # As shipped (BF16), so its allocations carry the names of the file's tensors.
+    head = specdraft.load_draft_head(HEAD, model, quant="bf16")
     new = [(int(p), n, tag) for p, n, tag in gpu.live_report() if (int(p), n, tag) not in before]
     assert head.shares_target
     binding = head.circuit_draft(model.config, specdraft.ModelLevers())
@@ -99,7 +100,12 @@ def test_the_shipped_head_shares_the_targets_embedding_and_lm_head(model_path, g
 
 def test_the_shipped_head_drafts_above_its_floor_without_changing_the_output(model_path, gpu):
     model = _load(model_path, gpu)
+    # The default on the CPU backend: projections quantized to Q8_0 at load, the BF16
+    # copies freed (only the norms keep the file's tensor names).
     head = specdraft.load_draft_head(HEAD, model)
+    assert head.projection_format == "q8_0"
+    own = set(read_safetensors(draft_head_path(HEAD) / "mtp.safetensors"))
+    assert all("proj" not in tag for _, _, tag in gpu.live_report() if tag in own)
     prompt = _prompt(model)
     (plain,) = specdraft.SpecEngine(model, None).generate([prompt], max_tokens=NEW_TOKENS)
     engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS, draft_policy="fixed")
@@ -121,7 +127,8 @@ def test_the_trainers_evaluation_agrees_with_the_engine(model_path, gpu, tmp_pat
     from specdraft.train.targets import read_target_weights, target_shape
 
     model = _load(model_path, gpu)
-    head = specdraft.load_draft_head(HEAD, model)
+    # BF16 projections, the weights the trainer evaluates.
+    head = specdraft.load_draft_head(HEAD, model, quant="bf16")
     prompt = _prompt(model)
     engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS, draft_policy="fixed")
     (r,) = engine.generate([prompt], max_tokens=NEW_TOKENS)

@@ -237,3 +237,16 @@ def test_a_reference_runner_made_in_python_drafts_what_numpy_drafts_under_a_mask
     assert repr(runner) == "ReferenceDraftRunner()"
     gpu.free(ptr)
     del head
+
+
+def test_quant_names_a_block_format_and_a_bad_name_lists_the_known(tmp_path, gpu):
+    folder = write_checkpoint(tmp_path / "q", "deepseek_v3")
+    head = specdraft.MtpHead.from_checkpoint(folder, gpu, quant="q8_0")
+    assert head.projection_format == "q8_0"
+    assert specdraft.MtpHead.from_checkpoint(folder, gpu).projection_format == "bf16"
+    report = specdraft.check_proposer(head, gpu=gpu, vocab_size=VOCAB, hidden_size=H)
+    assert report.ok, report.violations
+    for bad in ("int4", "q2_k"):
+        with pytest.raises(ValueError, match=f'quant "{bad}".*bf16, fp8, nvfp4.*q8_0'):
+            specdraft.MtpHead.from_checkpoint(folder, gpu, quant=bad)
+    del head

@@ -17,7 +17,7 @@ mod rope;
 mod scratch;
 mod weights;
 
-pub use load::{load_dense, load_linear, load_norm};
+pub use load::{keeps_block_formats, load_dense, load_linear, load_norm};
 pub use moe::{MoeMlp, MoeScoring};
 pub use names::{LayerNames, NameScheme, Part};
 pub use rope::{rope_inv_freq, rotary_dim};

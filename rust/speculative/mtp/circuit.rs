@@ -265,7 +265,7 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
     };
     let lm_head = linear("lm_head")?;
     let draft_vocab = b.draft_vocab_size.min(lm_head.dims().0);
-    let lm_head = first_rows(&lm_head, draft_vocab);
+    let lm_head = first_rows(&lm_head, draft_vocab)?;
     let freq = need("rope_inv_freq")?;
     let mut config = ModelConfig::tiny(b.vocab_size);
     config.hidden_size = b.hidden_size;

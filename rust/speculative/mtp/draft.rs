@@ -8,11 +8,14 @@
 //! first, so proposing twice from the same point gives the same drafts. A sequence whose
 //! budget or the pool runs out stops drafting early instead of failing.
 //!
+//! A propose of 0 drafts writes the one row a drafting propose writes first (the verified
+//! token's, keys and values only), so a step without drafts leaves no gap in the head's KV.
+//!
 //! Invariants:
 //! - The row at position `q` is built from the token at `q` and the hidden paired with
 //!   `q - 1`: the target's for a verified token, the head's own output for a draft.
-//! - After `propose(t, h, p, n)` no row lies at or past `p + n`, and the rows from `p` on
-//!   are this propose's own: earlier unverified rows there were rolled back first.
+//! - After `propose(t, h, p, n)` no row lies at or past `p + max(n, 1)`, and the rows from
+//!   `p` on are this propose's own: earlier unverified rows there were rolled back first.
 //! - Running out of the state's budget or of pool blocks shortens the drafts; it does not
 //!   fail the call.
 
@@ -120,6 +123,13 @@ impl MtpHead {
             s.state.settle_before(&self.kv, s.position)?;
             s.state.last_drafts.clear();
         }
+        if num_drafts == 0 {
+            self.write_verified_rows(gpu, seqs, stream)?;
+            if let Some(c) = conf {
+                *c = vec![Vec::new(); seqs.len()];
+            }
+            return Ok(vec![Vec::new(); seqs.len()]);
+        }
         let sc = self.lock_scratch();
         if let Some(m) = mask {
             gpu.write(sc.grammar_mask, &m[..words], stream)?;
@@ -211,6 +221,31 @@ impl MtpHead {
             *c = probs;
         }
         Ok(drafts)
+    }
+
+    /// A propose of no drafts still brings the token being drafted from: its row (the one a
+    /// drafting propose writes first) is written here, keys and values only, one multi-row
+    /// forward for all of `seqs`, and left pending like a drafting propose's rows, so
+    /// `after_verify(0)` keeps it. Without it a step the draft policy skips would leave a
+    /// position the head never attends to, and its later drafts would differ from those of a
+    /// head that drafted every step.
+    fn write_verified_rows(
+        &self,
+        gpu: &dyn GpuBackend,
+        seqs: &mut [DraftSeq<'_>],
+        stream: u64,
+    ) -> crate::Result<()> {
+        let items: Vec<_> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i, s.token, s.hidden, s.position))
+            .collect();
+        let mut states: Vec<&mut MtpState> = seqs.iter_mut().map(|s| &mut *s.state).collect();
+        let written = self.write_rows(gpu, &mut states, &items, stream)?;
+        for (st, n) in states.iter_mut().zip(written) {
+            st.pending = n;
+        }
+        Ok(())
     }
 
     /// Writes KV rows for `(sequence, token, hidden, position)` items, in chunks; returns

@@ -11,9 +11,10 @@ use super::fp8::quantize_fp8;
 use super::nvfp4::quantize_nvfp4;
 use super::state::{DrafterKv, DRAFTER_BLOCK_SIZE};
 use super::weights::MtpWeights;
+use crate::backend::quant::{quantize_to_vec, BlockFormat, PackedWeight, GROUP_ROWS};
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
-use crate::model::layers::{rope_inv_freq, LayerShape};
+use crate::model::layers::{keeps_block_formats, rope_inv_freq, LayerShape};
 use crate::model::{
     DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelConfig, ModelLevers, PackedLinear,
     QuantizedWeight, TargetModel,
@@ -34,6 +35,64 @@ pub enum MtpQuantization {
     Fp8,
     /// Dense projections quantized to NVFP4 (ModelOpt layout) at construction.
     Nvfp4,
+    /// Dense projections quantized at construction to a GGUF block format (`Q8_0`, say) by
+    /// the same quantizer `load_model(weights=...)` uses, and run by the block-format
+    /// kernels the target's quantized projections run on. Only a backend with those kernels
+    /// (the CPU backend) keeps the blocks; any other keeps the projections as given, as a
+    /// target loaded from a GGUF file does. Float formats (`F32`, `F16`, `BF16`) keep them too.
+    Block(BlockFormat),
+}
+
+impl MtpQuantization {
+    /// The option's name: `"bf16"`, `"fp8"`, `"nvfp4"` or a block format's (`"q8_0"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MtpQuantization::Bf16 => "bf16",
+            MtpQuantization::Fp8 => "fp8",
+            MtpQuantization::Nvfp4 => "nvfp4",
+            MtpQuantization::Block(f) => f.name(),
+        }
+    }
+
+    /// Parses [`MtpQuantization::name`]'s spellings (any case); anything else is an error
+    /// listing them.
+    pub fn parse(name: &str) -> crate::Result<Self> {
+        let lower = name.trim().to_ascii_lowercase();
+        Ok(match lower.as_str() {
+            "bf16" => MtpQuantization::Bf16,
+            "fp8" => MtpQuantization::Fp8,
+            "nvfp4" => MtpQuantization::Nvfp4,
+            _ => match lower.parse::<BlockFormat>() {
+                // Q2_K and Q3_K have no quantizer: only formats one can quantize to.
+                Ok(f) if f.is_quantized() && quantize_to_vec(f, &vec![0.0; f.block_len()]).is_ok() => {
+                    MtpQuantization::Block(f)
+                }
+                _ => {
+                    return Err(invalid(format!(
+                        "quant {name:?} is not one of bf16, fp8, nvfp4, or a GGUF block format to quantize to ({})",
+                        BlockFormat::ALL
+                            .iter()
+                            .filter(|f| f.is_quantized() && quantize_to_vec(**f, &vec![0.0; f.block_len()]).is_ok())
+                            .map(|f| f.name())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )))
+                }
+            },
+        })
+    }
+
+    /// The projections' storage a draft step reads by default on `gpu`: Q8_0 where the
+    /// backend runs block formats (a one-row draft step is bound by the bytes it reads, and
+    /// Q8_0 reads 34 bytes per 32 weights against BF16's 64, on the kernels the target's own
+    /// Q8_0 embedding uses), the projections as given elsewhere.
+    pub fn default_for(gpu: &dyn GpuBackend) -> Self {
+        if keeps_block_formats(gpu) {
+            MtpQuantization::Block(BlockFormat::Q8_0)
+        } else {
+            MtpQuantization::Bf16
+        }
+    }
 }
 
 /// Sequences one batched propose (and one forward) takes at most.
@@ -236,7 +295,7 @@ impl MtpHead {
                 "the draft vocabulary ({draft_vocab}) exceeds vocab_size {vocab}"
             )));
         }
-        let head = first_rows(&head, draft_vocab);
+        let head = first_rows(&head, draft_vocab)?;
         if max_seq_len == 0 || main_kv_blocks == 0 {
             return Err(invalid(format!(
                 "max_seq_len ({max_seq_len}) and main_kv_blocks ({main_kv_blocks}) must be positive"
@@ -350,6 +409,19 @@ impl MtpHead {
         self.spec.draft_vocab
     }
 
+    /// The storage of the head's own projections as a draft step reads them (`"bf16"`,
+    /// `"q8_0"`, ...; `eh_proj`'s, which every projection shares unless a row width does not
+    /// divide into the blocks asked for).
+    pub fn projection_format(&self) -> &'static str {
+        self.spec.weights.eh_proj.format_name()
+    }
+
+    /// The storage of the LM head drafts are chosen with (`"nvfp4"`, or the shared target's
+    /// own format, `"q8_0"` say).
+    pub fn lm_head_format(&self) -> &'static str {
+        self.spec.lm_head.format_name()
+    }
+
     /// Blocks in the drafter KV pool, and how many are free.
     pub fn kv_blocks(&self) -> (usize, usize) {
         (self.kv.num_blocks, self.kv.allocator.num_free())
@@ -428,9 +500,19 @@ fn check_weights(
 
 /// The first `n` rows of a row-major `[out, in]` projection, read in place: every storage
 /// keeps a row's data (and its block scales) contiguous and in row order, so a prefix of
-/// each buffer is the smaller matrix.
-pub(crate) fn first_rows(lin: &Linear, n: usize) -> Linear {
-    match lin {
+/// each buffer is the smaller matrix. A block format repacked for the CPU kernels keeps
+/// rows in groups of [`GROUP_ROWS`] (group after group), so its prefix is a matrix only at a
+/// group boundary: any other `n` is an error.
+pub(crate) fn first_rows(lin: &Linear, n: usize) -> crate::Result<Linear> {
+    if let Linear::Packed(q) = lin {
+        if q.format.is_quantized() && n % GROUP_ROWS != 0 && n != q.out_features {
+            return Err(invalid(format!(
+                "a draft vocabulary of {n} rows of the {} LM head: the head reads its first rows in place, which needs a multiple of {GROUP_ROWS}",
+                q.format
+            )));
+        }
+    }
+    Ok(match lin {
         Linear::Dense(w) => {
             let mut shape = w.shape.clone();
             shape[0] = n;
@@ -448,7 +530,7 @@ pub(crate) fn first_rows(lin: &Linear, n: usize) -> Linear {
             out_features: n,
             ..q.clone()
         }),
-    }
+    })
 }
 
 /// Re-stores one dense projection as `quant` asks (NVFP4 or FP8 copies owned by the head).
@@ -460,12 +542,30 @@ fn requantize(
     let Linear::Dense(w) = lin else {
         return Ok(());
     };
-    if quant == MtpQuantization::Bf16 {
-        return Ok(());
-    }
     let (out_f, in_f) = (w.shape[0], w.shape[1]);
+    // As `load_model(weights=...)` does, a row that is not a whole number of blocks stays
+    // as it is (a K-quant of a 576-wide projection, say).
+    let keeps_blocks = |f: BlockFormat| keeps_block_formats(owned.gpu) && in_f % f.block_len() == 0;
+    match quant {
+        MtpQuantization::Bf16 => return Ok(()),
+        MtpQuantization::Block(f) if !keeps_blocks(f) => return Ok(()),
+        _ => {}
+    }
     let values = owned.gpu.download_bf16(w.ptr, out_f * in_f)?;
     match quant {
+        MtpQuantization::Block(format) => {
+            let packed = PackedWeight::from_f32(format, out_f, in_f, &values).map_err(|e| {
+                invalid(format!(
+                    "quantizing a [{out_f}, {in_f}] projection to {format}: {e}"
+                ))
+            })?;
+            *lin = Linear::Packed(PackedLinear {
+                blocks: owned.upload(packed.bytes(), &format!("mtp:{format} weight"))?,
+                format,
+                out_features: out_f,
+                in_features: in_f,
+            });
+        }
         MtpQuantization::Nvfp4 => {
             let q = quantize_nvfp4(&values, out_f, in_f)?;
             let weight = owned.upload(&q.codes, "mtp:nvfp4 weight")?;

@@ -4,6 +4,8 @@
 //! `after_verify(k)` keeps the first `k + 1` rows of the latest propose (the verified
 //! token's row and the accepted drafts' rows), or only the first under `mtp_kv_exact`, where
 //! `catchup_batch` then writes exact rows for the accepted drafts from the target's hiddens.
+//! A propose of 0 drafts (a step the draft policy skips) writes the verified token's row
+//! alone, so the head's KV has a row for every position whatever the policy chose.
 //! `take_drafter_kv` leaves a fresh state; `install_drafter_kv` is its inverse.
 //!
 //! Invariants:
@@ -55,7 +57,9 @@ impl DraftProposer for MtpHead {
     ) -> crate::Result<Vec<u32>> {
         let gpu = ctx.gpu.as_ref();
         let st = self.state_mut(state, "propose")?;
-        let drafts = match self.runner() {
+        // A propose of no drafts only writes the verified token's row: the head's own
+        // forward does that, with or without a circuit runner.
+        let drafts = match self.runner().filter(|_| num_drafts > 0) {
             Some(runner) => self.propose_with_runner(
                 &*runner,
                 last_token,
@@ -237,7 +241,7 @@ impl DraftProposer for MtpHead {
                 format!("{n} sequences; propose_batch_max is {MTP_MAX_BATCH}"),
             ));
         }
-        if self.runner().is_some() {
+        if self.runner().is_some() && num_drafts > 0 {
             // The circuit runner drafts one sequence at a time.
             return Ok(None);
         }

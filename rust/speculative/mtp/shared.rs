@@ -56,6 +56,7 @@ impl MtpHead {
             (moe.n_group, moe.topk_group) = moe_groups(&config_path, &config)?;
         }
         let shared = target.weights();
+        let loaded = MtpHead::dense_projections(&mut weights);
         let lm_head = shared
             .lm_head
             .clone()
@@ -74,6 +75,7 @@ impl MtpHead {
             levers,
         )?;
         head.adopt_into(allocs);
+        head.free_restored(&loaded)?;
         head.target = Some(target);
         Ok(head)
     }

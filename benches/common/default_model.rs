@@ -1,0 +1,29 @@
+//! The default model file a benchmark runs on: the first argument that is not a flag, else
+//! `$SPECDRAFT_SMOLLM2_GGUF`, else the file `specdraft.models` fetches (and caches).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The path of the model file to load (see the module doc).
+pub fn model_path() -> PathBuf {
+    if let Some(p) = std::env::args().skip(1).find(|a| !a.starts_with('-')) {
+        return PathBuf::from(p);
+    }
+    if let Ok(p) = std::env::var("SPECDRAFT_SMOLLM2_GGUF") {
+        return PathBuf::from(p);
+    }
+    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+        .args([
+            "-c",
+            "from specdraft.models import fetch_default_model; print(fetch_default_model())",
+        ])
+        .env("PYTHONPATH", concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}

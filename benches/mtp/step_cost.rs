@@ -1,0 +1,177 @@
+//! The draft step's cost against the target's, on the real default model and its shipped
+//! head: the median time of a one-row target decode step, of one draft step of the head
+//! (a `propose` of one draft: one row through the head and the argmax over the draft
+//! vocabulary) and of a whole 3-draft `propose`, measured interleaved in the same rounds so
+//! that a change of machine load hits all three alike (medians, and minimums: the least
+//! disturbed rounds of a shared machine). One JSON line per storage of the
+//! head's projections; the goal is a draft step of at most 15% of the target's step.
+
+use super::default_model::model_path;
+use specdraft::backend::quant::BlockFormat;
+use specdraft::backend::{ArgmaxArgs, CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
+use specdraft::model::{ForwardContext, LoadOptions, LogitRows, ModelLevers, TargetModel};
+use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The shipped head trained for the default model.
+const HEAD_DIR: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/python/specdraft/heads/smollm2-mtp"
+);
+/// A draft step may cost at most this fraction of a one-row target step.
+const GOAL: f64 = 0.15;
+
+/// `(median, minimum)` of the times: on a shared machine the minimum is the run least
+/// disturbed by other processes, the median the typical one.
+fn stats(v: &mut [f64]) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0])
+}
+
+fn timed(f: impl FnOnce()) -> f64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
+/// Greedy argmax of logits row `row`.
+fn pick(gpu: &dyn GpuBackend, logits: DevicePtr, row: usize, vocab: usize, out: DevicePtr) -> u32 {
+    gpu.argmax(ArgmaxArgs {
+        out,
+        logits: logits.offset(row * vocab * 4),
+        bitmask: None,
+        rows: 1,
+        vocab,
+        stream: 0,
+    })
+    .expect("argmax");
+    gpu.download::<u32>(out, 1).expect("download")[0]
+}
+
+/// Runs the comparison and prints one JSON line per projection storage.
+pub fn run(quick: bool) {
+    let path = model_path();
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let opts = LoadOptions {
+        max_rows: 64,
+        max_seq_len: Some(512),
+        kv_blocks: Some(64),
+    };
+    let model = Arc::new(TargetModel::load(&path, gpu.clone(), opts).expect("model loads"));
+    let (vocab, h) = (model.config().vocab_size, model.config().hidden_size);
+    let pick_buf = gpu.alloc(4, "bench argmax").expect("alloc");
+    // A realistic context: a prompt and 32 greedy tokens after it.
+    let mut tokens: Vec<u32> = vec![
+        504, 3575, 282, 4649, 314, 7042, 28, 284, 260, 3575, 282, 7158, 314,
+    ];
+    let mut seq = model.new_sequence();
+    let out = model
+        .forward_with(&mut [&mut seq], &[&tokens], LogitRows::LastPerSequence)
+        .expect("prefill");
+    let mut next = pick(gpu.as_ref(), out.logits, 0, vocab, pick_buf);
+    for _ in 0..32 {
+        tokens.push(next);
+        let out = model.forward(&mut [&mut seq], &[&[next]]).expect("decode");
+        next = pick(gpu.as_ref(), out.logits, 0, vocab, pick_buf);
+    }
+    // The target hidden of every context position, kept apart from the model's scratch.
+    model.trim(&mut seq, 0).expect("trim");
+    let out = model
+        .forward_with(&mut [&mut seq], &[&tokens], LogitRows::LastPerSequence)
+        .expect("context forward");
+    let row_bytes = h * 2;
+    let hiddens = gpu
+        .alloc(tokens.len() * row_bytes, "bench hiddens")
+        .expect("alloc");
+    gpu.copy_dtod(hiddens, out.hiddens, tokens.len() * row_bytes, 0)
+        .expect("copy");
+    let base_len = seq.len();
+    let position = tokens.len();
+    let last_hidden = hiddens.offset((position - 1) * row_bytes);
+    let levers = ModelLevers::default();
+    let ctx = ForwardContext::new(
+        gpu.clone(),
+        model.buffers().clone(),
+        model.config().clone(),
+        levers,
+    );
+    let storages = [
+        MtpQuantization::Bf16,
+        MtpQuantization::Block(BlockFormat::Q8_0),
+        MtpQuantization::Fp8,
+        MtpQuantization::Nvfp4,
+    ];
+    let rounds = if quick { 5 } else { 21 };
+    for quant in storages {
+        let head = MtpHead::from_checkpoint_for_target(
+            HEAD_DIR,
+            model.clone(),
+            quant,
+            0,
+            512,
+            64,
+            &levers,
+        )
+        .expect("head loads");
+        let mut st = head.alloc_state_for(gpu.as_ref(), 512).expect("state");
+        head.prefill_drafter(&tokens, hiddens, &mut *st, &ctx, 0)
+            .expect("drafter prefill");
+        let mut propose = |n: usize| {
+            // Proposing again from the same position rolls the unverified rows back first.
+            head.propose(
+                next,
+                last_hidden,
+                position,
+                n,
+                &mut *st,
+                &ctx,
+                0,
+                None,
+                None,
+                None,
+            )
+            .expect("propose")
+        };
+        let drafts = propose(3);
+        let (mut target, mut one, mut three) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            target.push(timed(|| {
+                model.forward(&mut [&mut seq], &[&[next]]).expect("step");
+            }));
+            model.trim(&mut seq, base_len).expect("trim");
+            one.push(timed(|| {
+                propose(1);
+            }));
+            three.push(timed(|| {
+                propose(3);
+            }));
+        }
+        let (target, one, three) = (stats(&mut target), stats(&mut one), stats(&mut three));
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "mtp_step_cost", "backend": gpu.name(),
+                "model": path.display().to_string(), "head": "smollm2-mtp",
+                "projections": quant.name(), "lm_head": head.lm_head_format(),
+                "draft_vocab": head.draft_vocab_size(), "context_tokens": position,
+                "rounds": rounds,
+                "target_step_ms": target.0 * 1e3, "draft_step_ms": one.0 * 1e3,
+                "propose3_ms": three.0 * 1e3,
+                "draft_step_vs_target": one.0 / target.0, "propose3_vs_target": three.0 / target.0,
+                "min_target_step_ms": target.1 * 1e3, "min_draft_step_ms": one.1 * 1e3,
+                "min_propose3_ms": three.1 * 1e3,
+                "min_draft_step_vs_target": one.1 / target.1,
+                "min_propose3_vs_target": three.1 / target.1,
+                "goal_draft_step_vs_target": GOAL, "meets_goal": one.0 / target.0 <= GOAL,
+                "weight_bytes_per_draft": head.bytes_per_draft(),
+                "target_weight_bytes_per_token": model.weight_bytes_per_token(),
+                "drafts": drafts,
+            })
+        );
+        head.free_state(gpu.as_ref(), &mut *st).expect("free state");
+    }
+    model.free_sequence(&mut seq).expect("free sequence");
+    gpu.free(hiddens).expect("free");
+    gpu.free(pick_buf).expect("free");
+}
