@@ -324,7 +324,8 @@ def run_model_bench(args: argparse.Namespace) -> int:
     from specdraft.cli_engine import load_for_bench, make_proposer, proposer_key
 
     try:
-        names = [proposer_key(n) or n for n in args.proposer] or [
+        given = [n.strip() for arg in args.proposer for n in arg.split(",") if n.strip()]
+        names = [proposer_key(n) or n for n in given] or [
             n for n in PROPOSERS if n != BASELINE
         ]
         names = [n for n in dict.fromkeys(names) if n != BASELINE]
@@ -453,7 +454,8 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help=(
             f"one of {', '.join(n for n in PROPOSERS if n != BASELINE)}, or module:Class, "
-            "which imports and runs that module (repeatable; default: all of them)"
+            "which imports and runs that module (repeatable, or a comma list; default: all "
+            "of them)"
         ),
     )
     p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")
