@@ -70,6 +70,10 @@ class RandomDrafter(specdraft.DraftProposer):
         target_hidden_stack: Any = None,  # noqa: ANN401
     ) -> list[int]:
         """``num_drafts`` random ids from the model's vocabulary."""
+        if num_drafts == 0:
+            # The policy's usual ask for a drafter this bad: return before building the
+            # config view, so the row measures the drafter and not that view.
+            return []
         vocab = ctx.config.vocab_size
         return [state.randrange(vocab) for _ in range(num_drafts)]
 
@@ -325,9 +329,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
 
     try:
         given = [n.strip() for arg in args.proposer for n in arg.split(",") if n.strip()]
-        names = [proposer_key(n) or n for n in given] or [
-            n for n in PROPOSERS if n != BASELINE
-        ]
+        names = [proposer_key(n) or n for n in given] or [n for n in PROPOSERS if n != BASELINE]
         names = [n for n in dict.fromkeys(names) if n != BASELINE]
         for n in names:
             if proposer_key(n) is None:

@@ -32,10 +32,11 @@
 //!   sequence starts with the engine's wait (doubled by every failed probe, reset by every
 //!   accepted one), so a drafter that is never right is not probed afresh each request.
 //! - The verify cost's measurements age (see `cost_model`). When the widest row count
-//!   measured is [`REFRESH_AGE`] records old and the step would draft more at a quarter of
-//!   the fitted cost a row, the step is planned at that cost, so the wide end of the line
-//!   is measured again (at most once in [`REFRESH_AGE`] records). A drafter that would not
-//!   pay even then (one that is never right) is never refreshed for.
+//!   measured is [`REFRESH_AGE`] records old or more and the step would draft more at a
+//!   cheaper cost a row (the fitted one halved for every [`REFRESH_AGE`] records of that
+//!   age, never below the floor), the step is planned at that cost, so the wide end of the
+//!   line is measured again (at most once in [`REFRESH_AGE`] records). A drafter that would
+//!   not pay even at the floor (one that is never right) is never refreshed for.
 //! - Where `propose_batch` reports its confidence in each draft, the drafts of a step are
 //!   cut where their calibrated chance of acceptance would not pay for their verify rows
 //!   (see `draft_confidence`).
@@ -67,9 +68,6 @@ const ROUNDS: usize = 4;
 /// Verify records after which the widest measured row count is stale and, where cheaper
 /// rows would change the choice, measured again (at most once in as many records).
 const REFRESH_AGE: u64 = 64;
-/// The share of the fitted cost a row that a refresh supposes: the choice at this cost
-/// is what a stale line may be hiding.
-const REFRESH_OPTIMISM: f64 = 0.25;
 
 /// Which rule picks the draft count.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -384,12 +382,15 @@ impl DraftPolicy {
         (c.k, min_gain)
     }
 
-    /// The cheaper row cost a refresh of `verify`'s wide end supposes, when one is due.
+    /// The cheaper row cost a refresh of `verify`'s wide end supposes, when one is due:
+    /// halved for every [`REFRESH_AGE`] records the widest point has gone unmeasured (the
+    /// staler the line, the further off it may be), never below `floor`.
     fn refresh(&self, verify: &CostCurve, cost: RowCost, floor: f64) -> Option<RowCost> {
-        let stale = verify.age().is_some_and(|age| age >= REFRESH_AGE);
+        let age = verify.age().filter(|&age| age >= REFRESH_AGE)?;
         let rested = verify.clock().saturating_sub(self.prior().refreshed_at) >= REFRESH_AGE;
-        (stale && rested).then(|| RowCost {
-            per_row: (cost.per_row * REFRESH_OPTIMISM).max(floor),
+        let halvings = (age as f64 / REFRESH_AGE as f64).min(64.0);
+        rested.then(|| RowCost {
+            per_row: (cost.per_row * 0.5f64.powf(halvings)).max(floor),
             ..cost
         })
     }
@@ -641,39 +642,52 @@ mod tests {
             }
             stats
         };
-        // Always right: the stale line says no drafts until the wide end is REFRESH_AGE
-        // records old, then the whole budget, once.
+        // Runs `steps` steps of one sequence whose verify really costs `per_row` a row
+        // beyond 1 s and whose drafts are all accepted (`right`) or all rejected; returns
+        // the counts asked.
+        let run = |cost: &MeasuredCost,
+                   p: &DraftPolicy,
+                   stats: &mut SequenceDraftStats,
+                   right: bool,
+                   per_row: f64,
+                   steps: u64| {
+            (0..steps)
+                .map(|_| {
+                    let k = choose(p, std::slice::from_ref(stats), &[4], 0)[0];
+                    cost.record_verify(1 + k, 1.0 + per_row * k as f64);
+                    stats.probing = k > 0 && p.probe_due(stats);
+                    stats.asked = Some(k);
+                    p.observe(stats, k, if right { k } else { 0 });
+                    k
+                })
+                .collect::<Vec<usize>>()
+        };
+        // Always right, rows cheap (0.25 s) in truth: nothing before the wide end is
+        // REFRESH_AGE records old, a refresh within two more REFRESH_AGE, and from then
+        // on the line is right again and the whole budget is asked.
         let (cost, p) = setup();
-        let oracle = observed(&p, 4);
-        let ask = |p: &DraftPolicy| choose(p, std::slice::from_ref(&oracle), &[4], 0);
-        assert_eq!(ask(&p), vec![0]);
-        cost.record_verify(1, 1.0);
-        assert_eq!(ask(&p), vec![4]);
-        // Measured again, cheap (0.25 s a row): the stale figure is replaced and the
-        // policy keeps drafting.
-        cost.record_verify(5, 2.0);
-        for _ in 0..10 {
-            assert_eq!(ask(&p), vec![4]);
-            cost.record_verify(5, 2.0);
-        }
-        // Measured again and really expensive: back to none, and not refreshed again
-        // before REFRESH_AGE more records.
+        let mut oracle = observed(&p, 4);
+        assert_eq!(choose(&p, std::slice::from_ref(&oracle), &[4], 0), vec![0]);
+        let asks = run(&cost, &p, &mut oracle, true, 0.25, 3 * REFRESH_AGE);
+        let first = asks.iter().position(|&k| k > 0).expect("never refreshed");
+        assert!(first > 0 && first <= 2 * REFRESH_AGE as usize, "{asks:?}");
+        assert!(asks[first + 30..].iter().all(|&k| k == 4), "{asks:?}");
+        // Rows as dear as the old figure said: refreshed at most once in REFRESH_AGE
+        // records, and otherwise left at none.
         let (cost, p) = setup();
-        cost.record_verify(1, 1.0);
-        assert_eq!(ask(&p), vec![4]);
-        for _ in 0..4 {
-            cost.record_verify(5, 10.0);
-        }
-        for _ in 0..REFRESH_AGE - 1 {
-            assert_eq!(ask(&p), vec![0]);
-            cost.record_verify(1, 1.0);
-        }
-        // Never right: no refresh, however stale.
+        let mut oracle = observed(&p, 4);
+        let asks = run(&cost, &p, &mut oracle, true, 2.25, 10 * REFRESH_AGE);
+        let drafting = asks.iter().filter(|&&k| k > 0).count();
+        assert!(
+            drafting >= 1 && drafting <= 10,
+            "{drafting} of {}",
+            asks.len()
+        );
+        // Never right: no refresh, however stale; only the one-draft probes, ever rarer.
         let (cost, p) = setup();
-        let random = observed(&p, 0);
-        for _ in 0..3 * REFRESH_AGE {
-            cost.record_verify(1, 1.0);
-            assert_eq!(choose(&p, std::slice::from_ref(&random), &[4], 0), vec![0]);
-        }
+        let mut random = observed(&p, 0);
+        let asks = run(&cost, &p, &mut random, false, 0.25, 10 * REFRESH_AGE);
+        let probes = asks.iter().filter(|&&k| k > 0).count();
+        assert!(asks.iter().all(|&k| k <= 1) && probes <= 20, "{asks:?}");
     }
 }

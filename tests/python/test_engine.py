@@ -448,9 +448,7 @@ def test_bench_and_generate_commands(model_path, capsys) -> None:
         "12",
         "--json",
         "--proposer",
-        "prompt-lookup",
-        "--proposer",
-        f"{__name__}:PyLookup",
+        f"prompt-lookup,{__name__}:PyLookup",
     )
     out = capsys.readouterr()
     assert code == 0, out.err
