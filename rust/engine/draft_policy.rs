@@ -678,11 +678,7 @@ mod tests {
         let mut oracle = observed(&p, 4);
         let asks = run(&cost, &p, &mut oracle, true, 2.25, 10 * REFRESH_AGE);
         let drafting = asks.iter().filter(|&&k| k > 0).count();
-        assert!(
-            drafting >= 1 && drafting <= 10,
-            "{drafting} of {}",
-            asks.len()
-        );
+        assert!((1..=10).contains(&drafting), "{drafting} of {}", asks.len());
         // Never right: no refresh, however stale; only the one-draft probes, ever rarer.
         let (cost, p) = setup();
         let mut random = observed(&p, 0);
