@@ -33,8 +33,8 @@
 //!   accepted one), so a drafter that is never right is not probed afresh each request.
 //! - The verify cost's measurements age (see `cost_model`). When the widest row count
 //!   measured is [`REFRESH_AGE`] records old or more and the step would draft more at a
-//!   cheaper cost a row (the fitted one halved for every [`REFRESH_AGE`] records of that
-//!   age, never below the floor), the step is planned at that cost, so the wide end of the
+//!   cheaper cost a row (the fitted one halved once and again for every [`REFRESH_AGE`]
+//!   records of that age, never below the floor), the step is planned at that cost, so the wide end of the
 //!   line is measured again (at most once in [`REFRESH_AGE`] records). A drafter that would
 //!   not pay even at the floor (one that is never right) is never refreshed for.
 //! - Where `propose_batch` reports its confidence in each draft, the drafts of a step are
@@ -67,7 +67,7 @@ const MIN_ROW_SHARE: f64 = 0.05;
 const ROUNDS: usize = 4;
 /// Verify records after which the widest measured row count is stale and, where cheaper
 /// rows would change the choice, measured again (at most once in as many records).
-const REFRESH_AGE: u64 = 64;
+const REFRESH_AGE: u64 = 32;
 
 /// Which rule picks the draft count.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -383,12 +383,14 @@ impl DraftPolicy {
     }
 
     /// The cheaper row cost a refresh of `verify`'s wide end supposes, when one is due:
-    /// halved for every [`REFRESH_AGE`] records the widest point has gone unmeasured (the
-    /// staler the line, the further off it may be), never below `floor`.
+    /// halved once, and once more for every [`REFRESH_AGE`] records the widest point has
+    /// gone unmeasured (the staler the line, the further off it may be), never below
+    /// `floor`. A bench engine runs a few hundred steps, so the first refresh must already
+    /// suppose rows several times cheaper.
     fn refresh(&self, verify: &CostCurve, cost: RowCost, floor: f64) -> Option<RowCost> {
         let age = verify.age().filter(|&age| age >= REFRESH_AGE)?;
         let rested = verify.clock().saturating_sub(self.prior().refreshed_at) >= REFRESH_AGE;
-        let halvings = (age as f64 / REFRESH_AGE as f64).min(64.0);
+        let halvings = (1.0 + age as f64 / REFRESH_AGE as f64).min(64.0);
         rested.then(|| RowCost {
             per_row: (cost.per_row * 0.5f64.powf(halvings)).max(floor),
             ..cost
