@@ -6,7 +6,7 @@ mod engine_common;
 use engine_common::*;
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
-    DraftPolicyKind, FinishReason, GenerateRequest, SamplingParams, SpecEngine,
+    DraftPolicyKind, EngineError, FinishReason, GenerateRequest, SamplingParams, SpecEngine,
 };
 use specdraft::model::ModelLevers;
 use specdraft::speculative::{DraftProposer, PromptLookup, ProposerState};
@@ -339,6 +339,7 @@ fn bad_requests_get_named_errors_and_the_rest_still_run() {
         GenerateRequest::new(vec![1, 2], 0),
         GenerateRequest::new(vec![1, 2], 4).with_sampling(SamplingParams::sampled(-1.0, 0)),
         GenerateRequest::new(vec![1, 2, 3], 100),
+        GenerateRequest::new(vec![1, 2, 3], 13),
     ];
     let g = engine.generate(reqs);
     let msg = |i: usize| {
@@ -357,11 +358,34 @@ fn bad_requests_get_named_errors_and_the_rest_still_run() {
     assert!(msg(2).contains("token 99"), "{}", msg(2));
     assert!(msg(3).contains("max_tokens"), "{}", msg(3));
     assert!(msg(4).contains("temperature"), "{}", msg(4));
-    // The good one runs to the end of the context: 3 prompt + 13 generated = 16.
-    assert!(g.results[5].error.is_none());
+    // 3 prompt + 100 max_tokens could never fit the context of 16: it fails alone, at
+    // once, naming all three numbers.
+    match g.results[5].error.as_ref() {
+        Some(specdraft::Error::Engine(EngineError::ExceedsContext {
+            request,
+            prompt_len,
+            max_tokens,
+            max_seq_len,
+        })) => assert_eq!(
+            (*request, *prompt_len, *max_tokens, *max_seq_len),
+            (5, 3, 100, 16)
+        ),
+        other => panic!("expected ExceedsContext, got {other:?}"),
+    }
+    assert!(
+        msg(5).contains("3 tokens")
+            && msg(5).contains("max_tokens (100)")
+            && msg(5).contains("context of 16"),
+        "{}",
+        msg(5)
+    );
+    assert!(g.results[5].tokens.is_empty());
+    assert_eq!(g.results[5].metrics.prompt_tokens, 0, "it never ran");
+    // The good one fills the context exactly: 3 prompt + 13 generated = 16.
+    assert!(g.results[6].error.is_none());
     assert_eq!(
-        (g.results[5].tokens.len(), g.results[5].finish),
-        (13, FinishReason::Context)
+        (g.results[6].tokens.len(), g.results[6].finish),
+        (13, FinishReason::Length)
     );
     assert!(SpecEngine::new(target.clone(), Some(Arc::new(PromptLookup::default())), 0).is_err());
     assert_eq!(target.live_sequences(), 0);

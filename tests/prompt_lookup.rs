@@ -8,7 +8,9 @@ use specdraft::backend::{CpuBackend, DevicePtr};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
 use specdraft::speculative::conformance::{check_proposer, CheckOptions};
-use specdraft::speculative::{bitmask_words, DraftProposer, PromptLookup, ProposerState};
+use specdraft::speculative::{
+    bitmask_words, match_confidence, DraftProposer, PromptLookup, ProposerState,
+};
 use std::sync::Arc;
 
 #[path = "reference/ngram_scan.rs"]
@@ -45,6 +47,51 @@ fn propose(
 ) -> Vec<u32> {
     p.propose(last, DevicePtr::NULL, pos, n, s, ctx, 0, None, mask, None)
         .unwrap()
+}
+
+#[test]
+fn batch_confidence_grows_with_the_match_whatever_was_asked() {
+    let ctx = ctx(1000);
+    let p = PromptLookup::new(1, 3).unwrap();
+    // "1 2 3" matches 4 tokens counting back ("7 1 2 3"); "5 6" matches 2; "40" nothing.
+    let prompts: [&[u32]; 3] = [&[7, 1, 2, 3, 4, 5, 0, 7, 1, 2], &[5, 6, 5], &[30]];
+    let last = [3, 6, 40];
+    let run = |n: usize| {
+        let mut states: Vec<Box<dyn ProposerState>> =
+            prompts.iter().map(|pr| prefilled(&p, &ctx, pr)).collect();
+        let mut refs: Vec<&mut dyn ProposerState> = states
+            .iter_mut()
+            .map(|s| -> &mut dyn ProposerState { &mut **s })
+            .collect();
+        let positions: Vec<usize> = prompts.iter().map(|pr| pr.len()).collect();
+        let mut conf = Vec::new();
+        let drafts = p
+            .propose_batch(
+                &last,
+                &[DevicePtr::NULL; 3],
+                &positions,
+                n,
+                &mut refs,
+                &ctx,
+                0,
+                Some(&mut conf),
+            )
+            .unwrap()
+            .unwrap();
+        (drafts, conf)
+    };
+    let (drafts, conf) = run(4);
+    assert_eq!(drafts, vec![vec![4, 5, 0, 7], vec![5, 6], vec![]]);
+    assert_eq!(conf, vec![vec![0.8; 4], vec![2.0 / 3.0; 2], vec![]]);
+    assert_eq!(match_confidence(4), 0.8);
+    // Asking for one draft reports the same confidence in it: the calibration by
+    // confidence must not shift with the count the policy chose.
+    let (drafts, conf) = run(1);
+    assert_eq!(drafts, vec![vec![4], vec![5], vec![]]);
+    assert_eq!(conf, vec![vec![0.8], vec![2.0 / 3.0], vec![]]);
+    // Asking for none drafts nothing and reports nothing.
+    let (drafts, conf) = run(0);
+    assert!(drafts.iter().all(Vec::is_empty) && conf.iter().all(Vec::is_empty));
 }
 
 #[test]

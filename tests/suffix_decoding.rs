@@ -77,6 +77,35 @@ fn history_of(s: &dyn ProposerState) -> Vec<u32> {
 }
 
 #[test]
+fn a_repeated_prompt_drafts_its_earlier_output_from_the_first_token() {
+    let ctx = ctx(64);
+    let p = SuffixDecoding::default();
+    assert_eq!(
+        p.prompt_context(),
+        SuffixDecodingOptions::default().max_depth / 2
+    );
+    // Two earlier requests with different prompts (alike at the end, as a chat template
+    // makes them) whose outputs start with the same token and then part.
+    let prompts = [vec![5, 6, 7, 8, 1, 2], vec![9, 10, 11, 12, 1, 2]];
+    let outputs = [vec![20, 21, 22, 23, 24, 25], vec![20, 30, 31, 32, 33, 34]];
+    for (prompt, output) in prompts.iter().zip(&outputs) {
+        let mut s = prefilled(&p, &ctx, prompt);
+        for (i, &t) in output.iter().enumerate() {
+            propose(&p, &ctx, &mut *s, t, prompt.len() + i, 0, None);
+            p.after_verify(0, &mut *s, 0).unwrap();
+        }
+        p.free_state(&*ctx.gpu, &mut *s).unwrap();
+    }
+    // The second prompt again: from its first generated token, its own earlier output.
+    for (prompt, output) in prompts.iter().zip(&outputs) {
+        let mut s = prefilled(&p, &ctx, prompt);
+        let drafts = propose(&p, &ctx, &mut *s, output[0], prompt.len(), 4, None);
+        assert_eq!(drafts, output[1..5], "prompt {prompt:?}");
+        p.free_state(&*ctx.gpu, &mut *s).unwrap();
+    }
+}
+
+#[test]
 fn drafts_equal_a_brute_force_count_on_random_streams() {
     let vocab = 64;
     let ctx = ctx(vocab);
@@ -129,7 +158,8 @@ fn drafts_equal_a_brute_force_count_on_random_streams() {
             assert_eq!(history_of(&*s), history);
             p.free_state(&*ctx.gpu, &mut *s).unwrap();
             if history.len() > prompt_len {
-                outputs.push(history[prompt_len..].to_vec());
+                // The output goes in after the prompt's last max_depth / 2 tokens.
+                outputs.push(history[prompt_len.saturating_sub(o.max_depth / 2)..].to_vec());
             }
         }
         assert_eq!(p.shared_tree().unwrap().outputs, outputs.len());

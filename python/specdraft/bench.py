@@ -70,6 +70,10 @@ class RandomDrafter(specdraft.DraftProposer):
         target_hidden_stack: Any = None,  # noqa: ANN401
     ) -> list[int]:
         """``num_drafts`` random ids from the model's vocabulary."""
+        if num_drafts == 0:
+            # The policy's usual ask for a drafter this bad: return before building the
+            # config view, so the row measures the drafter and not that view.
+            return []
         vocab = ctx.config.vocab_size
         return [state.randrange(vocab) for _ in range(num_drafts)]
 
@@ -324,9 +328,8 @@ def run_model_bench(args: argparse.Namespace) -> int:
     from specdraft.cli_engine import load_for_bench, make_proposer, proposer_key
 
     try:
-        names = [proposer_key(n) or n for n in args.proposer] or [
-            n for n in PROPOSERS if n != BASELINE
-        ]
+        given = [n.strip() for arg in args.proposer for n in arg.split(",") if n.strip()]
+        names = [proposer_key(n) or n for n in given] or [n for n in PROPOSERS if n != BASELINE]
         names = [n for n in dict.fromkeys(names) if n != BASELINE]
         for n in names:
             if proposer_key(n) is None:
@@ -453,7 +456,8 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help=(
             f"one of {', '.join(n for n in PROPOSERS if n != BASELINE)}, or module:Class, "
-            "which imports and runs that module (repeatable; default: all of them)"
+            "which imports and runs that module (repeatable, or a comma list; default: all "
+            "of them)"
         ),
     )
     p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")

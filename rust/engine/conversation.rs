@@ -60,6 +60,7 @@ impl<T: Target> Conversation<T> {
         prompt.extend_from_slice(&request.prompt);
         request.prompt = prompt;
         self.engine.check_request(0, &request)?;
+        self.engine.check_fits(0, &request)?;
         let carry_in = vec![self.carried.take()];
         let prompt = request.prompt.clone();
         let (mut generation, mut carry_out) = self.engine.run(vec![request], carry_in, true);

@@ -2,13 +2,18 @@
 //! forward against the rows it holds, and of drafting against the drafts asked of one
 //! sequence, each measured on the running backend and refreshed as it runs.
 //!
-//! A [`CostCurve`] keeps an exponentially weighted mean of the measured seconds for each
-//! integer abscissa (rows, or drafts asked) and reads the straight line fitted through those
-//! means by least squares, each weighing as many measurements as it holds (up to
-//! [`FIT_WEIGHT_CAP`]): on a shared, noisy machine one point's noise would otherwise decide
-//! the slope between neighbours, which is all the policy acts on. The slope is never
-//! negative and the cost never below zero; with one point the curve is flat; with none it is
-//! unknown.
+//! A [`CostCurve`] keeps a weighted mean of the measured seconds for each integer abscissa
+//! (rows, or drafts asked) and reads the straight line fitted through those means by least
+//! squares, each weighing its measurements (up to [`FIT_WEIGHT_CAP`]): on a shared, noisy
+//! machine one point's noise would otherwise decide the slope between neighbours, which is
+//! all the policy acts on. The slope is never negative and the cost never below zero; with
+//! one point the curve is flat; with none it is unknown.
+//!
+//! Measurements age by the curve's own clock (one tick a record, at whatever abscissa):
+//! each keeps `keep` of its weight at every later record. So a point the engine stopped
+//! visiting (the cost of many rows, measured early or while the machine was loaded) loses
+//! its say in the fit and is replaced, not nudged, by its next measurement, and
+//! [`CostCurve::age`] tells the policy how old the widest point is so it can measure it again.
 //!
 //! [`CostModel`] is the seam tests use: the engine records what it measured and reads a
 //! snapshot ([`CostCurves`]) once a step, so a test model that ignores the records and
@@ -20,35 +25,101 @@ use std::sync::Mutex;
 /// Most measurements one point weighs in the fit.
 pub const FIT_WEIGHT_CAP: f64 = 16.0;
 
+/// One abscissa's measurements: their weighted mean, their weight when last recorded, and
+/// the curve's clock then.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Point {
+    mean: f64,
+    weight: f64,
+    stamp: u64,
+}
+
 /// Measured cost (seconds) against an integer abscissa.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CostCurve {
-    /// Mean seconds and measurements held, by abscissa.
-    points: BTreeMap<usize, (f64, f64)>,
+    points: BTreeMap<usize, Point>,
+    /// Share of its weight a measurement keeps at each later record (1: never ages).
+    keep: f64,
+    /// Records so far.
+    clock: u64,
+}
+
+impl Default for CostCurve {
+    /// An empty curve whose measurements never age.
+    fn default() -> Self {
+        CostCurve::forgetting(0.0)
+    }
 }
 
 impl CostCurve {
-    /// A curve through fixed `(x, seconds)` points (a later duplicate `x` wins), each
-    /// weighing one measurement.
-    pub fn from_points(points: impl IntoIterator<Item = (usize, f64)>) -> Self {
+    /// An empty curve whose measurements lose `forget` (clamped to 0..1) of their weight at
+    /// each later record: for a point measured at every record, a new measurement moves the
+    /// mean by about `forget` of the difference.
+    pub fn forgetting(forget: f64) -> Self {
         CostCurve {
-            points: points.into_iter().map(|(x, y)| (x, (y, 1.0))).collect(),
+            points: BTreeMap::new(),
+            keep: 1.0 - forget.clamp(0.0, 1.0),
+            clock: 0,
         }
     }
 
-    /// Folds a measurement into the mean at `x`: the first one sets it, later ones move it
-    /// by `weight` (0 to 1) of the difference.
-    pub fn record(&mut self, x: usize, seconds: f64, weight: f64) {
+    /// A curve through fixed `(x, seconds)` points (a later duplicate `x` wins), each
+    /// weighing one measurement, that never ages.
+    pub fn from_points(points: impl IntoIterator<Item = (usize, f64)>) -> Self {
+        CostCurve {
+            points: points
+                .into_iter()
+                .map(|(x, mean)| {
+                    let p = Point {
+                        mean,
+                        weight: 1.0,
+                        stamp: 0,
+                    };
+                    (x, p)
+                })
+                .collect(),
+            ..CostCurve::default()
+        }
+    }
+
+    /// Folds a measurement into the mean at `x`, weighing one against the aged weight of
+    /// the earlier ones there (at most [`FIT_WEIGHT_CAP`]).
+    pub fn record(&mut self, x: usize, seconds: f64) {
         if !seconds.is_finite() || seconds < 0.0 {
             return;
         }
-        self.points
-            .entry(x)
-            .and_modify(|(m, n)| {
-                *m += weight * (seconds - *m);
-                *n = (*n + 1.0).min(FIT_WEIGHT_CAP);
-            })
-            .or_insert((seconds, 1.0));
+        self.clock += 1;
+        let clock = self.clock;
+        let old = self.points.get(&x).map(|p| (p.mean, self.aged(p)));
+        let (mean, weight) = match old {
+            Some((m, w)) => ((w * m + seconds) / (w + 1.0), (w + 1.0).min(FIT_WEIGHT_CAP)),
+            None => (seconds, 1.0),
+        };
+        self.points.insert(
+            x,
+            Point {
+                mean,
+                weight,
+                stamp: clock,
+            },
+        );
+    }
+
+    /// `p`'s weight now.
+    fn aged(&self, p: &Point) -> f64 {
+        let age = self.clock.saturating_sub(p.stamp).min(i32::MAX as u64) as i32;
+        p.weight * self.keep.powi(age)
+    }
+
+    /// Records so far (the clock measurements age by).
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// Records since the widest abscissa was last measured; `None` when nothing was.
+    pub fn age(&self) -> Option<u64> {
+        let (_, p) = self.points.last_key_value()?;
+        Some(self.clock.saturating_sub(p.stamp))
     }
 
     /// Distinct abscissas measured.
@@ -68,19 +139,30 @@ impl CostCurve {
 
     /// The fitted line's `(intercept, slope)`; `None` when nothing was measured.
     pub fn line(&self) -> Option<(f64, f64)> {
+        let weighted: Vec<(f64, f64, f64)> = self
+            .points
+            .iter()
+            .map(|(&x, p)| (x as f64, p.mean, self.aged(p).min(FIT_WEIGHT_CAP)))
+            .collect();
         let (mut sw, mut sx, mut sy) = (0.0, 0.0, 0.0);
-        for (&x, &(y, w)) in &self.points {
+        for &(x, y, w) in &weighted {
             sw += w;
-            sx += w * x as f64;
+            sx += w * x;
             sy += w * y;
         }
-        if sw == 0.0 {
+        if weighted.is_empty() {
             return None;
+        }
+        if sw <= 0.0 {
+            // Every point aged to nothing (only when forgetting everything at once): the
+            // plain mean of the means.
+            let n = weighted.len() as f64;
+            return Some((weighted.iter().map(|p| p.1).sum::<f64>() / n, 0.0));
         }
         let (mx, my) = (sx / sw, sy / sw);
         let (mut sxx, mut sxy) = (0.0, 0.0);
-        for (&x, &(y, w)) in &self.points {
-            let dx = x as f64 - mx;
+        for &(x, y, w) in &weighted {
+            let dx = x - mx;
             sxx += w * dx * dx;
             sxy += w * dx * (y - my);
         }
@@ -115,20 +197,23 @@ pub trait CostModel: Send + Sync {
     fn curves(&self) -> CostCurves;
 }
 
-/// The measured cost model: exponentially weighted means of what the engine records.
+/// The measured cost model: ageing weighted means of what the engine records.
 #[derive(Debug)]
 pub struct MeasuredCost {
     curves: Mutex<CostCurves>,
-    weight: f64,
 }
 
 impl MeasuredCost {
-    /// Each new measurement moves its point's mean by `weight` (clamped to 0.01..1) of the
-    /// difference: about the last `1 / weight` measurements count.
+    /// Each measurement loses `weight` (clamped to 0.01..1) of its weight at every later
+    /// record to its curve: about the last `1 / weight` records count, and a point not
+    /// measured for many more than that is replaced by its next measurement.
     pub fn new(weight: f64) -> Self {
+        let weight = weight.clamp(0.01, 1.0);
         MeasuredCost {
-            curves: Mutex::new(CostCurves::default()),
-            weight: weight.clamp(0.01, 1.0),
+            curves: Mutex::new(CostCurves {
+                verify: CostCurve::forgetting(weight),
+                draft: CostCurve::forgetting(weight),
+            }),
         }
     }
 
@@ -140,8 +225,9 @@ impl MeasuredCost {
 }
 
 impl Default for MeasuredCost {
-    /// About the last 20 measurements of each point count: on a shared machine a step's
-    /// time varies by tens of percent, more than one verify row costs.
+    /// About the last 20 records of each curve count: on a shared machine a step's time
+    /// varies by tens of percent, more than one verify row costs, yet a point measured 60
+    /// records ago keeps a tenth of its say.
     fn default() -> Self {
         MeasuredCost::new(0.05)
     }
@@ -149,13 +235,11 @@ impl Default for MeasuredCost {
 
 impl CostModel for MeasuredCost {
     fn record_verify(&self, rows: usize, seconds: f64) {
-        let w = self.weight;
-        self.with(|c| c.verify.record(rows, seconds, w));
+        self.with(|c| c.verify.record(rows, seconds));
     }
 
     fn record_draft(&self, asked: usize, seconds: f64) {
-        let w = self.weight;
-        self.with(|c| c.draft.record(asked, seconds, w));
+        self.with(|c| c.draft.record(asked, seconds));
     }
 
     fn curves(&self) -> CostCurves {
@@ -197,29 +281,59 @@ mod tests {
         // A point measured more often weighs more: 3 measurements at 1 s against one 3 s.
         let mut w = CostCurve::default();
         for _ in 0..3 {
-            w.record(2, 1.0, 0.5);
+            w.record(2, 1.0);
         }
-        w.record(4, 3.0, 0.5);
-        w.record(6, 3.0, 0.5);
+        w.record(4, 3.0);
+        w.record(6, 3.0);
         // Weighted means x 3.2, y 1.8; sxx 12.8, sxy 7.2: slope 0.5625, intercept 0.
         let (a, b) = w.line().unwrap();
         assert!((b - 0.5625).abs() < 1e-12 && a.abs() < 1e-12, "{a} {b}");
     }
 
     #[test]
-    fn records_are_exponentially_weighted_and_bad_ones_ignored() {
+    fn records_age_by_the_curves_clock_and_bad_ones_are_ignored() {
         let m = MeasuredCost::new(0.5);
         m.record_verify(2, 4.0);
-        m.record_verify(2, 2.0);
+        m.record_verify(2, 1.0);
         m.record_verify(2, f64::NAN);
         m.record_verify(2, -1.0);
         m.record_draft(0, 0.25);
         let c = m.curves();
-        assert_eq!(c.verify.at(2.0), Some(3.0));
-        assert_eq!(c.verify.len(), 1);
+        // The first measurement kept half its weight: (0.5 * 4 + 1) / 1.5.
+        assert_eq!(c.verify.at(2.0), Some(2.0));
+        assert_eq!((c.verify.len(), c.verify.clock()), (1, 2));
         assert_eq!(c.draft.at(0.0), Some(0.25));
         let fixed = FixedCost(c.clone());
         fixed.record_verify(2, 100.0);
         assert_eq!(fixed.curves(), c);
+    }
+
+    #[test]
+    fn a_point_left_alone_is_replaced_by_its_next_measurement() {
+        let run = |forget: f64| {
+            let mut c = CostCurve::forgetting(forget);
+            // Many rows measured once, slow (early, or under load); then only one row.
+            c.record(8, 10.0);
+            for _ in 0..40 {
+                c.record(1, 1.0);
+                c.record(2, 1.25);
+            }
+            assert_eq!(c.age(), Some(80));
+            c.record(8, 2.75);
+            assert_eq!(c.age(), Some(0));
+            c
+        };
+        // Ageing: the stale 10 s is all but gone, and the line runs through the fresh
+        // figures (1 s + 0.25 s a row).
+        let (a, b) = run(0.05).line().unwrap();
+        assert!(
+            (b - 0.25).abs() < 0.03 && (a - 0.75).abs() < 0.03,
+            "{a} {b}"
+        );
+        // Without it, the old measurement still weighs as much as the new one.
+        let (_, b) = run(0.0).line().unwrap();
+        assert!(b > 0.4, "{b}");
+        // A never-ageing curve keeps weighing every point; an empty one has no age.
+        assert_eq!(CostCurve::default().age(), None);
     }
 }

@@ -8,8 +8,8 @@
 //! Invariants:
 //! - Drafts are only ever cut at the end (the ones kept are a prefix), so verification,
 //!   `after_verify` and greedy output are unaffected.
-//! - Confidences of 1 or more say nothing (a lookup reports every draft as sure): a step
-//!   whose drafts all carry them is never cut.
+//! - Confidences of 1 or more say nothing (a proposer reporting every draft as sure): a
+//!   step whose drafts all carry them is never cut.
 
 /// Confidence bins a draft position is split into.
 const BINS: usize = 10;

@@ -31,13 +31,19 @@
 //!   becomes predictable; no probe is made where even a sure draft would not pay. A new
 //!   sequence starts with the engine's wait (doubled by every failed probe, reset by every
 //!   accepted one), so a drafter that is never right is not probed afresh each request.
+//! - The verify cost's measurements age (see `cost_model`). When the widest row count
+//!   measured is [`REFRESH_AGE`] records old or more and the step would draft more at a
+//!   cheaper cost a row (the fitted one halved once and again for every [`REFRESH_AGE`]
+//!   records of that age, never below the floor), the step is planned at that cost, so the wide end of the
+//!   line is measured again (at most once in [`REFRESH_AGE`] records). A drafter that would
+//!   not pay even at the floor (one that is never right) is never refreshed for.
 //! - Where `propose_batch` reports its confidence in each draft, the drafts of a step are
 //!   cut where their calibrated chance of acceptance would not pay for their verify rows
 //!   (see `draft_confidence`).
 //! - Choices are a pure function of the cost curves and the recorded outcomes: with a
 //!   fixed cost model ([`super::FixedCost`]) a run is exactly reproducible.
 
-use super::cost_model::{CostCurves, CostModel, MeasuredCost};
+use super::cost_model::{CostCurve, CostCurves, CostModel, MeasuredCost};
 use super::draft_confidence::Calibration;
 use super::EngineError;
 use std::sync::{Arc, Mutex};
@@ -59,6 +65,9 @@ const PROBE_MAX: usize = 64;
 const MIN_ROW_SHARE: f64 = 0.05;
 /// Rounds of choosing each sequence's count against the others'.
 const ROUNDS: usize = 4;
+/// Verify records after which the widest measured row count is stale and, where cheaper
+/// rows would change the choice, measured again (at most once in as many records).
+const REFRESH_AGE: u64 = 32;
 
 /// Which rule picks the draft count.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -153,6 +162,8 @@ struct EnginePrior {
     probe_every: usize,
     /// How often drafts were accepted against the confidence the proposer reported.
     calibration: Calibration,
+    /// The verify curve's clock at the last refresh of its wide end.
+    refreshed_at: u64,
 }
 
 /// One sequence's policy state.
@@ -204,6 +215,76 @@ struct Outlook {
     gain: Vec<f64>,
     rows: Vec<f64>,
     draft: Vec<f64>,
+}
+
+/// A step's counts and what they add up to: expected tokens, expected verify rows and
+/// drafting seconds.
+struct Choice {
+    k: Vec<usize>,
+    tokens: f64,
+    rows: f64,
+    draft: f64,
+}
+
+/// The verify cost the policy reads: the fitted cost at the step's base rows, plus
+/// `per_row` for each row beyond them.
+#[derive(Clone, Copy)]
+struct RowCost {
+    base_rows: f64,
+    base_cost: f64,
+    per_row: f64,
+}
+
+impl RowCost {
+    fn verify(&self, rows: f64) -> f64 {
+        (self.base_cost + self.per_row * (rows - self.base_rows)).max(0.0)
+    }
+
+    /// Expected tokens per second.
+    fn rate(&self, tokens: f64, rows: f64, draft: f64) -> f64 {
+        tokens / (self.verify(rows) + draft).max(1e-12)
+    }
+
+    /// The counts that maximise the step's rate, each sequence chosen against the others'
+    /// current choice until none changes.
+    fn best(&self, outlooks: &[Outlook]) -> Choice {
+        let mut c = Choice {
+            k: vec![0; outlooks.len()],
+            tokens: self.base_rows,
+            rows: self.base_rows,
+            draft: outlooks.iter().map(|o| o.draft[0]).sum(),
+        };
+        for _ in 0..ROUNDS {
+            let mut changed = false;
+            for (i, o) in outlooks.iter().enumerate() {
+                c.tokens -= o.gain[c.k[i]];
+                c.rows -= o.rows[c.k[i]];
+                c.draft -= o.draft[c.k[i]];
+                let mut best = 0;
+                let mut best_rate = self.rate(c.tokens, c.rows, c.draft + o.draft[0]);
+                for n in 1..o.gain.len() {
+                    let r = self.rate(
+                        c.tokens + o.gain[n],
+                        c.rows + o.rows[n],
+                        c.draft + o.draft[n],
+                    );
+                    if r > best_rate * (1.0 + 1e-9) {
+                        best = n;
+                        best_rate = r;
+                    }
+                }
+                changed |= best != c.k[i];
+                c.k[i] = best;
+                c.tokens += o.gain[best];
+                c.rows += o.rows[best];
+                c.draft += o.draft[best];
+            }
+            if !changed {
+                break;
+            }
+        }
+        c
+    }
 }
 
 impl DraftPolicy {
@@ -262,53 +343,58 @@ impl DraftPolicy {
         // then any drafter, however rarely right, would look free.
         let (intercept, slope) = curves.verify.line().unwrap_or((0.0, 0.0));
         let base_cost = (intercept + slope * base_rows as f64).max(0.0);
-        let per_row = slope.max(MIN_ROW_SHARE * base_cost / base_rows as f64);
-        let verify = |rows: f64| (base_cost + per_row * (rows - base_rows as f64)).max(0.0);
-        let rate = |tokens: f64, rows: f64, draft: f64| tokens / (verify(rows) + draft).max(1e-12);
-        let mut k = vec![0usize; candidates.len()];
-        let mut tokens = base_rows as f64;
-        let mut rows = base_rows as f64;
-        let mut draft: f64 = outlooks.iter().map(|o| o.draft[0]).sum();
-        for _ in 0..ROUNDS {
-            let mut changed = false;
-            for (i, o) in outlooks.iter().enumerate() {
-                tokens -= o.gain[k[i]];
-                rows -= o.rows[k[i]];
-                draft -= o.draft[k[i]];
-                let mut best = 0;
-                let mut best_rate = rate(tokens, rows, draft + o.draft[0]);
-                for n in 1..o.gain.len() {
-                    let r = rate(tokens + o.gain[n], rows + o.rows[n], draft + o.draft[n]);
-                    if r > best_rate * (1.0 + 1e-9) {
-                        best = n;
-                        best_rate = r;
-                    }
-                }
-                changed |= best != k[i];
-                k[i] = best;
-                tokens += o.gain[best];
-                rows += o.rows[best];
-                draft += o.draft[best];
-            }
-            if !changed {
-                break;
+        let floor = MIN_ROW_SHARE * base_cost / base_rows as f64;
+        let mut cost = RowCost {
+            base_rows: base_rows as f64,
+            base_cost,
+            per_row: slope.max(floor),
+        };
+        let mut c = cost.best(&outlooks);
+        // Refresh: once the widest row count measured is stale, a step that cheaper rows
+        // would fill with more drafts is taken as if they were that cheap, so the wide end
+        // of the line is measured again instead of holding the policy back for good.
+        if let Some(cheap) = self.refresh(&curves.verify, cost, floor) {
+            let alt = cheap.best(&outlooks);
+            if alt.k.iter().sum::<usize>() > c.k.iter().sum::<usize>() {
+                self.prior().refreshed_at = curves.verify.clock();
+                (cost, c) = (cheap, alt);
             }
         }
         // Probes: a sequence idle long enough gets one draft, if one sure draft would pay.
-        for (i, (c, o)) in candidates.iter().zip(&outlooks).enumerate() {
-            if k[i] != 0 || c.budget == 0 || !self.probe_due(c.stats) {
+        for (i, (cand, o)) in candidates.iter().zip(&outlooks).enumerate() {
+            if c.k[i] != 0 || cand.budget == 0 || !self.probe_due(cand.stats) {
                 continue;
             }
-            let now = rate(tokens, rows, draft);
-            let sure = rate(tokens + 1.0, rows + 1.0, draft - o.draft[0] + o.draft[1]);
+            let now = cost.rate(c.tokens, c.rows, c.draft);
+            let sure = cost.rate(
+                c.tokens + 1.0,
+                c.rows + 1.0,
+                c.draft - o.draft[0] + o.draft[1],
+            );
             if sure > now {
-                k[i] = 1;
-                tokens += 1.0;
-                rows += 1.0;
-                draft += o.draft[1] - o.draft[0];
+                c.k[i] = 1;
+                c.tokens += 1.0;
+                c.rows += 1.0;
+                c.draft += o.draft[1] - o.draft[0];
             }
         }
-        (k, per_row * rate(tokens, rows, draft))
+        let min_gain = cost.per_row * cost.rate(c.tokens, c.rows, c.draft);
+        (c.k, min_gain)
+    }
+
+    /// The cheaper row cost a refresh of `verify`'s wide end supposes, when one is due:
+    /// halved once, and once more for every [`REFRESH_AGE`] records the widest point has
+    /// gone unmeasured (the staler the line, the further off it may be), never below
+    /// `floor`. A bench engine runs a few hundred steps, so the first refresh must already
+    /// suppose rows several times cheaper.
+    fn refresh(&self, verify: &CostCurve, cost: RowCost, floor: f64) -> Option<RowCost> {
+        let age = verify.age().filter(|&age| age >= REFRESH_AGE)?;
+        let rested = verify.clock().saturating_sub(self.prior().refreshed_at) >= REFRESH_AGE;
+        let halvings = (1.0 + age as f64 / REFRESH_AGE as f64).min(64.0);
+        rested.then(|| RowCost {
+            per_row: (cost.per_row * 0.5f64.powf(halvings)).max(floor),
+            ..cost
+        })
     }
 
     /// Cuts `drafts` where the proposer's calibrated confidence (`confs`, one a draft) says
@@ -536,5 +622,70 @@ mod tests {
             }
         }
         assert!(choose(&p, std::slice::from_ref(&stats), &[4], 0)[0] > 0);
+    }
+
+    #[test]
+    fn a_stale_wide_cost_is_measured_again_only_where_drafts_could_pay() {
+        // Early, under load, 5 rows took 10 s; since then only plain 1 s steps ran.
+        let setup = || {
+            let cost = Arc::new(MeasuredCost::new(0.05));
+            cost.record_verify(5, 10.0);
+            for _ in 0..REFRESH_AGE - 1 {
+                cost.record_verify(1, 1.0);
+            }
+            let p = DraftPolicy::new(DraftPolicyKind::Adaptive, cost.clone());
+            (cost, p)
+        };
+        let observed = |p: &DraftPolicy, accepted: usize| {
+            let mut stats = SequenceDraftStats::default();
+            for _ in 0..6 {
+                stats.asked = Some(4);
+                p.observe(&mut stats, 4, accepted);
+            }
+            stats
+        };
+        // Runs `steps` steps of one sequence whose verify really costs `per_row` a row
+        // beyond 1 s and whose drafts are all accepted (`right`) or all rejected; returns
+        // the counts asked.
+        let run = |cost: &MeasuredCost,
+                   p: &DraftPolicy,
+                   stats: &mut SequenceDraftStats,
+                   right: bool,
+                   per_row: f64,
+                   steps: u64| {
+            (0..steps)
+                .map(|_| {
+                    let k = choose(p, std::slice::from_ref(stats), &[4], 0)[0];
+                    cost.record_verify(1 + k, 1.0 + per_row * k as f64);
+                    stats.probing = k > 0 && p.probe_due(stats);
+                    stats.asked = Some(k);
+                    p.observe(stats, k, if right { k } else { 0 });
+                    k
+                })
+                .collect::<Vec<usize>>()
+        };
+        // Always right, rows cheap (0.25 s) in truth: nothing before the wide end is
+        // REFRESH_AGE records old, a refresh within two more REFRESH_AGE, and from then
+        // on the line is right again and the whole budget is asked.
+        let (cost, p) = setup();
+        let mut oracle = observed(&p, 4);
+        assert_eq!(choose(&p, std::slice::from_ref(&oracle), &[4], 0), vec![0]);
+        let asks = run(&cost, &p, &mut oracle, true, 0.25, 3 * REFRESH_AGE);
+        let first = asks.iter().position(|&k| k > 0).expect("never refreshed");
+        assert!(first > 0 && first <= 2 * REFRESH_AGE as usize, "{asks:?}");
+        assert!(asks[first + 30..].iter().all(|&k| k == 4), "{asks:?}");
+        // Rows as dear as the old figure said: refreshed at most once in REFRESH_AGE
+        // records, and otherwise left at none.
+        let (cost, p) = setup();
+        let mut oracle = observed(&p, 4);
+        let asks = run(&cost, &p, &mut oracle, true, 2.25, 10 * REFRESH_AGE);
+        let drafting = asks.iter().filter(|&&k| k > 0).count();
+        assert!((1..=10).contains(&drafting), "{drafting} of {}", asks.len());
+        // Never right: no refresh, however stale; only the one-draft probes, ever rarer.
+        let (cost, p) = setup();
+        let mut random = observed(&p, 0);
+        let asks = run(&cost, &p, &mut random, false, 0.25, 10 * REFRESH_AGE);
+        let probes = asks.iter().filter(|&&k| k > 0).count();
+        assert!(asks.iter().all(|&k| k <= 1) && probes <= 20, "{asks:?}");
     }
 }

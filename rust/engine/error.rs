@@ -79,6 +79,19 @@ pub enum EngineError {
         /// The target's context length in tokens.
         max_seq_len: usize,
     },
+    /// A request whose prompt plus `max_tokens` is longer than the target's context, so it
+    /// could never run to its `max_tokens`.
+    #[error("request {request}: the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is {total} tokens, beyond the model's context of {max_seq_len} (lower max_tokens to at most {room} or shorten the prompt)", total = .prompt_len + .max_tokens, room = .max_seq_len.saturating_sub(*.prompt_len))]
+    ExceedsContext {
+        /// Index of the request in the call's request list.
+        request: usize,
+        /// The prompt's length in tokens.
+        prompt_len: usize,
+        /// The request's `max_tokens`.
+        max_tokens: usize,
+        /// The target's context length in tokens.
+        max_seq_len: usize,
+    },
     /// A prompt token outside the vocabulary.
     #[error("request {request}: prompt token {token} at index {index} is outside the vocabulary of {vocab_size}")]
     PromptTokenOutOfVocab {
@@ -174,6 +187,7 @@ impl EngineError {
             self,
             EngineError::EmptyPrompt { .. }
                 | EngineError::PromptTooLong { .. }
+                | EngineError::ExceedsContext { .. }
                 | EngineError::PromptTokenOutOfVocab { .. }
                 | EngineError::InvalidArgument { .. }
         )

@@ -347,14 +347,24 @@ impl<T: Target> SpecEngine<T> {
         Ok(())
     }
 
-    /// Checks that the target's KV pool can ever hold `request`: the most rows it can need
-    /// (prompt plus `max_tokens`, cut at the context, less the last token, which never
-    /// enters the KV) must fit the whole pool.
+    /// Checks that `request` can ever run to its `max_tokens`: prompt plus `max_tokens` must
+    /// fit the target's context, and the most KV rows it can need (that sum less the last
+    /// token, which never enters the KV) must fit the target's whole KV pool. A request
+    /// refused here fails alone, before it holds anything.
     pub fn check_fits(
         &self,
         index: usize,
         request: &GenerateRequest,
     ) -> std::result::Result<(), EngineError> {
+        let max_seq_len = self.target.max_seq_len();
+        if request.prompt.len().saturating_add(request.max_tokens) > max_seq_len {
+            return Err(EngineError::ExceedsContext {
+                request: index,
+                prompt_len: request.prompt.len(),
+                max_tokens: request.max_tokens,
+                max_seq_len,
+            });
+        }
         let Some(pool) = self.target.kv_pool() else {
             return Ok(());
         };

@@ -161,6 +161,7 @@ fn engine_class(e: &EngineError) -> Class {
     match e {
         EngineError::EmptyPrompt { .. }
         | EngineError::PromptTooLong { .. }
+        | EngineError::ExceedsContext { .. }
         | EngineError::PromptTokenOutOfVocab { .. }
         | EngineError::InvalidArgument { .. } => Class::Request,
         // What failed decides the class; a "bad argument" found mid-run is the engine's

@@ -21,7 +21,10 @@ pub mod suffix;
 pub use error::ProposerError;
 pub use grammar::{bitmask_allows, bitmask_words};
 pub use mtp::{MtpHead, MtpQuantization, MtpState, MtpWeights};
-pub use prompt_lookup::{PromptLookup, PromptLookupState, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM};
+pub use prompt_lookup::{
+    match_confidence, PromptLookup, PromptLookupState, CONFIDENCE_MATCH, DEFAULT_MAX_NGRAM,
+    DEFAULT_MIN_NGRAM,
+};
 pub(crate) use protocol::with_protocol_methods;
 pub use protocol::{
     DraftBinding, DraftProposer, DraftRunner, ProposerState, ProtocolMethod, WeightSlot,

@@ -59,6 +59,20 @@ pub const DEFAULT_MIN_NGRAM: usize = 2;
 /// See [`DEFAULT_MIN_NGRAM`].
 pub const DEFAULT_MAX_NGRAM: usize = 4;
 
+/// Matched tokens counted, at least, for [`match_confidence`].
+pub const CONFIDENCE_MATCH: usize = 8;
+
+/// The confidence `propose_batch` reports for each draft continuing a match of `matched`
+/// tokens: `matched / (matched + 1)`. A lookup's drafts are not random, so this is no
+/// probability; it is below one and grows with the match so that the engine's calibration
+/// (acceptance measured by draft position and reported confidence) learns how often drafts
+/// from short matches are accepted on the running text, and drops them where they would not
+/// pay for their verify rows (a two-token coincidence in open-ended text).
+pub fn match_confidence(matched: usize) -> f32 {
+    let m = matched as f32;
+    m / (m + 1.0)
+}
+
 impl Default for PromptLookup {
     fn default() -> Self {
         PromptLookup {
@@ -135,25 +149,37 @@ impl PromptLookup {
     /// matching suffix: as many tokens as the occurrence matches (at most `num_drafts`),
     /// cut before the first token `mask` forbids.
     fn draft(index: &NgramIndex, num_drafts: usize, mask: Option<&[i32]>) -> Vec<u32> {
+        Self::draft_matched(index, num_drafts, mask).0
+    }
+
+    /// [`Self::draft`]'s drafts and the tokens the occurrence matches (counted up to
+    /// `num_drafts` or [`CONFIDENCE_MATCH`], whichever is more, so the count does not
+    /// depend on how many drafts a step asked for below that).
+    fn draft_matched(
+        index: &NgramIndex,
+        num_drafts: usize,
+        mask: Option<&[i32]>,
+    ) -> (Vec<u32>, usize) {
         let Some((start, n)) = index.longest_match() else {
-            return Vec::new();
+            return (Vec::new(), 0);
         };
         let tokens = index.tokens();
         let len = tokens.len();
         // Count the match back past the n-gram while the tokens before the occurrence and
-        // before the suffix agree; past num_drafts a longer match earns nothing more.
+        // before the suffix agree.
         let matched = n
             + (1..=start)
-                .take(num_drafts.saturating_sub(n))
+                .take(num_drafts.max(CONFIDENCE_MATCH).saturating_sub(n))
                 .take_while(|&back| tokens[start - back] == tokens[len - n - back])
                 .count();
         let from = start + n;
         let to = (from + matched.min(num_drafts)).min(len);
-        tokens[from..to]
+        let drafts = tokens[from..to]
             .iter()
             .copied()
             .take_while(|&t| mask.is_none_or(|m| bitmask_allows(m, t)))
-            .collect()
+            .collect();
+        (drafts, matched)
     }
 
     fn new_state(&self) -> PromptLookupState {
@@ -163,6 +189,8 @@ impl PromptLookup {
         }
     }
 
+    /// Records `last_token` at `position` and drafts; returns the drafts and the tokens
+    /// their occurrence matches.
     fn propose_one(
         &self,
         last_token: u32,
@@ -171,15 +199,20 @@ impl PromptLookup {
         state: &mut dyn ProposerState,
         vocab_size: usize,
         mask: Option<&[i32]>,
-    ) -> Result<Vec<u32>> {
+    ) -> Result<(Vec<u32>, usize)> {
         check_vocab("propose", &[last_token], vocab_size)?;
         let st = state_of(state, "propose")?;
         // `position` is where `last_token` sits in the sequence: anything at or after it
         // is a leftover of an earlier propose from this point.
         st.history.truncate(position);
         st.history.push(last_token);
-        st.pending = Self::draft(&st.history, num_drafts, mask);
-        Ok(st.pending.clone())
+        if num_drafts == 0 {
+            st.pending.clear();
+            return Ok((Vec::new(), 0));
+        }
+        let (drafts, matched) = Self::draft_matched(&st.history, num_drafts, mask);
+        st.pending.clone_from(&drafts);
+        Ok((drafts, matched))
     }
 }
 
@@ -209,6 +242,7 @@ impl DraftProposer for PromptLookup {
             ctx.config.vocab_size,
             grammar_bitmask,
         )
+        .map(|(drafts, _)| drafts)
     }
 
     fn after_verify(
@@ -281,19 +315,21 @@ impl DraftProposer for PromptLookup {
             .into());
         }
         let mut drafts = Vec::with_capacity(n);
+        let mut confs = Vec::with_capacity(n);
         for i in 0..n {
-            drafts.push(self.propose_one(
+            let (d, matched) = self.propose_one(
                 last_tokens[i],
                 positions[i],
                 num_drafts,
                 &mut *states[i],
                 ctx.config.vocab_size,
                 None,
-            )?);
+            )?;
+            confs.push(vec![match_confidence(matched); d.len()]);
+            drafts.push(d);
         }
         if let Some(conf) = out_conf {
-            // A lookup is deterministic: each draft is proposed with probability one.
-            *conf = drafts.iter().map(|d| vec![1.0; d.len()]).collect();
+            *conf = confs;
         }
         Ok(Some(drafts))
     }

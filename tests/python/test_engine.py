@@ -186,6 +186,22 @@ def test_bad_requests_raise_request_error_before_anything_runs(model_path, gpu) 
         specdraft.SpecEngine(model, object())
 
 
+def test_a_request_beyond_the_context_fails_alone_naming_its_numbers(model_path, gpu) -> None:
+    model = _load(model_path, gpu)
+    engine = specdraft.SpecEngine(model, specdraft.PromptLookup())
+    prompts = [[1, 2, 3], [1, 2] * 125, [4, 5]]
+    alone = engine.generate([prompts[0], prompts[2]], max_tokens=10, ignore_eos=True)
+    results = engine.generate(prompts, max_tokens=10, ignore_eos=True)
+    bad = results[1]
+    assert bad.finish_reason == "error" and list(bad.tokens) == []
+    assert isinstance(bad.error, specdraft.RequestError), repr(bad.error)
+    message = str(bad.error)
+    assert "request 1: the prompt (250 tokens) plus max_tokens (10)" in message, message
+    assert "context of 256" in message and "at most 6" in message, message
+    assert [list(r.tokens) for r in (results[0], results[2])] == _tokens(alone)
+    assert all(r.error is None for r in (results[0], results[2]))
+
+
 def test_text_without_a_tokenizer_is_a_request_error(tmp_path, gpu) -> None:
     path = tmp_path / "no-tokenizer.gguf"
     write_tiny_llama(path, vocab=VOCAB)
@@ -408,6 +424,8 @@ def test_a_bad_turn_raises_and_changes_nothing(model_path, gpu) -> None:
     history, messages, carried = conv.history, conv.messages, conv.carried_rows
     with pytest.raises(specdraft.RequestError, match="context holds 64"):
         conv.send("x" * 80)
+    with pytest.raises(specdraft.RequestError, match=r"max_tokens \(100\).*context of 64"):
+        conv.send("again", max_tokens=100)
     with pytest.raises(specdraft.RequestError, match="temperature"):
         conv.send("again", temperature=-2.0)
     assert (conv.history, conv.messages, conv.carried_rows) == (history, messages, carried)
@@ -430,9 +448,7 @@ def test_bench_and_generate_commands(model_path, capsys) -> None:
         "12",
         "--json",
         "--proposer",
-        "prompt-lookup",
-        "--proposer",
-        f"{__name__}:PyLookup",
+        f"prompt-lookup,{__name__}:PyLookup",
     )
     out = capsys.readouterr()
     assert code == 0, out.err
@@ -457,6 +473,10 @@ def test_bench_and_generate_commands(model_path, capsys) -> None:
     code = _cli("generate", *common, "--prompt", "hello", "--max-tokens", "5")
     out = capsys.readouterr()
     assert code == 0 and "tokens (" in out.err
+    small = ["--model", str(model_path), "--device", "cpu", "--max-seq-len", "32"]
+    assert _cli("generate", *small, "--prompt", "hello", "--max-tokens", "64") == 1
+    err = capsys.readouterr().err
+    assert "max_tokens (64)" in err and "beyond the model's context of 32" in err, err
     assert _cli("bench", *common, "--proposer", "no.such.module:X") == 2
     assert "cannot import" in capsys.readouterr().err
 

@@ -392,7 +392,10 @@ def test_rust_proposer_batch_from_python_matches_single_proposes(gpu, ctx):
     )
     # The second history matches two tokens ("1 2"), which earns two drafts.
     assert drafts == [[7, 8, 9], [3, 1]]
-    assert conf == [[1.0] * 3, [1.0] * 2]
+    # Each draft carries matched / (matched + 1): the first occurrence matches 7 tokens
+    # ("5 6 7 8 9 5 6", counted back past the 4-gram), the second 2.
+    assert conf[0] == [7 / 8] * 3
+    assert conf[1] == pytest.approx([2 / 3] * 2, abs=1e-6)
     with pytest.raises(ProposerError, match="already in use"):
         pl.propose_batch([1, 1], [DevicePtr.NULL] * 2, [0, 0], 3, [states[0]] * 2, ctx)
 

@@ -40,9 +40,10 @@ def test_drafts_from_its_own_history_and_from_earlier_outputs(gpu, ctx) -> None:
     sd.after_verify(1, st)
     with pytest.raises(ProposerError, match="outside the vocabulary of 256"):
         sd.propose(999, DevicePtr.NULL, 10, 4, st, ctx)
-    # Freeing the sequence stores its output (2 3) in the shared tree.
+    # Freeing the sequence stores its output (2 3) in the shared tree, after the prompt's
+    # last max_depth / 2 = 12 tokens (here the whole prompt of 8).
     sd.free_state(gpu, st)
-    assert sd.shared_tree()["outputs"] == 1 and sd.shared_tree()["tokens"] == 2
+    assert sd.shared_tree()["outputs"] == 1 and sd.shared_tree()["tokens"] == 8 + 2
     sd.remember_output([7, 7, 8, 8, 9])
     other = sd.alloc_state(gpu)
     sd.prefill_drafter([7, 7], DevicePtr.NULL, other, ctx)

@@ -14,7 +14,9 @@
 //!
 //! Invariants: drafts depend only on the sequence's history and on the outputs of sequences
 //! already freed, so a re-propose from the same point and `propose_batch` give what
-//! `propose` gives; a sequence's output enters the shared tree in `free_state`; the shared
+//! `propose` gives; a sequence's output enters the shared tree in `free_state`, after the
+//! last `max_depth / 2` tokens of its prompt (so a repeated prompt drafts its earlier
+//! output from its first generated token); the shared
 //! tree never holds more than `max_tree_nodes` nodes once an output is stored; no device
 //! memory is allocated.
 

@@ -229,6 +229,12 @@ impl SuffixDecoding {
         })
     }
 
+    /// Prompt tokens stored before each output in the shared tree: half the tree's depth,
+    /// so a match that long still leaves room for as many drafts.
+    pub fn prompt_context(&self) -> usize {
+        self.options.max_depth / 2
+    }
+
     /// Longest history a sequence may have: its tree's node ids must stay below the limit.
     fn max_history(&self) -> usize {
         MAX_NODES / self.options.max_depth
@@ -414,10 +420,12 @@ impl DraftProposer for SuffixDecoding {
         let st = state_of(state, "free_state")?;
         // The sequence's output joins the shared tree only now, when it is final: while a
         // sequence runs, the drafts of every other sequence depend on nothing but finished
-        // ones, so proposing twice from the same point gives the same drafts.
-        let output = &st.tokens[st.prompt_len..];
-        if !output.is_empty() {
-            self.lock("free_state")?.insert(output);
+        // ones, so proposing twice from the same point gives the same drafts. The prompt's
+        // last tokens go in before it, so the same prompt again matches at length from its
+        // first generated token instead of from a one-token match.
+        if st.tokens.len() > st.prompt_len {
+            let from = st.prompt_len.saturating_sub(self.prompt_context());
+            self.lock("free_state")?.insert(&st.tokens[from..]);
         }
         st.clear();
         Ok(())
