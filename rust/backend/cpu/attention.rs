@@ -1,0 +1,422 @@
+//! The CPU paged attention: grouped-query attention over a paged BF16 cache, fast for a
+//! decode row, a verify step's few rows and a prefill chunk's hundreds alike.
+//!
+//! Work is split into tasks of (tile, KV head, part of its query-head group): a tile is up to
+//! [`TILE_ROWS`] consecutive query rows of one sequence, so every query vector of the tile and
+//! of the group reads each key and value once, widened to f32 a block of [`KEYS`] positions
+//! at a time into per-thread scratch. When there are too few tiles and KV heads to keep the
+//! pool busy (a single decode row), a group is split over several tasks.
+//!
+//! Each query (row, head) is computed in two exact passes, the definition the tests hold
+//! every instruction set and every tiling to:
+//! - score `j` is `(sum over d, in order, of q[d] * k_j[d]) * scale` (a multiply, then an
+//!   add; never a fused multiply-add);
+//! - `p_j = exp(score_j - max)` with [`exp_nonpositive`], and the total of the `p_j` is kept in
+//!   eight lanes (`j % 8`), summed pairwise at the end;
+//! - output `d` is `(sum over j, in order, of p_j * v_j[d]) / total`, rounded to BF16 (zero
+//!   for a row that attends to nothing).
+//!
+//! Invariant: a row's arithmetic depends only on its own query, its context length and the
+//! cache, never on the other rows of its batch, tile or task, nor on the pool's size or
+//! instruction set, so a row's output is bitwise the same whatever it is computed with.
+//! Tiling shares loads, never operations. The AVX2 path is the same source compiled with
+//! AVX2 enabled (lane-wise multiplies and adds, no reassociation), which is why it matches
+//! the portable path bit for bit.
+
+use crate::backend::quant::{Isa, KernelPool, QuantError};
+use half::bf16;
+use std::cell::RefCell;
+
+/// Key positions per block of the score and value passes (two AVX2 vectors of scores).
+const KEYS: usize = 16;
+/// Query rows of one sequence that share every key and value load.
+const TILE_ROWS: usize = 16;
+/// Query vectors whose scores are computed together, each key block loaded once for them.
+const SCORE_QUERIES: usize = 4;
+/// Lanes of the softmax total.
+const LANES: usize = 8;
+
+/// The shape of one paged attention call (see `PagedAttentionArgs`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct AttentionShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub max_blocks_per_seq: usize,
+    pub scale: f32,
+}
+
+/// The validated inputs: BF16 queries `[rows, heads, head_dim]` and caches `[slots, kv_heads,
+/// head_dim]`, and the index arrays read from the device.
+pub(super) struct AttentionInputs<'a> {
+    pub q: &'a [bf16],
+    pub k_cache: &'a [bf16],
+    pub v_cache: &'a [bf16],
+    pub block_table: &'a [u32],
+    pub row_seq: &'a [u32],
+    pub row_ctx_len: &'a [u32],
+}
+
+/// Consecutive query rows of one sequence.
+#[derive(Clone, Copy)]
+struct Tile {
+    seq: usize,
+    first_row: usize,
+    rows: usize,
+    /// The longest context of its rows.
+    ctx: usize,
+}
+
+/// The output, written by tasks at disjoint (row, head) slices.
+#[derive(Clone, Copy)]
+struct SharedBf16 {
+    ptr: *mut bf16,
+    len: usize,
+}
+
+// SAFETY: each (row, head) slice is written by exactly one task, and `paged_attention` holds
+// the `&mut [bf16]` until the pool has run every task.
+unsafe impl Send for SharedBf16 {}
+unsafe impl Sync for SharedBf16 {}
+
+impl SharedBf16 {
+    /// # Safety
+    /// `start..start + n` is within the output and written by no other task.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, n: usize) -> &mut [bf16] {
+        assert!(start + n <= self.len, "output slice out of range");
+        // SAFETY: in range (checked); disjointness is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
+    }
+}
+
+/// Per-thread buffers, reused from call to call so that no task allocates once warm.
+#[derive(Default)]
+struct Scratch {
+    queries: Vec<f32>,
+    scores: Vec<f32>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    acc: Vec<f32>,
+    totals: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+fn resize(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
+/// Runs the attention of every row of `inputs` into `out` (BF16 `[rows, heads, head_dim]`).
+pub(super) fn paged_attention(
+    pool: &KernelPool,
+    shape: &AttentionShape,
+    inputs: &AttentionInputs,
+    out: &mut [bf16],
+) -> Result<(), QuantError> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let tiles = tiles(inputs.row_seq, inputs.row_ctx_len);
+    let group = shape.heads / shape.kv_heads;
+    let units = tiles.len() * shape.kv_heads;
+    // Split groups only when tiles and KV heads alone leave threads idle.
+    let parts = group
+        .min((2 * pool.threads()).div_ceil(units.max(1)))
+        .max(1);
+    let shared = SharedBf16 {
+        ptr: out.as_mut_ptr(),
+        len: out.len(),
+    };
+    let isa = pool.isa();
+    pool.run(units * parts, &|t| {
+        let (tile, rest) = (
+            tiles[t / (shape.kv_heads * parts)],
+            t % (shape.kv_heads * parts),
+        );
+        let (kv_head, part) = (rest / parts, rest % parts);
+        let heads =
+            kv_head * group + part * group / parts..kv_head * group + (part + 1) * group / parts;
+        let task = Task {
+            shape,
+            inputs,
+            tile,
+            kv_head,
+            heads,
+        };
+        SCRATCH.with(|cell| {
+            let scratch = &mut cell.borrow_mut();
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the pool reports AVX2 only where the CPU has it.
+                Isa::Avx2 => unsafe { task.run_avx2(scratch, shared) },
+                _ => task.run(scratch, shared),
+            }
+        })
+    })
+}
+
+/// Groups consecutive rows of one sequence into tiles of at most [`TILE_ROWS`].
+fn tiles(row_seq: &[u32], row_ctx_len: &[u32]) -> Vec<Tile> {
+    let mut out: Vec<Tile> = Vec::new();
+    for (r, (&s, &len)) in row_seq.iter().zip(row_ctx_len).enumerate() {
+        let (seq, len) = (s as usize, len as usize);
+        match out.last_mut() {
+            Some(t) if t.seq == seq && t.rows < TILE_ROWS => {
+                t.rows += 1;
+                t.ctx = t.ctx.max(len);
+            }
+            _ => out.push(Tile {
+                seq,
+                first_row: r,
+                rows: 1,
+                ctx: len,
+            }),
+        }
+    }
+    out
+}
+
+/// One task: the rows of a tile, the query heads `heads` of one KV head.
+struct Task<'a> {
+    shape: &'a AttentionShape,
+    inputs: &'a AttentionInputs<'a>,
+    tile: Tile,
+    kv_head: usize,
+    heads: std::ops::Range<usize>,
+}
+
+impl Task<'_> {
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn run_avx2(&self, scratch: &mut Scratch, out: SharedBf16) {
+        self.run(scratch, out)
+    }
+
+    #[inline(always)]
+    fn run(&self, s: &mut Scratch, out: SharedBf16) {
+        let sh = self.shape;
+        let (hd, tile) = (sh.head_dim, self.tile);
+        let hcount = self.heads.len();
+        let nq = tile.rows * hcount;
+        let padded = tile.ctx.div_ceil(KEYS) * KEYS;
+        resize(&mut s.queries, nq * hd);
+        resize(&mut s.scores, nq * padded);
+        resize(&mut s.keys, KEYS * hd);
+        resize(&mut s.values, KEYS * hd);
+        resize(&mut s.acc, nq * hd);
+        resize(&mut s.totals, nq);
+        // Query `i` is row `i / hcount` of the tile, head `heads.start + i % hcount`.
+        let len = |i: usize| self.inputs.row_ctx_len[tile.first_row + i / hcount] as usize;
+        let q_at = |i: usize| {
+            ((tile.first_row + i / hcount) * sh.heads + self.heads.start + i % hcount) * hd
+        };
+        for (i, q) in s.queries[..nq * hd].chunks_exact_mut(hd).enumerate() {
+            widen(&self.inputs.q[q_at(i)..q_at(i) + hd], q);
+        }
+        let queries = &s.queries[..nq * hd];
+        // Pass 1: the scores, key block by key block.
+        for j0 in (0..tile.ctx).step_by(KEYS) {
+            self.load_keys(j0, &mut s.keys[..KEYS * hd]);
+            let keys = &s.keys[..KEYS * hd];
+            let mut i = 0;
+            while i < nq {
+                // Queries whose context reaches this block, up to SCORE_QUERIES at a time.
+                if len(i) <= j0 {
+                    i += 1;
+                    continue;
+                }
+                let n = (nq - i).min(SCORE_QUERIES);
+                if n == SCORE_QUERIES && (i..i + n).all(|x| len(x) > j0) {
+                    let qs: [&[f32]; SCORE_QUERIES] =
+                        std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
+                    let sc = score_block(qs, keys, sh.scale);
+                    for (x, row) in sc.iter().enumerate() {
+                        let at = (i + x) * padded + j0;
+                        s.scores[at..at + KEYS].copy_from_slice(row);
+                    }
+                    i += n;
+                } else {
+                    let sc = score_block([&queries[i * hd..(i + 1) * hd]], keys, sh.scale);
+                    let at = i * padded + j0;
+                    s.scores[at..at + KEYS].copy_from_slice(&sc[0]);
+                    i += 1;
+                }
+            }
+        }
+        // Pass 2: each query's weights and their total.
+        for i in 0..nq {
+            let row = &mut s.scores[i * padded..i * padded + len(i)];
+            s.totals[i] = softmax_weights(row);
+        }
+        // Pass 3: the weighted values, value block by value block.
+        let acc = &mut s.acc[..nq * hd];
+        acc.fill(0.0);
+        for j0 in (0..tile.ctx).step_by(KEYS) {
+            self.load_values(j0, &mut s.values[..KEYS * hd]);
+            for i in 0..nq {
+                let n = len(i).saturating_sub(j0).min(KEYS);
+                let weights = &s.scores[i * padded + j0..i * padded + j0 + n];
+                add_weighted(&mut acc[i * hd..(i + 1) * hd], weights, &s.values[..n * hd]);
+            }
+        }
+        for i in 0..nq {
+            // SAFETY: (row, head) of query `i` belongs to this task alone.
+            let o = unsafe { out.slice(q_at(i), hd) };
+            let total = s.totals[i];
+            for (o, &a) in o.iter_mut().zip(&acc[i * hd..(i + 1) * hd]) {
+                *o = bf16::from_f32(if len(i) == 0 { 0.0 } else { a / total });
+            }
+        }
+    }
+
+    /// The cache offset of position `j` of this tile's sequence, this task's KV head.
+    #[inline(always)]
+    fn cache_at(&self, j: usize) -> usize {
+        let sh = self.shape;
+        let block =
+            self.inputs.block_table[self.tile.seq * sh.max_blocks_per_seq + j / sh.block_size];
+        let slot = block as usize * sh.block_size + j % sh.block_size;
+        (slot * sh.kv_heads + self.kv_head) * sh.head_dim
+    }
+
+    /// Keys `j0 .. j0 + KEYS` widened and transposed to `[head_dim, KEYS]` (zero past the
+    /// tile's context), so that one query's scores of a block are lane-wise.
+    #[inline(always)]
+    fn load_keys(&self, j0: usize, keys: &mut [f32]) {
+        let hd = self.shape.head_dim;
+        for jj in 0..KEYS {
+            let j = j0 + jj;
+            if j < self.tile.ctx {
+                let at = self.cache_at(j);
+                for (d, k) in self.inputs.k_cache[at..at + hd].iter().enumerate() {
+                    keys[d * KEYS + jj] = to_f32(*k);
+                }
+            } else {
+                for d in 0..hd {
+                    keys[d * KEYS + jj] = 0.0;
+                }
+            }
+        }
+    }
+
+    /// Values `j0 .. j0 + KEYS` (those within the tile's context) widened, `[KEYS, head_dim]`.
+    #[inline(always)]
+    fn load_values(&self, j0: usize, values: &mut [f32]) {
+        let hd = self.shape.head_dim;
+        for (jj, v) in values.chunks_exact_mut(hd).enumerate() {
+            if j0 + jj >= self.tile.ctx {
+                break;
+            }
+            let at = self.cache_at(j0 + jj);
+            widen(&self.inputs.v_cache[at..at + hd], v);
+        }
+    }
+}
+
+/// BF16 to f32 exactly (the high half of the f32's bits), written so that it vectorises.
+#[inline(always)]
+fn to_f32(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
+#[inline(always)]
+fn widen(src: &[bf16], dst: &mut [f32]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = to_f32(x);
+    }
+}
+
+/// The scores of `Q` queries against one block of transposed keys: lane `j` of query `i` is
+/// `(sum over d, in order, of q_i[d] * k_j[d]) * scale`, the same whatever `Q` is.
+#[inline(always)]
+fn score_block<const Q: usize>(qs: [&[f32]; Q], keys: &[f32], scale: f32) -> [[f32; KEYS]; Q] {
+    let mut acc = [[0f32; KEYS]; Q];
+    for (d, k) in keys.chunks_exact(KEYS).enumerate() {
+        for (a, q) in acc.iter_mut().zip(&qs) {
+            let x = q[d];
+            for (a, &k) in a.iter_mut().zip(k) {
+                *a += x * k;
+            }
+        }
+    }
+    for a in acc.iter_mut() {
+        for v in a.iter_mut() {
+            *v *= scale;
+        }
+    }
+    acc
+}
+
+/// Replaces each score by `exp(score - max)` and returns their total (eight lanes by
+/// position, summed pairwise).
+#[inline(always)]
+fn softmax_weights(row: &mut [f32]) -> f32 {
+    let mut top = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (t, &x) in top.iter_mut().zip(c) {
+            *t = t.max(x);
+        }
+    }
+    for (t, &x) in top.iter_mut().zip(chunks.remainder()) {
+        *t = t.max(x);
+    }
+    let max = top.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut lanes = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (l, x) in lanes.iter_mut().zip(c.iter_mut()) {
+            *x = exp_nonpositive(*x - max);
+            *l += *x;
+        }
+    }
+    for (l, x) in lanes.iter_mut().zip(chunks.into_remainder()) {
+        *x = exp_nonpositive(*x - max);
+        *l += *x;
+    }
+    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+}
+
+/// `acc[d] += w_j * values[j][d]` for each `j` in order.
+#[inline(always)]
+fn add_weighted(acc: &mut [f32], weights: &[f32], values: &[f32]) {
+    for (&w, v) in weights.iter().zip(values.chunks_exact(acc.len().max(1))) {
+        for (a, &v) in acc.iter_mut().zip(v) {
+            *a += w * v;
+        }
+    }
+}
+
+/// `exp(x)` for `x <= 0` (a score minus its row's maximum), within 2 ulp; below -87 the
+/// result is clamped to `exp(-87)`, far under any total it joins. Written out (Cephes' `expf`
+/// polynomial, Cody-Waite reduction) rather than calling `f32::exp` so that it vectorises
+/// and gives the same bits on every platform and instruction set.
+#[inline(always)]
+pub(super) fn exp_nonpositive(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Written as a comparison so that a NaN passes through.
+    let x = if x < -87.0 { -87.0 } else { x };
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    let k = t.to_bits() as i32 - MAGIC.to_bits() as i32;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let y = p * r * r + r + 1.0;
+    y * f32::from_bits(((k + 127) << 23) as u32)
+}
