@@ -235,11 +235,14 @@ impl Kernels for CpuBackend {
                 a.x.typed_mut::<bf16>(),
             )
         };
+        // A row's angles are the same for every head: computed once per row.
+        let mut angles = Vec::with_capacity(freq.len());
         for (r, &p) in pos.iter().enumerate() {
+            angles.clear();
+            angles.extend(freq.iter().map(|f| (p as f32 * f).sin_cos()));
             for h in 0..heads {
                 let head = &mut xs[(r * heads + h) * head_dim..(r * heads + h + 1) * head_dim];
-                for (i, f) in freq.iter().enumerate() {
-                    let (sin, cos) = (p as f32 * f).sin_cos();
+                for (i, &(sin, cos)) in angles.iter().enumerate() {
                     let (i, j) = match a.style {
                         RopeStyle::Half => (i, i + half),
                         RopeStyle::Interleaved => (2 * i, 2 * i + 1),
