@@ -33,6 +33,8 @@ const KEYS: usize = 16;
 const TILE_ROWS: usize = 16;
 /// Query vectors whose scores are computed together, each key block loaded once for them.
 const SCORE_QUERIES: usize = 4;
+/// Output elements whose weighted sums are kept in registers (four AVX2 vectors).
+const VALUE_CHUNK: usize = 32;
 /// Lanes of the softmax total.
 const LANES: usize = 8;
 
@@ -206,7 +208,9 @@ impl Task<'_> {
         let (hd, tile) = (sh.head_dim, self.tile);
         let hcount = self.heads.len();
         let nq = tile.rows * hcount;
-        let padded = tile.ctx.div_ceil(KEYS) * KEYS;
+        // A query's scores, one key block longer than its context: rows a power of two
+        // apart would share the same few cache sets.
+        let padded = tile.ctx.div_ceil(KEYS) * KEYS + KEYS;
         resize(&mut s.queries, nq * hd);
         resize(&mut s.scores, nq * padded);
         resize(&mut s.keys, KEYS * hd);
@@ -386,11 +390,27 @@ fn softmax_weights(row: &mut [f32]) -> f32 {
         + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
 }
 
-/// `acc[d] += w_j * values[j][d]` for each `j` in order.
+/// `acc[d] += w_j * values[j][d]` for each `j` in order; [`VALUE_CHUNK`] elements at a time,
+/// so that their sums stay in registers across the keys.
 #[inline(always)]
 fn add_weighted(acc: &mut [f32], weights: &[f32], values: &[f32]) {
-    for (&w, v) in weights.iter().zip(values.chunks_exact(acc.len().max(1))) {
-        for (a, &v) in acc.iter_mut().zip(v) {
+    let hd = acc.len();
+    let mut chunks = acc.chunks_exact_mut(VALUE_CHUNK);
+    for (c, chunk) in (&mut chunks).enumerate() {
+        let mut sums = [0f32; VALUE_CHUNK];
+        sums.copy_from_slice(chunk);
+        for (j, &w) in weights.iter().enumerate() {
+            let at = j * hd + c * VALUE_CHUNK;
+            for (a, &v) in sums.iter_mut().zip(&values[at..at + VALUE_CHUNK]) {
+                *a += w * v;
+            }
+        }
+        chunk.copy_from_slice(&sums);
+    }
+    let rest = chunks.into_remainder();
+    let first = hd - rest.len();
+    for (j, &w) in weights.iter().enumerate() {
+        for (a, &v) in rest.iter_mut().zip(&values[j * hd + first..(j + 1) * hd]) {
             *a += w * v;
         }
     }
