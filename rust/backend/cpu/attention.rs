@@ -4,8 +4,10 @@
 //! Work is split into tasks of (tile, KV head, part of its query-head group): a tile is up to
 //! [`TILE_ROWS`] consecutive query rows of one sequence, so every query vector of the tile and
 //! of the group reads each key and value once, widened to f32 a block of [`KEYS`] positions
-//! at a time into per-thread scratch. When there are too few tiles and KV heads to keep the
-//! pool busy (a single decode row), a group is split over several tasks.
+//! at a time into per-thread scratch. A sequence with several tiles (a prefill chunk) has its
+//! keys and values widened once for all of them, by a first pool job. When there are too few
+//! tiles and KV heads to keep the pool busy (a single decode row), a group is split over
+//! several tasks.
 //!
 //! Each query (row, head) is computed in two exact passes, the definition the tests hold
 //! every instruction set and every tiling to:
@@ -23,6 +25,7 @@
 //! AVX2 enabled (lane-wise multiplies and adds, no reassociation), which is why it matches
 //! the portable path bit for bit.
 
+use super::linear::SharedOut;
 use crate::backend::quant::{Isa, KernelPool, QuantError};
 use half::bf16;
 use std::cell::RefCell;
@@ -125,6 +128,9 @@ pub(super) fn paged_attention(
         return Ok(());
     }
     let tiles = tiles(inputs.row_seq, inputs.row_ctx_len);
+    let isa = pool.isa();
+    let (widened, buffer) = widen_shared(pool, shape, inputs, &tiles)?;
+    let slot_len = 2 * KEYS * shape.head_dim;
     let group = shape.heads / shape.kv_heads;
     let units = tiles.len() * shape.kv_heads;
     // Split groups only when tiles and KV heads alone leave threads idle.
@@ -135,7 +141,6 @@ pub(super) fn paged_attention(
         ptr: out.as_mut_ptr(),
         len: out.len(),
     };
-    let isa = pool.isa();
     pool.run(units * parts, &|t| {
         let (tile, rest) = (
             tiles[t / (shape.kv_heads * parts)],
@@ -144,12 +149,21 @@ pub(super) fn paged_attention(
         let (kv_head, part) = (rest / parts, rest % parts);
         let heads =
             kv_head * group + part * group / parts..kv_head * group + (part + 1) * group / parts;
+        let blocks = widened.iter().find(|w| w.seq == tile.seq).map(|w| {
+            let first = (w.first_slot + kv_head * w.blocks) * slot_len;
+            &buffer[first..first + w.blocks * slot_len]
+        });
         let task = Task {
-            shape,
-            inputs,
+            reader: CacheReader {
+                shape,
+                inputs,
+                seq: tile.seq,
+                ctx: tile.ctx,
+                kv_head,
+            },
             tile,
-            kv_head,
             heads,
+            widened: blocks,
         };
         SCRATCH.with(|cell| {
             let scratch = &mut cell.borrow_mut();
@@ -161,6 +175,77 @@ pub(super) fn paged_attention(
             }
         })
     })
+}
+
+/// The key and value blocks of a sequence with several tiles, widened once for all of them:
+/// its slots `first_slot ..` of the shared buffer, `[kv_heads, blocks]`, each slot its
+/// transposed keys (as [`CacheReader::load_keys`]) then its values.
+struct Widened {
+    seq: usize,
+    first_slot: usize,
+    blocks: usize,
+}
+
+/// Widens the keys and values of every sequence with more than one tile, on the pool.
+fn widen_shared(
+    pool: &KernelPool,
+    shape: &AttentionShape,
+    inputs: &AttentionInputs,
+    tiles: &[Tile],
+) -> Result<(Vec<Widened>, Vec<f32>), QuantError> {
+    // (sequence, tiles, longest context)
+    let mut seqs: Vec<(usize, usize, usize)> = Vec::new();
+    for t in tiles {
+        match seqs.iter_mut().find(|e| e.0 == t.seq) {
+            Some(e) => (e.1, e.2) = (e.1 + 1, e.2.max(t.ctx)),
+            None => seqs.push((t.seq, 1, t.ctx)),
+        }
+    }
+    let mut widened = Vec::new();
+    let mut slots = 0;
+    let mut ctxs = Vec::new();
+    for &(seq, count, ctx) in &seqs {
+        if count > 1 {
+            let blocks = ctx.div_ceil(KEYS);
+            widened.push(Widened {
+                seq,
+                first_slot: slots,
+                blocks,
+            });
+            ctxs.push(ctx);
+            slots += blocks * shape.kv_heads;
+        }
+    }
+    let slot_len = 2 * KEYS * shape.head_dim;
+    let mut buffer = vec![0f32; slots * slot_len];
+    if slots > 0 {
+        let shared = SharedOut::new(&mut buffer);
+        let isa = pool.isa();
+        pool.run(slots, &|t| {
+            let w = widened.iter().rposition(|w| w.first_slot <= t).unwrap_or(0);
+            let (kv_head, b) = (
+                (t - widened[w].first_slot) / widened[w].blocks,
+                (t - widened[w].first_slot) % widened[w].blocks,
+            );
+            let reader = CacheReader {
+                shape,
+                inputs,
+                seq: widened[w].seq,
+                ctx: ctxs[w],
+                kv_head,
+            };
+            // SAFETY: slot `t` is written by task `t` alone.
+            let (keys, values) =
+                unsafe { shared.chunk(t, slot_len) }.split_at_mut(KEYS * shape.head_dim);
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the pool reports AVX2 only where the CPU has it.
+                Isa::Avx2 => unsafe { reader.load_block_avx2(b * KEYS, keys, values) },
+                _ => reader.load_block(b * KEYS, keys, values),
+            }
+        })?;
+    }
+    Ok((widened, buffer))
 }
 
 /// Groups consecutive rows of one sequence into tiles of at most [`TILE_ROWS`].
@@ -186,11 +271,20 @@ fn tiles(row_seq: &[u32], row_ctx_len: &[u32]) -> Vec<Tile> {
 
 /// One task: the rows of a tile, the query heads `heads` of one KV head.
 struct Task<'a> {
+    reader: CacheReader<'a>,
+    tile: Tile,
+    heads: std::ops::Range<usize>,
+    /// The tile's sequence widened by [`widen_shared`] (this KV head's slots), if it was.
+    widened: Option<&'a [f32]>,
+}
+
+/// Reads one KV head of one sequence's cache, up to context `ctx`, a block at a time.
+struct CacheReader<'a> {
     shape: &'a AttentionShape,
     inputs: &'a AttentionInputs<'a>,
-    tile: Tile,
+    seq: usize,
+    ctx: usize,
     kv_head: usize,
-    heads: std::ops::Range<usize>,
 }
 
 impl Task<'_> {
@@ -204,7 +298,8 @@ impl Task<'_> {
 
     #[inline(always)]
     fn run(&self, s: &mut Scratch, out: SharedBf16) {
-        let sh = self.shape;
+        let (sh, inputs) = (self.reader.shape, self.reader.inputs);
+        let slot_len = 2 * KEYS * sh.head_dim;
         let (hd, tile) = (sh.head_dim, self.tile);
         let hcount = self.heads.len();
         let nq = tile.rows * hcount;
@@ -218,18 +313,23 @@ impl Task<'_> {
         resize(&mut s.acc, nq * hd);
         resize(&mut s.totals, nq);
         // Query `i` is row `i / hcount` of the tile, head `heads.start + i % hcount`.
-        let len = |i: usize| self.inputs.row_ctx_len[tile.first_row + i / hcount] as usize;
+        let len = |i: usize| inputs.row_ctx_len[tile.first_row + i / hcount] as usize;
         let q_at = |i: usize| {
             ((tile.first_row + i / hcount) * sh.heads + self.heads.start + i % hcount) * hd
         };
         for (i, q) in s.queries[..nq * hd].chunks_exact_mut(hd).enumerate() {
-            widen(&self.inputs.q[q_at(i)..q_at(i) + hd], q);
+            widen(&inputs.q[q_at(i)..q_at(i) + hd], q);
         }
         let queries = &s.queries[..nq * hd];
         // Pass 1: the scores, key block by key block.
         for j0 in (0..tile.ctx).step_by(KEYS) {
-            self.load_keys(j0, &mut s.keys[..KEYS * hd]);
-            let keys = &s.keys[..KEYS * hd];
+            let keys = match self.widened {
+                Some(w) => &w[j0 / KEYS * slot_len..][..KEYS * hd],
+                None => {
+                    self.reader.load_keys(j0, &mut s.keys[..KEYS * hd]);
+                    &s.keys[..KEYS * hd]
+                }
+            };
             let mut i = 0;
             while i < nq {
                 // Queries whose context reaches this block, up to SCORE_QUERIES at a time.
@@ -264,11 +364,17 @@ impl Task<'_> {
         let acc = &mut s.acc[..nq * hd];
         acc.fill(0.0);
         for j0 in (0..tile.ctx).step_by(KEYS) {
-            self.load_values(j0, &mut s.values[..KEYS * hd]);
+            let values = match self.widened {
+                Some(w) => &w[j0 / KEYS * slot_len + KEYS * hd..][..KEYS * hd],
+                None => {
+                    self.reader.load_values(j0, &mut s.values[..KEYS * hd]);
+                    &s.values[..KEYS * hd]
+                }
+            };
             for i in 0..nq {
                 let n = len(i).saturating_sub(j0).min(KEYS);
                 let weights = &s.scores[i * padded + j0..i * padded + j0 + n];
-                add_weighted(&mut acc[i * hd..(i + 1) * hd], weights, &s.values[..n * hd]);
+                add_weighted(&mut acc[i * hd..(i + 1) * hd], weights, &values[..n * hd]);
             }
         }
         for i in 0..nq {
@@ -280,25 +386,40 @@ impl Task<'_> {
             }
         }
     }
+}
 
-    /// The cache offset of position `j` of this tile's sequence, this task's KV head.
+impl CacheReader<'_> {
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load_block_avx2(&self, j0: usize, keys: &mut [f32], values: &mut [f32]) {
+        self.load_block(j0, keys, values)
+    }
+
+    #[inline(always)]
+    fn load_block(&self, j0: usize, keys: &mut [f32], values: &mut [f32]) {
+        self.load_keys(j0, keys);
+        self.load_values(j0, values);
+    }
+
+    /// The cache offset of position `j` of the sequence, the reader's KV head.
     #[inline(always)]
     fn cache_at(&self, j: usize) -> usize {
         let sh = self.shape;
-        let block =
-            self.inputs.block_table[self.tile.seq * sh.max_blocks_per_seq + j / sh.block_size];
+        let block = self.inputs.block_table[self.seq * sh.max_blocks_per_seq + j / sh.block_size];
         let slot = block as usize * sh.block_size + j % sh.block_size;
         (slot * sh.kv_heads + self.kv_head) * sh.head_dim
     }
 
     /// Keys `j0 .. j0 + KEYS` widened and transposed to `[head_dim, KEYS]` (zero past the
-    /// tile's context), so that one query's scores of a block are lane-wise.
+    /// context), so that one query's scores of a block are lane-wise.
     #[inline(always)]
     fn load_keys(&self, j0: usize, keys: &mut [f32]) {
         let hd = self.shape.head_dim;
         for jj in 0..KEYS {
             let j = j0 + jj;
-            if j < self.tile.ctx {
+            if j < self.ctx {
                 let at = self.cache_at(j);
                 for (d, k) in self.inputs.k_cache[at..at + hd].iter().enumerate() {
                     keys[d * KEYS + jj] = to_f32(*k);
@@ -311,12 +432,12 @@ impl Task<'_> {
         }
     }
 
-    /// Values `j0 .. j0 + KEYS` (those within the tile's context) widened, `[KEYS, head_dim]`.
+    /// Values `j0 .. j0 + KEYS` (those within the context) widened, `[KEYS, head_dim]`.
     #[inline(always)]
     fn load_values(&self, j0: usize, values: &mut [f32]) {
         let hd = self.shape.head_dim;
         for (jj, v) in values.chunks_exact_mut(hd).enumerate() {
-            if j0 + jj >= self.tile.ctx {
+            if j0 + jj >= self.ctx {
                 break;
             }
             let at = self.cache_at(j0 + jj);
