@@ -13,8 +13,8 @@
 //! every instruction set and every tiling to:
 //! - score `j` is `(sum over d, in order, of q[d] * k_j[d]) * scale` (a multiply, then an
 //!   add; never a fused multiply-add);
-//! - `p_j = exp(score_j - max)` with [`exp_nonpositive`], and the total of the `p_j` is kept in
-//!   eight lanes (`j % 8`), summed pairwise at the end;
+//! - `p_j = exp(score_j - max)` with [`math::exp_nonpositive`], and the total of the `p_j`
+//!   is kept in eight lanes (`j % 8`), summed pairwise at the end;
 //! - output `d` is `(sum over j, in order, of p_j * v_j[d]) / total`, rounded to BF16 (zero
 //!   for a row that attends to nothing).
 //!
@@ -25,9 +25,12 @@
 //! AVX2 enabled (lane-wise multiplies and adds, no reassociation), which is why it matches
 //! the portable path bit for bit.
 
+mod math;
+
 use super::linear::SharedOut;
 use crate::backend::quant::{Isa, KernelPool, QuantError};
 use half::bf16;
+use math::{add_weighted, score_block, softmax_weights, to_f32, widen};
 use std::cell::RefCell;
 
 /// Key positions per block of the score and value passes (two AVX2 vectors of scores).
@@ -36,10 +39,6 @@ const KEYS: usize = 16;
 const TILE_ROWS: usize = 16;
 /// Query vectors whose scores are computed together, each key block loaded once for them.
 const SCORE_QUERIES: usize = 4;
-/// Output elements whose weighted sums are kept in registers (four AVX2 vectors).
-const VALUE_CHUNK: usize = 32;
-/// Lanes of the softmax total.
-const LANES: usize = 8;
 
 /// The shape of one paged attention call (see `PagedAttentionArgs`).
 #[derive(Clone, Copy, Debug)]
@@ -444,120 +443,4 @@ impl CacheReader<'_> {
             widen(&self.inputs.v_cache[at..at + hd], v);
         }
     }
-}
-
-/// BF16 to f32 exactly (the high half of the f32's bits), written so that it vectorises.
-#[inline(always)]
-fn to_f32(x: bf16) -> f32 {
-    f32::from_bits((x.to_bits() as u32) << 16)
-}
-
-#[inline(always)]
-fn widen(src: &[bf16], dst: &mut [f32]) {
-    for (d, &x) in dst.iter_mut().zip(src) {
-        *d = to_f32(x);
-    }
-}
-
-/// The scores of `Q` queries against one block of transposed keys: lane `j` of query `i` is
-/// `(sum over d, in order, of q_i[d] * k_j[d]) * scale`, the same whatever `Q` is.
-#[inline(always)]
-fn score_block<const Q: usize>(qs: [&[f32]; Q], keys: &[f32], scale: f32) -> [[f32; KEYS]; Q] {
-    let mut acc = [[0f32; KEYS]; Q];
-    for (d, k) in keys.chunks_exact(KEYS).enumerate() {
-        for (a, q) in acc.iter_mut().zip(&qs) {
-            let x = q[d];
-            for (a, &k) in a.iter_mut().zip(k) {
-                *a += x * k;
-            }
-        }
-    }
-    for a in acc.iter_mut() {
-        for v in a.iter_mut() {
-            *v *= scale;
-        }
-    }
-    acc
-}
-
-/// Replaces each score by `exp(score - max)` and returns their total (eight lanes by
-/// position, summed pairwise).
-#[inline(always)]
-fn softmax_weights(row: &mut [f32]) -> f32 {
-    let mut top = [f32::NEG_INFINITY; LANES];
-    let mut chunks = row.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (t, &x) in top.iter_mut().zip(c) {
-            *t = t.max(x);
-        }
-    }
-    for (t, &x) in top.iter_mut().zip(chunks.remainder()) {
-        *t = t.max(x);
-    }
-    let max = top.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut lanes = [0f32; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for (l, x) in lanes.iter_mut().zip(c.iter_mut()) {
-            *x = exp_nonpositive(*x - max);
-            *l += *x;
-        }
-    }
-    for (l, x) in lanes.iter_mut().zip(chunks.into_remainder()) {
-        *x = exp_nonpositive(*x - max);
-        *l += *x;
-    }
-    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
-}
-
-/// `acc[d] += w_j * values[j][d]` for each `j` in order; [`VALUE_CHUNK`] elements at a time,
-/// so that their sums stay in registers across the keys.
-#[inline(always)]
-fn add_weighted(acc: &mut [f32], weights: &[f32], values: &[f32]) {
-    let hd = acc.len();
-    let mut chunks = acc.chunks_exact_mut(VALUE_CHUNK);
-    for (c, chunk) in (&mut chunks).enumerate() {
-        let mut sums = [0f32; VALUE_CHUNK];
-        sums.copy_from_slice(chunk);
-        for (j, &w) in weights.iter().enumerate() {
-            let at = j * hd + c * VALUE_CHUNK;
-            for (a, &v) in sums.iter_mut().zip(&values[at..at + VALUE_CHUNK]) {
-                *a += w * v;
-            }
-        }
-        chunk.copy_from_slice(&sums);
-    }
-    let rest = chunks.into_remainder();
-    let first = hd - rest.len();
-    for (j, &w) in weights.iter().enumerate() {
-        for (a, &v) in rest.iter_mut().zip(&values[j * hd + first..(j + 1) * hd]) {
-            *a += w * v;
-        }
-    }
-}
-
-/// `exp(x)` for `x <= 0` (a score minus its row's maximum), within 2 ulp; below -87 the
-/// result is clamped to `exp(-87)`, far under any total it joins. Written out (Cephes' `expf`
-/// polynomial, Cody-Waite reduction) rather than calling `f32::exp` so that it vectorises
-/// and gives the same bits on every platform and instruction set.
-#[inline(always)]
-pub(super) fn exp_nonpositive(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Written as a comparison so that a NaN passes through.
-    let x = if x < -87.0 { -87.0 } else { x };
-    let t = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = t - MAGIC;
-    let k = t.to_bits() as i32 - MAGIC.to_bits() as i32;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
-    let y = p * r * r + r + 1.0;
-    y * f32::from_bits(((k + 127) << 23) as u32)
 }
