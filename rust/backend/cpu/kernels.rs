@@ -7,10 +7,11 @@
 //! computes into a fresh buffer and writes it at the end; every other op writes its output
 //! directly, which the aliasing check makes sound. `linear` is the hot op of a CPU forward,
 //! so its kernel lives in `linear`, written to be fast and to give each row bitwise the
-//! same result whatever else is in the batch.
+//! same result whatever else is in the batch; so does `paged_attention`, in `attention`.
 
+use super::attention::{paged_attention, AttentionInputs, AttentionShape};
 use super::fp8::Fp8Rows;
-use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows, SharedOut, WeightRows};
+use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows, WeightRows};
 use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
     ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, Kernels, KvWriteArgs, LinearArgs,
@@ -26,22 +27,6 @@ fn quant_err(op: &'static str) -> impl Fn(QuantError) -> BackendError {
 
 fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise the loop.
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
-        }
-    }
-    let mut sum: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        sum += a[i] * b[i];
-    }
-    sum
 }
 
 /// Writes f32 results to a validated output of `dtype` (BF16 rounds to nearest even).
@@ -250,11 +235,14 @@ impl Kernels for CpuBackend {
                 a.x.typed_mut::<bf16>(),
             )
         };
+        // A row's angles are the same for every head: computed once per row.
+        let mut angles = Vec::with_capacity(freq.len());
         for (r, &p) in pos.iter().enumerate() {
+            angles.clear();
+            angles.extend(freq.iter().map(|f| (p as f32 * f).sin_cos()));
             for h in 0..heads {
                 let head = &mut xs[(r * heads + h) * head_dim..(r * heads + h + 1) * head_dim];
-                for (i, f) in freq.iter().enumerate() {
-                    let (sin, cos) = (p as f32 * f).sin_cos();
+                for (i, &(sin, cos)) in angles.iter().enumerate() {
                     let (i, j) = match a.style {
                         RopeStyle::Half => (i, i + half),
                         RopeStyle::Interleaved => (2 * i, 2 * i + 1),
@@ -286,57 +274,31 @@ impl Kernels for CpuBackend {
     fn paged_attention(&self, args: PagedAttentionArgs) -> Result<(), BackendError> {
         let c = args.validate(self)?;
         let a = &c.args;
-        let (heads, head_dim, block_size) = (a.heads, a.head_dim, a.block_size);
-        let (mbps, scale) = (a.max_blocks_per_seq, a.scale);
-        let width = a.kv_heads * head_dim;
-        let group = heads / a.kv_heads;
-        let (seqs, lens, table) = (&c.row_seq, &c.row_ctx_len, &c.block_table);
-        // SAFETY: validated ranges covering every slot the table names; only read.
-        let (qs, kc, vc) = unsafe {
+        let shape = AttentionShape {
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            block_size: a.block_size,
+            max_blocks_per_seq: a.max_blocks_per_seq,
+            scale: a.scale,
+        };
+        // SAFETY: validated ranges covering every slot the table names; `out` is apart from
+        // every input.
+        let (inputs, out) = unsafe {
             (
-                bf16_to_f32(a.q.typed::<bf16>()),
-                a.k_cache.typed::<bf16>(),
-                a.v_cache.typed::<bf16>(),
+                AttentionInputs {
+                    q: a.q.typed::<bf16>(),
+                    k_cache: a.k_cache.typed::<bf16>(),
+                    v_cache: a.v_cache.typed::<bf16>(),
+                    block_table: &c.block_table,
+                    row_seq: &c.row_seq,
+                    row_ctx_len: &c.row_ctx_len,
+                },
+                a.out.typed_mut::<bf16>(),
             )
         };
-        let mut result = vec![0f32; a.rows * heads * head_dim];
-        let shared = SharedOut::new(&mut result);
-        let pool = self.kernel_pool();
-        pool.run(a.rows * heads, &|rh| {
-            // SAFETY: task `rh` is the only one writing chunk `rh`.
-            let o = unsafe { shared.chunk(rh, head_dim) };
-            let (r, h) = (rh / heads, rh % heads);
-            let s = seqs[r] as usize;
-            let kvh = h / group;
-            let qv = &qs[rh * head_dim..(rh + 1) * head_dim];
-            let n = lens[r] as usize;
-            let slot =
-                |j: usize| table[s * mbps + j / block_size] as usize * block_size + j % block_size;
-            let mut scores = Vec::with_capacity(n);
-            let mut kbuf = vec![0f32; head_dim];
-            for j in 0..n {
-                let base = slot(j) * width + kvh * head_dim;
-                for (d, k) in kbuf.iter_mut().zip(&kc[base..base + head_dim]) {
-                    *d = k.to_f32();
-                }
-                scores.push(dot(qv, &kbuf) * scale);
-            }
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut total = 0.0;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - max).exp();
-                total += *sc;
-            }
-            for (j, p) in scores.iter().enumerate() {
-                let base = slot(j) * width + kvh * head_dim;
-                for (d, v) in o.iter_mut().zip(&vc[base..base + head_dim]) {
-                    *d += p / total * v.to_f32();
-                }
-            }
-        })
-        .map_err(quant_err("paged_attention"))?;
-        write_activations(&a.out, Dtype::Bf16, &result);
-        Ok(())
+        paged_attention(self.kernel_pool(), &shape, &inputs, out)
+            .map_err(quant_err("paged_attention"))
     }
 
     fn argmax(&self, args: ArgmaxArgs) -> Result<(), BackendError> {

@@ -7,15 +7,16 @@
 //!   kernel or copy can never read or write outside one live allocation.
 //! - Every stream runs in order on the caller's thread: work is done when a call returns.
 //!
-//! The kernels are in `kernels` (the reference of every op) and `linear` (the fast
-//! matrix product, with the FP8 weight rows in `fp8`), the scalar decoders of the weight
-//! formats in `formats`.
+//! The kernels are in `kernels` (the reference of every op), `linear` (the fast
+//! matrix product, with the FP8 weight rows in `fp8`) and `attention` (the fast paged
+//! attention), the scalar decoders of the weight formats in `formats`.
 //!
 //! Threads: the backend owns one [`KernelPool`] (one participant per core, the calling
 //! thread included), made on the first op that needs it; every parallel op (linear in any
 //! weight format, attention) runs on it and on nothing else, so the kernels never compete
 //! with another pool's threads for the cores.
 
+mod attention;
 mod formats;
 mod fp8;
 mod kernels;
@@ -198,6 +199,14 @@ impl CpuBackend {
             threads: Some(threads.max(1)),
             ..Self::new()
         }
+    }
+
+    /// A CPU backend whose kernels run on `pool` (for instance one limited to the portable
+    /// instruction set, to compare it with the default).
+    pub fn with_kernel_pool(pool: KernelPool) -> Self {
+        let backend = Self::new();
+        let _ = backend.pool.set(pool);
+        backend
     }
 
     /// The pool every parallel kernel of this backend runs on.

@@ -1,0 +1,446 @@
+//! The CPU paged attention: grouped-query attention over a paged BF16 cache, fast for a
+//! decode row, a verify step's few rows and a prefill chunk's hundreds alike.
+//!
+//! Work is split into tasks of (tile, KV head, part of its query-head group): a tile is up to
+//! [`TILE_ROWS`] consecutive query rows of one sequence, so every query vector of the tile and
+//! of the group reads each key and value once, widened to f32 a block of [`KEYS`] positions
+//! at a time into per-thread scratch. A sequence with several tiles (a prefill chunk) has its
+//! keys and values widened once for all of them, by a first pool job. When there are too few
+//! tiles and KV heads to keep the pool busy (a single decode row), a group is split over
+//! several tasks.
+//!
+//! Each query (row, head) is computed in two exact passes, the definition the tests hold
+//! every instruction set and every tiling to:
+//! - score `j` is `(sum over d, in order, of q[d] * k_j[d]) * scale` (a multiply, then an
+//!   add; never a fused multiply-add);
+//! - `p_j = exp(score_j - max)` with [`math::exp_nonpositive`], and the total of the `p_j`
+//!   is kept in eight lanes (`j % 8`), summed pairwise at the end;
+//! - output `d` is `(sum over j, in order, of p_j * v_j[d]) / total`, rounded to BF16 (zero
+//!   for a row that attends to nothing).
+//!
+//! Invariant: a row's arithmetic depends only on its own query, its context length and the
+//! cache, never on the other rows of its batch, tile or task, nor on the pool's size or
+//! instruction set, so a row's output is bitwise the same whatever it is computed with.
+//! Tiling shares loads, never operations. The AVX2 path is the same source compiled with
+//! AVX2 enabled (lane-wise multiplies and adds, no reassociation), which is why it matches
+//! the portable path bit for bit.
+
+mod math;
+
+use super::linear::SharedOut;
+use crate::backend::quant::{Isa, KernelPool, QuantError};
+use half::bf16;
+use math::{add_weighted, score_block, softmax_weights, to_f32, widen};
+use std::cell::RefCell;
+
+/// Key positions per block of the score and value passes (two AVX2 vectors of scores).
+const KEYS: usize = 16;
+/// Query rows of one sequence that share every key and value load.
+const TILE_ROWS: usize = 16;
+/// Query vectors whose scores are computed together, each key block loaded once for them.
+const SCORE_QUERIES: usize = 4;
+
+/// The shape of one paged attention call (see `PagedAttentionArgs`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct AttentionShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub max_blocks_per_seq: usize,
+    pub scale: f32,
+}
+
+/// The validated inputs: BF16 queries `[rows, heads, head_dim]` and caches `[slots, kv_heads,
+/// head_dim]`, and the index arrays read from the device.
+pub(super) struct AttentionInputs<'a> {
+    pub q: &'a [bf16],
+    pub k_cache: &'a [bf16],
+    pub v_cache: &'a [bf16],
+    pub block_table: &'a [u32],
+    pub row_seq: &'a [u32],
+    pub row_ctx_len: &'a [u32],
+}
+
+/// Consecutive query rows of one sequence.
+#[derive(Clone, Copy)]
+struct Tile {
+    seq: usize,
+    first_row: usize,
+    rows: usize,
+    /// The longest context of its rows.
+    ctx: usize,
+}
+
+/// The output, written by tasks at disjoint (row, head) slices.
+#[derive(Clone, Copy)]
+struct SharedBf16 {
+    ptr: *mut bf16,
+    len: usize,
+}
+
+// SAFETY: each (row, head) slice is written by exactly one task, and `paged_attention` holds
+// the `&mut [bf16]` until the pool has run every task.
+unsafe impl Send for SharedBf16 {}
+unsafe impl Sync for SharedBf16 {}
+
+impl SharedBf16 {
+    /// # Safety
+    /// `start..start + n` is within the output and written by no other task.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, n: usize) -> &mut [bf16] {
+        assert!(start + n <= self.len, "output slice out of range");
+        // SAFETY: in range (checked); disjointness is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
+    }
+}
+
+/// Per-thread buffers, reused from call to call so that no task allocates once warm.
+#[derive(Default)]
+struct Scratch {
+    queries: Vec<f32>,
+    scores: Vec<f32>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    acc: Vec<f32>,
+    totals: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+fn resize(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
+/// Runs the attention of every row of `inputs` into `out` (BF16 `[rows, heads, head_dim]`).
+pub(super) fn paged_attention(
+    pool: &KernelPool,
+    shape: &AttentionShape,
+    inputs: &AttentionInputs,
+    out: &mut [bf16],
+) -> Result<(), QuantError> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let tiles = tiles(inputs.row_seq, inputs.row_ctx_len);
+    let isa = pool.isa();
+    let (widened, buffer) = widen_shared(pool, shape, inputs, &tiles)?;
+    let slot_len = 2 * KEYS * shape.head_dim;
+    let group = shape.heads / shape.kv_heads;
+    let units = tiles.len() * shape.kv_heads;
+    // Split groups only when tiles and KV heads alone leave threads idle.
+    let parts = group
+        .min((2 * pool.threads()).div_ceil(units.max(1)))
+        .max(1);
+    let shared = SharedBf16 {
+        ptr: out.as_mut_ptr(),
+        len: out.len(),
+    };
+    pool.run(units * parts, &|t| {
+        let (tile, rest) = (
+            tiles[t / (shape.kv_heads * parts)],
+            t % (shape.kv_heads * parts),
+        );
+        let (kv_head, part) = (rest / parts, rest % parts);
+        let heads =
+            kv_head * group + part * group / parts..kv_head * group + (part + 1) * group / parts;
+        let blocks = widened.iter().find(|w| w.seq == tile.seq).map(|w| {
+            let first = (w.first_slot + kv_head * w.blocks) * slot_len;
+            &buffer[first..first + w.blocks * slot_len]
+        });
+        let task = Task {
+            reader: CacheReader {
+                shape,
+                inputs,
+                seq: tile.seq,
+                ctx: tile.ctx,
+                kv_head,
+            },
+            tile,
+            heads,
+            widened: blocks,
+        };
+        SCRATCH.with(|cell| {
+            let scratch = &mut cell.borrow_mut();
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the pool reports AVX2 only where the CPU has it.
+                Isa::Avx2 => unsafe { task.run_avx2(scratch, shared) },
+                _ => task.run(scratch, shared),
+            }
+        })
+    })
+}
+
+/// The key and value blocks of a sequence with several tiles, widened once for all of them:
+/// its slots `first_slot ..` of the shared buffer, `[kv_heads, blocks]`, each slot its
+/// transposed keys (as [`CacheReader::load_keys`]) then its values.
+struct Widened {
+    seq: usize,
+    first_slot: usize,
+    blocks: usize,
+}
+
+/// Widens the keys and values of every sequence with more than one tile, on the pool.
+fn widen_shared(
+    pool: &KernelPool,
+    shape: &AttentionShape,
+    inputs: &AttentionInputs,
+    tiles: &[Tile],
+) -> Result<(Vec<Widened>, Vec<f32>), QuantError> {
+    // (sequence, tiles, longest context)
+    let mut seqs: Vec<(usize, usize, usize)> = Vec::new();
+    for t in tiles {
+        match seqs.iter_mut().find(|e| e.0 == t.seq) {
+            Some(e) => (e.1, e.2) = (e.1 + 1, e.2.max(t.ctx)),
+            None => seqs.push((t.seq, 1, t.ctx)),
+        }
+    }
+    let mut widened = Vec::new();
+    let mut slots = 0;
+    let mut ctxs = Vec::new();
+    for &(seq, count, ctx) in &seqs {
+        if count > 1 {
+            let blocks = ctx.div_ceil(KEYS);
+            widened.push(Widened {
+                seq,
+                first_slot: slots,
+                blocks,
+            });
+            ctxs.push(ctx);
+            slots += blocks * shape.kv_heads;
+        }
+    }
+    let slot_len = 2 * KEYS * shape.head_dim;
+    let mut buffer = vec![0f32; slots * slot_len];
+    if slots > 0 {
+        let shared = SharedOut::new(&mut buffer);
+        let isa = pool.isa();
+        pool.run(slots, &|t| {
+            let w = widened.iter().rposition(|w| w.first_slot <= t).unwrap_or(0);
+            let (kv_head, b) = (
+                (t - widened[w].first_slot) / widened[w].blocks,
+                (t - widened[w].first_slot) % widened[w].blocks,
+            );
+            let reader = CacheReader {
+                shape,
+                inputs,
+                seq: widened[w].seq,
+                ctx: ctxs[w],
+                kv_head,
+            };
+            // SAFETY: slot `t` is written by task `t` alone.
+            let (keys, values) =
+                unsafe { shared.chunk(t, slot_len) }.split_at_mut(KEYS * shape.head_dim);
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the pool reports AVX2 only where the CPU has it.
+                Isa::Avx2 => unsafe { reader.load_block_avx2(b * KEYS, keys, values) },
+                _ => reader.load_block(b * KEYS, keys, values),
+            }
+        })?;
+    }
+    Ok((widened, buffer))
+}
+
+/// Groups consecutive rows of one sequence into tiles of at most [`TILE_ROWS`].
+fn tiles(row_seq: &[u32], row_ctx_len: &[u32]) -> Vec<Tile> {
+    let mut out: Vec<Tile> = Vec::new();
+    for (r, (&s, &len)) in row_seq.iter().zip(row_ctx_len).enumerate() {
+        let (seq, len) = (s as usize, len as usize);
+        match out.last_mut() {
+            Some(t) if t.seq == seq && t.rows < TILE_ROWS => {
+                t.rows += 1;
+                t.ctx = t.ctx.max(len);
+            }
+            _ => out.push(Tile {
+                seq,
+                first_row: r,
+                rows: 1,
+                ctx: len,
+            }),
+        }
+    }
+    out
+}
+
+/// One task: the rows of a tile, the query heads `heads` of one KV head.
+struct Task<'a> {
+    reader: CacheReader<'a>,
+    tile: Tile,
+    heads: std::ops::Range<usize>,
+    /// The tile's sequence widened by [`widen_shared`] (this KV head's slots), if it was.
+    widened: Option<&'a [f32]>,
+}
+
+/// Reads one KV head of one sequence's cache, up to context `ctx`, a block at a time.
+struct CacheReader<'a> {
+    shape: &'a AttentionShape,
+    inputs: &'a AttentionInputs<'a>,
+    seq: usize,
+    ctx: usize,
+    kv_head: usize,
+}
+
+impl Task<'_> {
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn run_avx2(&self, scratch: &mut Scratch, out: SharedBf16) {
+        self.run(scratch, out)
+    }
+
+    #[inline(always)]
+    fn run(&self, s: &mut Scratch, out: SharedBf16) {
+        let (sh, inputs) = (self.reader.shape, self.reader.inputs);
+        let slot_len = 2 * KEYS * sh.head_dim;
+        let (hd, tile) = (sh.head_dim, self.tile);
+        let hcount = self.heads.len();
+        let nq = tile.rows * hcount;
+        // A query's scores, one key block longer than its context: rows a power of two
+        // apart would share the same few cache sets.
+        let padded = tile.ctx.div_ceil(KEYS) * KEYS + KEYS;
+        resize(&mut s.queries, nq * hd);
+        resize(&mut s.scores, nq * padded);
+        resize(&mut s.keys, KEYS * hd);
+        resize(&mut s.values, KEYS * hd);
+        resize(&mut s.acc, nq * hd);
+        resize(&mut s.totals, nq);
+        // Query `i` is row `i / hcount` of the tile, head `heads.start + i % hcount`.
+        let len = |i: usize| inputs.row_ctx_len[tile.first_row + i / hcount] as usize;
+        let q_at = |i: usize| {
+            ((tile.first_row + i / hcount) * sh.heads + self.heads.start + i % hcount) * hd
+        };
+        for (i, q) in s.queries[..nq * hd].chunks_exact_mut(hd).enumerate() {
+            widen(&inputs.q[q_at(i)..q_at(i) + hd], q);
+        }
+        let queries = &s.queries[..nq * hd];
+        // Pass 1: the scores, key block by key block.
+        for j0 in (0..tile.ctx).step_by(KEYS) {
+            let keys = match self.widened {
+                Some(w) => &w[j0 / KEYS * slot_len..][..KEYS * hd],
+                None => {
+                    self.reader.load_keys(j0, &mut s.keys[..KEYS * hd]);
+                    &s.keys[..KEYS * hd]
+                }
+            };
+            let mut i = 0;
+            while i < nq {
+                // Queries whose context reaches this block, up to SCORE_QUERIES at a time.
+                if len(i) <= j0 {
+                    i += 1;
+                    continue;
+                }
+                let n = (nq - i).min(SCORE_QUERIES);
+                if n == SCORE_QUERIES && (i..i + n).all(|x| len(x) > j0) {
+                    let qs: [&[f32]; SCORE_QUERIES] =
+                        std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
+                    let sc = score_block(qs, keys, sh.scale);
+                    for (x, row) in sc.iter().enumerate() {
+                        let at = (i + x) * padded + j0;
+                        s.scores[at..at + KEYS].copy_from_slice(row);
+                    }
+                    i += n;
+                } else {
+                    let sc = score_block([&queries[i * hd..(i + 1) * hd]], keys, sh.scale);
+                    let at = i * padded + j0;
+                    s.scores[at..at + KEYS].copy_from_slice(&sc[0]);
+                    i += 1;
+                }
+            }
+        }
+        // Pass 2: each query's weights and their total.
+        for i in 0..nq {
+            let row = &mut s.scores[i * padded..i * padded + len(i)];
+            s.totals[i] = softmax_weights(row);
+        }
+        // Pass 3: the weighted values, value block by value block.
+        let acc = &mut s.acc[..nq * hd];
+        acc.fill(0.0);
+        for j0 in (0..tile.ctx).step_by(KEYS) {
+            let values = match self.widened {
+                Some(w) => &w[j0 / KEYS * slot_len + KEYS * hd..][..KEYS * hd],
+                None => {
+                    self.reader.load_values(j0, &mut s.values[..KEYS * hd]);
+                    &s.values[..KEYS * hd]
+                }
+            };
+            for i in 0..nq {
+                let n = len(i).saturating_sub(j0).min(KEYS);
+                let weights = &s.scores[i * padded + j0..i * padded + j0 + n];
+                add_weighted(&mut acc[i * hd..(i + 1) * hd], weights, &values[..n * hd]);
+            }
+        }
+        for i in 0..nq {
+            // SAFETY: (row, head) of query `i` belongs to this task alone.
+            let o = unsafe { out.slice(q_at(i), hd) };
+            let total = s.totals[i];
+            for (o, &a) in o.iter_mut().zip(&acc[i * hd..(i + 1) * hd]) {
+                *o = bf16::from_f32(if len(i) == 0 { 0.0 } else { a / total });
+            }
+        }
+    }
+}
+
+impl CacheReader<'_> {
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load_block_avx2(&self, j0: usize, keys: &mut [f32], values: &mut [f32]) {
+        self.load_block(j0, keys, values)
+    }
+
+    #[inline(always)]
+    fn load_block(&self, j0: usize, keys: &mut [f32], values: &mut [f32]) {
+        self.load_keys(j0, keys);
+        self.load_values(j0, values);
+    }
+
+    /// The cache offset of position `j` of the sequence, the reader's KV head.
+    #[inline(always)]
+    fn cache_at(&self, j: usize) -> usize {
+        let sh = self.shape;
+        let block = self.inputs.block_table[self.seq * sh.max_blocks_per_seq + j / sh.block_size];
+        let slot = block as usize * sh.block_size + j % sh.block_size;
+        (slot * sh.kv_heads + self.kv_head) * sh.head_dim
+    }
+
+    /// Keys `j0 .. j0 + KEYS` widened and transposed to `[head_dim, KEYS]` (zero past the
+    /// context), so that one query's scores of a block are lane-wise.
+    #[inline(always)]
+    fn load_keys(&self, j0: usize, keys: &mut [f32]) {
+        let hd = self.shape.head_dim;
+        for jj in 0..KEYS {
+            let j = j0 + jj;
+            if j < self.ctx {
+                let at = self.cache_at(j);
+                for (d, k) in self.inputs.k_cache[at..at + hd].iter().enumerate() {
+                    keys[d * KEYS + jj] = to_f32(*k);
+                }
+            } else {
+                for d in 0..hd {
+                    keys[d * KEYS + jj] = 0.0;
+                }
+            }
+        }
+    }
+
+    /// Values `j0 .. j0 + KEYS` (those within the context) widened, `[KEYS, head_dim]`.
+    #[inline(always)]
+    fn load_values(&self, j0: usize, values: &mut [f32]) {
+        let hd = self.shape.head_dim;
+        for (jj, v) in values.chunks_exact_mut(hd).enumerate() {
+            if j0 + jj >= self.ctx {
+                break;
+            }
+            let at = self.cache_at(j0 + jj);
+            widen(&self.inputs.v_cache[at..at + hd], v);
+        }
+    }
+}
