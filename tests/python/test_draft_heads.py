@@ -29,7 +29,7 @@ NEW_TOKENS = 64
 PROMPT = "Explain in a few sentences why the sky is blue during the day and red at sunset."
 # Measured on the shipped head (engine, greedy, 3 drafts, 64 new tokens on PROMPT): see
 # the head's README. The floor sits below it by a margin for BF16 rounding across backends.
-ACCEPTANCE_FLOOR = 1.05
+ACCEPTANCE_FLOOR = 1.08
 
 pytestmark = pytest.mark.slow
 
