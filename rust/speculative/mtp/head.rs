@@ -181,12 +181,8 @@ impl MtpHead {
         main_kv_blocks: usize,
         levers: &ModelLevers,
     ) -> crate::Result<Self> {
-        let mut owned = Owned {
+        Self::build_or_free(
             gpu,
-            ptrs: Vec::new(),
-        };
-        let result = Self::build(
-            &mut owned,
             weights,
             Linear::Dense(embed_tokens),
             target_final_norm,
@@ -198,11 +194,7 @@ impl MtpHead {
             max_seq_len,
             main_kv_blocks,
             levers,
-        );
-        if result.is_err() {
-            owned.free_all();
-        }
-        result
+        )
     }
 
     /// [`MtpHead::new`] with an LM head of any storage (the target's own, shared), and
@@ -221,6 +213,38 @@ impl MtpHead {
         main_kv_blocks: usize,
         levers: &ModelLevers,
     ) -> crate::Result<Self> {
+        Self::build_or_free(
+            gpu,
+            weights,
+            embed_tokens,
+            target_final_norm,
+            lm_head,
+            None,
+            config,
+            quant,
+            mtp_vocab_size,
+            max_seq_len,
+            main_kv_blocks,
+            levers,
+        )
+    }
+
+    /// [`MtpHead::build`] on fresh allocations, every one of them freed if it fails.
+    #[allow(clippy::too_many_arguments)]
+    fn build_or_free(
+        gpu: &dyn GpuBackend,
+        weights: MtpWeights,
+        embed: Linear,
+        target_final_norm: DenseWeight,
+        lm_head: Linear,
+        lm_head_t: Option<(Linear, u32)>,
+        config: &ModelConfig,
+        quant: MtpQuantization,
+        mtp_vocab_size: u32,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: &ModelLevers,
+    ) -> crate::Result<Self> {
         let mut owned = Owned {
             gpu,
             ptrs: Vec::new(),
@@ -228,10 +252,10 @@ impl MtpHead {
         let result = Self::build(
             &mut owned,
             weights,
-            embed_tokens,
+            embed,
             target_final_norm,
             lm_head,
-            None,
+            lm_head_t,
             config,
             quant,
             mtp_vocab_size,
