@@ -24,29 +24,11 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 
-fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
-fn model_path() -> PathBuf {
-    if let Ok(p) = std::env::var("SPECDRAFT_SMOLLM2_GGUF") {
-        return PathBuf::from(p);
-    }
-    let out = Command::new(python())
-        .args([
-            "-c",
-            "from specdraft.models import fetch_default_model; print(fetch_default_model())",
-        ])
-        .env("PYTHONPATH", concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "fetching the model failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
+// The benches' lookup; its argument-first `model_path` would read a test filter as a path.
+#[allow(dead_code)]
+#[path = "../benches/common/default_model.rs"]
+mod default_model;
+use default_model::{fetched_model_path as model_path, python};
 
 /// The RMS of `a - b`.
 fn rms_diff(a: &[f32], b: &[f32]) -> f64 {

@@ -1,5 +1,6 @@
-//! The default model file a benchmark runs on: the first argument that is not a flag, else
-//! `$SPECDRAFT_SMOLLM2_GGUF`, else the file `specdraft.models` fetches (and caches).
+//! The default model file a benchmark (or the real-model test) runs on: the first argument
+//! that is not a flag, else `$SPECDRAFT_SMOLLM2_GGUF`, else the file `specdraft.models`
+//! fetches (and caches).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -9,10 +10,20 @@ pub fn model_path() -> PathBuf {
     if let Some(p) = std::env::args().skip(1).find(|a| !a.starts_with('-')) {
         return PathBuf::from(p);
     }
+    fetched_model_path()
+}
+
+/// The Python that runs `specdraft.models`: `$PYTHON`, else `python3`.
+pub fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// `$SPECDRAFT_SMOLLM2_GGUF`, else the file `specdraft.models` fetches (and caches).
+pub fn fetched_model_path() -> PathBuf {
     if let Ok(p) = std::env::var("SPECDRAFT_SMOLLM2_GGUF") {
         return PathBuf::from(p);
     }
-    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+    let out = Command::new(python())
         .args([
             "-c",
             "from specdraft.models import fetch_default_model; print(fetch_default_model())",
@@ -22,7 +33,7 @@ pub fn model_path() -> PathBuf {
         .expect("python3 runs");
     assert!(
         out.status.success(),
-        "{}",
+        "fetching the model failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
