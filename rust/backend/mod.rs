@@ -30,9 +30,9 @@ pub use device_ptr::DevicePtr;
 pub use dtype::Dtype;
 pub use error::BackendError;
 pub use kernels::{
-    ArgmaxArgs, CheckedMemory, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, Kernels, KvWriteArgs,
-    LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
-    FP8_BLOCK, NVFP4_BLOCK,
+    ArgmaxArgs, CheckedMemory, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs,
+    Kernels, KvWriteArgs, LinearArgs, LinearPart, LinearWeight, PagedAttentionArgs, RmsNormArgs,
+    RopeArgs, RopeStyle, SoftmaxArgs, FP8_BLOCK, MAX_LINEAR_PARTS, NVFP4_BLOCK,
 };
 pub use ledger::{AllocationLedger, LiveAllocation};
 pub use traits::{GpuBackend, GpuBackendExt};

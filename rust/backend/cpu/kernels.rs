@@ -11,14 +11,15 @@
 
 use super::attention::{paged_attention, AttentionInputs, AttentionShape};
 use super::fp8::Fp8Rows;
-use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows, WeightRows};
-use super::{CpuBackend, HostView};
+use super::linear::{Nvfp4Rows, WeightRows};
+use super::CpuBackend;
 use crate::backend::kernels::{
-    ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, Kernels, KvWriteArgs, LinearArgs,
-    LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
+    ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs, Kernels,
+    KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle,
+    SoftmaxArgs,
 };
-use crate::backend::quant::{self, PackedView, QuantError};
-use crate::backend::{BackendError, Dtype};
+use crate::backend::quant::{PackedView, QuantError};
+use crate::backend::BackendError;
 use half::bf16;
 
 fn quant_err(op: &'static str) -> impl Fn(QuantError) -> BackendError {
@@ -27,20 +28,6 @@ fn quant_err(op: &'static str) -> impl Fn(QuantError) -> BackendError {
 
 fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
-}
-
-/// Writes f32 results to a validated output of `dtype` (BF16 rounds to nearest even).
-fn write_activations(out: &HostView, dtype: Dtype, values: &[f32]) {
-    match dtype {
-        // SAFETY (both arms): a validated output range, apart from every view still read.
-        Dtype::F32 => unsafe { out.typed_mut::<f32>() }.copy_from_slice(values),
-        _ => {
-            let out = unsafe { out.typed_mut::<bf16>() };
-            for (o, &v) in out.iter_mut().zip(values) {
-                *o = bf16::from_f32(v);
-            }
-        }
-    }
 }
 
 impl Kernels for CpuBackend {
@@ -159,69 +146,13 @@ impl Kernels for CpuBackend {
     }
 
     fn linear(&self, args: LinearArgs) -> Result<(), BackendError> {
+        let a = args.validate_group(self)?;
+        super::grouped::run(self.kernel_pool(), "linear", &a)
+    }
+
+    fn grouped_linear(&self, args: GroupedLinearArgs) -> Result<(), BackendError> {
         let a = args.validate(self)?;
-        let (rows, in_features, out_features) = (a.rows, a.in_features, a.out_features);
-        let pool = self.kernel_pool();
-        // SAFETY (every view below): validated ranges; `out` is apart from every input, which
-        // are only read.
-        let bias = a
-            .bias
-            .as_ref()
-            .map(|b| bf16_to_f32(unsafe { b.typed::<bf16>() }));
-        let bias = bias.as_deref();
-        if let LinearWeight::Packed { blocks, format, .. } = &a.weight {
-            let err = quant_err("linear");
-            let bytes = unsafe { blocks.bytes() };
-            let w =
-                PackedView::from_packed(*format, out_features, in_features, bytes).map_err(&err)?;
-            let x = unsafe { a.x.typed::<bf16>() };
-            if a.out_dtype == Dtype::F32 {
-                let out = unsafe { a.out.typed_mut::<f32>() };
-                return quant::linear(pool, &w, x, rows, bias, out).map_err(err);
-            }
-            let mut out = vec![0f32; rows * out_features];
-            quant::linear(pool, &w, x, rows, bias, &mut out).map_err(err)?;
-            write_activations(&a.out, a.out_dtype, &out);
-            return Ok(());
-        }
-        let xs = bf16_to_f32(unsafe { a.x.typed::<bf16>() });
-        let result = match &a.weight {
-            LinearWeight::Bf16 { weight } => {
-                let src = Bf16Rows {
-                    weight: unsafe { weight.typed::<u16>() },
-                    in_features,
-                };
-                linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
-            }
-            LinearWeight::Nvfp4 {
-                codes,
-                block_scales,
-                global_scale,
-            } => {
-                let src = Nvfp4Rows {
-                    codes: unsafe { codes.bytes() },
-                    scales: unsafe { block_scales.bytes() },
-                    global_scale: *global_scale,
-                    in_features,
-                };
-                linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
-            }
-            LinearWeight::Fp8 {
-                weight,
-                block_scales,
-            } => {
-                let src = Fp8Rows {
-                    weight: unsafe { weight.bytes() },
-                    block_scales: unsafe { block_scales.typed::<f32>() },
-                    in_features,
-                };
-                linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
-            }
-            LinearWeight::Packed { .. } => unreachable!("handled above"),
-        }
-        .map_err(quant_err("linear"))?;
-        write_activations(&a.out, a.out_dtype, &result);
-        Ok(())
+        super::grouped::run(self.kernel_pool(), "grouped_linear", &a)
     }
 
     fn rope(&self, args: RopeArgs) -> Result<(), BackendError> {

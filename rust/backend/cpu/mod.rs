@@ -19,6 +19,7 @@
 mod attention;
 mod formats;
 mod fp8;
+mod grouped;
 mod kernels;
 mod linear;
 

@@ -15,8 +15,8 @@
 use super::attention;
 use super::launch::*;
 use crate::backend::kernels::{
-    ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, Kernels, KvWriteArgs, LinearArgs,
-    LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs, Kernels,
+    KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use crate::backend::{BackendError, Dtype};
 
@@ -115,6 +115,12 @@ impl<L: KernelLauncher> Kernels for L {
         }
         let shape = linear_shape(op, a.rows, a.out_features)?;
         self.launch(kernel, shape, &l.args, a.stream)
+    }
+
+    fn grouped_linear(&self, args: GroupedLinearArgs) -> Result<(), BackendError> {
+        // No fused kernel: the shared checks, then each part as its own launch.
+        args.validate(self)?;
+        args.linears().try_for_each(|a| self.linear(a))
     }
 
     fn rope(&self, args: RopeArgs) -> Result<(), BackendError> {

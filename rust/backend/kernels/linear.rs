@@ -226,7 +226,135 @@ impl LinearArgs {
         self,
         mem: &M,
     ) -> Result<LinearArgs<M::Range>, BackendError> {
-        let op = "linear";
+        let checked = GroupedLinearArgs::from(self).validate_as(mem, "linear")?;
+        let [Some(part), ..] = checked.parts else {
+            unreachable!("a linear is a group of one part")
+        };
+        Ok(LinearArgs {
+            out: part.out,
+            out_dtype: checked.out_dtype,
+            x: checked.x,
+            weight: part.weight,
+            bias: part.bias,
+            rows: checked.rows,
+            in_features: checked.in_features,
+            out_features: part.out_features,
+            stream: checked.stream,
+        })
+    }
+
+    /// The checks, as a group of one part (what the CPU backend runs).
+    pub fn validate_group<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<GroupedLinearArgs<M::Range>, BackendError> {
+        GroupedLinearArgs::from(self).validate_as(mem, "linear")
+    }
+}
+
+/// Most linears one [`GroupedLinearArgs`] holds (q, k and v).
+pub const MAX_LINEAR_PARTS: usize = 3;
+
+/// One linear of a [`GroupedLinearArgs`]: its weight, bias and output.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinearPart<P = DevicePtr> {
+    /// `[rows, out_features]` of the group's `out_dtype`.
+    pub out: P,
+    /// The weight `[out_features, in_features]`, in its stored format.
+    pub weight: LinearWeight<P>,
+    /// BF16 `[out_features]`, or `None` for no bias.
+    pub bias: Option<P>,
+    /// Elements per output row of this part.
+    pub out_features: usize,
+}
+
+/// Several linears over the same input rows (a layer's q, k and v projections; an MLP's gate
+/// and up): part `i` computes exactly what one `linear` with its weight, bias and output
+/// would, bit for bit. A backend may quantize the input once and spread all the parts'
+/// output features over its threads at once. Every output is apart from every input and
+/// from the other outputs. Parts are filled from the front (`parts[0]` is present; a `None`
+/// ends the list).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupedLinearArgs<P = DevicePtr> {
+    /// BF16 `[rows, in_features]`: the input rows every part reads.
+    pub x: P,
+    /// The linears, from the front.
+    pub parts: [Option<LinearPart<P>>; MAX_LINEAR_PARTS],
+    /// Element type of every output (`Bf16` or `F32`).
+    pub out_dtype: Dtype,
+    /// Input rows.
+    pub rows: usize,
+    /// Elements per input row.
+    pub in_features: usize,
+    /// The stream the op is queued on.
+    pub stream: u64,
+}
+
+impl<P> From<LinearArgs<P>> for GroupedLinearArgs<P> {
+    fn from(a: LinearArgs<P>) -> Self {
+        let part = LinearPart {
+            out: a.out,
+            weight: a.weight,
+            bias: a.bias,
+            out_features: a.out_features,
+        };
+        GroupedLinearArgs {
+            x: a.x,
+            parts: [Some(part), None, None],
+            out_dtype: a.out_dtype,
+            rows: a.rows,
+            in_features: a.in_features,
+            stream: a.stream,
+        }
+    }
+}
+
+/// Names of each part's operands in messages (the first part's are a plain linear's).
+const PART_NAMES: [[&str; 2]; MAX_LINEAR_PARTS] = [
+    ["linear bias", "linear out"],
+    ["linear part 1 bias", "linear part 1 out"],
+    ["linear part 2 bias", "linear part 2 out"],
+];
+
+impl<P> GroupedLinearArgs<P> {
+    /// The present parts, in order.
+    pub fn present(&self) -> impl Iterator<Item = &LinearPart<P>> + '_ {
+        self.parts.iter().map_while(Option::as_ref)
+    }
+}
+
+impl GroupedLinearArgs {
+    /// Each part as a single linear (the same result, bit for bit), in order.
+    pub fn linears(&self) -> impl Iterator<Item = LinearArgs> + '_ {
+        self.present().map(|&p| LinearArgs {
+            out: p.out,
+            out_dtype: self.out_dtype,
+            x: self.x,
+            weight: p.weight,
+            bias: p.bias,
+            rows: self.rows,
+            in_features: self.in_features,
+            out_features: p.out_features,
+            stream: self.stream,
+        })
+    }
+
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<GroupedLinearArgs<M::Range>, BackendError> {
+        self.validate_as(mem, "grouped_linear")
+    }
+
+    /// The checks, in the fixed order: the output dtype and the parts' list, then per part
+    /// its weight, the input (after the first weight), its bias and its output, then every
+    /// output apart from every input and from the other outputs.
+    fn validate_as<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+        op: &'static str,
+    ) -> Result<GroupedLinearArgs<M::Range>, BackendError> {
         if !matches!(self.out_dtype, Dtype::Bf16 | Dtype::F32) {
             return Err(invalid(
                 op,
@@ -236,38 +364,98 @@ impl LinearArgs {
                 ),
             ));
         }
-        let (rows, inf, outf) = (self.rows, self.in_features, self.out_features);
-        let (weight, weight_read) = self.weight.validate(mem, op, outf, inf)?;
-        let x = Operand::new(
-            op,
-            self.x,
-            count(op, &[rows, inf])?,
-            Dtype::Bf16,
-            "linear x",
-        )?;
-        let x_range = x.check(mem)?;
-        let bias = self
-            .bias
-            .map(|b| Operand::new(op, b, outf, Dtype::Bf16, "linear bias"))
-            .transpose()?;
-        let bias_range = bias.map(|b| b.check(mem)).transpose()?;
-        let n = count(op, &[rows, outf])?;
-        let out = Operand::new(op, self.out, n, self.out_dtype, "linear out")?;
-        let args = LinearArgs {
-            out: out.check(mem)?,
+        let n = self.present().count();
+        if n == 0 || self.parts[n..].iter().any(Option::is_some) {
+            return Err(invalid(
+                op,
+                "parts must be filled from the front, the first one present".into(),
+            ));
+        }
+        let (rows, inf) = (self.rows, self.in_features);
+        // Fixed-size lists: the hot path validates every call, so it does not allocate.
+        let mut reads = OperandList::<{ 3 * MAX_LINEAR_PARTS + 1 }>::new();
+        let mut outs = OperandList::<MAX_LINEAR_PARTS>::new();
+        let mut x_range = None;
+        let mut parts: [Option<LinearPart<M::Range>>; MAX_LINEAR_PARTS] = [None, None, None];
+        for (i, &part) in self.present().enumerate() {
+            let [bias_name, out_name] = PART_NAMES[i];
+            let outf = part.out_features;
+            let (weight, weight_read) = part.weight.validate(mem, op, outf, inf)?;
+            weight_read
+                .into_iter()
+                .flatten()
+                .for_each(|w| reads.push(w));
+            if x_range.is_none() {
+                let x = Operand::new(
+                    op,
+                    self.x,
+                    count(op, &[rows, inf])?,
+                    Dtype::Bf16,
+                    "linear x",
+                )?;
+                x_range = Some(x.check(mem)?);
+                reads.push(x);
+            }
+            let bias = part
+                .bias
+                .map(|b| Operand::new(op, b, outf, Dtype::Bf16, bias_name))
+                .transpose()?;
+            let bias_range = bias.map(|b| b.check(mem)).transpose()?;
+            bias.into_iter().for_each(|b| reads.push(b));
+            let out = Operand::new(
+                op,
+                part.out,
+                count(op, &[rows, outf])?,
+                self.out_dtype,
+                out_name,
+            )?;
+            parts[i] = Some(LinearPart {
+                out: out.check(mem)?,
+                weight,
+                bias: bias_range,
+                out_features: outf,
+            });
+            outs.push(out);
+        }
+        for (i, out) in outs.iter().enumerate() {
+            for input in reads.iter() {
+                apart(op, out, input)?;
+            }
+            for other in outs.iter().take(i) {
+                apart(op, out, other)?;
+            }
+        }
+        Ok(GroupedLinearArgs {
+            x: x_range.expect("the first part checked the input"),
+            parts,
             out_dtype: self.out_dtype,
-            x: x_range,
-            weight,
-            bias: bias_range,
             rows,
             in_features: inf,
-            out_features: outf,
             stream: self.stream,
-        };
-        let read = weight_read.into_iter().chain([Some(x), bias]).flatten();
-        for input in read {
-            apart(op, out, input)?;
+        })
+    }
+}
+
+/// Up to `N` operands, in the order pushed.
+struct OperandList<const N: usize> {
+    items: [Option<Operand<'static>>; N],
+    len: usize,
+}
+
+impl<const N: usize> OperandList<N> {
+    fn new() -> Self {
+        OperandList {
+            items: [None; N],
+            len: 0,
         }
-        Ok(args)
+    }
+
+    fn push(&mut self, o: Operand<'static>) {
+        self.items[self.len] = Some(o);
+        self.len += 1;
+    }
+
+    fn iter(&self) -> impl Iterator<Item = Operand<'static>> + '_ {
+        self.items[..self.len].iter().flatten().copied()
     }
 }

@@ -31,7 +31,10 @@ pub use basic::{
     SoftmaxArgs,
 };
 pub use check::CheckedMemory;
-pub use linear::{LinearArgs, LinearWeight, FP8_BLOCK, NVFP4_BLOCK};
+pub use linear::{
+    GroupedLinearArgs, LinearArgs, LinearPart, LinearWeight, FP8_BLOCK, MAX_LINEAR_PARTS,
+    NVFP4_BLOCK,
+};
 
 use super::BackendError;
 
@@ -55,6 +58,9 @@ pub trait Kernels {
     fn elementwise(&self, args: ElementwiseArgs) -> Result<(), BackendError>;
     /// `out = x @ weight^T (+ bias)` for any weight format ([`LinearArgs`]).
     fn linear(&self, args: LinearArgs) -> Result<(), BackendError>;
+    /// Several linears over one input, each part's result exactly its own `linear`'s
+    /// ([`GroupedLinearArgs`]).
+    fn grouped_linear(&self, args: GroupedLinearArgs) -> Result<(), BackendError>;
     /// Rotary position embedding, in place ([`RopeArgs`]).
     fn rope(&self, args: RopeArgs) -> Result<(), BackendError>;
     /// Key and value rows into a paged cache ([`KvWriteArgs`]).

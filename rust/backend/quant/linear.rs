@@ -1,8 +1,12 @@
-//! The linear op on packed weights: `out[r, o] = sum_i W[o, i] * x[r, i] (+ bias[o])`.
+//! The linear op on packed weights: `out[r, o] = sum_i W[o, i] * x[r, i] (+ bias[o])`, for
+//! one weight ([`linear`]) or several over the same input rows ([`linear_group`]: a layer's
+//! q, k and v projections, an MLP's gate and up).
 //!
-//! One call quantizes each input row once (quantized weights), splits the output features
-//! into contiguous tiles (eight-row groups) claimed by the pool's threads, and runs the
-//! AVX2 or portable kernel on each tile for all rows at once. Every output element is
+//! One call quantizes each input row once per kind of 8-bit block its weights read, splits
+//! the output features of all its weights into contiguous tiles (eight-row groups) claimed
+//! by the pool's threads in one job, and runs the AVX2 or portable kernel on each tile for
+//! all rows at once; the task that computed a tile also adds its bias and rounds it to BF16
+//! where the output is BF16, so a call allocates nothing once its thread's scratch has grown. Every output element is
 //! computed by one fixed sequence of operations that depends only on its own input row and
 //! weight row, so a row's result is bit-identical whatever the batch, the tiling, the thread
 //! count or the instruction set.
@@ -12,7 +16,9 @@ use super::format::checked_mul;
 use super::packed::GROUP_ROWS;
 use super::pool::{Isa, KernelPool};
 use super::{dot_portable, float_dot, PackedView, PackedWeight, QuantError};
+use half::bf16;
 use std::cell::RefCell;
+use std::ops::Range;
 
 /// Tasks per thread: enough for the threads to even out, few enough to stay cheap.
 const TASKS_PER_THREAD: usize = 4;
@@ -37,9 +43,77 @@ impl OutMatrix {
     }
 }
 
+/// Parts one pool job covers; a longer group runs as several jobs over one quantized input.
+const PARTS_PER_JOB: usize = 4;
+
 thread_local! {
-    /// The calling thread's quantized input rows and widened input, reused between calls.
-    static SCRATCH: RefCell<(QuantizedRows, Vec<f32>)> = RefCell::default();
+    /// The calling thread's quantized input rows (one per block kind), widened input and f32
+    /// results of BF16 outputs, reused between calls.
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+#[derive(Default)]
+struct Scratch {
+    q8: QuantizedRows,
+    q8k: QuantizedRows,
+    wide: Vec<f32>,
+    results: Vec<f32>,
+}
+
+/// A bias vector, `[out_features]`, in f32 or BF16 (widened exactly before the add).
+#[derive(Clone, Copy, Debug)]
+pub enum Bias<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// BF16 values.
+    Bf16(&'a [bf16]),
+}
+
+impl Bias<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Bias::F32(b) => b.len(),
+            Bias::Bf16(b) => b.len(),
+        }
+    }
+
+    #[inline(always)]
+    fn at(&self, o: usize) -> f32 {
+        match self {
+            Bias::F32(b) => b[o],
+            Bias::Bf16(b) => b[o].to_f32(),
+        }
+    }
+}
+
+/// Where one weight's `[rows, out_features]` results go: f32 as computed, or BF16 rounded
+/// to nearest even from the f32 result (bias included).
+#[derive(Debug)]
+pub enum LinearOut<'a> {
+    /// f32 outputs.
+    F32(&'a mut [f32]),
+    /// BF16 outputs.
+    Bf16(&'a mut [bf16]),
+}
+
+impl LinearOut<'_> {
+    fn len(&self) -> usize {
+        match self {
+            LinearOut::F32(o) => o.len(),
+            LinearOut::Bf16(o) => o.len(),
+        }
+    }
+}
+
+/// One weight of a [`linear_group`], its bias and its output.
+#[derive(Debug)]
+pub struct GroupPart<'a> {
+    /// The weight `[out_features, in_features]`.
+    pub weight: &'a PackedView<'a>,
+    /// `[out_features]`, added to the f32 result.
+    pub bias: Option<Bias<'a>>,
+    /// `[rows, out_features]`.
+    pub out: LinearOut<'a>,
 }
 
 fn check_len(
@@ -70,74 +144,104 @@ pub fn linear<T: InputElem, D: AsRef<[u8]>>(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), QuantError> {
-    let w = &w.view();
-    let (inf, outf) = (w.in_features(), w.out_features());
+    let w = w.view();
+    let mut parts = [GroupPart {
+        weight: &w,
+        bias: bias.map(Bias::F32),
+        out: LinearOut::F32(out),
+    }];
+    linear_group(pool, x, rows, &mut parts)
+}
+
+/// Every part's `out = x @ weight^T (+ bias)` over the same input rows (`x`: `[rows,
+/// in_features]`, f32 or BF16; every weight has `in_features` columns): the input is
+/// quantized once per kind of 8-bit block the weights read and the parts' output features
+/// are spread over the pool in one job. Each part's result is bit-identical to its own
+/// [`linear`] (then rounded to BF16 for a BF16 output).
+pub fn linear_group<T: InputElem>(
+    pool: &KernelPool,
+    x: &[T],
+    rows: usize,
+    parts: &mut [GroupPart<'_>],
+) -> Result<(), QuantError> {
+    let Some(first) = parts.first() else {
+        return Ok(());
+    };
+    let inf = first.weight.in_features();
     check_len(
         "input rows",
         checked_mul("input", rows, inf)?,
         x.len(),
         "elements",
     )?;
-    check_len(
-        "output rows",
-        checked_mul("output", rows, outf)?,
-        out.len(),
-        "elements",
-    )?;
-    if let Some(b) = bias {
-        check_len("bias", outf, b.len(), "elements")?;
-    }
-    if rows == 0 || outf == 0 {
-        return Ok(());
-    }
-    if inf == 0 {
-        // Empty dot products: the output is the bias alone.
-        for row in out.chunks_exact_mut(outf) {
-            match bias {
-                Some(b) => row.copy_from_slice(b),
-                None => row.fill(0.0),
-            }
+    for p in parts.iter() {
+        let outf = p.weight.out_features();
+        check_len(
+            "in_features of a grouped weight",
+            inf,
+            p.weight.in_features(),
+            "columns",
+        )?;
+        check_len(
+            "output rows",
+            checked_mul("output", rows, outf)?,
+            p.out.len(),
+            "elements",
+        )?;
+        if let Some(b) = &p.bias {
+            check_len("bias", outf, b.len(), "elements")?;
         }
+    }
+    if rows == 0 {
         return Ok(());
     }
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut s) => {
-            let (act, wide) = &mut *s;
-            run(pool, w, x, rows, out, act, wide)
-        }
+        Ok(mut s) => run(pool, x, rows, parts, &mut s),
         // Re-entered from inside a call on this thread: fresh buffers.
-        Err(_) => run(
-            pool,
-            w,
-            x,
-            rows,
-            out,
-            &mut Default::default(),
-            &mut Vec::new(),
-        ),
-    })?;
-    if let Some(b) = bias {
-        for row in out.chunks_exact_mut(outf) {
-            row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
-        }
-    }
-    Ok(())
+        Err(_) => run(pool, x, rows, parts, &mut Scratch::default()),
+    })
 }
+
+/// Where one part's tasks write, and what their epilogue does.
+struct PartJob<'a> {
+    w: &'a PackedView<'a>,
+    act: Option<&'a QuantizedRows>,
+    /// The f32 results (the output itself, or the scratch behind a BF16 output).
+    results: OutMatrix,
+    bias: Option<Bias<'a>>,
+    /// The BF16 output the results are rounded into.
+    bf16_out: Option<Bf16Matrix>,
+    /// The first of this part's units among the job's, and how many it has.
+    first_unit: usize,
+    units: usize,
+}
+
+/// A BF16 output matrix `[rows, stride]`, each task writing its own columns.
+#[derive(Clone, Copy)]
+struct Bf16Matrix {
+    ptr: *mut bf16,
+    stride: usize,
+}
+
+// SAFETY: as for `OutMatrix`: tasks write disjoint columns, and the call that made it holds
+// the `&mut [bf16]` until every task is done.
+unsafe impl Send for Bf16Matrix {}
+unsafe impl Sync for Bf16Matrix {}
 
 fn run<T: InputElem>(
     pool: &KernelPool,
-    w: &PackedView<'_>,
     x: &[T],
     rows: usize,
-    out: &mut [f32],
-    act: &mut QuantizedRows,
-    wide: &mut Vec<f32>,
+    parts: &mut [GroupPart<'_>],
+    s: &mut Scratch,
 ) -> Result<(), QuantError> {
-    let outm = OutMatrix {
-        ptr: out.as_mut_ptr(),
-        stride: w.out_features(),
-    };
     let isa = pool.isa();
+    let Scratch {
+        q8,
+        q8k,
+        wide,
+        results,
+    } = s;
     let x: &[f32] = match T::as_f32(x) {
         Some(x) => x,
         None => {
@@ -146,52 +250,192 @@ fn run<T: InputElem>(
             wide
         }
     };
-    if !w.format().is_quantized() {
-        let units = w.out_features().div_ceil(GROUP_ROWS);
-        return split(pool, units, &|range| {
-            let o = range.start * GROUP_ROWS..(range.end * GROUP_ROWS).min(w.out_features());
-            #[cfg(target_arch = "x86_64")]
-            if isa == Isa::Avx2 {
-                // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C.
-                return unsafe { float_dot::float_outputs_avx2(w, x, rows, o, outm) };
-            }
-            float_dot::float_outputs(w, x, rows, o, outm);
-        });
-    }
-    let kind = if w.format().is_k_quant() {
-        ActKind::Q8K
-    } else {
-        ActKind::Q8
+    let inf = parts[0].weight.in_features();
+    let needs = |kind: ActKind| {
+        inf > 0
+            && parts
+                .iter()
+                .any(|p| p.weight.out_features() > 0 && act_kind(p.weight) == Some(kind))
     };
-    act.fill(kind, x, (rows, w.in_features()), isa == Isa::Avx2, pool)?;
-    let act = &*act;
-    let groups = w.groups();
-    // The rows past the last full group are one more unit, run by the portable kernel.
-    let tail = w.out_features() > groups * GROUP_ROWS;
-    split(pool, groups + tail as usize, &|range| {
-        let full = range.start..range.end.min(groups);
-        if range.end > groups {
-            dot_portable::quant_outputs(w, act, groups * GROUP_ROWS..w.out_features(), outm);
+    for (kind, act) in [(ActKind::Q8, &mut *q8), (ActKind::Q8K, &mut *q8k)] {
+        if needs(kind) {
+            act.fill(kind, x, (rows, inf), isa == Isa::Avx2, pool)?;
         }
-        if full.is_empty() {
+    }
+    // The f32 results of BF16 outputs, one region per part, sized before any pointer into
+    // it is taken.
+    let staged: usize = parts
+        .iter()
+        .filter(|p| matches!(p.out, LinearOut::Bf16(_)))
+        .map(|p| rows * p.weight.out_features())
+        .sum();
+    results.resize(staged, 0.0);
+    let (q8, q8k) = (&*q8, &*q8k);
+    let mut staged_at = 0;
+    let mut jobs: [Option<PartJob<'_>>; PARTS_PER_JOB] = Default::default();
+    for chunk in parts.chunks_mut(PARTS_PER_JOB) {
+        let mut units = 0;
+        for (slot, p) in jobs.iter_mut().zip(chunk.iter_mut()) {
+            let outf = p.weight.out_features();
+            let (results, bf16_out) = match &mut p.out {
+                LinearOut::F32(out) => (out.as_mut_ptr(), None),
+                LinearOut::Bf16(out) => {
+                    let region = &mut results[staged_at..staged_at + rows * outf];
+                    staged_at += rows * outf;
+                    let out = Bf16Matrix {
+                        ptr: out.as_mut_ptr(),
+                        stride: outf,
+                    };
+                    (region.as_mut_ptr(), Some(out))
+                }
+            };
+            let part_units = unit_count(p.weight);
+            *slot = Some(PartJob {
+                w: p.weight,
+                act: match act_kind(p.weight) {
+                    Some(ActKind::Q8) => Some(q8),
+                    Some(ActKind::Q8K) => Some(q8k),
+                    None => None,
+                },
+                results: OutMatrix {
+                    ptr: results,
+                    stride: outf,
+                },
+                bias: p.bias,
+                bf16_out,
+                first_unit: units,
+                units: part_units,
+            });
+            units += part_units;
+        }
+        let jobs = &jobs[..chunk.len()];
+        split(pool, units, &|range| {
+            for job in jobs.iter().flatten() {
+                let own = job.first_unit..job.first_unit + job.units;
+                let (lo, hi) = (range.start.max(own.start), range.end.min(own.end));
+                if lo < hi {
+                    job.run(lo - own.start..hi - own.start, x, rows, isa);
+                }
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// The 8-bit blocks `w`'s dot reads (`None`: a float format, read against the f32 input).
+fn act_kind(w: &PackedView<'_>) -> Option<ActKind> {
+    match (w.format().is_quantized(), w.format().is_k_quant()) {
+        (false, _) => None,
+        (true, true) => Some(ActKind::Q8K),
+        (true, false) => Some(ActKind::Q8),
+    }
+}
+
+/// Work units of a weight: eight-row groups, plus one for the rows past the last full group
+/// of a quantized weight (run by the portable kernel).
+fn unit_count(w: &PackedView<'_>) -> usize {
+    if w.in_features() == 0 {
+        return w.out_features().div_ceil(GROUP_ROWS);
+    }
+    match act_kind(w) {
+        None => w.out_features().div_ceil(GROUP_ROWS),
+        Some(_) => w.groups() + (w.out_features() > w.groups() * GROUP_ROWS) as usize,
+    }
+}
+
+impl PartJob<'_> {
+    /// Units `units` of this part: the dots, then the bias and the BF16 rounding of the
+    /// same output features.
+    fn run(&self, units: Range<usize>, x: &[f32], rows: usize, isa: Isa) {
+        let (w, outm) = (self.w, self.results);
+        let outf = w.out_features();
+        let features = units.start * GROUP_ROWS..(units.end * GROUP_ROWS).min(outf);
+        if w.in_features() == 0 {
+            // Empty dot products: the output is the bias alone.
+            for r in 0..rows {
+                for o in features.clone() {
+                    // SAFETY: this task owns these features of every row.
+                    unsafe { *outm.at(r, o) = self.bias.map_or(0.0, |b| b.at(o)) };
+                }
+            }
+            return self.epilogue(rows, features, false);
+        }
+        match self.act {
+            None => {
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx2 {
+                    // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C.
+                    unsafe { float_dot::float_outputs_avx2(w, x, rows, features.clone(), outm) };
+                } else {
+                    float_dot::float_outputs(w, x, rows, features.clone(), outm);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                float_dot::float_outputs(w, x, rows, features.clone(), outm);
+            }
+            Some(act) => quant_units(w, act, units, outm, isa),
+        }
+        self.epilogue(rows, features, true);
+    }
+
+    /// Adds the bias to output features `features` of every row and rounds them into the
+    /// BF16 output: the same f32 add, then round to nearest even, as a single linear.
+    fn epilogue(&self, rows: usize, features: Range<usize>, add_bias: bool) {
+        let outm = self.results;
+        let bias = self.bias.filter(|_| add_bias);
+        if bias.is_none() && self.bf16_out.is_none() {
             return;
         }
-        #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx2 {
-            // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C; `act` holds
-            // the blocks of the kind this format reads.
-            return unsafe { super::avx2::quant_groups(w, act, full, outm) };
+        for r in 0..rows {
+            for o in features.clone() {
+                // SAFETY: this task owns these features of every row, in the results and in
+                // the BF16 output.
+                unsafe {
+                    let v = outm.at(r, o);
+                    if let Some(b) = &bias {
+                        *v += b.at(o);
+                    }
+                    if let Some(out) = self.bf16_out {
+                        *out.ptr.add(r * out.stride + o) = bf16::from_f32(*v);
+                    }
+                }
+            }
         }
-        let outputs = full.start * GROUP_ROWS..full.end * GROUP_ROWS;
-        dot_portable::quant_outputs(w, act, outputs, outm);
-    })
+    }
+}
+
+/// Units `units` of a quantized weight: full groups on the instruction set's kernel, the
+/// rows past the last full group (the last unit) on the portable one.
+fn quant_units(
+    w: &PackedView<'_>,
+    act: &QuantizedRows,
+    units: Range<usize>,
+    outm: OutMatrix,
+    isa: Isa,
+) {
+    let groups = w.groups();
+    let full = units.start..units.end.min(groups);
+    if units.end > groups {
+        dot_portable::quant_outputs(w, act, groups * GROUP_ROWS..w.out_features(), outm);
+    }
+    if full.is_empty() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C; `act` holds
+        // the blocks of the kind this format reads.
+        return unsafe { super::avx2::quant_groups(w, act, full, outm) };
+    }
+    let _ = isa;
+    let outputs = full.start * GROUP_ROWS..full.end * GROUP_ROWS;
+    dot_portable::quant_outputs(w, act, outputs, outm);
 }
 
 /// Runs `task` over `0..units` split into contiguous ranges, spread over the pool.
 fn split(
     pool: &KernelPool,
     units: usize,
-    task: &(dyn Fn(std::ops::Range<usize>) + Sync),
+    task: &(dyn Fn(Range<usize>) + Sync),
 ) -> Result<(), QuantError> {
     let tasks = units.min(pool.threads() * TASKS_PER_THREAD).max(1);
     let tasks = if pool.threads() == 1 { 1 } else { tasks };

@@ -122,7 +122,7 @@ pub use activation::InputElem;
 pub use dequant::{dequantize, dequantize_bf16};
 pub use error::QuantError;
 pub use format::{BlockFormat, QK, QK_K};
-pub use linear::linear;
+pub use linear::{linear, linear_group, Bias, GroupPart, LinearOut};
 pub use packed::{PackedView, PackedWeight, GROUP_ROWS};
 pub use pool::{Isa, KernelPool};
 pub use quantize::{quantize, quantize_to_vec};

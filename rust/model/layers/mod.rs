@@ -1,8 +1,8 @@
 //! The one pre-norm decoder layer the target model and the MTP draft heads share, on the
 //! typed [`Kernels`] only (so every backend runs it): RMSNorm, q/k/v projections (with
-//! biases when the weights have them), the per-head q/k RMSNorm, RoPE, the paged KV write,
+//! biases when the weights have them; one grouped linear over the shared input), the per-head q/k RMSNorm, RoPE, the paged KV write,
 //! paged attention (with Qwen3-Next's sigmoid output gate), the output projection and
-//! residual, then RMSNorm and a SwiGLU MLP or routed experts with shared experts, and the
+//! residual, then RMSNorm and a SwiGLU MLP (gate and up grouped) or routed experts with shared experts, and the
 //! residual again. Its weights are [`LayerWeights`], its buffers a [`LayerScratch`].
 //!
 //! Invariant: a layer reads and writes only the buffers in its [`LayerIo`] and
@@ -13,6 +13,7 @@
 mod load;
 mod moe;
 mod names;
+mod project;
 mod rope;
 mod scratch;
 mod weights;
@@ -20,6 +21,7 @@ mod weights;
 pub use load::{keeps_block_formats, load_dense, load_linear, load_norm};
 pub use moe::{MoeMlp, MoeScoring};
 pub use names::{LayerNames, NameScheme, Part};
+pub use project::{project_bf16, Projection};
 pub use rope::{rope_inv_freq, rotary_dim};
 pub use scratch::{arena_slots, layer_slots, GatedScratch, LayerScratch, MoeScratch, ScratchShape};
 pub use weights::{LayerOptions, LayerWeights, Mlp, QkNorm, SwiGlu};
@@ -165,9 +167,13 @@ pub fn decoder_layer(
         }
     };
     let q_out = gated.map_or(sc.q, |g| g.q_full);
-    w.q.forward(gpu, q_out, bf16, sc.normed, w.q_bias.as_ref(), rows, stream)?;
-    w.k.forward(gpu, sc.k, bf16, sc.normed, w.k_bias.as_ref(), rows, stream)?;
-    w.v.forward(gpu, sc.v, bf16, sc.normed, w.v_bias.as_ref(), rows, stream)?;
+    let qkv = [
+        (&w.q, w.q_bias.as_ref(), q_out),
+        (&w.k, w.k_bias.as_ref(), sc.k),
+        (&w.v, w.v_bias.as_ref(), sc.v),
+    ]
+    .map(|(weight, bias, out)| Projection { weight, bias, out });
+    project_bf16(gpu, sc.normed, rows, stream, &qkv)?;
     if let Some(g) = gated {
         // Per head, q_proj's rows are [query (head_dim), gate (head_dim)].
         let head_bytes = head_dim * bf16.size();
@@ -249,10 +255,12 @@ pub fn decoder_layer(
     // MLP: the dense SwiGLU, or the shared experts and then the routed ones.
     rms_norm(sc.normed, io.hidden, w.ffn_norm.ptr, rows, hidden)?;
     let mlp = w.mlp.always_run();
-    mlp.gate
-        .forward(gpu, sc.gate, bf16, sc.normed, None, rows, stream)?;
-    mlp.up
-        .forward(gpu, sc.up, bf16, sc.normed, None, rows, stream)?;
+    let gate_up = [(&mlp.gate, sc.gate), (&mlp.up, sc.up)].map(|(weight, out)| Projection {
+        weight,
+        bias: None,
+        out,
+    });
+    project_bf16(gpu, sc.normed, rows, stream, &gate_up)?;
     let n = rows * mlp.width();
     elementwise(ElementwiseOp::SiluMul, sc.gate, sc.gate, sc.up, n)?;
     match (&w.mlp, &sc.moe) {
