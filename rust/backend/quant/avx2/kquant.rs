@@ -16,9 +16,12 @@ pub(super) unsafe fn run<F: Fmt>(
     let format = w.format();
     let layout = RecordLayout::of(format);
     let nb = w.blocks();
-    let mut s = Scratch::new();
-    let mut accs = Accumulators::new(act.rows);
-    let acts = Act::rows(act);
+    let mut ws = Workspace::take(act);
+    let Workspace {
+        scratch: s,
+        accs,
+        acts,
+    } = &mut *ws;
     for (tile, g) in tiles(act.rows, groups) {
         accs.zero();
         let records = w.group_records(g);
@@ -26,18 +29,19 @@ pub(super) unsafe fn run<F: Fmt>(
         for b in 0..nb {
             let rec = &records[b * record_bytes..][..record_bytes];
             // SAFETY: `rec` is a whole record of this format, which `layout` describes.
-            unsafe { decode::<F>(&mut s, format, rec, &layout) };
+            unsafe { decode::<F>(s, format, rec, &layout) };
             row_tiles!(tile.len(), |r0, R| {
                 let rows: [Act; R] =
                     std::array::from_fn(|i| acts[tile.start + r0 + i].at_block(b, 256));
                 let acc: [*mut f32; R] = std::array::from_fn(|i| accs.at(r0 + i));
                 // SAFETY: the rows hold super-block `b`; `acc` are this tile's sums.
-                unsafe { tile_rows::<F, R>(&s, &rows, acc) }
+                unsafe { tile_rows::<F, R>(s, &rows, acc) }
             });
         }
         // SAFETY: the task owns group `g`'s outputs of every row.
         unsafe { accs.store(out, tile, g) };
     }
+    ws.give_back();
 }
 
 /// Decodes one record: codes, the eight rows' scales, and their sub-block scales and mins as

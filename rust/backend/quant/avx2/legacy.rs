@@ -17,9 +17,12 @@ pub(super) unsafe fn run<F: Fmt>(
     // Q8_0 keeps two vectors per group (|w| and w), so half as many blocks fit.
     let chunk = if F::Q8 { 4 } else { 8 };
     let nb = w.blocks();
-    let mut s = Scratch::new();
-    let mut accs = Accumulators::new(act.rows);
-    let acts = Act::rows(act);
+    let mut ws = Workspace::take(act);
+    let Workspace {
+        scratch: s,
+        accs,
+        acts,
+    } = &mut *ws;
     for (tile, g) in tiles(act.rows, groups) {
         accs.zero();
         let records = w.group_records(g);
@@ -29,19 +32,20 @@ pub(super) unsafe fn run<F: Fmt>(
             for k in 0..nbk {
                 let rec = records[(b0 + k) * record_bytes..][..record_bytes].as_ptr();
                 // SAFETY: `rec` is a whole record of this format, which `layout` describes.
-                unsafe { decode::<F>(&mut s, k, rec, &layout) };
+                unsafe { decode::<F>(s, k, rec, &layout) };
             }
             row_tiles!(tile.len(), |r0, R| {
                 let rows: [Act; R] =
                     std::array::from_fn(|i| acts[tile.start + r0 + i].at_block(b0, 32));
                 let acc: [*mut f32; R] = std::array::from_fn(|i| accs.at(r0 + i));
                 // SAFETY: the rows hold `nbk` blocks from `b0`; `acc` are this tile's sums.
-                unsafe { tile_rows::<F, R>(&s, nbk, &rows, acc) }
+                unsafe { tile_rows::<F, R>(s, nbk, &rows, acc) }
             });
         }
         // SAFETY: the task owns group `g`'s outputs of every row.
         unsafe { accs.store(out, tile, g) };
     }
+    ws.give_back();
 }
 
 /// Decodes one record into slot `k` of the scratch.

@@ -48,6 +48,43 @@ impl Scratch {
     }
 }
 
+/// A thread's decode scratch, running sums and row pointers, kept between kernel calls so a
+/// call allocates nothing (a decode step makes hundreds of them, each tens of microseconds).
+/// Every field is overwritten before it is read, so nothing carries over between calls.
+struct Workspace {
+    scratch: Box<Scratch>,
+    accs: Accumulators,
+    acts: Vec<Act>,
+}
+
+thread_local! {
+    /// Taken out for the length of a call (so a nested call simply gets a fresh one).
+    static WORKSPACE: std::cell::Cell<Option<Box<Workspace>>> = const { std::cell::Cell::new(None) };
+}
+
+impl Workspace {
+    /// The thread's workspace (or a new one), ready for every row of `act`.
+    fn take(act: &QuantizedRows) -> Box<Workspace> {
+        let mut ws = WORKSPACE.take().unwrap_or_else(|| {
+            Box::new(Workspace {
+                scratch: Scratch::new(),
+                accs: Accumulators { sums: Vec::new() },
+                acts: Vec::new(),
+            })
+        });
+        ws.accs
+            .sums
+            .resize(act.rows.min(ROW_TILE), [0.0; GROUP_ROWS]);
+        Act::fill(&mut ws.acts, act);
+        ws
+    }
+
+    /// Hands the workspace back to the thread for its next call.
+    fn give_back(self: Box<Self>) {
+        WORKSPACE.set(Some(self));
+    }
+}
+
 /// A format's shape as the kernels need it (zero-sized types below, one per format).
 trait Fmt {
     /// Products summed in i16 before `madd` (bounded by the code width: see the module doc).
@@ -189,31 +226,31 @@ struct Act {
 }
 
 impl Act {
-    /// Every row of `act` from its first block (bounds checked here; kernels stay in a row).
-    fn rows(act: &QuantizedRows) -> Vec<Act> {
+    /// `out` := every row of `act` from its first block (bounds checked here; kernels stay in
+    /// a row).
+    fn fill(out: &mut Vec<Act>, act: &QuantizedRows) {
         let nb = act.blocks();
         let k = !act.bsum16.is_empty();
-        (0..act.rows)
-            .map(|r| {
-                let i = r * nb;
-                Act {
-                    qa: act.qs[i * (act.cols / nb)..].as_ptr(),
-                    d: act.d[i..].as_ptr(),
-                    sum: act.sum[i..].as_ptr(),
-                    bsum: act.bsum[i..].as_ptr(),
-                    bsum16: if k {
-                        act.bsum16[i * 16..].as_ptr()
-                    } else {
-                        std::ptr::null()
-                    },
-                    bsum32: if k {
-                        act.bsum32[i * 8..].as_ptr()
-                    } else {
-                        std::ptr::null()
-                    },
-                }
-            })
-            .collect()
+        out.clear();
+        out.extend((0..act.rows).map(|r| {
+            let i = r * nb;
+            Act {
+                qa: act.qs[i * (act.cols / nb)..].as_ptr(),
+                d: act.d[i..].as_ptr(),
+                sum: act.sum[i..].as_ptr(),
+                bsum: act.bsum[i..].as_ptr(),
+                bsum16: if k {
+                    act.bsum16[i * 16..].as_ptr()
+                } else {
+                    std::ptr::null()
+                },
+                bsum32: if k {
+                    act.bsum32[i * 8..].as_ptr()
+                } else {
+                    std::ptr::null()
+                },
+            }
+        }));
     }
 
     /// The same row from block `b` (blocks of `n` codes).
@@ -316,12 +353,6 @@ fn tiles(rows: usize, groups: Range<usize>) -> impl Iterator<Item = (Range<usize
 }
 
 impl Accumulators {
-    fn new(rows: usize) -> Self {
-        Accumulators {
-            sums: vec![[0.0; GROUP_ROWS]; rows.min(ROW_TILE)],
-        }
-    }
-
     /// Zeroes the sums before a (row tile, group) pair.
     #[inline(always)]
     fn zero(&mut self) {
