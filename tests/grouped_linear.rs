@@ -355,3 +355,82 @@ fn grouped_linear_arguments_are_checked_by_name() {
     g.free(&gpu);
     assert_eq!(gpu.ledger().live_count(), 0);
 }
+
+/// BF16 weights (every backend's format) with biases: the grouped op's part `i` equals the
+/// backend's own `linear` of it, and a bad group is refused with the same words everywhere.
+fn bf16_group_matches_linears(gpu: &dyn GpuBackend) -> String {
+    let mut rng = SmallRng::seed_from_u64(45);
+    let (inf, rows) = (40, 3);
+    let heights = [24, 8, 9];
+    let mut parts = [None; 3];
+    let mut bufs = Vec::new();
+    for (slot, &outf) in parts.iter_mut().zip(&heights) {
+        let w: Vec<f32> = (0..outf * inf)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let b: Vec<f32> = (0..outf).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (w, b) = (
+            gpu.upload_bf16(&w, "test w").unwrap(),
+            gpu.upload_bf16(&b, "test b").unwrap(),
+        );
+        let out = gpu.alloc(rows * outf * 2, "test out").unwrap();
+        bufs.extend([w, b, out]);
+        *slot = Some(LinearPart {
+            out,
+            weight: LinearWeight::Bf16 { weight: w },
+            bias: Some(b),
+            out_features: outf,
+        });
+    }
+    let x: Vec<f32> = (0..rows * inf)
+        .map(|_| rng.random_range(-2.0..2.0))
+        .collect();
+    let x = gpu.upload_bf16(&x, "test x").unwrap();
+    bufs.push(x);
+    let args = GroupedLinearArgs {
+        x,
+        parts,
+        out_dtype: Dtype::Bf16,
+        rows,
+        in_features: inf,
+        stream: 0,
+    };
+    let mut want = Vec::new();
+    for single in args.linears() {
+        let n = rows * single.out_features * 2;
+        gpu.linear(single).unwrap();
+        want.push(gpu.download::<u8>(single.out, n).unwrap());
+        gpu.memset(single.out, 0, n, 0).unwrap();
+    }
+    gpu.grouped_linear(args).unwrap();
+    for (i, single) in args.linears().enumerate() {
+        let n = rows * single.out_features * 2;
+        assert_eq!(
+            gpu.download::<u8>(single.out, n).unwrap(),
+            want[i],
+            "{} part {i}",
+            gpu.name()
+        );
+    }
+    let mut bad = args;
+    if let Some(p) = bad.parts[1].as_mut() {
+        p.out = x;
+    }
+    let message = gpu.grouped_linear(bad).unwrap_err().to_string();
+    for p in bufs {
+        gpu.free(p).unwrap();
+    }
+    assert_eq!(gpu.ledger().live_count(), 0);
+    message
+}
+
+#[test]
+fn every_backend_runs_a_group_as_its_linears() {
+    let cpu = bf16_group_matches_linears(&CpuBackend::new());
+    assert!(cpu.contains("linear part 1 out overlaps linear x"), "{cpu}");
+    #[cfg(feature = "cuda-emu")]
+    {
+        let emu = bf16_group_matches_linears(&specdraft::backend::EmuBackend::new());
+        assert_eq!(emu, cpu);
+    }
+}

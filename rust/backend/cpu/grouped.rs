@@ -8,12 +8,26 @@
 //! `linear`, and nothing on the block-format path allocates once the scratch has grown.
 
 use super::fp8::Fp8Rows;
-use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows};
+use super::linear::{linear_rows, Bf16Rows, Nvfp4Rows, RowsScratch};
 use super::HostView;
 use crate::backend::kernels::{GroupedLinearArgs, LinearPart, LinearWeight, MAX_LINEAR_PARTS};
 use crate::backend::quant::{self, Bias, GroupPart, KernelPool, LinearOut, PackedView, QuantError};
 use crate::backend::{BackendError, Dtype};
 use half::bf16;
+use std::cell::RefCell;
+
+/// The calling thread's widened input and bias and its float-kernel results, reused between
+/// calls of the float formats.
+#[derive(Default)]
+struct FloatScratch {
+    xs: Vec<f32>,
+    bias: Vec<f32>,
+    rows: RowsScratch,
+}
+
+thread_local! {
+    static FLOAT_SCRATCH: RefCell<FloatScratch> = RefCell::default();
+}
 
 fn quant_err(op: &'static str) -> impl Fn(QuantError) -> BackendError {
     move |source| BackendError::Quant { op, source }
@@ -114,20 +128,53 @@ fn run_float(
     a: &GroupedLinearArgs<HostView>,
     p: &LinearPart<HostView>,
 ) -> Result<(), BackendError> {
+    FLOAT_SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => run_float_in(pool, op, a, p, &mut s),
+        // Re-entered from inside a call on this thread: fresh buffers.
+        Err(_) => run_float_in(pool, op, a, p, &mut FloatScratch::default()),
+    })
+}
+
+fn run_float_in(
+    pool: &KernelPool,
+    op: &'static str,
+    a: &GroupedLinearArgs<HostView>,
+    p: &LinearPart<HostView>,
+    s: &mut FloatScratch,
+) -> Result<(), BackendError> {
     let (rows, in_features, out_features) = (a.rows, a.in_features, p.out_features);
-    let widen = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+    let widen = |v: &[bf16], into: &mut Vec<f32>| {
+        into.clear();
+        into.extend(v.iter().map(|x| x.to_f32()));
+    };
     // SAFETY (every view below): validated ranges; `out` is apart from every input, which are
     // only read.
-    let bias = p.bias.as_ref().map(|b| widen(unsafe { b.typed::<bf16>() }));
-    let bias = bias.as_deref();
-    let xs = widen(unsafe { a.x.typed::<bf16>() });
+    let bias = match &p.bias {
+        Some(b) => {
+            widen(unsafe { b.typed::<bf16>() }, &mut s.bias);
+            Some(&s.bias[..])
+        }
+        None => None,
+    };
+    widen(unsafe { a.x.typed::<bf16>() }, &mut s.xs);
+    let xs = &s.xs;
+    let scratch = &mut s.rows;
     let result = match &p.weight {
         LinearWeight::Bf16 { weight } => {
             let src = Bf16Rows {
                 weight: unsafe { weight.typed::<u16>() },
                 in_features,
             };
-            linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
+            linear_rows(
+                pool,
+                &src,
+                xs,
+                bias,
+                rows,
+                in_features,
+                out_features,
+                scratch,
+            )
         }
         LinearWeight::Nvfp4 {
             codes,
@@ -140,7 +187,16 @@ fn run_float(
                 global_scale: *global_scale,
                 in_features,
             };
-            linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
+            linear_rows(
+                pool,
+                &src,
+                xs,
+                bias,
+                rows,
+                in_features,
+                out_features,
+                scratch,
+            )
         }
         LinearWeight::Fp8 {
             weight,
@@ -151,16 +207,25 @@ fn run_float(
                 block_scales: unsafe { block_scales.typed::<f32>() },
                 in_features,
             };
-            linear_rows(pool, &src, &xs, bias, rows, in_features, out_features)
+            linear_rows(
+                pool,
+                &src,
+                xs,
+                bias,
+                rows,
+                in_features,
+                out_features,
+                scratch,
+            )
         }
         LinearWeight::Packed { .. } => unreachable!("packed parts run as groups"),
     }
     .map_err(quant_err(op))?;
     match a.out_dtype {
-        Dtype::F32 => unsafe { p.out.typed_mut::<f32>() }.copy_from_slice(&result),
+        Dtype::F32 => unsafe { p.out.typed_mut::<f32>() }.copy_from_slice(result),
         _ => {
             let out = unsafe { p.out.typed_mut::<bf16>() };
-            for (o, &v) in out.iter_mut().zip(&result) {
+            for (o, &v) in out.iter_mut().zip(result) {
                 *o = bf16::from_f32(v);
             }
         }

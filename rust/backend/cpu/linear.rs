@@ -269,11 +269,21 @@ thread_local! {
     static BUFS: RefCell<(Vec<f32>, Vec<f32>)> = RefCell::default();
 }
 
+/// The calling thread's buffers of [`linear_rows`], reused between calls.
+#[derive(Default)]
+pub(super) struct RowsScratch {
+    /// Results feature-major, as the tasks write them.
+    by_feature: Vec<f32>,
+    /// Results row-major (a call of several rows).
+    by_row: Vec<f32>,
+}
+
 /// `x @ weight^T (+ bias)` for `rows` rows, row-major `[rows, out_features]`, on `pool`'s
-/// threads (the backend's one pool, so no other threads compete with them).
+/// threads (the backend's one pool, so no other threads compete with them), in `scratch`.
 ///
 /// `xs` is `[rows, in_features]`; `src` yields `out_features` rows.
-pub(super) fn linear_rows(
+#[allow(clippy::too_many_arguments)]
+pub(super) fn linear_rows<'s>(
     pool: &KernelPool,
     src: &impl WeightRows,
     xs: &[f32],
@@ -281,8 +291,11 @@ pub(super) fn linear_rows(
     rows: usize,
     in_features: usize,
     out_features: usize,
-) -> Result<Vec<f32>, QuantError> {
-    let mut by_feature = vec![0f32; out_features * rows];
+    scratch: &'s mut RowsScratch,
+) -> Result<&'s [f32], QuantError> {
+    let RowsScratch { by_feature, by_row } = scratch;
+    by_feature.clear();
+    by_feature.resize(out_features * rows, 0.0);
     if rows == 0 || out_features == 0 {
         return Ok(by_feature);
     }
@@ -291,7 +304,7 @@ pub(super) fn linear_rows(
     #[cfg(target_arch = "x86_64")]
     let avx2 = std::arch::is_x86_feature_detected!("avx2");
     let chunk = FEATURES_PER_TASK * rows;
-    let shared = SharedOut::new(&mut by_feature);
+    let shared = SharedOut::new(by_feature);
     pool.run(out_features.div_ceil(FEATURES_PER_TASK), &|t| {
         // SAFETY: task `t` is the only one writing chunk `t`.
         let col = unsafe { shared.chunk(t, chunk) };
@@ -320,13 +333,14 @@ pub(super) fn linear_rows(
     if rows == 1 {
         return Ok(by_feature);
     }
-    let mut result = vec![0f32; rows * out_features];
+    by_row.clear();
+    by_row.resize(rows * out_features, 0.0);
     for (o, col) in by_feature.chunks(rows).enumerate() {
         for (r, v) in col.iter().enumerate() {
-            result[r * out_features + o] = *v;
+            by_row[r * out_features + o] = *v;
         }
     }
-    Ok(result)
+    Ok(by_row)
 }
 
 /// BF16 weights `[out_features, in_features]`, read in place as their bits.
@@ -504,8 +518,10 @@ mod tests {
             weight: &w,
             in_features: inf,
         };
+        let pool = KernelPool::new(2);
+        let mut scratch = RowsScratch::default();
         let got =
-            linear_rows(&KernelPool::new(2), &src, &xs, Some(&bias), rows, inf, outf).unwrap();
+            linear_rows(&pool, &src, &xs, Some(&bias), rows, inf, outf, &mut scratch).unwrap();
         for r in 0..rows {
             for o in 0..outf {
                 let want: f32 = (0..inf)
