@@ -12,7 +12,9 @@
 //! - [`PackedWeight`]: one `[out_features, in_features]` weight matrix, repacked at load into
 //!   eight-row interleaved records of exactly the file's size (`packed.rs`).
 //! - [`linear`] on a [`KernelPool`]: `out[r, o] = sum_i W[o, i] x[r, i] (+ bias[o])` for f32
-//!   or BF16 input rows.
+//!   or BF16 input rows; [`linear_group`]: several weights over the same rows (q/k/v,
+//!   gate/up) with one input quantization and one pool job, f32 or BF16 outputs, each part
+//!   bit-identical to its own `linear`.
 //!
 //! # Plugging it in
 //! A backend owns one [`KernelPool`] (`KernelPool::per_core()`: one participant per core,
