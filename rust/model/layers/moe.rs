@@ -17,6 +17,7 @@
 
 use super::load::load_dense;
 use super::names::LayerNames;
+use super::project::{project_bf16, Projection};
 use super::scratch::{LayerScratch, MoeScratch};
 use super::weights::SwiGlu;
 use crate::backend::{
@@ -317,9 +318,13 @@ impl MoeMlp {
             let input = sc.normed.offset(r * row_bytes);
             for (idx, w) in self.route(&logits[r * e..(r + 1) * e]) {
                 let x = &self.experts[idx];
-                x.gate
-                    .forward(gpu, sc.gate, Dtype::Bf16, input, None, 1, stream)?;
-                x.up.forward(gpu, sc.up, Dtype::Bf16, input, None, 1, stream)?;
+                let gate_up =
+                    [(&x.gate, sc.gate), (&x.up, sc.up)].map(|(weight, out)| Projection {
+                        weight,
+                        bias: None,
+                        out,
+                    });
+                project_bf16(gpu, input, 1, stream, &gate_up)?;
                 gpu.elementwise(ElementwiseArgs {
                     op: ElementwiseOp::SiluMul,
                     out: sc.gate,
