@@ -162,12 +162,16 @@ class _Pass:
         for r in results:
             self.outputs.append(list(r.tokens))
             for key, value in r.metrics.items():
-                if key in ("drafted", "accepted", "verify_steps", "decode_tokens"):
+                if key in ("drafted", "accepted", "verify_steps", "decode_tokens", *_TIMES):
                     self.counters[key] = self.counters.get(key, 0) + value
                 elif key in ("drafted_at", "accepted_at", "draft_lengths"):
                     self.counters[key] = _sum_lists(self.counters.get(key, []), value)
             if r.error:
                 self.errors.append(str(r.error))
+
+
+#: The per-request timings a row sums (seconds drafting, verifying, prefilling).
+_TIMES = ("draft_time_s", "verify_time_s", "prefill_time_s")
 
 
 def _sum_lists(a: list[int], b: list[int]) -> list[int]:
@@ -232,6 +236,8 @@ def _figures(p: _Pass, base: _Pass | None) -> dict[str, Any]:
         "drafted": c.get("drafted", 0),
         "accepted": c.get("accepted", 0),
         "draft_lengths": c.get("draft_lengths", []),
+        # Where the time went, summed over requests (a shared forward split by its rows).
+        "time_s": {key.removesuffix("_time_s"): round(c.get(key, 0.0), 4) for key in _TIMES},
     }
 
 

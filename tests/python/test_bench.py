@@ -181,7 +181,12 @@ def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
             assert stats["trials"] == 3
             assert stats["min"] <= stats["median"] <= stats["max"]
             assert stats["min"] <= stats["geomean"] <= stats["max"]
+        # The per-request timings add up to no more than the calls' wall time.
+        times = r["time_s"]
+        assert times["verify"] > 0 and times["prefill"] > 0
+        assert sum(times.values()) <= r["seconds"] + 1e-3, (times, r["seconds"])
         if r["proposer"] == "baseline":
+            assert times["draft"] == 0.0
             assert all(s["median"] == 1.0 and s["stderr"] == 0.0 for s in ratio.values())
         else:
             assert r["identical_to_baseline"] is True
