@@ -25,7 +25,10 @@ trial, as in the first pass), with the baseline and proposer calls of each promp
 back to back. Each row's ``ratio`` then gives, per prompt kind (``all``, ``grounded``,
 ``open``), the median of the N per-trial ratios, their minimum and maximum, their geometric
 mean and its standard error (from the spread of the log ratios); the table prints the median
-and that standard error. The pooled figures (``speedup``, ``by_kind``) sum every trial.
+and that standard error. ``cpu_ratio`` is the same over tokens per second of the process's
+CPU time, which other programs' load sways less than wall time (idle kernel threads spinning
+count in it alike for every row). The pooled figures (``speedup``, ``by_kind``) sum every
+trial.
 """
 
 from __future__ import annotations
@@ -147,18 +150,23 @@ class _Pass:
 
     tokens: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    # Per prompt kind: tokens, seconds, CPU seconds.
     by_kind: dict[str, list[float]] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
-    def add(self, results: list[Any], seconds: float, kind: str) -> None:
+    def add(self, results: list[Any], seconds: float, kind: str, cpu_seconds: float = 0.0) -> None:
+        """Adds one ``generate`` call's results, wall and CPU time, for prompts of ``kind``."""
         tokens = sum(len(r.tokens) for r in results)
         self.tokens += tokens
         self.seconds += seconds
-        acc = self.by_kind.setdefault(kind, [0.0, 0.0])
+        self.cpu_seconds += cpu_seconds
+        acc = self.by_kind.setdefault(kind, [0.0, 0.0, 0.0])
         acc[0] += tokens
         acc[1] += seconds
+        acc[2] += cpu_seconds
         for r in results:
             self.outputs.append(list(r.tokens))
             for key, value in r.metrics.items():
@@ -214,8 +222,8 @@ def _figures(p: _Pass, base: _Pass | None) -> dict[str, Any]:
     drafted_at, accepted_at = c.get("drafted_at", []), c.get("accepted_at", [])
     tps = _tps(p.tokens, p.seconds)
     by_kind = {}
-    for kind, (tokens, seconds) in sorted(p.by_kind.items()):
-        ref = (base or p).by_kind.get(kind, [0.0, 0.0])
+    for kind, (tokens, seconds, _) in sorted(p.by_kind.items()):
+        ref = (base or p).by_kind.get(kind, [0.0, 0.0, 0.0])
         by_kind[kind] = {
             "tokens_per_s": round(_tps(tokens, seconds), 2),
             "speedup": _ratio(_tps(tokens, seconds), _tps(ref[0], ref[1])),
@@ -246,10 +254,11 @@ def _merge(passes: list[_Pass]) -> _Pass:
     for p in passes:
         total.tokens += p.tokens
         total.seconds += p.seconds
-        for kind, (tokens, seconds) in p.by_kind.items():
-            acc = total.by_kind.setdefault(kind, [0.0, 0.0])
-            acc[0] += tokens
-            acc[1] += seconds
+        total.cpu_seconds += p.cpu_seconds
+        for kind, figures in p.by_kind.items():
+            acc = total.by_kind.setdefault(kind, [0.0, 0.0, 0.0])
+            for i, x in enumerate(figures):
+                acc[i] += x
         for key, value in p.counters.items():
             if isinstance(value, list):
                 total.counters[key] = _sum_lists(total.counters.get(key, []), value)
@@ -259,10 +268,10 @@ def _merge(passes: list[_Pass]) -> _Pass:
     return total
 
 
-def _kind_rates(p: _Pass) -> dict[str, float]:
-    """Tokens per second in all and per prompt kind."""
-    rates = {"all": _tps(p.tokens, p.seconds)}
-    rates.update({kind: _tps(t, s) for kind, (t, s) in p.by_kind.items()})
+def _kind_rates(p: _Pass, cpu: bool = False) -> dict[str, float]:
+    """Tokens per second (of wall time, or of the process's CPU time) in all and per kind."""
+    rates = {"all": _tps(p.tokens, p.cpu_seconds if cpu else p.seconds)}
+    rates.update({kind: _tps(f[0], f[2] if cpu else f[1]) for kind, f in p.by_kind.items()})
     return rates
 
 
@@ -288,8 +297,10 @@ def ratio_stats(ratios: list[float]) -> dict[str, Any]:
     }
 
 
-def _trial_ratios(r: _Run, base: _Run) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """``r`` against ``base`` trial by trial.
+def _trial_ratios(
+    r: _Run, base: _Run, cpu: bool = False
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """``r`` against ``base`` trial by trial (tokens per wall or per CPU second).
 
     Per prompt kind, the statistics of the per-trial ratios; and each trial's ratios and
     draft counts.
@@ -298,7 +309,7 @@ def _trial_ratios(r: _Run, base: _Run) -> tuple[dict[str, dict[str, Any]], list[
     per_trial = []
     for mine, theirs in zip(r.trials, base.trials, strict=False):
         merged = _merge(mine)
-        own, ref = _kind_rates(merged), _kind_rates(_merge(theirs))
+        own, ref = _kind_rates(merged, cpu), _kind_rates(_merge(theirs), cpu)
         speedup = {}
         for kind, rate in own.items():
             if ref.get(kind):
@@ -333,6 +344,7 @@ def bench_rows(runs: list[_Run]) -> list[dict[str, Any]]:
             for i, p in enumerate(passes)
         ]
         row["ratio"], row["trials"] = ({}, []) if base is None else _trial_ratios(r, base)
+        row["cpu_ratio"] = {} if base is None else _trial_ratios(r, base, cpu=True)[0]
         row["identical_to_baseline"] = (
             None
             if is_base or base is None
@@ -499,9 +511,10 @@ def run_model_bench(args: argparse.Namespace) -> int:
                     turn += 1
                     order = group[turn % len(group) :] + group[: turn % len(group)]
                     for r in order:
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         results = r.engine.generate(chunk, max_tokens=args.max_tokens)
-                        r.trials[-1][-1].add(results, time.perf_counter() - t0, kind)
+                        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                        r.trials[-1][-1].add(results, wall, kind, cpu)
                     done = min(start + width, len(prompts))
                     _progress(
                         f"{label}pass {pass_index + 1}/{args.repeat}, batch {width}: "
