@@ -209,3 +209,45 @@ def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
     code, out, err = _bench(capsys, *table, "--trials", "2")
     assert code == 0, err
     assert "median of 2 trials" in out and "+-" in out
+
+
+def test_the_fastest_trial_of_each_prompt_group_makes_the_fastest_ratio() -> None:
+    from specdraft.bench import _Pass, _Run, bench_rows
+
+    def run(name: str, *trials: list[tuple[str, int, float]]) -> _Run:
+        r = _Run(name, None, 4, None)
+        for calls in trials:
+            p = _Pass()
+            for kind, tokens, seconds in calls:
+                p.tokens += tokens
+                p.seconds += seconds
+                acc = p.by_kind.setdefault(kind, [0.0, 0.0, 0.0])
+                acc[0] += tokens
+                acc[1] += seconds
+                p.calls.append((kind, tokens, seconds))
+            r.trials.append([p])
+        return r
+
+    base = run(
+        "baseline",
+        [("grounded", 10, 1.0), ("open", 10, 4.0)],
+        [
+            ("grounded", 10, 2.0),
+            ("open", 10, 2.0),
+        ],
+    )
+    mine = run(
+        "lookup",
+        [("grounded", 10, 0.5), ("open", 10, 3.0)],
+        [
+            ("grounded", 10, 0.8),
+            ("open", 10, 2.5),
+        ],
+    )
+    rows = bench_rows([base, mine])
+    # Fastest calls: baseline 1.0 s grounded and 2.0 s open; lookup 0.5 s and 2.5 s.
+    assert rows[1]["fastest_ratio"] == {"all": 1.0, "grounded": 2.0, "open": 0.8}
+    assert rows[0]["fastest_ratio"] == {"all": 1.0, "grounded": 1.0, "open": 1.0}
+    # The per-trial ratios: grounded 2.0 then 2.5, open 4/3 then 0.8.
+    assert rows[1]["ratio"]["grounded"]["median"] == 2.25
+    assert rows[1]["ratio"]["open"]["min"] == 0.8
