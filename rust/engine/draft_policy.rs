@@ -669,8 +669,10 @@ mod tests {
         // This one's single drafting step failed. Shrunk towards the engine's figures its
         // estimate would still say draft (2/3 at the first position against the 1 in 4 a row
         // needs), so one decline is forced by hand, as the policy makes it in a wide batch.
-        let mut weak = SequenceDraftStats::default();
-        weak.asked = Some(2);
+        let mut weak = SequenceDraftStats {
+            asked: Some(2),
+            ..SequenceDraftStats::default()
+        };
         p.observe(&mut weak, 2, 0);
         assert!(choose(&p, std::slice::from_ref(&weak), &[4], 0)[0] > 0);
         weak.asked = Some(0);
