@@ -17,13 +17,28 @@ draft-length histogram (steps that asked for ``k`` drafts), and whether every ou
 plain decoding's token for token. ``--json`` prints everything; ``--plot FILE.png`` draws
 tokens/s by proposer and batch width and acceptance by draft position (needs matplotlib:
 ``pip install 'specdraft[plot]'``).
+
+One run of the prompt set rests each ratio on a few ``generate`` calls, and on a shared
+machine that carries noise of several percent. ``--trials N`` runs the whole comparison N
+times, each trial through fresh engines (so a cross-request drafter sees each prompt once a
+trial, as in the first pass), with the baseline and proposer calls of each prompt group
+back to back. Each row's ``ratio`` then gives, per prompt kind (``all``, ``grounded``,
+``open``), the median of the N per-trial ratios, their minimum and maximum, their geometric
+mean and its standard error (from the spread of the log ratios). ``fastest_ratio`` counts
+each prompt group's fastest trial (another program's load only ever slows a call down, so
+that trial is the least disturbed), and ``cpu_ratio`` is ``ratio`` over tokens per second
+of the process's CPU time, which load sways less than wall time. The table prints the
+median, its standard error and, in brackets, the fastest-trial ratio. The pooled figures
+(``speedup``, ``by_kind``) sum every trial.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +53,7 @@ __all__ = [
     "add_model_bench_args",
     "bench_rows",
     "parse_widths",
+    "ratio_stats",
     "run_model_bench",
 ]
 
@@ -135,27 +151,39 @@ class _Pass:
 
     tokens: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    # Per prompt kind: tokens, seconds, CPU seconds.
     by_kind: dict[str, list[float]] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
+    # Each call's prompt kind, tokens and wall seconds, in order.
+    calls: list[tuple[str, int, float]] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
-    def add(self, results: list[Any], seconds: float, kind: str) -> None:
+    def add(self, results: list[Any], seconds: float, kind: str, cpu_seconds: float = 0.0) -> None:
+        """Adds one ``generate`` call's results, wall and CPU time, for prompts of ``kind``."""
         tokens = sum(len(r.tokens) for r in results)
         self.tokens += tokens
         self.seconds += seconds
-        acc = self.by_kind.setdefault(kind, [0.0, 0.0])
+        self.cpu_seconds += cpu_seconds
+        self.calls.append((kind, tokens, seconds))
+        acc = self.by_kind.setdefault(kind, [0.0, 0.0, 0.0])
         acc[0] += tokens
         acc[1] += seconds
+        acc[2] += cpu_seconds
         for r in results:
             self.outputs.append(list(r.tokens))
             for key, value in r.metrics.items():
-                if key in ("drafted", "accepted", "verify_steps", "decode_tokens"):
+                if key in ("drafted", "accepted", "verify_steps", "decode_tokens", *_TIMES):
                     self.counters[key] = self.counters.get(key, 0) + value
                 elif key in ("drafted_at", "accepted_at", "draft_lengths"):
                     self.counters[key] = _sum_lists(self.counters.get(key, []), value)
             if r.error:
                 self.errors.append(str(r.error))
+
+
+#: The per-request timings a row sums (seconds drafting, verifying, prefilling).
+_TIMES = ("draft_time_s", "verify_time_s", "prefill_time_s")
 
 
 def _sum_lists(a: list[int], b: list[int]) -> list[int]:
@@ -165,13 +193,22 @@ def _sum_lists(a: list[int], b: list[int]) -> list[int]:
 
 @dataclass
 class _Run:
-    """One engine of the bench: a proposer at a batch width under a policy."""
+    """One row of the bench: a proposer at a batch width under a policy.
+
+    It holds the current trial's engine and every trial's passes.
+    """
 
     proposer: str
     policy: str | None
     batch: int
     engine: Any
-    passes: list[_Pass] = field(default_factory=list)
+    trials: list[list[_Pass]] = field(default_factory=list)
+
+    @property
+    def passes(self) -> list[_Pass]:
+        """Each pass index's figures summed over the trials."""
+        count = max((len(t) for t in self.trials), default=0)
+        return [_merge([t[i] for t in self.trials if i < len(t)]) for i in range(count)]
 
 
 def _ratio(a: float, b: float) -> float:
@@ -189,8 +226,8 @@ def _figures(p: _Pass, base: _Pass | None) -> dict[str, Any]:
     drafted_at, accepted_at = c.get("drafted_at", []), c.get("accepted_at", [])
     tps = _tps(p.tokens, p.seconds)
     by_kind = {}
-    for kind, (tokens, seconds) in sorted(p.by_kind.items()):
-        ref = (base or p).by_kind.get(kind, [0.0, 0.0])
+    for kind, (tokens, seconds, _) in sorted(p.by_kind.items()):
+        ref = (base or p).by_kind.get(kind, [0.0, 0.0, 0.0])
         by_kind[kind] = {
             "tokens_per_s": round(_tps(tokens, seconds), 2),
             "speedup": _ratio(_tps(tokens, seconds), _tps(ref[0], ref[1])),
@@ -211,6 +248,8 @@ def _figures(p: _Pass, base: _Pass | None) -> dict[str, Any]:
         "drafted": c.get("drafted", 0),
         "accepted": c.get("accepted", 0),
         "draft_lengths": c.get("draft_lengths", []),
+        # Where the time went, summed over requests (a shared forward split by its rows).
+        "time_s": {key.removesuffix("_time_s"): round(c.get(key, 0.0), 4) for key in _TIMES},
     }
 
 
@@ -219,10 +258,11 @@ def _merge(passes: list[_Pass]) -> _Pass:
     for p in passes:
         total.tokens += p.tokens
         total.seconds += p.seconds
-        for kind, (tokens, seconds) in p.by_kind.items():
-            acc = total.by_kind.setdefault(kind, [0.0, 0.0])
-            acc[0] += tokens
-            acc[1] += seconds
+        total.cpu_seconds += p.cpu_seconds
+        for kind, figures in p.by_kind.items():
+            acc = total.by_kind.setdefault(kind, [0.0, 0.0, 0.0])
+            for i, x in enumerate(figures):
+                acc[i] += x
         for key, value in p.counters.items():
             if isinstance(value, list):
                 total.counters[key] = _sum_lists(total.counters.get(key, []), value)
@@ -232,10 +272,95 @@ def _merge(passes: list[_Pass]) -> _Pass:
     return total
 
 
-def bench_rows(runs: list[_Run]) -> list[dict[str, Any]]:
-    """One row per run: its figures over all passes and per pass.
+def _kind_rates(p: _Pass, cpu: bool = False) -> dict[str, float]:
+    """Tokens per second (of wall time, or of the process's CPU time) in all and per kind."""
+    rates = {"all": _tps(p.tokens, p.cpu_seconds if cpu else p.seconds)}
+    rates.update({kind: _tps(f[0], f[2] if cpu else f[1]) for kind, f in p.by_kind.items()})
+    return rates
 
-    Ratios are against the baseline run of the same batch width (and pass).
+
+def ratio_stats(ratios: list[float]) -> dict[str, Any]:
+    """What a list of per-trial ratios says: median, range, geometric mean and its error.
+
+    The standard error is the geometric mean's, from the sample deviation of the log
+    ratios (0 with one trial); ratios of 0 (no tokens) are left out.
+    """
+    logs = [math.log(r) for r in ratios if r > 0]
+    if not logs:
+        return {"trials": 0, "median": 0.0, "min": 0.0, "max": 0.0, "geomean": 0.0, "stderr": 0.0}
+    geomean = math.exp(statistics.fmean(logs))
+    spread = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    kept = [r for r in ratios if r > 0]
+    return {
+        "trials": len(kept),
+        "median": round(statistics.median(kept), 4),
+        "min": round(min(kept), 4),
+        "max": round(max(kept), 4),
+        "geomean": round(geomean, 4),
+        "stderr": round(geomean * spread, 4),
+    }
+
+
+def _trial_ratios(
+    r: _Run, base: _Run, cpu: bool = False
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """``r`` against ``base`` trial by trial (tokens per wall or per CPU second).
+
+    Per prompt kind, the statistics of the per-trial ratios; and each trial's ratios and
+    draft counts.
+    """
+    per_kind: dict[str, list[float]] = {}
+    per_trial = []
+    for mine, theirs in zip(r.trials, base.trials, strict=False):
+        merged = _merge(mine)
+        own, ref = _kind_rates(merged, cpu), _kind_rates(_merge(theirs), cpu)
+        speedup = {}
+        for kind, rate in own.items():
+            if ref.get(kind):
+                per_kind.setdefault(kind, []).append(rate / ref[kind])
+                speedup[kind] = round(rate / ref[kind], 4)
+        per_trial.append(
+            {
+                "speedup": speedup,
+                "drafted": merged.counters.get("drafted", 0),
+                "accepted": merged.counters.get("accepted", 0),
+            }
+        )
+    stats = {kind: ratio_stats(ratios) for kind, ratios in sorted(per_kind.items())}
+    return stats, per_trial
+
+
+def _fastest_ratios(r: _Run, base: _Run) -> dict[str, float]:
+    """Per prompt kind, the ratio of tokens per second counting each call's fastest trial.
+
+    Another program's load only ever slows a call down, so each prompt group's fastest
+    trial is the one least disturbed: the ratio of those sums estimates a quiet machine's.
+    """
+
+    def fastest(run: _Run) -> dict[str, list[float]]:
+        sums: dict[str, list[float]] = {}
+        calls = [[c for p in trial for c in p.calls] for trial in run.trials]
+        for i in range(min((len(c) for c in calls), default=0)):
+            kind, tokens, _ = calls[0][i]
+            best = min(c[i][2] for c in calls)
+            for key in ("all", kind):
+                acc = sums.setdefault(key, [0.0, 0.0])
+                acc[0] += tokens
+                acc[1] += best
+        return sums
+
+    own, ref = fastest(r), fastest(base)
+    return {
+        kind: round(_tps(*own[kind]) / _tps(*ref[kind]), 4)
+        for kind in sorted(own)
+        if kind in ref and _tps(*ref[kind])
+    }
+
+
+def bench_rows(runs: list[_Run]) -> list[dict[str, Any]]:
+    """One row per run: its figures over all passes and per pass, and its per-trial ratios.
+
+    Ratios are against the baseline run of the same batch width (and pass, and trial).
     """
     base_of = {r.batch: r for r in runs if r.proposer == BASELINE}
     rows = []
@@ -243,21 +368,42 @@ def bench_rows(runs: list[_Run]) -> list[dict[str, Any]]:
         base = base_of.get(r.batch)
         is_base = r is base
         row: dict[str, Any] = {"proposer": r.proposer, "policy": r.policy, "batch": r.batch}
-        row.update(_figures(_merge(r.passes), None if base is None else _merge(base.passes)))
+        passes, base_passes = r.passes, None if base is None else base.passes
+        row.update(_figures(_merge(passes), None if base_passes is None else _merge(base_passes)))
         row["passes"] = [
-            _figures(p, None if base is None else base.passes[i]) for i, p in enumerate(r.passes)
+            _figures(p, None if base_passes is None else base_passes[i])
+            for i, p in enumerate(passes)
         ]
+        row["ratio"], row["trials"] = ({}, []) if base is None else _trial_ratios(r, base)
+        row["cpu_ratio"] = {} if base is None else _trial_ratios(r, base, cpu=True)[0]
+        row["fastest_ratio"] = {} if base is None else _fastest_ratios(r, base)
         row["identical_to_baseline"] = (
             None
             if is_base or base is None
-            else all(p.outputs == base.passes[i].outputs for i, p in enumerate(r.passes))
+            else all(
+                p.outputs == b.outputs
+                for mine, theirs in zip(r.trials, base.trials, strict=True)
+                for p, b in zip(mine, theirs, strict=True)
+            )
         )
-        row["errors"] = [e for p in r.passes for e in p.errors]
+        row["errors"] = [e for t in r.trials for p in t for e in p.errors]
         rows.append(row)
     return rows
 
 
-def _table(rows: list[dict[str, Any]], repeat: int) -> str:
+def _ratio_cell(row: dict[str, Any], kind: str, trials: int) -> str:
+    """The speedup for ``kind``: pooled with one trial, else the median and its error."""
+    if trials > 1:
+        stats, fastest = row["ratio"].get(kind), row["fastest_ratio"].get(kind)
+        if not stats:
+            return "-"
+        return f"{stats['median']:.3f}x+-{stats['stderr']:.3f} ({fastest or 0:.3f}x)"
+    if kind == "all":
+        return f"{row['speedup']:.2f}x"
+    return f"{row['by_kind'][kind]['speedup']:.2f}x" if kind in row["by_kind"] else "-"
+
+
+def _table(rows: list[dict[str, Any]], repeat: int, trials: int = 1) -> str:
     head = ["proposer", "policy", "batch", "tok/s", "speedup", "grounded", "open"]
     if repeat > 1:
         head.append(f"pass {repeat}")
@@ -270,11 +416,7 @@ def _table(rows: list[dict[str, Any]], repeat: int) -> str:
             r["policy"] or "-",
             str(r["batch"]),
             f"{r['tokens_per_s']:.1f}",
-            f"{r['speedup']:.2f}x",
-            *(
-                f"{r['by_kind'][k]['speedup']:.2f}x" if k in r["by_kind"] else "-"
-                for k in ("grounded", "open")
-            ),
+            *(_ratio_cell(r, k, trials) for k in ("all", "grounded", "open")),
         ]
         if repeat > 1:
             cells.append(f"{r['passes'][-1]['speedup']:.2f}x")
@@ -317,7 +459,7 @@ def _progress_ratios(group: list[_Run], pass_index: int) -> None:
     for r in group:
         if r is base:
             continue
-        f = _figures(r.passes[pass_index], base.passes[pass_index])
+        f = _figures(r.trials[-1][pass_index], base.trials[-1][pass_index])
         kinds = ", ".join(f"{k} {v['speedup']:.3f}x" for k, v in f["by_kind"].items())
         _progress(f"  {r.proposer} ({r.policy}): {f['speedup']:.3f}x ({kinds})")
 
@@ -341,6 +483,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
             ("--max-tokens", args.max_tokens),
             ("--num-drafts", args.num_drafts),
             ("--repeat", args.repeat),
+            ("--trials", args.trials),
         ]:
             if value < 1:
                 raise ValueError(f"{option} must be at least 1, got {value}")
@@ -358,7 +501,6 @@ def run_model_bench(args: argparse.Namespace) -> int:
     # One-time costs (first allocations, page faults on the weights) stay out of the figures.
     specdraft.SpecEngine(model, None).generate(prompts[:1], max_tokens=4)
 
-    runs: list[_Run] = []
     unused: dict[str, Any] = {}
     if not args.proposer:
         # A default row this model has no proposer for (no shipped draft head) is left out;
@@ -369,44 +511,52 @@ def run_model_bench(args: argparse.Namespace) -> int:
             except ValueError as e:
                 _progress(f"specdraft bench: no {name} row: {e}")
                 names.remove(name)
+
+    def engine_for(name: str, policy: str | None, width: int) -> Any:  # noqa: ANN401
+        if name == BASELINE:
+            return specdraft.SpecEngine(model, None, max_batch=width)
+        proposer = unused.pop(name) if name in unused else make_proposer(name, model, args.model)
+        return specdraft.SpecEngine(
+            model, proposer, num_drafts=args.num_drafts, max_batch=width, draft_policy=policy
+        )
+
+    runs: list[_Run] = []
     for width in widths:
-        runs.append(_Run(BASELINE, None, width, specdraft.SpecEngine(model, None, max_batch=width)))
-        for name in names:
-            for policy in policies:
-                proposer = (
-                    unused.pop(name) if name in unused else make_proposer(name, model, args.model)
-                )
-                engine = specdraft.SpecEngine(
-                    model,
-                    proposer,
-                    num_drafts=args.num_drafts,
-                    max_batch=width,
-                    draft_policy=policy,
-                )
-                runs.append(_Run(name, policy, width, engine))
+        runs.append(_Run(BASELINE, None, width, None))
+        runs += [_Run(name, policy, width, None) for name in names for policy in policies]
     turn = 0
     started = time.perf_counter()
-    for pass_index in range(args.repeat):
+    for trial in range(args.trials):
+        # Fresh engines each trial: a proposer that learns across requests sees each prompt
+        # once a trial, so every trial measures what the first does.
         for r in runs:
-            r.passes.append(_Pass())
-        for width in widths:
-            group = [r for r in runs if r.batch == width]
-            for start in range(0, len(prompts), width):
-                chunk = prompts[start : start + width]
-                chunk_kinds = set(kinds[start : start + width])
-                kind = chunk_kinds.pop() if len(chunk_kinds) == 1 else "mixed"
-                turn += 1
-                order = group[turn % len(group) :] + group[: turn % len(group)]
-                for r in order:
-                    t0 = time.perf_counter()
-                    results = r.engine.generate(chunk, max_tokens=args.max_tokens)
-                    r.passes[-1].add(results, time.perf_counter() - t0, kind)
-                done = min(start + width, len(prompts))
-                _progress(
-                    f"pass {pass_index + 1}/{args.repeat}, batch {width}: "
-                    f"{done}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)"
-                )
-            _progress_ratios(group, pass_index)
+            r.engine = engine_for(r.proposer, r.policy, r.batch)
+            r.trials.append([])
+        label = f"trial {trial + 1}/{args.trials}, " if args.trials > 1 else ""
+        for pass_index in range(args.repeat):
+            for r in runs:
+                r.trials[-1].append(_Pass())
+            for width in widths:
+                group = [r for r in runs if r.batch == width]
+                for start in range(0, len(prompts), width):
+                    chunk = prompts[start : start + width]
+                    chunk_kinds = set(kinds[start : start + width])
+                    kind = chunk_kinds.pop() if len(chunk_kinds) == 1 else "mixed"
+                    turn += 1
+                    order = group[turn % len(group) :] + group[: turn % len(group)]
+                    for r in order:
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        results = r.engine.generate(chunk, max_tokens=args.max_tokens)
+                        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                        r.trials[-1][-1].add(results, wall, kind, cpu)
+                    done = min(start + width, len(prompts))
+                    _progress(
+                        f"{label}pass {pass_index + 1}/{args.repeat}, batch {width}: "
+                        f"{done}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)"
+                    )
+                _progress_ratios(group, pass_index)
+        for r in runs:
+            r.engine = None
     rows = bench_rows(runs)
     if args.json:
         report = {
@@ -417,6 +567,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
             "num_drafts": args.num_drafts,
             "batch": widths,
             "repeat": args.repeat,
+            "trials": args.trials,
             "draft_policies": policies,
             "results": rows,
         }
@@ -425,8 +576,14 @@ def run_model_bench(args: argparse.Namespace) -> int:
         print(
             f"model {args.model} on {device}: {len(prompts)} prompts x {args.repeat}, "
             f"{args.max_tokens} tokens max, up to {args.num_drafts} drafts, greedy"
+            + (
+                f"; speedups: median of {args.trials} trials +- standard error "
+                "(fastest trial of each prompt group)"
+                if args.trials > 1
+                else ""
+            )
         )
-        print(_table(rows, args.repeat))
+        print(_table(rows, args.repeat, args.trials))
     if args.plot:
         from specdraft.bench_plot import plot_rows
 
@@ -466,6 +623,15 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--repeat", type=int, default=1, help="passes over the prompt set through the same engines"
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=1,
+        help=(
+            "run the whole comparison N times through fresh engines and report each ratio's "
+            "median and spread over the trials (5 or more resolve a few percent)"
+        ),
     )
     p.add_argument(
         "--draft-policy",

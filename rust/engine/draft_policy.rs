@@ -23,14 +23,23 @@
 //!   emitted: greedy output is the same under either policy.
 //! - A count is never above the sequence's budget. Asking for 0 still calls `propose`
 //!   (with `num_drafts` 0), so a proposer that keeps the token history sees every token.
-//! - Cold start drafts: with no verify cost measured the whole budget is asked; with one
-//!   row count measured the next step measures the other end (the whole budget, or none)
-//!   so the cost's slope is known before the policy relies on it.
-//! - A sequence turned down to 0 is probed with 1 draft after `PROBE_FIRST` idle steps,
+//! - Cold start drafts: with no verify cost measured one sequence (the first) is asked for
+//!   its whole budget and the others for none, so the step measures a few more rows than a
+//!   plain one however wide the batch (a step of every sequence's budget would cost several
+//!   plain steps at batch 8); with one row count measured the next step measures the other
+//!   end (that draft, or none), so the cost's slope is known before the policy relies on it.
+//! - A sequence turned down to 0 after a step whose drafts all failed stays at 0 until a
+//!   probe: it is probed with 1 draft after `PROBE_FIRST` idle steps,
 //!   the wait doubling (up to `PROBE_MAX`) while probes fail, so it recovers when its text
 //!   becomes predictable; no probe is made where even a sure draft would not pay. A new
 //!   sequence starts with the engine's wait (doubled by every failed probe, reset by every
 //!   accepted one), so a drafter that is never right is not probed afresh each request.
+//! - Probes and refreshes (below) are exploration, paid from one engine-wide budget: each
+//!   step earns [`EXPLORE_SHARE`] of its measured verify cost, in verify rows at the
+//!   measured cost a row; one row can be banked. A probe needs and spends a row; a refresh
+//!   needs one and spends all the rows it adds, into debt that later steps pay off. So over
+//!   a run exploration costs about that share of the verify time at any batch width (the
+//!   sequences of a wide batch would otherwise each probe on their own wait).
 //! - The verify cost's measurements age (see `cost_model`). When the widest row count
 //!   measured is [`REFRESH_AGE`] records old or more and the step would draft more at a
 //!   cheaper cost a row (the fitted one halved once and again for every [`REFRESH_AGE`]
@@ -68,6 +77,8 @@ const ROUNDS: usize = 4;
 /// Verify records after which the widest measured row count is stale and, where cheaper
 /// rows would change the choice, measured again (at most once in as many records).
 const REFRESH_AGE: u64 = 32;
+/// Share of each step's verify cost that exploration (probes, refreshes) may spend.
+pub const EXPLORE_SHARE: f64 = 0.01;
 
 /// Which rule picks the draft count.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -164,6 +175,10 @@ struct EnginePrior {
     calibration: Calibration,
     /// The verify curve's clock at the last refresh of its wide end.
     refreshed_at: u64,
+    /// Verify rows exploration spent beyond what it earned (see the module documentation):
+    /// at most one row is banked (0), and a refresh may leave a debt (above 1) that later
+    /// steps pay off before the next probe.
+    explore_owed: f64,
 }
 
 /// One sequence's policy state.
@@ -176,6 +191,11 @@ pub(super) struct SequenceDraftStats {
     /// Idle steps before the next probe (0: not yet set, the engine's).
     probe_every: usize,
     pub(super) probing: bool,
+    /// Whether the last step that asked for drafts got some and had none accepted.
+    last_failed: bool,
+    /// Turned down after drafts that failed: only a probe may ask for drafts, until one of
+    /// its drafts is accepted.
+    locked: bool,
     /// This step's choice, until it is observed.
     pub(super) asked: Option<usize>,
     /// Tokens one more verify row must bring this step to pay for itself.
@@ -325,9 +345,17 @@ impl DraftPolicy {
         }
         let curves = self.cost.curves();
         let base_rows = other_rows + candidates.len();
+        // Cold start: the first sequence with a budget drafts it all, the others none.
+        let cold = || {
+            let mut k = vec![0; candidates.len()];
+            if let Some(i) = candidates.iter().position(|c| c.budget > 0) {
+                k[i] = candidates[i].budget;
+            }
+            (k, 0.0)
+        };
         match curves.verify.len() {
-            0 => return budgets(),
-            1 if curves.verify.first_x() == Some(base_rows) => return budgets(),
+            0 => return cold(),
+            1 if curves.verify.first_x() == Some(base_rows) => return cold(),
             1 => return (vec![0; candidates.len()], 0.0),
             _ => {}
         }
@@ -338,6 +366,21 @@ impl DraftPolicy {
                 .map(|c| outlook(c, &prior, &curves))
                 .collect()
         };
+        // A sequence turned down after drafts that failed comes back only through a probe:
+        // otherwise the engine's figures (other sequences' successes) would soon talk its
+        // thin evidence round into drafting again, outside the exploration budget.
+        let choosable: Vec<Outlook> = candidates
+            .iter()
+            .zip(&outlooks)
+            .map(|(c, o)| {
+                let n = if c.stats.locked { 1 } else { o.gain.len() };
+                Outlook {
+                    gain: o.gain[..n].to_vec(),
+                    rows: o.rows[..n].to_vec(),
+                    draft: o.draft[..n].to_vec(),
+                }
+            })
+            .collect();
         // The fitted line, its slope no less than MIN_ROW_SHARE of the base forward's cost a
         // row: measurement noise on a loaded machine can flatten the slope to nothing, and
         // then any drafter, however rarely right, would look free.
@@ -349,20 +392,31 @@ impl DraftPolicy {
             base_cost,
             per_row: slope.max(floor),
         };
-        let mut c = cost.best(&outlooks);
+        let mut c = cost.best(&choosable);
+        // Exploration's allowance: this step earns its share of the verify cost, in rows at
+        // the measured cost a row; one row can be banked.
+        let mut credit = {
+            let mut prior = self.prior();
+            let earned = EXPLORE_SHARE * base_cost / cost.per_row.max(1e-12);
+            prior.explore_owed = (prior.explore_owed - earned).max(0.0);
+            1.0 - prior.explore_owed
+        };
         // Refresh: once the widest row count measured is stale, a step that cheaper rows
         // would fill with more drafts is taken as if they were that cheap, so the wide end
         // of the line is measured again instead of holding the policy back for good.
         if let Some(cheap) = self.refresh(&curves.verify, cost, floor) {
-            let alt = cheap.best(&outlooks);
-            if alt.k.iter().sum::<usize>() > c.k.iter().sum::<usize>() {
+            let alt = cheap.best(&choosable);
+            if alt.k.iter().sum::<usize>() > c.k.iter().sum::<usize>() && credit >= 1.0 {
+                // Paid in full, into debt if need be: it measures many rows at once.
+                credit -= alt.rows - c.rows;
                 self.prior().refreshed_at = curves.verify.clock();
                 (cost, c) = (cheap, alt);
             }
         }
-        // Probes: a sequence idle long enough gets one draft, if one sure draft would pay.
+        // Probes: a sequence idle long enough gets one draft, if one sure draft would pay
+        // and exploration can afford its row.
         for (i, (cand, o)) in candidates.iter().zip(&outlooks).enumerate() {
-            if c.k[i] != 0 || cand.budget == 0 || !self.probe_due(cand.stats) {
+            if c.k[i] != 0 || cand.budget == 0 || !self.probe_due(cand.stats) || credit < 1.0 {
                 continue;
             }
             let now = cost.rate(c.tokens, c.rows, c.draft);
@@ -372,12 +426,14 @@ impl DraftPolicy {
                 c.draft - o.draft[0] + o.draft[1],
             );
             if sure > now {
+                credit -= 1.0;
                 c.k[i] = 1;
                 c.tokens += 1.0;
                 c.rows += 1.0;
                 c.draft += o.draft[1] - o.draft[0];
             }
         }
+        self.prior().explore_owed = 1.0 - credit;
         let min_gain = cost.per_row * cost.rate(c.tokens, c.rows, c.draft);
         (c.k, min_gain)
     }
@@ -429,10 +485,14 @@ impl DraftPolicy {
         let confs = std::mem::take(&mut stats.confs);
         if asked == 0 {
             stats.idle += 1;
+            stats.locked |= stats.last_failed;
             return;
         }
         let probe = std::mem::take(&mut stats.probing);
         stats.idle = 0;
+        // A proposer that returned nothing said nothing about acceptance.
+        stats.last_failed = returned > 0 && accepted == 0;
+        stats.locked &= accepted == 0;
         stats.accept.decay(SEQUENCE_KEEP);
         stats.fill.decay(SEQUENCE_KEEP);
         PositionCounts::observe(
@@ -540,17 +600,20 @@ mod tests {
     #[test]
     fn cold_start_drafts_then_measures_the_other_end() {
         let (stats, budgets) = fresh(&[4, 2]);
-        // Nothing measured: the whole budget.
-        assert_eq!(choose(&policy(&[]), &stats, &budgets, 1), vec![4, 2]);
-        // Measured only at the full-draft row count: a plain step next.
+        // Nothing measured: the first sequence's whole budget, none for the others (a few
+        // rows more than a plain step, however wide the batch).
+        assert_eq!(choose(&policy(&[]), &stats, &budgets, 1), vec![4, 0]);
+        // The first sequence with a budget is the one asked.
+        assert_eq!(choose(&policy(&[]), &stats, &[0, 2], 1), vec![0, 2]);
+        // Measured only at the drafting row count: a plain step next.
         assert_eq!(
-            choose(&policy(&[(9, 1.0)]), &stats, &budgets, 1),
+            choose(&policy(&[(7, 1.0)]), &stats, &budgets, 1),
             vec![0, 0]
         );
         // Measured only at the plain row count (3 = 2 drafting + 1 other): draft.
         assert_eq!(
             choose(&policy(&[(3, 1.0)]), &stats, &budgets, 1),
-            vec![4, 2]
+            vec![4, 0]
         );
         let fixed = DraftPolicy::new(DraftPolicyKind::Fixed, Arc::new(FixedCost::default()));
         assert_eq!(choose(&fixed, &stats, &budgets, 0), vec![4, 2]);
@@ -591,6 +654,79 @@ mod tests {
             2 * PROBE_FIRST
         );
         assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
+    }
+
+    #[test]
+    fn a_sequence_turned_down_after_failing_comes_back_only_through_a_probe() {
+        // One row 1 s, each more 0.25 s. Another sequence's drafts are always accepted, so
+        // the engine's figures are excellent.
+        let p = policy(&[(1, 1.0), (2, 1.25)]);
+        let mut good = SequenceDraftStats::default();
+        for _ in 0..50 {
+            good.asked = Some(4);
+            p.observe(&mut good, 4, 4);
+        }
+        // This one's single drafting step failed. Shrunk towards the engine's figures its
+        // estimate would still say draft (2/3 at the first position against the 1 in 4 a row
+        // needs), so one decline is forced by hand, as the policy makes it in a wide batch.
+        let mut weak = SequenceDraftStats {
+            asked: Some(2),
+            ..SequenceDraftStats::default()
+        };
+        p.observe(&mut weak, 2, 0);
+        assert!(choose(&p, std::slice::from_ref(&weak), &[4], 0)[0] > 0);
+        weak.asked = Some(0);
+        p.observe(&mut weak, 0, 0);
+        // Turned down after a failure: none until the probe is due, then exactly one.
+        for _ in 1..PROBE_FIRST {
+            assert_eq!(choose(&p, std::slice::from_ref(&weak), &[4], 0), vec![0]);
+            weak.asked = Some(0);
+            p.observe(&mut weak, 0, 0);
+        }
+        assert_eq!(choose(&p, std::slice::from_ref(&weak), &[4], 0), vec![1]);
+        // A failed probe keeps it shut; an accepted one lets the policy choose again.
+        weak.asked = Some(1);
+        weak.probing = true;
+        p.observe(&mut weak, 1, 0);
+        assert_eq!(choose(&p, std::slice::from_ref(&weak), &[4], 0), vec![0]);
+        weak.asked = Some(1);
+        p.observe(&mut weak, 1, 1);
+        assert!(choose(&p, std::slice::from_ref(&weak), &[4], 0)[0] > 0);
+    }
+
+    #[test]
+    fn probes_spend_no_more_than_the_exploration_share_of_the_verify_cost() {
+        // One row 1 s, each more 0.25 s; eight sequences whose drafts always fail.
+        let p = policy(&[(1, 1.0), (2, 1.25)]);
+        let mut stats = vec![SequenceDraftStats::default(); 8];
+        for s in &mut stats {
+            s.asked = Some(4);
+            p.observe(s, 4, 0);
+        }
+        let steps = 400;
+        let mut probes = 0;
+        for _ in 0..steps {
+            let k = choose(&p, &stats, &[4; 8], 0);
+            for (s, &k) in stats.iter_mut().zip(&k) {
+                s.probing = k > 0 && p.probe_due(s);
+                s.asked = Some(k);
+                p.observe(s, k, 0);
+            }
+            assert!(k.iter().all(|&k| k <= 1), "{k:?}");
+            probes += k.iter().sum::<usize>();
+        }
+        // A plain step (8 rows) costs 0.75 + 8 * 0.25 = 2.75 s, so each earns 1% of it:
+        // 0.11 rows at 0.25 s a row; one row may be banked at the start.
+        let allowed = 1.0 + steps as f64 * EXPLORE_SHARE * 2.75 / 0.25;
+        assert!(
+            probes as f64 <= allowed,
+            "{probes} probes, {allowed} allowed"
+        );
+        // Yet the sequences are still probed now and then, so they could recover.
+        assert!(
+            probes as f64 >= allowed / 2.0,
+            "{probes} probes, {allowed} allowed"
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@ proposer table and plots, on a tiny random model."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def test_bad_bench_options_are_named(tiny, capsys) -> None:
         (["--batch", "0"], "each width must be at least 1"),
         (["--draft-policy", "greedy"], "--draft-policy 'greedy'"),
         (["--repeat", "0"], "--repeat must be at least 1"),
+        (["--trials", "0"], "--trials must be at least 1"),
         (["--proposer", "nonesuch"], "--proposer 'nonesuch'"),
     ]:
         code, _, err = _bench(capsys, *_common(tiny), *extra)
@@ -138,3 +140,114 @@ def test_plot_draws_a_png(tiny, capsys, tmp_path) -> None:
     code, _, err = _bench(capsys, *args, "--plot", str(png))
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ratio_stats_summarise_per_trial_ratios() -> None:
+    from specdraft.bench import ratio_stats
+
+    # Log ratios ln 0.5, ln 1, ln 2, ln 1: mean 0 (geomean 1), sample deviation
+    # ln 2 * sqrt(2/3), standard error that over 2.
+    got = ratio_stats([0.5, 1.0, 2.0, 1.0])
+    assert (got["trials"], got["median"], got["min"], got["max"]) == (4, 1.0, 0.5, 2.0)
+    assert got["geomean"] == 1.0
+    assert got["stderr"] == round(math.log(2) * math.sqrt(2 / 3) / 2, 4)
+    # One trial has no spread; a trial without tokens (ratio 0) is left out.
+    assert ratio_stats([1.25, 0.0]) == {
+        "trials": 1,
+        "median": 1.25,
+        "min": 1.25,
+        "max": 1.25,
+        "geomean": 1.25,
+        "stderr": 0.0,
+    }
+    assert ratio_stats([])["trials"] == 0
+
+
+def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
+    args = [*_common(tiny), "--prompts", "10", "--max-tokens", "5", "--json"]
+    args += ["--batch", "1,4", "--trials", "3", "--proposer", "prompt-lookup,suffix"]
+    code, out, err = _bench(capsys, *args)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["trials"] == 3
+    assert "trial 3/3, pass 1/1, batch 4: 10/10 prompts" in err
+    rows = report["results"]
+    base_tokens = {r["batch"]: r["tokens"] for r in rows if r["proposer"] == "baseline"}
+    for r in rows:
+        ratio = r["ratio"]
+        # Eight grounded prompts, then two open: each kind has a ratio per trial, of wall
+        # time and of CPU time.
+        assert set(ratio) == set(r["cpu_ratio"]) == {"all", "grounded", "open"}, ratio
+        for stats in [*ratio.values(), *r["cpu_ratio"].values()]:
+            assert stats["trials"] == 3
+            assert stats["min"] <= stats["median"] <= stats["max"]
+            assert stats["min"] <= stats["geomean"] <= stats["max"]
+        # The per-request timings add up to no more than the calls' wall time.
+        times = r["time_s"]
+        assert times["verify"] > 0 and times["prefill"] > 0
+        assert sum(times.values()) <= r["seconds"] + 1e-3, (times, r["seconds"])
+        if r["proposer"] == "baseline":
+            assert times["draft"] == 0.0
+            for stats in [*ratio.values(), *r["cpu_ratio"].values()]:
+                assert stats["median"] == 1.0 and stats["stderr"] == 0.0
+        else:
+            assert r["identical_to_baseline"] is True
+        # Pooled over the trials: three times one trial's tokens, the same for every row.
+        assert r["tokens"] == base_tokens[r["batch"]] and r["tokens"] % 3 == 0
+        assert len(r["trials"]) == 3 and len(r["passes"]) == 1
+    # Fresh engines each trial: under the fixed policy the suffix drafter, which learns
+    # across requests, drafts and hits exactly alike in every trial (a warm one would
+    # recall the first trial's outputs in the second).
+    code, out, err = _bench(capsys, *args, "--draft-policy", "fixed", "--prompts", "2")
+    assert code == 0, err
+    (suffix,) = [
+        r for r in json.loads(out)["results"] if r["proposer"] == "suffix" and r["batch"] == 1
+    ]
+    counts = {(t["drafted"], t["accepted"]) for t in suffix["trials"]}
+    assert len(counts) == 1 and suffix["drafted"] > 0, suffix["trials"]
+    table = [a for a in args if a != "--json"]
+    code, out, err = _bench(capsys, *table, "--trials", "2")
+    assert code == 0, err
+    assert "median of 2 trials" in out and "+-" in out
+
+
+def test_the_fastest_trial_of_each_prompt_group_makes_the_fastest_ratio() -> None:
+    from specdraft.bench import _Pass, _Run, bench_rows
+
+    def run(name: str, *trials: list[tuple[str, int, float]]) -> _Run:
+        r = _Run(name, None, 4, None)
+        for calls in trials:
+            p = _Pass()
+            for kind, tokens, seconds in calls:
+                p.tokens += tokens
+                p.seconds += seconds
+                acc = p.by_kind.setdefault(kind, [0.0, 0.0, 0.0])
+                acc[0] += tokens
+                acc[1] += seconds
+                p.calls.append((kind, tokens, seconds))
+            r.trials.append([p])
+        return r
+
+    base = run(
+        "baseline",
+        [("grounded", 10, 1.0), ("open", 10, 4.0)],
+        [
+            ("grounded", 10, 2.0),
+            ("open", 10, 2.0),
+        ],
+    )
+    mine = run(
+        "lookup",
+        [("grounded", 10, 0.5), ("open", 10, 3.0)],
+        [
+            ("grounded", 10, 0.8),
+            ("open", 10, 2.5),
+        ],
+    )
+    rows = bench_rows([base, mine])
+    # Fastest calls: baseline 1.0 s grounded and 2.0 s open; lookup 0.5 s and 2.5 s.
+    assert rows[1]["fastest_ratio"] == {"all": 1.0, "grounded": 2.0, "open": 0.8}
+    assert rows[0]["fastest_ratio"] == {"all": 1.0, "grounded": 1.0, "open": 1.0}
+    # The per-trial ratios: grounded 2.0 then 2.5, open 4/3 then 0.8.
+    assert rows[1]["ratio"]["grounded"]["median"] == 2.25
+    assert rows[1]["ratio"]["open"]["min"] == 0.8
