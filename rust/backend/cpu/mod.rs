@@ -17,6 +17,7 @@
 //! with another pool's threads for the cores.
 
 mod attention;
+mod elementwise;
 mod formats;
 mod fp8;
 mod kernels;
