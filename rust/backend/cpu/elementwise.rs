@@ -18,8 +18,8 @@
 //! - The AVX2 path is the same source compiled with AVX2 enabled (plain loops over fixed
 //!   blocks that the compiler vectorises: lane-wise operations, no fused multiply-add, no
 //!   reassociation), so it matches the portable path bit for bit.
-//! - Nothing is allocated per call; a call is split over the pool only when it has at least
-//!   [`TASK_ELEMENTS`] elements per task to give, which pays for a dispatch many times over.
+//! - Nothing is allocated per call; a call is split over the pool only when it has a few
+//!   microseconds of work per task to give, which pays for a dispatch many times over.
 //! - An output that is also an input (`out == x` for RMSNorm, `out == a` or `b` for the
 //!   binary ops, RoPE in place) is read a block at a time into scratch before the block is
 //!   written, so aliasing changes nothing.
@@ -33,9 +33,17 @@ use half::bf16;
 const BLOCK: usize = 64;
 /// Lanes of RMSNorm's sum of squares (two AVX2 vectors).
 pub(super) const LANES: usize = 16;
-/// Least work for one pool task, in elements: a few microseconds, against a dispatch round
-/// trip under one (`cargo bench --bench kernel_pool`).
-pub(super) const TASK_ELEMENTS: usize = 8192;
+/// Least elements for one pool task, by op: a few microseconds of work each (measured with
+/// `cargo bench --bench cpu_small_ops`: about 0.25 ns an element for add, 0.5 for RMSNorm,
+/// 1.5 for the gated ops and 2 for RoPE on one core), against a dispatch round trip under a
+/// microsecond (`cargo bench --bench kernel_pool`).
+const ADD_TASK: usize = 16384;
+const NORM_TASK: usize = 8192;
+const GATE_TASK: usize = 4096;
+const ROPE_TASK: usize = 4096;
+/// The largest of them, for tests that need every op's call split into several tasks.
+#[cfg(test)]
+pub(super) const LARGEST_TASK: usize = ADD_TASK;
 
 /// f32 to BF16, rounding to nearest even (a NaN stays a NaN, made quiet): the same bits as
 /// `half::bf16::from_f32`, but branch-free so that loops of it vectorise.
@@ -111,15 +119,15 @@ impl SharedRows {
 }
 
 /// Runs `f(out_part, first_unit, units)` over `units` units of `unit_len` elements of `out`,
-/// on the calling thread alone or split into pool tasks of at least [`TASK_ELEMENTS`].
+/// on the calling thread alone or split into pool tasks of at least `task_elements`.
 fn split_units(
     pool: &KernelPool,
     out: &mut [bf16],
-    units: usize,
-    unit_len: usize,
+    (units, unit_len): (usize, usize),
+    task_elements: usize,
     f: &(dyn Fn(&mut [bf16], usize, usize) + Sync),
 ) -> Result<(), QuantError> {
-    let tasks = (units * unit_len / TASK_ELEMENTS).clamp(1, units.max(1));
+    let tasks = (units * unit_len / task_elements).clamp(1, units.max(1));
     if tasks == 1 {
         f(out, 0, units);
         return Ok(());
@@ -152,18 +160,21 @@ macro_rules! dispatch {
 /// Sum of squares in [`LANES`] lanes, summed pairwise.
 #[inline(always)]
 fn sum_squares(row: &[bf16]) -> f32 {
-    let mut lanes = [0f32; LANES];
-    let mut chunks = row.chunks_exact(LANES);
-    for c in &mut chunks {
+    // Whole arrays, so that the lanes stay in vector registers.
+    let add = |lanes: &mut [f32; LANES], c: &[bf16; LANES]| {
         for (l, &x) in lanes.iter_mut().zip(c) {
             let v = to_f32(x);
             *l += v * v;
         }
+    };
+    let mut lanes = [0f32; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        add(&mut lanes, c.try_into().expect("a whole chunk"));
     }
-    for (l, &x) in lanes.iter_mut().zip(chunks.remainder()) {
-        let v = to_f32(x);
-        *l += v * v;
-    }
+    let mut rest = [bf16::ZERO; LANES];
+    rest[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+    add(&mut lanes, &rest);
     let mut width = LANES;
     while width > 1 {
         width /= 2;
@@ -208,7 +219,7 @@ pub(super) fn rms_norm(
     eps: f32,
 ) -> Result<(), QuantError> {
     let rows = out.len() / dim.max(1);
-    split_units(pool, out, rows, dim, &|part, first, _| {
+    split_units(pool, out, (rows, dim), NORM_TASK, &|part, first, _| {
         let x = x.skip(first * dim);
         dispatch!(
             pool.isa(),
@@ -264,7 +275,11 @@ pub(super) fn binary(
     b: Input,
 ) -> Result<(), QuantError> {
     let len = out.len();
-    split_units(pool, out, len, 1, &|part, first, _| {
+    let task = match op {
+        ElementwiseOp::Add => ADD_TASK,
+        ElementwiseOp::SiluMul | ElementwiseOp::SigmoidMul => GATE_TASK,
+    };
+    split_units(pool, out, (len, 1), task, &|part, first, _| {
         let (a, b) = (a.skip(first), b.skip(first));
         dispatch!(pool.isa(), binary_part, binary_part_avx2(op, part, a, b))
     })
@@ -330,7 +345,8 @@ pub(super) fn rope(
     shape: RopeShape,
 ) -> Result<(), QuantError> {
     let row_len = shape.heads * shape.head_dim;
-    split_units(pool, x, positions.len(), row_len, &|part, first, rows| {
+    let units = (positions.len(), row_len);
+    split_units(pool, x, units, ROPE_TASK, &|part, first, rows| {
         let pos = &positions[first..first + rows];
         dispatch!(
             pool.isa(),

@@ -248,7 +248,7 @@ fn avx2_and_portable_builds_agree_bit_for_bit() {
 fn rows_are_bitwise_the_same_alone_in_a_batch_and_split_over_the_pool() {
     let dim = 576;
     // 64 rows of 576 are split into several tasks on a two-thread pool.
-    assert!(64 * dim >= 4 * TASK_ELEMENTS);
+    assert!(64 * dim >= 2 * LARGEST_TASK);
     for pool in pools() {
         let batch = all_ops(&pool, 64, dim, 11);
         for rows in [1, 2, 5, 9, 16, 64] {

@@ -28,9 +28,10 @@ pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
 use crate::backend::kernels::CheckedMemory;
 use crate::backend::quant::KernelPool;
 use crate::backend::{AllocationLedger, BackendError, DevicePtr, GpuBackend};
+use rustc_hash::FxHashMap;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::any::Any;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -133,7 +134,9 @@ impl HostView {
 /// Host memory behind the `GpuBackend` trait; always built, and the reference for kernels.
 pub struct CpuBackend {
     ledger: AllocationLedger,
-    buffers: Mutex<HashMap<u64, Arc<HostBuffer>>>,
+    /// Every op looks its operands up here, so the hash is a cheap one (keys are addresses
+    /// this backend chose, never attacker-controlled).
+    buffers: Mutex<FxHashMap<u64, Arc<HostBuffer>>>,
     next_addr: AtomicU64,
     streams: Mutex<HashSet<u64>>,
     next_stream: AtomicU64,
@@ -177,7 +180,7 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
             ledger: AllocationLedger::new(),
-            buffers: Mutex::new(HashMap::new()),
+            buffers: Mutex::new(FxHashMap::default()),
             next_addr: AtomicU64::new(BASE_ADDR),
             streams: Mutex::new(HashSet::new()),
             next_stream: AtomicU64::new(1),
