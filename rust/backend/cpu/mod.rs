@@ -8,13 +8,14 @@
 //! - Every stream runs in order on the caller's thread: work is done when a call returns.
 //!
 //! The kernels are in `kernels` (the reference of every op), `linear` (the fast
-//! matrix product, with the FP8 weight rows in `fp8`) and `attention` (the fast paged
-//! attention), the scalar decoders of the weight formats in `formats`.
+//! matrix product, with the FP8 weight rows in `fp8`), `attention` (the fast paged
+//! attention) and `elementwise` (RMSNorm, the element-wise ops and RoPE), the scalar
+//! decoders of the weight formats in `formats`.
 //!
 //! Threads: the backend owns one [`KernelPool`] (one participant per core, the calling
 //! thread included), made on the first op that needs it; every parallel op (linear in any
-//! weight format, attention) runs on it and on nothing else, so the kernels never compete
-//! with another pool's threads for the cores.
+//! weight format, attention, the small ops when a call is large) runs on it and on nothing
+//! else, so the kernels never compete with another pool's threads for the cores.
 
 mod attention;
 mod elementwise;
