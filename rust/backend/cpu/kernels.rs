@@ -4,19 +4,21 @@
 //! obviously right: each op first runs its arguments' shared `validate`, which checks every
 //! range through the ledger and the op's aliasing rule, and then touches only the views it
 //! returned; all arithmetic accumulates in f32. An op whose output may be an input itself
-//! computes into a fresh buffer and writes it at the end; every other op writes its output
-//! directly, which the aliasing check makes sound. `linear` is the hot op of a CPU forward,
-//! so its kernel lives in `linear`, written to be fast and to give each row bitwise the
-//! same result whatever else is in the batch; so does `paged_attention`, in `attention`.
+//! either reads each block of it before writing that block (the small ops) or computes into
+//! a fresh buffer and writes it at the end; every other op writes its output directly, which
+//! the aliasing check makes sound. The ops a forward runs per layer are written to be fast
+//! and to give each row bitwise the same result whatever else is in the batch: `linear` in
+//! `linear`, `paged_attention` in `attention`, RMSNorm, the element-wise ops and RoPE in
+//! `elementwise`.
 
 use super::attention::{paged_attention, AttentionInputs, AttentionShape};
+use super::elementwise::{self, Input, RopeShape};
 use super::fp8::Fp8Rows;
 use super::linear::{Nvfp4Rows, WeightRows};
-use super::CpuBackend;
+use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
-    ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs, Kernels,
-    KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle,
-    SoftmaxArgs,
+    ArgmaxArgs, ElementwiseArgs, EmbeddingArgs, GroupedLinearArgs, Kernels, KvWriteArgs,
+    LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use crate::backend::quant::{PackedView, QuantError};
 use crate::backend::BackendError;
@@ -26,8 +28,16 @@ fn quant_err(op: &'static str) -> impl Fn(QuantError) -> BackendError {
     move |source| BackendError::Quant { op, source }
 }
 
-fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
+/// A BF16 input that validation found either to be `out` itself or apart from it.
+///
+/// # Safety
+/// `x` is a validated range that no view writes while the result lives, unless it is `out`.
+unsafe fn input<'a>(x: &'a HostView, out: &HostView) -> Input<'a> {
+    if x.as_ptr() == out.as_ptr() {
+        Input::Out
+    } else {
+        Input::Apart(x.typed::<bf16>())
+    }
 }
 
 impl Kernels for CpuBackend {
@@ -100,49 +110,21 @@ impl Kernels for CpuBackend {
 
     fn rms_norm(&self, args: RmsNormArgs) -> Result<(), BackendError> {
         let a = args.validate(self)?;
-        let (dim, eps) = (a.dim, a.eps);
-        let result = {
-            // SAFETY: validated ranges, only read here; `out` (maybe `x`) is written below.
-            let (xs, w) = unsafe { (a.x.typed::<bf16>(), a.weight.typed::<bf16>()) };
-            let w = bf16_to_f32(w);
-            let mut result = Vec::with_capacity(xs.len());
-            for row in xs.chunks(dim.max(1)) {
-                let row = bf16_to_f32(row);
-                let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-                let inv = 1.0 / (mean_sq + eps).sqrt();
-                result.extend(row.iter().zip(&w).map(|(v, w)| bf16::from_f32(v * inv * w)));
-            }
-            result
-        };
-        // SAFETY: validated range; no other view of it is alive.
-        unsafe { a.out.typed_mut::<bf16>() }.copy_from_slice(&result);
-        Ok(())
+        // SAFETY: validated ranges; `x` is either `out` itself (then only `out` is viewed) or
+        // apart from it, and the weight is apart from `out`.
+        let (out, w) = unsafe { (a.out.typed_mut::<bf16>(), a.weight.typed::<bf16>()) };
+        let x = unsafe { input(&a.x, &a.out) };
+        elementwise::rms_norm(self.kernel_pool(), out, x, w, a.dim, a.eps)
+            .map_err(quant_err("rms_norm"))
     }
 
     fn elementwise(&self, args: ElementwiseArgs) -> Result<(), BackendError> {
         let a = args.validate(self)?;
-        let result: Vec<bf16> = {
-            // SAFETY: validated ranges, only read here; `out` (maybe an input) is written below.
-            let (x, y) = unsafe { (a.a.typed::<bf16>(), a.b.typed::<bf16>()) };
-            let pairs = x.iter().zip(y);
-            match a.op {
-                ElementwiseOp::Add => pairs
-                    .map(|(x, y)| bf16::from_f32(x.to_f32() + y.to_f32()))
-                    .collect(),
-                ElementwiseOp::SiluMul => pairs
-                    .map(|(g, u)| {
-                        let g = g.to_f32();
-                        bf16::from_f32(g / (1.0 + (-g).exp()) * u.to_f32())
-                    })
-                    .collect(),
-                ElementwiseOp::SigmoidMul => pairs
-                    .map(|(g, v)| bf16::from_f32(v.to_f32() / (1.0 + (-g.to_f32()).exp())))
-                    .collect(),
-            }
-        };
-        // SAFETY: validated range; no other view of it is alive.
-        unsafe { a.out.typed_mut::<bf16>() }.copy_from_slice(&result);
-        Ok(())
+        // SAFETY: validated ranges; each input is either `out` itself (then only `out` is
+        // viewed) or apart from it.
+        let out = unsafe { a.out.typed_mut::<bf16>() };
+        let (x, y) = unsafe { (input(&a.a, &a.out), input(&a.b, &a.out)) };
+        elementwise::binary(self.kernel_pool(), a.op, out, x, y).map_err(quant_err(a.op.name()))
     }
 
     fn linear(&self, args: LinearArgs) -> Result<(), BackendError> {
@@ -157,7 +139,6 @@ impl Kernels for CpuBackend {
 
     fn rope(&self, args: RopeArgs) -> Result<(), BackendError> {
         let a = args.validate(self)?;
-        let (heads, head_dim, half) = (a.heads, a.head_dim, a.rotary_dim / 2);
         // SAFETY: validated ranges; `x` is apart from the positions and frequencies.
         let (pos, freq, xs) = unsafe {
             (
@@ -166,25 +147,12 @@ impl Kernels for CpuBackend {
                 a.x.typed_mut::<bf16>(),
             )
         };
-        // A row's angles are the same for every head: computed once per row.
-        let mut angles = Vec::with_capacity(freq.len());
-        for (r, &p) in pos.iter().enumerate() {
-            angles.clear();
-            angles.extend(freq.iter().map(|f| (p as f32 * f).sin_cos()));
-            for h in 0..heads {
-                let head = &mut xs[(r * heads + h) * head_dim..(r * heads + h + 1) * head_dim];
-                for (i, &(sin, cos)) in angles.iter().enumerate() {
-                    let (i, j) = match a.style {
-                        RopeStyle::Half => (i, i + half),
-                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                    };
-                    let (xi, xj) = (head[i].to_f32(), head[j].to_f32());
-                    head[i] = bf16::from_f32(xi * cos - xj * sin);
-                    head[j] = bf16::from_f32(xj * cos + xi * sin);
-                }
-            }
-        }
-        Ok(())
+        let shape = RopeShape {
+            heads: a.heads,
+            head_dim: a.head_dim,
+            style: a.style,
+        };
+        elementwise::rope(self.kernel_pool(), xs, pos, freq, shape).map_err(quant_err("rope"))
     }
 
     fn kv_write(&self, args: KvWriteArgs) -> Result<(), BackendError> {

@@ -8,15 +8,17 @@
 //! - Every stream runs in order on the caller's thread: work is done when a call returns.
 //!
 //! The kernels are in `kernels` (the reference of every op), `linear` (the fast
-//! matrix product, with the FP8 weight rows in `fp8`) and `attention` (the fast paged
-//! attention), the scalar decoders of the weight formats in `formats`.
+//! matrix product, with the FP8 weight rows in `fp8`), `attention` (the fast paged
+//! attention) and `elementwise` (RMSNorm, the element-wise ops and RoPE), the scalar
+//! decoders of the weight formats in `formats`.
 //!
 //! Threads: the backend owns one [`KernelPool`] (one participant per core, the calling
 //! thread included), made on the first op that needs it; every parallel op (linear in any
-//! weight format, attention) runs on it and on nothing else, so the kernels never compete
-//! with another pool's threads for the cores.
+//! weight format, attention, the small ops when a call is large) runs on it and on nothing
+//! else, so the kernels never compete with another pool's threads for the cores.
 
 mod attention;
+mod elementwise;
 mod formats;
 mod fp8;
 mod grouped;
@@ -28,9 +30,10 @@ pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
 use crate::backend::kernels::CheckedMemory;
 use crate::backend::quant::KernelPool;
 use crate::backend::{AllocationLedger, BackendError, DevicePtr, GpuBackend};
+use rustc_hash::FxHashMap;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::any::Any;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -133,7 +136,9 @@ impl HostView {
 /// Host memory behind the `GpuBackend` trait; always built, and the reference for kernels.
 pub struct CpuBackend {
     ledger: AllocationLedger,
-    buffers: Mutex<HashMap<u64, Arc<HostBuffer>>>,
+    /// Every op looks its operands up here, so the hash is a cheap one (keys are addresses
+    /// this backend chose, never attacker-controlled).
+    buffers: Mutex<FxHashMap<u64, Arc<HostBuffer>>>,
     next_addr: AtomicU64,
     streams: Mutex<HashSet<u64>>,
     next_stream: AtomicU64,
@@ -177,7 +182,7 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
             ledger: AllocationLedger::new(),
-            buffers: Mutex::new(HashMap::new()),
+            buffers: Mutex::new(FxHashMap::default()),
             next_addr: AtomicU64::new(BASE_ADDR),
             streams: Mutex::new(HashSet::new()),
             next_stream: AtomicU64::new(1),

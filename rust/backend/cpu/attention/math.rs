@@ -12,12 +12,12 @@ const LANES: usize = 8;
 
 /// BF16 to f32 exactly (the high half of the f32's bits), written so that it vectorises.
 #[inline(always)]
-pub(super) fn to_f32(x: bf16) -> f32 {
+pub(in crate::backend::cpu) fn to_f32(x: bf16) -> f32 {
     f32::from_bits((x.to_bits() as u32) << 16)
 }
 
 #[inline(always)]
-pub(super) fn widen(src: &[bf16], dst: &mut [f32]) {
+pub(in crate::backend::cpu) fn widen(src: &[bf16], dst: &mut [f32]) {
     for (d, &x) in dst.iter_mut().zip(src) {
         *d = to_f32(x);
     }
@@ -110,7 +110,7 @@ pub(super) fn add_weighted(acc: &mut [f32], weights: &[f32], values: &[f32]) {
 /// polynomial, Cody-Waite reduction) rather than calling `f32::exp` so that it vectorises
 /// and gives the same bits on every platform and instruction set.
 #[inline(always)]
-pub(super) fn exp_nonpositive(x: f32) -> f32 {
+pub(in crate::backend::cpu) fn exp_nonpositive(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;

@@ -25,7 +25,7 @@
 //! AVX2 enabled (lane-wise multiplies and adds, no reassociation), which is why it matches
 //! the portable path bit for bit.
 
-mod math;
+pub(super) mod math;
 
 use super::linear::SharedOut;
 use crate::backend::quant::{Isa, KernelPool, QuantError};

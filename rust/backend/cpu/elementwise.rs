@@ -1,0 +1,361 @@
+//! The small per-row ops of a CPU forward: RMSNorm, the element-wise binary ops (add, SiLU
+//! and sigmoid gating) and RoPE, written to be cheap at one decode row and to use the whole
+//! pool on a prefill chunk.
+//!
+//! Their definitions (all arithmetic in f32, each result rounded to BF16 to nearest even):
+//! - RMSNorm: `ss` is the sum of `x[i]^2` kept in [`LANES`] lanes (lane `i % LANES`, each in
+//!   order) summed pairwise at the end; `out[i] = (x[i] * (1 / sqrt(ss / dim + eps))) * w[i]`;
+//! - `sigmoid(g) = n / (1 + e)` with `e = exp(-|g|)` (by the attention's
+//!   [`exp_nonpositive`], whose argument is never positive here) and `n = 1` for `g >= 0`,
+//!   `n = e` otherwise, which never overflows; SiLU-mul is `(g * sigmoid(g)) * u`, sigmoid-mul
+//!   `v * sigmoid(g)`, add `a + b`;
+//! - RoPE: `(x_i cos - x_j sin, x_j cos + x_i sin)` with `(sin, cos)` of `position * inv_freq`
+//!   from the standard library, once per row.
+//!
+//! Invariants:
+//! - An element's arithmetic depends only on its own row's inputs, never on how the rows are
+//!   batched or split into pool tasks, so a row's result is bitwise the same in any batch.
+//! - The AVX2 path is the same source compiled with AVX2 enabled (plain loops over fixed
+//!   blocks that the compiler vectorises: lane-wise operations, no fused multiply-add, no
+//!   reassociation), so it matches the portable path bit for bit.
+//! - Nothing is allocated per call; a call is split over the pool only when it has a few
+//!   microseconds of work per task to give, which pays for a dispatch many times over.
+//! - An output that is also an input (`out == x` for RMSNorm, `out == a` or `b` for the
+//!   binary ops, RoPE in place) is read a block at a time into scratch before the block is
+//!   written, so aliasing changes nothing.
+
+use super::attention::math::{exp_nonpositive, to_f32, widen};
+use crate::backend::kernels::{ElementwiseOp, RopeStyle};
+use crate::backend::quant::{Isa, KernelPool, QuantError};
+use half::bf16;
+
+/// Elements widened to f32 scratch at a time (eight AVX2 vectors).
+const BLOCK: usize = 64;
+/// Lanes of RMSNorm's sum of squares (two AVX2 vectors).
+pub(super) const LANES: usize = 16;
+/// Least elements for one pool task, by op: a few microseconds of work each (measured with
+/// `cargo bench --bench cpu_small_ops`: about 0.25 ns an element for add, 0.5 for RMSNorm,
+/// 1.5 for the gated ops and 2 for RoPE on one core), against a dispatch round trip under a
+/// microsecond (`cargo bench --bench kernel_pool`).
+const ADD_TASK: usize = 16384;
+const NORM_TASK: usize = 8192;
+const GATE_TASK: usize = 4096;
+const ROPE_TASK: usize = 4096;
+/// The largest of them, for tests that need every op's call split into several tasks.
+#[cfg(test)]
+pub(super) const LARGEST_TASK: usize = ADD_TASK;
+
+/// f32 to BF16, rounding to nearest even (a NaN stays a NaN, made quiet): the same bits as
+/// `half::bf16::from_f32`, but branch-free so that loops of it vectorise.
+#[inline(always)]
+pub(super) fn round_bf16(v: f32) -> bf16 {
+    let x = v.to_bits();
+    let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
+    let quiet = ((x >> 16) | 0x40) as u16;
+    bf16::from_bits(if x & 0x7fff_ffff > 0x7f80_0000 {
+        quiet
+    } else {
+        rounded
+    })
+}
+
+#[inline(always)]
+pub(super) fn narrow(src: &[f32], dst: &mut [bf16]) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d = round_bf16(v);
+    }
+}
+
+/// An input of an op: its own rows, or the output's (the op runs in place).
+#[derive(Clone, Copy)]
+pub(super) enum Input<'a> {
+    Apart(&'a [bf16]),
+    Out,
+}
+
+impl<'a> Input<'a> {
+    /// The same input from element `first` on.
+    fn skip(self, first: usize) -> Input<'a> {
+        match self {
+            Input::Apart(x) => Input::Apart(&x[first..]),
+            Input::Out => Input::Out,
+        }
+    }
+
+    /// Elements `start..start + n`, from the output's current contents when in place.
+    #[inline(always)]
+    fn at<'b>(&'b self, out: &'b [bf16], start: usize, n: usize) -> &'b [bf16] {
+        match self {
+            Input::Apart(x) => &x[start..start + n],
+            Input::Out => &out[start..start + n],
+        }
+    }
+}
+
+/// A BF16 output that pool tasks write disjoint ranges of.
+#[derive(Clone, Copy)]
+struct SharedRows {
+    ptr: *mut bf16,
+    len: usize,
+}
+
+// SAFETY: every task takes only its own range (see `range`), and the call that made it holds
+// the `&mut [bf16]` until the pool has run every task.
+unsafe impl Send for SharedRows {}
+unsafe impl Sync for SharedRows {}
+
+impl SharedRows {
+    /// # Safety
+    /// No two live ranges may overlap.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, start: usize, end: usize) -> &mut [bf16] {
+        assert!(
+            start <= end && end <= self.len,
+            "output range out of bounds"
+        );
+        // SAFETY: in bounds (checked); disjointness is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), end - start) }
+    }
+}
+
+/// Runs `f(out_part, first_unit, units)` over `units` units of `unit_len` elements of `out`,
+/// on the calling thread alone or split into pool tasks of at least `task_elements`.
+fn split_units(
+    pool: &KernelPool,
+    out: &mut [bf16],
+    (units, unit_len): (usize, usize),
+    task_elements: usize,
+    f: &(dyn Fn(&mut [bf16], usize, usize) + Sync),
+) -> Result<(), QuantError> {
+    let tasks = (units * unit_len / task_elements).clamp(1, units.max(1));
+    if tasks == 1 {
+        f(out, 0, units);
+        return Ok(());
+    }
+    let per = units.div_ceil(tasks);
+    let shared = SharedRows {
+        ptr: out.as_mut_ptr(),
+        len: out.len(),
+    };
+    pool.run(units.div_ceil(per), &|t| {
+        let (first, end) = (t * per, ((t + 1) * per).min(units));
+        // SAFETY: task `t` alone takes units `first..end`.
+        let part = unsafe { shared.range(first * unit_len, end * unit_len) };
+        f(part, first, end - first);
+    })
+}
+
+/// Picks the AVX2 build of a kernel where the pool may use it.
+macro_rules! dispatch {
+    ($isa:expr, $portable:ident, $avx2:ident ( $($arg:expr),* )) => {
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the pool reports AVX2 only where the CPU has it.
+            Isa::Avx2 => unsafe { $avx2($($arg),*) },
+            _ => $portable($($arg),*),
+        }
+    };
+}
+
+/// Sum of squares in [`LANES`] lanes, summed pairwise.
+#[inline(always)]
+fn sum_squares(row: &[bf16]) -> f32 {
+    // Whole arrays, so that the lanes stay in vector registers.
+    let add = |lanes: &mut [f32; LANES], c: &[bf16; LANES]| {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            let v = to_f32(x);
+            *l += v * v;
+        }
+    };
+    let mut lanes = [0f32; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        add(&mut lanes, c.try_into().expect("a whole chunk"));
+    }
+    let mut rest = [bf16::ZERO; LANES];
+    rest[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+    add(&mut lanes, &rest);
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            lanes[i] += lanes[i + width];
+        }
+    }
+    lanes[0]
+}
+
+#[inline(always)]
+fn rms_norm_part(out: &mut [bf16], x: Input, w: &[bf16], dim: usize, eps: f32) {
+    let (mut v, mut g) = ([0f32; BLOCK], [0f32; BLOCK]);
+    for r in 0..out.len() / dim.max(1) {
+        let base = r * dim;
+        let inv = 1.0 / (sum_squares(x.at(out, base, dim)) / dim as f32 + eps).sqrt();
+        for start in (0..dim).step_by(BLOCK) {
+            let n = BLOCK.min(dim - start);
+            widen(x.at(out, base + start, n), &mut v[..n]);
+            widen(&w[start..start + n], &mut g[..n]);
+            for (v, &g) in v.iter_mut().zip(&g) {
+                *v = *v * inv * g;
+            }
+            narrow(&v[..n], &mut out[base + start..base + start + n]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn rms_norm_part_avx2(out: &mut [bf16], x: Input, w: &[bf16], dim: usize, eps: f32) {
+    rms_norm_part(out, x, w, dim, eps)
+}
+
+/// RMSNorm of each `dim`-element row of `out`'s shape (see the module doc).
+pub(super) fn rms_norm(
+    pool: &KernelPool,
+    out: &mut [bf16],
+    x: Input,
+    w: &[bf16],
+    dim: usize,
+    eps: f32,
+) -> Result<(), QuantError> {
+    let rows = out.len() / dim.max(1);
+    split_units(pool, out, (rows, dim), NORM_TASK, &|part, first, _| {
+        let x = x.skip(first * dim);
+        dispatch!(
+            pool.isa(),
+            rms_norm_part,
+            rms_norm_part_avx2(part, x, w, dim, eps)
+        )
+    })
+}
+
+/// `1 / (1 + exp(-g))`, written so that `exp`'s argument is never positive.
+#[inline(always)]
+fn sigmoid(g: f32) -> f32 {
+    let e = exp_nonpositive(-g.abs());
+    let n = if g >= 0.0 { 1.0 } else { e };
+    n / (1.0 + e)
+}
+
+#[inline(always)]
+fn binary_part(op: ElementwiseOp, out: &mut [bf16], a: Input, b: Input) {
+    let (mut x, mut y) = ([0f32; BLOCK], [0f32; BLOCK]);
+    for start in (0..out.len()).step_by(BLOCK) {
+        let n = BLOCK.min(out.len() - start);
+        widen(a.at(out, start, n), &mut x[..n]);
+        widen(b.at(out, start, n), &mut y[..n]);
+        // Whole blocks, so that each loop vectorises; lanes past `n` are never written out.
+        match op {
+            ElementwiseOp::Add => x.iter_mut().zip(&y).for_each(|(x, &y)| *x += y),
+            ElementwiseOp::SiluMul => x
+                .iter_mut()
+                .zip(&y)
+                .for_each(|(g, &u)| *g = *g * sigmoid(*g) * u),
+            ElementwiseOp::SigmoidMul => x
+                .iter_mut()
+                .zip(&y)
+                .for_each(|(g, &v)| *g = v * sigmoid(*g)),
+        }
+        narrow(&x[..n], &mut out[start..start + n]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn binary_part_avx2(op: ElementwiseOp, out: &mut [bf16], a: Input, b: Input) {
+    binary_part(op, out, a, b)
+}
+
+/// `out = op(a, b)` element by element (see the module doc).
+pub(super) fn binary(
+    pool: &KernelPool,
+    op: ElementwiseOp,
+    out: &mut [bf16],
+    a: Input,
+    b: Input,
+) -> Result<(), QuantError> {
+    let len = out.len();
+    let task = match op {
+        ElementwiseOp::Add => ADD_TASK,
+        ElementwiseOp::SiluMul | ElementwiseOp::SigmoidMul => GATE_TASK,
+    };
+    split_units(pool, out, (len, 1), task, &|part, first, _| {
+        let (a, b) = (a.skip(first), b.skip(first));
+        dispatch!(pool.isa(), binary_part, binary_part_avx2(op, part, a, b))
+    })
+}
+
+/// The shape of a RoPE call.
+#[derive(Clone, Copy)]
+pub(super) struct RopeShape {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub style: RopeStyle,
+}
+
+#[inline(always)]
+fn rope_part(x: &mut [bf16], positions: &[u32], inv_freq: &[f32], shape: RopeShape) {
+    let (heads, hd, half) = (shape.heads, shape.head_dim, inv_freq.len());
+    let (mut sin, mut cos) = ([0f32; BLOCK], [0f32; BLOCK]);
+    let (mut xi, mut xj) = ([0f32; BLOCK], [0f32; BLOCK]);
+    for (r, &p) in positions.iter().enumerate() {
+        for start in (0..half).step_by(BLOCK) {
+            let n = BLOCK.min(half - start);
+            // A row's angles are the same for every head: computed once per row.
+            for (k, f) in inv_freq[start..start + n].iter().enumerate() {
+                (sin[k], cos[k]) = (p as f32 * f).sin_cos();
+            }
+            for h in 0..heads {
+                let head = &mut x[(r * heads + h) * hd..(r * heads + h + 1) * hd];
+                let pair = |k: usize| match shape.style {
+                    RopeStyle::Half => (start + k, start + k + half),
+                    RopeStyle::Interleaved => (2 * (start + k), 2 * (start + k) + 1),
+                };
+                for k in 0..n {
+                    let (i, j) = pair(k);
+                    (xi[k], xj[k]) = (to_f32(head[i]), to_f32(head[j]));
+                }
+                for k in 0..BLOCK {
+                    let (a, b) = (xi[k], xj[k]);
+                    xi[k] = a * cos[k] - b * sin[k];
+                    xj[k] = b * cos[k] + a * sin[k];
+                }
+                for k in 0..n {
+                    let (i, j) = pair(k);
+                    (head[i], head[j]) = (round_bf16(xi[k]), round_bf16(xj[k]));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn rope_part_avx2(x: &mut [bf16], positions: &[u32], inv_freq: &[f32], shape: RopeShape) {
+    rope_part(x, positions, inv_freq, shape)
+}
+
+/// Rotates the leading `2 * inv_freq.len()` elements of every head of `x` (`[positions.len(),
+/// heads, head_dim]`) in place (see the module doc).
+pub(super) fn rope(
+    pool: &KernelPool,
+    x: &mut [bf16],
+    positions: &[u32],
+    inv_freq: &[f32],
+    shape: RopeShape,
+) -> Result<(), QuantError> {
+    let row_len = shape.heads * shape.head_dim;
+    let units = (positions.len(), row_len);
+    split_units(pool, x, units, ROPE_TASK, &|part, first, rows| {
+        let pos = &positions[first..first + rows];
+        dispatch!(
+            pool.isa(),
+            rope_part,
+            rope_part_avx2(part, pos, inv_freq, shape)
+        )
+    })
+}
+
+#[cfg(test)]
+#[path = "elementwise_tests.rs"]
+mod tests;
