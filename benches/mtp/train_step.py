@@ -1,11 +1,14 @@
 """Seconds per MTP-head training step on a hidden-state cache, as JSON.
 
     python benches/mtp/train_step.py --cache DIR --model smollm2 [--batch 1] [--seq-len 512]
-        [--steps 5] [--draft-vocab 8192] [--threads N]
+        [--steps 5] [--draft-vocab 8192] [--threads N] [--width-step N]
 
 Builds the trainer exactly as ``specdraft train-mtp`` does (same head, frozen weights and
-loss), runs one step to compile, then times ``--steps`` steps on the cache's first batches
-and prints ``{"s_per_step", "tokens_per_s", "valid_tokens_per_s", ...}``. ``--threads``
+loss), runs ``--steps`` batches once to compile every width they need, then times the same
+batches again and prints ``{"s_per_step", "tokens_per_s", "valid_tokens_per_s", ...}``
+(``tokens_per_s`` counts padding, ``valid_tokens_per_s`` only the sequences' own tokens).
+``--width-step`` overrides the batch-width rounding (``--width-step 512`` pads every batch
+to ``seq_len``, as fixed-shape batches do). ``--threads``
 sets XLA's CPU intra-op threads (before JAX is imported); compare settings within one
 invocation of the shell, back to back, because the machine is shared.
 """
@@ -30,6 +33,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--threads", type=int, default=0, help="XLA CPU threads (0: XLA's default)")
+    p.add_argument("--width-step", type=int, default=0, help="batch width rounding (0: default)")
     args = p.parse_args()
     if args.threads:
         os.environ["XLA_FLAGS"] = (
@@ -42,11 +46,15 @@ def main() -> int:
     import numpy as np
     import specdraft
     from specdraft.models import resolve_model
+    from specdraft.train import trainer as trainer_module
     from specdraft.train.cache import HiddenCache
     from specdraft.train.head import head_dims, init_params
     from specdraft.train.pipeline import _frozen
     from specdraft.train.targets import read_target_weights, target_shape
     from specdraft.train.trainer import Batches, Trainer, TrainSettings
+
+    if args.width_step:
+        trainer_module.WIDTH_STEP = args.width_step
 
     path = resolve_model(args.model)
     model = specdraft.load_model(args.model)
@@ -61,23 +69,26 @@ def main() -> int:
         d, _frozen(read_target_weights(path), args.draft_vocab), settings, batches.per_epoch
     )
     state = trainer.init_state(init_params(d, 0))
+    picked = [batches.batch(i) for i in range(args.steps)]
     t0 = time.perf_counter()
-    state, _, _ = trainer.step(state, batches.batch(0))
+    for batch in picked:
+        state, _, _ = trainer.step(state, batch)
     compile_s = time.perf_counter() - t0
-    valid = 0
+    valid = tokens = 0
     t0 = time.perf_counter()
-    for i in range(1, args.steps + 1):
-        batch = batches.batch(i)
+    for batch in picked:
         valid += int(np.sum(batch[2]))
+        tokens += batch[2].size
         state, loss, _ = trainer.step(state, batch)
     dt = (time.perf_counter() - t0) / args.steps
     out = {
         "batch": args.batch,
         "seq_len": args.seq_len,
         "threads": args.threads,
-        "compile_and_first_step_s": round(compile_s, 2),
+        "width_step": trainer_module.WIDTH_STEP,
+        "first_pass_with_compiles_s": round(compile_s, 2),
         "s_per_step": round(dt, 3),
-        "tokens_per_s": round(args.batch * args.seq_len / dt, 1),
+        "tokens_per_s": round(tokens / args.steps / dt, 1),
         "valid_tokens_per_s": round(valid / args.steps / dt, 1),
         "last_loss": round(loss, 4),
     }
