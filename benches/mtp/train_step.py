@@ -46,15 +46,11 @@ def main() -> int:
     import numpy as np
     import specdraft
     from specdraft.models import resolve_model
-    from specdraft.train import trainer as trainer_module
     from specdraft.train.cache import HiddenCache
     from specdraft.train.head import head_dims, init_params
     from specdraft.train.pipeline import _frozen
     from specdraft.train.targets import read_target_weights, target_shape
-    from specdraft.train.trainer import Batches, Trainer, TrainSettings
-
-    if args.width_step:
-        trainer_module.WIDTH_STEP = args.width_step
+    from specdraft.train.trainer import WIDTH_STEP, Batches, Trainer, TrainSettings
 
     path = resolve_model(args.model)
     model = specdraft.load_model(args.model)
@@ -62,7 +58,9 @@ def main() -> int:
     del model
     meta = json.loads((Path(args.cache) / "index.json").read_text())
     cache = HiddenCache(Path(args.cache), meta["target"], shape.hidden)
-    settings = TrainSettings(batch=args.batch, seq_len=args.seq_len)
+    settings = TrainSettings(
+        batch=args.batch, seq_len=args.seq_len, width_step=args.width_step or WIDTH_STEP
+    )
     batches = Batches(cache, settings)
     d = head_dims(shape)
     trainer = Trainer(
@@ -85,7 +83,7 @@ def main() -> int:
         "batch": args.batch,
         "seq_len": args.seq_len,
         "threads": args.threads,
-        "width_step": trainer_module.WIDTH_STEP,
+        "width_step": settings.width_step,
         "first_pass_with_compiles_s": round(compile_s, 2),
         "s_per_step": round(dt, 3),
         "tokens_per_s": round(tokens / args.steps / dt, 1),

@@ -31,6 +31,7 @@ def run_train_mtp(args: argparse.Namespace) -> int:
         steps=args.unroll,
         lr=args.lr,
         warmup=args.warmup,
+        width_step=args.width_step,
         batch=args.batch,
         seq_len=args.seq_len,
         seed=args.seed,
@@ -104,6 +105,12 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
     p.add_argument(
         "--warmup", type=_positive, default=20, help="warm-up steps (then cosine decay to lr/10)"
+    )
+    p.add_argument(
+        "--width-step",
+        type=_positive,
+        default=64,
+        help="batch widths are multiples of this (each width compiles the step once)",
     )
     p.add_argument("--batch", type=_positive, default=4, help="sequences per step")
     p.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (cut)")

@@ -13,8 +13,9 @@ libraries on Linux, 2.8 GB in all (539 MB for torch itself). The same step, writ
 both and run back to back on the shared machine: JAX 127 s, torch 2.15 195 s (1.53x
 slower); at 1 sequence of 128 tokens JAX 4.9 s, torch 16.7 s. JAX compiles the step once
 per shape (seconds to a minute on a busy machine), so a batch's width is rounded up to a
-multiple of ``WIDTH_STEP`` tokens: a handful of shapes, each compiled once, and little
-padding (a batch of short conversations is not padded to ``seq_len``). AdamW is ``optax``'s.
+multiple of ``width_step`` tokens (``WIDTH_STEP`` by default): a handful of shapes, each
+compiled once, and little padding (a batch of short conversations is not padded to
+``seq_len``). AdamW is ``optax``'s.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from specdraft.train.head import HeadDims, unroll_loss
 
 __all__ = ["WIDTH_STEP", "Batches", "TrainState", "Trainer", "TrainSettings"]
 
-#: A batch's width is its longest sequence rounded up to a multiple of this (at most
-#: ``seq_len``): the step compiles once per width.
+#: The default ``width_step``: a batch's width is its longest sequence rounded up to a
+#: multiple of it (at most ``seq_len``), and the step compiles once per width.
 WIDTH_STEP = 64
 
 
@@ -56,13 +57,15 @@ class TrainSettings:
     warmup: int = 20
     clip: float = 1.0
     checkpoint_every: int = 50
+    #: Batch widths are multiples of this (larger: fewer compiles, more padding).
+    width_step: int = WIDTH_STEP
 
 
 class Batches:
     """The training sequences as batches ``[batch, width]``.
 
     In the seed's order for each epoch. ``width`` is the batch's longest sequence rounded up
-    to a multiple of ``WIDTH_STEP`` (at most ``seq_len``); shorter sequences, and the empty
+    to a multiple of ``settings.width_step`` (at most ``seq_len``); shorter sequences, and the empty
     rows of a short last batch, are padded with ``valid = 0``.
     """
 
@@ -87,7 +90,8 @@ class Batches:
         epoch, i = divmod(step, self.per_epoch)
         picks = self.order(epoch)[i * s.batch : (i + 1) * s.batch]
         longest = max((min(self.sequences[int(i)].length, s.seq_len) for i in picks), default=1)
-        w, h = min(s.seq_len, -(-longest // WIDTH_STEP) * WIDTH_STEP), self.cache.hidden
+        step = max(s.width_step, 1)
+        w, h = min(s.seq_len, -(-longest // step) * step), self.cache.hidden
         tok = np.zeros((s.batch, w), np.int32)
         hid = np.zeros((s.batch, w, h), np.float32)
         valid = np.zeros((s.batch, w), np.float32)
