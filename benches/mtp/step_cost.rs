@@ -5,6 +5,15 @@
 //! that a change of machine load hits all three alike (medians, and minimums: the least
 //! disturbed rounds of a shared machine). One JSON line per storage of the
 //! head's projections; the goal is a draft step of at most 15% of the target's step.
+//!
+//! Wall-clock time is not proportional to work on a loaded machine: a call longer than the
+//! scheduler's slice is preempted and waits on the run queue while other processes run, so
+//! a 3-draft propose (three times a draft step's work) read 8x a draft step's median on the
+//! 2-core machine at load 10-20, and 3x when quieter. Each timed call therefore also reports
+//! the process's thread-time on a CPU and on a run queue during it, summed over its threads
+//! from Linux's `/proc/self/task/*/schedstat` (nanoseconds; the on-CPU time includes the
+//! kernel pool's workers, and their spin of up to 200 us after a call): the `_oncpu`
+//! figures and ratios compare work, the wall-clock ones what a user waits.
 
 use super::default_model::model_path;
 use specdraft::backend::quant::BlockFormat;
@@ -29,10 +38,59 @@ fn stats(v: &mut [f64]) -> (f64, f64) {
     (v[v.len() / 2], v[0])
 }
 
-fn timed(f: impl FnOnce()) -> f64 {
+/// The process's `(seconds on a CPU, seconds waiting on a run queue)` so far, summed over
+/// its threads (the caller and the kernel pool's workers), or `None` where Linux's
+/// `/proc/self/task/*/schedstat` cannot be read.
+fn sched_times() -> Option<(f64, f64)> {
+    let mut total = (0.0, 0.0);
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let text = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        let mut fields = text.split_whitespace().map(|f| f.parse::<f64>().ok());
+        total.0 += fields.next()?? * 1e-9;
+        total.1 += fields.next()?? * 1e-9;
+    }
+    Some(total)
+}
+
+/// One timed call: wall-clock seconds, and the process's thread-seconds on a CPU and on a
+/// run queue during it (`NaN` without schedstats).
+#[derive(Clone, Copy)]
+struct Sample {
+    wall: f64,
+    on_cpu: f64,
+    waiting: f64,
+}
+
+fn timed(f: impl FnOnce()) -> Sample {
+    let before = sched_times();
     let t = Instant::now();
     f();
-    t.elapsed().as_secs_f64()
+    let wall = t.elapsed().as_secs_f64();
+    let (on_cpu, waiting) = match (before, sched_times()) {
+        (Some((r0, w0)), Some((r1, w1))) => (r1 - r0, w1 - w0),
+        _ => (f64::NAN, f64::NAN),
+    };
+    Sample {
+        wall,
+        on_cpu,
+        waiting,
+    }
+}
+
+/// `(median, minimum)` of wall time, and medians of on-CPU and run-queue time.
+struct Summary {
+    wall: (f64, f64),
+    on_cpu: f64,
+    waiting: f64,
+}
+
+fn summarize(samples: &[Sample]) -> Summary {
+    let pick = |f: fn(&Sample) -> f64| samples.iter().map(f).collect::<Vec<f64>>();
+    Summary {
+        wall: stats(&mut pick(|s| s.wall)),
+        on_cpu: stats(&mut pick(|s| s.on_cpu)).0,
+        waiting: stats(&mut pick(|s| s.waiting)).0,
+    }
 }
 
 /// Greedy argmax of logits row `row`.
@@ -147,7 +205,8 @@ pub fn run(quick: bool) {
                 propose(3);
             }));
         }
-        let (target, one, three) = (stats(&mut target), stats(&mut one), stats(&mut three));
+        let (target_t, one_t, three_t) = (summarize(&target), summarize(&one), summarize(&three));
+        let (target, one, three) = (target_t.wall, one_t.wall, three_t.wall);
         println!(
             "{}",
             serde_json::json!({
@@ -163,6 +222,14 @@ pub fn run(quick: bool) {
                 "min_propose3_ms": three.1 * 1e3,
                 "min_draft_step_vs_target": one.1 / target.1,
                 "min_propose3_vs_target": three.1 / target.1,
+                "propose3_vs_draft_step": three.0 / one.0,
+                "target_step_oncpu_ms": target_t.on_cpu * 1e3,
+                "draft_step_oncpu_ms": one_t.on_cpu * 1e3,
+                "propose3_oncpu_ms": three_t.on_cpu * 1e3,
+                "propose3_vs_draft_step_oncpu": three_t.on_cpu / one_t.on_cpu,
+                "draft_step_vs_target_oncpu": one_t.on_cpu / target_t.on_cpu,
+                "draft_step_runqueue_ms": one_t.waiting * 1e3,
+                "propose3_runqueue_ms": three_t.waiting * 1e3,
                 "goal_draft_step_vs_target": GOAL, "meets_goal": one.0 / target.0 <= GOAL,
                 "weight_bytes_per_draft": head.bytes_per_draft(),
                 "target_weight_bytes_per_token": model.weight_bytes_per_token(),
