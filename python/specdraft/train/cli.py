@@ -69,6 +69,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
 def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds ``specdraft train-mtp``."""
     p = subparsers.add_parser(
@@ -126,7 +133,7 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     )
     p.add_argument(
         "--max-minutes",
-        type=float,
+        type=_positive_float,
         default=None,
         help="stop training after this long (then evaluate and write the head)",
     )
