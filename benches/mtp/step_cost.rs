@@ -9,11 +9,10 @@
 //! Wall-clock time is not proportional to work on a loaded machine: a call longer than the
 //! scheduler's slice is preempted and waits on the run queue while other processes run, so
 //! a 3-draft propose (three times a draft step's work) read 8x a draft step's median on the
-//! 2-core machine at load 10-20, and 3x when quieter. Each timed call therefore also reports
-//! the process's thread-time on a CPU and on a run queue during it, summed over its threads
-//! from Linux's `/proc/self/task/*/schedstat` (nanoseconds; the on-CPU time includes the
-//! kernel pool's workers, and their spin of up to 200 us after a call): the `_oncpu`
-//! figures and ratios compare work, the wall-clock ones what a user waits.
+//! 2-core machine at load 10-20, against 2-3x on a quiet machine. Each timed call therefore
+//! also reports how long the calling thread waited on the run queue during it, from Linux's
+//! `/proc/thread-self/schedstat` (nanoseconds; `NaN` where it cannot be read): wall time
+//! minus that wait is what the call itself took.
 
 use super::default_model::model_path;
 use specdraft::backend::quant::BlockFormat;
@@ -38,49 +37,41 @@ fn stats(v: &mut [f64]) -> (f64, f64) {
     (v[v.len() / 2], v[0])
 }
 
-/// The process's `(seconds on a CPU, seconds waiting on a run queue)` so far, summed over
-/// its threads (the caller and the kernel pool's workers), or `None` where Linux's
-/// `/proc/self/task/*/schedstat` cannot be read.
-fn sched_times() -> Option<(f64, f64)> {
-    let mut total = (0.0, 0.0);
-    for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let text = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
-        let mut fields = text.split_whitespace().map(|f| f.parse::<f64>().ok());
-        total.0 += fields.next()?? * 1e-9;
-        total.1 += fields.next()?? * 1e-9;
-    }
-    Some(total)
+/// The calling thread's seconds waiting on a run queue so far, or `None` where Linux's
+/// `/proc/thread-self/schedstat` cannot be read. (Its on-CPU figure is not used: the kernel
+/// pool's workers share the work, and other threads' counters lag by up to a tick.)
+fn runqueue_seconds() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    text.split_whitespace()
+        .nth(1)?
+        .parse::<f64>()
+        .ok()
+        .map(|ns| ns * 1e-9)
 }
 
-/// One timed call: wall-clock seconds, and the process's thread-seconds on a CPU and on a
-/// run queue during it (`NaN` without schedstats).
+/// One timed call: wall-clock seconds, and the calling thread's seconds on the run queue
+/// during it (`NaN` without schedstats).
 #[derive(Clone, Copy)]
 struct Sample {
     wall: f64,
-    on_cpu: f64,
     waiting: f64,
 }
 
 fn timed(f: impl FnOnce()) -> Sample {
-    let before = sched_times();
+    let before = runqueue_seconds();
     let t = Instant::now();
     f();
     let wall = t.elapsed().as_secs_f64();
-    let (on_cpu, waiting) = match (before, sched_times()) {
-        (Some((r0, w0)), Some((r1, w1))) => (r1 - r0, w1 - w0),
-        _ => (f64::NAN, f64::NAN),
+    let waiting = match (before, runqueue_seconds()) {
+        (Some(w0), Some(w1)) => w1 - w0,
+        _ => f64::NAN,
     };
-    Sample {
-        wall,
-        on_cpu,
-        waiting,
-    }
+    Sample { wall, waiting }
 }
 
-/// `(median, minimum)` of wall time, and medians of on-CPU and run-queue time.
+/// `(median, minimum)` of wall time, and the median run-queue wait.
 struct Summary {
     wall: (f64, f64),
-    on_cpu: f64,
     waiting: f64,
 }
 
@@ -88,7 +79,6 @@ fn summarize(samples: &[Sample]) -> Summary {
     let pick = |f: fn(&Sample) -> f64| samples.iter().map(f).collect::<Vec<f64>>();
     Summary {
         wall: stats(&mut pick(|s| s.wall)),
-        on_cpu: stats(&mut pick(|s| s.on_cpu)).0,
         waiting: stats(&mut pick(|s| s.waiting)).0,
     }
 }
@@ -223,11 +213,7 @@ pub fn run(quick: bool) {
                 "min_draft_step_vs_target": one.1 / target.1,
                 "min_propose3_vs_target": three.1 / target.1,
                 "propose3_vs_draft_step": three.0 / one.0,
-                "target_step_oncpu_ms": target_t.on_cpu * 1e3,
-                "draft_step_oncpu_ms": one_t.on_cpu * 1e3,
-                "propose3_oncpu_ms": three_t.on_cpu * 1e3,
-                "propose3_vs_draft_step_oncpu": three_t.on_cpu / one_t.on_cpu,
-                "draft_step_vs_target_oncpu": one_t.on_cpu / target_t.on_cpu,
+                "target_step_runqueue_ms": target_t.waiting * 1e3,
                 "draft_step_runqueue_ms": one_t.waiting * 1e3,
                 "propose3_runqueue_ms": three_t.waiting * 1e3,
                 "goal_draft_step_vs_target": GOAL, "meets_goal": one.0 / target.0 <= GOAL,
