@@ -49,9 +49,15 @@ def test_the_command_line_documents_its_options(capsys):
         "--out",
         "--resume",
         "--seed",
+        "--init-from",
+        "--max-minutes",
+        "--warmup",
+        "--width-step",
     ]:
         assert option in text
     args = build_parser().parse_args(["train-mtp"])
     assert (args.unroll, args.draft_vocab, args.model) == (3, 16384, "smollm2")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train-mtp", "--batch", "0"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-mtp", "--max-minutes", "0"])

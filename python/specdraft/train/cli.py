@@ -30,6 +30,8 @@ def run_train_mtp(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         steps=args.unroll,
         lr=args.lr,
+        warmup=args.warmup,
+        width_step=args.width_step,
         batch=args.batch,
         seq_len=args.seq_len,
         seed=args.seed,
@@ -46,6 +48,8 @@ def run_train_mtp(args: argparse.Namespace) -> int:
         cache=Path(args.cache) if args.cache else None,
         resume=args.resume,
         max_steps=args.max_steps,
+        init_from=Path(args.init_from) if args.init_from else None,
+        max_seconds=args.max_minutes * 60.0 if args.max_minutes else None,
         coverage_tokens=args.coverage_tokens,
         settings=settings,
     )
@@ -62,6 +66,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
     return value
 
 
@@ -99,6 +110,15 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     )
     p.add_argument("--unroll", type=_positive, default=3, help="draft steps trained per row")
     p.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
+    p.add_argument(
+        "--warmup", type=_positive, default=20, help="warm-up steps (then cosine decay to lr/10)"
+    )
+    p.add_argument(
+        "--width-step",
+        type=_positive,
+        default=64,
+        help="batch widths are multiples of this (each width compiles the step once)",
+    )
     p.add_argument("--batch", type=_positive, default=4, help="sequences per step")
     p.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (cut)")
     p.add_argument("--seed", type=int, default=0, help="weights, data order and split")
@@ -106,6 +126,17 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--cache", default=None, help="hidden-state cache folder")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--max-steps", type=_positive, default=None, help="stop after this step")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="a checkpoint (state.npz) to start the weights from, with a fresh optimizer",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=_positive_float,
+        default=None,
+        help="stop training after this long (then evaluate and write the head)",
+    )
     p.add_argument(
         "--checkpoint-every", type=_positive, default=50, help="steps between checkpoints"
     )

@@ -33,6 +33,8 @@ from specdraft.train.vocab import target_choices, vocab_coverage
 __all__ = ["RunOptions", "train_mtp"]
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+#: Steps the progress line's running mean of the loss covers.
+RUNNING_MEAN_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class RunOptions:
     cache: Path | None = None
     resume: bool = False
     max_steps: int | None = None
+    #: A checkpoint (``state.npz``) whose weights the head starts from, with a fresh
+    #: optimizer and this run's schedule (ignored when ``resume`` finds a checkpoint).
+    init_from: Path | None = None
+    #: Stop training after this many seconds of it (then evaluate and write the head).
+    max_seconds: float | None = None
     #: Training positions the draft-vocabulary coverage is measured on (each costs a
     #: full-vocabulary LM head, so it is a sample).
     coverage_tokens: int = 20_000
@@ -167,20 +174,34 @@ def train_mtp(
     if opts.resume and ckpt.exists():
         state = trainer.load(state, ckpt)
         _log(log, f"train-mtp: resumed from {ckpt} at step {state.step}")
+    elif opts.init_from is not None:
+        state = trainer.load_params(state, Path(opts.init_from))
+        _log(log, f"train-mtp: starting from the weights of {opts.init_from}")
     bar = Progress(trainer.total_steps, "train-mtp", "step")
     bar.update(state.step)
     first_losses: list[float] = []
     last_losses: list[float] = []
+    recent: list[float] = []
 
     def on_step(st: Any, loss: float, kls: np.ndarray) -> None:  # noqa: ANN401
         if len(first_losses) < 10:
             first_losses.append(loss)
         last_losses.append(loss)
         del last_losses[:-10]
-        bar.update(1, f"loss {loss:.4f} kl/step " + " ".join(f"{k:.3f}" for k in kls))
+        # One batch's loss swings with its text; the running mean shows the trend.
+        recent.append(loss)
+        del recent[:-RUNNING_MEAN_STEPS]
+        bar.update(
+            1,
+            f"loss {loss:.4f} (mean of last {len(recent)}: {np.mean(recent):.4f}) kl/step "
+            + " ".join(f"{k:.3f}" for k in kls),
+        )
 
     t1 = time.monotonic()
-    state = trainer.run(state, batches, ckpt, stop_at=opts.max_steps, on_step=on_step)
+    deadline = None if opts.max_seconds is None else t1 + opts.max_seconds
+    state = trainer.run(
+        state, batches, ckpt, stop_at=opts.max_steps, on_step=on_step, deadline=deadline
+    )
     train_seconds = time.monotonic() - t1
     bar.close()
 
@@ -196,6 +217,7 @@ def train_mtp(
         "eval_tokens": extracted_eval,
         "extract_seconds": round(extract_seconds, 1),
         "steps": state.step,
+        "init_from": None if opts.init_from is None else str(opts.init_from),
         "total_steps": trainer.total_steps,
         "train_seconds": round(train_seconds, 1),
         "first_losses": first_losses,

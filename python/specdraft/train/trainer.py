@@ -12,13 +12,17 @@ opt_einsum, 124 MB in all), while ``torch`` from the package index pulls the CUD
 libraries on Linux, 2.8 GB in all (539 MB for torch itself). The same step, written in
 both and run back to back on the shared machine: JAX 127 s, torch 2.15 195 s (1.53x
 slower); at 1 sequence of 128 tokens JAX 4.9 s, torch 16.7 s. JAX compiles the step once
-per shape (minutes on a busy machine), so batches keep one shape. AdamW is ``optax``'s.
+per shape (seconds to a minute on a busy machine), so a batch's width is rounded up to a
+multiple of ``width_step`` tokens (``WIDTH_STEP`` by default): a handful of shapes, each
+compiled once, and little padding (a batch of short conversations is not padded to
+``seq_len``). AdamW is ``optax``'s.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +36,11 @@ import optax
 from specdraft.train.cache import HiddenCache, Sequence, from_bf16_bits
 from specdraft.train.head import HeadDims, unroll_loss
 
-__all__ = ["Batches", "TrainState", "Trainer", "TrainSettings"]
+__all__ = ["WIDTH_STEP", "Batches", "TrainState", "Trainer", "TrainSettings"]
+
+#: The default ``width_step``: a batch's width is its longest sequence rounded up to a
+#: multiple of it (at most ``seq_len``), and the step compiles once per width.
+WIDTH_STEP = 64
 
 
 @dataclass(frozen=True)
@@ -49,13 +57,16 @@ class TrainSettings:
     warmup: int = 20
     clip: float = 1.0
     checkpoint_every: int = 50
+    #: Batch widths are multiples of this (larger: fewer compiles, more padding).
+    width_step: int = WIDTH_STEP
 
 
 class Batches:
-    """The training sequences as fixed-shape batches ``[batch, seq_len]``.
+    """The training sequences as batches ``[batch, width]``.
 
-    In the seed's order for each epoch; a short last batch is padded with empty rows
-    (``valid = 0``).
+    In the seed's order for each epoch. ``width`` is the batch's longest sequence rounded up
+    to a multiple of ``settings.width_step`` (at most ``seq_len``); shorter sequences, and the empty
+    rows of a short last batch, are padded with ``valid = 0``.
     """
 
     def __init__(self, cache: HiddenCache, settings: TrainSettings) -> None:
@@ -78,7 +89,9 @@ class Batches:
         s = self.settings
         epoch, i = divmod(step, self.per_epoch)
         picks = self.order(epoch)[i * s.batch : (i + 1) * s.batch]
-        w, h = s.seq_len, self.cache.hidden
+        longest = max((min(self.sequences[int(i)].length, s.seq_len) for i in picks), default=1)
+        step = max(s.width_step, 1)
+        w, h = min(s.seq_len, -(-longest // step) * step), self.cache.hidden
         tok = np.zeros((s.batch, w), np.int32)
         hid = np.zeros((s.batch, w, h), np.float32)
         valid = np.zeros((s.batch, w), np.float32)
@@ -114,11 +127,13 @@ class Trainer:
         self.frozen = frozen
         self.settings = settings
         self.total_steps = max(total_steps, 1)
+        warmup = min(settings.warmup, max(self.total_steps // 10, 1))
         schedule = optax.warmup_cosine_decay_schedule(
             init_value=0.0,
             peak_value=settings.lr,
-            warmup_steps=min(settings.warmup, max(self.total_steps // 10, 1)),
-            decay_steps=self.total_steps,
+            warmup_steps=warmup,
+            # optax needs the decay to outlast the warm-up, even for a one-step run.
+            decay_steps=max(self.total_steps, warmup + 1),
             end_value=settings.lr * 0.1,
         )
         self.optimizer = optax.chain(
@@ -177,6 +192,15 @@ class Trainer:
             np.savez(f, **arrays)
         os.replace(tmp, path)
 
+    def load_params(self, template: TrainState, path: Path) -> TrainState:
+        """A fresh state (step 0, new optimizer) starting from the weights of a checkpoint.
+
+        Continues training a head with its own schedule; the checkpoint must be of a head
+        of the same shape (its optimizer state and step count are not used).
+        """
+        params = self.load(template, path).params
+        return TrainState(params, self.optimizer.init(params), 0)
+
     def load(self, template: TrainState, path: Path) -> TrainState:
         """Read a checkpoint written by :meth:`save` for a state shaped like ``template``."""
         with np.load(path) as data:
@@ -201,13 +225,19 @@ class Trainer:
         checkpoint: Path | None,
         stop_at: int | None = None,
         on_step: Callable[[TrainState, float, np.ndarray], None] | None = None,
+        deadline: float | None = None,
     ) -> TrainState:
         """Step from ``state.step`` to the end of training (or to ``stop_at``).
 
-        Writes a checkpoint every ``checkpoint_every`` steps and at the end.
+        Stops early, before the next step, once ``time.monotonic()`` has reached
+        ``deadline``. Writes a checkpoint every ``checkpoint_every`` steps and where it stops.
         """
         end = self.total_steps if stop_at is None else min(stop_at, self.total_steps)
         while state.step < end:
+            if deadline is not None and time.monotonic() >= deadline:
+                if checkpoint is not None:
+                    self.save(state, checkpoint)
+                break
             state, loss, kls = self.step(state, batches.batch(state.step))
             if on_step is not None:
                 on_step(state, loss, kls)
