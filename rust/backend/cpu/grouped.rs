@@ -159,15 +159,12 @@ fn run_float_in(
     widen(unsafe { a.x.typed::<bf16>() }, &mut s.xs);
     let xs = &s.xs;
     let scratch = &mut s.rows;
-    let result = match &p.weight {
-        LinearWeight::Bf16 { weight } => {
-            let src = Bf16Rows {
-                weight: unsafe { weight.typed::<u16>() },
-                in_features,
-            };
+    // Each float format is its own `WeightRows` type, so one generic call is spelled once here.
+    macro_rules! run {
+        ($src:expr) => {
             linear_rows(
                 pool,
-                &src,
+                &$src,
                 xs,
                 bias,
                 rows,
@@ -175,6 +172,15 @@ fn run_float_in(
                 out_features,
                 scratch,
             )
+        };
+    }
+    let result = match &p.weight {
+        LinearWeight::Bf16 { weight } => {
+            let src = Bf16Rows {
+                weight: unsafe { weight.typed::<u16>() },
+                in_features,
+            };
+            run!(src)
         }
         LinearWeight::Nvfp4 {
             codes,
@@ -187,16 +193,7 @@ fn run_float_in(
                 global_scale: *global_scale,
                 in_features,
             };
-            linear_rows(
-                pool,
-                &src,
-                xs,
-                bias,
-                rows,
-                in_features,
-                out_features,
-                scratch,
-            )
+            run!(src)
         }
         LinearWeight::Fp8 {
             weight,
@@ -207,16 +204,7 @@ fn run_float_in(
                 block_scales: unsafe { block_scales.typed::<f32>() },
                 in_features,
             };
-            linear_rows(
-                pool,
-                &src,
-                xs,
-                bias,
-                rows,
-                in_features,
-                out_features,
-                scratch,
-            )
+            run!(src)
         }
         LinearWeight::Packed { .. } => unreachable!("packed parts run as groups"),
     }
