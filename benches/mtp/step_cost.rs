@@ -4,7 +4,9 @@
 //! vocabulary) and of a whole 3-draft `propose`, measured interleaved in the same rounds so
 //! that a change of machine load hits all three alike (medians, and minimums: the least
 //! disturbed rounds of a shared machine). One JSON line per storage of the
-//! head's projections; the goal is a draft step of at most 15% of the target's step.
+//! head's projections; the goal is a draft step of at most 15% of the target's step. For
+//! BF16 projections, one more line (`mtp_declined_steps`) compares a batch's declined steps
+//! with the rows written at once against rows deferred to the next drafting step.
 
 use super::default_model::model_path;
 use specdraft::backend::quant::BlockFormat;
