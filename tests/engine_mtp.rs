@@ -322,3 +322,42 @@ fn steps_without_drafts_leave_the_drafter_kv_as_drafting_every_step_does() {
     drop(head);
     assert_eq!(gpu.ledger().live_count(), 0);
 }
+
+#[test]
+fn deferred_drafter_rows_change_no_draft_and_no_token_in_the_engine() {
+    // Steps at positions 10..=50 draft nothing: more declined steps in a row than the head's
+    // deferred-row bound, so the backlog is flushed both when full and before drafting.
+    // Deferring must leave every later draft, and the greedy output, as writing at once does.
+    let levers = ModelLevers::default();
+    let (gpu, target, head) = setup("deferred", levers);
+    let plain = SpecEngine::new(target.clone(), None, 0).unwrap();
+    let base = tokens(plain.generate(engine_common::requests(&prompts(), 60)));
+    let run = |defer: bool| {
+        head.set_defer_zero_draft_rows(defer);
+        let logged = Arc::new(Logged::new(head.clone(), |pos| (10..=50).contains(&pos)));
+        let engine = SpecEngine::new(
+            target.clone(),
+            Some(logged.clone() as Arc<dyn DraftProposer>),
+            3,
+        )
+        .unwrap()
+        .with_levers(levers)
+        .with_draft_policy(specdraft::engine::DraftPolicyKind::Fixed);
+        let out = tokens(engine.generate(engine_common::requests(&prompts(), 60)));
+        (out, logged.take_at())
+    };
+    let (eager_out, eager_at) = run(false);
+    let (lazy_out, lazy_at) = run(true);
+    assert_eq!(eager_out, base);
+    assert_eq!(lazy_out, base);
+    assert!(
+        lazy_at.iter().any(|(pos, _)| *pos > 50),
+        "no draft after the declined steps: {lazy_at:?}"
+    );
+    assert_eq!(lazy_at, eager_at);
+    drop((plain, target));
+    let (total, free) = head.kv_blocks();
+    assert_eq!(total, free, "drafter KV blocks still held");
+    drop(head);
+    assert_eq!(gpu.ledger().live_count(), 0);
+}

@@ -9,13 +9,13 @@ use mtp_common::*;
 use specdraft::model::ModelLevers;
 use specdraft::speculative::{DraftProposer, MtpQuantization, MtpState, ProposerState};
 
+/// The pair key of every row the state holds, written or deferred.
 fn pair_keys(state: &mut dyn ProposerState) -> Vec<usize> {
     state
         .as_any_mut()
         .downcast_mut::<MtpState>()
         .expect("an MtpState")
-        .pair_keys()
-        .to_vec()
+        .logical_pair_keys()
 }
 
 /// Proposes `n` drafts for every state at `pos` in one `propose_batch` call.

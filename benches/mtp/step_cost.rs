@@ -4,7 +4,9 @@
 //! vocabulary) and of a whole 3-draft `propose`, measured interleaved in the same rounds so
 //! that a change of machine load hits all three alike (medians, and minimums: the least
 //! disturbed rounds of a shared machine). One JSON line per storage of the
-//! head's projections; the goal is a draft step of at most 15% of the target's step.
+//! head's projections; the goal is a draft step of at most 15% of the target's step. For
+//! BF16 projections, one more line (`mtp_declined_steps`) compares a batch's declined steps
+//! with the rows written at once against rows deferred to the next drafting step.
 //!
 //! Wall-clock time is not proportional to work on a loaded machine: a call longer than the
 //! scheduler's slice is preempted and waits on the run queue while other processes run, so
@@ -18,7 +20,7 @@ use super::default_model::model_path;
 use specdraft::backend::quant::BlockFormat;
 use specdraft::backend::{ArgmaxArgs, CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
 use specdraft::model::{ForwardContext, LoadOptions, LogitRows, ModelLevers, TargetModel};
-use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization};
+use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization, ProposerState};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -223,8 +225,109 @@ pub fn run(quick: bool) {
             })
         );
         head.free_state(gpu.as_ref(), &mut *st).expect("free state");
+        if quant == MtpQuantization::Bf16 {
+            let cycle = Cycle {
+                tokens: &tokens,
+                hiddens,
+                ctx: &ctx,
+            };
+            declined_steps(&head, &cycle, target.0, rounds);
+        }
     }
     model.free_sequence(&mut seq).expect("free sequence");
     gpu.free(hiddens).expect("free");
     gpu.free(pick_buf).expect("free");
+}
+
+/// The context a declined-steps cycle replays.
+struct Cycle<'a> {
+    tokens: &'a [u32],
+    hiddens: DevicePtr,
+    ctx: &'a ForwardContext<'a>,
+}
+
+/// Sequences proposed together, and declined steps before each drafting one.
+const BATCH: usize = 4;
+const DECLINED: usize = 8;
+
+/// The head's cost while the draft policy declines: a cycle of `DECLINED` steps of no drafts
+/// then one 3-draft step, for `BATCH` sequences proposed together, with the rows of declined
+/// steps written at once or deferred to the drafting step, timed in alternation (medians and
+/// minimums, and each against a one-row target step).
+fn declined_steps(head: &MtpHead, c: &Cycle<'_>, target_step: f64, rounds: usize) {
+    let gpu = c.ctx.gpu.as_ref();
+    let row_bytes = c.ctx.config.hidden_size * 2;
+    let end = c.tokens.len();
+    let start = end - DECLINED;
+    let mut states: Vec<_> = (0..BATCH)
+        .map(|_| head.alloc_state_for(gpu, 512).expect("state"))
+        .collect();
+    let mut cycle = |defer: bool| {
+        head.set_defer_zero_draft_rows(defer);
+        for st in states.iter_mut() {
+            head.prefill_drafter(&c.tokens[..start], c.hiddens, &mut **st, c.ctx, 0)
+                .expect("drafter prefill");
+        }
+        let (mut declined, mut drafting) = (0.0, 0.0);
+        for pos in start..=end {
+            let n = if pos == end { 3 } else { 0 };
+            let token = c.tokens.get(pos).copied().unwrap_or(c.tokens[end - 1]);
+            let hidden = c.hiddens.offset((pos - 1) * row_bytes);
+            let mut refs: Vec<&mut dyn ProposerState> = states
+                .iter_mut()
+                .map(|s| s.as_mut() as &mut dyn ProposerState)
+                .collect();
+            let t = timed(|| {
+                head.propose_batch(
+                    &[token; BATCH],
+                    &[hidden; BATCH],
+                    &[pos; BATCH],
+                    n,
+                    &mut refs,
+                    c.ctx,
+                    0,
+                    None,
+                )
+                .expect("propose_batch");
+                for st in refs.iter_mut() {
+                    head.after_verify(0, &mut **st, 0).expect("after_verify");
+                }
+            });
+            if n == 0 {
+                declined += t.wall;
+            } else {
+                drafting += t.wall;
+            }
+        }
+        (declined / DECLINED as f64, drafting, declined + drafting)
+    };
+    let (mut eager, mut lazy) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        eager.push(cycle(false));
+        lazy.push(cycle(true));
+    }
+    head.set_defer_zero_draft_rows(true);
+    let pick = |v: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| {
+        stats(&mut v.iter().map(f).collect::<Vec<_>>())
+    };
+    let field = |v: &[(f64, f64, f64)]| [pick(v, |x| x.0), pick(v, |x| x.1), pick(v, |x| x.2)];
+    let (e, l) = (field(&eager), field(&lazy));
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "mtp_declined_steps", "backend": gpu.name(), "batch": BATCH,
+            "declined_steps_per_cycle": DECLINED, "rounds": rounds,
+            "target_step_ms": target_step * 1e3,
+            "eager_declined_step_ms": e[0].0 * 1e3, "deferred_declined_step_ms": l[0].0 * 1e3,
+            "eager_drafting_step_ms": e[1].0 * 1e3, "deferred_drafting_step_ms": l[1].0 * 1e3,
+            "eager_cycle_ms": e[2].0 * 1e3, "deferred_cycle_ms": l[2].0 * 1e3,
+            "deferred_vs_eager_cycle": l[2].0 / e[2].0,
+            "min_deferred_vs_eager_cycle": l[2].1 / e[2].1,
+            "eager_declined_step_vs_target": e[0].0 / target_step,
+            "deferred_declined_step_vs_target": l[0].0 / target_step,
+        })
+    );
+    for mut st in states {
+        head.free_state(gpu, &mut *st).expect("free state");
+    }
 }

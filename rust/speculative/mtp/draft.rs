@@ -8,8 +8,13 @@
 //! first, so proposing twice from the same point gives the same drafts. A sequence whose
 //! budget or the pool runs out stops drafting early instead of failing.
 //!
-//! A propose of 0 drafts writes the one row a drafting propose writes first (the verified
+//! A propose of 0 drafts keeps the one row a drafting propose writes first (the verified
 //! token's, keys and values only), so a step without drafts leaves no gap in the head's KV.
+//! While the draft policy declines, nothing reads that KV, so the row is deferred: its token,
+//! position and a copy of the target hidden (valid only for the step) are kept, and every
+//! deferred row is written in one batched forward before the sequence next drafts, or when
+//! a chunk's worth has built up. The rows written, and so the drafts, are the same as
+//! writing each at once.
 //!
 //! Invariants:
 //! - The row at position `q` is built from the token at `q` and the hidden paired with
@@ -22,6 +27,9 @@
 use super::bad;
 use super::forward::{Depth, HiddenKind, Row, Scratch};
 use super::head::{MtpHead, DRAFT_SLACK_ROWS, MTP_CHUNK_ROWS};
+
+/// Deferred rows a state holds at most before they are written: one chunk's forward.
+pub(crate) const DEFERRED_ROWS: usize = MTP_CHUNK_ROWS;
 use super::state::{MtpState, DRAFTER_BLOCK_SIZE};
 use crate::backend::{ArgmaxArgs, DevicePtr, GpuBackend, GpuBackendExt, SoftmaxArgs};
 use crate::model::ForwardContext;
@@ -123,6 +131,15 @@ impl MtpHead {
             s.state.settle_before(&self.kv, s.position)?;
             s.state.last_drafts.clear();
         }
+        if num_drafts == 0 && self.defers_rows() {
+            self.defer_verified_rows(gpu, seqs, stream)?;
+            if let Some(c) = conf {
+                *c = vec![Vec::new(); seqs.len()];
+            }
+            return Ok(vec![Vec::new(); seqs.len()]);
+        }
+        let mut states: Vec<&mut MtpState> = seqs.iter_mut().map(|s| &mut *s.state).collect();
+        self.flush_deferred(gpu, &mut states, stream)?;
         if num_drafts == 0 {
             self.write_verified_rows(gpu, seqs, stream)?;
             if let Some(c) = conf {
@@ -248,6 +265,86 @@ impl MtpHead {
         Ok(())
     }
 
+    /// Whether proposes of no drafts defer their rows (see the module doc).
+    pub(crate) fn defers_rows(&self) -> bool {
+        self.defer_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns deferring the rows of proposes without drafts on or off (on by default). Off,
+    /// each such propose writes its row at once: the reference the deferred path must match.
+    pub fn set_defer_zero_draft_rows(&self, on: bool) {
+        self.defer_rows
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Keeps the verified row of a propose without drafts for a later write, pending like a
+    /// written one. A state whose backlog is full is flushed first (all such in one
+    /// forward); a state at its row budget keeps nothing, as a write would not fit either.
+    fn defer_verified_rows(
+        &self,
+        gpu: &dyn GpuBackend,
+        seqs: &mut [DraftSeq<'_>],
+        stream: u64,
+    ) -> crate::Result<()> {
+        let mut full: Vec<&mut MtpState> = seqs
+            .iter_mut()
+            .map(|s| &mut *s.state)
+            .filter(|st| st.deferred.len() >= DEFERRED_ROWS)
+            .collect();
+        self.flush_deferred(gpu, &mut full, stream)?;
+        let row_bytes = self.spec.config.hidden_size * 2;
+        for s in seqs.iter_mut() {
+            let st = &mut *s.state;
+            if st.logical_rows() >= st.capacity_rows() {
+                continue;
+            }
+            let buf = match st.deferred_hidden {
+                Some(b) => b,
+                None => {
+                    let b = gpu.alloc(DEFERRED_ROWS * row_bytes, "mtp:deferred_hidden")?;
+                    st.deferred_hidden = Some(b);
+                    b
+                }
+            };
+            let at = buf.offset(st.deferred.len() * row_bytes);
+            gpu.copy_dtod(at, s.hidden, row_bytes, stream)?;
+            st.deferred.push((s.token, s.position));
+            st.pending = 1;
+        }
+        Ok(())
+    }
+
+    /// Writes every deferred row of `states` in one batched KV-only forward (chunked), so
+    /// their KV holds what writing each at its step would have left. Deferred rows follow
+    /// every written row, so they are written in order after them.
+    pub(crate) fn flush_deferred(
+        &self,
+        gpu: &dyn GpuBackend,
+        states: &mut [&mut MtpState],
+        stream: u64,
+    ) -> crate::Result<()> {
+        let row_bytes = self.spec.config.hidden_size * 2;
+        let mut items = Vec::new();
+        for (i, st) in states.iter_mut().enumerate() {
+            let Some(buf) = st.deferred_hidden else {
+                continue;
+            };
+            for (j, (token, pos)) in std::mem::take(&mut st.deferred).into_iter().enumerate() {
+                items.push((i, token, buf.offset(j * row_bytes), pos));
+            }
+        }
+        if items.is_empty() {
+            return Ok(());
+        }
+        let pending: Vec<usize> = states.iter().map(|st| st.pending).collect();
+        self.write_rows(gpu, states, &items, stream)?;
+        // Flushed rows keep their pending status (the newest may not be verified yet).
+        for (st, p) in states.iter_mut().zip(pending) {
+            st.pending = p.min(st.rows());
+        }
+        Ok(())
+    }
+
     /// Writes KV rows for `(sequence, token, hidden, position)` items, in chunks; returns
     /// the rows written per sequence (items that do not fit the budget or pool are skipped,
     /// with every later item of that sequence).
@@ -354,6 +451,7 @@ impl MtpHead {
         }
         st.settle_before(&self.kv, position)?;
         st.last_drafts.clear();
+        self.flush_deferred(ctx.gpu.as_ref(), &mut [&mut *st], stream)?;
         let room = st.reserve(ctx.gpu.as_ref(), &self.kv, num_drafts)?;
         let binding = self.binding(&self.spec.config, &self.spec.levers);
         let drafts = runner.run(

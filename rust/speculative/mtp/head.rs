@@ -122,6 +122,9 @@ pub struct MtpHead {
     /// outlives the head.
     pub(crate) target: Option<Arc<TargetModel>>,
     pub(crate) runner: RwLock<Option<Arc<dyn DraftRunner>>>,
+    /// Whether a propose of no drafts defers its row's KV write to the sequence's next
+    /// drafting propose (on by default; off writes it at once).
+    pub(crate) defer_rows: std::sync::atomic::AtomicBool,
 }
 
 fn invalid(message: String) -> crate::Error {
@@ -370,6 +373,7 @@ impl MtpHead {
             owned: None,
             target: None,
             runner: RwLock::new(None),
+            defer_rows: std::sync::atomic::AtomicBool::new(true),
         })
     }
 

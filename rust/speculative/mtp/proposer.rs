@@ -121,7 +121,7 @@ impl DraftProposer for MtpHead {
             num_accepted + 1
         }
         .min(st.pending);
-        let rows = st.rows() - st.pending + keep;
+        let rows = st.logical_rows() - st.pending + keep;
         st.pending = 0;
         st.truncate(&self.kv, rows)
     }
@@ -141,13 +141,13 @@ impl DraftProposer for MtpHead {
 
     fn drafter_rows(&self, state: &mut dyn ProposerState) -> usize {
         self.state_mut(state, "drafter_rows")
-            .map_or(0, |s| s.rows())
+            .map_or(0, |s| s.logical_rows())
     }
 
     fn last_pair_key(&self, state: &mut dyn ProposerState) -> Option<usize> {
         self.state_mut(state, "last_pair_key")
             .ok()
-            .and_then(|s| s.pair_keys.last().copied())
+            .and_then(|s| s.logical_rows().checked_sub(1).map(|r| s.logical_key(r)))
     }
 
     fn take_drafter_kv(
@@ -192,6 +192,7 @@ impl DraftProposer for MtpHead {
         stream: u64,
     ) -> crate::Result<usize> {
         let st = self.state_mut(state, "catchup_drafter")?;
+        self.flush_deferred(ctx.gpu.as_ref(), &mut [&mut *st], stream)?;
         if row_base > st.rows() {
             return Err(bad(
                 "catchup_drafter",
@@ -307,6 +308,7 @@ impl DraftProposer for MtpHead {
             st.pending = 0;
             sts.push(st);
         }
+        self.flush_deferred(ctx.gpu.as_ref(), &mut sts, stream)?;
         Ok(self
             .write_rows(ctx.gpu.as_ref(), &mut sts, &items, stream)?
             .iter()
@@ -340,8 +342,10 @@ impl DraftProposer for MtpHead {
         st.freed = true;
         let blocks = st.clear(&self.kv);
         let table = gpu.free(st.table);
+        let deferred = st.deferred_hidden.take().map_or(Ok(()), |b| gpu.free(b));
         blocks?;
         table?;
+        deferred?;
         Ok(())
     }
 

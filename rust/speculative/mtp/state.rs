@@ -13,6 +13,10 @@
 //! - The device table mirrors `blocks` for its first `blocks.len()` entries.
 //! - Every block and the device table are returned by `free_state`; after `take_drafter_kv`
 //!   the state owns no blocks and is indistinguishable from a fresh one.
+//! - Deferred rows (verified rows of proposes that drafted nothing, not yet written) come
+//!   after every written row: the logical rows are `pair_keys` then `deferred`, and a
+//!   deferred row at position `p` has pair key `p - 1` like a written one. Their target
+//!   hiddens live in `deferred_hidden` (row `j` for `deferred[j]`), which `free_state` frees.
 
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
@@ -50,6 +54,11 @@ pub struct MtpState {
     /// Leading entries of the device table known to match `blocks`.
     pub(crate) synced: usize,
     pub(crate) freed: bool,
+    /// Verified rows not written yet, oldest first: `(token, position)`.
+    pub(crate) deferred: Vec<(u32, usize)>,
+    /// Device BF16 `[DEFERRED_ROWS, hidden]`: the target hiddens of `deferred`, allocated at
+    /// the first deferral.
+    pub(crate) deferred_hidden: Option<DevicePtr>,
 }
 
 crate::impl_proposer_state!(MtpState);
@@ -58,6 +67,31 @@ impl MtpState {
     /// Drafter rows held.
     pub fn rows(&self) -> usize {
         self.pair_keys.len()
+    }
+
+    /// Rows held, written or deferred.
+    pub fn logical_rows(&self) -> usize {
+        self.pair_keys.len() + self.deferred.len()
+    }
+
+    /// Rows whose KV write is deferred to the next drafting propose.
+    pub fn deferred_rows(&self) -> usize {
+        self.deferred.len()
+    }
+
+    /// The pair key of every row, written or deferred, oldest first.
+    pub fn logical_pair_keys(&self) -> Vec<usize> {
+        (0..self.logical_rows())
+            .map(|r| self.logical_key(r))
+            .collect()
+    }
+
+    /// The pair key of logical row `row` (written or deferred).
+    pub(crate) fn logical_key(&self, row: usize) -> usize {
+        match self.pair_keys.get(row) {
+            Some(&k) => k,
+            None => self.deferred[row - self.pair_keys.len()].1 - 1,
+        }
     }
 
     /// Block ids held, in row order.
@@ -112,6 +146,8 @@ impl MtpState {
             capacity_blocks,
             synced: 0,
             freed: false,
+            deferred: Vec::new(),
+            deferred_hidden: None,
         })
     }
 
@@ -156,8 +192,11 @@ impl MtpState {
             .min(extra))
     }
 
-    /// Drops the newest rows down to `rows` and returns unused blocks to `kv`.
+    /// Drops the newest logical rows (deferred ones first) down to `rows` and returns
+    /// unused blocks to `kv`.
     pub(crate) fn truncate(&mut self, kv: &DrafterKv, rows: usize) -> crate::Result<()> {
+        self.deferred
+            .truncate(rows.saturating_sub(self.pair_keys.len()));
         self.pair_keys.truncate(rows);
         self.pending = self.pending.min(rows);
         let keep = self.rows().div_ceil(DRAFTER_BLOCK_SIZE);
@@ -172,11 +211,11 @@ impl MtpState {
     /// Rolls back rows of a propose that was never verified, and rows at or after the
     /// sequence position `position` (they belong to a future being re-drafted).
     pub(crate) fn settle_before(&mut self, kv: &DrafterKv, position: usize) -> crate::Result<()> {
-        let mut rows = self.rows() - self.pending;
+        let mut rows = self.logical_rows() - self.pending;
         match position.checked_sub(1) {
             None => rows = 0,
             Some(newest) => {
-                while rows > 0 && self.pair_keys[rows - 1] >= newest {
+                while rows > 0 && self.logical_key(rows - 1) >= newest {
                     rows -= 1;
                 }
             }
@@ -192,17 +231,20 @@ impl MtpState {
         self.pair_keys.clear();
         self.pending = 0;
         self.last_drafts.clear();
+        self.deferred.clear();
         kv.allocator.free(&blocks)?;
         Ok(())
     }
 
-    /// Forgets the blocks without releasing them (they were moved out).
+    /// Forgets the blocks without releasing them (they were moved out), and drops deferred
+    /// rows (whoever takes the blocks catches up from their last pair key).
     pub(crate) fn forget(&mut self) {
         self.blocks.clear();
         self.synced = 0;
         self.pair_keys.clear();
         self.pending = 0;
         self.last_drafts.clear();
+        self.deferred.clear();
     }
 
     /// Takes carried blocks into this fresh state; the device table is written at the next
@@ -217,7 +259,7 @@ impl MtpState {
             method: "install_drafter_kv",
             message,
         };
-        if !self.blocks.is_empty() || self.rows() != 0 {
+        if !self.blocks.is_empty() || self.logical_rows() != 0 {
             return Err(fail("the state already holds drafter rows".into()));
         }
         if blocks.len() != rows.div_ceil(DRAFTER_BLOCK_SIZE) || blocks.len() > self.capacity_blocks
