@@ -81,9 +81,51 @@ def dot16(x, w):
     return total
 
 
+def lane16_sum(x):
+    """Sum over the last axis in float32 with the CPU RMSNorm's order: sixteen lanes (lane
+    ``i % 16``, each in order, the tail zero-padded), then halves added lane-wise down to one."""
+    x = x.astype(np.float32)
+    n = x.shape[-1]
+    padded = np.zeros(x.shape[:-1] + (-(-n // 16) * 16,), np.float32)
+    padded[..., :n] = x
+    lanes = np.zeros(x.shape[:-1] + (16,), np.float32)
+    for c in range(padded.shape[-1] // 16):
+        lanes = lanes + padded[..., c * 16 : (c + 1) * 16]
+    while lanes.shape[-1] > 1:
+        half = lanes.shape[-1] // 2
+        lanes = lanes[..., :half] + lanes[..., half:]
+    return lanes[..., 0]
+
+
+def exp_nonpositive(x):
+    """``exp(x)`` for ``x <= 0`` in float32, step for step as the CPU kernels compute it
+    (range reduction by ln 2 and a degree-6 polynomial; no fused multiply-add)."""
+    f = np.float32
+    x = np.maximum(np.asarray(x, np.float32), f(-87.0))
+    magic = f(12_582_912.0)
+    t = (x * f(np.log2(np.e))).astype(np.float32) + magic
+    n = t - magic
+    k = t.view(np.int32) - magic.view(np.int32)
+    r = x - n * f(0.693_359_4) - n * f(-2.121_944_4e-4)
+    p = f(1.987_569_1e-4)
+    for c in (1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5):
+        p = p * r + f(c)
+    y = p * r * r + r + f(1.0)
+    return (y * ((k + 127) << 23).astype(np.int32).view(np.float32)).astype(np.float32)
+
+
+def sigmoid(g):
+    """The CPU kernels' sigmoid: ``n / (1 + e)`` with ``e = exp(-|g|)``, ``n = 1`` for
+    ``g >= 0`` and ``e`` otherwise (never overflows)."""
+    g = np.asarray(g, np.float32)
+    e = exp_nonpositive(-np.abs(g))
+    n = np.where(g >= 0, np.float32(1.0), e).astype(np.float32)
+    return (n / (np.float32(1.0) + e)).astype(np.float32)
+
+
 def rms_norm(x, w, eps):
     x = x.astype(np.float32)
-    mean = seq_sum(x * x) / np.float32(x.shape[-1])
+    mean = lane16_sum(x * x) / np.float32(x.shape[-1])
     inv = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
     return bf16(x * inv[..., None] * w)
 
@@ -281,7 +323,7 @@ class Head:
                 out[hh] = out[hh] + (p[j] / total) * V[j, kv_h, :]
         attn = bf16(out).reshape(-1)
         if gate is not None:
-            attn = bf16(attn / (np.float32(1.0) + np.exp(-gate)))
+            attn = bf16(attn * sigmoid(gate))
         x = bf16(x + linear(attn[None], self.wo)[0])
         n = rms_norm(x, self.ffn_norm, self.eps)
         x = bf16(x + self.mlp(n))
@@ -292,7 +334,7 @@ class Head:
     @staticmethod
     def swiglu(n, wg, wu, wd):
         gg, uu = linear(n[None], wg)[0], linear(n[None], wu)[0]
-        m = bf16(gg / (np.float32(1.0) + np.exp(-gg)) * uu)
+        m = bf16(gg * sigmoid(gg) * uu)
         return linear(m[None], wd)[0]
 
     def route(self, logits):
