@@ -25,6 +25,7 @@
 //!   written, so aliasing changes nothing.
 
 use super::attention::math::{exp_nonpositive, to_f32, widen};
+use super::shared_out::SharedOut;
 use crate::backend::kernels::{ElementwiseOp, RopeStyle};
 use crate::backend::quant::{Isa, KernelPool, QuantError};
 use half::bf16;
@@ -92,32 +93,6 @@ impl<'a> Input<'a> {
     }
 }
 
-/// A BF16 output that pool tasks write disjoint ranges of.
-#[derive(Clone, Copy)]
-struct SharedRows {
-    ptr: *mut bf16,
-    len: usize,
-}
-
-// SAFETY: every task takes only its own range (see `range`), and the call that made it holds
-// the `&mut [bf16]` until the pool has run every task.
-unsafe impl Send for SharedRows {}
-unsafe impl Sync for SharedRows {}
-
-impl SharedRows {
-    /// # Safety
-    /// No two live ranges may overlap.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn range(&self, start: usize, end: usize) -> &mut [bf16] {
-        assert!(
-            start <= end && end <= self.len,
-            "output range out of bounds"
-        );
-        // SAFETY: in bounds (checked); disjointness is the caller's promise.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), end - start) }
-    }
-}
-
 /// Runs `f(out_part, first_unit, units)` over `units` units of `unit_len` elements of `out`,
 /// on the calling thread alone or split into pool tasks of at least `task_elements`.
 fn split_units(
@@ -133,14 +108,11 @@ fn split_units(
         return Ok(());
     }
     let per = units.div_ceil(tasks);
-    let shared = SharedRows {
-        ptr: out.as_mut_ptr(),
-        len: out.len(),
-    };
+    let shared = SharedOut::new(out);
     pool.run(units.div_ceil(per), &|t| {
         let (first, end) = (t * per, ((t + 1) * per).min(units));
         // SAFETY: task `t` alone takes units `first..end`.
-        let part = unsafe { shared.range(first * unit_len, end * unit_len) };
+        let part = unsafe { shared.slice(first * unit_len, (end - first) * unit_len) };
         f(part, first, end - first);
     })
 }

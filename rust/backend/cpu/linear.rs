@@ -12,6 +12,7 @@
 //!   L1, so a verify forward of a few rows costs far less than that many 1-row forwards.
 
 use super::formats::{e2m1_to_f32, fp8_e4m3_to_f32};
+use super::shared_out::SharedOut;
 use crate::backend::quant::{KernelPool, QuantError};
 use std::cell::RefCell;
 
@@ -229,39 +230,6 @@ unsafe fn task_avx2<S: WeightRows>(
     col: &mut [f32],
 ) {
     task(src, bufs, xs, rows, first, col, true)
-}
-
-/// A `[f32]` that pool tasks write disjoint chunks of.
-#[derive(Clone, Copy)]
-pub(super) struct SharedOut {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: every task writes only its own chunk (see `chunk`), and the call that made it holds
-// the `&mut [f32]` until the pool has run every task.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    pub(super) fn new(v: &mut [f32]) -> Self {
-        SharedOut {
-            ptr: v.as_mut_ptr(),
-            len: v.len(),
-        }
-    }
-
-    /// Chunk `t` of `size` elements (the last may be short).
-    ///
-    /// # Safety
-    /// No two live chunks may overlap: each task takes only its own `t`.
-    #[allow(clippy::mut_from_ref)]
-    pub(super) unsafe fn chunk(&self, t: usize, size: usize) -> &mut [f32] {
-        let start = (t * size).min(self.len);
-        let end = (start + size).min(self.len);
-        // SAFETY: inside the slice `new` was given; disjointness is the caller's promise.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), end - start) }
-    }
 }
 
 thread_local! {

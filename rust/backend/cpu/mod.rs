@@ -24,6 +24,7 @@ mod fp8;
 mod grouped;
 mod kernels;
 mod linear;
+mod shared_out;
 
 pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
 

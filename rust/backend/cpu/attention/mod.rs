@@ -27,7 +27,7 @@
 
 pub(super) mod math;
 
-use super::linear::SharedOut;
+use super::shared_out::SharedOut;
 use crate::backend::quant::{Isa, KernelPool, QuantError};
 use half::bf16;
 use math::{add_weighted, score_block, softmax_weights, to_f32, widen};
@@ -72,29 +72,6 @@ struct Tile {
     ctx: usize,
 }
 
-/// The output, written by tasks at disjoint (row, head) slices.
-#[derive(Clone, Copy)]
-struct SharedBf16 {
-    ptr: *mut bf16,
-    len: usize,
-}
-
-// SAFETY: each (row, head) slice is written by exactly one task, and `paged_attention` holds
-// the `&mut [bf16]` until the pool has run every task.
-unsafe impl Send for SharedBf16 {}
-unsafe impl Sync for SharedBf16 {}
-
-impl SharedBf16 {
-    /// # Safety
-    /// `start..start + n` is within the output and written by no other task.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, n: usize) -> &mut [bf16] {
-        assert!(start + n <= self.len, "output slice out of range");
-        // SAFETY: in range (checked); disjointness is the caller's promise.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
-    }
-}
-
 /// Per-thread buffers, reused from call to call so that no task allocates once warm.
 #[derive(Default)]
 struct Scratch {
@@ -136,10 +113,7 @@ pub(super) fn paged_attention(
     let parts = group
         .min((2 * pool.threads()).div_ceil(units.max(1)))
         .max(1);
-    let shared = SharedBf16 {
-        ptr: out.as_mut_ptr(),
-        len: out.len(),
-    };
+    let shared = SharedOut::new(out);
     pool.run(units * parts, &|t| {
         let (tile, rest) = (
             tiles[t / (shape.kv_heads * parts)],
@@ -291,12 +265,12 @@ impl Task<'_> {
     /// The CPU must support AVX2.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn run_avx2(&self, scratch: &mut Scratch, out: SharedBf16) {
+    unsafe fn run_avx2(&self, scratch: &mut Scratch, out: SharedOut<bf16>) {
         self.run(scratch, out)
     }
 
     #[inline(always)]
-    fn run(&self, s: &mut Scratch, out: SharedBf16) {
+    fn run(&self, s: &mut Scratch, out: SharedOut<bf16>) {
         let (sh, inputs) = (self.reader.shape, self.reader.inputs);
         let slot_len = 2 * KEYS * sh.head_dim;
         let (hd, tile) = (sh.head_dim, self.tile);
