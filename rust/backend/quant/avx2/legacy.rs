@@ -1,6 +1,17 @@
 //! The AVX2 kernel of the legacy formats (32-element blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+//!
+//! Two ways to feed the same dot ([`block_rows`]): calls of up to [`DIRECT_ROWS`] rows (a
+//! decode step, a short verify) decode each record's group-vectors in registers and use them
+//! at once, so a record is loaded once and never stored; longer calls decode a chunk of
+//! records into the L1 scratch once and take the rows four at a time past it. Both form the
+//! same i32 sums and run the same f32 operations in the same order.
 
 use super::*;
+
+/// Calls of at most this many rows decode in registers: every row of the call then meets
+/// each group-vector while it is in a register, so the scratch would only add a store and a
+/// load per group-vector.
+const DIRECT_ROWS: usize = 4;
 
 /// Output features of groups `groups`, every row of `act` (Q8 blocks), into `out`.
 ///
@@ -23,6 +34,15 @@ pub(super) unsafe fn run<F: Fmt>(
         accs,
         acts,
     } = &mut *ws;
+    if act.rows <= DIRECT_ROWS {
+        row_tiles!(act.rows, |r0, R| {
+            let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
+            // SAFETY: the rows hold every block of the weight's rows; the task owns these
+            // groups' outputs of every row.
+            unsafe { direct::<F, R>(w, &layout, &rows, r0, groups.clone(), out) }
+        });
+        return ws.give_back();
+    }
     for (tile, g) in tiles(act.rows, groups) {
         accs.zero();
         let records = w.group_records(g);
@@ -39,13 +59,174 @@ pub(super) unsafe fn run<F: Fmt>(
                     std::array::from_fn(|i| acts[tile.start + r0 + i].at_block(b0, 32));
                 let acc: [*mut f32; R] = std::array::from_fn(|i| accs.at(r0 + i));
                 // SAFETY: the rows hold `nbk` blocks from `b0`; `acc` are this tile's sums.
-                unsafe { tile_rows::<F, R>(s, nbk, &rows, acc) }
+                unsafe {
+                    let mut accv = [_mm256_setzero_ps(); R];
+                    for r in 0..R {
+                        accv[r] = _mm256_loadu_ps(acc[r]);
+                    }
+                    for b in 0..nbk {
+                        block_rows::<F, Scratch, R>(s, b, &rows, &mut accv);
+                    }
+                    for r in 0..R {
+                        _mm256_storeu_ps(acc[r], accv[r]);
+                    }
+                }
             });
         }
         // SAFETY: the task owns group `g`'s outputs of every row.
         unsafe { accs.store(out, tile, g) };
     }
     ws.give_back();
+}
+
+/// Groups `groups` for rows `first..first + R` (`rows`, from their first block), decoded in
+/// registers, written to their outputs. One row takes two groups side by side: the f32 sums
+/// of an output form one chain of dependent fused multiply-adds, and two groups' chains
+/// overlap where one would leave the core waiting.
+#[inline(always)]
+unsafe fn direct<F: Fmt, const R: usize>(
+    w: &PackedView<'_>,
+    layout: &RecordLayout,
+    rows: &[Act; R],
+    first: usize,
+    groups: Range<usize>,
+    out: OutMatrix,
+) {
+    let mut g = groups.start;
+    if R == 1 {
+        while g + 2 <= groups.end {
+            direct_groups::<F, R, 2>(w, layout, rows, first, g, out);
+            g += 2;
+        }
+    }
+    while g < groups.end {
+        direct_groups::<F, R, 1>(w, layout, rows, first, g, out);
+        g += 1;
+    }
+}
+
+/// Groups `g0..g0 + G` for rows `first..first + R`, decoded in registers.
+#[inline(always)]
+unsafe fn direct_groups<F: Fmt, const R: usize, const G: usize>(
+    w: &PackedView<'_>,
+    layout: &RecordLayout,
+    rows: &[Act; R],
+    first: usize,
+    g0: usize,
+    out: OutMatrix,
+) {
+    let nb = w.blocks();
+    let src: [Records<'_, F>; G] = std::array::from_fn(|i| {
+        let records = w.group_records(g0 + i);
+        Records {
+            at: records.as_ptr(),
+            record_bytes: records.len() / nb,
+            layout,
+            format: std::marker::PhantomData,
+        }
+    });
+    let mut accv = [[_mm256_setzero_ps(); R]; G];
+    for b in 0..nb {
+        for i in 0..G {
+            block_rows::<F, _, R>(&src[i], b, rows, &mut accv[i]);
+        }
+    }
+    for (i, sums) in accv.iter().enumerate() {
+        for (r, &sum) in sums.iter().enumerate() {
+            // SAFETY: the caller owns these groups' eight outputs of row `first + r`.
+            _mm256_storeu_ps(out.at(first + r, (g0 + i) * GROUP_ROWS), sum);
+        }
+    }
+}
+
+/// Where [`block_rows`] finds block `b`'s decoded codes and scales.
+trait Codes {
+    /// Group-vector `v` of block `b` (not Q8_0).
+    unsafe fn codes(&self, b: usize, v: usize) -> __m256i;
+    /// Q8_0: group-vector `v` of block `b` as (|w|, w).
+    unsafe fn signed(&self, b: usize, v: usize) -> (__m256i, __m256i);
+    /// The eight rows' `d` and `m` (zero for formats without a min).
+    unsafe fn scales(&self, b: usize) -> (__m256, __m256);
+}
+
+/// The L1 scratch: block `b` in slot `b`.
+impl Codes for Scratch {
+    #[inline(always)]
+    unsafe fn codes(&self, b: usize, v: usize) -> __m256i {
+        *self.codes.as_ptr().add(8 * b + v)
+    }
+
+    #[inline(always)]
+    unsafe fn signed(&self, b: usize, v: usize) -> (__m256i, __m256i) {
+        let codes = self.codes.as_ptr();
+        (*codes.add(8 * b + v), *codes.add(32 + 8 * b + v))
+    }
+
+    #[inline(always)]
+    unsafe fn scales(&self, b: usize) -> (__m256, __m256) {
+        (*self.d.as_ptr().add(b), *self.d2.as_ptr().add(b))
+    }
+}
+
+/// One group's records, decoded as they are read: block `b` is record `b`.
+struct Records<'a, F> {
+    at: *const u8,
+    record_bytes: usize,
+    layout: &'a RecordLayout,
+    format: std::marker::PhantomData<F>,
+}
+
+impl<F: Fmt> Records<'_, F> {
+    #[inline(always)]
+    unsafe fn record(&self, b: usize) -> *const u8 {
+        self.at.add(b * self.record_bytes)
+    }
+}
+
+impl<F: Fmt> Codes for Records<'_, F> {
+    #[inline(always)]
+    unsafe fn codes(&self, b: usize, v: usize) -> __m256i {
+        let rec = self.record(b);
+        let x = plane_vector(rec.add(self.layout.planes[0].0), F::W1, 0, v);
+        if F::W2 == 0 {
+            return x;
+        }
+        let y = plane_vector(rec.add(self.layout.planes[1].0), F::W2, F::D2, v);
+        _mm256_or_si256(x, y)
+    }
+
+    #[inline(always)]
+    unsafe fn signed(&self, b: usize, v: usize) -> (__m256i, __m256i) {
+        let raw = _mm256_loadu_si256(self.record(b).add(self.layout.planes[0].0 + 32 * v).cast());
+        (_mm256_abs_epi8(raw), raw)
+    }
+
+    #[inline(always)]
+    unsafe fn scales(&self, b: usize) -> (__m256, __m256) {
+        let rec = self.record(b);
+        let d2 = match self.layout.d2 {
+            Some(at) => f16x8(rec.add(at)),
+            None => _mm256_setzero_ps(),
+        };
+        (f16x8(rec), d2)
+    }
+}
+
+/// Group-vector `v` (of a 32-element block's eight) of the `w`-bit plane at `p`, at bit
+/// `dest` of the code: the register form of [`decode_plane`]'s store.
+#[inline(always)]
+unsafe fn plane_vector(p: *const u8, w: u32, dest: u32, v: usize) -> __m256i {
+    let per_slot = 8 / (8 / w as usize);
+    let (c, s) = (v % per_slot, v / per_slot);
+    let mask = _mm256_set1_epi8((((1u16 << w) - 1) << dest) as u8 as i8);
+    let x = _mm256_loadu_si256(p.add(32 * c).cast());
+    let by = dest as i32 - (s as u32 * w) as i32;
+    let x = if by >= 0 {
+        _mm256_sll_epi16(x, _mm_cvtsi32_si128(by))
+    } else {
+        _mm256_srl_epi16(x, _mm_cvtsi32_si128(-by))
+    };
+    _mm256_and_si256(x, mask)
 }
 
 /// Decodes one record into slot `k` of the scratch.
@@ -67,64 +248,55 @@ unsafe fn decode<F: Fmt>(s: &mut Scratch, k: usize, rec: *const u8, layout: &Rec
     }
 }
 
-/// `R` rows times the `nbk` decoded blocks of the scratch, added to the sums at `acc`.
+/// `R` rows times block `b` of `src` (the rows' block `b` is the activation block it meets),
+/// added to their running sums `accv`.
 #[inline(always)]
-unsafe fn tile_rows<F: Fmt, const R: usize>(
-    s: &Scratch,
-    nbk: usize,
+unsafe fn block_rows<F: Fmt, C: Codes, const R: usize>(
+    src: &C,
+    b: usize,
     rows: &[Act; R],
-    acc: [*mut f32; R],
+    accv: &mut [__m256; R],
 ) {
     let ones = _mm256_set1_epi16(1);
     let offset = _mm_cvtsi32_si128(F::OFFSET);
-    // A loop, not a closure: intrinsics in a closure lack this function's target features.
-    let mut accv = [_mm256_setzero_ps(); R];
-    for r in 0..R {
-        accv[r] = _mm256_loadu_ps(acc[r]);
-    }
-    for b in 0..nbk {
-        let codes = s.codes.as_ptr().add(8 * b);
-        let mut isum = [_mm256_setzero_si256(); R];
-        if F::Q8 {
-            for v in 0..8 {
-                let (wabs, wsig) = (*codes.add(v), *codes.add(32 + v));
-                for r in 0..R {
-                    let a = _mm256_sign_epi8(bcast4(rows[r].qa.add(32 * b + 4 * v)), wsig);
-                    let p = _mm256_maddubs_epi16(wabs, a);
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
-                }
-            }
-        } else {
-            for h in 0..8 / F::TERMS {
-                let mut p16 = [_mm256_setzero_si256(); R];
-                for v in h * F::TERMS..(h + 1) * F::TERMS {
-                    let wv = *codes.add(v);
-                    for r in 0..R {
-                        let a = bcast4(rows[r].qa.add(32 * b + 4 * v));
-                        p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(wv, a));
-                    }
-                }
-                for r in 0..R {
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], ones));
-                }
-            }
-            if F::OFFSET != 0 {
-                for r in 0..R {
-                    let o = _mm256_sll_epi32(_mm256_set1_epi32(*rows[r].bsum.add(b)), offset);
-                    isum[r] = _mm256_sub_epi32(isum[r], o);
-                }
+    // Loops, not closures: intrinsics in a closure lack this function's target features.
+    let mut isum = [_mm256_setzero_si256(); R];
+    if F::Q8 {
+        for v in 0..8 {
+            let (wabs, wsig) = src.signed(b, v);
+            for r in 0..R {
+                let a = _mm256_sign_epi8(bcast4(rows[r].qa.add(32 * b + 4 * v)), wsig);
+                let p = _mm256_maddubs_epi16(wabs, a);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
             }
         }
-        let (d, d2) = (*s.d.as_ptr().add(b), *s.d2.as_ptr().add(b));
-        for r in 0..R {
-            let scale = _mm256_mul_ps(d, _mm256_set1_ps(*rows[r].d.add(b)));
-            accv[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[r]), accv[r]);
-            if F::AFFINE {
-                accv[r] = _mm256_fmadd_ps(d2, _mm256_set1_ps(*rows[r].sum.add(b)), accv[r]);
+    } else {
+        for h in 0..8 / F::TERMS {
+            let mut p16 = [_mm256_setzero_si256(); R];
+            for v in h * F::TERMS..(h + 1) * F::TERMS {
+                let wv = src.codes(b, v);
+                for r in 0..R {
+                    let a = bcast4(rows[r].qa.add(32 * b + 4 * v));
+                    p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(wv, a));
+                }
+            }
+            for r in 0..R {
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], ones));
+            }
+        }
+        if F::OFFSET != 0 {
+            for r in 0..R {
+                let o = _mm256_sll_epi32(_mm256_set1_epi32(*rows[r].bsum.add(b)), offset);
+                isum[r] = _mm256_sub_epi32(isum[r], o);
             }
         }
     }
+    let (d, d2) = src.scales(b);
     for r in 0..R {
-        _mm256_storeu_ps(acc[r], accv[r]);
+        let scale = _mm256_mul_ps(d, _mm256_set1_ps(*rows[r].d.add(b)));
+        accv[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[r]), accv[r]);
+        if F::AFFINE {
+            accv[r] = _mm256_fmadd_ps(d2, _mm256_set1_ps(*rows[r].sum.add(b)), accv[r]);
+        }
     }
 }
