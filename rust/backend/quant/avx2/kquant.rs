@@ -29,7 +29,10 @@ pub(super) unsafe fn run<F: Fmt>(
         for b in 0..nb {
             let rec = &records[b * record_bytes..][..record_bytes];
             // SAFETY: `rec` is a whole record of this format, which `layout` describes.
-            unsafe { decode::<F>(s, format, rec, &layout) };
+            unsafe {
+                prefetch_ahead(rec.as_ptr(), record_bytes);
+                decode::<F>(s, format, rec, &layout)
+            };
             row_tiles!(tile.len(), |r0, R| {
                 let rows: [Act; R] =
                     std::array::from_fn(|i| acts[tile.start + r0 + i].at_block(b, 256));

@@ -13,11 +13,6 @@ use super::*;
 /// load per group-vector.
 const DIRECT_ROWS: usize = 4;
 
-/// How far ahead of the record it reads the in-register path asks for weight bytes, in
-/// calls of at most `PREFETCH_ROWS` rows (longer ones have compute to hide the wait).
-const PREFETCH_BYTES: usize = 4096;
-const PREFETCH_ROWS: usize = 2;
-
 /// Output features of groups `groups`, every row of `act` (Q8 blocks), into `out`.
 ///
 /// # Safety
@@ -57,7 +52,10 @@ pub(super) unsafe fn run<F: Fmt>(
             for k in 0..nbk {
                 let rec = records[(b0 + k) * record_bytes..][..record_bytes].as_ptr();
                 // SAFETY: `rec` is a whole record of this format, which `layout` describes.
-                unsafe { decode::<F>(s, k, rec, &layout) };
+                unsafe {
+                    prefetch_ahead(rec, record_bytes);
+                    decode::<F>(s, k, rec, &layout)
+                };
             }
             row_tiles!(tile.len(), |r0, R| {
                 let rows: [Act; R] =
@@ -133,9 +131,7 @@ unsafe fn direct_groups<F: Fmt, const R: usize, const G: usize>(
     let mut accv = [[_mm256_setzero_ps(); R]; G];
     for b in 0..nb {
         for i in 0..G {
-            if R <= PREFETCH_ROWS {
-                src[i].prefetch(b);
-            }
+            src[i].prefetch(b);
             block_rows::<F, _, R>(&src[i], b, rows, &mut accv[i]);
         }
     }
@@ -190,16 +186,9 @@ impl<F: Fmt> Records<'_, F> {
         self.at.add(b * self.record_bytes)
     }
 
-    /// Asks for the cache lines `PREFETCH_BYTES` past record `b` (later records of this
-    /// group, or the next group's, which follow in memory), so a one-row call, which
-    /// spends most of its time waiting for weights, has them on the way before it needs
-    /// them. A prefetch past the end of the weight is harmless: it never faults.
     #[inline(always)]
     unsafe fn prefetch(&self, b: usize) {
-        let ahead = self.at.wrapping_add(b * self.record_bytes + PREFETCH_BYTES);
-        for line in (0..self.record_bytes).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-        }
+        prefetch_ahead(self.record(b), self.record_bytes);
     }
 }
 

@@ -279,6 +279,21 @@ unsafe fn f16x8(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
 }
 
+/// How far ahead of the record being read the kernels ask for weight bytes.
+const PREFETCH_BYTES: usize = 8192;
+
+/// Asks for the `bytes` of cache lines [`PREFETCH_BYTES`] past `at` (later records of the
+/// group, or the next group's, which follow in memory): a call spends much of its time
+/// waiting for weight bytes, and this keeps more reads in flight than the hardware
+/// prefetcher alone. A prefetch past the end of the weight is harmless: it never faults.
+#[inline(always)]
+unsafe fn prefetch_ahead(at: *const u8, bytes: usize) {
+    let ahead = at.wrapping_add(PREFETCH_BYTES);
+    for line in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+    }
+}
+
 /// Decodes one plane of `w`-bit fields at `p` into `vectors` group-vectors at `codes`, at bit
 /// `dest` of each code; the first plane stores, later ones OR into what is there. Always
 /// inlined with constant widths, so the shifts and loops resolve at compile time.
