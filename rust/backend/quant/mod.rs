@@ -31,15 +31,19 @@
 //! written independently)
 //! Each input row is quantized once per call to 8-bit blocks (Q8: blocks of 32 for the
 //! legacy formats; Q8K: blocks of 256 with 16- and 32-element sums for the K-quants). Every
-//! weight record (eight output rows times one block) is decoded once into an L1 scratch of
-//! unsigned codes laid out four elements by eight rows per register, and every input row of
-//! the call meets it in AVX2 integer dots (`maddubs`, a few i16 sums, `madd` with the
+//! weight record (eight output rows times one block) is decoded once into unsigned codes laid
+//! out four elements by eight rows per register (for legacy formats in calls of up to four
+//! rows, a decode step or a short verify, straight into registers, used at once and never
+//! stored, two output groups side by side at one row so their f32 chains overlap; otherwise
+//! into an L1 scratch), and every input row of the call meets it in AVX2 integer dots (`maddubs`, a few i16 sums, `madd` with the
 //! sub-block scales), one i32 lane per output, so there is no horizontal sum; code offsets
 //! and mins come from the activation block sums; both block scales are applied in f32. Rows
 //! are taken four at a time against each decoded record and a call reads each weight byte
 //! from memory once, whatever its rows; long calls go 32 rows at a time past each decoded
 //! record, a tiled matrix product rather than row-by-row dots, with their input quantized
-//! in parallel. Float weights use float dots (F16C widening for F16). AVX-VNNI's
+//! in parallel. The kernels prefetch weight records 8 KiB ahead of the one they read: a
+//! one-row call mostly waits for weight bytes, and the prefetches keep more reads in flight
+//! than the hardware prefetcher alone. Float weights use float dots (F16C widening for F16). AVX-VNNI's
 //! `vpdpbusd` is left out: these sums never saturate `maddubs` (bounds in `avx2/mod.rs`), so
 //! it would give the same integers, but no machine here has VNNI to test it on.
 //!
@@ -90,10 +94,15 @@
 //!
 //! Where a row's cost goes (`-- --kernel`: one thread, weights in cache, fastest of many
 //! batches, the figure other processes inflate least): every extra row adds the same (no
-//! superlinear step from 1 to 128 rows). Q4_1 576x576: 11 us at 1 row (the records' decode
-//! and one pass), then +4.4 us a row (50-70 GMAC/s at 16-128 rows); 1536x576 and 576x1536:
-//! 29 us, then +11.5 us a row. The Q8_0 head runs at half that rate (30-44 GMAC/s: its
-//! signed codes need `sign` and a `madd` per `maddubs`), so a whole SmolLM2 forward adds
+//! superlinear step from 1 to 128 rows). Q4_1 576x576: 7-8 us at 1 row with the records
+//! decoded in registers (11 us through the scratch), then +4.4 us a row (50-70 GMAC/s at
+//! 16-128 rows); 1536x576 and 576x1536: 20-22 us (29 through the scratch), then +11.5 us a
+//! row; the Q8_0 head 4096x576: 60-70 us at 1 row (150-165 through the scratch). With
+//! weights streamed from memory instead (`streamed_cpu_us_min`), one row of Q4_1 1536x576
+//! costs 50-70 us with the prefetches against 90-110 without. The Q8_0 head's extra rows
+//! run at half the Q4_1 rate (30-44 GMAC/s: its signed codes need `sign` and a `madd` per
+//! `maddubs`; splitting codes into nibbles or widening to i16 takes as many multiplies, and
+//! two `maddubs` results of full-range codes can overflow an i16 sum), so a whole SmolLM2 forward adds
 //! about 1.4 ms (layers) + 0.6-0.9 ms (head) of one core's time per row; the input's
 //! quantization is under 2% of that. With weights streamed instead of hot, 16 rows cost
 //! 10-60% more than hot (the compute hides most of the memory time). A loop of nothing but
