@@ -32,8 +32,8 @@
 //! Each input row is quantized once per call to 8-bit blocks (Q8: blocks of 32 for the
 //! legacy formats; Q8K: blocks of 256 with 16- and 32-element sums for the K-quants). Every
 //! weight record (eight output rows times one block) is decoded once into unsigned codes laid
-//! out four elements by eight rows per register (for legacy formats in calls of up to four
-//! rows, a decode step or a short verify, straight into registers, used at once and never
+//! out four elements by eight rows per register (for legacy formats in calls of up to three
+//! rows, four for Q8_0, a decode step or a short verify, straight into registers, used at once and never
 //! stored, two output groups side by side at one row so their f32 chains overlap; otherwise
 //! into an L1 scratch), and every input row of the call meets it in AVX2 integer dots (`maddubs`, a few i16 sums, `madd` with the
 //! sub-block scales), one i32 lane per output, so there is no horizontal sum; code offsets

@@ -1,6 +1,6 @@
 //! The AVX2 kernel of the legacy formats (32-element blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 //!
-//! Two ways to feed the same dot ([`block_rows`]): calls of up to [`DIRECT_ROWS`] rows (a
+//! Two ways to feed the same dot ([`block_rows`]): calls of up to [`direct_rows`] rows (a
 //! decode step, a short verify) decode each record's group-vectors in registers and use them
 //! at once, so a record is loaded once and never stored; longer calls decode a chunk of
 //! records into the L1 scratch once and take the rows four at a time past it. Both form the
@@ -10,8 +10,17 @@ use super::*;
 
 /// Calls of at most this many rows decode in registers: every row of the call then meets
 /// each group-vector while it is in a register, so the scratch would only add a store and a
-/// load per group-vector.
-const DIRECT_ROWS: usize = 4;
+/// load per group-vector. Past three rows of 4- and 5-bit codes the registers run short and
+/// the scratch wins (`--kernel`, 4 rows of Q4_1: 66-102 us through it against 70-110 in
+/// registers); Q8_0's dot holds fewer values per row and gains to four (222-307 us in
+/// registers against 338-377 through the scratch).
+const fn direct_rows<F: Fmt>() -> usize {
+    if F::Q8 {
+        4
+    } else {
+        3
+    }
+}
 
 /// Output features of groups `groups`, every row of `act` (Q8 blocks), into `out`.
 ///
@@ -34,7 +43,7 @@ pub(super) unsafe fn run<F: Fmt>(
         accs,
         acts,
     } = &mut *ws;
-    if act.rows <= DIRECT_ROWS {
+    if act.rows <= direct_rows::<F>() {
         row_tiles!(act.rows, |r0, R| {
             let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
             // SAFETY: the rows hold every block of the weight's rows; the task owns these
