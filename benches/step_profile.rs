@@ -14,7 +14,7 @@
 //! forward is split into the backend calls the engine makes itself (the logits download,
 //! the hidden-row copy) and the rest (verification on the host, bookkeeping).
 //!
-//! `cargo bench --bench step_profile [-- PATH]`
+//! `cargo bench --bench step_profile [-- PATH] [--threads N]` (default: one per core)
 
 use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CpuBackend, DevicePtr, ElementwiseArgs,
@@ -258,8 +258,12 @@ fn main() {
         return;
     }
     let path = default_model::model_path();
+    let threads = std::env::args().find_map(|a| {
+        a.strip_prefix("--threads=")
+            .and_then(|n| n.parse::<usize>().ok())
+    });
     let backend = Arc::new(TimedBackend {
-        inner: CpuBackend::new(),
+        inner: threads.map_or_else(CpuBackend::new, CpuBackend::with_threads),
         vocab: AtomicUsize::new(0),
         parts: Mutex::default(),
         in_forward: AtomicBool::new(true),

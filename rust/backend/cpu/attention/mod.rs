@@ -37,6 +37,8 @@ use std::cell::RefCell;
 const KEYS: usize = 16;
 /// Query rows of one sequence that share every key and value load.
 const TILE_ROWS: usize = 16;
+/// Key blocks the score pass asks the CPU to fetch ahead of the one it computes.
+const PREFETCH_BLOCKS: usize = 2;
 /// Query vectors whose scores are computed together, each key block loaded once for them.
 const SCORE_QUERIES: usize = 4;
 
@@ -295,10 +297,16 @@ impl Task<'_> {
         }
         let queries = &s.queries[..nq * hd];
         // Pass 1: the scores, key block by key block.
+        if self.widened.is_none() {
+            for j0 in (0..PREFETCH_BLOCKS * KEYS).step_by(KEYS) {
+                self.reader.prefetch_block(j0);
+            }
+        }
         for j0 in (0..tile.ctx).step_by(KEYS) {
             let keys = match self.widened {
                 Some(w) => &w[j0 / KEYS * slot_len..][..KEYS * hd],
                 None => {
+                    self.reader.prefetch_block(j0 + PREFETCH_BLOCKS * KEYS);
                     self.reader.load_keys(j0, &mut s.keys[..KEYS * hd]);
                     &s.keys[..KEYS * hd]
                 }
@@ -383,6 +391,36 @@ impl CacheReader<'_> {
         let block = self.inputs.block_table[self.seq * sh.max_blocks_per_seq + j / sh.block_size];
         let slot = block as usize * sh.block_size + j % sh.block_size;
         (slot * sh.kv_heads + self.kv_head) * sh.head_dim
+    }
+
+    /// Asks the CPU to bring the keys and values of positions `j0 .. j0 + KEYS` (those within
+    /// the context) into the cache. The weights a forward streams between two steps evict
+    /// the cache, and a KV head's rows lie a slot apart, too scattered for the hardware
+    /// prefetcher: without this every row is a cache miss the kernel waits for. The values
+    /// are fetched during the score pass, which runs long before the value pass reads them.
+    #[inline(always)]
+    fn prefetch_block(&self, j0: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let hd = self.shape.head_dim;
+            let lines = (hd * std::mem::size_of::<bf16>()).div_ceil(64);
+            for j in j0..(j0 + KEYS).min(self.ctx) {
+                let at = self.cache_at(j);
+                for cache in [self.inputs.k_cache, self.inputs.v_cache] {
+                    if let Some(row) = cache.get(at..at + hd) {
+                        let base = row.as_ptr().cast::<i8>();
+                        for line in 0..lines {
+                            // SAFETY: a prefetch never faults, and `line * 64` is less than
+                            // the byte length of `row`, so the address lies inside it.
+                            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(line * 64)) };
+                        }
+                    }
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = j0;
     }
 
     /// Keys `j0 .. j0 + KEYS` widened and transposed to `[head_dim, KEYS]` (zero past the
