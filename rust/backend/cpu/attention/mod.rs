@@ -111,10 +111,11 @@ pub(super) fn paged_attention(
     let slot_len = 2 * KEYS * shape.head_dim;
     let group = shape.heads / shape.kv_heads;
     let units = tiles.len() * shape.kv_heads;
-    // Split groups only when tiles and KV heads alone leave threads idle.
-    let parts = group
-        .min((2 * pool.threads()).div_ceil(units.max(1)))
-        .max(1);
+    // Split groups only when tiles and KV heads are fewer than the threads. Every part of a
+    // group reads and transposes the group's keys again, which costs more than the score
+    // arithmetic it shares out: with 3 KV heads on 2 threads, splitting each group in two
+    // (6 tasks) took about 30% longer than 3 whole groups (step_profile, one decode row).
+    let parts = group.min(pool.threads().div_ceil(units.max(1))).max(1);
     let shared = SharedOut::new(out);
     pool.run(units * parts, &|t| {
         let (tile, rest) = (
@@ -318,22 +319,37 @@ impl Task<'_> {
                     i += 1;
                     continue;
                 }
-                let n = (nq - i).min(SCORE_QUERIES);
-                if n == SCORE_QUERIES && (i..i + n).all(|x| len(x) > j0) {
-                    let qs: [&[f32]; SCORE_QUERIES] =
-                        std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
-                    let sc = score_block(qs, keys, sh.scale);
-                    for (x, row) in sc.iter().enumerate() {
-                        let at = (i + x) * padded + j0;
-                        s.scores[at..at + KEYS].copy_from_slice(row);
+                // The longest run of such queries, up to SCORE_QUERIES.
+                let n = (i..nq.min(i + SCORE_QUERIES))
+                    .take_while(|&x| len(x) > j0)
+                    .count();
+                let scores = &mut s.scores;
+                let mut put = |first: usize, rows: &[[f32; KEYS]]| {
+                    for (x, row) in rows.iter().enumerate() {
+                        let at = (first + x) * padded + j0;
+                        scores[at..at + KEYS].copy_from_slice(row);
                     }
-                    i += n;
-                } else {
-                    let sc = score_block([&queries[i * hd..(i + 1) * hd]], keys, sh.scale);
-                    let at = i * padded + j0;
-                    s.scores[at..at + KEYS].copy_from_slice(&sc[0]);
-                    i += 1;
-                }
+                };
+                let q = |x: usize| &queries[(i + x) * hd..(i + x + 1) * hd];
+                // A query's scores are the same whichever of these computes them.
+                i += match n {
+                    4.. => {
+                        put(i, &score_block([q(0), q(1), q(2), q(3)], keys, sh.scale));
+                        4
+                    }
+                    3 => {
+                        put(i, &score_block([q(0), q(1), q(2)], keys, sh.scale));
+                        3
+                    }
+                    2 => {
+                        put(i, &score_block([q(0), q(1)], keys, sh.scale));
+                        2
+                    }
+                    _ => {
+                        put(i, &score_block([q(0)], keys, sh.scale));
+                        1
+                    }
+                };
             }
         }
         // Pass 2: each query's weights and their total.
