@@ -26,6 +26,7 @@
 //! the portable path bit for bit.
 
 pub(super) mod math;
+mod transpose;
 
 use super::shared_out::SharedOut;
 use crate::backend::quant::{Isa, KernelPool, QuantError};
@@ -136,6 +137,7 @@ pub(super) fn paged_attention(
                 seq: tile.seq,
                 ctx: tile.ctx,
                 kv_head,
+                avx2: isa == Isa::Avx2,
             },
             tile,
             heads,
@@ -209,6 +211,7 @@ fn widen_shared(
                 seq: widened[w].seq,
                 ctx: ctxs[w],
                 kv_head,
+                avx2: isa == Isa::Avx2,
             };
             // SAFETY: slot `t` is written by task `t` alone.
             let (keys, values) =
@@ -261,6 +264,8 @@ struct CacheReader<'a> {
     seq: usize,
     ctx: usize,
     kv_head: usize,
+    /// Whether the pool runs AVX2 kernels (so the keys may be transposed with it).
+    avx2: bool,
 }
 
 impl Task<'_> {
@@ -444,6 +449,16 @@ impl CacheReader<'_> {
     #[inline(always)]
     fn load_keys(&self, j0: usize, keys: &mut [f32]) {
         let hd = self.shape.head_dim;
+        if cfg!(target_arch = "x86_64") && self.avx2 && hd % 8 == 0 && j0 + KEYS <= self.ctx {
+            let rows: [&[bf16]; KEYS] = std::array::from_fn(|jj| {
+                let at = self.cache_at(j0 + jj);
+                &self.inputs.k_cache[at..at + hd]
+            });
+            // SAFETY: `avx2` is set only where the pool found AVX2; each row holds
+            // `head_dim` elements, a multiple of 8, and `keys` `head_dim * KEYS`.
+            unsafe { transpose::keys_avx2(&rows, keys) };
+            return;
+        }
         for jj in 0..KEYS {
             let j = j0 + jj;
             if j < self.ctx {
