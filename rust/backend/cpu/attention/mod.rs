@@ -26,6 +26,7 @@
 //! the portable path bit for bit.
 
 pub(super) mod math;
+mod transpose;
 
 use super::shared_out::SharedOut;
 use crate::backend::quant::{Isa, KernelPool, QuantError};
@@ -37,6 +38,8 @@ use std::cell::RefCell;
 const KEYS: usize = 16;
 /// Query rows of one sequence that share every key and value load.
 const TILE_ROWS: usize = 16;
+/// Key blocks the score pass asks the CPU to fetch ahead of the one it computes.
+const PREFETCH_BLOCKS: usize = 2;
 /// Query vectors whose scores are computed together, each key block loaded once for them.
 const SCORE_QUERIES: usize = 4;
 
@@ -109,10 +112,11 @@ pub(super) fn paged_attention(
     let slot_len = 2 * KEYS * shape.head_dim;
     let group = shape.heads / shape.kv_heads;
     let units = tiles.len() * shape.kv_heads;
-    // Split groups only when tiles and KV heads alone leave threads idle.
-    let parts = group
-        .min((2 * pool.threads()).div_ceil(units.max(1)))
-        .max(1);
+    // Split groups only when tiles and KV heads are fewer than the threads. Every part of a
+    // group reads and transposes the group's keys again, which costs more than the score
+    // arithmetic it shares out: with 3 KV heads on 2 threads, splitting each group in two
+    // (6 tasks) took about 30% longer than 3 whole groups (step_profile, one decode row).
+    let parts = group.min(pool.threads().div_ceil(units.max(1))).max(1);
     let shared = SharedOut::new(out);
     pool.run(units * parts, &|t| {
         let (tile, rest) = (
@@ -133,6 +137,7 @@ pub(super) fn paged_attention(
                 seq: tile.seq,
                 ctx: tile.ctx,
                 kv_head,
+                avx2: isa == Isa::Avx2,
             },
             tile,
             heads,
@@ -206,6 +211,7 @@ fn widen_shared(
                 seq: widened[w].seq,
                 ctx: ctxs[w],
                 kv_head,
+                avx2: isa == Isa::Avx2,
             };
             // SAFETY: slot `t` is written by task `t` alone.
             let (keys, values) =
@@ -258,6 +264,8 @@ struct CacheReader<'a> {
     seq: usize,
     ctx: usize,
     kv_head: usize,
+    /// Whether the pool runs AVX2 kernels (so the keys may be transposed with it).
+    avx2: bool,
 }
 
 impl Task<'_> {
@@ -295,10 +303,16 @@ impl Task<'_> {
         }
         let queries = &s.queries[..nq * hd];
         // Pass 1: the scores, key block by key block.
+        if self.widened.is_none() {
+            for j0 in (0..PREFETCH_BLOCKS * KEYS).step_by(KEYS) {
+                self.reader.prefetch_block(j0);
+            }
+        }
         for j0 in (0..tile.ctx).step_by(KEYS) {
             let keys = match self.widened {
                 Some(w) => &w[j0 / KEYS * slot_len..][..KEYS * hd],
                 None => {
+                    self.reader.prefetch_block(j0 + PREFETCH_BLOCKS * KEYS);
                     self.reader.load_keys(j0, &mut s.keys[..KEYS * hd]);
                     &s.keys[..KEYS * hd]
                 }
@@ -310,22 +324,37 @@ impl Task<'_> {
                     i += 1;
                     continue;
                 }
-                let n = (nq - i).min(SCORE_QUERIES);
-                if n == SCORE_QUERIES && (i..i + n).all(|x| len(x) > j0) {
-                    let qs: [&[f32]; SCORE_QUERIES] =
-                        std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
-                    let sc = score_block(qs, keys, sh.scale);
-                    for (x, row) in sc.iter().enumerate() {
-                        let at = (i + x) * padded + j0;
-                        s.scores[at..at + KEYS].copy_from_slice(row);
+                // The longest run of such queries, up to SCORE_QUERIES.
+                let n = (i..nq.min(i + SCORE_QUERIES))
+                    .take_while(|&x| len(x) > j0)
+                    .count();
+                let scores = &mut s.scores;
+                let mut put = |first: usize, rows: &[[f32; KEYS]]| {
+                    for (x, row) in rows.iter().enumerate() {
+                        let at = (first + x) * padded + j0;
+                        scores[at..at + KEYS].copy_from_slice(row);
                     }
-                    i += n;
-                } else {
-                    let sc = score_block([&queries[i * hd..(i + 1) * hd]], keys, sh.scale);
-                    let at = i * padded + j0;
-                    s.scores[at..at + KEYS].copy_from_slice(&sc[0]);
-                    i += 1;
-                }
+                };
+                let q = |x: usize| &queries[(i + x) * hd..(i + x + 1) * hd];
+                // A query's scores are the same whichever of these computes them.
+                i += match n {
+                    4.. => {
+                        put(i, &score_block([q(0), q(1), q(2), q(3)], keys, sh.scale));
+                        4
+                    }
+                    3 => {
+                        put(i, &score_block([q(0), q(1), q(2)], keys, sh.scale));
+                        3
+                    }
+                    2 => {
+                        put(i, &score_block([q(0), q(1)], keys, sh.scale));
+                        2
+                    }
+                    _ => {
+                        put(i, &score_block([q(0)], keys, sh.scale));
+                        1
+                    }
+                };
             }
         }
         // Pass 2: each query's weights and their total.
@@ -385,11 +414,51 @@ impl CacheReader<'_> {
         (slot * sh.kv_heads + self.kv_head) * sh.head_dim
     }
 
+    /// Asks the CPU to bring the keys and values of positions `j0 .. j0 + KEYS` (those within
+    /// the context) into the cache. The weights a forward streams between two steps evict
+    /// the cache, and a KV head's rows lie a slot apart, too scattered for the hardware
+    /// prefetcher: without this every row is a cache miss the kernel waits for. The values
+    /// are fetched during the score pass, which runs long before the value pass reads them.
+    #[inline(always)]
+    fn prefetch_block(&self, j0: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let hd = self.shape.head_dim;
+            let lines = (hd * std::mem::size_of::<bf16>()).div_ceil(64);
+            for j in j0..(j0 + KEYS).min(self.ctx) {
+                let at = self.cache_at(j);
+                for cache in [self.inputs.k_cache, self.inputs.v_cache] {
+                    if let Some(row) = cache.get(at..at + hd) {
+                        let base = row.as_ptr().cast::<i8>();
+                        for line in 0..lines {
+                            // SAFETY: a prefetch never faults, and `line * 64` is less than
+                            // the byte length of `row`, so the address lies inside it.
+                            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(line * 64)) };
+                        }
+                    }
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = j0;
+    }
+
     /// Keys `j0 .. j0 + KEYS` widened and transposed to `[head_dim, KEYS]` (zero past the
     /// context), so that one query's scores of a block are lane-wise.
     #[inline(always)]
     fn load_keys(&self, j0: usize, keys: &mut [f32]) {
         let hd = self.shape.head_dim;
+        if cfg!(target_arch = "x86_64") && self.avx2 && hd % 8 == 0 && j0 + KEYS <= self.ctx {
+            let rows: [&[bf16]; KEYS] = std::array::from_fn(|jj| {
+                let at = self.cache_at(j0 + jj);
+                &self.inputs.k_cache[at..at + hd]
+            });
+            // SAFETY: `avx2` is set only where the pool found AVX2; each row holds
+            // `head_dim` elements, a multiple of 8, and `keys` `head_dim * KEYS`.
+            unsafe { transpose::keys_avx2(&rows, keys) };
+            return;
+        }
         for jj in 0..KEYS {
             let j = j0 + jj;
             if j < self.ctx {

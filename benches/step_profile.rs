@@ -1,0 +1,341 @@
+//! Where the wall time of a one-row decode step and of an engine step goes, printed as JSON.
+//!
+//! The model runs on a [`TimedBackend`]: the CPU backend behind a wrapper that times each
+//! kernel and copy call and adds it to its part (the linears, the LM head, attention, the
+//! KV write, each small op, embedding, copies). What a step spends outside every call (the
+//! forward's argument checks and staging, block bookkeeping, the layer loop) is the rest of
+//! its wall time. Pool dispatch is inside each op; the `calls` column with the
+//! `kernel_pool` bench's round trip bounds it. The wrapper adds two clock reads a call
+//! (about 40 ns each here, under 0.02 ms a step).
+//!
+//! The engine part runs `SpecEngine::generate` (plain greedy decoding, one sequence) on the
+//! same model through a [`Target`] wrapper that times the target's forwards: an engine step
+//! is the decode wall time (prefill forwards taken out) over the steps; what is outside the
+//! forward is split into the backend calls the engine makes itself (the logits download,
+//! the hidden-row copy) and the rest (verification on the host, bookkeeping).
+//!
+//! `cargo bench --bench step_profile [-- PATH] [--threads N]` (default: one per core)
+
+use specdraft::backend::{
+    AllocationLedger, ArgmaxArgs, BackendError, CpuBackend, DevicePtr, ElementwiseArgs,
+    ElementwiseOp, EmbeddingArgs, GpuBackend, GroupedLinearArgs, Kernels, KvWriteArgs, LinearArgs,
+    PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+};
+use specdraft::engine::{GenerateRequest, KvPoolStatus, SpecEngine, Target, TargetOutput};
+use specdraft::memory::BufferArena;
+use specdraft::model::{KvSequence, LoadOptions, LogitRows, ModelConfig, TargetModel};
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[path = "common/default_model.rs"]
+mod default_model;
+
+/// Time and calls per part.
+#[derive(Default)]
+struct Ledger(BTreeMap<&'static str, (Duration, u64)>);
+
+/// The CPU backend, each call timed into its part (see the module doc).
+struct TimedBackend {
+    inner: CpuBackend,
+    /// The LM head is the linear with this many outputs (set once the model is loaded).
+    vocab: AtomicUsize,
+    parts: Mutex<Ledger>,
+    /// Whether the calls come from inside a target forward (else from the engine).
+    in_forward: AtomicBool,
+}
+
+impl TimedBackend {
+    fn timed<R>(&self, part: &'static str, f: impl FnOnce() -> R) -> R {
+        let t = Instant::now();
+        let r = f();
+        let dt = t.elapsed();
+        let part = match (self.in_forward.load(Ordering::Relaxed), part) {
+            (false, "copy_dtoh") => "engine: logits download",
+            (false, "copy_dtod") => "engine: hidden-row copy",
+            (false, "copy_htod") => "engine: upload",
+            _ => part,
+        };
+        let mut l = self.parts.lock().unwrap();
+        let e = l.0.entry(part).or_default();
+        e.0 += dt;
+        e.1 += 1;
+        r
+    }
+
+    fn take(&self) -> Ledger {
+        std::mem::take(&mut *self.parts.lock().unwrap())
+    }
+}
+
+impl Kernels for TimedBackend {
+    fn embedding(&self, a: EmbeddingArgs) -> Result<(), BackendError> {
+        self.timed("embedding", || self.inner.embedding(a))
+    }
+    fn rms_norm(&self, a: RmsNormArgs) -> Result<(), BackendError> {
+        self.timed("rms_norm", || self.inner.rms_norm(a))
+    }
+    fn elementwise(&self, a: ElementwiseArgs) -> Result<(), BackendError> {
+        let part = match a.op {
+            ElementwiseOp::Add => "residual add",
+            ElementwiseOp::SiluMul => "silu_mul",
+            _ => "elementwise (other)",
+        };
+        self.timed(part, || self.inner.elementwise(a))
+    }
+    fn linear(&self, a: LinearArgs) -> Result<(), BackendError> {
+        let part = if a.out_features == self.vocab.load(Ordering::Relaxed) {
+            "lm head"
+        } else {
+            "linear o/down"
+        };
+        self.timed(part, || self.inner.linear(a))
+    }
+    fn grouped_linear(&self, a: GroupedLinearArgs) -> Result<(), BackendError> {
+        let part = match a.parts.iter().flatten().count() {
+            3 => "grouped linear q/k/v",
+            _ => "grouped linear gate/up",
+        };
+        self.timed(part, || self.inner.grouped_linear(a))
+    }
+    fn rope(&self, a: RopeArgs) -> Result<(), BackendError> {
+        self.timed("rope", || self.inner.rope(a))
+    }
+    fn kv_write(&self, a: KvWriteArgs) -> Result<(), BackendError> {
+        self.timed("kv_write", || self.inner.kv_write(a))
+    }
+    fn paged_attention(&self, a: PagedAttentionArgs) -> Result<(), BackendError> {
+        self.timed("attention", || self.inner.paged_attention(a))
+    }
+    fn argmax(&self, a: ArgmaxArgs) -> Result<(), BackendError> {
+        self.timed("argmax", || self.inner.argmax(a))
+    }
+    fn softmax(&self, a: SoftmaxArgs) -> Result<(), BackendError> {
+        self.timed("softmax", || self.inner.softmax(a))
+    }
+}
+
+impl GpuBackend for TimedBackend {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn ledger(&self) -> &AllocationLedger {
+        self.inner.ledger()
+    }
+    fn alloc(&self, nbytes: usize, tag: &str) -> Result<DevicePtr, BackendError> {
+        self.inner.alloc(nbytes, tag)
+    }
+    fn free(&self, ptr: DevicePtr) -> Result<(), BackendError> {
+        self.inner.free(ptr)
+    }
+    fn copy_htod(&self, dst: DevicePtr, src: &[u8], s: u64) -> Result<(), BackendError> {
+        self.timed("copy_htod", || self.inner.copy_htod(dst, src, s))
+    }
+    fn copy_dtoh(&self, dst: &mut [u8], src: DevicePtr, s: u64) -> Result<(), BackendError> {
+        self.timed("copy_dtoh", || self.inner.copy_dtoh(dst, src, s))
+    }
+    fn copy_dtod(
+        &self,
+        d: DevicePtr,
+        src: DevicePtr,
+        n: usize,
+        s: u64,
+    ) -> Result<(), BackendError> {
+        self.timed("copy_dtod", || self.inner.copy_dtod(d, src, n, s))
+    }
+    fn memset(&self, d: DevicePtr, v: u8, n: usize, s: u64) -> Result<(), BackendError> {
+        self.timed("memset", || self.inner.memset(d, v, n, s))
+    }
+    fn create_stream(&self) -> Result<u64, BackendError> {
+        self.inner.create_stream()
+    }
+    fn destroy_stream(&self, stream: u64) -> Result<(), BackendError> {
+        self.inner.destroy_stream(stream)
+    }
+    fn synchronize(&self, stream: u64) -> Result<(), BackendError> {
+        self.inner.synchronize(stream)
+    }
+    fn as_any(&self) -> &dyn Any {
+        // The model keeps GGUF block formats on the CPU backend: let it see one.
+        self.inner.as_any()
+    }
+}
+
+/// The real model, its forwards timed and marked (see [`TimedBackend::in_forward`]).
+struct TimedTarget {
+    model: TargetModel,
+    backend: Arc<TimedBackend>,
+    /// (decode forwards, prefill forwards) wall time.
+    forwards: Mutex<(Duration, Duration)>,
+}
+
+impl TimedTarget {
+    fn mark<R>(&self, prefill: bool, f: impl FnOnce() -> R) -> R {
+        self.backend.in_forward.store(true, Ordering::Relaxed);
+        let t = Instant::now();
+        let r = f();
+        let dt = t.elapsed();
+        self.backend.in_forward.store(false, Ordering::Relaxed);
+        let mut fw = self.forwards.lock().unwrap();
+        if prefill {
+            fw.1 += dt;
+        } else {
+            fw.0 += dt;
+        }
+        r
+    }
+}
+
+impl Target for TimedTarget {
+    type KvSequence = KvSequence;
+    fn config(&self) -> &Arc<ModelConfig> {
+        Target::config(&self.model)
+    }
+    fn gpu(&self) -> &Arc<dyn GpuBackend> {
+        Target::gpu(&self.model)
+    }
+    fn max_seq_len(&self) -> usize {
+        Target::max_seq_len(&self.model)
+    }
+    fn new_sequence(&self) -> KvSequence {
+        Target::new_sequence(&self.model)
+    }
+    fn seq_len(&self, seq: &KvSequence) -> usize {
+        seq.len()
+    }
+    fn forward(&self, s: &mut [&mut KvSequence], t: &[&[u32]]) -> specdraft::Result<TargetOutput> {
+        self.mark(false, || Target::forward(&self.model, s, t))
+    }
+    fn forward_last(
+        &self,
+        s: &mut [&mut KvSequence],
+        t: &[&[u32]],
+    ) -> specdraft::Result<TargetOutput> {
+        self.mark(true, || Target::forward_last(&self.model, s, t))
+    }
+    fn trim(&self, seq: &mut KvSequence, new_len: usize) -> specdraft::Result<()> {
+        Target::trim(&self.model, seq, new_len)
+    }
+    fn free_sequence(&self, seq: &mut KvSequence) -> specdraft::Result<()> {
+        Target::free_sequence(&self.model, seq)
+    }
+    fn buffers(&self) -> &Arc<BufferArena> {
+        Target::buffers(&self.model)
+    }
+    fn kv_pool(&self) -> Option<KvPoolStatus> {
+        Target::kv_pool(&self.model)
+    }
+}
+
+/// `{part: {ms, calls}}` per step, with the rest of `wall` as `"outside the calls"`.
+fn table(parts: &Ledger, wall: Duration, steps: u64) -> serde_json::Value {
+    let per = |d: Duration| d.as_secs_f64() * 1e3 / steps as f64;
+    let mut out = serde_json::Map::new();
+    let mut inside = Duration::ZERO;
+    for (name, &(d, calls)) in &parts.0 {
+        inside += d;
+        let calls = calls as f64 / steps as f64;
+        out.insert(
+            name.to_string(),
+            serde_json::json!({"ms": per(d), "calls": calls}),
+        );
+    }
+    out.insert(
+        "outside the calls".into(),
+        serde_json::json!({"ms": per(wall.saturating_sub(inside))}),
+    );
+    out.insert("total".into(), serde_json::json!({"ms": per(wall)}));
+    serde_json::Value::Object(out)
+}
+
+fn main() {
+    // `cargo test --all-targets` runs bench binaries without `--bench`; this needs the real
+    // model and an optimised build.
+    if !std::env::args().any(|a| a == "--bench") {
+        eprintln!("step_profile: skipped (run `cargo bench --bench step_profile`)");
+        return;
+    }
+    let path = default_model::model_path();
+    let threads = std::env::args().find_map(|a| {
+        a.strip_prefix("--threads=")
+            .and_then(|n| n.parse::<usize>().ok())
+    });
+    let backend = Arc::new(TimedBackend {
+        inner: threads.map_or_else(CpuBackend::new, CpuBackend::with_threads),
+        vocab: AtomicUsize::new(0),
+        parts: Mutex::default(),
+        in_forward: AtomicBool::new(true),
+    });
+    let gpu: Arc<dyn GpuBackend> = backend.clone();
+    let opts = LoadOptions {
+        max_rows: 256,
+        max_seq_len: Some(512),
+        kv_blocks: Some(64),
+    };
+    let model = TargetModel::load(&path, gpu.clone(), opts).expect("model loads");
+    let vocab = model.config().vocab_size;
+    backend.vocab.store(vocab, Ordering::Relaxed);
+    let prompt: Vec<u32> = (0..160u32).map(|i| 260 + (i * 37) % 3000).collect();
+
+    // One-row decode steps of the model alone, at a context of 160..224.
+    let mut seq = model.new_sequence();
+    model
+        .forward_with(&mut [&mut seq], &[&prompt], LogitRows::LastPerSequence)
+        .expect("prefill");
+    let steps = 64u64;
+    let mut tok = 1234u32;
+    for _ in 0..4 {
+        model.forward(&mut [&mut seq], &[&[tok]]).expect("warm-up");
+    }
+    backend.take();
+    let t = Instant::now();
+    for i in 0..steps {
+        model.forward(&mut [&mut seq], &[&[tok]]).expect("decode");
+        tok = 300 + (i as u32 * 101) % 4000;
+    }
+    let model_wall = t.elapsed();
+    let model_parts = backend.take();
+    model.free_sequence(&mut seq).expect("free");
+
+    // Engine steps: plain greedy decoding of one sequence.
+    let target = Arc::new(TimedTarget {
+        model,
+        backend: backend.clone(),
+        forwards: Mutex::default(),
+    });
+    backend.in_forward.store(false, Ordering::Relaxed);
+    let engine = SpecEngine::new(target.clone(), None, 4).expect("engine");
+    let request = |n| vec![GenerateRequest::new(prompt.clone(), n).ignore_eos()];
+    engine.generate(request(8)); // warm-up
+    backend.take();
+    *target.forwards.lock().unwrap() = Default::default();
+    let t = Instant::now();
+    let g = engine.generate(request(65));
+    let wall = t.elapsed();
+    let (decode, prefill) = *target.forwards.lock().unwrap();
+    let engine_steps = g.metrics.verify_steps;
+    let mut engine_parts = backend.take();
+    // The forwards' own calls are in the model table; here the forward is one part.
+    engine_parts.0.retain(|k, _| k.starts_with("engine"));
+    engine_parts
+        .0
+        .insert("target forward", (decode, engine_steps));
+    drop(engine);
+    let target = Arc::try_unwrap(target).ok().expect("last reference");
+    drop(target);
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&serde_json::json!({
+            "bench": "step_profile",
+            "threads": backend.inner.kernel_pool().threads(),
+            "context": prompt.len(),
+            "model_step": table(&model_parts, model_wall, steps),
+            "engine_step": table(&engine_parts, wall.saturating_sub(prefill), engine_steps),
+            "engine_steps": engine_steps,
+        }))
+        .expect("json")
+    );
+    assert_eq!(backend.ledger().live_count(), 0);
+}
