@@ -7,9 +7,10 @@ and draft policy, and the built-in prompt set (:mod:`specdraft.bench_prompts`, c
 applied, greedy) goes through every engine ``--repeat`` times: pass 2 replays the prompts
 through the same engines, so a proposer that learns across requests (``suffix``) shows it.
 The engines take turns prompt group by prompt group (the group is one ``generate`` call of
-``--batch`` prompts), rotating who goes first, so a machine whose load drifts during the run
-weighs on all of them alike; every figure is a ratio against plain decoding at the same batch
-width and pass, measured in the same command.
+``--batch`` prompts of one kind, filled to the full width by taking that kind's prompts again:
+see :func:`prompt_groups`), rotating who goes first, so a machine whose load drifts during
+the run weighs on all of them alike; every figure is a ratio against plain decoding at the
+same batch width and pass, measured in the same command.
 
 One row per proposer, policy and batch width: tokens/s and the ratio to plain decoding (in
 all, per prompt kind, per pass), mean acceptance length, acceptance by draft position, the
@@ -27,9 +28,14 @@ back to back. Each row's ``ratio`` then gives, per prompt kind (``all``, ``groun
 mean and its standard error (from the spread of the log ratios). ``fastest_ratio`` counts
 each prompt group's fastest trial (another program's load only ever slows a call down, so
 that trial is the least disturbed), and ``cpu_ratio`` is ``ratio`` over tokens per second
-of the process's CPU time, which load sways less than wall time. The table prints the
-median, its standard error and, in brackets, the fastest-trial ratio. The pooled figures
-(``speedup``, ``by_kind``) sum every trial.
+of the process's CPU time, which load sways less than wall time. ``paired_ratio`` has the
+same statistics (with ``calls`` in place of ``trials``) over the ratio of every ``generate``
+call to the baseline's call of the same prompts, made just before or after it: each pair
+shares the machine's load of the moment, which a trial's sum of calls made minutes apart
+does not, so it is the steadiest figure. A wide batch makes few calls a trial (at batch 8,
+one a prompt kind), so its figures need more trials (8 or so) to resolve a few percent. The table
+prints the paired median, its standard error and, in brackets, the fastest-trial ratio.
+The pooled figures (``speedup``, ``by_kind``) sum every trial.
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ __all__ = [
     "RandomDrafter",
     "add_model_bench_args",
     "bench_rows",
+    "paired_ratios",
     "parse_widths",
+    "prompt_groups",
     "ratio_stats",
     "run_model_bench",
 ]
@@ -135,6 +143,22 @@ def parse_widths(text: str) -> list[int]:
         if w not in widths:
             widths.append(w)
     return widths
+
+
+def prompt_groups(kinds: list[str], width: int) -> list[tuple[str, list[int]]]:
+    """The ``generate`` calls of one pass at batch ``width``: ``(kind, prompt indices)``.
+
+    Each call holds prompts of one kind (in the order the kinds first appear), so every call
+    counts towards that kind's ratio. A kind's last call, and a kind with fewer prompts than
+    the width, is filled to the full width by taking that kind's prompts again from its
+    first, so every call measures the width it is reported under.
+    """
+    calls = []
+    for kind in dict.fromkeys(kinds):
+        own = [i for i, k in enumerate(kinds) if k == kind]
+        for start in range(0, len(own), width):
+            calls.append((kind, [own[(start + j) % len(own)] for j in range(width)]))
+    return calls
 
 
 def _policies(text: str) -> list[str]:
@@ -279,20 +303,21 @@ def _kind_rates(p: _Pass, cpu: bool = False) -> dict[str, float]:
     return rates
 
 
-def ratio_stats(ratios: list[float]) -> dict[str, Any]:
-    """What a list of per-trial ratios says: median, range, geometric mean and its error.
+def ratio_stats(ratios: list[float], count: str = "trials") -> dict[str, Any]:
+    """What a list of ratios (one a trial, or one a call) says.
 
-    The standard error is the geometric mean's, from the sample deviation of the log
-    ratios (0 with one trial); ratios of 0 (no tokens) are left out.
+    Median, range, geometric mean and its error, and how many ratios (under the key
+    ``count``). The standard error is the geometric mean's, from the sample deviation of the log
+    ratios (0 with one ratio); ratios of 0 (no tokens) are left out.
     """
     logs = [math.log(r) for r in ratios if r > 0]
     if not logs:
-        return {"trials": 0, "median": 0.0, "min": 0.0, "max": 0.0, "geomean": 0.0, "stderr": 0.0}
+        return {count: 0, "median": 0.0, "min": 0.0, "max": 0.0, "geomean": 0.0, "stderr": 0.0}
     geomean = math.exp(statistics.fmean(logs))
     spread = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
     kept = [r for r in ratios if r > 0]
     return {
-        "trials": len(kept),
+        count: len(kept),
         "median": round(statistics.median(kept), 4),
         "min": round(min(kept), 4),
         "max": round(max(kept), 4),
@@ -328,6 +353,28 @@ def _trial_ratios(
         )
     stats = {kind: ratio_stats(ratios) for kind, ratios in sorted(per_kind.items())}
     return stats, per_trial
+
+
+def paired_ratios(r: _Run, base: _Run) -> dict[str, dict[str, Any]]:
+    """Per prompt kind, the statistics of each ``generate`` call's ratio to the baseline.
+
+    Each call is set against the baseline's call of the same prompts, pass and trial, which
+    ran just before or after it. A call and its baseline share the machine's load of that
+    moment, so each pair cancels most of the drift that separates calls made minutes apart;
+    every call of every pass and trial is one ratio (``calls`` of them). ``all`` pools the
+    calls of every kind.
+    """
+    per_kind: dict[str, list[float]] = {}
+    for mine, theirs in zip(r.trials, base.trials, strict=False):
+        for p, b in zip(mine, theirs, strict=False):
+            for (kind, tokens, seconds), (_, ref_tokens, ref_seconds) in zip(
+                p.calls, b.calls, strict=False
+            ):
+                ref = _tps(ref_tokens, ref_seconds)
+                if ref:
+                    for key in ("all", kind):
+                        per_kind.setdefault(key, []).append(_tps(tokens, seconds) / ref)
+    return {kind: ratio_stats(ratios, "calls") for kind, ratios in sorted(per_kind.items())}
 
 
 def _fastest_ratios(r: _Run, base: _Run) -> dict[str, float]:
@@ -377,6 +424,7 @@ def bench_rows(runs: list[_Run]) -> list[dict[str, Any]]:
         row["ratio"], row["trials"] = ({}, []) if base is None else _trial_ratios(r, base)
         row["cpu_ratio"] = {} if base is None else _trial_ratios(r, base, cpu=True)[0]
         row["fastest_ratio"] = {} if base is None else _fastest_ratios(r, base)
+        row["paired_ratio"] = {} if base is None else paired_ratios(r, base)
         row["identical_to_baseline"] = (
             None
             if is_base or base is None
@@ -392,9 +440,13 @@ def bench_rows(runs: list[_Run]) -> list[dict[str, Any]]:
 
 
 def _ratio_cell(row: dict[str, Any], kind: str, trials: int) -> str:
-    """The speedup for ``kind``: pooled with one trial, else the median and its error."""
+    """The speedup for ``kind``.
+
+    Pooled with one trial, else the median of the paired per-call ratios, its error and the
+    fastest-trial ratio.
+    """
     if trials > 1:
-        stats, fastest = row["ratio"].get(kind), row["fastest_ratio"].get(kind)
+        stats, fastest = row["paired_ratio"].get(kind), row["fastest_ratio"].get(kind)
         if not stats:
             return "-"
         return f"{stats['median']:.3f}x+-{stats['stderr']:.3f} ({fastest or 0:.3f}x)"
@@ -538,10 +590,9 @@ def run_model_bench(args: argparse.Namespace) -> int:
                 r.trials[-1].append(_Pass())
             for width in widths:
                 group = [r for r in runs if r.batch == width]
-                for start in range(0, len(prompts), width):
-                    chunk = prompts[start : start + width]
-                    chunk_kinds = set(kinds[start : start + width])
-                    kind = chunk_kinds.pop() if len(chunk_kinds) == 1 else "mixed"
+                calls = prompt_groups(kinds, width)
+                for done, (kind, members) in enumerate(calls, 1):
+                    chunk = [prompts[i] for i in members]
                     turn += 1
                     order = group[turn % len(group) :] + group[: turn % len(group)]
                     for r in order:
@@ -549,10 +600,9 @@ def run_model_bench(args: argparse.Namespace) -> int:
                         results = r.engine.generate(chunk, max_tokens=args.max_tokens)
                         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                         r.trials[-1][-1].add(results, wall, kind, cpu)
-                    done = min(start + width, len(prompts))
                     _progress(
                         f"{label}pass {pass_index + 1}/{args.repeat}, batch {width}: "
-                        f"{done}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)"
+                        f"{done}/{len(calls)} calls ({time.perf_counter() - started:.0f} s)"
                     )
                 _progress_ratios(group, pass_index)
         for r in runs:
@@ -577,8 +627,8 @@ def run_model_bench(args: argparse.Namespace) -> int:
             f"model {args.model} on {device}: {len(prompts)} prompts x {args.repeat}, "
             f"{args.max_tokens} tokens max, up to {args.num_drafts} drafts, greedy"
             + (
-                f"; speedups: median of {args.trials} trials +- standard error "
-                "(fastest trial of each prompt group)"
+                f"; speedups over {args.trials} trials: median of each call against its "
+                "baseline call +- standard error (fastest trial of each prompt group)"
                 if args.trials > 1
                 else ""
             )

@@ -31,10 +31,15 @@
 //! - A sequence turned down to 0 after a step whose drafts all failed stays at 0 until a
 //!   probe: it is probed with 1 draft after `PROBE_FIRST` idle steps,
 //!   the wait doubling (up to `PROBE_MAX`) while probes fail, so it recovers when its text
-//!   becomes predictable; no probe is made where even a sure draft would not pay. A new
+//!   becomes predictable; no probe is made where even a sure draft would not pay. Where
+//!   the engine's figures say a first draft pays, a sequence whose probes are not failing
+//!   is probed after a single idle step (one rejection in a wide batch must not idle a good
+//!   sequence for the whole wait: its estimate does not move while it is idle). A new
 //!   sequence starts with the engine's wait (doubled by every failed probe, reset by every
 //!   accepted one), so a drafter that is never right is not probed afresh each request.
-//! - Probes and refreshes (below) are exploration, paid from one engine-wide budget: each
+//! - Probes where the engine's figures say a first draft does not pay, and refreshes
+//!   (below), are exploration, paid from one engine-wide budget (a probe the engine's
+//!   figures say pays is an expected gain and is not charged): each
 //!   step earns [`EXPLORE_SHARE`] of its measured verify cost, in verify rows at the
 //!   measured cost a row; one row can be banked. A probe needs and spends a row; a refresh
 //!   needs one and spends all the rows it adds, into debt that later steps pay off. So over
@@ -173,6 +178,9 @@ struct EnginePrior {
     probe_every: usize,
     /// How often drafts were accepted against the confidence the proposer reported.
     calibration: Calibration,
+    /// Whether, at the last plan, the engine's acceptance at the first draft position paid
+    /// for a verify row (see [`DraftPolicy::probe_due`]).
+    engine_pays: bool,
     /// The verify curve's clock at the last refresh of its wide end.
     refreshed_at: u64,
     /// Verify rows exploration spent beyond what it earned (see the module documentation):
@@ -330,9 +338,12 @@ impl DraftPolicy {
         }
     }
 
-    /// Whether `stats`' sequence is due a probe if it is turned down to 0 this step.
+    /// Whether `stats`' sequence is due a probe if it is turned down to 0 this step: idle
+    /// for its probe wait, or for one step where the engine's figures said at the last plan
+    /// that a first draft pays and its probes are not failing (wait not doubled).
     pub fn probe_due(&self, stats: &SequenceDraftStats) -> bool {
-        stats.idle >= self.probe_wait(stats)
+        let wait = self.probe_wait(stats);
+        stats.idle >= wait || (stats.idle >= 1 && wait <= PROBE_FIRST && self.prior().engine_pays)
     }
 
     /// The count for each candidate (`other_rows` rows of this step's forward belong to
@@ -413,22 +424,36 @@ impl DraftPolicy {
                 (cost, c) = (cheap, alt);
             }
         }
-        // Probes: a sequence idle long enough gets one draft, if one sure draft would pay
-        // and exploration can afford its row.
+        // Probes: a sequence idle long enough gets one draft. Where the engine's figures say
+        // a first draft pays (other sequences' drafts are accepted often enough), a probe is
+        // an expected gain, not exploration: it is free, and due after one idle step while
+        // the sequence's probes are not failing. Otherwise one rejection in a wide batch,
+        // where a row must bring more, idles a good sequence for the whole probe wait (its
+        // estimate does not move while it is idle) or until the budget pays for its probe.
+        // Elsewhere a probe needs one sure draft to pay and exploration to afford its row.
+        let engine_first = self.prior().accept.estimate(0, COLD_ACCEPTANCE);
+        let engine_pays = cost.rate(c.tokens + engine_first, c.rows + 1.0, c.draft)
+            > cost.rate(c.tokens, c.rows, c.draft);
+        self.prior().engine_pays = engine_pays;
         for (i, (cand, o)) in candidates.iter().zip(&outlooks).enumerate() {
-            if c.k[i] != 0 || cand.budget == 0 || !self.probe_due(cand.stats) || credit < 1.0 {
+            if c.k[i] != 0 || cand.budget == 0 || !self.probe_due(cand.stats) {
                 continue;
             }
             let now = cost.rate(c.tokens, c.rows, c.draft);
-            let sure = cost.rate(
-                c.tokens + 1.0,
-                c.rows + 1.0,
-                c.draft - o.draft[0] + o.draft[1],
-            );
-            if sure > now {
-                credit -= 1.0;
+            let with = |gain: f64| {
+                cost.rate(
+                    c.tokens + gain,
+                    c.rows + 1.0,
+                    c.draft - o.draft[0] + o.draft[1],
+                )
+            };
+            let free = engine_pays && with(engine_first) > now;
+            if free || (credit >= 1.0 && with(1.0) > now) {
+                if !free {
+                    credit -= 1.0;
+                }
                 c.k[i] = 1;
-                c.tokens += 1.0;
+                c.tokens += engine_first;
                 c.rows += 1.0;
                 c.draft += o.draft[1] - o.draft[0];
             }
@@ -677,18 +702,22 @@ mod tests {
         assert!(choose(&p, std::slice::from_ref(&weak), &[4], 0)[0] > 0);
         weak.asked = Some(0);
         p.observe(&mut weak, 0, 0);
-        // Turned down after a failure: none until the probe is due, then exactly one.
-        for _ in 1..PROBE_FIRST {
+        // Turned down after a failure, where the engine's figures say drafts pay: exactly
+        // one draft after a single idle step (a probe that is expected to pay).
+        assert!(p.probe_due(&weak));
+        assert_eq!(choose(&p, std::slice::from_ref(&weak), &[4], 0), vec![1]);
+        // A failed probe keeps it shut and doubles its wait, so it is probed only after the
+        // whole of that wait; an accepted one lets the policy choose again.
+        weak.asked = Some(1);
+        weak.probing = true;
+        p.observe(&mut weak, 1, 0);
+        assert_eq!(p.probe_wait(&weak), 2 * PROBE_FIRST);
+        for _ in 0..2 * PROBE_FIRST {
             assert_eq!(choose(&p, std::slice::from_ref(&weak), &[4], 0), vec![0]);
             weak.asked = Some(0);
             p.observe(&mut weak, 0, 0);
         }
         assert_eq!(choose(&p, std::slice::from_ref(&weak), &[4], 0), vec![1]);
-        // A failed probe keeps it shut; an accepted one lets the policy choose again.
-        weak.asked = Some(1);
-        weak.probing = true;
-        p.observe(&mut weak, 1, 0);
-        assert_eq!(choose(&p, std::slice::from_ref(&weak), &[4], 0), vec![0]);
         weak.asked = Some(1);
         p.observe(&mut weak, 1, 1);
         assert!(choose(&p, std::slice::from_ref(&weak), &[4], 0)[0] > 0);
@@ -823,5 +852,47 @@ mod tests {
         let asks = run(&cost, &p, &mut random, false, 0.25, 10 * REFRESH_AGE);
         let probes = asks.iter().filter(|&&k| k > 0).count();
         assert!(asks.iter().all(|&k| k <= 1) && probes <= 20, "{asks:?}");
+    }
+
+    /// Runs `steps` steps of `width` sequences whose drafts are each accepted with chance
+    /// `p` (the first rejection ends a step's run) under a fixed cost of `per_row` seconds a
+    /// verify row beyond a 1 s plain step of `width` rows; returns the steps that asked for
+    /// no drafts and the steps in all.
+    fn idle_steps(width: usize, p: f64, per_row: f64, steps: usize) -> (usize, usize) {
+        use rand::{Rng, SeedableRng};
+        let plain = 1.0 - per_row * width as f64;
+        let policy = policy(&[
+            (width, 1.0),
+            (width + 1, plain + per_row * (width + 1) as f64),
+        ]);
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+        let mut stats = vec![SequenceDraftStats::default(); width];
+        let mut idle = 0;
+        for _ in 0..steps {
+            let k = choose(&policy, &stats, &vec![4; width], 0);
+            for (s, &k) in stats.iter_mut().zip(&k) {
+                s.probing = k > 0 && policy.probe_due(s);
+                s.asked = Some(k);
+                let accepted = (0..k).take_while(|_| rng.random_bool(p)).count();
+                policy.observe(s, k, accepted);
+                idle += usize::from(k == 0);
+            }
+        }
+        (idle, steps * width)
+    }
+
+    #[test]
+    fn a_good_drafter_in_a_wide_batch_is_not_shut_out_by_one_rejection() {
+        // Four sequences, drafts accepted 3 times in 4, a verify row 15% of a plain step's
+        // cost (so a first draft pays when accepted more than about 2 times in 3). A
+        // rejection can turn a sequence down (its estimate is near the bar), but the
+        // engine's figures say a draft pays, so it is probed back after one idle step
+        // rather than after the probe wait and the exploration budget: it asks for drafts
+        // on most steps (when a turned-down sequence waited for those, 72% of them idled).
+        let (idle, all) = idle_steps(4, 0.75, 0.15, 300);
+        assert!(idle * 3 <= all, "{idle} idle of {all}");
+        // A drafter that is never right is still turned down on nearly every step.
+        let (idle, all) = idle_steps(4, 0.0, 0.1, 300);
+        assert!(idle * 20 >= all * 19, "{idle} idle of {all}");
     }
 }

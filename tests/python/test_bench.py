@@ -170,7 +170,8 @@ def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
     assert code == 0, err
     report = json.loads(out)
     assert report["trials"] == 3
-    assert "trial 3/3, pass 1/1, batch 4: 10/10 prompts" in err
+    # At batch 4: two calls of grounded prompts, then one of the two open ones taken twice.
+    assert "trial 3/3, pass 1/1, batch 4: 3/3 calls" in err
     rows = report["results"]
     base_tokens = {r["batch"]: r["tokens"] for r in rows if r["proposer"] == "baseline"}
     for r in rows:
@@ -182,13 +183,17 @@ def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
             assert stats["trials"] == 3
             assert stats["min"] <= stats["median"] <= stats["max"]
             assert stats["min"] <= stats["geomean"] <= stats["max"]
+        # One paired ratio for every call of every trial.
+        calls = {1: {"grounded": 24, "open": 6}, 4: {"grounded": 6, "open": 3}}[r["batch"]]
+        calls["all"] = calls["grounded"] + calls["open"]
+        assert {k: v["calls"] for k, v in r["paired_ratio"].items()} == calls, r["paired_ratio"]
         # The per-request timings add up to no more than the calls' wall time.
         times = r["time_s"]
         assert times["verify"] > 0 and times["prefill"] > 0
         assert sum(times.values()) <= r["seconds"] + 1e-3, (times, r["seconds"])
         if r["proposer"] == "baseline":
             assert times["draft"] == 0.0
-            for stats in [*ratio.values(), *r["cpu_ratio"].values()]:
+            for stats in [*ratio.values(), *r["cpu_ratio"].values(), *r["paired_ratio"].values()]:
                 assert stats["median"] == 1.0 and stats["stderr"] == 0.0
         else:
             assert r["identical_to_baseline"] is True
@@ -208,7 +213,7 @@ def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
     table = [a for a in args if a != "--json"]
     code, out, err = _bench(capsys, *table, "--trials", "2")
     assert code == 0, err
-    assert "median of 2 trials" in out and "+-" in out
+    assert "over 2 trials: median of each call" in out and "+-" in out
 
 
 def test_the_fastest_trial_of_each_prompt_group_makes_the_fastest_ratio() -> None:
@@ -251,3 +256,25 @@ def test_the_fastest_trial_of_each_prompt_group_makes_the_fastest_ratio() -> Non
     # The per-trial ratios: grounded 2.0 then 2.5, open 4/3 then 0.8.
     assert rows[1]["ratio"]["grounded"]["median"] == 2.25
     assert rows[1]["ratio"]["open"]["min"] == 0.8
+    # Paired, call by call against the baseline's: the same four ratios, and all of them
+    # pooled: 0.8, 4/3, 2.0, 2.5.
+    paired = rows[1]["paired_ratio"]
+    assert paired["grounded"]["median"] == 2.25 and paired["grounded"]["calls"] == 2
+    assert (paired["open"]["min"], paired["open"]["max"]) == (0.8, 1.3333)
+    assert paired["all"]["median"] == 1.6667 and paired["all"]["calls"] == 4
+    assert rows[0]["paired_ratio"]["all"]["median"] == 1.0
+
+
+def test_each_call_holds_one_prompt_kind_at_the_full_width() -> None:
+    from specdraft.bench import prompt_groups
+
+    kinds = ["grounded"] * 3 + ["open"] * 2 + ["grounded"]
+    # Kinds in the order they first appear; a short call is filled from the kind's start.
+    assert prompt_groups(kinds, 4) == [("grounded", [0, 1, 2, 5]), ("open", [3, 4, 3, 4])]
+    assert prompt_groups(kinds, 3) == [
+        ("grounded", [0, 1, 2]),
+        ("grounded", [5, 0, 1]),
+        ("open", [3, 4, 3]),
+    ]
+    grounded, open_ = [("grounded", [i]) for i in (0, 1, 2, 5)], [("open", [3]), ("open", [4])]
+    assert prompt_groups(kinds, 1) == grounded + open_
