@@ -53,6 +53,8 @@ def test_the_command_line_documents_its_options(capsys):
         "--max-minutes",
         "--warmup",
         "--width-step",
+        "--extract-minutes",
+        "--train-steps",
     ]:
         assert option in text
     args = build_parser().parse_args(["train-mtp"])

@@ -126,6 +126,22 @@ def test_resume_equals_an_uninterrupted_run(run, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_train_steps_ends_the_run_and_its_schedule_there(run, tmp_path):
+    from dataclasses import replace
+
+    opts, first = run
+    # The run's cache is complete, so this run extracts nothing and trains 3 steps.
+    short = replace(opts, out=tmp_path / "head", train_steps=3, max_extract_seconds=0.0)
+    report = train_mtp(short, conversations=_conversations(120))
+    assert (report["steps"], report["total_steps"]) == (3, 3)
+    assert first["total_steps"] > 3
+    assert report["train_tokens"] == first["train_tokens"]
+    target = json.loads((opts.cache / "index.json").read_text())["target"]
+    cache = HiddenCache(opts.cache, target, 64)
+    assert report["trained_tokens"] == Batches(cache, SETTINGS).tokens_in(3)
+    assert report["eval_tokens"] == sum(s.length for s in cache.split("eval"))
+
+
 def test_a_checkpoint_of_another_shape_is_refused(run, tmp_path):
     opts, _ = run
     cache = HiddenCache(

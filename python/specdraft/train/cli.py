@@ -50,6 +50,8 @@ def run_train_mtp(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         init_from=Path(args.init_from) if args.init_from else None,
         max_seconds=args.max_minutes * 60.0 if args.max_minutes else None,
+        max_extract_seconds=args.extract_minutes * 60.0 if args.extract_minutes else None,
+        train_steps=args.train_steps,
         coverage_tokens=args.coverage_tokens,
         settings=settings,
     )
@@ -136,6 +138,18 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         type=_positive_float,
         default=None,
         help="stop training after this long (then evaluate and write the head)",
+    )
+    p.add_argument(
+        "--extract-minutes",
+        type=_positive_float,
+        default=None,
+        help="stop caching training hiddens after this long and train on what is cached",
+    )
+    p.add_argument(
+        "--train-steps",
+        type=_positive,
+        default=None,
+        help="the run's length in steps (the learning rate decays over them; default: epochs)",
     )
     p.add_argument(
         "--checkpoint-every", type=_positive, default=50, help="steps between checkpoints"

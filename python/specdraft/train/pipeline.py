@@ -57,6 +57,12 @@ class RunOptions:
     init_from: Path | None = None
     #: Stop training after this many seconds of it (then evaluate and write the head).
     max_seconds: float | None = None
+    #: Stop extracting training hiddens after this many seconds of it; training then uses
+    #: the sequences cached so far (a later run with a larger limit goes on from there).
+    max_extract_seconds: float | None = None
+    #: The run's length in steps: the learning-rate schedule decays over this many (at most
+    #: the epochs' steps), and training ends there.
+    train_steps: int | None = None
     #: Training positions the draft-vocabulary coverage is measured on (each costs a
     #: full-vocabulary LM head, so it is a sample).
     coverage_tokens: int = 20_000
@@ -89,7 +95,8 @@ embedding, final norm and LM head are shared, not stored here) trained by
 
 - Data: {", ".join(opts.corpora)} conversations rendered through the target's chat
   template, {report["train_tokens"]} training tokens in {report["train_sequences"]}
-  sequences of at most {opts.settings.seq_len} tokens; {report["eval_sequences"]} held-out
+  sequences of at most {opts.settings.seq_len} tokens, of which this run's steps took
+  {report["trained_tokens"]}; {report["eval_sequences"]} held-out
   prompts (split by conversation hash, seed {opts.settings.seed}) with the target's greedy
   continuations for evaluation.
 - Recipe: self-distillation, forward KL from the target's distribution (its stored hidden
@@ -149,10 +156,15 @@ def train_mtp(
     t0 = time.monotonic()
     max_prompt = max(s.seq_len - opts.eval_new_tokens, s.seq_len // 2)
     extract_eval(model, tokenizer, cache, held, opts.eval_prompts, opts.eval_new_tokens, max_prompt)
-    extracted_eval = cache.tokens
+    eval_tokens = sum(x.length for x in cache.split("eval"))
     seqs = corpus.tokenize_conversations(tokenizer, train, s.seq_len, opts.tokens)
-    extract_train(model, cache, seqs)
+    t_extract = time.monotonic()
+    deadline = None if opts.max_extract_seconds is None else t_extract + opts.max_extract_seconds
+    extracted = extract_train(model, cache, seqs, deadline=deadline)
     extract_seconds = time.monotonic() - t0
+    if extracted:
+        rate = extracted / max(time.monotonic() - t_extract, 1e-9)
+        _log(log, f"train-mtp: cached target hiddens of {extracted} new tokens ({rate:.1f} tok/s)")
     del model
 
     weights = read_target_weights(path)
@@ -168,7 +180,8 @@ def train_mtp(
     d = head_dims(shape)
     frozen = _frozen(weights, opts.draft_vocab)
     batches = Batches(cache, s)
-    trainer = Trainer(d, frozen, s, batches.per_epoch * s.epochs)
+    planned = batches.per_epoch * s.epochs
+    trainer = Trainer(d, frozen, s, min(planned, opts.train_steps or planned))
     state = trainer.init_state(init_params(d, s.seed))
     ckpt = opts.out / "checkpoint" / "state.npz"
     if opts.resume and ckpt.exists():
@@ -209,12 +222,14 @@ def train_mtp(
     _log(log, "train-mtp: held-out " + acceptance.describe())
     params = {k: np.asarray(v) for k, v in state.params.items()}
     train_tokens = sum(x.length for x in batches.sequences)
+    trained_tokens = batches.tokens_in(state.step)
     report = {
         "target": {"name": opts.target, "file": Path(str(path)).name},
         "train_sequences": len(batches.sequences),
         "train_tokens": train_tokens,
+        "trained_tokens": trained_tokens,
         "eval_sequences": len(cache.split("eval")),
-        "eval_tokens": extracted_eval,
+        "eval_tokens": eval_tokens,
         "extract_seconds": round(extract_seconds, 1),
         "steps": state.step,
         "init_from": None if opts.init_from is None else str(opts.init_from),

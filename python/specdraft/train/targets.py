@@ -9,6 +9,7 @@ target's embedding, final norm and LM head are read from the model file in float
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,17 +122,28 @@ def extract_train(
     model: Any,  # noqa: ANN401 - specdraft.TargetModel
     cache: HiddenCache,
     conversations: Sequence[TokenizedConversation],
-) -> None:
-    """Cache the target's hiddens over each training sequence not cached yet."""
+    deadline: float | None = None,
+) -> int:
+    """Cache the target's hiddens over each training sequence not cached yet, in order.
+
+    Stops before the next sequence once ``time.monotonic()`` has reached ``deadline``, so a
+    long corpus is cut to what the time allows (the sequences cached so far stay cached and
+    a later call goes on from there). Returns the number of tokens cached by this call.
+    """
     todo = [c for c in conversations if not cache.has(c.corpus, c.id, "train")]
     if not todo:
-        return
+        return 0
     bar = Progress(sum(len(c.tokens) for c in todo), "target hiddens (train)", "tok")
+    cached = 0
     for conv in todo:
+        if deadline is not None and time.monotonic() >= deadline:
+            break
         hiddens = model.hidden_states(conv.tokens)
         cache.append(conv.corpus, conv.id, "train", conv.tokens, hiddens)
         bar.update(len(conv.tokens))
+        cached += len(conv.tokens)
     bar.close()
+    return cached
 
 
 def eval_prompt(

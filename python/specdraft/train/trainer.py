@@ -81,6 +81,16 @@ class Batches:
         rng = np.random.default_rng([self.settings.seed, epoch])
         return rng.permutation(len(self.sequences))
 
+    def tokens_in(self, steps: int) -> int:
+        """The sequences' own tokens (no padding) in the batches of steps ``0 .. steps``."""
+        s = self.settings
+        total = 0
+        for step in range(steps):
+            epoch, i = divmod(step, self.per_epoch)
+            for idx in self.order(epoch)[i * s.batch : (i + 1) * s.batch]:
+                total += min(self.sequences[int(idx)].length, s.seq_len)
+        return total
+
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The batch of global step ``step``.
 

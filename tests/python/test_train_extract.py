@@ -1,0 +1,109 @@
+"""Extraction of the target's hiddens under a time limit, and the count of tokens trained.
+
+``extract_train`` stops before the next sequence once its deadline has passed (a fake
+clock makes the cut exact); what it cached stays cached, and a later call goes on from
+there so that the files equal one uninterrupted extraction byte for byte.
+``Batches.tokens_in`` counts the sequences' own tokens in the first steps' batches,
+checked against the ``valid`` masks of the batches themselves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from specdraft.train import targets
+from specdraft.train.cache import HiddenCache
+from specdraft.train.data import TokenizedConversation
+
+HIDDEN = 8
+LENGTHS = [5, 9, 3, 12, 7]
+
+
+class _Clock:
+    """A monotonic clock that moves only when the fake model runs a forward."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Model:
+    """Deterministic 'hiddens' (a function of the tokens); each forward costs one second."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+        self.calls = 0
+
+    def hidden_states(self, tokens: list[int]) -> np.ndarray:
+        self.calls += 1
+        self.clock.now += 1.0
+        t = np.asarray(tokens, np.float32)[:, None]
+        return (t * 0.5 + np.arange(HIDDEN, dtype=np.float32)[None, :]).astype(np.float32)
+
+
+def _seqs() -> list[TokenizedConversation]:
+    rng = np.random.default_rng(1)
+    return [
+        TokenizedConversation("synthetic", str(i), rng.integers(0, 500, n).tolist())
+        for i, n in enumerate(LENGTHS)
+    ]
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(targets.time, "monotonic", c)
+    return c
+
+
+def _files(cache: HiddenCache) -> tuple[bytes, bytes, list]:
+    return (
+        (cache.folder / "tokens.u32").read_bytes(),
+        (cache.folder / "hiddens.bf16").read_bytes(),
+        [(s.corpus, s.id, s.split, s.offset, s.length) for s in cache.sequences],
+    )
+
+
+def test_a_passed_deadline_caches_nothing(tmp_path, clock):
+    model = _Model(clock)
+    cache = HiddenCache(tmp_path / "c", "fake", HIDDEN)
+    assert targets.extract_train(model, cache, _seqs(), deadline=clock.now) == 0
+    assert model.calls == 0
+    assert cache.tokens == 0
+
+
+def test_the_deadline_cuts_between_sequences_and_a_later_call_goes_on(tmp_path, clock):
+    whole = HiddenCache(tmp_path / "whole", "fake", HIDDEN)
+    assert targets.extract_train(_Model(clock), whole, _seqs()) == sum(LENGTHS)
+
+    model = _Model(clock)
+    cut = HiddenCache(tmp_path / "cut", "fake", HIDDEN)
+    # Forwards take one second each: before the third, 2 s have passed, past 1.5 s.
+    got = targets.extract_train(model, cut, _seqs(), deadline=clock.now + 1.5)
+    assert (got, model.calls) == (LENGTHS[0] + LENGTHS[1], 2)
+    assert [s.id for s in cut.sequences] == ["0", "1"]
+    # Reopened (as a new run would), the cache resumes with the rest, no sequence twice.
+    reopened = HiddenCache(tmp_path / "cut", "fake", HIDDEN)
+    assert targets.extract_train(model, reopened, _seqs()) == sum(LENGTHS[2:])
+    assert model.calls == len(LENGTHS)
+    assert _files(reopened) == _files(whole)
+
+
+def test_tokens_in_counts_the_valid_tokens_of_the_first_steps(tmp_path):
+    pytest.importorskip("jax")
+    from specdraft.train.trainer import Batches, TrainSettings
+
+    cache = HiddenCache(tmp_path / "c", "fake", HIDDEN)
+    rng = np.random.default_rng(2)
+    lengths = [5, 40, 17, 64, 3, 90]
+    for i, n in enumerate(lengths):
+        cache.append("s", str(i), "train", rng.integers(0, 50, n).tolist(), np.zeros((n, HIDDEN)))
+    # seq_len 64 cuts the 90-token sequence; two epochs of three batches of two.
+    settings = TrainSettings(epochs=2, batch=2, seq_len=64, width_step=16)
+    batches = Batches(cache, settings)
+    for steps in range(2 * batches.per_epoch + 1):
+        valid = sum(int(batches.batch(s)[2].sum()) for s in range(steps))
+        assert batches.tokens_in(steps) == valid
+    assert batches.tokens_in(batches.per_epoch) == sum(min(n, 64) for n in lengths)
