@@ -7,8 +7,9 @@
 //! load (the head always drafts through an NVFP4 LM head); an NVFP4 one is taken as stored.
 //! Everything is freed when the head is dropped.
 
-use super::head::{MtpHead, MtpQuantization};
+use super::head::MtpHead;
 use super::nvfp4::quantize_nvfp4;
+use super::quantization::MtpQuantization;
 use super::weights::{find_layout, load_norm, MtpLayout, MtpWeights};
 use crate::backend::GpuBackend;
 use crate::model::layers::load_linear;

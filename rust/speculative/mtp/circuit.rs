@@ -20,8 +20,9 @@
 //! what the head does.
 
 use super::forward::{Depth, HeadSpec, HiddenKind, Row, Scratch};
-use super::head::{first_rows, MtpHead};
+use super::head::MtpHead;
 use super::state::MtpState;
+use super::weight_checks::first_rows;
 use super::weights::{MtpLayout, MtpWeights};
 use crate::backend::{ArgmaxArgs, DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::model::layers::{LayerWeights, Mlp, QkNorm, SwiGlu};

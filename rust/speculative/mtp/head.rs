@@ -1,4 +1,4 @@
-//! `MtpHead`: construction, the device memory it owns, and the checks `new` makes.
+//! `MtpHead`: construction and the device memory it owns.
 //!
 //! The head owns (and frees in [`MtpHead::release`], or on drop when it was loaded by
 //! [`MtpHead::from_checkpoint`]) its drafter KV caches, its forward scratch, the RoPE table,
@@ -9,12 +9,14 @@ use super::bad;
 use super::forward::{HeadSpec, Scratch};
 use super::fp8::quantize_fp8;
 use super::nvfp4::quantize_nvfp4;
+use super::quantization::MtpQuantization;
 use super::state::{DrafterKv, DRAFTER_BLOCK_SIZE};
+use super::weight_checks::{check_weights, first_rows};
 use super::weights::MtpWeights;
-use crate::backend::quant::{quantize_to_vec, BlockFormat, PackedWeight, GROUP_ROWS};
+use crate::backend::quant::{BlockFormat, PackedWeight};
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
-use crate::model::layers::{keeps_block_formats, rope_inv_freq, LayerShape};
+use crate::model::layers::{keeps_block_formats, rope_inv_freq};
 use crate::model::{
     DenseWeight, DeviceAllocations, Fp8Weight, Linear, ModelConfig, ModelLevers, PackedLinear,
     QuantizedWeight, TargetModel,
@@ -22,78 +24,6 @@ use crate::model::{
 use crate::speculative::DraftRunner;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-
-/// How the head's projections (`eh_proj`, attention, MLP and routed experts; never the MoE
-/// router) are stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MtpQuantization {
-    /// As given (BF16, or NVFP4 where the checkpoint already was).
-    Bf16,
-    /// Dense projections stored as FP8 E4M3 (one byte an element, W8A16) with one
-    /// power-of-two scale per tensor, in the `linear` op's block-scaled layout; projections
-    /// already FP8 in the checkpoint keep their own bytes and block scales.
-    Fp8,
-    /// Dense projections quantized to NVFP4 (ModelOpt layout) at construction.
-    Nvfp4,
-    /// Dense projections quantized at construction to a GGUF block format (`Q8_0`, say) by
-    /// the same quantizer `load_model(weights=...)` uses, and run by the block-format
-    /// kernels the target's quantized projections run on. Only a backend with those kernels
-    /// (the CPU backend) keeps the blocks; any other keeps the projections as given, as a
-    /// target loaded from a GGUF file does. Float formats (`F32`, `F16`, `BF16`) keep them too.
-    Block(BlockFormat),
-}
-
-impl MtpQuantization {
-    /// The option's name: `"bf16"`, `"fp8"`, `"nvfp4"` or a block format's (`"q8_0"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            MtpQuantization::Bf16 => "bf16",
-            MtpQuantization::Fp8 => "fp8",
-            MtpQuantization::Nvfp4 => "nvfp4",
-            MtpQuantization::Block(f) => f.name(),
-        }
-    }
-
-    /// Parses [`MtpQuantization::name`]'s spellings (any case); anything else is an error
-    /// listing them.
-    pub fn parse(name: &str) -> crate::Result<Self> {
-        let lower = name.trim().to_ascii_lowercase();
-        Ok(match lower.as_str() {
-            "bf16" => MtpQuantization::Bf16,
-            "fp8" => MtpQuantization::Fp8,
-            "nvfp4" => MtpQuantization::Nvfp4,
-            _ => match lower.parse::<BlockFormat>() {
-                // Q2_K and Q3_K have no quantizer: only formats one can quantize to.
-                Ok(f) if f.is_quantized() && quantize_to_vec(f, &vec![0.0; f.block_len()]).is_ok() => {
-                    MtpQuantization::Block(f)
-                }
-                _ => {
-                    return Err(invalid(format!(
-                        "quant {name:?} is not one of bf16, fp8, nvfp4, or a GGUF block format to quantize to ({})",
-                        BlockFormat::ALL
-                            .iter()
-                            .filter(|f| f.is_quantized() && quantize_to_vec(**f, &vec![0.0; f.block_len()]).is_ok())
-                            .map(|f| f.name())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )))
-                }
-            },
-        })
-    }
-
-    /// The projections' storage a draft step reads by default on `gpu`: Q8_0 where the
-    /// backend runs block formats (a one-row draft step is bound by the bytes it reads, and
-    /// Q8_0 reads 34 bytes per 32 weights against BF16's 64, on the kernels the target's own
-    /// Q8_0 embedding uses), the projections as given elsewhere.
-    pub fn default_for(gpu: &dyn GpuBackend) -> Self {
-        if keeps_block_formats(gpu) {
-            MtpQuantization::Block(BlockFormat::Q8_0)
-        } else {
-            MtpQuantization::Bf16
-        }
-    }
-}
 
 /// Sequences one batched propose (and one forward) takes at most.
 pub const MTP_MAX_BATCH: usize = 32;
@@ -480,85 +410,6 @@ impl MtpHead {
     pub fn config(&self) -> &ModelConfig {
         &self.spec.config
     }
-}
-
-fn check_weights(
-    w: &MtpWeights,
-    embed: &Linear,
-    final_norm: &DenseWeight,
-    config: &ModelConfig,
-) -> crate::Result<()> {
-    let h = config.hidden_size;
-    let (found, want) = (w.eh_proj.dims(), (h, 2 * h));
-    if found != want {
-        return Err(invalid(format!(
-            "eh_proj is [{}, {}], expected [{}, {}] for hidden_size {h}",
-            found.0, found.1, want.0, want.1
-        )));
-    }
-    w.layer.check(&LayerShape::of(config)).map_err(invalid)?;
-    let vectors = [
-        ("enorm", &w.enorm),
-        ("hnorm", &w.hnorm),
-        ("final_norm", &w.final_norm),
-        ("target_final_norm", final_norm),
-    ];
-    for (name, wt) in vectors {
-        if wt.shape != [h] {
-            return Err(invalid(format!(
-                "{name} has shape {:?}, expected [{h}]",
-                wt.shape
-            )));
-        }
-    }
-    if embed.dims() != (config.vocab_size, h) {
-        let (rows, cols) = embed.dims();
-        return Err(invalid(format!(
-            "embed_tokens has shape [{rows}, {cols}], expected [{}, {h}]",
-            config.vocab_size
-        )));
-    }
-    if h % 16 != 0 {
-        return Err(invalid(format!(
-            "hidden_size {h} must be a multiple of 16 for the NVFP4 LM head"
-        )));
-    }
-    Ok(())
-}
-
-/// The first `n` rows of a row-major `[out, in]` projection, read in place: every storage
-/// keeps a row's data (and its block scales) contiguous and in row order, so a prefix of
-/// each buffer is the smaller matrix. A block format repacked for the CPU kernels keeps
-/// rows in groups of [`GROUP_ROWS`] (group after group), so its prefix is a matrix only at a
-/// group boundary: any other `n` is an error.
-pub(crate) fn first_rows(lin: &Linear, n: usize) -> crate::Result<Linear> {
-    if let Linear::Packed(q) = lin {
-        if q.format.is_quantized() && n % GROUP_ROWS != 0 && n != q.out_features {
-            return Err(invalid(format!(
-                "a draft vocabulary of {n} rows of the {} LM head: the head reads its first rows in place, which needs a multiple of {GROUP_ROWS}",
-                q.format
-            )));
-        }
-    }
-    Ok(match lin {
-        Linear::Dense(w) => {
-            let mut shape = w.shape.clone();
-            shape[0] = n;
-            Linear::Dense(DenseWeight { ptr: w.ptr, shape })
-        }
-        Linear::Nvfp4(q) => Linear::Nvfp4(QuantizedWeight {
-            out_features: n,
-            ..q.clone()
-        }),
-        Linear::Fp8(q) => Linear::Fp8(Fp8Weight {
-            out_features: n,
-            ..q.clone()
-        }),
-        Linear::Packed(q) => Linear::Packed(PackedLinear {
-            out_features: n,
-            ..q.clone()
-        }),
-    })
 }
 
 /// Re-stores one dense projection as `quant` asks (NVFP4 or FP8 copies owned by the head).

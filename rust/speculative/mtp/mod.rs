@@ -4,7 +4,8 @@
 //!
 //! One file per job: [`nvfp4`] and [`fp8`] (quantization), [`weights`] (weights and checkpoint layouts),
 //! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations
-//! around the model layer's decoder layer), `head` (construction), `draft` (the draft loop),
+//! around the model layer's decoder layer), `head` (construction), `quantization` (how projections are stored), `weight_checks`
+//! (shape checks and in-place row views), `draft` (the draft loop),
 //! `proposer` (the `DraftProposer` methods), `checkpoint` (loading from a checkpoint folder),
 //! `shared` (loading a head beside its target, sharing the target's embedding and LM head)
 //! and `circuit` (the circuit binding and the reference runner).
@@ -23,14 +24,17 @@ pub mod fp8;
 mod head;
 pub mod nvfp4;
 mod proposer;
+mod quantization;
 mod shared;
 mod state;
+mod weight_checks;
 pub mod weights;
 
 pub use circuit::ReferenceDraftRunner;
 pub use fp8::{quantize_fp8, Fp8Host};
-pub use head::{MtpHead, MtpQuantization, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
+pub use head::{MtpHead, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
 pub use nvfp4::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Host};
+pub use quantization::MtpQuantization;
 pub use state::{MtpState, DRAFTER_BLOCK_SIZE};
 pub use weights::{find_layout, MtpLayout, MtpWeights};
 

@@ -14,7 +14,8 @@
 //! `hidden_size` and `vocab_size`, or loading fails naming the file, the key and both values.
 
 use super::checkpoint::moe_groups;
-use super::head::{MtpHead, MtpQuantization};
+use super::head::MtpHead;
+use super::quantization::MtpQuantization;
 use super::weights::{find_layout, MtpWeights};
 use crate::model::{
     ConfigError, DeviceAllocations, ModelConfig, ModelLevers, SafetensorsCheckpoint, TargetModel,
