@@ -466,7 +466,7 @@ def test_bench_and_generate_commands(model_path, capsys) -> None:
     assert set(base_kinds) == {"grounded"} and base_kinds["grounded"]["speedup"] == 1.0
     for r in report["results"][1:]:
         assert set(r["by_kind"]) == {"grounded"} and r["by_kind"]["grounded"]["tokens_per_s"] > 0
-    assert "pass 1/1, batch 1: 2/2 prompts" in out.err
+    assert "pass 1/1, batch 1: 2/2 calls" in out.err
     code = _cli("bench", *common, "--prompts", "1", "--max-tokens", "6")
     out = capsys.readouterr()
     assert code == 0 and "speedup" in out.out and "prompt-lookup" in out.out
