@@ -2,7 +2,9 @@
 //!
 //! Two ways to feed the same dot ([`block_rows`]): calls of up to [`direct_rows`] rows (a
 //! decode step, a short verify) decode each record's group-vectors in registers and use them
-//! at once, so a record is loaded once and never stored; longer calls decode a chunk of
+//! at once, so a record is loaded once and never stored; calls of up to
+//! [`GROUPWISE_DIRECT_ROWS`] rows do the same one group at a time, in tiles of up to three
+//! rows that meet the group's records while they are in L1; longer calls decode a chunk of
 //! records into the L1 scratch once and take the rows four at a time past it. Both form the
 //! same i32 sums and run the same f32 operations in the same order.
 
@@ -14,6 +16,14 @@ use super::*;
 /// the scratch wins (`--kernel`, 4 rows of Q4_1: 66-102 us through it against 70-110 in
 /// registers); Q8_0's dot holds fewer values per row and gains to four (222-307 us in
 /// registers against 338-377 through the scratch).
+/// Calls of more than [`direct_rows`] and at most this many rows (a verify of a few drafts)
+/// take one group at a time and decode its records in registers once per tile of up to
+/// three rows: the group's records stay in L1 between its tiles, so memory is read once and
+/// nothing goes through the scratch. Measured by `cargo bench --bench model_decode` (quiet,
+/// two runs each against the scratch path): 5 rows 1.91-1.97x a one-row step against
+/// 2.06-2.16x, 6 rows 2.08-2.13x against 2.34-2.44x, 9 rows 3.03-3.15x against 3.22-3.41x.
+const GROUPWISE_DIRECT_ROWS: usize = 9;
+
 const fn direct_rows<F: Fmt>() -> usize {
     if F::Q8 {
         4
@@ -50,6 +60,32 @@ pub(super) unsafe fn run<F: Fmt>(
             // groups' outputs of every row.
             unsafe { direct::<F, R>(w, &layout, &rows, r0, groups.clone(), out) }
         });
+        return ws.give_back();
+    }
+    if act.rows <= GROUPWISE_DIRECT_ROWS {
+        for g in groups.clone() {
+            let mut r0 = 0;
+            while r0 < act.rows {
+                // Tiles of at most three rows (what the registers hold), four as two and two.
+                let take = match act.rows - r0 {
+                    4 => 2,
+                    left => left.min(3),
+                };
+                macro_rules! tile {
+                    ($R:literal) => {{
+                        let rows: [Act; $R] = std::array::from_fn(|i| acts[r0 + i]);
+                        // SAFETY: as above, for group `g` alone.
+                        unsafe { direct::<F, $R>(w, &layout, &rows, r0, g..g + 1, out) }
+                    }};
+                }
+                match take {
+                    3 => tile!(3),
+                    2 => tile!(2),
+                    _ => tile!(1),
+                }
+                r0 += take;
+            }
+        }
         return ws.give_back();
     }
     for (tile, g) in tiles(act.rows, groups) {
