@@ -22,7 +22,7 @@
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use specdraft::backend::quant::{linear, BlockFormat, KernelPool, PackedWeight};
+use specdraft::backend::quant::{linear, BlockFormat, Isa, KernelPool, PackedWeight};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -94,9 +94,22 @@ fn cpu_samples(budget: Duration, mut f: impl FnMut()) -> Option<Vec<f64>> {
 /// `--kernel`: the compute cost of rows alone. One thread, weights in cache, the *fastest*
 /// batch of calls (a shared machine only ever adds time), for SmolLM2's Q4_1 shapes and its
 /// Q8_0 head, at 1..16 rows and a 128-row prefill chunk: microseconds per call, the cost
-/// relative to one row, and GMAC/s.
+/// relative to one row, and GMAC/s; once per SIMD instruction set this CPU runs (AVX2, and
+/// AVX2 with VNNI where it has that), so the two dots are compared in one run.
 fn kernel_costs(rng: &mut SmallRng, budget: Duration) -> Value {
-    let single = KernelPool::new(1);
+    let mut out = Vec::new();
+    for isa in Isa::available().into_iter().filter(|i| i.avx2()) {
+        let single = KernelPool::with_options(1, isa, KernelPool::DEFAULT_SPIN);
+        match kernel_costs_on(&single, rng, budget) {
+            Value::Null => return Value::Null,
+            formats => out.push(json!({"isa": format!("{isa:?}"), "formats": formats})),
+        }
+    }
+    Value::Array(out)
+}
+
+/// [`kernel_costs`] on one single-thread pool.
+fn kernel_costs_on(single: &KernelPool, rng: &mut SmallRng, budget: Duration) -> Value {
     let cases = [
         (BlockFormat::Q4_1, 576, 576),
         (BlockFormat::Q4_1, 1536, 576),
@@ -118,7 +131,7 @@ fn kernel_costs(rng: &mut SmallRng, budget: Duration) -> Value {
         for rows in [1, 2, 3, 4, 5, 8, 9, 12, 16, 128] {
             let Some(samples) = cpu_samples(budget, || {
                 linear(
-                    &single,
+                    single,
                     &w,
                     &x[..rows * inf],
                     rows,
@@ -136,7 +149,7 @@ fn kernel_costs(rng: &mut SmallRng, budget: Duration) -> Value {
             let streamed = cpu_samples(budget, || {
                 i = (i + 1) % copies.len();
                 let (x, y) = (&x[..rows * inf], &mut y[..rows * outf]);
-                linear(&single, &copies[i], x, rows, None, y).unwrap()
+                linear(single, &copies[i], x, rows, None, y).unwrap()
             })
             .map(fastest);
             if rows == 1 {

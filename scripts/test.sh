@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
-export PYO3_PYTHON="$PY"
+export PYO3_PYTHON="$PY" PYTHON="$PY"
 step() { printf '\n==> %s\n' "$*" >&2; }
 
 step "toolchain"

@@ -59,10 +59,7 @@ fn groups() -> Vec<(usize, Vec<(BlockFormat, usize)>)> {
 #[test]
 fn grouped_parts_equal_their_own_linears_bit_for_bit() {
     let mut rng = SmallRng::seed_from_u64(41);
-    let mut isas = vec![Isa::Portable];
-    if Isa::detect() == Isa::Avx2 {
-        isas.push(Isa::Avx2);
-    }
+    let isas = Isa::available();
     let pools: Vec<KernelPool> = isas
         .iter()
         .flat_map(|&isa| [pool(1, isa), pool(2, isa), pool(3, isa)])

@@ -7,9 +7,14 @@
 //! `mtp_kv_exact`), records every draft and the logits behind it, and hands the record to
 //! the numpy reference, which recomputes everything from the checkpoint and fails on any
 //! draft that differs or any logit outside the stated BF16 tolerance. It needs `python3`
-//! with numpy (set `SPECDRAFT_PYTHON` to choose the interpreter).
+//! with numpy (set `PYTHON` to choose the interpreter).
 
+#[allow(dead_code)]
+#[path = "../benches/common/default_model.rs"]
+mod default_model;
 mod mtp_common;
+
+use default_model::python;
 
 use mtp_common::*;
 use rand::rngs::SmallRng;
@@ -22,10 +27,6 @@ use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization};
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
-
-fn python() -> String {
-    std::env::var("SPECDRAFT_PYTHON").unwrap_or_else(|_| "python3".into())
-}
 
 fn run_reference(args: &[&str]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mtp_reference.py");

@@ -284,18 +284,30 @@ fn simd_and_portable_paths_are_bit_identical() {
         return;
     }
     let mut rng = SmallRng::seed_from_u64(32);
-    let (simd, portable) = (pool(1, Isa::Avx2), pool(1, Isa::Portable));
-    assert_eq!((simd.isa(), portable.isa()), (Isa::Avx2, Isa::Portable));
-    for format in BlockFormat::ALL {
-        for inf in in_features(format) {
-            let outf = 45;
-            let (_, w) = weight(&mut rng, format, outf, inf);
-            let x = inputs(&mut rng, 17, inf);
-            for rows in [1, 2, 3, 4, 5, 7, 9, 16, 17] {
-                let (mut a, mut b) = (vec![0f32; rows * outf], vec![0f32; rows * outf]);
-                linear(&simd, &w, &x[..rows * inf], rows, None, &mut a).unwrap();
-                linear(&portable, &w, &x[..rows * inf], rows, None, &mut b).unwrap();
-                assert_eq!(bits(&a), bits(&b), "{format} {outf}x{inf}, {rows} rows");
+    let portable = pool(1, Isa::Portable);
+    assert_eq!(portable.isa(), Isa::Portable);
+    let isas: Vec<Isa> = Isa::available().into_iter().filter(|i| i.avx2()).collect();
+    if !isas.contains(&Isa::Avx2Vnni) {
+        eprintln!("no AVX-VNNI here: its kernels are not compared");
+    }
+    for isa in isas {
+        let simd = pool(1, isa);
+        assert_eq!(simd.isa(), isa);
+        for format in BlockFormat::ALL {
+            for inf in in_features(format) {
+                let outf = 45;
+                let (_, w) = weight(&mut rng, format, outf, inf);
+                let x = inputs(&mut rng, 17, inf);
+                for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 17] {
+                    let (mut a, mut b) = (vec![0f32; rows * outf], vec![0f32; rows * outf]);
+                    linear(&simd, &w, &x[..rows * inf], rows, None, &mut a).unwrap();
+                    linear(&portable, &w, &x[..rows * inf], rows, None, &mut b).unwrap();
+                    assert_eq!(
+                        bits(&a),
+                        bits(&b),
+                        "{format} {outf}x{inf}, {rows} rows, {isa:?}"
+                    );
+                }
             }
         }
     }

@@ -22,6 +22,16 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 /// `rows` rows of `linear` on `p`.
+/// The SIMD instruction sets this CPU runs (AVX2, and AVX2 with VNNI where it has that),
+/// each forced in turn: the best one alone would leave the others untested.
+fn simd_isas() -> Vec<Isa> {
+    let isas: Vec<Isa> = Isa::available().into_iter().filter(|i| i.avx2()).collect();
+    if !isas.contains(&Isa::Avx2Vnni) {
+        eprintln!("no AVX-VNNI here: its kernels are not compared");
+    }
+    isas
+}
+
 fn run(p: &KernelPool, w: &PackedWeight, x: &[f32], rows: usize) -> Vec<f32> {
     let mut out = vec![0f32; rows * w.out_features()];
     linear(p, w, &x[..rows * w.in_features()], rows, None, &mut out).unwrap();
@@ -36,7 +46,10 @@ fn short_calls_match_the_portable_path_for_every_group_count() {
     }
     let mut rng = SmallRng::seed_from_u64(41);
     let portable = pool(1, Isa::Portable);
-    let simd: Vec<KernelPool> = (1..=3).map(|t| pool(t, Isa::Avx2)).collect();
+    let simd: Vec<KernelPool> = simd_isas()
+        .into_iter()
+        .flat_map(|isa| (1..=3).map(move |t| pool(t, isa)))
+        .collect();
     for format in quantized() {
         let inf = if format.is_k_quant() { 512 } else { 96 };
         // 1..7 full groups, with and without a tail of rows past the last one.
@@ -44,16 +57,18 @@ fn short_calls_match_the_portable_path_for_every_group_count() {
             let blocks = outf * inf / format.block_len();
             let bytes = random_blocks(&mut rng, format, blocks, &mut scale_in(1e-3, 1e-1));
             let w = PackedWeight::new(format, outf, inf, &bytes).unwrap();
-            let x: Vec<f32> = (0..6 * inf).map(|_| rng.random_range(-2.0..2.0)).collect();
-            for rows in 1..=6 {
+            let x: Vec<f32> = (0..10 * inf).map(|_| rng.random_range(-2.0..2.0)).collect();
+            // Registers (1-4), tiles of one group (5-9), the scratch (10).
+            for rows in 1..=10 {
                 let want = bits(&run(&portable, &w, &x, rows));
                 for p in &simd {
                     let got = bits(&run(p, &w, &x, rows));
                     assert_eq!(
                         got,
                         want,
-                        "{format} {outf}x{inf}, {rows} rows, {} threads",
-                        p.threads()
+                        "{format} {outf}x{inf}, {rows} rows, {} threads, {:?}",
+                        p.threads(),
+                        p.isa()
                     );
                 }
             }
@@ -81,11 +96,10 @@ fn uniform_block(format: BlockFormat, code: u8) -> Vec<u8> {
 fn extreme_codes_give_the_exact_sum() {
     // Every code at an end of its range against activations all at +-127: the largest pair
     // sums `maddubs` meets (Q8_0: 2 * 128 * 127; 4-bit: eight terms of 2 * 15 * 127).
-    let pools = [
-        pool(1, Isa::Avx2),
-        pool(2, Isa::Avx2),
-        pool(1, Isa::Portable),
-    ];
+    let mut pools = vec![pool(1, Isa::Portable)];
+    for isa in simd_isas() {
+        pools.extend([pool(1, isa), pool(2, isa)]);
+    }
     // Q8_0 codes -128 (stored 0x80) and 127, Q4_0 code 15 (value 7) and 0 (value -8), Q4_1
     // code 15 (value 15).
     let cases = [

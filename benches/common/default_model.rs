@@ -13,9 +13,12 @@ pub fn model_path() -> PathBuf {
     fetched_model_path()
 }
 
-/// The Python that runs `specdraft.models`: `$PYTHON`, else `python3`.
+/// The Python with specdraft's test dependencies (it runs `specdraft.models` and the numpy
+/// references): `$PYTHON`, else `$PYO3_PYTHON`, else `python3`.
 pub fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+    std::env::var("PYTHON")
+        .or_else(|_| std::env::var("PYO3_PYTHON"))
+        .unwrap_or_else(|_| "python3".into())
 }
 
 /// `$SPECDRAFT_SMOLLM2_GGUF`, else the file `specdraft.models` fetches (and caches).

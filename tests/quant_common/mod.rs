@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+#[path = "../../benches/common/default_model.rs"]
+mod default_model;
+
 use half::f16;
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -98,9 +101,5 @@ pub fn quantized() -> impl Iterator<Item = BlockFormat> {
     BlockFormat::ALL.into_iter().filter(|f| f.is_quantized())
 }
 
-/// The interpreter with numpy and gguf: `$PYTHON`, else `$PYO3_PYTHON`, else `python3`.
-pub fn python() -> String {
-    std::env::var("PYTHON")
-        .or_else(|_| std::env::var("PYO3_PYTHON"))
-        .unwrap_or_else(|_| "python3".into())
-}
+/// The interpreter with numpy and gguf.
+pub use default_model::python;

@@ -123,7 +123,7 @@ macro_rules! dispatch {
         match $isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the pool reports AVX2 only where the CPU has it.
-            Isa::Avx2 => unsafe { $avx2($($arg),*) },
+            Isa::Avx2 | Isa::Avx2Vnni => unsafe { $avx2($($arg),*) },
             _ => $portable($($arg),*),
         }
     };

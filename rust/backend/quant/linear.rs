@@ -259,7 +259,7 @@ fn run<T: InputElem>(
     };
     for (kind, act) in [(ActKind::Q8, &mut *q8), (ActKind::Q8K, &mut *q8k)] {
         if needs(kind) {
-            act.fill(kind, x, (rows, inf), isa == Isa::Avx2, pool)?;
+            act.fill(kind, x, (rows, inf), isa.avx2(), pool)?;
         }
     }
     // The f32 results of BF16 outputs, one region per part, sized before any pointer into
@@ -363,7 +363,7 @@ impl PartJob<'_> {
         match self.act {
             None => {
                 #[cfg(target_arch = "x86_64")]
-                if isa == Isa::Avx2 {
+                if isa.avx2() {
                     // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C.
                     unsafe { float_dot::float_outputs_avx2(w, x, rows, features.clone(), outm) };
                 } else {
@@ -421,10 +421,10 @@ fn quant_units(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C; `act` holds
-        // the blocks of the kind this format reads.
-        return unsafe { super::avx2::quant_groups(w, act, full, outm) };
+    if isa.avx2() {
+        // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C, and VNNI
+        // only when it also has AVX-VNNI; `act` holds the blocks of the kind this format reads.
+        return unsafe { super::avx2::quant_groups(w, act, full, outm, isa == Isa::Avx2Vnni) };
     }
     let _ = isa;
     let outputs = full.start * GROUP_ROWS..full.end * GROUP_ROWS;

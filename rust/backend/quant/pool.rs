@@ -34,13 +34,16 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Instruction sets the kernels can use, detected at run time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Instruction sets the kernels can use, detected at run time, each a superset of the one
+/// before it (so `min` of two is what both can run).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Plain Rust, every CPU: the definition the others match bit for bit.
     Portable,
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
+    /// AVX2 plus AVX-VNNI: the legacy-format quantized dots use `vpdpbusd`.
+    Avx2Vnni,
 }
 
 impl Isa {
@@ -48,11 +51,28 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
         {
+            if std::arch::is_x86_feature_detected!("avxvnni") {
+                return Isa::Avx2Vnni;
+            }
             return Isa::Avx2;
         }
         Isa::Portable
+    }
+
+    /// Whether the AVX2 kernels run (every op but the legacy quantized dots reads no more).
+    pub fn avx2(self) -> bool {
+        self >= Isa::Avx2
+    }
+
+    /// Every instruction set this CPU runs, the portable one first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni]
+            .into_iter()
+            .filter(|&isa| isa <= Isa::detect())
+            .collect()
     }
 }
 
@@ -215,11 +235,7 @@ impl KernelPool {
     /// A pool of `threads` participants, kernels limited to `isa` (clamped to what the CPU
     /// has), idle workers spinning for `spin` before they sleep.
     pub fn with_options(threads: usize, isa: Isa, spin: Duration) -> Self {
-        let isa = if Isa::detect() == Isa::Avx2 {
-            isa
-        } else {
-            Isa::Portable
-        };
+        let isa = isa.min(Isa::detect());
         let shared = Arc::new(Shared {
             published: Line(Published {
                 state: AtomicU64::new(0),

@@ -137,7 +137,7 @@ pub(super) fn paged_attention(
                 seq: tile.seq,
                 ctx: tile.ctx,
                 kv_head,
-                avx2: isa == Isa::Avx2,
+                avx2: isa.avx2(),
             },
             tile,
             heads,
@@ -148,7 +148,7 @@ pub(super) fn paged_attention(
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the pool reports AVX2 only where the CPU has it.
-                Isa::Avx2 => unsafe { task.run_avx2(scratch, shared) },
+                Isa::Avx2 | Isa::Avx2Vnni => unsafe { task.run_avx2(scratch, shared) },
                 _ => task.run(scratch, shared),
             }
         })
@@ -211,7 +211,7 @@ fn widen_shared(
                 seq: widened[w].seq,
                 ctx: ctxs[w],
                 kv_head,
-                avx2: isa == Isa::Avx2,
+                avx2: isa.avx2(),
             };
             // SAFETY: slot `t` is written by task `t` alone.
             let (keys, values) =
@@ -219,7 +219,9 @@ fn widen_shared(
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the pool reports AVX2 only where the CPU has it.
-                Isa::Avx2 => unsafe { reader.load_block_avx2(b * KEYS, keys, values) },
+                Isa::Avx2 | Isa::Avx2Vnni => unsafe {
+                    reader.load_block_avx2(b * KEYS, keys, values)
+                },
                 _ => reader.load_block(b * KEYS, keys, values),
             }
         })?;

@@ -1,30 +1,34 @@
 //! The AVX2 kernel of the legacy formats (32-element blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 //!
-//! Two ways to feed the same dot ([`block_rows`]): calls of up to [`direct_rows`] rows (a
+//! Two ways to feed the same dot ([`block_rows`]): calls of up to [`register_rows`] rows (a
 //! decode step, a short verify) decode each record's group-vectors in registers and use them
 //! at once, so a record is loaded once and never stored; calls of up to
-//! [`GROUPWISE_DIRECT_ROWS`] rows do the same one group at a time, in tiles of up to three
-//! rows that meet the group's records while they are in L1; longer calls decode a chunk of
+//! [`GROUPWISE_DIRECT_ROWS`] rows do the same one group at a time, in tiles of up to
+//! [`register_rows`] rows that meet the group's records while they are in L1; longer calls decode a chunk of
 //! records into the L1 scratch once and take the rows four at a time past it. Both form the
-//! same i32 sums and run the same f32 operations in the same order.
+//! same i32 sums and run the same f32 operations in the same order. Each is compiled twice:
+//! for AVX2 ([`run`], `maddubs`) and for AVX2 with AVX-VNNI ([`run_vnni`], `vpdpbusd`), the
+//! same integers by two instruction sequences.
 
 use super::*;
 
-/// Calls of at most this many rows decode in registers: every row of the call then meets
-/// each group-vector while it is in a register, so the scratch would only add a store and a
-/// load per group-vector. Past three rows of 4- and 5-bit codes the registers run short and
-/// the scratch wins (`--kernel`, 4 rows of Q4_1: 66-102 us through it against 70-110 in
-/// registers); Q8_0's dot holds fewer values per row and gains to four (222-307 us in
-/// registers against 338-377 through the scratch).
-/// Calls of more than [`direct_rows`] and at most this many rows (a verify of a few drafts)
-/// take one group at a time and decode its records in registers once per tile of up to
-/// three rows: the group's records stay in L1 between its tiles, so memory is read once and
-/// nothing goes through the scratch. Measured by `cargo bench --bench model_decode` (quiet,
-/// two runs each against the scratch path): 5 rows 1.91-1.97x a one-row step against
-/// 2.06-2.16x, 6 rows 2.08-2.13x against 2.34-2.44x, 9 rows 3.03-3.15x against 3.22-3.41x.
+/// Calls of more than [`register_rows`] and at most this many rows (a verify of a few
+/// drafts) take one group at a time and decode its records in registers once per tile of up
+/// to [`register_rows`] rows: the group's records stay in L1 between its tiles, so memory is
+/// read once and nothing goes through the scratch. Measured by `cargo bench --bench
+/// model_decode` (quiet, two runs each against the scratch path): 5 rows 1.91-1.97x a
+/// one-row step against 2.06-2.16x, 6 rows 2.08-2.13x against 2.34-2.44x, 9 rows
+/// 3.03-3.15x against 3.22-3.41x.
 const GROUPWISE_DIRECT_ROWS: usize = 9;
 
-const fn direct_rows<F: Fmt>() -> usize {
+/// Rows that meet each group-vector while it is in a register, as a whole call (calls of up
+/// to this many rows) or as one tile of the group-at-a-time path: the scratch would only add
+/// a store and a load per group-vector. Past three rows of 4- and 5-bit codes the registers
+/// run short (`--kernel`, one 1536x576 Q4_1 call of 4 rows: 58-64 us in registers, against
+/// 47-49 us as 3 + 1 or 2 + 2, on AVX2 and VNNI alike); Q8_0's dot holds fewer values per
+/// row and gains to four (4 rows 108 us against 142 as 3 + 1 with VNNI, 195 against 241 on
+/// AVX2).
+const fn register_rows<F: Fmt>() -> usize {
     if F::Q8 {
         4
     } else {
@@ -43,6 +47,38 @@ pub(super) unsafe fn run<F: Fmt>(
     groups: Range<usize>,
     out: OutMatrix,
 ) {
+    // SAFETY: forwarded.
+    unsafe { run_with::<F, false>(w, act, groups, out) }
+}
+
+/// [`run`] with the dots on AVX-VNNI's `vpdpbusd`: one instruction where AVX2 takes a
+/// `maddubs`, an i16 add and a share of a `madd`. The i32 sums are the same integers (AVX2's
+/// i16 steps never saturate, and `vpdpbusd` adds exactly), so outputs are bit-identical.
+/// Q8_0's signed codes go in as `w + 128` (unsigned) with `128 * sum(qa)` taken off after,
+/// which drops AVX2's per-row `sign`.
+///
+/// # Safety
+/// As [`run`], and the CPU must support AVX-VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(super) unsafe fn run_vnni<F: Fmt>(
+    w: &PackedView<'_>,
+    act: &QuantizedRows,
+    groups: Range<usize>,
+    out: OutMatrix,
+) {
+    // SAFETY: forwarded.
+    unsafe { run_with::<F, true>(w, act, groups, out) }
+}
+
+/// The body of [`run`] and [`run_vnni`], inlined into each so every intrinsic is compiled
+/// with its caller's features.
+#[inline(always)]
+unsafe fn run_with<F: Fmt, const VNNI: bool>(
+    w: &PackedView<'_>,
+    act: &QuantizedRows,
+    groups: Range<usize>,
+    out: OutMatrix,
+) {
     let layout = RecordLayout::of(w.format());
     // Q8_0 keeps two vectors per group (|w| and w), so half as many blocks fit.
     let chunk = if F::Q8 { 4 } else { 8 };
@@ -53,12 +89,12 @@ pub(super) unsafe fn run<F: Fmt>(
         accs,
         acts,
     } = &mut *ws;
-    if act.rows <= direct_rows::<F>() {
+    if act.rows <= register_rows::<F>() {
         row_tiles!(act.rows, |r0, R| {
             let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
             // SAFETY: the rows hold every block of the weight's rows; the task owns these
             // groups' outputs of every row.
-            unsafe { direct::<F, R>(w, &layout, &rows, r0, groups.clone(), out) }
+            unsafe { direct::<F, R, VNNI>(w, &layout, &rows, r0, groups.clone(), out) }
         });
         return ws.give_back();
     }
@@ -66,19 +102,19 @@ pub(super) unsafe fn run<F: Fmt>(
         for g in groups.clone() {
             let mut r0 = 0;
             while r0 < act.rows {
-                // Tiles of at most three rows (what the registers hold), four as two and two.
-                let take = match act.rows - r0 {
-                    4 => 2,
-                    left => left.min(3),
-                };
+                // As few tiles as the registers allow, as even as they can be (four rows of
+                // 4- and 5-bit codes: two and two).
+                let left = act.rows - r0;
+                let take = left.div_ceil(left.div_ceil(register_rows::<F>()));
                 macro_rules! tile {
                     ($R:literal) => {{
                         let rows: [Act; $R] = std::array::from_fn(|i| acts[r0 + i]);
                         // SAFETY: as above, for group `g` alone.
-                        unsafe { direct::<F, $R>(w, &layout, &rows, r0, g..g + 1, out) }
+                        unsafe { direct::<F, $R, VNNI>(w, &layout, &rows, r0, g..g + 1, out) }
                     }};
                 }
                 match take {
+                    4 => tile!(4),
                     3 => tile!(3),
                     2 => tile!(2),
                     _ => tile!(1),
@@ -113,7 +149,7 @@ pub(super) unsafe fn run<F: Fmt>(
                         accv[r] = _mm256_loadu_ps(acc[r]);
                     }
                     for b in 0..nbk {
-                        block_rows::<F, Scratch, R>(s, b, &rows, &mut accv);
+                        block_rows::<F, Scratch, R, VNNI>(s, b, &rows, &mut accv);
                     }
                     for r in 0..R {
                         _mm256_storeu_ps(acc[r], accv[r]);
@@ -132,7 +168,7 @@ pub(super) unsafe fn run<F: Fmt>(
 /// of an output form one chain of dependent fused multiply-adds, and two groups' chains
 /// overlap where one would leave the core waiting.
 #[inline(always)]
-unsafe fn direct<F: Fmt, const R: usize>(
+unsafe fn direct<F: Fmt, const R: usize, const VNNI: bool>(
     w: &PackedView<'_>,
     layout: &RecordLayout,
     rows: &[Act; R],
@@ -143,19 +179,19 @@ unsafe fn direct<F: Fmt, const R: usize>(
     let mut g = groups.start;
     if R == 1 {
         while g + 2 <= groups.end {
-            direct_groups::<F, R, 2>(w, layout, rows, first, g, out);
+            direct_groups::<F, R, 2, VNNI>(w, layout, rows, first, g, out);
             g += 2;
         }
     }
     while g < groups.end {
-        direct_groups::<F, R, 1>(w, layout, rows, first, g, out);
+        direct_groups::<F, R, 1, VNNI>(w, layout, rows, first, g, out);
         g += 1;
     }
 }
 
 /// Groups `g0..g0 + G` for rows `first..first + R`, decoded in registers.
 #[inline(always)]
-unsafe fn direct_groups<F: Fmt, const R: usize, const G: usize>(
+unsafe fn direct_groups<F: Fmt, const R: usize, const G: usize, const VNNI: bool>(
     w: &PackedView<'_>,
     layout: &RecordLayout,
     rows: &[Act; R],
@@ -177,7 +213,7 @@ unsafe fn direct_groups<F: Fmt, const R: usize, const G: usize>(
     for b in 0..nb {
         for i in 0..G {
             src[i].prefetch(b);
-            block_rows::<F, _, R>(&src[i], b, rows, &mut accv[i]);
+            block_rows::<F, _, R, VNNI>(&src[i], b, rows, &mut accv[i]);
         }
     }
     for (i, sums) in accv.iter().enumerate() {
@@ -303,9 +339,9 @@ unsafe fn decode<F: Fmt>(s: &mut Scratch, k: usize, rec: *const u8, layout: &Rec
 }
 
 /// `R` rows times block `b` of `src` (the rows' block `b` is the activation block it meets),
-/// added to their running sums `accv`.
+/// added to their running sums `accv`; with `VNNI`, on `vpdpbusd` (see [`run_vnni`]).
 #[inline(always)]
-unsafe fn block_rows<F: Fmt, C: Codes, const R: usize>(
+unsafe fn block_rows<F: Fmt, C: Codes, const R: usize, const VNNI: bool>(
     src: &C,
     b: usize,
     rows: &[Act; R],
@@ -315,7 +351,29 @@ unsafe fn block_rows<F: Fmt, C: Codes, const R: usize>(
     let offset = _mm_cvtsi32_si128(F::OFFSET);
     // Loops, not closures: intrinsics in a closure lack this function's target features.
     let mut isum = [_mm256_setzero_si256(); R];
-    if F::Q8 {
+    if VNNI && F::Q8 {
+        let flip = _mm256_set1_epi8(i8::MIN);
+        for v in 0..8 {
+            // `w ^ 0x80` is `w + 128` as an unsigned byte.
+            let biased = _mm256_xor_si256(src.signed(b, v).1, flip);
+            for r in 0..R {
+                let a = bcast4(rows[r].qa.add(32 * b + 4 * v));
+                isum[r] = _mm256_dpbusd_avx_epi32(isum[r], biased, a);
+            }
+        }
+        for r in 0..R {
+            let bias = _mm256_slli_epi32::<7>(_mm256_set1_epi32(*rows[r].bsum.add(b)));
+            isum[r] = _mm256_sub_epi32(isum[r], bias);
+        }
+    } else if VNNI {
+        for v in 0..8 {
+            let wv = src.codes(b, v);
+            for r in 0..R {
+                let a = bcast4(rows[r].qa.add(32 * b + 4 * v));
+                isum[r] = _mm256_dpbusd_avx_epi32(isum[r], wv, a);
+            }
+        }
+    } else if F::Q8 {
         for v in 0..8 {
             let (wabs, wsig) = src.signed(b, v);
             for r in 0..R {
@@ -338,11 +396,12 @@ unsafe fn block_rows<F: Fmt, C: Codes, const R: usize>(
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], ones));
             }
         }
-        if F::OFFSET != 0 {
-            for r in 0..R {
-                let o = _mm256_sll_epi32(_mm256_set1_epi32(*rows[r].bsum.add(b)), offset);
-                isum[r] = _mm256_sub_epi32(isum[r], o);
-            }
+    }
+    // Formats with a code offset (Q4_0, Q5_0): Q8_0 has none.
+    if F::OFFSET != 0 {
+        for r in 0..R {
+            let o = _mm256_sll_epi32(_mm256_set1_epi32(*rows[r].bsum.add(b)), offset);
+            isum[r] = _mm256_sub_epi32(isum[r], o);
         }
     }
     let (d, d2) = src.scales(b);

@@ -182,28 +182,40 @@ mod formats {
     }
 }
 
-/// Output features of groups `groups`, every row of `act`, into `out` (no bias).
+/// Output features of groups `groups`, every row of `act`, into `out` (no bias). With
+/// `vnni`, the legacy formats' dots run on `vpdpbusd` (the same integers: see [`legacy`]);
+/// the K-quants keep `maddubs`, whose `madd` with the sub-block scales they need anyway.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `act` must hold the blocks `w` reads
-/// (Q8 for legacy formats, Q8K for K-quants) of `w.in_features()` columns.
+/// The CPU must support AVX2, FMA and F16C, and AVX-VNNI where `vnni`; `act` must hold the
+/// blocks `w` reads (Q8 for legacy formats, Q8K for K-quants) of `w.in_features()` columns.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quant_groups(
     w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,
     out: OutMatrix,
+    vnni: bool,
 ) {
     use formats::*;
     use BlockFormat as F;
+    macro_rules! legacy {
+        ($f:ty) => {
+            if vnni {
+                legacy::run_vnni::<$f>(w, act, groups, out)
+            } else {
+                legacy::run::<$f>(w, act, groups, out)
+            }
+        };
+    }
     // SAFETY (all calls below): forwarded from this function's contract.
     unsafe {
         match w.format() {
-            F::Q4_0 => legacy::run::<Q4_0>(w, act, groups, out),
-            F::Q4_1 => legacy::run::<Q4_1>(w, act, groups, out),
-            F::Q5_0 => legacy::run::<Q5_0>(w, act, groups, out),
-            F::Q5_1 => legacy::run::<Q5_1>(w, act, groups, out),
-            F::Q8_0 => legacy::run::<Q8_0>(w, act, groups, out),
+            F::Q4_0 => legacy!(Q4_0),
+            F::Q4_1 => legacy!(Q4_1),
+            F::Q5_0 => legacy!(Q5_0),
+            F::Q5_1 => legacy!(Q5_1),
+            F::Q8_0 => legacy!(Q8_0),
             F::Q2_K => kquant::run::<Q2_K>(w, act, groups, out),
             F::Q3_K => kquant::run::<Q3_K>(w, act, groups, out),
             F::Q4_K => kquant::run::<Q4_K>(w, act, groups, out),
