@@ -4,10 +4,12 @@
 //! and a memcpy) to compare it with; and the verify-cost table: the median time of a forward
 //! of 1..16 rows of one sequence (rolled back after each) over the one-row step's.
 //!
-//! `cargo bench --bench model_decode [-- PATH] [--cuda]`; without a path it uses
-//! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
+//! `cargo bench --bench model_decode [-- PATH] [--cuda] [--isa=portable|avx2]`; without a
+//! path it uses `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through
+//! `specdraft.models`. `--isa=` holds the CPU kernels to an instruction set below the best
+//! this CPU runs (to measure what AVX-VNNI, say, is worth in the same sitting).
 
-use specdraft::backend::quant::KernelPool;
+use specdraft::backend::quant::{Isa, KernelPool};
 use specdraft::backend::{ArgmaxArgs, CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::{LoadOptions, LogitRows, TargetModel};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,8 +20,21 @@ use std::time::Instant;
 mod default_model;
 use default_model::model_path;
 
-/// The backend: `--cuda` (feature `cuda`) for device 0, else the CPU.
+/// The backend: `--cuda` (feature `cuda`) for device 0, else the CPU (with `--isa`, held to
+/// that instruction set).
 fn backend() -> Arc<dyn GpuBackend> {
+    if let Some(name) = std::env::args().find_map(|a| a.strip_prefix("--isa=").map(String::from)) {
+        let isa = match name.as_str() {
+            "portable" => Isa::Portable,
+            "avx2" => Isa::Avx2,
+            "avx2-vnni" => Isa::Avx2Vnni,
+            other => panic!("--isa= takes portable, avx2 or avx2-vnni, not {other:?}"),
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let pool = KernelPool::with_options(threads, isa, KernelPool::DEFAULT_SPIN);
+        eprintln!("model_decode: kernels on {:?}", pool.isa());
+        return Arc::new(CpuBackend::with_kernel_pool(pool));
+    }
     if std::env::args().any(|a| a == "--cuda") {
         #[cfg(feature = "cuda")]
         return Arc::new(specdraft::backend::CudaBackend::new(0).expect("CUDA device 0"));
