@@ -422,9 +422,9 @@ fn quant_units(
     }
     #[cfg(target_arch = "x86_64")]
     if isa.avx2() {
-        // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C, and VNNI
-        // only when it also has AVX-VNNI; `act` holds the blocks of the kind this format reads.
-        return unsafe { super::avx2::quant_groups(w, act, full, outm, isa == Isa::Avx2Vnni) };
+        // SAFETY: the pool reports an instruction set only where the CPU has it; `act` holds
+        // the blocks of the kind this format reads.
+        return unsafe { super::avx2::quant_groups(w, act, full, outm, isa) };
     }
     let _ = isa;
     let outputs = full.start * GROUP_ROWS..full.end * GROUP_ROWS;

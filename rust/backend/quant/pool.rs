@@ -44,6 +44,10 @@ pub enum Isa {
     Avx2,
     /// AVX2 plus AVX-VNNI: the legacy-format quantized dots use `vpdpbusd`.
     Avx2Vnni,
+    /// AVX2, AVX-VNNI and AVX-512 (F, BW, VL, VNNI): the legacy-format quantized dots of a
+    /// few rows take two eight-row groups per 512-bit register. (A CPU with AVX-512 VNNI but
+    /// not AVX-VNNI, as before Sapphire Rapids, runs [`Isa::Avx2`].)
+    Avx512Vnni,
 }
 
 impl Isa {
@@ -55,6 +59,13 @@ impl Isa {
             && std::arch::is_x86_feature_detected!("f16c")
         {
             if std::arch::is_x86_feature_detected!("avxvnni") {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx512vnni")
+                {
+                    return Isa::Avx512Vnni;
+                }
                 return Isa::Avx2Vnni;
             }
             return Isa::Avx2;
@@ -69,7 +80,7 @@ impl Isa {
 
     /// Every instruction set this CPU runs, the portable one first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni]
+        [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512Vnni]
             .into_iter()
             .filter(|&isa| isa <= Isa::detect())
             .collect()

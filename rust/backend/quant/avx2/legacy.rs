@@ -73,7 +73,7 @@ pub(super) unsafe fn run_vnni<F: Fmt>(
 /// The body of [`run`] and [`run_vnni`], inlined into each so every intrinsic is compiled
 /// with its caller's features.
 #[inline(always)]
-unsafe fn run_with<F: Fmt, const VNNI: bool>(
+pub(super) unsafe fn run_with<F: Fmt, const VNNI: bool>(
     w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,

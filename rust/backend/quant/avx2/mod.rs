@@ -20,12 +20,13 @@
 use super::activation::QuantizedRows;
 use super::linear::OutMatrix;
 use super::packed::{RecordLayout, GROUP_ROWS};
-use super::{BlockFormat, PackedView};
+use super::{BlockFormat, Isa, PackedView};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 mod kquant;
 mod legacy;
+mod zmm;
 
 /// One decoded chunk of a group: a K-quant super-block, or up to 8 legacy blocks (4 for Q8_0).
 #[repr(C)]
@@ -183,28 +184,29 @@ mod formats {
 }
 
 /// Output features of groups `groups`, every row of `act`, into `out` (no bias). With
-/// `vnni`, the legacy formats' dots run on `vpdpbusd` (the same integers: see [`legacy`]);
-/// the K-quants keep `maddubs`, whose `madd` with the sub-block scales they need anyway.
+/// AVX-VNNI the legacy formats' dots run on `vpdpbusd` (the same integers: see [`legacy`]),
+/// with AVX-512 VNNI too, calls of a few rows on 512-bit registers ([`zmm`]); the K-quants
+/// keep `maddubs`, whose `madd` with the sub-block scales they need anyway.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C, and AVX-VNNI where `vnni`; `act` must hold the
-/// blocks `w` reads (Q8 for legacy formats, Q8K for K-quants) of `w.in_features()` columns.
+/// The CPU must support `isa` (at least AVX2, FMA and F16C); `act` must hold the blocks `w`
+/// reads (Q8 for legacy formats, Q8K for K-quants) of `w.in_features()` columns.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quant_groups(
     w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,
     out: OutMatrix,
-    vnni: bool,
+    isa: Isa,
 ) {
     use formats::*;
     use BlockFormat as F;
     macro_rules! legacy {
         ($f:ty) => {
-            if vnni {
-                legacy::run_vnni::<$f>(w, act, groups, out)
-            } else {
-                legacy::run::<$f>(w, act, groups, out)
+            match isa {
+                Isa::Avx512Vnni => zmm::run::<$f>(w, act, groups, out),
+                Isa::Avx2Vnni => legacy::run_vnni::<$f>(w, act, groups, out),
+                _ => legacy::run::<$f>(w, act, groups, out),
             }
         };
     }

@@ -1,0 +1,185 @@
+//! The legacy formats' dot on AVX-512 VNNI: two eight-row groups side by side in one 512-bit
+//! register, for calls of up to [`ZMM_ROWS`] rows (a decode step, a verify of a few drafts).
+//!
+//! The same dot as [`super::legacy`]'s VNNI build, twice as wide: a 512-bit group-vector is
+//! group `g`'s four elements of its eight rows in the low half and group `g + 1`'s in the
+//! high half (their records follow each other in memory), so one broadcast of a row's four
+//! activation codes and one `vpdpbusd` serve sixteen outputs. AVX-512's 32 registers hold a
+//! tile of up to [`ZMM_TILE`] rows, so a verify's rows meet each decoded group-vector in
+//! registers and the records are decoded once per tile, not once per three rows.
+//!
+//! Invariants: the i32 sums are the same integers as every other path's, and each output
+//! lane runs the same f32 operations in the same order as [`super::dot_portable`], so
+//! results are bit-identical to the portable path whatever the instruction set. A task's odd
+//! last group, and calls of more rows, go to the 256-bit VNNI build.
+
+use super::legacy;
+use super::*;
+
+/// Calls of at most this many rows take the 512-bit path.
+const ZMM_ROWS: usize = 16;
+
+/// The most rows one tile holds in registers (two per row: i32 and f32 sums).
+const ZMM_TILE: usize = 8;
+
+/// Output features of groups `groups`, every row of `act` (Q8 blocks), into `out`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C, AVX-VNNI, AVX-512 F/BW/VL and AVX-512 VNNI; `w` is
+/// of format `F`.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn run<F: Fmt>(
+    w: &PackedView<'_>,
+    act: &QuantizedRows,
+    groups: Range<usize>,
+    out: OutMatrix,
+) {
+    let pairs_end = groups.start + groups.len() / 2 * 2;
+    if act.rows > ZMM_ROWS || pairs_end == groups.start {
+        // SAFETY: forwarded; the 256-bit build needs a subset of these features.
+        return unsafe { legacy::run_with::<F, true>(w, act, groups, out) };
+    }
+    let layout = RecordLayout::of(w.format());
+    let ws = Workspace::take(act);
+    let acts = &ws.acts;
+    for g in (groups.start..pairs_end).step_by(2) {
+        let mut r0 = 0;
+        while r0 < act.rows {
+            // As few tiles as the registers allow, as even as they can be: the pair's records
+            // stay in L1 from one tile to the next.
+            let left = act.rows - r0;
+            let take = left.div_ceil(left.div_ceil(ZMM_TILE));
+            macro_rules! tile {
+                ($R:literal) => {{
+                    let rows: [Act; $R] = std::array::from_fn(|i| acts[r0 + i]);
+                    // SAFETY: the rows hold every block of the weight's rows; the task owns
+                    // groups `g` and `g + 1`'s outputs of every row.
+                    unsafe { pair::<F, $R>(w, &layout, &rows, r0, g, out) }
+                }};
+            }
+            match take {
+                8 => tile!(8),
+                7 => tile!(7),
+                6 => tile!(6),
+                5 => tile!(5),
+                4 => tile!(4),
+                3 => tile!(3),
+                2 => tile!(2),
+                _ => tile!(1),
+            }
+            r0 += take;
+        }
+    }
+    ws.give_back();
+    if pairs_end < groups.end {
+        // SAFETY: as above, for the last group.
+        unsafe { legacy::run_with::<F, true>(w, act, pairs_end..groups.end, out) };
+    }
+}
+
+/// Groups `g` and `g + 1` for rows `first..first + R` (`rows`, from their first block),
+/// decoded in registers, written to their sixteen outputs.
+#[inline(always)]
+unsafe fn pair<F: Fmt, const R: usize>(
+    w: &PackedView<'_>,
+    layout: &RecordLayout,
+    rows: &[Act; R],
+    first: usize,
+    g: usize,
+    out: OutMatrix,
+) {
+    let nb = w.blocks();
+    let lo = w.group_records(g);
+    let hi = w.group_records(g + 1);
+    let record_bytes = lo.len() / nb;
+    let flip = _mm512_set1_epi8(i8::MIN);
+    let mut accv = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        let rec = [lo.as_ptr(), hi.as_ptr()].map(|p| p.add(b * record_bytes));
+        prefetch_ahead(rec[0], record_bytes);
+        prefetch_ahead(rec[1], record_bytes);
+        let mut isum = [_mm512_setzero_si512(); R];
+        for v in 0..8 {
+            let codes = if F::Q8 {
+                // `w ^ 0x80` is `w + 128` as an unsigned byte; `128 * sum(qa)` comes off below.
+                let at = layout.planes[0].0 + 32 * v;
+                _mm512_xor_si512(halves(rec[0].add(at), rec[1].add(at)), flip)
+            } else {
+                let x = plane_vector(&rec, layout.planes[0].0, F::W1, 0, v);
+                if F::W2 == 0 {
+                    x
+                } else {
+                    _mm512_or_si512(x, plane_vector(&rec, layout.planes[1].0, F::W2, F::D2, v))
+                }
+            };
+            for r in 0..R {
+                let a = _mm512_set1_epi32(
+                    rows[r]
+                        .qa
+                        .add(32 * b + 4 * v)
+                        .cast::<i32>()
+                        .read_unaligned(),
+                );
+                isum[r] = _mm512_dpbusd_epi32(isum[r], codes, a);
+            }
+        }
+        // Q8_0's bias of 128 and the code offsets of Q4_0 and Q5_0 (`2^OFFSET`).
+        let shift = if F::Q8 { 7 } else { F::OFFSET };
+        if F::Q8 || F::OFFSET != 0 {
+            for r in 0..R {
+                let o = _mm512_set1_epi32(*rows[r].bsum.add(b) << shift);
+                isum[r] = _mm512_sub_epi32(isum[r], o);
+            }
+        }
+        let d = f16x16(rec[0], rec[1]);
+        let d2 = match layout.d2 {
+            Some(at) => f16x16(rec[0].add(at), rec[1].add(at)),
+            None => _mm512_setzero_ps(),
+        };
+        for r in 0..R {
+            let scale = _mm512_mul_ps(d, _mm512_set1_ps(*rows[r].d.add(b)));
+            accv[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum[r]), accv[r]);
+            if F::AFFINE {
+                accv[r] = _mm512_fmadd_ps(d2, _mm512_set1_ps(*rows[r].sum.add(b)), accv[r]);
+            }
+        }
+    }
+    for (r, &sum) in accv.iter().enumerate() {
+        // SAFETY: the caller owns these sixteen outputs of row `first + r`.
+        _mm512_storeu_ps(out.at(first + r, g * GROUP_ROWS), sum);
+    }
+}
+
+/// The 32 bytes at `lo` and the 32 at `hi` as one register, `lo` in the low half.
+#[inline(always)]
+unsafe fn halves(lo: *const u8, hi: *const u8) -> __m512i {
+    let low = _mm512_castsi256_si512(_mm256_loadu_si256(lo.cast()));
+    _mm512_inserti64x4::<1>(low, _mm256_loadu_si256(hi.cast()))
+}
+
+/// The eight f16 at `lo` and the eight at `hi` as sixteen f32.
+#[inline(always)]
+unsafe fn f16x16(lo: *const u8, hi: *const u8) -> __m512 {
+    let low = _mm256_castsi128_si256(_mm_loadu_si128(lo.cast()));
+    _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+        low,
+        _mm_loadu_si128(hi.cast()),
+    ))
+}
+
+/// Group-vector `v` of both records' `w`-bit plane at byte `plane`, at bit `dest` of the code
+/// (the 512-bit form of the 256-bit kernel's register decode).
+#[inline(always)]
+unsafe fn plane_vector(rec: &[*const u8; 2], plane: usize, w: u32, dest: u32, v: usize) -> __m512i {
+    let per_slot = 8 / (8 / w as usize);
+    let (c, s) = (v % per_slot, v / per_slot);
+    let mask = _mm512_set1_epi8((((1u16 << w) - 1) << dest) as u8 as i8);
+    let x = halves(rec[0].add(plane + 32 * c), rec[1].add(plane + 32 * c));
+    let by = dest as i32 - (s as u32 * w) as i32;
+    let x = if by >= 0 {
+        _mm512_sll_epi16(x, _mm_cvtsi32_si128(by))
+    } else {
+        _mm512_srl_epi16(x, _mm_cvtsi32_si128(-by))
+    };
+    _mm512_and_si512(x, mask)
+}
