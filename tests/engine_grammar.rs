@@ -22,7 +22,7 @@ struct Cyclic {
 
 impl Cyclic {
     fn allows(&self, t: u32) -> bool {
-        self.step < self.limit && (t as usize + self.step) % 3 == 0
+        self.step < self.limit && (t as usize + self.step).is_multiple_of(3)
     }
 }
 
@@ -157,7 +157,9 @@ fn propose_receives_the_mask_of_the_next_position() {
     for (pos, allowed) in masks.iter() {
         // `pos` holds the last emitted token, generated step pos - 3; drafts start a step later.
         let step = pos - prompt.len() + 1;
-        let expect: Vec<u32> = (0..48).filter(|&t| (t as usize + step) % 3 == 0).collect();
+        let expect: Vec<u32> = (0..48)
+            .filter(|&t| (t as usize + step).is_multiple_of(3))
+            .collect();
         assert_eq!(allowed, &expect, "position {pos}");
     }
 }

@@ -63,7 +63,10 @@ impl ModelConfig {
                 return bad(key, "must be greater than zero".into());
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return bad(
                 "num_key_value_heads",
                 format!(
@@ -72,7 +75,7 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(
                 "head_dim",
                 format!("{} is odd; RoPE rotates pairs", self.head_dim),

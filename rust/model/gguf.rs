@@ -169,7 +169,7 @@ fn place_tensor(
     file_len: usize,
 ) -> Result<(usize, usize), ModelError> {
     let name = &info.name;
-    if info.offset % align != 0 {
+    if !info.offset.is_multiple_of(align) {
         return Err(r.out_of_range(
             format!("the data offset of tensor {name:?}"),
             info.offset,

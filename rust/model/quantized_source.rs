@@ -38,7 +38,7 @@ fn quantizable(t: &RawTensor<'_>, name: &str, format: BlockFormat) -> bool {
         TensorType::F32 | TensorType::F16 | TensorType::Bf16
     ) && name.ends_with(".weight")
         && t.shape.len() == 2
-        && t.shape[1] % format.block_len() == 0
+        && t.shape[1].is_multiple_of(format.block_len())
 }
 
 /// The values of an F32/F16/BF16 tensor, exactly (a loader guarantees the byte count).

@@ -92,7 +92,7 @@ pub fn write_gguf(
         offsets.push(offset);
         offset += data.len().div_ceil(32) * 32;
     }
-    while out.len() % 32 != 0 {
+    while !out.len().is_multiple_of(32) {
         out.push(0);
     }
     let base = out.len();

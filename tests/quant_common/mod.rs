@@ -102,4 +102,5 @@ pub fn quantized() -> impl Iterator<Item = BlockFormat> {
 }
 
 /// The interpreter with numpy and gguf.
+#[allow(unused_imports)]
 pub use default_model::python;

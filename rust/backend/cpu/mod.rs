@@ -164,7 +164,7 @@ impl AllocFaults {
         let k = self.attempts.fetch_add(1, Ordering::Relaxed);
         let first = self.first.load(Ordering::Relaxed);
         let every = self.every.load(Ordering::Relaxed);
-        let fail = k >= first && (k == first || (every > 0 && (k - first) % every == 0));
+        let fail = k >= first && (k == first || (every > 0 && (k - first).is_multiple_of(every)));
         if fail {
             self.injected.fetch_add(1, Ordering::Relaxed);
         }

@@ -109,7 +109,7 @@ impl LinearWeight {
                 block_scales,
                 global_scale,
             } => {
-                if in_features % NVFP4_BLOCK != 0 {
+                if !in_features.is_multiple_of(NVFP4_BLOCK) {
                     return Err(invalid(
                         op,
                         format!(

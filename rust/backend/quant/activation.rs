@@ -217,7 +217,7 @@ mod avx2 {
     /// The CPU must support AVX2; `x.len() == q.len()` is a multiple of 32.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
-        assert!(x.len() == q.len() && x.len() % 32 == 0);
+        assert!(x.len() == q.len() && x.len().is_multiple_of(32));
         let sign = _mm256_set1_ps(-0.0);
         let inf = _mm256_set1_ps(f32::INFINITY);
         let (mut amax, mut bad) = (_mm256_setzero_ps(), _mm256_setzero_ps());

@@ -149,7 +149,7 @@ impl BlockFormat {
     /// Blocks in a row of `len` elements; an error unless `len` is a whole number of blocks.
     pub fn blocks_per_row(self, len: usize) -> Result<usize, QuantError> {
         let block_len = self.block_len();
-        if len % block_len != 0 {
+        if !len.is_multiple_of(block_len) {
             return Err(QuantError::NotBlockAligned {
                 format: self,
                 len,

@@ -201,7 +201,7 @@ impl Shared {
             }
             std::hint::spin_loop();
             spins += 1;
-            if spins % 256 != 0 {
+            if !spins.is_multiple_of(256) {
                 continue;
             }
             let waited = start.elapsed();

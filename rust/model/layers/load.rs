@@ -86,7 +86,7 @@ pub fn load_linear(
             expected,
             found,
         };
-    if w.shape != [out_f, in_f / 2] || in_f % 16 != 0 {
+    if w.shape != [out_f, in_f / 2] || !in_f.is_multiple_of(16) {
         return Err(shape_err(&wname, vec![out_f, in_f / 2], w.shape.clone()).into());
     }
     let sname = format!("{base}.weight_scale");

@@ -117,7 +117,7 @@ impl MoeMlp {
                     }
                 }
                 let groups = self.n_group.max(1);
-                if groups > 1 && n % groups == 0 && self.topk_group < groups {
+                if groups > 1 && n.is_multiple_of(groups) && self.topk_group < groups {
                     let per = n / groups;
                     let mut gscore: Vec<(usize, f32)> = (0..groups)
                         .map(|g| {

@@ -96,7 +96,7 @@ fn options_problem(options: &CheckOptions) -> Option<String> {
             options.vocab_size
         ));
     }
-    if options.hidden_size == 0 || options.hidden_size % 16 != 0 {
+    if options.hidden_size == 0 || !options.hidden_size.is_multiple_of(16) {
         return Some(format!(
             "hidden_size must be a positive multiple of 16, got {}",
             options.hidden_size

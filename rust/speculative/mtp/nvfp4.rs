@@ -124,7 +124,7 @@ pub fn quantize_nvfp4(
     out_features: usize,
     in_features: usize,
 ) -> Result<Nvfp4Host, ProposerError> {
-    if in_features == 0 || in_features % NVFP4_BLOCK != 0 {
+    if in_features == 0 || !in_features.is_multiple_of(NVFP4_BLOCK) {
         return Err(bad_shape(format!(
             "in_features {in_features} must be a positive multiple of {NVFP4_BLOCK}"
         )));
@@ -162,7 +162,7 @@ pub fn quantize_nvfp4(
             for (j, &x) in block.iter().enumerate() {
                 let c = e2m1_from_f32(x / denom);
                 let idx = b * NVFP4_BLOCK + j;
-                codes[idx / 2] |= if idx % 2 == 0 { c } else { c << 4 };
+                codes[idx / 2] |= if idx.is_multiple_of(2) { c } else { c << 4 };
             }
         }
     }

@@ -50,7 +50,7 @@ pub(crate) fn check_weights(
             config.vocab_size
         )));
     }
-    if h % 16 != 0 {
+    if !h.is_multiple_of(16) {
         return Err(invalid(format!(
             "hidden_size {h} must be a multiple of 16 for the NVFP4 LM head"
         )));
@@ -65,7 +65,7 @@ pub(crate) fn check_weights(
 /// group boundary: any other `n` is an error.
 pub(crate) fn first_rows(lin: &Linear, n: usize) -> crate::Result<Linear> {
     if let Linear::Packed(q) = lin {
-        if q.format.is_quantized() && n % GROUP_ROWS != 0 && n != q.out_features {
+        if q.format.is_quantized() && !n.is_multiple_of(GROUP_ROWS) && n != q.out_features {
             return Err(invalid(format!(
                 "a draft vocabulary of {n} rows of the {} LM head: the head reads its first rows in place, which needs a multiple of {GROUP_ROWS}",
                 q.format

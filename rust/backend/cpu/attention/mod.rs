@@ -451,7 +451,11 @@ impl CacheReader<'_> {
     #[inline(always)]
     fn load_keys(&self, j0: usize, keys: &mut [f32]) {
         let hd = self.shape.head_dim;
-        if cfg!(target_arch = "x86_64") && self.avx2 && hd % 8 == 0 && j0 + KEYS <= self.ctx {
+        if cfg!(target_arch = "x86_64")
+            && self.avx2
+            && hd.is_multiple_of(8)
+            && j0 + KEYS <= self.ctx
+        {
             let rows: [&[bf16]; KEYS] = std::array::from_fn(|jj| {
                 let at = self.cache_at(j0 + jj);
                 &self.inputs.k_cache[at..at + hd]
