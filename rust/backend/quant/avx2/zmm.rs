@@ -1,26 +1,33 @@
 //! The legacy formats' dot on AVX-512 VNNI: two eight-row groups side by side in one 512-bit
-//! register, for calls of up to [`ZMM_ROWS`] rows (a decode step, a verify of a few drafts).
+//! register.
 //!
 //! The same dot as [`super::legacy`]'s VNNI build, twice as wide: a 512-bit group-vector is
 //! group `g`'s four elements of its eight rows in the low half and group `g + 1`'s in the
 //! high half (their records follow each other in memory), so one broadcast of a row's four
 //! activation codes and one `vpdpbusd` serve sixteen outputs. AVX-512's 32 registers hold a
-//! tile of up to [`ZMM_TILE`] rows, so a verify's rows meet each decoded group-vector in
-//! registers and the records are decoded once per tile, not once per three rows.
+//! tile of up to [`zmm_tile`] rows, so a verify's rows meet each decoded group-vector in
+//! registers and the records are decoded once per tile, not once per three rows. Rows go in
+//! chunks of [`ROW_TILE`], so a chunk's activations stay in cache while every pair passes.
 //!
 //! Invariants: the i32 sums are the same integers as every other path's, and each output
 //! lane runs the same f32 operations in the same order as [`super::dot_portable`], so
 //! results are bit-identical to the portable path whatever the instruction set. A task's odd
-//! last group, and calls of more rows, go to the 256-bit VNNI build.
+//! last group goes to the 256-bit VNNI build.
 
 use super::legacy;
 use super::*;
 
-/// Calls of at most this many rows take the 512-bit path.
-const ZMM_ROWS: usize = 16;
-
-/// The most rows one tile holds in registers (two per row: i32 and f32 sums).
-const ZMM_TILE: usize = 8;
+/// The most rows one tile holds in registers (two per row, its i32 and f32 sums). Eight fit
+/// 32 registers, and Q8_0 (whose decode is one `xor`) gains from them (`--kernel`, the
+/// 4096x576 head at 8 rows: 130 us in one tile, 164 as 4 + 4); 4- and 5-bit codes keep more
+/// decode registers live and lose (Q4_1 1536x576 at 8 rows: 72 us in one tile, 66 as 4 + 4).
+const fn zmm_tile<F: Fmt>() -> usize {
+    if F::Q8 {
+        8
+    } else {
+        6
+    }
+}
 
 /// Output features of groups `groups`, every row of `act` (Q8 blocks), into `out`.
 ///
@@ -35,39 +42,39 @@ pub(super) unsafe fn run<F: Fmt>(
     out: OutMatrix,
 ) {
     let pairs_end = groups.start + groups.len() / 2 * 2;
-    if act.rows > ZMM_ROWS || pairs_end == groups.start {
-        // SAFETY: forwarded; the 256-bit build needs a subset of these features.
-        return unsafe { legacy::run_with::<F, true>(w, act, groups, out) };
-    }
     let layout = RecordLayout::of(w.format());
     let ws = Workspace::take(act);
     let acts = &ws.acts;
-    for g in (groups.start..pairs_end).step_by(2) {
-        let mut r0 = 0;
-        while r0 < act.rows {
-            // As few tiles as the registers allow, as even as they can be: the pair's records
-            // stay in L1 from one tile to the next.
-            let left = act.rows - r0;
-            let take = left.div_ceil(left.div_ceil(ZMM_TILE));
-            macro_rules! tile {
-                ($R:literal) => {{
-                    let rows: [Act; $R] = std::array::from_fn(|i| acts[r0 + i]);
-                    // SAFETY: the rows hold every block of the weight's rows; the task owns
-                    // groups `g` and `g + 1`'s outputs of every row.
-                    unsafe { pair::<F, $R>(w, &layout, &rows, r0, g, out) }
-                }};
+    for c0 in (0..act.rows).step_by(ROW_TILE) {
+        let chunk = c0..act.rows.min(c0 + ROW_TILE);
+        for g in (groups.start..pairs_end).step_by(2) {
+            let mut r0 = chunk.start;
+            while r0 < chunk.end {
+                // As few tiles as the registers allow, as even as they can be: the pair's records
+                // stay in L1 from one tile to the next.
+                let left = chunk.end - r0;
+                let take = left.div_ceil(left.div_ceil(zmm_tile::<F>()));
+                macro_rules! tile {
+                    ($R:literal) => {{
+                        let rows: [Act; $R] = std::array::from_fn(|i| acts[r0 + i]);
+                        // SAFETY: the rows hold every block of the weight's rows; the task owns
+                        // groups `g` and `g + 1`'s outputs of every row.
+                        unsafe { pair::<F, $R>(w, &layout, &rows, r0, g, out) }
+                    }};
+                }
+                match take {
+                    8 => tile!(8),
+                    7 => tile!(7),
+                    6 => tile!(6),
+                    5 => tile!(5),
+                    4 => tile!(4),
+                    3 => tile!(3),
+                    2 => tile!(2),
+                    1 => tile!(1),
+                    _ => unreachable!("a tile holds at most eight rows"),
+                }
+                r0 += take;
             }
-            match take {
-                8 => tile!(8),
-                7 => tile!(7),
-                6 => tile!(6),
-                5 => tile!(5),
-                4 => tile!(4),
-                3 => tile!(3),
-                2 => tile!(2),
-                _ => tile!(1),
-            }
-            r0 += take;
         }
     }
     ws.give_back();
