@@ -17,7 +17,7 @@
 //! `cargo bench --bench quant_linear [-- FILTER...] [--quick]`: FILTERs keep the formats
 //! whose name contains one of them. `-- --kernel` prints only the single-thread compute cost
 //! per call (fastest of many batches) by rows, the figure a kernel change moves; `-- --step`
-//! only the `smollm2_step` table.
+//! only the `smollm2_step` table. Both run once per SIMD instruction set this CPU runs.
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -339,7 +339,7 @@ fn bench_case(
 }
 
 /// One SmolLM2-135M forward's linears: 30 layers (q, k, v, o, gate, up, down) in Q4_1, then
-/// the Q8_0 head, for `rows` rows.
+/// the Q8_0 head, for 1 to 128 rows.
 fn smollm2_step(pool: &KernelPool, rng: &mut SmallRng, budget: Duration) -> Value {
     let f = BlockFormat::Q4_1;
     let layer = [
@@ -361,13 +361,13 @@ fn smollm2_step(pool: &KernelPool, rng: &mut SmallRng, budget: Duration) -> Valu
         .collect();
     ws.push(random_weight(rng, BlockFormat::Q8_0, 49152, 576));
     let bytes: usize = ws.iter().map(|w| w.bytes().len()).sum();
-    let x: Vec<f32> = (0..16 * 1536)
+    let x: Vec<f32> = (0..128 * 1536)
         .map(|_| rng.random_range(-1.0..1.0))
         .collect();
-    let mut out = vec![0f32; 16 * 49152];
+    let mut out = vec![0f32; 128 * 49152];
     let mut rows_json = Vec::new();
     let mut one = 0.0;
-    for rows in [1, 2, 5, 9, 16] {
+    for rows in [1, 2, 5, 9, 16, 128] {
         let secs = time(budget, || {
             for w in &ws {
                 let (o, i) = (w.out_features(), w.in_features());
@@ -402,10 +402,16 @@ fn main() {
         return;
     }
     if args.iter().any(|a| a == "--step") {
-        let step = smollm2_step(&pool, &mut rng, budget * 4);
+        // Once per SIMD instruction set this CPU runs, on as many threads as `pool`.
+        let mut steps = Vec::new();
+        for isa in Isa::available().into_iter().filter(|i| i.avx2()) {
+            let pool = KernelPool::with_options(pool.threads(), isa, KernelPool::DEFAULT_SPIN);
+            let step = smollm2_step(&pool, &mut rng, budget * 4);
+            steps.push(json!({"isa": format!("{isa:?}"), "step": step}));
+        }
         println!(
             "{}",
-            serde_json::to_string_pretty(&json!({"smollm2_step": step})).unwrap()
+            serde_json::to_string_pretty(&json!({"smollm2_step": steps})).unwrap()
         );
         return;
     }

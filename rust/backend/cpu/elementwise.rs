@@ -27,7 +27,7 @@
 use super::attention::math::{exp_nonpositive, to_f32, widen};
 use super::shared_out::SharedOut;
 use crate::backend::kernels::{ElementwiseOp, RopeStyle};
-use crate::backend::quant::{Isa, KernelPool, QuantError};
+use crate::backend::quant::{KernelPool, QuantError};
 use half::bf16;
 
 /// Elements widened to f32 scratch at a time (eight AVX2 vectors).
@@ -123,7 +123,7 @@ macro_rules! dispatch {
         match $isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the pool reports AVX2 only where the CPU has it.
-            Isa::Avx2 | Isa::Avx2Vnni => unsafe { $avx2($($arg),*) },
+            isa if isa.avx2() => unsafe { $avx2($($arg),*) },
             _ => $portable($($arg),*),
         }
     };

@@ -3,6 +3,7 @@
 //! batch, and split over the pool.
 
 use super::*;
+use crate::backend::quant::Isa;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;

@@ -29,7 +29,7 @@ pub(super) mod math;
 mod transpose;
 
 use super::shared_out::SharedOut;
-use crate::backend::quant::{Isa, KernelPool, QuantError};
+use crate::backend::quant::{KernelPool, QuantError};
 use half::bf16;
 use math::{add_weighted, score_block, softmax_weights, to_f32, widen};
 use std::cell::RefCell;
@@ -148,7 +148,7 @@ pub(super) fn paged_attention(
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the pool reports AVX2 only where the CPU has it.
-                Isa::Avx2 | Isa::Avx2Vnni => unsafe { task.run_avx2(scratch, shared) },
+                isa if isa.avx2() => unsafe { task.run_avx2(scratch, shared) },
                 _ => task.run(scratch, shared),
             }
         })
@@ -219,9 +219,7 @@ fn widen_shared(
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the pool reports AVX2 only where the CPU has it.
-                Isa::Avx2 | Isa::Avx2Vnni => unsafe {
-                    reader.load_block_avx2(b * KEYS, keys, values)
-                },
+                isa if isa.avx2() => unsafe { reader.load_block_avx2(b * KEYS, keys, values) },
                 _ => reader.load_block(b * KEYS, keys, values),
             }
         })?;
