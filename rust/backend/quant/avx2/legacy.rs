@@ -100,27 +100,11 @@ pub(super) unsafe fn run_with<F: Fmt, const VNNI: bool>(
     }
     if act.rows <= GROUPWISE_DIRECT_ROWS {
         for g in groups.clone() {
-            let mut r0 = 0;
-            while r0 < act.rows {
-                // As few tiles as the registers allow, as even as they can be (four rows of
-                // 4- and 5-bit codes: two and two).
-                let left = act.rows - r0;
-                let take = left.div_ceil(left.div_ceil(register_rows::<F>()));
-                macro_rules! tile {
-                    ($R:literal) => {{
-                        let rows: [Act; $R] = std::array::from_fn(|i| acts[r0 + i]);
-                        // SAFETY: as above, for group `g` alone.
-                        unsafe { direct::<F, $R, VNNI>(w, &layout, &rows, r0, g..g + 1, out) }
-                    }};
-                }
-                match take {
-                    4 => tile!(4),
-                    3 => tile!(3),
-                    2 => tile!(2),
-                    _ => tile!(1),
-                }
-                r0 += take;
-            }
+            even_tiles!(0..act.rows, register_rows::<F>(), [1, 2, 3, 4], |r0, R| {
+                let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
+                // SAFETY: as above, for group `g` alone.
+                unsafe { direct::<F, R, VNNI>(w, &layout, &rows, r0, g..g + 1, out) }
+            });
         }
         return ws.give_back();
     }

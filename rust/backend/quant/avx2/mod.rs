@@ -437,3 +437,28 @@ macro_rules! row_tiles {
     }};
 }
 use row_tiles;
+
+/// Runs `$body` over the rows of the range `$rows` in as few tiles of at most `$max` rows as
+/// there can be, as even as they can be (seven rows at most four: four and three), with `$r0`
+/// the tile's first row and `$R` its length as a constant, one of the literals listed (the
+/// lengths `$max` allows): a group's records, decoded once per tile, stay in L1 between its
+/// tiles, and even tiles keep every tile near the register limit.
+macro_rules! even_tiles {
+    ($rows:expr, $max:expr, [$($n:literal),+], |$r0:ident, $R:ident| $body:expr) => {{
+        let rows = $rows;
+        let mut $r0 = rows.start;
+        while $r0 < rows.end {
+            let left = rows.end - $r0;
+            let take = left.div_ceil(left.div_ceil($max));
+            match take {
+                $($n => {
+                    const $R: usize = $n;
+                    $body
+                })+
+                _ => unreachable!("a tile longer than its kernel allows"),
+            }
+            $r0 += take;
+        }
+    }};
+}
+use even_tiles;

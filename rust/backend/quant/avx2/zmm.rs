@@ -48,33 +48,17 @@ pub(super) unsafe fn run<F: Fmt>(
     for c0 in (0..act.rows).step_by(ROW_TILE) {
         let chunk = c0..act.rows.min(c0 + ROW_TILE);
         for g in (groups.start..pairs_end).step_by(2) {
-            let mut r0 = chunk.start;
-            while r0 < chunk.end {
-                // As few tiles as the registers allow, as even as they can be: the pair's records
-                // stay in L1 from one tile to the next.
-                let left = chunk.end - r0;
-                let take = left.div_ceil(left.div_ceil(zmm_tile::<F>()));
-                macro_rules! tile {
-                    ($R:literal) => {{
-                        let rows: [Act; $R] = std::array::from_fn(|i| acts[r0 + i]);
-                        // SAFETY: the rows hold every block of the weight's rows; the task owns
-                        // groups `g` and `g + 1`'s outputs of every row.
-                        unsafe { pair::<F, $R>(w, &layout, &rows, r0, g, out) }
-                    }};
+            even_tiles!(
+                chunk.clone(),
+                zmm_tile::<F>(),
+                [1, 2, 3, 4, 5, 6, 7, 8],
+                |r0, R| {
+                    let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
+                    // SAFETY: the rows hold every block of the weight's rows; the task owns groups
+                    // `g` and `g + 1`'s outputs of every row.
+                    unsafe { pair::<F, R>(w, &layout, &rows, r0, g, out) }
                 }
-                match take {
-                    8 => tile!(8),
-                    7 => tile!(7),
-                    6 => tile!(6),
-                    5 => tile!(5),
-                    4 => tile!(4),
-                    3 => tile!(3),
-                    2 => tile!(2),
-                    1 => tile!(1),
-                    _ => unreachable!("a tile holds at most eight rows"),
-                }
-                r0 += take;
-            }
+            );
         }
     }
     ws.give_back();
