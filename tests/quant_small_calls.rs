@@ -22,16 +22,6 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 /// `rows` rows of `linear` on `p`.
-/// The SIMD instruction sets this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI where it has them),
-/// each forced in turn: the best one alone would leave the others untested.
-fn simd_isas() -> Vec<Isa> {
-    let isas: Vec<Isa> = Isa::available().into_iter().filter(|i| i.avx2()).collect();
-    if !isas.contains(&Isa::Avx512Vnni) {
-        eprintln!("this CPU runs {isas:?} only: the kernels of the others are not compared");
-    }
-    isas
-}
-
 fn run(p: &KernelPool, w: &PackedWeight, x: &[f32], rows: usize) -> Vec<f32> {
     let mut out = vec![0f32; rows * w.out_features()];
     linear(p, w, &x[..rows * w.in_features()], rows, None, &mut out).unwrap();

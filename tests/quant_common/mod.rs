@@ -9,7 +9,7 @@ mod default_model;
 use half::f16;
 use rand::rngs::SmallRng;
 use rand::Rng;
-use specdraft::backend::quant::BlockFormat;
+use specdraft::backend::quant::{BlockFormat, Isa};
 
 /// Byte offsets of a block's f16 scale fields (`d`, then `m` or `dmin` where the format has one).
 pub fn f16_fields(format: BlockFormat) -> &'static [usize] {
@@ -104,3 +104,13 @@ pub fn quantized() -> impl Iterator<Item = BlockFormat> {
 /// The interpreter with numpy and gguf.
 #[allow(unused_imports)]
 pub use default_model::python;
+
+/// The SIMD instruction sets this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI where it has them),
+/// each forced in turn: the best one alone would leave the others untested.
+pub fn simd_isas() -> Vec<Isa> {
+    let isas: Vec<Isa> = Isa::available().into_iter().filter(|i| i.avx2()).collect();
+    if !isas.contains(&Isa::Avx512Vnni) {
+        eprintln!("this CPU runs {isas:?} only: the kernels of the others are not compared");
+    }
+    isas
+}
