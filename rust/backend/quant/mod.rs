@@ -53,8 +53,10 @@
 //! off after), Q4_1 1536x576 at 3 rows 34 us against 40, at 128 rows 1285 against 1437.
 //! Where it also has AVX-512 VNNI ([`Isa::Avx512Vnni`]), a 512-bit register holds two
 //! eight-row groups and 32 registers hold tiles of six to eight rows (`avx2/zmm.rs`): Q4_1
-//! 1536x576 at 5 rows 40 us against 76 on AVX2, at 128 rows 1049; the head at 5 rows 92 us
-//! against 293, at 128 rows 2354 against 6361.
+//! 1536x576 at 5 rows 36 us against 77 on AVX2, at 128 rows 933 against 1418; the head at
+//! 5 rows 89 us against 293, at 128 rows 2097 against 6443. A whole forward's linears on two
+//! threads (`-- --step`): 1 row 2.5 ms either way (the weight stream bounds it), 5 rows 6.5
+//! ms against 8.9, 128 rows 113 against 138.
 //!
 //! # Invariants
 //! - Every output element is one fixed sequence of operations on its own input row and
