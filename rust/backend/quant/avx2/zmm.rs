@@ -17,8 +17,9 @@
 use super::legacy;
 use super::*;
 
-/// The most rows one tile holds in registers (two per row, its i32 and f32 sums). Eight fit
-/// 32 registers, and Q8_0 (whose decode is one `xor`) gains from them (`--kernel`, the
+/// The most rows one tile holds in registers (per row its f32 sums and its i32 sums, in one
+/// chain or two). Eight rows of one chain fit 32 registers, and Q8_0 (whose decode is one
+/// `xor`) gains from them (`--kernel`, the
 /// 4096x576 head at 8 rows: 130 us in one tile, 164 as 4 + 4); 4- and 5-bit codes keep more
 /// decode registers live and lose (Q4_1 1536x576 at 8 rows: 72 us in one tile, 66 as 4 + 4).
 const fn zmm_tile<F: Fmt>() -> usize {
