@@ -4,7 +4,8 @@
 //! and a memcpy) to compare it with; and the verify-cost table: the median time of a forward
 //! of 1..16 rows of one sequence (rolled back after each) over the one-row step's.
 //!
-//! `cargo bench --bench model_decode [-- PATH] [--cuda] [--isa=portable|avx2]`; without a
+//! `cargo bench --bench model_decode [-- PATH] [--cuda] [--isa=NAME]` (`portable`, `avx2`,
+//! `avx2-vnni`, `avx512-vnni`); without a
 //! path it uses `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through
 //! `specdraft.models`. `--isa=` holds the CPU kernels to an instruction set below the best
 //! this CPU runs (to measure what AVX-VNNI, say, is worth in the same sitting).
@@ -24,11 +25,9 @@ use default_model::model_path;
 /// that instruction set).
 fn backend() -> Arc<dyn GpuBackend> {
     if let Some(name) = std::env::args().find_map(|a| a.strip_prefix("--isa=").map(String::from)) {
-        let isa = match name.as_str() {
-            "portable" => Isa::Portable,
-            "avx2" => Isa::Avx2,
-            "avx2-vnni" => Isa::Avx2Vnni,
-            other => panic!("--isa= takes portable, avx2 or avx2-vnni, not {other:?}"),
+        let Some(isa) = Isa::ALL.into_iter().find(|i| i.name() == name) else {
+            let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
+            panic!("--isa= takes one of {names:?}, not {name:?}");
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let pool = KernelPool::with_options(threads, isa, KernelPool::DEFAULT_SPIN);

@@ -126,7 +126,10 @@ def load_for_bench(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:
     )
     if model.tokenizer is None:
         raise ValueError(f"{path} carries no tokenizer specdraft can read")
-    return model, type(gpu).__name__
+    name = type(gpu).__name__
+    if isinstance(gpu, specdraft.CpuBackend):
+        name += f" ({gpu.instruction_set})"
+    return model, name
 
 
 def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -12,7 +12,7 @@
 use super::arrays::{array_bytes, dtype_arg, pod_vec, shape_arg, typed_array};
 use super::device_ptr::{py_ptr, PtrArg, PyDevicePtr};
 use super::errors::{BackendUnavailableError, IntoPyResult};
-use crate::backend::{CpuBackend, Dtype, GpuBackend, DEFAULT_STREAM};
+use crate::backend::{BackendError, CpuBackend, Dtype, GpuBackend, DEFAULT_STREAM};
 use half::bf16;
 use numpy::PyArray1;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -442,5 +442,22 @@ impl PyCpuBackend {
             inner: BackendRef::Owned(Arc::new(backend)),
         })
         .add_subclass(PyCpuBackend)
+    }
+
+    /// The instruction set its kernels run on, the best this CPU has: `"avx512-vnni"`,
+    /// `"avx2-vnni"`, `"avx2"` or `"portable"` (every one gives the same bits).
+    #[getter]
+    fn instruction_set(slf: &Bound<'_, Self>) -> PyResult<&'static str> {
+        slf.as_super().get().with(|g| {
+            match g.as_any().downcast_ref::<CpuBackend>() {
+                Some(cpu) => Ok(cpu.kernel_pool().isa().name()),
+                // Only `new` builds this class, around a CpuBackend.
+                None => Err(BackendError::InvalidArgument {
+                    op: "CpuBackend",
+                    message: format!("backend {} is not a CPU backend", g.name()),
+                })
+                .py(),
+            }
+        })
     }
 }

@@ -172,3 +172,31 @@ def test_forward_context_hands_back_the_users_backend(gpu, ctx):
     assert ctx.gpu is gpu
     assert ctx.config.vocab_size == 256
     assert ctx.buffers.max_rows == 1
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (Linux), or None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def test_cpu_backend_names_the_best_instruction_set_the_cpu_has():
+    flags = _cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo to read the CPU's features from")
+    # The kernel's own flag names, read independently of the library's run-time detection.
+    if {"avx2", "fma", "f16c"} <= flags:
+        want = "avx2"
+        if "avx_vnni" in flags:
+            want = "avx2-vnni"
+            if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+                want = "avx512-vnni"
+    else:
+        want = "portable"
+    assert specdraft.CpuBackend().instruction_set == want

@@ -65,6 +65,8 @@ def test_bench_rows_cover_every_proposer_width_policy_and_pass(tiny, capsys) -> 
     code, out, err = _bench(capsys, *args)
     assert code == 0, err
     report = json.loads(out)
+    # The CPU's kernels say which instruction set they ran on.
+    assert report["device"] == f"CpuBackend ({specdraft.CpuBackend().instruction_set})"
     assert (report["batch"], report["repeat"]) == ([1, 2], 2)
     assert report["draft_policies"] == ["adaptive", "fixed"]
     # The tiny model has no shipped draft head: its mtp row is left out, with a note.

@@ -51,6 +51,19 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// Every level, lowest first.
+    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512Vnni];
+
+    /// Its name as the command line and the Python API spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx2Vnni => "avx2-vnni",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
     /// The best this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
@@ -80,7 +93,7 @@ impl Isa {
 
     /// Every instruction set this CPU runs, the portable one first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512Vnni]
+        Isa::ALL
             .into_iter()
             .filter(|&isa| isa <= Isa::detect())
             .collect()
