@@ -290,17 +290,12 @@ impl<F: Fmt> Codes for Records<'_, F> {
 /// `dest` of the code: the register form of [`decode_plane`]'s store.
 #[inline(always)]
 unsafe fn plane_vector(p: *const u8, w: u32, dest: u32, v: usize) -> __m256i {
-    let per_slot = 8 / (8 / w as usize);
-    let (c, s) = (v % per_slot, v / per_slot);
-    let mask = _mm256_set1_epi8((((1u16 << w) - 1) << dest) as u8 as i8);
-    let x = _mm256_loadu_si256(p.add(32 * c).cast());
-    let by = dest as i32 - (s as u32 * w) as i32;
-    let x = if by >= 0 {
-        _mm256_sll_epi16(x, _mm_cvtsi32_si128(by))
-    } else {
-        _mm256_srl_epi16(x, _mm_cvtsi32_si128(-by))
-    };
-    _mm256_and_si256(x, mask)
+    let (c, by, mask) = plane_field(w, dest, 8 / (8 / w as usize), v);
+    place_field(
+        _mm256_loadu_si256(p.add(32 * c).cast()),
+        by,
+        _mm256_set1_epi8(mask),
+    )
 }
 
 /// Decodes one record into slot `k` of the scratch.

@@ -320,26 +320,39 @@ unsafe fn decode_plane(
     vectors: usize,
     codes: *mut __m256i,
 ) {
-    let slots = (8 / w) as usize;
-    let per_slot = vectors / slots;
-    // The field's bits, already at their place in the code.
-    let mask = _mm256_set1_epi8((((1u16 << w) - 1) << dest) as u8 as i8);
+    let per_slot = vectors / (8 / w) as usize;
     for c in 0..per_slot {
         let v = _mm256_loadu_si256(p.add(32 * c).cast());
-        for s in 0..slots {
-            // One shift moves slot `s` (bits s*w..) to bit `dest`; a 16-bit shift leaks bits
-            // across the byte boundary only outside the field, which the mask drops.
-            let by = dest as i32 - (s as u32 * w) as i32;
-            let x = if by >= 0 {
-                _mm256_sll_epi16(v, _mm_cvtsi32_si128(by))
-            } else {
-                _mm256_srl_epi16(v, _mm_cvtsi32_si128(-by))
-            };
-            let x = _mm256_and_si256(x, mask);
+        for s in 0..(8 / w) as usize {
+            let (_, by, mask) = plane_field(w, dest, per_slot, s * per_slot + c);
+            let x = place_field(v, by, _mm256_set1_epi8(mask));
             let slot = codes.add(s * per_slot + c);
             *slot = if first { x } else { _mm256_or_si256(*slot, x) };
         }
     }
+}
+
+/// Where group-vector `v` of a `w`-bit plane lies, the plane holding `per_slot` group-vectors
+/// in each of its `8 / w` bit slots: its 32-byte chunk, the shift that brings its slot to bit
+/// `dest` of the code (negative: to the right), and the mask byte of the field's bits there.
+#[inline(always)]
+fn plane_field(w: u32, dest: u32, per_slot: usize, v: usize) -> (usize, i32, i8) {
+    let (c, s) = (v % per_slot, v / per_slot);
+    let by = dest as i32 - (s as u32 * w) as i32;
+    (c, by, (((1u16 << w) - 1) << dest) as u8 as i8)
+}
+
+/// `x` shifted by `by` bits (left if positive) in 16-bit lanes and masked: one field of every
+/// byte at its place in the code. The 16-bit shift leaks bits across a byte boundary only
+/// outside the field, which the mask drops.
+#[inline(always)]
+unsafe fn place_field(x: __m256i, by: i32, mask: __m256i) -> __m256i {
+    let x = if by >= 0 {
+        _mm256_sll_epi16(x, _mm_cvtsi32_si128(by))
+    } else {
+        _mm256_srl_epi16(x, _mm_cvtsi32_si128(-by))
+    };
+    _mm256_and_si256(x, mask)
 }
 
 /// Decodes a record's codes (`vectors` group-vectors) into `codes`.

@@ -171,15 +171,12 @@ unsafe fn f16x16(lo: *const u8, hi: *const u8) -> __m512 {
 /// (the 512-bit form of the 256-bit kernel's register decode).
 #[inline(always)]
 unsafe fn plane_vector(rec: &[*const u8; 2], plane: usize, w: u32, dest: u32, v: usize) -> __m512i {
-    let per_slot = 8 / (8 / w as usize);
-    let (c, s) = (v % per_slot, v / per_slot);
-    let mask = _mm512_set1_epi8((((1u16 << w) - 1) << dest) as u8 as i8);
+    let (c, by, mask) = plane_field(w, dest, 8 / (8 / w as usize), v);
     let x = halves(rec[0].add(plane + 32 * c), rec[1].add(plane + 32 * c));
-    let by = dest as i32 - (s as u32 * w) as i32;
     let x = if by >= 0 {
         _mm512_sll_epi16(x, _mm_cvtsi32_si128(by))
     } else {
         _mm512_srl_epi16(x, _mm_cvtsi32_si128(-by))
     };
-    _mm512_and_si512(x, mask)
+    _mm512_and_si512(x, _mm512_set1_epi8(mask))
 }
