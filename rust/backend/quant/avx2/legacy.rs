@@ -327,7 +327,6 @@ unsafe fn block_rows<F: Fmt, C: Codes, const R: usize, const VNNI: bool>(
     accv: &mut [__m256; R],
 ) {
     let ones = _mm256_set1_epi16(1);
-    let offset = _mm_cvtsi32_si128(F::OFFSET);
     // Loops, not closures: intrinsics in a closure lack this function's target features.
     let mut isum = [_mm256_setzero_si256(); R];
     if VNNI && F::Q8 {
@@ -339,10 +338,6 @@ unsafe fn block_rows<F: Fmt, C: Codes, const R: usize, const VNNI: bool>(
                 let a = bcast4(rows[r].qa.add(32 * b + 4 * v));
                 isum[r] = _mm256_dpbusd_avx_epi32(isum[r], biased, a);
             }
-        }
-        for r in 0..R {
-            let bias = _mm256_slli_epi32::<7>(_mm256_set1_epi32(*rows[r].bsum.add(b)));
-            isum[r] = _mm256_sub_epi32(isum[r], bias);
         }
     } else if VNNI {
         for v in 0..8 {
@@ -376,10 +371,13 @@ unsafe fn block_rows<F: Fmt, C: Codes, const R: usize, const VNNI: bool>(
             }
         }
     }
-    // Formats with a code offset (Q4_0, Q5_0): Q8_0 has none.
-    if F::OFFSET != 0 {
+    // The code offset `2^OFFSET` of Q4_0 and Q5_0, or the 128 added to Q8_0's codes for
+    // `vpdpbusd`: that many times `sum(qa)` comes off.
+    let shift = if VNNI && F::Q8 { 7 } else { F::OFFSET };
+    if shift != 0 {
+        let shift = _mm_cvtsi32_si128(shift);
         for r in 0..R {
-            let o = _mm256_sll_epi32(_mm256_set1_epi32(*rows[r].bsum.add(b)), offset);
+            let o = _mm256_sll_epi32(_mm256_set1_epi32(*rows[r].bsum.add(b)), shift);
             isum[r] = _mm256_sub_epi32(isum[r], o);
         }
     }

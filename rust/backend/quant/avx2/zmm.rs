@@ -125,7 +125,7 @@ unsafe fn pair<F: Fmt, const R: usize>(
             std::array::from_fn(|r| _mm512_add_epi32(isum[0][r], isum[1][r]));
         // Q8_0's bias of 128 and the code offsets of Q4_0 and Q5_0 (`2^OFFSET`).
         let shift = if F::Q8 { 7 } else { F::OFFSET };
-        if F::Q8 || F::OFFSET != 0 {
+        if shift != 0 {
             for r in 0..R {
                 let o = _mm512_set1_epi32(*rows[r].bsum.add(b) << shift);
                 isum[r] = _mm512_sub_epi32(isum[r], o);
