@@ -251,6 +251,24 @@ pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
 }
 
 impl PyBackend {
+    /// [`Self::with`] on the concrete backend type `T` behind this object; `class` (the Python
+    /// class, which is only ever built around a `T`) and `kind` name it in the error otherwise.
+    pub fn with_concrete<T: 'static, R>(
+        &self,
+        class: &'static str,
+        kind: &str,
+        f: impl FnOnce(&T) -> PyResult<R>,
+    ) -> PyResult<R> {
+        self.with(|g| match g.as_any().downcast_ref::<T>() {
+            Some(backend) => f(backend),
+            None => Err(BackendError::InvalidArgument {
+                op: class,
+                message: format!("backend {} is not {kind} backend", g.name()),
+            })
+            .py(),
+        })
+    }
+
     /// Runs `f` on the backend; a closed lease raises.
     pub fn with<R>(&self, f: impl FnOnce(&dyn GpuBackend) -> PyResult<R>) -> PyResult<R> {
         match &self.inner {
@@ -448,16 +466,10 @@ impl PyCpuBackend {
     /// `"avx2-vnni"`, `"avx2"` or `"portable"` (every one gives the same bits).
     #[getter]
     fn instruction_set(slf: &Bound<'_, Self>) -> PyResult<&'static str> {
-        slf.as_super().get().with(|g| {
-            match g.as_any().downcast_ref::<CpuBackend>() {
-                Some(cpu) => Ok(cpu.kernel_pool().isa().name()),
-                // Only `new` builds this class, around a CpuBackend.
-                None => Err(BackendError::InvalidArgument {
-                    op: "CpuBackend",
-                    message: format!("backend {} is not a CPU backend", g.name()),
-                })
-                .py(),
-            }
-        })
+        slf.as_super()
+            .get()
+            .with_concrete("CpuBackend", "a CPU", |cpu: &CpuBackend| {
+                Ok(cpu.kernel_pool().isa().name())
+            })
     }
 }

@@ -13,9 +13,11 @@
 use super::backend::BackendRef;
 use super::backend::PyBackend;
 use super::errors::IntoPyResult;
+#[cfg(not(feature = "cuda"))]
+use crate::backend::BackendError;
 #[cfg(feature = "cuda")]
 use crate::backend::CudaBackend;
-use crate::backend::{BackendError, GpuBackend};
+use crate::backend::GpuBackend;
 use pyo3::prelude::*;
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
@@ -63,17 +65,10 @@ impl PyCudaBackend {
         slf: &Bound<'_, Self>,
         f: impl FnOnce(&CudaBackend) -> PyResult<R>,
     ) -> PyResult<R> {
-        slf.as_super().get().with(|g| {
-            match g.as_any().downcast_ref::<CudaBackend>() {
-                Some(cuda) => f(cuda),
-                // Only `new` and `of` build this class, both around a CudaBackend.
-                None => Err(BackendError::InvalidArgument {
-                    op: "CudaBackend",
-                    message: format!("backend {} is not a CUDA backend", g.name()),
-                })
-                .py(),
-            }
-        })
+        // Only `new` and `of` build this class, both around a CudaBackend.
+        slf.as_super()
+            .get()
+            .with_concrete("CudaBackend", "a CUDA", f)
     }
 }
 
