@@ -88,12 +88,12 @@ impl SamplingParams {
 /// The index of the largest allowed logit (ties: the lowest index); `None` when the mask
 /// allows no token. NaN logits never win.
 pub fn argmax(logits: &[f32], mask: Option<&[i32]>) -> Option<u32> {
-    if mask.is_none() {
+    let Some(mask) = mask else {
         return argmax_unmasked(logits);
-    }
+    };
     let mut best: Option<(usize, f32)> = None;
     for (i, &x) in logits.iter().enumerate() {
-        if mask.is_some_and(|m| !bitmask_allows(m, i as u32)) {
+        if !bitmask_allows(mask, i as u32) {
             continue;
         }
         match best {
