@@ -29,34 +29,33 @@
 //!
 //! # How the linear works (after llama.cpp's CPU backend and its repacked GEMV/GEMM,
 //! written independently)
-//! Each input row is quantized once per call to 8-bit blocks (Q8: blocks of 32 for the
-//! legacy formats; Q8K: blocks of 256 with 16- and 32-element sums for the K-quants). Every
-//! weight record (eight output rows times one block) is decoded once into unsigned codes laid
-//! out four elements by eight rows per register (for legacy formats in calls of up to three
-//! rows, four for Q8_0, a decode step or a short verify, straight into registers, used at once and never
-//! stored, two output groups side by side at one row so their f32 chains overlap; otherwise
-//! into an L1 scratch), and every input row of the call meets it in AVX2 integer dots (`maddubs`, a few i16 sums, `madd` with the
-//! sub-block scales), one i32 lane per output, so there is no horizontal sum; code offsets
-//! and mins come from the activation block sums; both block scales are applied in f32. Rows
-//! are taken four at a time against each decoded record and a call reads each weight byte
-//! from memory once, whatever its rows; long calls go 32 rows at a time past each decoded
-//! record, a tiled matrix product rather than row-by-row dots, with their input quantized
-//! in parallel. The kernels prefetch weight records 8 KiB ahead of the one they read: a
-//! one-row call mostly waits for weight bytes, and the prefetches keep more reads in flight
-//! than the hardware prefetcher alone. Float weights use float dots (F16C widening for F16).
-//! Where the CPU has AVX-VNNI ([`Isa::Avx2Vnni`], detected at run time), the legacy formats'
-//! dots run on `vpdpbusd`: these sums never saturate `maddubs` (bounds in `avx2/mod.rs`), so
-//! both give the same integers, and the tests compare every instruction set this CPU runs
-//! against the portable path bit for bit. `-- --kernel` on a Xeon with AVX-VNNI (fastest of
-//! many, one thread, weights hot): the Q8_0 head 4096x576 at 5 rows 157 us against 296 on
-//! AVX2 (its `sign` per row is gone: `w + 128` goes in unsigned and `128 * sum(qa)` comes
-//! off after), Q4_1 1536x576 at 3 rows 34 us against 40, at 128 rows 1285 against 1437.
-//! Where it also has AVX-512 VNNI ([`Isa::Avx512Vnni`]), a 512-bit register holds two
-//! eight-row groups and 32 registers hold tiles of six to eight rows (`avx2/zmm.rs`): Q4_1
-//! 1536x576 at 5 rows 36 us against 77 on AVX2, at 128 rows 933 against 1418; the head at
-//! 5 rows 89 us against 293, at 128 rows 2097 against 6443. A whole forward's linears on two
-//! threads (`-- --step`): 1 row 2.5 ms either way (the weight stream bounds it), 5 rows 6.5
-//! ms against 8.9, 128 rows 113 against 138.
+//! Each input row is quantized once per call to 8-bit blocks (Q8: blocks of 32 for the legacy
+//! formats; Q8K: blocks of 256 with 16- and 32-element sums for the K-quants). Every weight record
+//! (eight output rows times one block) is decoded once into unsigned codes laid out four elements
+//! by eight rows per register (for legacy formats in calls of up to three rows, four for Q8_0, a
+//! decode step or a short verify, straight into registers, used at once and never stored, two
+//! output groups side by side at one row so their f32 chains overlap; otherwise into an L1
+//! scratch), and every input row of the call meets it in AVX2 integer dots (`maddubs`, a few i16
+//! sums, `madd` with the sub-block scales), one i32 lane per output, so there is no horizontal sum;
+//! code offsets and mins come from the activation block sums; both block scales are applied in f32.
+//! Rows are taken four at a time against each decoded record and a call reads each weight byte from
+//! memory once, whatever its rows; long calls go 32 rows at a time past each decoded record, a
+//! tiled matrix product rather than row-by-row dots, with their input quantized in parallel. The
+//! kernels prefetch weight records 8 KiB ahead of the one they read: a one-row call mostly waits
+//! for weight bytes, and the prefetches keep more reads in flight than the hardware prefetcher
+//! alone. Float weights use float dots (F16C widening for F16). Where the CPU has AVX-VNNI
+//! ([`Isa::Avx2Vnni`], detected at run time), the legacy formats' dots run on `vpdpbusd`: these
+//! sums never saturate `maddubs` (bounds in `avx2/mod.rs`), so both give the same integers, and the
+//! tests compare every instruction set this CPU runs against the portable path bit for bit. `--
+//! --kernel` on a Xeon with AVX-VNNI (fastest of many, one thread, weights hot): the Q8_0 head
+//! 4096x576 at 5 rows 157 us against 296 on AVX2 (its `sign` per row is gone: `w + 128` goes in
+//! unsigned and `128 * sum(qa)` comes off after), Q4_1 1536x576 at 3 rows 34 us against 40, at 128
+//! rows 1285 against 1437. Where it also has AVX-512 VNNI ([`Isa::Avx512Vnni`]), a 512-bit register
+//! holds two eight-row groups and 32 registers hold tiles of six to eight rows (`avx2/zmm.rs`):
+//! Q4_1 1536x576 at 5 rows 36 us against 77 on AVX2, at 128 rows 933 against 1418; the head at 5
+//! rows 89 us against 293, at 128 rows 2097 against 6443. A whole forward's linears on two threads
+//! (`-- --step`): 1 row 2.5 ms either way (the weight stream bounds it), 5 rows 6.5 ms against 8.9,
+//! 128 rows 113 against 138.
 //!
 //! # Invariants
 //! - Every output element is one fixed sequence of operations on its own input row and
@@ -103,26 +102,24 @@
 //! step: here 1.7x, with the machine's memory as slow as measured above and the compute
 //! shared with other processes.
 //!
-//! Where a row's cost goes (`-- --kernel`: one thread, weights in cache, fastest of many
-//! batches, the figure other processes inflate least): every extra row adds the same (no
-//! superlinear step from 1 to 128 rows). Q4_1 576x576: 7-8 us at 1 row with the records
-//! decoded in registers (11 us through the scratch), then +4.4 us a row (50-70 GMAC/s at
-//! 16-128 rows); 1536x576 and 576x1536: 20-22 us (29 through the scratch), then +11.5 us a
-//! row; the Q8_0 head 4096x576: 60-70 us at 1 row (150-165 through the scratch). With
-//! weights streamed from memory instead (`streamed_cpu_us_min`), one row of Q4_1 1536x576
-//! costs 50-70 us with the prefetches against 90-110 without. The Q8_0 head's extra rows
-//! run at half the Q4_1 rate (30-44 GMAC/s: its signed codes need `sign` and a `madd` per
-//! `maddubs`; splitting codes into nibbles or widening to i16 takes as many multiplies, and
-//! two `maddubs` results of full-range codes can overflow an i16 sum), so a whole SmolLM2 forward adds
-//! about 1.4 ms (layers) + 0.6-0.9 ms (head) of one core's time per row; the input's
-//! quantization is under 2% of that. With weights streamed instead of hot, 16 rows cost
-//! 10-60% more than hot (the compute hides most of the memory time). A loop of nothing but
-//! `maddubs` and adds peaks near 160 GMAC/s on this core and one broadcast-load per
-//! `maddubs`, as here, at 70-90, so the kernel is within about 1.3x of what this form of
-//! AVX2 dot allows. Two variants were measured and dropped: a 16-byte activation load
-//! spread by `vpshufd` (LLVM folds it back into broadcast loads, or spills with the extra
-//! registers: Q8_0 lost a third) and two weight groups sharing each broadcast (slower in
-//! isolation).
+//! Where a row's cost goes (`-- --kernel`: one thread, weights in cache, fastest of many batches,
+//! the figure other processes inflate least): every extra row adds the same (no superlinear step
+//! from 1 to 128 rows). Q4_1 576x576: 7-8 us at 1 row with the records decoded in registers (11 us
+//! through the scratch), then +4.4 us a row (50-70 GMAC/s at 16-128 rows); 1536x576 and 576x1536:
+//! 20-22 us (29 through the scratch), then +11.5 us a row; the Q8_0 head 4096x576: 60-70 us at 1
+//! row (150-165 through the scratch). With weights streamed from memory instead
+//! (`streamed_cpu_us_min`), one row of Q4_1 1536x576 costs 50-70 us with the prefetches against
+//! 90-110 without. The Q8_0 head's extra rows run at half the Q4_1 rate (30-44 GMAC/s: its signed
+//! codes need `sign` and a `madd` per `maddubs`; splitting codes into nibbles or widening to i16
+//! takes as many multiplies, and two `maddubs` results of full-range codes can overflow an i16
+//! sum), so a whole SmolLM2 forward adds about 1.4 ms (layers) + 0.6-0.9 ms (head) of one core's
+//! time per row; the input's quantization is under 2% of that. With weights streamed instead of
+//! hot, 16 rows cost 10-60% more than hot (the compute hides most of the memory time). A loop of
+//! nothing but `maddubs` and adds peaks near 160 GMAC/s on this core and one broadcast-load per
+//! `maddubs`, as here, at 70-90, so the kernel is within about 1.3x of what this form of AVX2 dot
+//! allows. Two variants were measured and dropped: a 16-byte activation load spread by `vpshufd`
+//! (LLVM folds it back into broadcast loads, or spills with the extra registers: Q8_0 lost a third)
+//! and two weight groups sharing each broadcast (slower in isolation).
 
 mod activation;
 #[cfg(target_arch = "x86_64")]

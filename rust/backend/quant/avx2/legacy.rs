@@ -1,14 +1,14 @@
 //! The AVX2 kernel of the legacy formats (32-element blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 //!
-//! Two ways to feed the same dot ([`block_rows`]): calls of up to [`register_rows`] rows (a
-//! decode step, a short verify) decode each record's group-vectors in registers and use them
-//! at once, so a record is loaded once and never stored; calls of up to
-//! [`GROUPWISE_DIRECT_ROWS`] rows do the same one group at a time, in tiles of up to
-//! [`register_rows`] rows that meet the group's records while they are in L1; longer calls decode a chunk of
-//! records into the L1 scratch once and take the rows four at a time past it. Both form the
-//! same i32 sums and run the same f32 operations in the same order. Each is compiled twice:
-//! for AVX2 ([`run`], `maddubs`) and for AVX2 with AVX-VNNI ([`run_vnni`], `vpdpbusd`), the
-//! same integers by two instruction sequences.
+//! Three ways to feed the same dot ([`block_rows`]): calls of up to [`register_rows`] rows (a
+//! decode step, a short verify) decode each record's group-vectors in registers and use them at
+//! once, so a record is loaded once and never stored; calls of up to [`GROUPWISE_DIRECT_ROWS`]
+//! rows do the same one group at a time, in tiles of up to [`register_rows`] rows that meet the
+//! group's records while they are in L1; longer calls decode a chunk of records into the L1
+//! scratch once and take the rows four at a time past it. All form the same i32 sums and run
+//! the same f32 operations in the same order. Each is compiled twice: for AVX2 ([`run`],
+//! `maddubs`) and for AVX2 with AVX-VNNI ([`run_vnni`], `vpdpbusd`), the same integers by two
+//! instruction sequences.
 
 use super::*;
 
