@@ -4,11 +4,11 @@
 //! and a memcpy) to compare it with; and the verify-cost table: the median time of a forward
 //! of 1..16 rows of one sequence (rolled back after each) over the one-row step's.
 //!
-//! `cargo bench --bench model_decode [-- PATH] [--cuda] [--isa=NAME]` (`portable`, `avx2`,
-//! `avx2-vnni`, `avx512-vnni`); without a
-//! path it uses `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through
-//! `specdraft.models`. `--isa=` holds the CPU kernels to an instruction set below the best
-//! this CPU runs (to measure what AVX-VNNI, say, is worth in the same sitting).
+//! `cargo bench --bench model_decode [-- PATH] [--cuda] [--isa=NAME]`; without a path it uses
+//! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
+//! `--isa=` (`portable`, `avx2`, `avx2-vnni`, `avx512-vnni`) holds the CPU kernels to an
+//! instruction set below the best this CPU runs, to measure what AVX-512, say, is worth in
+//! the same sitting.
 
 use specdraft::backend::quant::{Isa, KernelPool};
 use specdraft::backend::{ArgmaxArgs, CpuBackend, GpuBackend, GpuBackendExt};
@@ -31,7 +31,7 @@ fn backend() -> Arc<dyn GpuBackend> {
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let pool = KernelPool::with_options(threads, isa, KernelPool::DEFAULT_SPIN);
-        eprintln!("model_decode: kernels on {:?}", pool.isa());
+        eprintln!("model_decode: kernels on {}", pool.isa().name());
         return Arc::new(CpuBackend::with_kernel_pool(pool));
     }
     if std::env::args().any(|a| a == "--cuda") {

@@ -94,15 +94,15 @@ fn cpu_samples(budget: Duration, mut f: impl FnMut()) -> Option<Vec<f64>> {
 /// `--kernel`: the compute cost of rows alone. One thread, weights in cache, the *fastest*
 /// batch of calls (a shared machine only ever adds time), for SmolLM2's Q4_1 shapes and its
 /// Q8_0 head, at 1..16 rows and a 128-row prefill chunk: microseconds per call, the cost
-/// relative to one row, and GMAC/s; once per SIMD instruction set this CPU runs (AVX2, and
-/// AVX2 with VNNI where it has that), so the two dots are compared in one run.
+/// relative to one row, and GMAC/s; once per SIMD instruction set this CPU runs (AVX2, AVX-VNNI,
+/// AVX-512 VNNI where it has them), so the dots are compared in one run.
 fn kernel_costs(rng: &mut SmallRng, budget: Duration) -> Value {
     let mut out = Vec::new();
-    for isa in Isa::available().into_iter().filter(|i| i.avx2()) {
+    for isa in Isa::available_simd() {
         let single = KernelPool::with_options(1, isa, KernelPool::DEFAULT_SPIN);
         match kernel_costs_on(&single, rng, budget) {
             Value::Null => return Value::Null,
-            formats => out.push(json!({"isa": format!("{isa:?}"), "formats": formats})),
+            formats => out.push(json!({"isa": isa.name(), "formats": formats})),
         }
     }
     Value::Array(out)
@@ -404,10 +404,10 @@ fn main() {
     if args.iter().any(|a| a == "--step") {
         // Once per SIMD instruction set this CPU runs, on as many threads as `pool`.
         let mut steps = Vec::new();
-        for isa in Isa::available().into_iter().filter(|i| i.avx2()) {
+        for isa in Isa::available_simd() {
             let pool = KernelPool::with_options(pool.threads(), isa, KernelPool::DEFAULT_SPIN);
             let step = smollm2_step(&pool, &mut rng, budget * 4);
-            steps.push(json!({"isa": format!("{isa:?}"), "step": step}));
+            steps.push(json!({"isa": isa.name(), "step": step}));
         }
         println!(
             "{}",

@@ -108,7 +108,7 @@ pub use default_model::python;
 /// The SIMD instruction sets this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI where it has them),
 /// each forced in turn: the best one alone would leave the others untested.
 pub fn simd_isas() -> Vec<Isa> {
-    let isas: Vec<Isa> = Isa::available().into_iter().filter(|i| i.avx2()).collect();
+    let isas = Isa::available_simd();
     if !isas.contains(&Isa::Avx512Vnni) {
         eprintln!("this CPU runs {isas:?} only: the kernels of the others are not compared");
     }

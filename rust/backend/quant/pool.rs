@@ -91,6 +91,12 @@ impl Isa {
         self >= Isa::Avx2
     }
 
+    /// The SIMD instruction sets this CPU runs (every one from AVX2 up), lowest first: the
+    /// levels a comparison of kernels forces in turn.
+    pub fn available_simd() -> Vec<Isa> {
+        Self::available().into_iter().filter(|i| i.avx2()).collect()
+    }
+
     /// Every instruction set this CPU runs, the portable one first.
     pub fn available() -> Vec<Isa> {
         Isa::ALL
