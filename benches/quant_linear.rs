@@ -439,7 +439,7 @@ fn main() {
     let (read_after, memcpy_after) = bandwidth(&pool);
     let report = json!({
         "threads": pool.threads(),
-        "isa": format!("{:?}", pool.isa()),
+        "isa": pool.isa().name(),
         "read_gbps": [read_gbps, read_after],
         "memcpy_gbps": [memcpy_gbps, memcpy_after],
         "fork_join": fork_join(&pool),
