@@ -6,7 +6,7 @@
 //!
 //! `cargo bench --bench model_decode [-- PATH] [--cuda] [--isa=NAME]`; without a path it uses
 //! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
-//! `--isa=` (`portable`, `avx2`, `avx2-vnni`, `avx512-vnni`) holds the CPU kernels to an
+//! `--isa=` (`portable`, `avx2`, `avx2-vnni`, `avx512-vnni`, `amx`) holds the CPU kernels to an
 //! instruction set below the best this CPU runs, to measure what AVX-512, say, is worth in
 //! the same sitting.
 

@@ -462,8 +462,9 @@ impl PyCpuBackend {
         .add_subclass(PyCpuBackend)
     }
 
-    /// The instruction set its kernels run on, the best this CPU has: `"avx512-vnni"`,
-    /// `"avx2-vnni"`, `"avx2"` or `"portable"` (every one gives the same bits).
+    /// The instruction set its kernels run on, the best this CPU has: `"amx"`,
+    /// `"avx512-vnni"`, `"avx2-vnni"`, `"avx2"` or `"portable"` (every one gives the same
+    /// bits).
     #[getter]
     fn instruction_set(slf: &Bound<'_, Self>) -> PyResult<&'static str> {
         slf.as_super()

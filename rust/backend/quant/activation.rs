@@ -10,6 +10,7 @@
 //! AVX2's `maddubs` never saturates on any weight code; a block holding a NaN or an infinity
 //! gets `d = NaN`, so the outputs it feeds are NaN rather than silently finite.
 
+use super::block_pairs::BlockPairs;
 use super::{KernelPool, QuantError};
 use half::bf16;
 
@@ -72,6 +73,9 @@ pub(crate) struct QuantizedRows {
     /// Q8K: per block, the sums of each 16 and each 32 codes.
     pub bsum16: Vec<i16>,
     pub bsum32: Vec<i16>,
+    /// The codes as AMX activation tiles, when a call runs on them ([`Self::fill_pairs`]);
+    /// emptied by every [`Self::fill`], so it never describes another call's rows.
+    pub pairs: BlockPairs,
 }
 
 impl QuantizedRows {
@@ -93,6 +97,7 @@ impl QuantizedRows {
     ) -> Result<(), QuantError> {
         let n = kind.block_len();
         assert!(cols % n == 0 && x.len() == rows * cols, "input shape");
+        self.pairs.fill(&[], 0, cols);
         let blocks = rows * cols / n;
         self.rows = rows;
         self.cols = cols;
@@ -120,6 +125,19 @@ impl QuantizedRows {
             // `self` keeps alive and unborrowed until `run` returns.
             unsafe { out.quantize(x, n, k, avx2, range) };
         })
+    }
+}
+
+impl QuantizedRows {
+    /// Lays the Q8 codes out as AMX activation tiles ([`BlockPairs`]).
+    pub(crate) fn fill_pairs(&mut self) {
+        debug_assert_eq!(self.kind, Some(ActKind::Q8));
+        self.pairs.fill(&self.qs, self.rows, self.cols);
+    }
+
+    /// Whether [`Self::fill_pairs`] laid out this call's rows.
+    pub(crate) fn has_pairs(&self) -> bool {
+        self.rows > 0 && self.pairs.rows() == self.rows
     }
 }
 

@@ -12,10 +12,11 @@
 //! count or the instruction set.
 
 use super::activation::{ActKind, InputElem, QuantizedRows};
+use super::block_pairs::AMX_MIN_ROWS;
 use super::format::checked_mul;
 use super::packed::GROUP_ROWS;
-use super::pool::{Isa, KernelPool};
 use super::{dot_portable, float_dot, PackedView, PackedWeight, QuantError};
+use super::{Isa, KernelPool};
 use half::bf16;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -261,6 +262,9 @@ fn run<T: InputElem>(
         if needs(kind) {
             act.fill(kind, x, (rows, inf), isa.avx2(), pool)?;
         }
+    }
+    if isa == Isa::Amx && rows >= AMX_MIN_ROWS && needs(ActKind::Q8) {
+        q8.fill_pairs();
     }
     // The f32 results of BF16 outputs, one region per part, sized before any pointer into
     // it is taken.

@@ -25,7 +25,7 @@
 //! - A call made while the pool is busy (another thread, or a task calling back into the pool)
 //!   runs inline on the calling thread: no deadlock, no extra threads.
 
-use super::QuantError;
+use super::{Isa, QuantError};
 use std::any::Any;
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -33,78 +33,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// Instruction sets the kernels can use, detected at run time, each a superset of the one
-/// before it (so `min` of two is what both can run).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Isa {
-    /// Plain Rust, every CPU: the definition the others match bit for bit.
-    Portable,
-    /// x86-64 with AVX2, FMA and F16C.
-    Avx2,
-    /// AVX2 plus AVX-VNNI: the legacy-format quantized dots use `vpdpbusd`.
-    Avx2Vnni,
-    /// AVX2, AVX-VNNI and AVX-512 (F, BW, VL, VNNI): the legacy-format quantized dots of a
-    /// few rows take two eight-row groups per 512-bit register. (A CPU with AVX-512 VNNI but
-    /// not AVX-VNNI, as before Sapphire Rapids, runs [`Isa::Avx2`].)
-    Avx512Vnni,
-}
-
-impl Isa {
-    /// Every level, lowest first.
-    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512Vnni];
-
-    /// Its name as the command line and the Python API spell it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Isa::Portable => "portable",
-            Isa::Avx2 => "avx2",
-            Isa::Avx2Vnni => "avx2-vnni",
-            Isa::Avx512Vnni => "avx512-vnni",
-        }
-    }
-
-    /// The best this CPU supports.
-    pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-        {
-            if std::arch::is_x86_feature_detected!("avxvnni") {
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-                    && std::arch::is_x86_feature_detected!("avx512vnni")
-                {
-                    return Isa::Avx512Vnni;
-                }
-                return Isa::Avx2Vnni;
-            }
-            return Isa::Avx2;
-        }
-        Isa::Portable
-    }
-
-    /// Whether the AVX2 kernels run (every op but the legacy quantized dots reads no more).
-    pub fn avx2(self) -> bool {
-        self >= Isa::Avx2
-    }
-
-    /// The SIMD instruction sets this CPU runs (every one from AVX2 up), lowest first: the
-    /// levels a comparison of kernels forces in turn.
-    pub fn available_simd() -> Vec<Isa> {
-        Self::available().into_iter().filter(|i| i.avx2()).collect()
-    }
-
-    /// Every instruction set this CPU runs, the portable one first.
-    pub fn available() -> Vec<Isa> {
-        Isa::ALL
-            .into_iter()
-            .filter(|&isa| isa <= Isa::detect())
-            .collect()
-    }
-}
 
 /// The state word: epoch (high 32 bits), closed flag (bit 31), joined workers (low 31 bits).
 const CLOSED: u64 = 1 << 31;

@@ -24,8 +24,10 @@ use super::{BlockFormat, Isa, PackedView};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+mod amx;
 mod kquant;
 mod legacy;
+mod tiles;
 mod zmm;
 
 /// One decoded chunk of a group: a K-quant super-block, or up to 8 legacy blocks (4 for Q8_0).
@@ -185,8 +187,9 @@ mod formats {
 
 /// Output features of groups `groups`, every row of `act`, into `out` (no bias). With
 /// AVX-VNNI the legacy formats' dots run on `vpdpbusd` (the same integers: see [`legacy`]),
-/// with AVX-512 VNNI too, calls of a few rows on 512-bit registers ([`zmm`]); the K-quants
-/// keep `maddubs`, whose `madd` with the sub-block scales they need anyway.
+/// with AVX-512 VNNI too, on 512-bit registers ([`zmm`]), and with AMX, calls whose input was
+/// laid out as tiles on the tiles ([`amx`]); the K-quants keep `maddubs`, whose `madd` with
+/// the sub-block scales they need anyway.
 ///
 /// # Safety
 /// The CPU must support `isa` (at least AVX2, FMA and F16C); `act` must hold the blocks `w`
@@ -204,7 +207,8 @@ pub(crate) unsafe fn quant_groups(
     macro_rules! legacy {
         ($f:ty) => {
             match isa {
-                Isa::Avx512Vnni => zmm::run::<$f>(w, act, groups, out),
+                Isa::Amx if act.has_pairs() => amx::run::<$f>(w, act, groups, out),
+                Isa::Avx512Vnni | Isa::Amx => zmm::run::<$f>(w, act, groups, out),
                 Isa::Avx2Vnni => legacy::run_vnni::<$f>(w, act, groups, out),
                 _ => legacy::run::<$f>(w, act, groups, out),
             }

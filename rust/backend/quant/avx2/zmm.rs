@@ -152,14 +152,14 @@ unsafe fn pair<F: Fmt, const R: usize>(
 
 /// The 32 bytes at `lo` and the 32 at `hi` as one register, `lo` in the low half.
 #[inline(always)]
-unsafe fn halves(lo: *const u8, hi: *const u8) -> __m512i {
+pub(super) unsafe fn halves(lo: *const u8, hi: *const u8) -> __m512i {
     let low = _mm512_castsi256_si512(_mm256_loadu_si256(lo.cast()));
     _mm512_inserti64x4::<1>(low, _mm256_loadu_si256(hi.cast()))
 }
 
 /// The eight f16 at `lo` and the eight at `hi` as sixteen f32.
 #[inline(always)]
-unsafe fn f16x16(lo: *const u8, hi: *const u8) -> __m512 {
+pub(super) unsafe fn f16x16(lo: *const u8, hi: *const u8) -> __m512 {
     let low = _mm256_castsi128_si256(_mm_loadu_si128(lo.cast()));
     _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
         low,
@@ -170,7 +170,13 @@ unsafe fn f16x16(lo: *const u8, hi: *const u8) -> __m512 {
 /// Group-vector `v` of both records' `w`-bit plane at byte `plane`, at bit `dest` of the code
 /// (the 512-bit form of the 256-bit kernel's register decode).
 #[inline(always)]
-unsafe fn plane_vector(rec: &[*const u8; 2], plane: usize, w: u32, dest: u32, v: usize) -> __m512i {
+pub(super) unsafe fn plane_vector(
+    rec: &[*const u8; 2],
+    plane: usize,
+    w: u32,
+    dest: u32,
+    v: usize,
+) -> __m512i {
     let (c, by, mask) = plane_field(w, dest, 8 / (8 / w as usize), v);
     let x = halves(rec[0].add(plane + 32 * c), rec[1].add(plane + 32 * c));
     let x = if by >= 0 {
