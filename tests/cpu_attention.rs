@@ -214,18 +214,21 @@ fn matches_f64_attention_odd_shapes() {
     check_against_reference(4, 1, 64, 64, &[64, 65], 51);
 }
 
-/// `(name, backend)`: the default, and pools of other sizes and instruction sets.
-fn backends() -> Vec<(&'static str, CpuBackend)> {
+/// `(name, backend)`: the default, and pools of other sizes and of every instruction set
+/// this CPU runs (the AVX2 and AVX-512 builds of the kernel among them).
+fn backends() -> Vec<(String, CpuBackend)> {
     let spin = KernelPool::DEFAULT_SPIN;
-    vec![
-        ("one thread", CpuBackend::with_threads(1)),
-        ("two threads", CpuBackend::with_threads(2)),
-        ("three threads", CpuBackend::with_threads(3)),
-        (
-            "portable, two threads",
-            CpuBackend::with_kernel_pool(KernelPool::with_options(2, Isa::Portable, spin)),
-        ),
-    ]
+    let mut v: Vec<(String, CpuBackend)> = [1, 2, 3]
+        .map(|t| (format!("{t} threads"), CpuBackend::with_threads(t)))
+        .into();
+    for isa in Isa::available() {
+        let pool = KernelPool::with_options(2, isa, spin);
+        v.push((
+            format!("{}, two threads", isa.name()),
+            CpuBackend::with_kernel_pool(pool),
+        ));
+    }
+    v
 }
 
 /// Each row of sequence 0 (query `p - 1` at context `p`) computed alone on the default

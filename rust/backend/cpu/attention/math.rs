@@ -5,7 +5,8 @@
 use super::KEYS;
 use half::bf16;
 
-/// Output elements whose weighted sums are kept in registers (four AVX2 vectors).
+/// Output elements of one query whose weighted sums are kept in registers (four AVX2
+/// vectors, two AVX-512 ones).
 const VALUE_CHUNK: usize = 32;
 /// Lanes of the softmax total.
 const LANES: usize = 8;
@@ -79,28 +80,45 @@ pub(super) fn softmax_weights(row: &mut [f32]) -> f32 {
         + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
 }
 
-/// `acc[d] += w_j * values[j][d]` for each `j` in order; [`VALUE_CHUNK`] elements at a time,
-/// so that their sums stay in registers across the keys.
+/// `acc[d] += w_j * values[j][d]` for each `j` in order, for `Q` queries at once: query `q`'s
+/// sums are `acc[q * hd ..][..hd]` and its weights `weights[q]` (all of one length), and the
+/// values are `[weights.len(), hd]`. [`VALUE_CHUNK`] elements of every query at a time, so
+/// their sums stay in registers across the keys and each value load serves every query: one
+/// query alone leaves each sum waiting on the add before it. A query's sums are the same
+/// whatever `Q` is.
 #[inline(always)]
-pub(super) fn add_weighted(acc: &mut [f32], weights: &[f32], values: &[f32]) {
-    let hd = acc.len();
-    let mut chunks = acc.chunks_exact_mut(VALUE_CHUNK);
-    for (c, chunk) in (&mut chunks).enumerate() {
-        let mut sums = [0f32; VALUE_CHUNK];
-        sums.copy_from_slice(chunk);
-        for (j, &w) in weights.iter().enumerate() {
-            let at = j * hd + c * VALUE_CHUNK;
-            for (a, &v) in sums.iter_mut().zip(&values[at..at + VALUE_CHUNK]) {
-                *a += w * v;
+pub(super) fn add_weighted<const Q: usize>(acc: &mut [f32], weights: [&[f32]; Q], values: &[f32]) {
+    let hd = acc.len() / Q;
+    let n = weights[0].len().min(KEYS);
+    let mut w = [[0f32; KEYS]; Q];
+    for (w, src) in w.iter_mut().zip(&weights) {
+        w[..n].copy_from_slice(&src[..n]);
+    }
+    let full = hd - hd % VALUE_CHUNK;
+    for c in (0..full).step_by(VALUE_CHUNK) {
+        let mut sums = [[0f32; VALUE_CHUNK]; Q];
+        for (q, sum) in sums.iter_mut().enumerate() {
+            sum.copy_from_slice(&acc[q * hd + c..][..VALUE_CHUNK]);
+        }
+        for (j, row) in values.chunks_exact(hd).take(n).enumerate() {
+            let v: &[f32; VALUE_CHUNK] = row[c..c + VALUE_CHUNK].try_into().expect("a chunk");
+            for q in 0..Q {
+                let wq = w[q][j & (KEYS - 1)];
+                for (a, &x) in sums[q].iter_mut().zip(v) {
+                    *a += wq * x;
+                }
             }
         }
-        chunk.copy_from_slice(&sums);
+        for (q, sum) in sums.iter().enumerate() {
+            acc[q * hd + c..][..VALUE_CHUNK].copy_from_slice(sum);
+        }
     }
-    let rest = chunks.into_remainder();
-    let first = hd - rest.len();
-    for (j, &w) in weights.iter().enumerate() {
-        for (a, &v) in rest.iter_mut().zip(&values[j * hd + first..(j + 1) * hd]) {
-            *a += w * v;
+    for (q, w) in w.iter().enumerate() {
+        let rest = &mut acc[q * hd + full..(q + 1) * hd];
+        for (&w, row) in w[..n].iter().zip(values.chunks_exact(hd)) {
+            for (a, &v) in rest.iter_mut().zip(&row[full..]) {
+                *a += w * v;
+            }
         }
     }
 }

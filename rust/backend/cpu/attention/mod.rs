@@ -21,9 +21,9 @@
 //! Invariant: a row's arithmetic depends only on its own query, its context length and the
 //! cache, never on the other rows of its batch, tile or task, nor on the pool's size or
 //! instruction set, so a row's output is bitwise the same whatever it is computed with.
-//! Tiling shares loads, never operations. The AVX2 path is the same source compiled with
-//! AVX2 enabled (lane-wise multiplies and adds, no reassociation), which is why it matches
-//! the portable path bit for bit.
+//! Tiling shares loads, never operations. The AVX2 and AVX-512 paths are the same source
+//! compiled with those features enabled (lane-wise multiplies and adds, no reassociation),
+//! which is why they match the portable path bit for bit.
 
 pub(super) mod math;
 mod transpose;
@@ -42,6 +42,51 @@ const TILE_ROWS: usize = 16;
 const PREFETCH_BLOCKS: usize = 2;
 /// Query vectors whose scores are computed together, each key block loaded once for them.
 const SCORE_QUERIES: usize = 4;
+/// Query vectors whose weighted values are summed together, each value row loaded once for
+/// them (eight AVX2 registers of sums; more spill, and a lone query leaves every sum waiting
+/// on the add before it).
+const VALUE_QUERIES: usize = 2;
+
+/// Runs `$body` with `$N` a constant equal to `$n` (1 to 8).
+macro_rules! with_count {
+    ($n:expr, |$N:ident| $body:expr) => {
+        match $n {
+            1 => {
+                const $N: usize = 1;
+                $body
+            }
+            2 => {
+                const $N: usize = 2;
+                $body
+            }
+            3 => {
+                const $N: usize = 3;
+                $body
+            }
+            4 => {
+                const $N: usize = 4;
+                $body
+            }
+            5 => {
+                const $N: usize = 5;
+                $body
+            }
+            6 => {
+                const $N: usize = 6;
+                $body
+            }
+            7 => {
+                const $N: usize = 7;
+                $body
+            }
+            8 => {
+                const $N: usize = 8;
+                $body
+            }
+            n => unreachable!("a group of {n} queries"),
+        }
+    };
+}
 
 /// The shape of one paged attention call (see `PagedAttentionArgs`).
 #[derive(Clone, Copy, Debug)]
@@ -146,6 +191,9 @@ pub(super) fn paged_attention(
         SCRATCH.with(|cell| {
             let scratch = &mut cell.borrow_mut();
             match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the pool reports AVX-512 only where the CPU has it.
+                isa if isa.avx512() => unsafe { task.run_avx512(scratch, shared) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the pool reports AVX2 only where the CPU has it.
                 isa if isa.avx2() => unsafe { task.run_avx2(scratch, shared) },
@@ -277,6 +325,14 @@ impl Task<'_> {
         self.run(scratch, out)
     }
 
+    /// # Safety
+    /// The CPU must support AVX2 and AVX-512 F/BW/VL.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+    unsafe fn run_avx512(&self, scratch: &mut Scratch, out: SharedOut<bf16>) {
+        self.run(scratch, out)
+    }
+
     #[inline(always)]
     fn run(&self, s: &mut Scratch, out: SharedOut<bf16>) {
         let (sh, inputs) = (self.reader.shape, self.reader.inputs);
@@ -319,42 +375,24 @@ impl Task<'_> {
             };
             let mut i = 0;
             while i < nq {
-                // Queries whose context reaches this block, up to SCORE_QUERIES at a time.
+                // Queries whose context reaches this block, a run of them at a time.
                 if len(i) <= j0 {
                     i += 1;
                     continue;
                 }
-                // The longest run of such queries, up to SCORE_QUERIES.
                 let n = (i..nq.min(i + SCORE_QUERIES))
                     .take_while(|&x| len(x) > j0)
                     .count();
+                // A query's scores are the same whichever group computes them.
                 let scores = &mut s.scores;
-                let mut put = |first: usize, rows: &[[f32; KEYS]]| {
-                    for (x, row) in rows.iter().enumerate() {
-                        let at = (first + x) * padded + j0;
+                with_count!(n, |N| {
+                    let qs = std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
+                    for (x, row) in score_block::<N>(qs, keys, sh.scale).iter().enumerate() {
+                        let at = (i + x) * padded + j0;
                         scores[at..at + KEYS].copy_from_slice(row);
                     }
-                };
-                let q = |x: usize| &queries[(i + x) * hd..(i + x + 1) * hd];
-                // A query's scores are the same whichever of these computes them.
-                i += match n {
-                    4.. => {
-                        put(i, &score_block([q(0), q(1), q(2), q(3)], keys, sh.scale));
-                        4
-                    }
-                    3 => {
-                        put(i, &score_block([q(0), q(1), q(2)], keys, sh.scale));
-                        3
-                    }
-                    2 => {
-                        put(i, &score_block([q(0), q(1)], keys, sh.scale));
-                        2
-                    }
-                    _ => {
-                        put(i, &score_block([q(0)], keys, sh.scale));
-                        1
-                    }
-                };
+                });
+                i += n;
             }
         }
         // Pass 2: each query's weights and their total.
@@ -373,10 +411,27 @@ impl Task<'_> {
                     &s.values[..KEYS * hd]
                 }
             };
-            for i in 0..nq {
-                let n = len(i).saturating_sub(j0).min(KEYS);
-                let weights = &s.scores[i * padded + j0..i * padded + j0 + n];
-                add_weighted(&mut acc[i * hd..(i + 1) * hd], weights, &values[..n * hd]);
+            let keys_of = |i: usize| len(i).saturating_sub(j0).min(KEYS);
+            let mut i = 0;
+            while i < nq {
+                let n = keys_of(i);
+                if n == 0 {
+                    i += 1;
+                    continue;
+                }
+                // A run of queries that weigh the same keys of this block.
+                let count = (i..nq.min(i + VALUE_QUERIES))
+                    .take_while(|&x| keys_of(x) == n)
+                    .count();
+                let scores = &s.scores;
+                let weights = |x: usize| &scores[(i + x) * padded + j0..][..n];
+                let acc = &mut acc[i * hd..(i + count) * hd];
+                with_count!(count, |N| add_weighted::<N>(
+                    acc,
+                    std::array::from_fn(weights),
+                    &values[..n * hd]
+                ));
+                i += count;
             }
         }
         for i in 0..nq {
