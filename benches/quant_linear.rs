@@ -17,7 +17,8 @@
 //! `cargo bench --bench quant_linear [-- FILTER...] [--quick]`: FILTERs keep the formats
 //! whose name contains one of them. `-- --kernel` prints only the single-thread compute cost
 //! per call (fastest of many batches) by rows, the figure a kernel change moves; `-- --step`
-//! only the `smollm2_step` table. Both run once per SIMD instruction set this CPU runs.
+//! only the `smollm2_step` table. Both run once per SIMD instruction set this CPU runs, or only
+//! on the one `--isa=NAME` names (`avx2`, `avx2-vnni`, `avx512-vnni`, `amx`).
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -96,9 +97,9 @@ fn cpu_samples(budget: Duration, mut f: impl FnMut()) -> Option<Vec<f64>> {
 /// Q8_0 head, at 1..16 rows and a 128-row prefill chunk: microseconds per call, the cost
 /// relative to one row, and GMAC/s; once per SIMD instruction set this CPU runs (AVX2, AVX-VNNI,
 /// AVX-512 VNNI where it has them), so the dots are compared in one run.
-fn kernel_costs(rng: &mut SmallRng, budget: Duration) -> Value {
+fn kernel_costs(rng: &mut SmallRng, budget: Duration, isas: &[Isa]) -> Value {
     let mut out = Vec::new();
-    for isa in Isa::available_simd() {
+    for &isa in isas {
         let single = KernelPool::with_options(1, isa, KernelPool::DEFAULT_SPIN);
         match kernel_costs_on(&single, rng, budget) {
             Value::Null => return Value::Null,
@@ -396,15 +397,26 @@ fn main() {
     let pool = KernelPool::per_core();
     let single = KernelPool::new(1);
     let mut rng = SmallRng::seed_from_u64(1);
+    // The SIMD levels to compare: every one this CPU runs, or the one `--isa=` names.
+    let isas: Vec<Isa> = match args.iter().find_map(|a| a.strip_prefix("--isa=")) {
+        Some(name) => match Isa::available_simd().into_iter().find(|i| i.name() == name) {
+            Some(isa) => vec![isa],
+            None => {
+                let names: Vec<&str> = Isa::available_simd().iter().map(|i| i.name()).collect();
+                panic!("--isa= takes one of {names:?} on this CPU, not {name:?}");
+            }
+        },
+        None => Isa::available_simd(),
+    };
     if args.iter().any(|a| a == "--kernel") {
-        let report = json!({"kernel_cpu": kernel_costs(&mut rng, budget * 2)});
+        let report = json!({"kernel_cpu": kernel_costs(&mut rng, budget * 2, &isas)});
         println!("{}", serde_json::to_string_pretty(&report).unwrap());
         return;
     }
     if args.iter().any(|a| a == "--step") {
         // Once per SIMD instruction set this CPU runs, on as many threads as `pool`.
         let mut steps = Vec::new();
-        for isa in Isa::available_simd() {
+        for &isa in &isas {
             let pool = KernelPool::with_options(pool.threads(), isa, KernelPool::DEFAULT_SPIN);
             let step = smollm2_step(&pool, &mut rng, budget * 4);
             steps.push(json!({"isa": isa.name(), "step": step}));

@@ -14,7 +14,9 @@
 //! forward is split into the backend calls the engine makes itself (the logits download,
 //! the hidden-row copy) and the rest (verification on the host, bookkeeping).
 //!
-//! `cargo bench --bench step_profile [-- PATH] [--threads N]` (default: one per core)
+//! `cargo bench --bench step_profile [-- PATH] [--threads=N] [--rows=N]`: threads default to
+//! one per core; `--rows=N` makes each model step a verify-shaped forward of N rows, trimmed
+//! back to its first row after (the engine part always decodes plainly).
 
 use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CpuBackend, DevicePtr, ElementwiseArgs,
@@ -258,10 +260,11 @@ fn main() {
         return;
     }
     let path = default_model::model_path();
-    let threads = std::env::args().find_map(|a| {
-        a.strip_prefix("--threads=")
-            .and_then(|n| n.parse::<usize>().ok())
-    });
+    let arg = |name: &str| {
+        std::env::args().find_map(|a| a.strip_prefix(name).and_then(|n| n.parse::<usize>().ok()))
+    };
+    let threads = arg("--threads=");
+    let rows = arg("--rows=").unwrap_or(1).clamp(1, 64);
     let backend = Arc::new(TimedBackend {
         inner: threads.map_or_else(CpuBackend::new, CpuBackend::with_threads),
         vocab: AtomicUsize::new(0),
@@ -292,7 +295,14 @@ fn main() {
     backend.take();
     let t = Instant::now();
     for i in 0..steps {
-        model.forward(&mut [&mut seq], &[&[tok]]).expect("decode");
+        // A verify-shaped forward of `rows` rows keeps its first row, as when every draft
+        // is rejected (one row: a plain decode step).
+        let kept = seq.len() + 1;
+        let toks: Vec<u32> = (0..rows as u32).map(|r| tok + 7 * r).collect();
+        model.forward(&mut [&mut seq], &[&toks]).expect("decode");
+        if rows > 1 {
+            model.trim(&mut seq, kept).expect("trim");
+        }
         tok = 300 + (i as u32 * 101) % 4000;
     }
     let model_wall = t.elapsed();
@@ -331,6 +341,7 @@ fn main() {
             "bench": "step_profile",
             "threads": backend.inner.kernel_pool().threads(),
             "context": prompt.len(),
+            "rows": rows,
             "model_step": table(&model_parts, model_wall, steps),
             "engine_step": table(&engine_parts, wall.saturating_sub(prefill), engine_steps),
             "engine_steps": engine_steps,
