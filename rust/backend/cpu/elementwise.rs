@@ -15,9 +15,9 @@
 //! Invariants:
 //! - An element's arithmetic depends only on its own row's inputs, never on how the rows are
 //!   batched or split into pool tasks, so a row's result is bitwise the same in any batch.
-//! - The AVX2 path is the same source compiled with AVX2 enabled (plain loops over fixed
-//!   blocks that the compiler vectorises: lane-wise operations, no fused multiply-add, no
-//!   reassociation), so it matches the portable path bit for bit.
+//! - The AVX2 and AVX-512 paths are the same source compiled with those features enabled
+//!   (plain loops over fixed blocks that the compiler vectorises: lane-wise operations, no
+//!   fused multiply-add, no reassociation), so they match the portable path bit for bit.
 //! - Nothing is allocated per call; a call is split over the pool only when it has a few
 //!   microseconds of work per task to give, which pays for a dispatch many times over.
 //! - An output that is also an input (`out == x` for RMSNorm, `out == a` or `b` for the
@@ -117,10 +117,31 @@ fn split_units(
     })
 }
 
-/// Picks the AVX2 build of a kernel where the pool may use it.
+/// Defines `$avx2` and `$avx512`: `$portable` compiled with AVX2 enabled, and with AVX-512
+/// (F, BW, VL) as well, the same source (so the same bits) in 256- and 512-bit registers.
+macro_rules! simd_builds {
+    ($portable:ident => $avx2:ident, $avx512:ident ($($arg:ident: $ty:ty),* $(,)?)) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2")]
+        unsafe fn $avx2($($arg: $ty),*) {
+            $portable($($arg),*)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+        unsafe fn $avx512($($arg: $ty),*) {
+            $portable($($arg),*)
+        }
+    };
+}
+
+/// Picks the widest build of a kernel ([`simd_builds`]) the pool may use.
 macro_rules! dispatch {
-    ($isa:expr, $portable:ident, $avx2:ident ( $($arg:expr),* )) => {
+    ($isa:expr, $portable:ident, $avx2:ident, $avx512:ident ( $($arg:expr),* )) => {
         match $isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the pool reports AVX-512 only where the CPU has it.
+            isa if isa.avx512() => unsafe { $avx512($($arg),*) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the pool reports AVX2 only where the CPU has it.
             isa if isa.avx2() => unsafe { $avx2($($arg),*) },
@@ -175,11 +196,13 @@ fn rms_norm_part(out: &mut [bf16], x: Input, w: &[bf16], dim: usize, eps: f32) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn rms_norm_part_avx2(out: &mut [bf16], x: Input, w: &[bf16], dim: usize, eps: f32) {
-    rms_norm_part(out, x, w, dim, eps)
-}
+simd_builds!(rms_norm_part => rms_norm_part_avx2, rms_norm_part_avx512(
+    out: &mut [bf16],
+    x: Input,
+    w: &[bf16],
+    dim: usize,
+    eps: f32,
+));
 
 /// RMSNorm of each `dim`-element row of `out`'s shape (see the module doc).
 pub(super) fn rms_norm(
@@ -196,7 +219,8 @@ pub(super) fn rms_norm(
         dispatch!(
             pool.isa(),
             rms_norm_part,
-            rms_norm_part_avx2(part, x, w, dim, eps)
+            rms_norm_part_avx2,
+            rms_norm_part_avx512(part, x, w, dim, eps)
         )
     })
 }
@@ -232,11 +256,12 @@ fn binary_part(op: ElementwiseOp, out: &mut [bf16], a: Input, b: Input) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn binary_part_avx2(op: ElementwiseOp, out: &mut [bf16], a: Input, b: Input) {
-    binary_part(op, out, a, b)
-}
+simd_builds!(binary_part => binary_part_avx2, binary_part_avx512(
+    op: ElementwiseOp,
+    out: &mut [bf16],
+    a: Input,
+    b: Input,
+));
 
 /// `out = op(a, b)` element by element (see the module doc).
 pub(super) fn binary(
@@ -253,7 +278,12 @@ pub(super) fn binary(
     };
     split_units(pool, out, (len, 1), task, &|part, first, _| {
         let (a, b) = (a.skip(first), b.skip(first));
-        dispatch!(pool.isa(), binary_part, binary_part_avx2(op, part, a, b))
+        dispatch!(
+            pool.isa(),
+            binary_part,
+            binary_part_avx2,
+            binary_part_avx512(op, part, a, b)
+        )
     })
 }
 
@@ -301,11 +331,12 @@ fn rope_part(x: &mut [bf16], positions: &[u32], inv_freq: &[f32], shape: RopeSha
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn rope_part_avx2(x: &mut [bf16], positions: &[u32], inv_freq: &[f32], shape: RopeShape) {
-    rope_part(x, positions, inv_freq, shape)
-}
+simd_builds!(rope_part => rope_part_avx2, rope_part_avx512(
+    x: &mut [bf16],
+    positions: &[u32],
+    inv_freq: &[f32],
+    shape: RopeShape,
+));
 
 /// Rotates the leading `2 * inv_freq.len()` elements of every head of `x` (`[positions.len(),
 /// heads, head_dim]`) in place (see the module doc).
@@ -323,7 +354,8 @@ pub(super) fn rope(
         dispatch!(
             pool.isa(),
             rope_part,
-            rope_part_avx2(part, pos, inv_freq, shape)
+            rope_part_avx2,
+            rope_part_avx512(part, pos, inv_freq, shape)
         )
     })
 }

@@ -1,5 +1,5 @@
 //! Tests of the small ops: each against a float64 reference within one BF16 rounding step,
-//! the AVX2 and portable builds bit for bit, and each row bitwise the same alone, in any
+//! every SIMD build and the portable one bit for bit, and each row bitwise the same alone, in any
 //! batch, and split over the pool.
 
 use super::*;
@@ -18,9 +18,9 @@ fn pools() -> Vec<KernelPool> {
         KernelPool::with_options(1, Isa::Portable, spin),
         KernelPool::with_options(2, Isa::Portable, spin),
     ];
-    if Isa::detect().avx2() {
-        v.push(KernelPool::with_options(1, Isa::Avx2, spin));
-        v.push(KernelPool::with_options(2, Isa::Avx2, spin));
+    for isa in Isa::available_simd() {
+        v.push(KernelPool::with_options(1, isa, spin));
+        v.push(KernelPool::with_options(2, isa, spin));
     }
     v
 }
@@ -231,17 +231,24 @@ fn all_ops(pool: &KernelPool, rows: usize, dim: usize, seed: u64) -> [Vec<bf16>;
 }
 
 #[test]
-fn avx2_and_portable_builds_agree_bit_for_bit() {
-    if !Isa::detect().avx2() {
+fn simd_and_portable_builds_agree_bit_for_bit() {
+    let simd = Isa::available_simd();
+    if simd.is_empty() {
         eprintln!("no AVX2 here: nothing to compare");
         return;
     }
     let spin = Duration::from_micros(50);
     let portable = KernelPool::with_options(1, Isa::Portable, spin);
-    let avx2 = KernelPool::with_options(1, Isa::Avx2, spin);
-    for (rows, dim) in [(1, 2), (3, 66), (2, 130), (9, 576), (4, 1536)] {
-        let want = all_ops(&portable, rows, dim, rows as u64);
-        assert_eq!(all_ops(&avx2, rows, dim, rows as u64), want, "{rows}x{dim}");
+    for isa in simd {
+        let pool = KernelPool::with_options(1, isa, spin);
+        for (rows, dim) in [(1, 2), (3, 66), (2, 130), (9, 576), (4, 1536)] {
+            let want = all_ops(&portable, rows, dim, rows as u64);
+            assert_eq!(
+                all_ops(&pool, rows, dim, rows as u64),
+                want,
+                "{isa:?} {rows}x{dim}"
+            );
+        }
     }
 }
 
