@@ -10,6 +10,7 @@
 //!   first ([`kernels`]): the CPU reference (`cpu/`) and the CUDA launchers (`cuda/`)
 //!   accept and refuse the same arguments.
 
+mod const_count;
 mod cpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emu"))]
 pub mod cuda;

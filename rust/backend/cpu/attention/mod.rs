@@ -29,6 +29,7 @@ pub(super) mod math;
 mod transpose;
 
 use super::shared_out::SharedOut;
+use crate::backend::const_count::with_count;
 use crate::backend::quant::{KernelPool, QuantError};
 use half::bf16;
 use math::{add_weighted, score_block, softmax_weights, to_f32, widen};
@@ -46,47 +47,6 @@ const SCORE_QUERIES: usize = 4;
 /// them (eight AVX2 registers of sums; more spill, and a lone query leaves every sum waiting
 /// on the add before it).
 const VALUE_QUERIES: usize = 2;
-
-/// Runs `$body` with `$N` a constant equal to `$n` (1 to 8).
-macro_rules! with_count {
-    ($n:expr, |$N:ident| $body:expr) => {
-        match $n {
-            1 => {
-                const $N: usize = 1;
-                $body
-            }
-            2 => {
-                const $N: usize = 2;
-                $body
-            }
-            3 => {
-                const $N: usize = 3;
-                $body
-            }
-            4 => {
-                const $N: usize = 4;
-                $body
-            }
-            5 => {
-                const $N: usize = 5;
-                $body
-            }
-            6 => {
-                const $N: usize = 6;
-                $body
-            }
-            7 => {
-                const $N: usize = 7;
-                $body
-            }
-            8 => {
-                const $N: usize = 8;
-                $body
-            }
-            n => unreachable!("a group of {n} queries"),
-        }
-    };
-}
 
 /// The shape of one paged attention call (see `PagedAttentionArgs`).
 #[derive(Clone, Copy, Debug)]
@@ -385,7 +345,7 @@ impl Task<'_> {
                     .count();
                 // A query's scores are the same whichever group computes them.
                 let scores = &mut s.scores;
-                with_count!(n, |N| {
+                with_count!(n, "a group of queries", |N| {
                     let qs = std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
                     for (x, row) in score_block::<N>(qs, keys, sh.scale).iter().enumerate() {
                         let at = (i + x) * padded + j0;
@@ -426,7 +386,7 @@ impl Task<'_> {
                 let scores = &s.scores;
                 let weights = |x: usize| &scores[(i + x) * padded + j0..][..n];
                 let acc = &mut acc[i * hd..(i + count) * hd];
-                with_count!(count, |N| add_weighted::<N>(
+                with_count!(count, "a group of queries", |N| add_weighted::<N>(
                     acc,
                     std::array::from_fn(weights),
                     &values[..n * hd]

@@ -27,6 +27,7 @@
 use super::tiles::{self, TileConfig};
 use super::zmm::{f16x16, halves, plane_vector};
 use super::*;
+use crate::backend::const_count::with_count;
 use crate::backend::quant::block_pairs::{BlockPairs, AMX_MIN_ROWS, CHUNK_ROWS};
 use std::cell::Cell;
 
@@ -119,7 +120,7 @@ pub(super) unsafe fn run<F: Fmt>(
         let mut ahead = (g + 2 < pairs_end).then_some((g + 2, &mut *next));
         for c in 0..act.rows.div_ceil(CHUNK_ROWS) - (last > 0) as usize {
             let first = c * CHUNK_ROWS;
-            with_rows!(main, |R| {
+            with_count!(main, "a chunk of rows", |R| {
                 let rows: [Act; R] = std::array::from_fn(|i| ws.acts[first + i]);
                 // SAFETY: chunk `c` has `main` rows, as `MAIN`'s tiles are configured for.
                 unsafe {
@@ -134,7 +135,7 @@ pub(super) unsafe fn run<F: Fmt>(
         }
         if last > 0 {
             let c = act.rows / CHUNK_ROWS;
-            with_rows!(last, |R| {
+            with_count!(last, "a chunk of rows", |R| {
                 let rows: [Act; R] = std::array::from_fn(|i| ws.acts[c * CHUNK_ROWS + i]);
                 // SAFETY: the last chunk has `last` rows, as `LAST`'s tiles are configured for.
                 unsafe {
@@ -158,48 +159,6 @@ pub(super) unsafe fn run<F: Fmt>(
         unsafe { legacy::run_with::<F, true>(w, act, pairs_end..groups.end, out) };
     }
 }
-
-/// Runs `$body` with `$R` a constant equal to `$n` (1 to 8, a chunk's rows).
-macro_rules! with_rows {
-    ($n:expr, |$R:ident| $body:expr) => {
-        match $n {
-            8 => {
-                const $R: usize = 8;
-                $body
-            }
-            1 => {
-                const $R: usize = 1;
-                $body
-            }
-            2 => {
-                const $R: usize = 2;
-                $body
-            }
-            3 => {
-                const $R: usize = 3;
-                $body
-            }
-            4 => {
-                const $R: usize = 4;
-                $body
-            }
-            5 => {
-                const $R: usize = 5;
-                $body
-            }
-            6 => {
-                const $R: usize = 6;
-                $body
-            }
-            7 => {
-                const $R: usize = 7;
-                $body
-            }
-            n => unreachable!("a chunk of {n} rows"),
-        }
-    };
-}
-use with_rows;
 
 /// Decodes block `b` of groups `g` and `g + 1` into their weight tiles: group-vector `v` is
 /// row `8 * (b % 2) + v` of tile `b / 2`; an odd count's missing last block is zeros.
