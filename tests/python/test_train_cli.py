@@ -55,10 +55,15 @@ def test_the_command_line_documents_its_options(capsys):
         "--width-step",
         "--extract-minutes",
         "--train-steps",
+        "--responses",
+        "--reply-tokens",
     ]:
         assert option in text
     args = build_parser().parse_args(["train-mtp"])
     assert (args.unroll, args.draft_vocab, args.model) == (3, 16384, "smollm2")
+    assert (args.responses, args.reply_tokens) == ("corpus", 256)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-mtp", "--responses", "both"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train-mtp", "--batch", "0"])
     with pytest.raises(SystemExit):

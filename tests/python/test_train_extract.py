@@ -3,6 +3,8 @@
 ``extract_train`` stops before the next sequence once its deadline has passed (a fake
 clock makes the cut exact); what it cached stays cached, and a later call goes on from
 there so that the files equal one uninterrupted extraction byte for byte.
+``extract_replies`` caches each prompt followed by the target's reply, batch by batch,
+within its token budget, cut to the sequence length, its drafts starting at the reply.
 ``Batches.tokens_in`` counts the sequences' own tokens in the first steps' batches,
 checked against the ``valid`` masks of the batches themselves.
 """
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 from specdraft.train import targets
 from specdraft.train.cache import HiddenCache
-from specdraft.train.data import TokenizedConversation
+from specdraft.train.data import Conversation, TokenizedConversation
 
 HIDDEN = 8
 LENGTHS = [5, 9, 3, 12, 7]
@@ -107,3 +109,80 @@ def test_tokens_in_counts_the_valid_tokens_of_the_first_steps(tmp_path):
         valid = sum(int(batches.batch(s)[2].sum()) for s in range(steps))
         assert batches.tokens_in(steps) == valid
     assert batches.tokens_in(batches.per_epoch) == sum(min(n, 64) for n in lengths)
+
+
+class _Tokenizer:
+    """A chat template of ``<role>content``, one id per byte."""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+
+def _reply(prompt: list[int], n: int) -> list[int]:
+    """A deterministic 'greedy reply': 30 ids after a prompt, at most ``n``."""
+    return [(sum(prompt) + 7 * i) % 251 for i in range(min(30, n))]
+
+
+def _chats() -> list[Conversation]:
+    user = ["hi", "tell me more", "x" * 200, "why?", "ok then", "and", "so", "yes"]
+    return [
+        Conversation(
+            "synth", str(i), [{"role": "user", "content": u}, {"role": "assistant", "content": "A"}]
+        )
+        for i, u in enumerate(user)
+    ]
+
+
+def test_replies_are_the_prompt_then_the_targets_continuation(tmp_path, clock):
+    calls: list[list[list[int]]] = []
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        calls.append(prompts)
+        return [_reply(p, n) for p in prompts]
+
+    tok, model = _Tokenizer(), _Model(clock)
+    cache = HiddenCache(tmp_path / "c", "fake", HIDDEN)
+    got = targets.extract_replies(generate, model, tok, cache, _chats(), 64, 20, 10_000, batch=3)
+    # The 200-byte prompt leaves no room in 64 positions and is passed over.
+    kept = [c for c in _chats() if len(targets.eval_prompt(tok, c)) + 16 <= 64]
+    assert len(kept) == len(_chats()) - 1
+    assert [len(b) for b in calls] == [3, 3, 1]
+    ids, _ = cache.open_arrays()
+    assert got == cache.tokens
+    assert len(cache.sequences) == len(kept)
+    for conv, s in zip(kept, cache.sequences, strict=True):
+        prompt = targets.eval_prompt(tok, conv)
+        want = (prompt + _reply(prompt, 20))[:64]
+        assert (s.corpus, s.id, s.split) == (
+            "synth" + targets.REPLY_CORPUS_SUFFIX,
+            conv.id,
+            "train",
+        )
+        assert ids[s.offset : s.offset + s.length].tolist() == want
+        assert s.start == len(prompt)
+    # Everything is cached: a second call generates nothing.
+    assert targets.extract_replies(generate, model, tok, cache, _chats(), 64, 20, 10_000) == 0
+    assert len(calls) == 3
+
+
+def test_replies_stop_at_the_token_budget_and_the_deadline(tmp_path, clock):
+    tok = _Tokenizer()
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        return [_reply(p, n) for p in prompts]
+
+    cache = HiddenCache(tmp_path / "budget", "fake", HIDDEN)
+    first = targets.extract_replies(
+        generate, _Model(clock), tok, cache, _chats(), 64, 20, 50, batch=2
+    )
+    # Batches of two: the budget of 50 is passed within the first batch, so one batch runs.
+    assert len(cache.sequences) == 2 and first == cache.tokens >= 50
+    cache = HiddenCache(tmp_path / "deadline", "fake", HIDDEN)
+    got = targets.extract_replies(
+        generate, _Model(clock), tok, cache, _chats(), 64, 20, 10_000, batch=2, deadline=clock.now
+    )
+    assert got == 0 and cache.tokens == 0

@@ -142,6 +142,44 @@ def test_train_steps_ends_the_run_and_its_schedule_there(run, tmp_path):
     assert report["eval_tokens"] == sum(s.length for s in cache.split("eval"))
 
 
+def test_target_replies_are_the_targets_own_greedy_text(run, tmp_path):
+    """With ``responses="target"`` each training sequence is a held-in prompt followed by what
+    the engine's greedy decoding makes of it, and training runs on them."""
+    from dataclasses import replace
+
+    import specdraft
+    from specdraft.tokenizer import load_tokenizer
+    from specdraft.train.targets import REPLY_CORPUS_SUFFIX, eval_prompt
+
+    opts, _ = run
+    own = replace(
+        opts,
+        out=tmp_path / "head",
+        cache=tmp_path / "cache",
+        tokens=300,
+        responses="target",
+        reply_tokens=10,
+        max_steps=2,
+        eval_prompts=1,
+    )
+    report = train_mtp(own, conversations=_conversations(120))
+    assert report["responses"] == "target" and report["steps"] == 2
+    index = json.loads((own.cache / "index.json").read_text())
+    cache = HiddenCache(own.cache, index["target"], 64)
+    train = cache.split("train")
+    assert train and sum(x.length for x in train) >= own.tokens
+    model = specdraft.load_model(own.target)
+    tokenizer = load_tokenizer(own.target)
+    convs = {c.id: c for c in _conversations(120)}
+    ids, _ = cache.open_arrays()
+    for seq in train:
+        assert seq.corpus == "synthetic" + REPLY_CORPUS_SUFFIX
+        prompt = eval_prompt(tokenizer, convs[seq.id])
+        want = prompt + model.generate_greedy(prompt, own.reply_tokens)
+        assert ids[seq.offset : seq.offset + seq.length].tolist() == want[: SETTINGS.seq_len]
+        assert seq.start == len(prompt)
+
+
 def test_a_checkpoint_of_another_shape_is_refused(run, tmp_path):
     opts, _ = run
     cache = HiddenCache(

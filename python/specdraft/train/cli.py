@@ -53,6 +53,8 @@ def run_train_mtp(args: argparse.Namespace) -> int:
         max_extract_seconds=args.extract_minutes * 60.0 if args.extract_minutes else None,
         train_steps=args.train_steps,
         coverage_tokens=args.coverage_tokens,
+        responses=args.responses,
+        reply_tokens=args.reply_tokens,
         settings=settings,
     )
     try:
@@ -100,6 +102,21 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         help="corpora (downloaded once into the cache folder)",
     )
     p.add_argument("--tokens", type=_positive, default=300_000, help="training tokens to take")
+    p.add_argument(
+        "--responses",
+        choices=["corpus", "target"],
+        default="corpus",
+        help=(
+            "train on the conversations as written (corpus), or on each one's prompt followed "
+            "by the target's own greedy reply (target: the text the head drafts on in use)"
+        ),
+    )
+    p.add_argument(
+        "--reply-tokens",
+        type=_positive,
+        default=256,
+        help="with --responses target: the most tokens of a generated reply",
+    )
     p.add_argument("--epochs", type=_positive, default=1, help="passes over the training tokens")
     p.add_argument(
         "--draft-vocab",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,14 +22,20 @@ from specdraft.train.data import Conversation, TokenizedConversation
 from specdraft.train.progress import Progress
 
 __all__ = [
+    "REPLY_CORPUS_SUFFIX",
     "TargetShape",
     "TargetWeights",
     "eval_prompt",
     "extract_eval",
+    "extract_replies",
     "extract_train",
     "read_target_weights",
     "target_shape",
 ]
+
+#: Training sequences of the target's own replies are cached under their corpus name with
+#: this suffix, so a cache shared with teacher-forced text keeps the two apart.
+REPLY_CORPUS_SUFFIX = ":target-replies"
 
 
 @dataclass(frozen=True)
@@ -202,3 +208,69 @@ def extract_eval(
         have += 1
         bar.update(1)
     bar.close()
+
+
+def extract_replies(
+    generate: Callable[[list[list[int]], int], list[list[int]]],
+    model: Any,  # noqa: ANN401 - specdraft.TargetModel
+    tokenizer: Any,  # noqa: ANN401 - specdraft.tokenizer.Tokenizer
+    cache: HiddenCache,
+    conversations: Sequence[Conversation],
+    max_len: int,
+    reply_tokens: int,
+    tokens: int,
+    batch: int = 8,
+    deadline: float | None = None,
+) -> int:
+    """Cache training sequences of the target's own replies after the corpus's prompts.
+
+    A sequence is a conversation's prompt (as :func:`eval_prompt`), then what the target
+    generates after it: ``generate(prompts, n)`` returns each prompt's greedy continuation
+    (at most ``n`` ids), and takes the prompts ``batch`` at a time, so that the engine
+    decodes them side by side. A reply is cut where the sequence reaches ``max_len``;
+    prompts leaving fewer than 16 positions for one are passed over. A sequence's drafts
+    start at its prompt's end (``start``), and it is cached under its corpus name plus
+    :data:`REPLY_CORPUS_SUFFIX`.
+
+    This is the text the head drafts on in use: every token after the prompt is the target's
+    own greedy choice, where teacher-forced corpus text is someone else's. Stops once the
+    cache holds ``tokens`` such tokens, or before the next batch once ``time.monotonic()`` has
+    reached ``deadline``; returns the number of tokens cached by this call.
+    """
+    have = sum(s.length for s in cache.split("train") if s.corpus.endswith(REPLY_CORPUS_SUFFIX))
+    todo = []
+    for conv in conversations:
+        if cache.has(conv.corpus + REPLY_CORPUS_SUFFIX, conv.id, "train"):
+            continue
+        prompt = eval_prompt(tokenizer, conv)
+        if prompt and len(prompt) + 16 <= max_len:
+            todo.append((conv, prompt))
+    if have >= tokens or not todo:
+        return 0
+    bar = Progress(tokens - have, "target replies (train)", "tok")
+    cached = 0
+    for at in range(0, len(todo), batch):
+        if have + cached >= tokens:
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        group = todo[at : at + batch]
+        replies = generate([prompt for _, prompt in group], reply_tokens)
+        if len(replies) != len(group):
+            raise RuntimeError(f"{len(replies)} replies to {len(group)} prompts")
+        for (conv, prompt), reply in zip(group, replies, strict=True):
+            seq = (prompt + list(reply))[:max_len]
+            if len(seq) < len(prompt) + 2:
+                continue
+            cache.append(
+                conv.corpus + REPLY_CORPUS_SUFFIX,
+                conv.id,
+                "train",
+                seq,
+                model.hidden_states(seq),
+                start=len(prompt),
+            )
+            bar.update(len(seq))
+            cached += len(seq)
+    bar.close()
+    return cached
