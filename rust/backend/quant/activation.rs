@@ -84,6 +84,17 @@ impl QuantizedRows {
         self.cols / self.kind.map_or(1, ActKind::block_len)
     }
 
+    /// Lays the Q8 codes out as AMX activation tiles ([`BlockPairs`]).
+    pub(crate) fn fill_pairs(&mut self) {
+        debug_assert_eq!(self.kind, Some(ActKind::Q8));
+        self.pairs.fill(&self.qs, self.rows, self.cols);
+    }
+
+    /// Whether [`Self::fill_pairs`] laid out this call's rows.
+    pub(crate) fn has_pairs(&self) -> bool {
+        self.rows > 0 && self.pairs.rows() == self.rows
+    }
+
     /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length), with
     /// AVX2 when `avx2` (the CPU must have it; both give the same codes and scales), long
     /// inputs spread over `pool`.
@@ -97,7 +108,7 @@ impl QuantizedRows {
     ) -> Result<(), QuantError> {
         let n = kind.block_len();
         assert!(cols % n == 0 && x.len() == rows * cols, "input shape");
-        self.pairs.fill(&[], 0, cols);
+        self.pairs.clear();
         let blocks = rows * cols / n;
         self.rows = rows;
         self.cols = cols;
@@ -125,19 +136,6 @@ impl QuantizedRows {
             // `self` keeps alive and unborrowed until `run` returns.
             unsafe { out.quantize(x, n, k, avx2, range) };
         })
-    }
-}
-
-impl QuantizedRows {
-    /// Lays the Q8 codes out as AMX activation tiles ([`BlockPairs`]).
-    pub(crate) fn fill_pairs(&mut self) {
-        debug_assert_eq!(self.kind, Some(ActKind::Q8));
-        self.pairs.fill(&self.qs, self.rows, self.cols);
-    }
-
-    /// Whether [`Self::fill_pairs`] laid out this call's rows.
-    pub(crate) fn has_pairs(&self) -> bool {
-        self.rows > 0 && self.pairs.rows() == self.rows
     }
 }
 

@@ -53,6 +53,12 @@ impl BlockPairs {
         }
     }
 
+    /// Forgets the rows laid out (keeping the buffer for the next call).
+    pub(crate) fn clear(&mut self) {
+        self.rows = 0;
+        self.bytes.clear();
+    }
+
     /// Input rows laid out.
     pub(crate) fn rows(&self) -> usize {
         self.rows

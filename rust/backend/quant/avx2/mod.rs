@@ -187,9 +187,9 @@ mod formats {
 
 /// Output features of groups `groups`, every row of `act`, into `out` (no bias). With
 /// AVX-VNNI the legacy formats' dots run on `vpdpbusd` (the same integers: see [`legacy`]),
-/// with AVX-512 VNNI too, on 512-bit registers ([`zmm`]), and with AMX, calls whose input was
-/// laid out as tiles on the tiles ([`amx`]); the K-quants keep `maddubs`, whose `madd` with
-/// the sub-block scales they need anyway.
+/// with AVX-512 VNNI too, on 512-bit registers ([`zmm`]), and with AMX, in tile multiplies
+/// where the call's input was laid out as tiles ([`amx`]); the K-quants keep `maddubs`, whose
+/// `madd` with the sub-block scales they need anyway.
 ///
 /// # Safety
 /// The CPU must support `isa` (at least AVX2, FMA and F16C); `act` must hold the blocks `w`
