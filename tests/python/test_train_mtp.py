@@ -114,11 +114,14 @@ def test_resume_equals_an_uninterrupted_run(run, tmp_path):
     straight = trainer.run(fresh, batches, None, stop_at=end)
     ckpt = tmp_path / "state.npz"
     half = trainer.run(trainer.init_state(init_params(d, SETTINGS.seed)), batches, ckpt, stop_at=3)
-    assert half.step == 3
+    assert half.step == 3 and half.seconds > 0
     _, _, other, batches2 = _trainer(opts, cache)  # a new process would build new ones
     resumed = other.load(other.init_state(init_params(d, SETTINGS.seed + 1)), ckpt)
     assert resumed.step == 3
+    # The time of the first part comes back with it, so the report counts both parts.
+    assert resumed.seconds == half.seconds
     resumed = other.run(resumed, batches2, None, stop_at=end)
+    assert resumed.seconds > half.seconds
     a = jax.tree_util.tree_leaves((straight.params, straight.opt_state))
     b = jax.tree_util.tree_leaves((resumed.params, resumed.opt_state))
     assert len(a) == len(b)

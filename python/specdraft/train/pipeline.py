@@ -257,7 +257,6 @@ def train_mtp(
     state = trainer.run(
         state, batches, ckpt, stop_at=opts.max_steps, on_step=on_step, deadline=deadline
     )
-    train_seconds = time.monotonic() - t1
     bar.close()
 
     acceptance: Acceptance = evaluate(state.params, frozen, d, cache, s.steps)
@@ -277,7 +276,7 @@ def train_mtp(
         "init_from": None if opts.init_from is None else str(opts.init_from),
         "responses": opts.responses,
         "total_steps": trainer.total_steps,
-        "train_seconds": round(train_seconds, 1),
+        "train_seconds": round(state.seconds, 1),
         "first_losses": first_losses,
         "last_losses": last_losses,
         "draft_vocab": opts.draft_vocab,
