@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -238,23 +239,27 @@ def extract_replies(
     reached ``deadline``; returns the number of tokens cached by this call.
     """
     have = sum(s.length for s in cache.split("train") if s.corpus.endswith(REPLY_CORPUS_SUFFIX))
-    todo = []
-    for conv in conversations:
-        if cache.has(conv.corpus + REPLY_CORPUS_SUFFIX, conv.id, "train"):
-            continue
-        prompt = eval_prompt(tokenizer, conv)
-        if prompt and len(prompt) + 16 <= max_len:
-            todo.append((conv, prompt))
-    if have >= tokens or not todo:
+    if have >= tokens:
         return 0
-    bar = Progress(tokens - have, "target replies (train)", "tok")
+    # Prompts are rendered as their batch is taken: a run that needs few replies, or resumes
+    # with the budget nearly cached, does not render every conversation first.
+    pending = (
+        (conv, prompt)
+        for conv in conversations
+        if not cache.has(conv.corpus + REPLY_CORPUS_SUFFIX, conv.id, "train")
+        for prompt in [eval_prompt(tokenizer, conv)]
+        if prompt and len(prompt) + 16 <= max_len
+    )
+    bar: Progress | None = None
     cached = 0
-    for at in range(0, len(todo), batch):
-        if have + cached >= tokens:
-            break
+    while have + cached < tokens:
         if deadline is not None and time.monotonic() >= deadline:
             break
-        group = todo[at : at + batch]
+        group = list(islice(pending, batch))
+        if not group:
+            break
+        if bar is None:
+            bar = Progress(tokens - have, "target replies (train)", "tok")
         replies = generate([prompt for _, prompt in group], reply_tokens)
         if len(replies) != len(group):
             raise RuntimeError(f"{len(replies)} replies to {len(group)} prompts")
@@ -272,5 +277,6 @@ def extract_replies(
             )
             bar.update(len(seq))
             cached += len(seq)
-    bar.close()
+    if bar is not None:
+        bar.close()
     return cached
