@@ -10,7 +10,7 @@
 //!   `n = e` otherwise, which never overflows; SiLU-mul is `(g * sigmoid(g)) * u`, sigmoid-mul
 //!   `v * sigmoid(g)`, add `a + b`;
 //! - RoPE: `(x_i cos - x_j sin, x_j cos + x_i sin)` with `(sin, cos)` of `position * inv_freq`
-//!   from the standard library, once per row.
+//!   from the standard library, kept per position by the backend (see `rope_angles`).
 //!
 //! Invariants:
 //! - An element's arithmetic depends only on its own row's inputs, never on how the rows are
@@ -25,6 +25,7 @@
 //!   written, so aliasing changes nothing.
 
 use super::attention::math::{exp_nonpositive, to_f32, widen};
+use super::rope_angles::{angle, RopeAngles, RopeCache};
 use super::shared_out::SharedOut;
 use crate::backend::kernels::{ElementwiseOp, RopeStyle};
 use crate::backend::quant::{KernelPool, QuantError};
@@ -296,35 +297,70 @@ pub(super) struct RopeShape {
 }
 
 #[inline(always)]
-fn rope_part(x: &mut [bf16], positions: &[u32], inv_freq: &[f32], shape: RopeShape) {
+fn rope_part(
+    x: &mut [bf16],
+    positions: &[u32],
+    inv_freq: &[f32],
+    angles: &RopeAngles,
+    shape: RopeShape,
+) {
     let (heads, hd, half) = (shape.heads, shape.head_dim, inv_freq.len());
     let (mut sin, mut cos) = ([0f32; BLOCK], [0f32; BLOCK]);
     let (mut xi, mut xj) = ([0f32; BLOCK], [0f32; BLOCK]);
     for (r, &p) in positions.iter().enumerate() {
+        let table = angles.at(p);
         for start in (0..half).step_by(BLOCK) {
             let n = BLOCK.min(half - start);
-            // A row's angles are the same for every head: computed once per row.
-            for (k, f) in inv_freq[start..start + n].iter().enumerate() {
-                (sin[k], cos[k]) = (p as f32 * f).sin_cos();
+            // A row's angles are the same for every head: read (or computed) once per row.
+            match table {
+                Some((s, c)) => {
+                    sin[..n].copy_from_slice(&s[start..start + n]);
+                    cos[..n].copy_from_slice(&c[start..start + n]);
+                }
+                None => {
+                    for (k, &f) in inv_freq[start..start + n].iter().enumerate() {
+                        (sin[k], cos[k]) = angle(p, f);
+                    }
+                }
             }
             for h in 0..heads {
                 let head = &mut x[(r * heads + h) * hd..(r * heads + h + 1) * hd];
-                let pair = |k: usize| match shape.style {
-                    RopeStyle::Half => (start + k, start + k + half),
-                    RopeStyle::Interleaved => (2 * (start + k), 2 * (start + k) + 1),
-                };
-                for k in 0..n {
-                    let (i, j) = pair(k);
-                    (xi[k], xj[k]) = (to_f32(head[i]), to_f32(head[j]));
+                // The halves' pairs lie in two runs, read and written as slices so that the
+                // loops vectorise; the interleaved pairs are taken one by one.
+                match shape.style {
+                    RopeStyle::Half => {
+                        widen(&head[start..start + n], &mut xi[..n]);
+                        widen(&head[start + half..start + half + n], &mut xj[..n]);
+                    }
+                    RopeStyle::Interleaved => {
+                        for k in 0..n {
+                            let i = 2 * (start + k);
+                            (xi[k], xj[k]) = (to_f32(head[i]), to_f32(head[i + 1]));
+                        }
+                    }
                 }
                 for k in 0..BLOCK {
                     let (a, b) = (xi[k], xj[k]);
                     xi[k] = a * cos[k] - b * sin[k];
                     xj[k] = b * cos[k] + a * sin[k];
                 }
-                for k in 0..n {
-                    let (i, j) = pair(k);
-                    (head[i], head[j]) = (round_bf16(xi[k]), round_bf16(xj[k]));
+                match shape.style {
+                    RopeStyle::Half => {
+                        let (lo, hi) = head.split_at_mut(start + half);
+                        for ((o, p), (&a, &b)) in lo[start..start + n]
+                            .iter_mut()
+                            .zip(&mut hi[..n])
+                            .zip(xi.iter().zip(&xj))
+                        {
+                            (*o, *p) = (round_bf16(a), round_bf16(b));
+                        }
+                    }
+                    RopeStyle::Interleaved => {
+                        for k in 0..n {
+                            let i = 2 * (start + k);
+                            (head[i], head[i + 1]) = (round_bf16(xi[k]), round_bf16(xj[k]));
+                        }
+                    }
                 }
             }
         }
@@ -335,13 +371,15 @@ simd_builds!(rope_part => rope_part_avx2, rope_part_avx512(
     x: &mut [bf16],
     positions: &[u32],
     inv_freq: &[f32],
+    angles: &RopeAngles,
     shape: RopeShape,
 ));
 
 /// Rotates the leading `2 * inv_freq.len()` elements of every head of `x` (`[positions.len(),
-/// heads, head_dim]`) in place (see the module doc).
+/// heads, head_dim]`) in place (see the module doc), the angles read from `cache`'s table.
 pub(super) fn rope(
     pool: &KernelPool,
+    cache: &RopeCache,
     x: &mut [bf16],
     positions: &[u32],
     inv_freq: &[f32],
@@ -349,13 +387,15 @@ pub(super) fn rope(
 ) -> Result<(), QuantError> {
     let row_len = shape.heads * shape.head_dim;
     let units = (positions.len(), row_len);
+    let angles = cache.table(inv_freq, positions.iter().copied().max().unwrap_or(0));
+    let angles = &*angles;
     split_units(pool, x, units, ROPE_TASK, &|part, first, rows| {
         let pos = &positions[first..first + rows];
         dispatch!(
             pool.isa(),
             rope_part,
             rope_part_avx2,
-            rope_part_avx512(part, pos, inv_freq, shape)
+            rope_part_avx512(part, pos, inv_freq, angles, shape)
         )
     })
 }

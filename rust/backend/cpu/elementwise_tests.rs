@@ -169,14 +169,20 @@ fn elementwise_ops_match_a_float64_reference() {
 #[test]
 fn rope_matches_a_float64_reference() {
     for style in [RopeStyle::Half, RopeStyle::Interleaved] {
-        let (rows, heads, hd, rotary) = (3, 2, 20, 16);
+        let (rows, heads, hd, rotary) = (4, 2, 20, 16);
         let shape = RopeShape {
             heads,
             head_dim: hd,
             style,
         };
         let x = random(5, rows * heads * hd, -2.0, 2.0);
-        let pos = [0u32, 7, 1000];
+        // The last past the angle table's bound, so both ways to the angles are checked.
+        let pos = [
+            0u32,
+            7,
+            1000,
+            crate::backend::cpu::rope_angles::MAX_POSITIONS as u32 + 5,
+        ];
         let freq: Vec<f32> = (0..rotary / 2)
             .map(|i| 10000f32.powf(-((2 * i) as f32) / rotary as f32))
             .collect();
@@ -202,7 +208,7 @@ fn rope_matches_a_float64_reference() {
         }
         for pool in pools() {
             let mut got = x.clone();
-            rope(&pool, &mut got, &pos, &freq, shape).unwrap();
+            rope(&pool, &RopeCache::default(), &mut got, &pos, &freq, shape).unwrap();
             assert_close("rope", &got, &want, &|i| atol[i]);
         }
     }
@@ -226,7 +232,7 @@ fn all_ops(pool: &KernelPool, rows: usize, dim: usize, seed: u64) -> [Vec<bf16>;
         head_dim: dim / 2,
         style: RopeStyle::Half,
     };
-    rope(pool, &mut roped, &pos, &freq, shape).unwrap();
+    rope(pool, &RopeCache::default(), &mut roped, &pos, &freq, shape).unwrap();
     [norm, silu, roped]
 }
 

@@ -152,7 +152,8 @@ impl Kernels for CpuBackend {
             head_dim: a.head_dim,
             style: a.style,
         };
-        elementwise::rope(self.kernel_pool(), xs, pos, freq, shape).map_err(quant_err("rope"))
+        elementwise::rope(self.kernel_pool(), &self.rope, xs, pos, freq, shape)
+            .map_err(quant_err("rope"))
     }
 
     fn kv_write(&self, args: KvWriteArgs) -> Result<(), BackendError> {

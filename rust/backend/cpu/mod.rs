@@ -24,6 +24,7 @@ mod fp8;
 mod grouped;
 mod kernels;
 mod linear;
+mod rope_angles;
 mod shared_out;
 
 pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
@@ -147,6 +148,7 @@ pub struct CpuBackend {
     faults: AllocFaults,
     pool: OnceLock<KernelPool>,
     threads: Option<usize>,
+    rope: rope_angles::RopeCache,
 }
 
 /// Injected allocation failures, for tests of what a full device does to a caller: the
@@ -196,6 +198,7 @@ impl CpuBackend {
             },
             pool: OnceLock::new(),
             threads: None,
+            rope: rope_angles::RopeCache::default(),
         }
     }
 

@@ -11,12 +11,13 @@
 //!
 //! Each query (row, head) is computed in two exact passes, the definition the tests hold
 //! every instruction set and every tiling to:
-//! - score `j` is `(sum over d, in order, of q[d] * k_j[d]) * scale` (a multiply, then an
-//!   add; never a fused multiply-add);
+//! - score `j` is `(sum over d, in order, of q[d] * k_j[d]) * scale`, each product fused into
+//!   the sum (a multiply-add, rounded once: half the instructions of a multiply and an add,
+//!   and the portable path's `f32::mul_add` gives the same bits);
 //! - `p_j = exp(score_j - max)` with [`math::exp_nonpositive`], and the total of the `p_j`
 //!   is kept in eight lanes (`j % 8`), summed pairwise at the end;
-//! - output `d` is `(sum over j, in order, of p_j * v_j[d]) / total`, rounded to BF16 (zero
-//!   for a row that attends to nothing).
+//! - output `d` is `(sum over j, in order, of p_j * v_j[d]) / total`, each product fused
+//!   into the sum, rounded to BF16 (zero for a row that attends to nothing).
 //!
 //! Invariant: a row's arithmetic depends only on its own query, its context length and the
 //! cache, never on the other rows of its batch, tile or task, nor on the pool's size or
@@ -41,12 +42,29 @@ const KEYS: usize = 16;
 const TILE_ROWS: usize = 16;
 /// Key blocks the score pass asks the CPU to fetch ahead of the one it computes.
 const PREFETCH_BLOCKS: usize = 2;
-/// Query vectors whose scores are computed together, each key block loaded once for them.
-const SCORE_QUERIES: usize = 4;
-/// Query vectors whose weighted values are summed together, each value row loaded once for
-/// them (eight AVX2 registers of sums; more spill, and a lone query leaves every sum waiting
-/// on the add before it).
-const VALUE_QUERIES: usize = 2;
+/// How many query vectors share each load, per instruction set: their scores of a key block
+/// (`score`), and their weighted sums of a value row (`value`). Each multiply-add waits on the
+/// one before it in its sum, so a pass runs at the rate of its independent sums: eight
+/// registers of them keep both vector units busy, and more spill. A key block is two AVX2
+/// registers a query and one AVX-512 register (whose scores are written out in intrinsics,
+/// `zmm_scores`: see [`math::score_block_zmm`]), a chunk of weighted values four and two.
+#[derive(Clone, Copy)]
+struct Sharing {
+    score: usize,
+    value: usize,
+    zmm_scores: bool,
+}
+
+const AVX2_SHARING: Sharing = Sharing {
+    score: 4,
+    value: 2,
+    zmm_scores: false,
+};
+const AVX512_SHARING: Sharing = Sharing {
+    score: 8,
+    value: 4,
+    zmm_scores: true,
+};
 
 /// The shape of one paged attention call (see `PagedAttentionArgs`).
 #[derive(Clone, Copy, Debug)]
@@ -157,7 +175,7 @@ pub(super) fn paged_attention(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the pool reports AVX2 only where the CPU has it.
                 isa if isa.avx2() => unsafe { task.run_avx2(scratch, shared) },
-                _ => task.run(scratch, shared),
+                _ => task.run(scratch, shared, AVX2_SHARING),
             }
         })
     })
@@ -280,21 +298,21 @@ impl Task<'_> {
     /// # Safety
     /// The CPU must support AVX2.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn run_avx2(&self, scratch: &mut Scratch, out: SharedOut<bf16>) {
-        self.run(scratch, out)
+        self.run(scratch, out, AVX2_SHARING)
     }
 
     /// # Safety
     /// The CPU must support AVX2 and AVX-512 F/BW/VL.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl")]
     unsafe fn run_avx512(&self, scratch: &mut Scratch, out: SharedOut<bf16>) {
-        self.run(scratch, out)
+        self.run(scratch, out, AVX512_SHARING)
     }
 
     #[inline(always)]
-    fn run(&self, s: &mut Scratch, out: SharedOut<bf16>) {
+    fn run(&self, s: &mut Scratch, out: SharedOut<bf16>, sharing: Sharing) {
         let (sh, inputs) = (self.reader.shape, self.reader.inputs);
         let slot_len = 2 * KEYS * sh.head_dim;
         let (hd, tile) = (sh.head_dim, self.tile);
@@ -340,14 +358,20 @@ impl Task<'_> {
                     i += 1;
                     continue;
                 }
-                let n = (i..nq.min(i + SCORE_QUERIES))
+                let n = (i..nq.min(i + sharing.score))
                     .take_while(|&x| len(x) > j0)
                     .count();
                 // A query's scores are the same whichever group computes them.
                 let scores = &mut s.scores;
                 with_count!(n, "a group of queries", |N| {
                     let qs = std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
-                    for (x, row) in score_block::<N>(qs, keys, sh.scale).iter().enumerate() {
+                    let block = match sharing.zmm_scores {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: only the AVX-512 build asks for it.
+                        true => unsafe { math::score_block_zmm::<N>(qs, keys, sh.scale) },
+                        _ => score_block::<N>(qs, keys, sh.scale),
+                    };
+                    for (x, row) in block.iter().enumerate() {
                         let at = (i + x) * padded + j0;
                         scores[at..at + KEYS].copy_from_slice(row);
                     }
@@ -380,7 +404,7 @@ impl Task<'_> {
                     continue;
                 }
                 // A run of queries that weigh the same keys of this block.
-                let count = (i..nq.min(i + VALUE_QUERIES))
+                let count = (i..nq.min(i + sharing.value))
                     .take_while(|&x| keys_of(x) == n)
                     .count();
                 let scores = &s.scores;
