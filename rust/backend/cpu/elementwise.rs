@@ -325,42 +325,22 @@ fn rope_part(
             }
             for h in 0..heads {
                 let head = &mut x[(r * heads + h) * hd..(r * heads + h + 1) * hd];
-                // The halves' pairs lie in two runs, read and written as slices so that the
-                // loops vectorise; the interleaved pairs are taken one by one.
-                match shape.style {
-                    RopeStyle::Half => {
-                        widen(&head[start..start + n], &mut xi[..n]);
-                        widen(&head[start + half..start + half + n], &mut xj[..n]);
-                    }
-                    RopeStyle::Interleaved => {
-                        for k in 0..n {
-                            let i = 2 * (start + k);
-                            (xi[k], xj[k]) = (to_f32(head[i]), to_f32(head[i + 1]));
-                        }
-                    }
+                let pair = |k: usize| match shape.style {
+                    RopeStyle::Half => (start + k, start + k + half),
+                    RopeStyle::Interleaved => (2 * (start + k), 2 * (start + k) + 1),
+                };
+                for k in 0..n {
+                    let (i, j) = pair(k);
+                    (xi[k], xj[k]) = (to_f32(head[i]), to_f32(head[j]));
                 }
                 for k in 0..BLOCK {
                     let (a, b) = (xi[k], xj[k]);
                     xi[k] = a * cos[k] - b * sin[k];
                     xj[k] = b * cos[k] + a * sin[k];
                 }
-                match shape.style {
-                    RopeStyle::Half => {
-                        let (lo, hi) = head.split_at_mut(start + half);
-                        for ((o, p), (&a, &b)) in lo[start..start + n]
-                            .iter_mut()
-                            .zip(&mut hi[..n])
-                            .zip(xi.iter().zip(&xj))
-                        {
-                            (*o, *p) = (round_bf16(a), round_bf16(b));
-                        }
-                    }
-                    RopeStyle::Interleaved => {
-                        for k in 0..n {
-                            let i = 2 * (start + k);
-                            (head[i], head[i + 1]) = (round_bf16(xi[k]), round_bf16(xj[k]));
-                        }
-                    }
+                for k in 0..n {
+                    let (i, j) = pair(k);
+                    (head[i], head[j]) = (round_bf16(xi[k]), round_bf16(xj[k]));
                 }
             }
         }
