@@ -193,3 +193,49 @@ pub(in crate::backend::cpu) fn exp_nonpositive(x: f32) -> f32 {
     let y = p * r * r + r + 1.0;
     y * f32::from_bits(((k + 127) << 23) as u32)
 }
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::backend::const_count::with_count;
+    use rand::{Rng, SeedableRng};
+
+    /// [`score_block_zmm`] compiled as the AVX-512 attention build compiles it.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F.
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn zmm<const Q: usize>(qs: [&[f32]; Q], keys: &[f32], scale: f32) -> [[f32; KEYS]; Q] {
+        // SAFETY: forwarded.
+        unsafe { score_block_zmm::<Q>(qs, keys, scale) }
+    }
+
+    #[test]
+    fn zmm_scores_equal_the_plain_loop_bit_for_bit() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("no AVX-512 here: nothing to compare");
+            return;
+        }
+        // The attention's outputs are BF16, which hides a last-bit difference in a score;
+        // here the f32 scores themselves are compared, so an unfused or reordered chain fails.
+        let mut r = rand::rngs::SmallRng::seed_from_u64(5);
+        for hd in [1, 17, 64, 128] {
+            let keys: Vec<f32> = (0..hd * KEYS).map(|_| r.random_range(-3.0..3.0)).collect();
+            let queries: Vec<Vec<f32>> = (0..8)
+                .map(|_| (0..hd).map(|_| r.random_range(-2.0..2.0)).collect())
+                .collect();
+            for q in 1..=8 {
+                with_count!(q, "queries", |N| {
+                    let qs: [&[f32]; N] = std::array::from_fn(|i| &queries[i][..]);
+                    let want = score_block::<N>(qs, &keys, 0.125);
+                    // SAFETY: AVX-512 F was detected above.
+                    let got = unsafe { zmm::<N>(qs, &keys, 0.125) };
+                    for (g, w) in got.iter().zip(&want) {
+                        let bits = |v: &[f32; KEYS]| v.map(f32::to_bits);
+                        assert_eq!(bits(g), bits(w), "head size {hd}, {q} queries");
+                    }
+                });
+            }
+        }
+    }
+}
