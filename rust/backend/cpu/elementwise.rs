@@ -28,6 +28,7 @@ use super::attention::math::{exp_nonpositive, to_f32, widen};
 use super::rope_angles::{angle, RopeAngles, RopeCache};
 use super::shared_out::SharedOut;
 use crate::backend::kernels::{ElementwiseOp, RopeStyle};
+pub(super) use crate::backend::quant::bf16_round::{narrow, round_bf16};
 use crate::backend::quant::{KernelPool, QuantError};
 use half::bf16;
 
@@ -46,27 +47,6 @@ const ROPE_TASK: usize = 4096;
 /// The largest of them, for tests that need every op's call split into several tasks.
 #[cfg(test)]
 pub(super) const LARGEST_TASK: usize = ADD_TASK;
-
-/// f32 to BF16, rounding to nearest even (a NaN stays a NaN, made quiet): the same bits as
-/// `half::bf16::from_f32`, but branch-free so that loops of it vectorise.
-#[inline(always)]
-pub(super) fn round_bf16(v: f32) -> bf16 {
-    let x = v.to_bits();
-    let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
-    let quiet = ((x >> 16) | 0x40) as u16;
-    bf16::from_bits(if x & 0x7fff_ffff > 0x7f80_0000 {
-        quiet
-    } else {
-        rounded
-    })
-}
-
-#[inline(always)]
-pub(super) fn narrow(src: &[f32], dst: &mut [bf16]) {
-    for (d, &v) in dst.iter_mut().zip(src) {
-        *d = round_bf16(v);
-    }
-}
 
 /// An input of an op: its own rows, or the output's (the op runs in place).
 #[derive(Clone, Copy)]

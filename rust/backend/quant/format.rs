@@ -120,7 +120,7 @@ impl BlockFormat {
     }
 
     /// Elements per block.
-    pub fn block_len(self) -> usize {
+    pub const fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => QK,
@@ -129,7 +129,7 @@ impl BlockFormat {
     }
 
     /// Bytes per block (ggml's `type_size`).
-    pub fn block_bytes(self) -> usize {
+    pub const fn block_bytes(self) -> usize {
         match self {
             Self::F32 => 4,
             Self::F16 | Self::BF16 => 2,

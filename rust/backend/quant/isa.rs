@@ -59,6 +59,18 @@ impl Isa {
         *DETECTED.get_or_init(detect_once)
     }
 
+    /// The level a pool runs unless told otherwise ([`super::KernelPool::new`]): the best this
+    /// CPU supports, except that AMX tiles run only where asked for
+    /// ([`super::KernelPool::with_options`]). On a Sapphire Rapids class machine the 512-bit
+    /// VNNI kernel is faster than the tiles at every row count a forward makes (SmolLM2's
+    /// linears on two threads, `quant_linear -- --step`: 16 rows 11.2-12.0 ms against
+    /// 14.0-14.4, 64 rows 35.6-37.0 against 38.0-39.4, 128 rows 67-68 against 77-81; its
+    /// 384-token prompt 1364-1427 tokens/s against 1297-1319): the tiles' per-block scale
+    /// pass and tile stores cost more than the multiplies they save.
+    pub fn preferred() -> Isa {
+        Isa::detect().min(Isa::Avx512Vnni)
+    }
+
     /// Whether the AVX2 kernels run (every op but the legacy quantized dots reads no more).
     pub fn avx2(self) -> bool {
         self >= Isa::Avx2

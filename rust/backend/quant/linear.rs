@@ -12,6 +12,7 @@
 //! count or the instruction set.
 
 use super::activation::{ActKind, InputElem, QuantizedRows};
+use super::bf16_round::narrow;
 use super::block_pairs::AMX_MIN_ROWS;
 use super::format::checked_mul;
 use super::packed::GROUP_ROWS;
@@ -74,6 +75,14 @@ impl Bias<'_> {
         match self {
             Bias::F32(b) => b.len(),
             Bias::Bf16(b) => b.len(),
+        }
+    }
+
+    /// Elements `range` of the bias.
+    fn part(self, range: Range<usize>) -> Self {
+        match self {
+            Bias::F32(b) => Bias::F32(&b[range]),
+            Bias::Bf16(b) => Bias::Bf16(&b[range]),
         }
     }
 
@@ -361,7 +370,7 @@ impl PartJob<'_> {
                     unsafe { *outm.at(r, o) = self.bias.map_or(0.0, |b| b.at(o)) };
                 }
             }
-            return self.epilogue(rows, features, false);
+            return self.epilogue(rows, features, false, isa);
         }
         match self.act {
             None => {
@@ -377,33 +386,75 @@ impl PartJob<'_> {
             }
             Some(act) => quant_units(w, act, units, outm, isa),
         }
-        self.epilogue(rows, features, true);
+        self.epilogue(rows, features, true, isa);
     }
 
     /// Adds the bias to output features `features` of every row and rounds them into the
     /// BF16 output: the same f32 add, then round to nearest even, as a single linear.
-    fn epilogue(&self, rows: usize, features: Range<usize>, add_bias: bool) {
-        let outm = self.results;
-        let bias = self.bias.filter(|_| add_bias);
+    fn epilogue(&self, rows: usize, features: Range<usize>, add_bias: bool, isa: Isa) {
+        let bias = self
+            .bias
+            .filter(|_| add_bias)
+            .map(|b| b.part(features.clone()));
         if bias.is_none() && self.bf16_out.is_none() {
             return;
         }
+        let n = features.len();
         for r in 0..rows {
-            for o in features.clone() {
-                // SAFETY: this task owns these features of every row, in the results and in
-                // the BF16 output.
-                unsafe {
-                    let v = outm.at(r, o);
-                    if let Some(b) = &bias {
-                        *v += b.at(o);
-                    }
-                    if let Some(out) = self.bf16_out {
-                        *out.ptr.add(r * out.stride + o) = bf16::from_f32(*v);
-                    }
-                }
+            // SAFETY: this task owns these features of every row, in the results and in the
+            // BF16 output, so these slices overlap nothing another task touches.
+            let (results, out) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(self.results.at(r, features.start), n),
+                    self.bf16_out.map(|o| {
+                        std::slice::from_raw_parts_mut(o.ptr.add(r * o.stride + features.start), n)
+                    }),
+                )
+            };
+            #[cfg(target_arch = "x86_64")]
+            if isa.avx512() {
+                // SAFETY: the pool reports AVX-512 only where the CPU has it.
+                unsafe { finish_row_avx512(results, bias, out) };
+                continue;
+            } else if isa.avx2() {
+                // SAFETY: the pool reports AVX2 only where the CPU has it.
+                unsafe { finish_row_avx2(results, bias, out) };
+                continue;
             }
+            let _ = isa;
+            finish_row(results, bias, out);
         }
     }
+}
+
+/// One row's epilogue: `results += bias`, then `out = round_bf16(results)`. Written as whole
+/// slices so that the compiler vectorises it, compiled again with AVX2 and with AVX-512
+/// enabled (the same source, so the same bits): one f32 add and one rounding per element.
+#[inline(always)]
+fn finish_row(results: &mut [f32], bias: Option<Bias<'_>>, out: Option<&mut [bf16]>) {
+    match bias {
+        Some(Bias::F32(b)) => results.iter_mut().zip(b).for_each(|(v, &b)| *v += b),
+        Some(Bias::Bf16(b)) => results
+            .iter_mut()
+            .zip(b)
+            .for_each(|(v, &b)| *v += b.to_f32()),
+        None => {}
+    }
+    if let Some(out) = out {
+        narrow(results, out);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn finish_row_avx2(results: &mut [f32], bias: Option<Bias<'_>>, out: Option<&mut [bf16]>) {
+    finish_row(results, bias, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+unsafe fn finish_row_avx512(results: &mut [f32], bias: Option<Bias<'_>>, out: Option<&mut [bf16]>) {
+    finish_row(results, bias, out)
 }
 
 /// Units `units` of a quantized weight: full groups on the instruction set's kernel, the

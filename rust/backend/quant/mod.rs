@@ -51,19 +51,18 @@
 //! 4096x576 at 5 rows 157 us against 296 on AVX2 (its `sign` per row is gone: `w + 128` goes in
 //! unsigned and `128 * sum(qa)` comes off after), Q4_1 1536x576 at 3 rows 34 us against 40, at 128
 //! rows 1285 against 1437. Where it also has AVX-512 VNNI ([`Isa::Avx512Vnni`]), a 512-bit register
-//! holds two eight-row groups and 32 registers hold tiles of six to eight rows (`avx2/zmm.rs`):
-//! Q4_1 1536x576 at 5 rows 36 us against 77 on AVX2, at 128 rows 933 against 1418; the head at 5
-//! rows 89 us against 293, at 128 rows 2097 against 6443. A whole forward's linears on two threads
-//! (`-- --step`): 1 row 2.5 ms either way (the weight stream bounds it), 5 rows 6.5 ms against 8.9,
-//! 128 rows 113 against 138. Where it also has AMX-INT8 tiles, granted by the OS ([`Isa::Amx`]),
-//! calls of [`AMX_MIN_ROWS`] rows or more run on them (`avx2/amx.rs`, the input laid out as tiles
-//! by `block_pairs.rs`): one tile multiply and one tile store give two blocks' sums of up to eight
-//! rows. On a Sapphire Rapids class VM (`-- --step`, two threads, the same sitting): 16 rows 13.5
-//! ms against 14.5 on AVX-512 VNNI, 32 rows 22.7 against 27.1, 64 rows 39.9 against 49.2, 128 rows
-//! 80.7 against 94.2. Below 16 rows the tiles lose (5 rows 7.4 against 5.5): the decode's stores
-//! and the tile stores do not shrink with the rows, and in a forward whose weights stream from
-//! the last-level cache the tile kernel's bursts of decode overlap the stream worse than the VNNI
-//! kernel's steady loads.
+//! holds two eight-row groups and 32 registers hold tiles of up to ten rows (`avx2/zmm.rs`, the
+//! activation codes read by the multiplies themselves, so no register holds them): Q4_1 1536x576
+//! at 5 rows 29 us against 77 on AVX2, at 9 rows 46, at 128 rows 690 against 1418; the head at 5
+//! rows 75 us against 293. A whole forward's linears on two threads (`-- --step`, a Sapphire
+//! Rapids class VM): 1 row 2.7-3.0 ms (the weight stream bounds it), 5 rows 4.7-5.1, 9 rows
+//! 7.0-7.5, 128 rows 67-72. Where it also has AMX-INT8 tiles, granted by the OS ([`Isa::Amx`]),
+//! a pool asked for that level runs calls of [`AMX_MIN_ROWS`] rows or more on them
+//! (`avx2/amx.rs`, the input laid out as tiles by `block_pairs.rs`): one tile multiply and one
+//! tile store give two blocks' sums of up to eight rows. A pool does not take that level
+//! unless asked ([`Isa::preferred`]): on that VM the tiles lose to the 512-bit kernel at every
+//! row count a forward makes (16 rows 14.0 ms against 11.2, 128 rows 77 against 67), the
+//! per-block scale pass and the tile stores costing more than the multiplies they save.
 //!
 //! # Invariants
 //! - Every output element is one fixed sequence of operations on its own input row and
@@ -132,6 +131,7 @@
 mod activation;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub(crate) mod bf16_round;
 mod block_pairs;
 mod blocks;
 mod dequant;

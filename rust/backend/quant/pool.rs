@@ -185,9 +185,10 @@ impl KernelPool {
     /// How long an idle worker spins before it sleeps.
     pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 
-    /// A pool of `threads` participants (at least 1) using the best instruction set here.
+    /// A pool of `threads` participants (at least 1) using the fastest instruction set here
+    /// ([`Isa::preferred`]).
     pub fn new(threads: usize) -> Self {
-        Self::with_options(threads, Isa::detect(), Self::DEFAULT_SPIN)
+        Self::with_options(threads, Isa::preferred(), Self::DEFAULT_SPIN)
     }
 
     /// A pool of `threads` participants, kernels limited to `isa` (clamped to what the CPU

@@ -90,6 +90,9 @@ impl Workspace {
 
 /// A format's shape as the kernels need it (zero-sized types below, one per format).
 trait Fmt {
+    /// The format, and the bytes of one record of it (eight rows' blocks).
+    const FORMAT: BlockFormat;
+    const RECORD_BYTES: usize = GROUP_ROWS * Self::FORMAT.block_bytes();
     /// Products summed in i16 before `madd` (bounded by the code width: see the module doc).
     const TERMS: usize;
     /// Width of the first code plane, and width and bit position of the second (0: none).
@@ -109,7 +112,7 @@ trait Fmt {
 
 #[allow(non_camel_case_types)]
 mod formats {
-    use super::Fmt;
+    use super::{BlockFormat, Fmt};
     pub struct Q4_0;
     pub struct Q4_1;
     pub struct Q5_0;
@@ -121,16 +124,19 @@ mod formats {
     pub struct Q5_K;
     pub struct Q6_K;
     impl Fmt for Q4_0 {
+        const FORMAT: BlockFormat = BlockFormat::Q4_0;
         const TERMS: usize = 8;
         const W1: u32 = 4;
         const OFFSET: i32 = 3;
     }
     impl Fmt for Q4_1 {
+        const FORMAT: BlockFormat = BlockFormat::Q4_1;
         const TERMS: usize = 8;
         const W1: u32 = 4;
         const AFFINE: bool = true;
     }
     impl Fmt for Q5_0 {
+        const FORMAT: BlockFormat = BlockFormat::Q5_0;
         const TERMS: usize = 4;
         const W1: u32 = 4;
         const W2: u32 = 1;
@@ -138,6 +144,7 @@ mod formats {
         const OFFSET: i32 = 4;
     }
     impl Fmt for Q5_1 {
+        const FORMAT: BlockFormat = BlockFormat::Q5_1;
         const TERMS: usize = 4;
         const W1: u32 = 4;
         const W2: u32 = 1;
@@ -145,17 +152,20 @@ mod formats {
         const AFFINE: bool = true;
     }
     impl Fmt for Q8_0 {
+        const FORMAT: BlockFormat = BlockFormat::Q8_0;
         const TERMS: usize = 1;
         const W1: u32 = 8;
         const Q8: bool = true;
     }
     impl Fmt for Q2_K {
+        const FORMAT: BlockFormat = BlockFormat::Q2_K;
         const TERMS: usize = 4;
         const W1: u32 = 2;
         const GPS: usize = 4;
         const MIN: bool = true;
     }
     impl Fmt for Q3_K {
+        const FORMAT: BlockFormat = BlockFormat::Q3_K;
         const TERMS: usize = 4;
         const W1: u32 = 2;
         const W2: u32 = 1;
@@ -164,11 +174,13 @@ mod formats {
         const SHIFT: i32 = 2;
     }
     impl Fmt for Q4_K {
+        const FORMAT: BlockFormat = BlockFormat::Q4_K;
         const TERMS: usize = 8;
         const W1: u32 = 4;
         const MIN: bool = true;
     }
     impl Fmt for Q5_K {
+        const FORMAT: BlockFormat = BlockFormat::Q5_K;
         const TERMS: usize = 4;
         const W1: u32 = 4;
         const W2: u32 = 1;
@@ -176,6 +188,7 @@ mod formats {
         const MIN: bool = true;
     }
     impl Fmt for Q6_K {
+        const FORMAT: BlockFormat = BlockFormat::Q6_K;
         const TERMS: usize = 2;
         const W1: u32 = 4;
         const W2: u32 = 2;

@@ -5,7 +5,7 @@
 //! group `g`'s four elements of its eight rows in the low half and group `g + 1`'s in the
 //! high half (their records follow each other in memory), so one broadcast of a row's four
 //! activation codes and one `vpdpbusd` serve sixteen outputs. AVX-512's 32 registers hold a
-//! tile of up to [`zmm_tile`] rows, so a verify's rows meet each decoded group-vector in
+//! tile of up to [`ZMM_TILE`] rows, so a verify's rows meet each decoded group-vector in
 //! registers and the records are decoded once per tile, not once per three rows. Rows go in
 //! chunks of [`ROW_TILE`], so a chunk's activations stay in cache while every pair passes.
 //!
@@ -17,18 +17,11 @@
 use super::legacy;
 use super::*;
 
-/// The most rows one tile holds in registers (per row its f32 sums and its i32 sums, in one
-/// chain or two). Eight rows of one chain fit 32 registers, and Q8_0 (whose decode is one
-/// `xor`) gains from them (`--kernel`, the
-/// 4096x576 head at 8 rows: 130 us in one tile, 164 as 4 + 4); 4- and 5-bit codes keep more
-/// decode registers live and lose (Q4_1 1536x576 at 8 rows: 72 us in one tile, 66 as 4 + 4).
-const fn zmm_tile<F: Fmt>() -> usize {
-    if F::Q8 {
-        8
-    } else {
-        6
-    }
-}
+/// The most rows one tile holds in registers: per row its f32 sums and its i32 sums (one
+/// chain from seven rows on, two below), with the activation codes read by the multiplies
+/// themselves ([`dpbusd_broadcast`]), so ten rows fit the 32 registers (`--kernel`, Q4_1
+/// 1536x576 at 9 rows: 46 us in one tile, 56 as 5 + 4; the Q8_0 head 124 against 135).
+const ZMM_TILE: usize = 10;
 
 /// Output features of groups `groups`, every row of `act` (Q8 blocks), into `out`.
 ///
@@ -51,8 +44,8 @@ pub(super) unsafe fn run<F: Fmt>(
         for g in (groups.start..pairs_end).step_by(2) {
             even_tiles!(
                 chunk.clone(),
-                zmm_tile::<F>(),
-                [1, 2, 3, 4, 5, 6, 7, 8],
+                ZMM_TILE,
+                [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
                 |r0, R| {
                     let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
                     // SAFETY: the rows hold every block of the weight's rows; the task owns groups
@@ -71,7 +64,8 @@ pub(super) unsafe fn run<F: Fmt>(
 
 /// Groups `g` and `g + 1` for rows `first..first + R` (`rows`, from their first block),
 /// decoded in registers, written to their sixteen outputs.
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn pair<F: Fmt, const R: usize>(
     w: &PackedView<'_>,
     layout: &RecordLayout,
@@ -83,44 +77,51 @@ unsafe fn pair<F: Fmt, const R: usize>(
     let nb = w.blocks();
     let lo = w.group_records(g);
     let hi = w.group_records(g + 1);
-    let record_bytes = lo.len() / nb;
+    let record_bytes = F::RECORD_BYTES;
+    debug_assert_eq!(record_bytes * nb, lo.len());
     let flip = _mm512_set1_epi8(i8::MIN);
     let mut accv = [_mm512_setzero_ps(); R];
     for b in 0..nb {
         let rec = [lo.as_ptr(), hi.as_ptr()].map(|p| p.add(b * record_bytes));
         prefetch_ahead(rec[0], record_bytes);
         prefetch_ahead(rec[1], record_bytes);
-        // 4- and 5-bit codes: two chains of `vpdpbusd` per row (even and odd group-vectors),
-        // added after, as one chain of eight leaves each row waiting on the instruction's
-        // latency (`--kernel`, Q4_1 1536x576: 5 rows 36 us against 40, 128 rows 937 against
-        // 1049). Q8_0's tiles of eight rows have no registers to spare for a second chain
-        // (its 128 rows: 3399 us with two, 2354 with one).
-        let chains = if F::Q8 { 1 } else { 2 };
+        // Below seven rows, two chains of `vpdpbusd` per row (even and odd group-vectors),
+        // added after: one chain of eight leaves each row waiting on the instruction's
+        // latency (`--kernel`, Q4_1 1536x576 at 5 rows: 36 us against 40). From seven rows
+        // on there are chains enough, and the registers go to a longer tile.
+        let chains = if R >= 7 { 1 } else { 2 };
         let mut isum = [[_mm512_setzero_si512(); R]; 2];
-        for v in 0..8 {
-            let codes = if F::Q8 {
-                // `w ^ 0x80` is `w + 128` as an unsigned byte; `128 * sum(qa)` comes off below.
-                let at = layout.planes[0].0 + 32 * v;
-                _mm512_xor_si512(halves(rec[0].add(at), rec[1].add(at)), flip)
-            } else {
-                let x = plane_vector(&rec, layout.planes[0].0, F::W1, 0, v);
-                if F::W2 == 0 {
-                    x
+        let block: [*const i8; R] = std::array::from_fn(|r| rows[r].qa.add(32 * b));
+        // Group-vector `$v` of both records, then its product with every row's four codes.
+        macro_rules! vector {
+            ($v:literal) => {{
+                let codes = if F::Q8 {
+                    // `w ^ 0x80` is `w + 128` as an unsigned byte; `128 * sum(qa)` comes off below.
+                    let at = layout.planes[0].0 + 32 * $v;
+                    _mm512_xor_si512(halves(rec[0].add(at), rec[1].add(at)), flip)
                 } else {
-                    _mm512_or_si512(x, plane_vector(&rec, layout.planes[1].0, F::W2, F::D2, v))
+                    let x = plane_vector(&rec, layout.planes[0].0, F::W1, 0, $v);
+                    if F::W2 == 0 {
+                        x
+                    } else {
+                        let y = plane_vector(&rec, layout.planes[1].0, F::W2, F::D2, $v);
+                        _mm512_or_si512(x, y)
+                    }
+                };
+                for r in 0..R {
+                    let acc = &mut isum[$v % chains][r];
+                    *acc = dpbusd_broadcast::<{ 4 * $v }>(*acc, codes, block[r]);
                 }
-            };
-            for r in 0..R {
-                let a = _mm512_set1_epi32(
-                    rows[r]
-                        .qa
-                        .add(32 * b + 4 * v)
-                        .cast::<i32>()
-                        .read_unaligned(),
-                );
-                isum[v % chains][r] = _mm512_dpbusd_epi32(isum[v % chains][r], codes, a);
-            }
+            }};
         }
+        vector!(0);
+        vector!(1);
+        vector!(2);
+        vector!(3);
+        vector!(4);
+        vector!(5);
+        vector!(6);
+        vector!(7);
         let mut isum: [__m512i; R] =
             std::array::from_fn(|r| _mm512_add_epi32(isum[0][r], isum[1][r]));
         // Q8_0's bias of 128 and the code offsets of Q4_0 and Q5_0 (`2^OFFSET`).
@@ -148,6 +149,32 @@ unsafe fn pair<F: Fmt, const R: usize>(
         // SAFETY: the caller owns these sixteen outputs of row `first + r`.
         _mm512_storeu_ps(out.at(first + r, g * GROUP_ROWS), sum);
     }
+}
+
+/// `acc + dpbusd(codes, a)`, `a` the four activation codes at `row + OFF` broadcast to every
+/// lane by the instruction itself. Written as assembly because LLVM, given the broadcasts as
+/// values, hoists a block's (eight a row) to its top and spills most of them to the stack
+/// (Q4_1 at five rows: 21 of 40, a store and a reload each).
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn dpbusd_broadcast<const OFF: usize>(
+    acc: __m512i,
+    codes: __m512i,
+    row: *const i8,
+) -> __m512i {
+    let mut acc = acc;
+    // SAFETY: the caller's contract: the four bytes at `row + OFF` are readable.
+    unsafe {
+        std::arch::asm!(
+            "vpdpbusd {acc}, {codes}, dword ptr [{row} + {off}]{{1to16}}",
+            acc = inout(zmm_reg) acc,
+            codes = in(zmm_reg) codes,
+            row = in(reg) row,
+            off = const OFF,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    acc
 }
 
 /// The 32 bytes at `lo` and the 32 at `hi` as one register, `lo` in the low half.
