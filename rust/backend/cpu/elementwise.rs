@@ -18,7 +18,7 @@
 //! - The AVX2 and AVX-512 paths are the same source compiled with those features enabled
 //!   (plain loops over fixed blocks that the compiler vectorises: lane-wise operations, no
 //!   fused multiply-add, no reassociation), so they match the portable path bit for bit.
-//! - Nothing is allocated per call; a call is split over the pool only when it has a few
+//! - Nothing is allocated per call; a call is split over the pool only when it has a couple of
 //!   microseconds of work per task to give, which pays for a dispatch many times over.
 //! - An output that is also an input (`out == x` for RMSNorm, `out == a` or `b` for the
 //!   binary ops, RoPE in place) is read a block at a time into scratch before the block is
@@ -36,13 +36,13 @@ use half::bf16;
 const BLOCK: usize = 64;
 /// Lanes of RMSNorm's sum of squares (two AVX2 vectors).
 pub(super) const LANES: usize = 16;
-/// Least elements for one pool task, by op: a few microseconds of work each (measured with
+/// Least elements for one pool task, by op: 1.5 to 4 microseconds of work each (measured with
 /// `cargo bench --bench cpu_small_ops`: about 0.25 ns an element for add, 0.3 for RMSNorm
 /// and for RoPE, 0.7 for the gated ops on one core), against a dispatch round trip under a
 /// microsecond (`cargo bench --bench kernel_pool`).
 const ADD_TASK: usize = 16384;
 const NORM_TASK: usize = 8192;
-const GATE_TASK: usize = 4096;
+const GATE_TASK: usize = 2048;
 const ROPE_TASK: usize = 8192;
 /// The largest of them, for tests that need every op's call split into several tasks.
 #[cfg(test)]
