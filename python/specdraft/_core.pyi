@@ -149,9 +149,9 @@ class CpuBackend(Backend):
     def __new__(cls, memory_limit: int | None = None) -> Self: ...
     @property
     def instruction_set(self) -> str:
-        """The instruction set its kernels run on, the best this CPU has: `"amx"`,
+        """The instruction set its kernels run on, the fastest this CPU has:
         `"avx512-vnni"`, `"avx2-vnni"`, `"avx2"` or `"portable"` (every one gives the same
-        bits).
+        bits; AMX tiles, slower than AVX-512 VNNI on a forward's calls, are not used).
         """
 
 @final

@@ -462,9 +462,9 @@ impl PyCpuBackend {
         .add_subclass(PyCpuBackend)
     }
 
-    /// The instruction set its kernels run on, the best this CPU has: `"amx"`,
+    /// The instruction set its kernels run on, the fastest this CPU has:
     /// `"avx512-vnni"`, `"avx2-vnni"`, `"avx2"` or `"portable"` (every one gives the same
-    /// bits).
+    /// bits; AMX tiles, slower than AVX-512 VNNI on a forward's calls, are not used).
     #[getter]
     fn instruction_set(slf: &Bound<'_, Self>) -> PyResult<&'static str> {
         slf.as_super()
