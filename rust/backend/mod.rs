@@ -20,6 +20,7 @@ mod error;
 pub mod kernels;
 mod ledger;
 pub mod quant;
+mod simd_builds;
 mod traits;
 
 pub use cpu::{e2m1_to_f32, fp8_e4m3_to_f32, CpuBackend, HostView, E2M1_VALUES};

@@ -30,6 +30,7 @@ use super::shared_out::SharedOut;
 use crate::backend::kernels::{ElementwiseOp, RopeStyle};
 use crate::backend::quant::bf16_round::narrow;
 use crate::backend::quant::{KernelPool, QuantError};
+use crate::backend::simd_builds::{dispatch, simd_builds};
 use half::bf16;
 
 /// Elements widened to f32 scratch at a time (eight AVX2 vectors).
@@ -96,39 +97,6 @@ fn split_units(
         let part = unsafe { shared.slice(first * unit_len, (end - first) * unit_len) };
         f(part, first, end - first);
     })
-}
-
-/// Defines `$avx2` and `$avx512`: `$portable` compiled with AVX2 enabled, and with AVX-512
-/// (F, BW, VL) as well, the same source (so the same bits) in 256- and 512-bit registers.
-macro_rules! simd_builds {
-    ($portable:ident => $avx2:ident, $avx512:ident ($($arg:ident: $ty:ty),* $(,)?)) => {
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2")]
-        unsafe fn $avx2($($arg: $ty),*) {
-            $portable($($arg),*)
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
-        unsafe fn $avx512($($arg: $ty),*) {
-            $portable($($arg),*)
-        }
-    };
-}
-
-/// Picks the widest build of a kernel ([`simd_builds`]) the pool may use.
-macro_rules! dispatch {
-    ($isa:expr, $portable:ident, $avx2:ident, $avx512:ident ( $($arg:expr),* )) => {
-        match $isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the pool reports AVX-512 only where the CPU has it.
-            isa if isa.avx512() => unsafe { $avx512($($arg),*) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the pool reports AVX2 only where the CPU has it.
-            isa if isa.avx2() => unsafe { $avx2($($arg),*) },
-            _ => $portable($($arg),*),
-        }
-    };
 }
 
 /// Sum of squares in [`LANES`] lanes, summed pairwise.
@@ -276,6 +244,12 @@ pub(super) struct RopeShape {
     pub style: RopeStyle,
 }
 
+/// One RoPE pair `(a, b)` turned by the angle whose cosine and sine are `cos`, `sin`.
+#[inline(always)]
+fn rotate(a: f32, b: f32, cos: f32, sin: f32) -> (f32, f32) {
+    (a * cos - b * sin, b * cos + a * sin)
+}
+
 #[inline(always)]
 fn rope_part(
     x: &mut [bf16],
@@ -315,9 +289,7 @@ fn rope_part(
                         widen(&head[lo.clone()], &mut xi[..n]);
                         widen(&head[hi.clone()], &mut xj[..n]);
                         for k in 0..BLOCK {
-                            let (a, b) = (xi[k], xj[k]);
-                            xi[k] = a * cos[k] - b * sin[k];
-                            xj[k] = b * cos[k] + a * sin[k];
+                            (xi[k], xj[k]) = rotate(xi[k], xj[k], cos[k], sin[k]);
                         }
                         narrow(&xi[..n], &mut head[lo]);
                         narrow(&xj[..n], &mut head[hi]);
@@ -327,8 +299,7 @@ fn rope_part(
                         widen(&head[span.clone()], &mut pairs[..2 * n]);
                         for k in 0..BLOCK {
                             let (a, b) = (pairs[2 * k], pairs[2 * k + 1]);
-                            pairs[2 * k] = a * cos[k] - b * sin[k];
-                            pairs[2 * k + 1] = b * cos[k] + a * sin[k];
+                            (pairs[2 * k], pairs[2 * k + 1]) = rotate(a, b, cos[k], sin[k]);
                         }
                         narrow(&pairs[..2 * n], &mut head[span]);
                     }

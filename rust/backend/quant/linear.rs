@@ -17,6 +17,7 @@ use super::block_pairs::AMX_MIN_ROWS;
 use super::format::checked_mul;
 use super::packed::GROUP_ROWS;
 use super::{dot_portable, float_dot, Isa, KernelPool, PackedView, PackedWeight, QuantError};
+use crate::backend::simd_builds::{dispatch, simd_builds};
 use half::bf16;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -411,18 +412,12 @@ impl PartJob<'_> {
                     }),
                 )
             };
-            #[cfg(target_arch = "x86_64")]
-            if isa.avx512() {
-                // SAFETY: the pool reports AVX-512 only where the CPU has it.
-                unsafe { finish_row_avx512(results, bias, out) };
-                continue;
-            } else if isa.avx2() {
-                // SAFETY: the pool reports AVX2 only where the CPU has it.
-                unsafe { finish_row_avx2(results, bias, out) };
-                continue;
-            }
-            let _ = isa;
-            finish_row(results, bias, out);
+            dispatch!(
+                isa,
+                finish_row,
+                finish_row_avx2,
+                finish_row_avx512(results, bias, out)
+            );
         }
     }
 }
@@ -445,17 +440,11 @@ fn finish_row(results: &mut [f32], bias: Option<Bias<'_>>, out: Option<&mut [bf1
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn finish_row_avx2(results: &mut [f32], bias: Option<Bias<'_>>, out: Option<&mut [bf16]>) {
-    finish_row(results, bias, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
-unsafe fn finish_row_avx512(results: &mut [f32], bias: Option<Bias<'_>>, out: Option<&mut [bf16]>) {
-    finish_row(results, bias, out)
-}
+simd_builds!(finish_row => finish_row_avx2, finish_row_avx512(
+    results: &mut [f32],
+    bias: Option<Bias<'_>>,
+    out: Option<&mut [bf16]>,
+));
 
 /// Units `units` of a quantized weight: full groups on the instruction set's kernel, the
 /// rows past the last full group (the last unit) on the portable one.
