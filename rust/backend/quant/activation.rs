@@ -11,8 +11,11 @@
 //! gets `d = NaN`, so the outputs it feeds are NaN rather than silently finite.
 
 use super::block_pairs::BlockPairs;
-use super::{KernelPool, QuantError};
+use super::{Isa, KernelPool, QuantError};
 use half::bf16;
+
+/// Input elements per quantization task (see [`QuantizedRows::fill`]).
+const TASK_ELEMENTS: usize = 4096;
 
 /// Which 8-bit blocks a weight format's dot reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,15 +98,15 @@ impl QuantizedRows {
         self.rows > 0 && self.pairs.rows() == self.rows
     }
 
-    /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length), with
-    /// AVX2 when `avx2` (the CPU must have it; both give the same codes and scales), long
-    /// inputs spread over `pool`.
+    /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length) with
+    /// the SIMD of `isa` (the CPU must run it; every level gives the same codes and scales),
+    /// inputs of several thousand elements spread over `pool`.
     pub(crate) fn fill(
         &mut self,
         kind: ActKind,
         x: &[f32],
         (rows, cols): (usize, usize),
-        avx2: bool,
+        isa: Isa,
         pool: &KernelPool,
     ) -> Result<(), QuantError> {
         let n = kind.block_len();
@@ -128,13 +131,16 @@ impl QuantizedRows {
             bsum16: self.bsum16.as_mut_ptr(),
             bsum32: self.bsum32.as_mut_ptr(),
         };
-        // About 16K elements per task: enough to beat the hand-off.
-        let tasks = (rows * cols / (1 << 14)).clamp(1, rows);
+        // A task of 4K elements takes about a microsecond with AVX-512, a few times the
+        // pool's hand-off; the quantization is serial work every linear waits on (a 9-row
+        // verify's down projection: 14K elements, a fifth of the call on one thread).
+        let tasks = (rows * cols / TASK_ELEMENTS).clamp(1, blocks.max(1));
         pool.run(tasks, &|t| {
             let range = t * blocks / tasks..(t + 1) * blocks / tasks;
             // SAFETY: the tasks cover disjoint block ranges of buffers sized above, which
-            // `self` keeps alive and unborrowed until `run` returns.
-            unsafe { out.quantize(x, n, k, avx2, range) };
+            // `self` keeps alive and unborrowed until `run` returns; the caller's `isa` runs
+            // on this CPU.
+            unsafe { out.quantize(x, n, k, isa, range) };
         })
     }
 }
@@ -156,13 +162,14 @@ impl Blocks {
     /// Quantizes blocks `range` (of `n` elements; `k`: also the 16- and 32-element sums).
     ///
     /// # Safety
-    /// The buffers hold every block of `range`, and no one else touches those blocks.
+    /// The buffers hold every block of `range`, and no one else touches those blocks; the
+    /// CPU runs `isa`.
     unsafe fn quantize(
         &self,
         x: &[f32],
         n: usize,
         k: bool,
-        avx2: bool,
+        isa: Isa,
         range: std::ops::Range<usize>,
     ) {
         for b in range {
@@ -170,18 +177,20 @@ impl Blocks {
             // SAFETY: block `b` is this task's (the function's contract).
             let qb = unsafe { std::slice::from_raw_parts_mut(self.qs.add(b * n), n) };
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `avx2` is only set when the CPU has AVX2.
-            let d = if avx2 {
-                unsafe { avx2::quantize_block(xb, qb) }
-            } else {
-                quantize_block(xb, qb)
+            // SAFETY: the CPU runs `isa` (the function's contract).
+            let (d, total) = match isa {
+                isa if isa.avx512() => unsafe { avx512::quantize_block(xb, qb) },
+                isa if isa.avx2() => {
+                    let d = unsafe { avx2::quantize_block(xb, qb) };
+                    (d, code_sum(qb))
+                }
+                _ => (quantize_block(xb, qb), code_sum(qb)),
             };
             #[cfg(not(target_arch = "x86_64"))]
-            let d = {
-                let _ = avx2;
-                quantize_block(xb, qb)
+            let (d, total) = {
+                let _ = isa;
+                (quantize_block(xb, qb), code_sum(qb))
             };
-            let total: i32 = qb.iter().map(|&q| q as i32).sum();
             // SAFETY: as above.
             unsafe {
                 *self.d.add(b) = d;
@@ -198,6 +207,12 @@ impl Blocks {
             }
         }
     }
+}
+
+/// The sum of a block's codes.
+#[inline]
+fn code_sum(q: &[i8]) -> i32 {
+    q.iter().map(|&q| q as i32).sum()
 }
 
 /// One block: codes into `q`, the scale returned.
@@ -285,6 +300,53 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// [`super::quantize_block`] sixteen lanes at a time, with the codes' sum: the same
+    /// maximum (exact in any order), the same `x * id` products and rounding to nearest even,
+    /// so the same codes and scale. Written for the latency of one block (its reductions are
+    /// single instructions where the AVX2 build folds eight lanes in scalar code), because
+    /// blocks are quantized one after another on the thread every task of a linear waits for.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and BW; `x.len() == q.len()` is a multiple of 32.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
+        assert!(x.len() == q.len() && x.len().is_multiple_of(32));
+        let inf = _mm512_set1_ps(f32::INFINITY);
+        let (mut amax, mut bad) = (_mm512_setzero_ps(), 0);
+        for c in x.chunks_exact(16) {
+            // SAFETY: sixteen floats.
+            let a = _mm512_abs_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) });
+            amax = _mm512_max_ps(amax, a);
+            // Not below infinity: an infinity or a NaN.
+            bad |= _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a, inf);
+        }
+        if bad != 0 {
+            q.fill(0);
+            return (f32::NAN, 0);
+        }
+        let d = _mm512_reduce_max_ps(amax) / 127.0;
+        let id = _mm512_set1_ps(if d == 0.0 { 0.0 } else { 1.0 / d });
+        let mut total = _mm512_setzero_si512();
+        for (xc, qc) in x.chunks_exact(16).zip(q.chunks_exact_mut(16)) {
+            // SAFETY: sixteen floats in, sixteen bytes out.
+            unsafe {
+                let v = _mm512_mul_ps(_mm512_loadu_ps(xc.as_ptr()), id);
+                let c = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    v,
+                );
+                total = _mm512_add_epi32(total, c);
+                // |c| <= 127, so the narrowing keeps every code.
+                _mm_storeu_si128(qc.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(c));
+            }
+        }
+        (d, _mm512_reduce_add_epi32(total))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,7 +355,7 @@ mod tests {
     fn codes_round_to_nearest_and_scale_is_amax_over_127() {
         let x: Vec<f32> = (0..32).map(|i| (i as f32 - 15.5) * 0.25).collect();
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8, &x, (1, 32), false, &KernelPool::new(1))
+        a.fill(ActKind::Q8, &x, (1, 32), Isa::Portable, &KernelPool::new(1))
             .unwrap();
         let d = 3.875f32 / 127.0;
         assert_eq!(a.d[0], d);
@@ -305,17 +367,83 @@ mod tests {
         assert_eq!(a.bsum[0], a.qs.iter().map(|&q| q as i32).sum::<i32>());
     }
 
+    /// Every instruction set this CPU runs quantizes to the portable path's codes, scales
+    /// and sums, on blocks that hold round-half ties, zeros, subnormals, huge values and
+    /// non-finite elements, whatever the task split (rows of 1 to 300 blocks).
+    #[test]
+    fn every_instruction_set_gives_the_portable_blocks() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+        for (rows, cols) in [(1, 32), (3, 576), (9, 1536), (2, 9600), (1, 256 * 3)] {
+            let mut x: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.random_range(-4.0f32..4.0) * 2f32.powi(rng.random_range(-20..20)))
+                .collect();
+            // Block 1 of each row: ties, k + 1/2 times the scale that its maximum, 127, sets.
+            for r in 0..rows {
+                let b = &mut x[r * cols..][32.min(cols - 32)..][..32];
+                for (i, v) in b.iter_mut().enumerate() {
+                    *v = if i == 0 {
+                        127.0
+                    } else {
+                        (i as f32 - 16.0) + 0.5
+                    };
+                }
+            }
+            x[0] = 1e38;
+            if cols >= 256 {
+                x[64..96].fill(0.0);
+                x[96..128]
+                    .iter_mut()
+                    .for_each(|v| *v = f32::from_bits(1) * 3.0);
+                x[130] = f32::NAN;
+                x[200] = f32::NEG_INFINITY;
+            }
+            for kind in [ActKind::Q8, ActKind::Q8K] {
+                if cols % kind.block_len() != 0 {
+                    continue;
+                }
+                let mut want = QuantizedRows::default();
+                want.fill(kind, &x, (rows, cols), Isa::Portable, &KernelPool::new(1))
+                    .unwrap();
+                for isa in Isa::available() {
+                    let pool = KernelPool::with_options(2, isa, KernelPool::DEFAULT_SPIN);
+                    let mut got = QuantizedRows::default();
+                    got.fill(kind, &x, (rows, cols), isa, &pool).unwrap();
+                    let what = format!("{kind:?} {rows}x{cols} on {}", isa.name());
+                    assert_eq!(got.qs, want.qs, "codes, {what}");
+                    assert_eq!(got.bsum, want.bsum, "code sums, {what}");
+                    assert_eq!(got.bsum16, want.bsum16, "16-code sums, {what}");
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got.d), bits(&want.d), "scales, {what}");
+                    assert_eq!(bits(&got.sum), bits(&want.sum), "scaled sums, {what}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn non_finite_blocks_get_a_nan_scale() {
         let mut x = vec![1.0f32; 512];
         x[300] = f32::NAN;
         x[5] = f32::INFINITY;
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8K, &x, (1, 512), false, &KernelPool::new(1))
-            .unwrap();
+        a.fill(
+            ActKind::Q8K,
+            &x,
+            (1, 512),
+            Isa::Portable,
+            &KernelPool::new(1),
+        )
+        .unwrap();
         assert!(a.d[0].is_nan() && a.d[1].is_nan());
-        a.fill(ActKind::Q8, &x, (1, 512), false, &KernelPool::new(1))
-            .unwrap();
+        a.fill(
+            ActKind::Q8,
+            &x,
+            (1, 512),
+            Isa::Portable,
+            &KernelPool::new(1),
+        )
+        .unwrap();
         assert!(a.d[0].is_nan() && a.d[9].is_nan());
         assert_eq!(a.d[1], 1.0 / 127.0);
     }
@@ -326,8 +454,14 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8K, &x, (2, 256), false, &KernelPool::new(1))
-            .unwrap();
+        a.fill(
+            ActKind::Q8K,
+            &x,
+            (2, 256),
+            Isa::Portable,
+            &KernelPool::new(1),
+        )
+        .unwrap();
         for b in 0..2 {
             for j in 0..16 {
                 let s: i32 = a.qs[b * 256 + j * 16..b * 256 + j * 16 + 16]

@@ -269,7 +269,7 @@ fn run<T: InputElem>(
     };
     for (kind, act) in [(ActKind::Q8, &mut *q8), (ActKind::Q8K, &mut *q8k)] {
         if needs(kind) {
-            act.fill(kind, x, (rows, inf), isa.avx2(), pool)?;
+            act.fill(kind, x, (rows, inf), isa, pool)?;
         }
     }
     if isa == Isa::Amx && rows >= AMX_MIN_ROWS && needs(ActKind::Q8) {
