@@ -1,15 +1,16 @@
 //! The arithmetic of the CPU paged attention (see the parent module for the definition each
 //! function implements): plain loops over fixed lanes that the compiler vectorises, the same
-//! operations in the same order whatever instruction set they are compiled for.
+//! operations in the same order whatever instruction set they are compiled for. The AVX-512
+//! build writes the hot three out in intrinsics ([`super::zmm`]), lane for lane the same.
 
 use super::KEYS;
 use half::bf16;
 
 /// Output elements of one query whose weighted sums are kept in registers (four AVX2
 /// vectors, two AVX-512 ones).
-const VALUE_CHUNK: usize = 32;
+pub(super) const VALUE_CHUNK: usize = 32;
 /// Lanes of the softmax total.
-const LANES: usize = 8;
+pub(super) const LANES: usize = 8;
 
 /// BF16 to f32 exactly (the high half of the f32's bits), written so that it vectorises.
 #[inline(always)]
@@ -48,44 +49,6 @@ pub(super) fn score_block<const Q: usize>(
         }
     }
     acc
-}
-
-/// [`score_block`] in AVX-512 registers, one a query: the same operations lane by lane, so
-/// the same scores. Written out because the compiler keeps no more than four queries' sums
-/// of the plain loop in registers, and four chains of multiply-adds, each waiting on the one
-/// before, fill half of the two vector units (`cargo bench --bench cpu_attention`: eight
-/// queries of the plain loop ran 3x slower than four).
-///
-/// # Safety
-/// The CPU must support AVX-512 F; `keys` holds `KEYS` lanes for every `d` of the queries.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(super) unsafe fn score_block_zmm<const Q: usize>(
-    qs: [&[f32]; Q],
-    keys: &[f32],
-    scale: f32,
-) -> [[f32; KEYS]; Q] {
-    use std::arch::x86_64::*;
-    const { assert!(KEYS == 16) };
-    let hd = keys.len() / KEYS;
-    debug_assert!(qs.iter().all(|q| q.len() >= hd));
-    let mut acc = [_mm512_setzero_ps(); Q];
-    for d in 0..hd {
-        // SAFETY: `d * KEYS + 16 <= keys.len()`.
-        let k = unsafe { _mm512_loadu_ps(keys.as_ptr().add(d * KEYS)) };
-        for (a, q) in acc.iter_mut().zip(&qs) {
-            // SAFETY: `d < hd <= q.len()`.
-            let x = _mm512_set1_ps(unsafe { *q.get_unchecked(d) });
-            *a = _mm512_fmadd_ps(x, k, *a);
-        }
-    }
-    let scale = _mm512_set1_ps(scale);
-    let mut out = [[0f32; KEYS]; Q];
-    for (o, &a) in out.iter_mut().zip(&acc) {
-        // SAFETY: `o` holds 16 lanes.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(a, scale)) };
-    }
-    out
 }
 
 /// Replaces each score by `exp(score - max)` and returns their total (eight lanes by
@@ -192,50 +155,4 @@ pub(in crate::backend::cpu) fn exp_nonpositive(x: f32) -> f32 {
     p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     y * f32::from_bits(((k + 127) << 23) as u32)
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
-    use super::*;
-    use crate::backend::const_count::with_count;
-    use rand::{Rng, SeedableRng};
-
-    /// [`score_block_zmm`] compiled as the AVX-512 attention build compiles it.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512 F.
-    #[target_feature(enable = "avx512f,fma")]
-    unsafe fn zmm<const Q: usize>(qs: [&[f32]; Q], keys: &[f32], scale: f32) -> [[f32; KEYS]; Q] {
-        // SAFETY: forwarded.
-        unsafe { score_block_zmm::<Q>(qs, keys, scale) }
-    }
-
-    #[test]
-    fn zmm_scores_equal_the_plain_loop_bit_for_bit() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            eprintln!("no AVX-512 here: nothing to compare");
-            return;
-        }
-        // The attention's outputs are BF16, which hides a last-bit difference in a score;
-        // here the f32 scores themselves are compared, so an unfused or reordered chain fails.
-        let mut r = rand::rngs::SmallRng::seed_from_u64(5);
-        for hd in [1, 17, 64, 128] {
-            let keys: Vec<f32> = (0..hd * KEYS).map(|_| r.random_range(-3.0..3.0)).collect();
-            let queries: Vec<Vec<f32>> = (0..8)
-                .map(|_| (0..hd).map(|_| r.random_range(-2.0..2.0)).collect())
-                .collect();
-            for q in 1..=8 {
-                with_count!(q, "queries", |N| {
-                    let qs: [&[f32]; N] = std::array::from_fn(|i| &queries[i][..]);
-                    let want = score_block::<N>(qs, &keys, 0.125);
-                    // SAFETY: AVX-512 F was detected above.
-                    let got = unsafe { zmm::<N>(qs, &keys, 0.125) };
-                    for (g, w) in got.iter().zip(&want) {
-                        let bits = |v: &[f32; KEYS]| v.map(f32::to_bits);
-                        assert_eq!(bits(g), bits(w), "head size {hd}, {q} queries");
-                    }
-                });
-            }
-        }
-    }
 }

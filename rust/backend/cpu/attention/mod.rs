@@ -28,6 +28,8 @@
 
 pub(super) mod math;
 mod transpose;
+#[cfg(target_arch = "x86_64")]
+mod zmm;
 
 use super::shared_out::SharedOut;
 use crate::backend::const_count::with_count;
@@ -46,24 +48,28 @@ const PREFETCH_BLOCKS: usize = 2;
 /// (`score`), and their weighted sums of a value row (`value`). Each multiply-add waits on the
 /// one before it in its sum, so a pass runs at the rate of its independent sums: eight
 /// registers of them keep both vector units busy, and more spill. A key block is two AVX2
-/// registers a query and one AVX-512 register (whose scores are written out in intrinsics,
-/// `zmm_scores`: see [`math::score_block_zmm`]), a chunk of weighted values four and two.
+/// registers a query and one AVX-512 register, a chunk of weighted values four and two. The
+/// AVX-512 build (`zmm`) runs its scores, weights and weighted values in intrinsics (see
+/// [`zmm`]), which hold the sixteen sums of eight queries' values where the plain loop,
+/// compiled, keeps four queries'. With its 16x16 key transposes (`cpu_attention`, one
+/// thread, fastest of six runs, against the plain loops and 8x8 transposes): context 160,
+/// 9 rows 61.8 -> 53.3 us; context 400, 9 rows 148.7 -> 128.8 us, one row 56.1 -> 41.5 us.
 #[derive(Clone, Copy)]
 struct Sharing {
     score: usize,
     value: usize,
-    zmm_scores: bool,
+    zmm: bool,
 }
 
 const AVX2_SHARING: Sharing = Sharing {
     score: 4,
     value: 2,
-    zmm_scores: false,
+    zmm: false,
 };
 const AVX512_SHARING: Sharing = Sharing {
     score: 8,
-    value: 4,
-    zmm_scores: true,
+    value: 8,
+    zmm: true,
 };
 
 /// The shape of one paged attention call (see `PagedAttentionArgs`).
@@ -161,6 +167,7 @@ pub(super) fn paged_attention(
                 ctx: tile.ctx,
                 kv_head,
                 avx2: isa.avx2(),
+                avx512: isa.avx512(),
             },
             tile,
             heads,
@@ -238,6 +245,7 @@ fn widen_shared(
                 ctx: ctxs[w],
                 kv_head,
                 avx2: isa.avx2(),
+                avx512: isa.avx512(),
             };
             // SAFETY: slot `t` is written by task `t` alone.
             let (keys, values) =
@@ -292,6 +300,8 @@ struct CacheReader<'a> {
     kv_head: usize,
     /// Whether the pool runs AVX2 kernels (so the keys may be transposed with it).
     avx2: bool,
+    /// Whether it runs AVX-512 kernels (so the keys may be transposed with them).
+    avx512: bool,
 }
 
 impl Task<'_> {
@@ -365,10 +375,10 @@ impl Task<'_> {
                 let scores = &mut s.scores;
                 with_count!(n, "a group of queries", |N| {
                     let qs = std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
-                    let block = match sharing.zmm_scores {
+                    let block = match sharing.zmm {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: only the AVX-512 build asks for it.
-                        true => unsafe { math::score_block_zmm::<N>(qs, keys, sh.scale) },
+                        true => unsafe { zmm::score_block::<N>(qs, keys, sh.scale) },
                         _ => score_block::<N>(qs, keys, sh.scale),
                     };
                     for (x, row) in block.iter().enumerate() {
@@ -382,7 +392,12 @@ impl Task<'_> {
         // Pass 2: each query's weights and their total.
         for i in 0..nq {
             let row = &mut s.scores[i * padded..i * padded + len(i)];
-            s.totals[i] = softmax_weights(row);
+            s.totals[i] = match sharing.zmm {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: only the AVX-512 build asks for it.
+                true => unsafe { zmm::softmax_weights(row) },
+                _ => softmax_weights(row),
+            };
         }
         // Pass 3: the weighted values, value block by value block.
         let acc = &mut s.acc[..nq * hd];
@@ -410,11 +425,15 @@ impl Task<'_> {
                 let scores = &s.scores;
                 let weights = |x: usize| &scores[(i + x) * padded + j0..][..n];
                 let acc = &mut acc[i * hd..(i + count) * hd];
-                with_count!(count, "a group of queries", |N| add_weighted::<N>(
-                    acc,
-                    std::array::from_fn(weights),
-                    &values[..n * hd]
-                ));
+                with_count!(count, "a group of queries", |N| {
+                    let weights = std::array::from_fn(weights);
+                    match sharing.zmm {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: only the AVX-512 build asks for it.
+                        true => unsafe { zmm::add_weighted::<N>(acc, weights, &values[..n * hd]) },
+                        _ => add_weighted::<N>(acc, weights, &values[..n * hd]),
+                    }
+                });
                 i += count;
             }
         }
@@ -497,9 +516,15 @@ impl CacheReader<'_> {
                 let at = self.cache_at(j0 + jj);
                 &self.inputs.k_cache[at..at + hd]
             });
-            // SAFETY: `avx2` is set only where the pool found AVX2; each row holds
-            // `head_dim` elements, a multiple of 8, and `keys` `head_dim * KEYS`.
-            unsafe { transpose::keys_avx2(&rows, keys) };
+            if self.avx512 && hd.is_multiple_of(16) {
+                // SAFETY: `avx512` is set only where the pool found AVX-512; each row holds
+                // `head_dim` elements, a multiple of 16, and `keys` `head_dim * KEYS`.
+                unsafe { transpose::keys_avx512(&rows, keys) };
+            } else {
+                // SAFETY: `avx2` is set only where the pool found AVX2; each row holds
+                // `head_dim` elements, a multiple of 8, and `keys` `head_dim * KEYS`.
+                unsafe { transpose::keys_avx2(&rows, keys) };
+            }
             return;
         }
         for jj in 0..KEYS {

@@ -1,0 +1,323 @@
+//! The AVX-512 build of the attention's three hot loops, written in intrinsics: the scores
+//! of a key block, the softmax weights of a query, and the weighted values.
+//!
+//! Each runs, lane by lane, the same operations in the same order as its plain loop in
+//! [`super::math`] (products fused where those fuse them, apart where they are apart), so
+//! its results are those loops' bit for bit; the tests below hold each to that. They exist
+//! because the compiler, given the plain loops, keeps too few running sums in registers
+//! (scores and weighted values) or leaves the exponentials and their reductions half as
+//! wide as the registers (softmax).
+//!
+//! Every function here requires AVX-512 F; the attention's AVX-512 build is the only caller.
+
+use super::math::{LANES, VALUE_CHUNK};
+use super::KEYS;
+use std::arch::x86_64::*;
+
+/// [`super::math::score_block`] in AVX-512 registers, one a query: the same operations lane
+/// by lane, so the same scores. Written out because the compiler keeps no more than four
+/// queries' sums of the plain loop in registers, and four chains of multiply-adds, each
+/// waiting on the one before, fill half of the two vector units (`cargo bench --bench
+/// cpu_attention`: eight queries of the plain loop ran 3x slower than four).
+///
+/// # Safety
+/// The CPU must support AVX-512 F; `keys` holds `KEYS` lanes for every `d` of the queries.
+#[inline(always)]
+pub(super) unsafe fn score_block<const Q: usize>(
+    qs: [&[f32]; Q],
+    keys: &[f32],
+    scale: f32,
+) -> [[f32; KEYS]; Q] {
+    const { assert!(KEYS == 16) };
+    let hd = keys.len() / KEYS;
+    debug_assert!(qs.iter().all(|q| q.len() >= hd));
+    let mut acc = [_mm512_setzero_ps(); Q];
+    for d in 0..hd {
+        // SAFETY: `d * KEYS + 16 <= keys.len()`.
+        let k = unsafe { _mm512_loadu_ps(keys.as_ptr().add(d * KEYS)) };
+        for (a, q) in acc.iter_mut().zip(&qs) {
+            // SAFETY: `d < hd <= q.len()`.
+            let x = _mm512_set1_ps(unsafe { *q.get_unchecked(d) });
+            *a = _mm512_fmadd_ps(x, k, *a);
+        }
+    }
+    let scale = _mm512_set1_ps(scale);
+    let mut out = [[0f32; KEYS]; Q];
+    for (o, &a) in out.iter_mut().zip(&acc) {
+        // SAFETY: `o` holds 16 lanes.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(a, scale)) };
+    }
+    out
+}
+
+/// [`super::math::softmax_weights`] sixteen lanes at a time: the maximum (the same value
+/// whatever the order: `vmaxps` with the running maximum second skips a NaN score as
+/// `f32::max` does), the exponentials ([`exp16`]), and the total kept in the same eight
+/// lanes, each adding its elements in order (the low then the high half of every sixteen).
+/// A row's last elements are a masked register, not a scalar loop (a verify's rows are
+/// rarely a multiple of sixteen long, and eight scalar exponentials cost as much as the
+/// rest of a 160-score row). Twice as fast as the plain loops on 152-160 scores.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[inline(always)]
+pub(super) unsafe fn softmax_weights(row: &mut [f32]) -> f32 {
+    const { assert!(LANES == 8) };
+    let len = row.len();
+    let p = row.as_mut_ptr();
+    // Sixteen elements from `c` (fewer at the end: the rest of the lanes masked off).
+    let mask = |c: usize| ((1u32 << (len - c).min(16)) - 1) as __mmask16;
+    let lowest = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut top = lowest;
+    for c in (0..len).step_by(16) {
+        // SAFETY: the mask keeps to `row`.
+        top = _mm512_max_ps(
+            unsafe { _mm512_mask_loadu_ps(lowest, mask(c), p.add(c)) },
+            top,
+        );
+    }
+    let m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    let mut lanes = _mm256_setzero_ps();
+    for c in (0..len).step_by(16) {
+        let k = mask(c);
+        // SAFETY: as above. Masked-off lanes add +0.0, which leaves a lane's sum (of
+        // weights, never negative) as it was.
+        let e = unsafe {
+            let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.add(c)), m));
+            _mm512_mask_storeu_ps(p.add(c), k, e);
+            _mm512_maskz_mov_ps(k, e)
+        };
+        lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(e));
+        let high = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e));
+        lanes = _mm256_add_ps(lanes, _mm256_castpd_ps(high));
+    }
+    let mut l = [0f32; LANES];
+    // SAFETY: eight floats.
+    unsafe { _mm256_storeu_ps(l.as_mut_ptr(), lanes) };
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
+/// [`super::math::exp_nonpositive`] of sixteen lanes: the same operations, none fused.
+#[inline(always)]
+unsafe fn exp16(x: __m512) -> __m512 {
+    const MAGIC: f32 = 12_582_912.0;
+    let floor = _mm512_set1_ps(-87.0);
+    // `x < -87` is false for a NaN, which passes through as in the scalar build.
+    let x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, floor), x, floor);
+    let magic = _mm512_set1_ps(MAGIC);
+    let t = _mm512_add_ps(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        magic,
+    );
+    let n = _mm512_sub_ps(t, magic);
+    let k = _mm512_sub_epi32(
+        _mm512_castps_si512(t),
+        _mm512_set1_epi32(MAGIC.to_bits() as i32),
+    );
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693_359_4))),
+        _mm512_mul_ps(n, _mm512_set1_ps(-2.121_944_4e-4)),
+    );
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3f32,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+    }
+    let y = _mm512_add_ps(
+        _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r),
+        _mm512_set1_ps(1.0),
+    );
+    let two_k = _mm512_slli_epi32::<23>(_mm512_add_epi32(k, _mm512_set1_epi32(127)));
+    _mm512_mul_ps(y, _mm512_castsi512_ps(two_k))
+}
+
+/// [`super::math::add_weighted`] for up to eight queries, each query's sums of a
+/// [`VALUE_CHUNK`] of output elements in two registers (sixteen running sums: eight queries
+/// keep both vector units busy where the plain loop's four left them waiting): `acc[d] =
+/// fma(w_j, v_j[d], acc[d])` for each `j` in order, the same chain for every element
+/// whatever the chunk it falls in (a short last chunk is masked).
+///
+/// # Safety
+/// The CPU must support AVX-512 F; the lengths are as for the plain loop (`acc` holds `Q`
+/// rows of `hd`, `values` at least `n` rows of `hd`, every weight row `n`, `n <= KEYS`).
+#[inline(always)]
+pub(super) unsafe fn add_weighted<const Q: usize>(
+    acc: &mut [f32],
+    weights: [&[f32]; Q],
+    values: &[f32],
+) {
+    const { assert!(VALUE_CHUNK == 32) };
+    let hd = acc.len() / Q;
+    let n = weights[0].len().min(KEYS);
+    assert!(weights.iter().all(|w| w.len() >= n) && values.len() >= n * hd);
+    let a = acc.as_mut_ptr();
+    for c in (0..hd).step_by(VALUE_CHUNK) {
+        let left = hd - c;
+        let mask = |half: usize| -> __mmask16 {
+            let lanes = left.saturating_sub(16 * half).min(16);
+            ((1u32 << lanes) - 1) as __mmask16
+        };
+        let (m0, m1) = (mask(0), mask(1));
+        let mut sums = [[_mm512_setzero_ps(); 2]; Q];
+        for (q, s) in sums.iter_mut().enumerate() {
+            // SAFETY: the masks keep to the `left` elements of query `q`'s row from `c`.
+            unsafe {
+                s[0] = _mm512_maskz_loadu_ps(m0, a.add(q * hd + c));
+                s[1] = _mm512_maskz_loadu_ps(m1, a.add(q * hd + c + 16));
+            }
+        }
+        for j in 0..n {
+            let row = values.as_ptr().wrapping_add(j * hd + c);
+            // SAFETY: row `j < n` of `values`, masked to its `left` elements from `c`.
+            let (v0, v1) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(m0, row),
+                    _mm512_maskz_loadu_ps(m1, row.wrapping_add(16)),
+                )
+            };
+            for (s, w) in sums.iter_mut().zip(&weights) {
+                // SAFETY: `j < n <= w.len()`.
+                let w = _mm512_set1_ps(unsafe { *w.get_unchecked(j) });
+                s[0] = _mm512_fmadd_ps(w, v0, s[0]);
+                s[1] = _mm512_fmadd_ps(w, v1, s[1]);
+            }
+        }
+        for (q, s) in sums.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe {
+                _mm512_mask_storeu_ps(a.add(q * hd + c), m0, s[0]);
+                _mm512_mask_storeu_ps(a.add(q * hd + c + 16), m1, s[1]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::math;
+    use super::*;
+    use crate::backend::const_count::with_count;
+    use rand::{Rng, SeedableRng};
+
+    fn avx512() -> bool {
+        let ok = std::arch::is_x86_feature_detected!("avx512f");
+        if !ok {
+            eprintln!("no AVX-512 here: nothing to compare");
+        }
+        ok
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The functions compiled as the AVX-512 attention build compiles them.
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn scores<const Q: usize>(qs: [&[f32]; Q], keys: &[f32]) -> [[f32; KEYS]; Q] {
+        // SAFETY: forwarded.
+        unsafe { score_block::<Q>(qs, keys, 0.125) }
+    }
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn softmax(row: &mut [f32]) -> f32 {
+        // SAFETY: forwarded.
+        unsafe { softmax_weights(row) }
+    }
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn weighted<const Q: usize>(acc: &mut [f32], w: [&[f32]; Q], values: &[f32]) {
+        // SAFETY: forwarded.
+        unsafe { add_weighted::<Q>(acc, w, values) }
+    }
+
+    #[test]
+    fn scores_equal_the_plain_loop_bit_for_bit() {
+        if !avx512() {
+            return;
+        }
+        // The attention's outputs are BF16, which hides a last-bit difference in a score;
+        // here the f32 scores themselves are compared, so an unfused or reordered chain fails.
+        let mut r = rand::rngs::SmallRng::seed_from_u64(5);
+        for hd in [1, 17, 64, 128] {
+            let keys: Vec<f32> = (0..hd * KEYS).map(|_| r.random_range(-3.0..3.0)).collect();
+            let queries: Vec<Vec<f32>> = (0..8)
+                .map(|_| (0..hd).map(|_| r.random_range(-2.0..2.0)).collect())
+                .collect();
+            for q in 1..=8 {
+                with_count!(q, "queries", |N| {
+                    let qs: [&[f32]; N] = std::array::from_fn(|i| &queries[i][..]);
+                    let want = math::score_block::<N>(qs, &keys, 0.125);
+                    // SAFETY: AVX-512 was detected above.
+                    let got = unsafe { scores::<N>(qs, &keys) };
+                    for (g, w) in got.iter().zip(&want) {
+                        assert_eq!(bits(g), bits(w), "head size {hd}, {q} queries");
+                    }
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_weights_equal_the_plain_loops_bit_for_bit() {
+        if !avx512() {
+            return;
+        }
+        let mut r = rand::rngs::SmallRng::seed_from_u64(11);
+        for len in (1..=70).chain([159, 160, 161, 170, 400, 513]) {
+            for spread in [0.5f32, 8.0, 200.0] {
+                let mut row: Vec<f32> = (0..len).map(|_| r.random_range(-spread..spread)).collect();
+                if len > 20 {
+                    // A masked-out key, a score far below the clamp, and a tie for the maximum.
+                    row[3] = f32::NEG_INFINITY;
+                    row[7] = -1e30;
+                    row[len - 1] = row.iter().copied().fold(f32::MIN, f32::max);
+                }
+                let (mut want, mut got) = (row.clone(), row.clone());
+                let total = math::softmax_weights(&mut want);
+                // SAFETY: AVX-512 was detected above.
+                let got_total = unsafe { softmax(&mut got) };
+                assert_eq!(bits(&got), bits(&want), "weights of {len} scores");
+                assert_eq!(
+                    got_total.to_bits(),
+                    total.to_bits(),
+                    "total of {len} scores"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn weighted_values_equal_the_plain_loop_bit_for_bit() {
+        if !avx512() {
+            return;
+        }
+        let mut r = rand::rngs::SmallRng::seed_from_u64(13);
+        for hd in [1, 15, 16, 17, 40, 64, 96, 128] {
+            for n in [1, 5, KEYS] {
+                let values: Vec<f32> = (0..n * hd).map(|_| r.random_range(-4.0..4.0)).collect();
+                let weights: Vec<Vec<f32>> = (0..8)
+                    .map(|_| (0..n).map(|_| r.random_range(0.0..1.0)).collect())
+                    .collect();
+                let start: Vec<f32> = (0..8 * hd).map(|_| r.random_range(-1.0..1.0)).collect();
+                for q in 1..=8 {
+                    with_count!(q, "queries", |N| {
+                        let w: [&[f32]; N] = std::array::from_fn(|i| &weights[i][..]);
+                        let mut want = start[..N * hd].to_vec();
+                        math::add_weighted::<N>(&mut want, w, &values);
+                        let mut got = start[..N * hd].to_vec();
+                        // SAFETY: AVX-512 was detected above.
+                        unsafe { weighted::<N>(&mut got, w, &values) };
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "head size {hd}, {n} keys, {q} queries"
+                        );
+                    });
+                }
+            }
+        }
+    }
+}
