@@ -27,6 +27,7 @@
 //! which is why they match the portable path bit for bit.
 
 pub(super) mod math;
+mod reader;
 mod transpose;
 #[cfg(target_arch = "x86_64")]
 mod zmm;
@@ -35,7 +36,8 @@ use super::shared_out::SharedOut;
 use crate::backend::const_count::with_count;
 use crate::backend::quant::{KernelPool, QuantError};
 use half::bf16;
-use math::{add_weighted, score_block, softmax_weights, to_f32, widen};
+use math::{add_weighted, score_block, softmax_weights, widen};
+use reader::CacheReader;
 use std::cell::RefCell;
 
 /// Key positions per block of the score and value passes (two AVX2 vectors of scores).
@@ -291,19 +293,6 @@ struct Task<'a> {
     widened: Option<&'a [f32]>,
 }
 
-/// Reads one KV head of one sequence's cache, up to context `ctx`, a block at a time.
-struct CacheReader<'a> {
-    shape: &'a AttentionShape,
-    inputs: &'a AttentionInputs<'a>,
-    seq: usize,
-    ctx: usize,
-    kv_head: usize,
-    /// Whether the pool runs AVX2 kernels (so the keys may be transposed with it).
-    avx2: bool,
-    /// Whether it runs AVX-512 kernels (so the keys may be transposed with them).
-    avx512: bool,
-}
-
 impl Task<'_> {
     /// # Safety
     /// The CPU must support AVX2.
@@ -444,114 +433,6 @@ impl Task<'_> {
             for (o, &a) in o.iter_mut().zip(&acc[i * hd..(i + 1) * hd]) {
                 *o = bf16::from_f32(if len(i) == 0 { 0.0 } else { a / total });
             }
-        }
-    }
-}
-
-impl CacheReader<'_> {
-    /// # Safety
-    /// The CPU must support AVX2.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load_block_avx2(&self, j0: usize, keys: &mut [f32], values: &mut [f32]) {
-        self.load_block(j0, keys, values)
-    }
-
-    #[inline(always)]
-    fn load_block(&self, j0: usize, keys: &mut [f32], values: &mut [f32]) {
-        self.load_keys(j0, keys);
-        self.load_values(j0, values);
-    }
-
-    /// The cache offset of position `j` of the sequence, the reader's KV head.
-    #[inline(always)]
-    fn cache_at(&self, j: usize) -> usize {
-        let sh = self.shape;
-        let block = self.inputs.block_table[self.seq * sh.max_blocks_per_seq + j / sh.block_size];
-        let slot = block as usize * sh.block_size + j % sh.block_size;
-        (slot * sh.kv_heads + self.kv_head) * sh.head_dim
-    }
-
-    /// Asks the CPU to bring the keys and values of positions `j0 .. j0 + KEYS` (those within
-    /// the context) into the cache. The weights a forward streams between two steps evict
-    /// the cache, and a KV head's rows lie a slot apart, too scattered for the hardware
-    /// prefetcher: without this every row is a cache miss the kernel waits for. The values
-    /// are fetched during the score pass, which runs long before the value pass reads them.
-    #[inline(always)]
-    fn prefetch_block(&self, j0: usize) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            let hd = self.shape.head_dim;
-            let lines = (hd * std::mem::size_of::<bf16>()).div_ceil(64);
-            for j in j0..(j0 + KEYS).min(self.ctx) {
-                let at = self.cache_at(j);
-                for cache in [self.inputs.k_cache, self.inputs.v_cache] {
-                    if let Some(row) = cache.get(at..at + hd) {
-                        let base = row.as_ptr().cast::<i8>();
-                        for line in 0..lines {
-                            // SAFETY: a prefetch never faults, and `line * 64` is less than
-                            // the byte length of `row`, so the address lies inside it.
-                            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(line * 64)) };
-                        }
-                    }
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = j0;
-    }
-
-    /// Keys `j0 .. j0 + KEYS` widened and transposed to `[head_dim, KEYS]` (zero past the
-    /// context), so that one query's scores of a block are lane-wise.
-    #[inline(always)]
-    fn load_keys(&self, j0: usize, keys: &mut [f32]) {
-        let hd = self.shape.head_dim;
-        if cfg!(target_arch = "x86_64")
-            && self.avx2
-            && hd.is_multiple_of(8)
-            && j0 + KEYS <= self.ctx
-        {
-            let rows: [&[bf16]; KEYS] = std::array::from_fn(|jj| {
-                let at = self.cache_at(j0 + jj);
-                &self.inputs.k_cache[at..at + hd]
-            });
-            if self.avx512 && hd.is_multiple_of(16) {
-                // SAFETY: `avx512` is set only where the pool found AVX-512; each row holds
-                // `head_dim` elements, a multiple of 16, and `keys` `head_dim * KEYS`.
-                unsafe { transpose::keys_avx512(&rows, keys) };
-            } else {
-                // SAFETY: `avx2` is set only where the pool found AVX2; each row holds
-                // `head_dim` elements, a multiple of 8, and `keys` `head_dim * KEYS`.
-                unsafe { transpose::keys_avx2(&rows, keys) };
-            }
-            return;
-        }
-        for jj in 0..KEYS {
-            let j = j0 + jj;
-            if j < self.ctx {
-                let at = self.cache_at(j);
-                for (d, k) in self.inputs.k_cache[at..at + hd].iter().enumerate() {
-                    keys[d * KEYS + jj] = to_f32(*k);
-                }
-            } else {
-                for d in 0..hd {
-                    keys[d * KEYS + jj] = 0.0;
-                }
-            }
-        }
-    }
-
-    /// Values `j0 .. j0 + KEYS` (those within the context) widened, `[KEYS, head_dim]`.
-    #[inline(always)]
-    fn load_values(&self, j0: usize, values: &mut [f32]) {
-        let hd = self.shape.head_dim;
-        for (jj, v) in values.chunks_exact_mut(hd).enumerate() {
-            if j0 + jj >= self.ctx {
-                break;
-            }
-            let at = self.cache_at(j0 + jj);
-            widen(&self.inputs.v_cache[at..at + hd], v);
         }
     }
 }
