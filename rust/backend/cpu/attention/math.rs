@@ -132,27 +132,35 @@ pub(super) fn add_weighted<const Q: usize>(acc: &mut [f32], weights: [&[f32]; Q]
     }
 }
 
+/// The constants of [`exp_nonpositive`], shared with its 16-lane build (`super::zmm`):
+/// `1.5 * 2^23` (adding it rounds to an integer), below which `x` is clamped, `ln 2` split in
+/// a high and a low part (Cody-Waite), and the polynomial's coefficients, highest first.
+pub(super) const EXP_MAGIC: f32 = 12_582_912.0;
+pub(super) const EXP_FLOOR: f32 = -87.0;
+pub(super) const EXP_LN2_HI: f32 = 0.693_359_4;
+pub(super) const EXP_LN2_LO: f32 = -2.121_944_4e-4;
+pub(super) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// `exp(x)` for `x <= 0` (a score minus its row's maximum), within 2 ulp; below -87 the
 /// result is clamped to `exp(-87)`, far under any total it joins. Written out (Cephes' `expf`
 /// polynomial, Cody-Waite reduction) rather than calling `f32::exp` so that it vectorises
 /// and gives the same bits on every platform and instruction set.
 #[inline(always)]
 pub(in crate::backend::cpu) fn exp_nonpositive(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
     // Written as a comparison so that a NaN passes through.
-    let x = if x < -87.0 { -87.0 } else { x };
-    let t = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = t - MAGIC;
-    let k = t.to_bits() as i32 - MAGIC.to_bits() as i32;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
+    let x = if x < EXP_FLOOR { EXP_FLOOR } else { x };
+    let t = x * std::f32::consts::LOG2_E + EXP_MAGIC;
+    let n = t - EXP_MAGIC;
+    let k = t.to_bits() as i32 - EXP_MAGIC.to_bits() as i32;
+    let r = x - n * EXP_LN2_HI - n * EXP_LN2_LO;
+    let p = EXP_POLY[1..].iter().fold(EXP_POLY[0], |p, &c| p * r + c);
     let y = p * r * r + r + 1.0;
     y * f32::from_bits(((k + 127) << 23) as u32)
 }

@@ -10,7 +10,7 @@
 //!
 //! Every function here requires AVX-512 F; the attention's AVX-512 build is the only caller.
 
-use super::math::{LANES, VALUE_CHUNK};
+use super::math::{EXP_FLOOR, EXP_LN2_HI, EXP_LN2_LO, EXP_MAGIC, EXP_POLY, LANES, VALUE_CHUNK};
 use super::KEYS;
 use std::arch::x86_64::*;
 
@@ -100,11 +100,10 @@ pub(super) unsafe fn softmax_weights(row: &mut [f32]) -> f32 {
 /// [`super::math::exp_nonpositive`] of sixteen lanes: the same operations, none fused.
 #[inline(always)]
 unsafe fn exp16(x: __m512) -> __m512 {
-    const MAGIC: f32 = 12_582_912.0;
-    let floor = _mm512_set1_ps(-87.0);
-    // `x < -87` is false for a NaN, which passes through as in the scalar build.
+    let floor = _mm512_set1_ps(EXP_FLOOR);
+    // `x < floor` is false for a NaN, which passes through as in the scalar build.
     let x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, floor), x, floor);
-    let magic = _mm512_set1_ps(MAGIC);
+    let magic = _mm512_set1_ps(EXP_MAGIC);
     let t = _mm512_add_ps(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
         magic,
@@ -112,20 +111,14 @@ unsafe fn exp16(x: __m512) -> __m512 {
     let n = _mm512_sub_ps(t, magic);
     let k = _mm512_sub_epi32(
         _mm512_castps_si512(t),
-        _mm512_set1_epi32(MAGIC.to_bits() as i32),
+        _mm512_set1_epi32(EXP_MAGIC.to_bits() as i32),
     );
     let r = _mm512_sub_ps(
-        _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693_359_4))),
-        _mm512_mul_ps(n, _mm512_set1_ps(-2.121_944_4e-4)),
+        _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(EXP_LN2_HI))),
+        _mm512_mul_ps(n, _mm512_set1_ps(EXP_LN2_LO)),
     );
-    let mut p = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3f32,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
         p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
     }
     let y = _mm512_add_ps(
