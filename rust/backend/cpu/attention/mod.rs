@@ -168,8 +168,7 @@ pub(super) fn paged_attention(
                 seq: tile.seq,
                 ctx: tile.ctx,
                 kv_head,
-                avx2: isa.avx2(),
-                avx512: isa.avx512(),
+                isa,
             },
             tile,
             heads,
@@ -246,8 +245,7 @@ fn widen_shared(
                 seq: widened[w].seq,
                 ctx: ctxs[w],
                 kv_head,
-                avx2: isa.avx2(),
-                avx512: isa.avx512(),
+                isa,
             };
             // SAFETY: slot `t` is written by task `t` alone.
             let (keys, values) =

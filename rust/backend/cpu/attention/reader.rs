@@ -6,6 +6,7 @@
 
 use super::math::{to_f32, widen};
 use super::{transpose, AttentionInputs, AttentionShape, KEYS};
+use crate::backend::quant::Isa;
 use half::bf16;
 
 /// Reads one KV head of one sequence's cache, up to context `ctx`, a block at a time.
@@ -15,10 +16,8 @@ pub(super) struct CacheReader<'a> {
     pub seq: usize,
     pub ctx: usize,
     pub kv_head: usize,
-    /// Whether the pool runs AVX2 kernels (so the keys may be transposed with it).
-    pub avx2: bool,
-    /// Whether it runs AVX-512 kernels (so the keys may be transposed with them).
-    pub avx512: bool,
+    /// The pool's instruction set (the keys are transposed with its widest registers).
+    pub isa: Isa,
 }
 
 impl CacheReader<'_> {
@@ -81,7 +80,7 @@ impl CacheReader<'_> {
     pub(super) fn load_keys(&self, j0: usize, keys: &mut [f32]) {
         let hd = self.shape.head_dim;
         if cfg!(target_arch = "x86_64")
-            && self.avx2
+            && self.isa.avx2()
             && hd.is_multiple_of(8)
             && j0 + KEYS <= self.ctx
         {
@@ -89,12 +88,12 @@ impl CacheReader<'_> {
                 let at = self.cache_at(j0 + jj);
                 &self.inputs.k_cache[at..at + hd]
             });
-            if self.avx512 && hd.is_multiple_of(16) {
-                // SAFETY: `avx512` is set only where the pool found AVX-512; each row holds
+            if self.isa.avx512() && hd.is_multiple_of(16) {
+                // SAFETY: the pool runs AVX-512 only where the CPU has it; each row holds
                 // `head_dim` elements, a multiple of 16, and `keys` `head_dim * KEYS`.
                 unsafe { transpose::keys_avx512(&rows, keys) };
             } else {
-                // SAFETY: `avx2` is set only where the pool found AVX2; each row holds
+                // SAFETY: the pool runs AVX2 only where the CPU has it; each row holds
                 // `head_dim` elements, a multiple of 8, and `keys` `head_dim * KEYS`.
                 unsafe { transpose::keys_avx2(&rows, keys) };
             }
