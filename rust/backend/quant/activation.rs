@@ -413,6 +413,7 @@ mod tests {
                     assert_eq!(got.qs, want.qs, "codes, {what}");
                     assert_eq!(got.bsum, want.bsum, "code sums, {what}");
                     assert_eq!(got.bsum16, want.bsum16, "16-code sums, {what}");
+                    assert_eq!(got.bsum32, want.bsum32, "32-code sums, {what}");
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got.d), bits(&want.d), "scales, {what}");
                     assert_eq!(bits(&got.sum), bits(&want.sum), "scaled sums, {what}");

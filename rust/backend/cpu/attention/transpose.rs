@@ -160,11 +160,13 @@ mod tests {
     #[test]
     fn transposes_put_every_element_in_its_place() {
         for hd in [16, 64, 128] {
-            // Distinct values, none of which survives a misplaced lane.
+            // Every element its own BF16 value (consecutive bit patterns from 1.0, all finite
+            // and normal), so any misplaced lane fails: integers such as `1000 j + d` would
+            // round together in BF16's eight bits of precision.
             let data: Vec<Vec<bf16>> = (0..KEYS)
                 .map(|j| {
                     (0..hd)
-                        .map(|d| bf16::from_f32((j * 1000 + d) as f32))
+                        .map(|d| bf16::from_bits(0x3f80 + (j * hd + d) as u16))
                         .collect()
                 })
                 .collect();
