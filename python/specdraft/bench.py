@@ -7,10 +7,14 @@ and draft policy, and the built-in prompt set (:mod:`specdraft.bench_prompts`, c
 applied, greedy) goes through every engine ``--repeat`` times: pass 2 replays the prompts
 through the same engines, so a proposer that learns across requests (``suffix``) shows it.
 The engines take turns prompt group by prompt group (the group is one ``generate`` call of
-``--batch`` prompts of one kind, filled to the full width by taking that kind's prompts again:
-see :func:`prompt_groups`), rotating who goes first, so a machine whose load drifts during
-the run weighs on all of them alike; every figure is a ratio against plain decoding at the
-same batch width and pass, measured in the same command.
+prompts of one kind, at least ``--batch`` of them, filled to the width by taking that kind's
+prompts again: see :func:`prompt_groups`), rotating who goes first, so a machine whose load
+drifts during the run weighs on all of them alike; every figure is a ratio against plain
+decoding at the same batch width and pass, measured in the same command. By default
+(``--schedule queued``) a group holds all of its kind's prompts and the engine runs
+``--batch`` of them at a time, starting a waiting one whenever a sequence finishes, as a
+server does; ``--schedule static`` makes calls of exactly ``--batch`` prompts, each lasting as
+long as its slowest sequence, so a sequence that drafts badly holds the others' slots idle.
 
 One row per proposer, policy and batch width: tokens/s and the ratio to plain decoding (in
 all, per prompt kind, per pass), mean acceptance length, acceptance by draft position, the
@@ -55,6 +59,7 @@ import specdraft
 
 __all__ = [
     "PROPOSERS",
+    "SCHEDULES",
     "RandomDrafter",
     "add_model_bench_args",
     "bench_rows",
@@ -67,6 +72,9 @@ __all__ = [
 
 # Plain decoding's row name.
 BASELINE = "baseline"
+
+#: How a batch width's prompts are handed to the engines (see :func:`prompt_groups`).
+SCHEDULES = ("queued", "static")
 
 
 class RandomDrafter(specdraft.DraftProposer):
@@ -145,19 +153,31 @@ def parse_widths(text: str) -> list[int]:
     return widths
 
 
-def prompt_groups(kinds: list[str], width: int) -> list[tuple[str, list[int]]]:
+def prompt_groups(
+    kinds: list[str], width: int, schedule: str = "static"
+) -> list[tuple[str, list[int]]]:
     """The ``generate`` calls of one pass at batch ``width``: ``(kind, prompt indices)``.
 
     Each call holds prompts of one kind (in the order the kinds first appear), so every call
-    counts towards that kind's ratio. A kind's last call, and a kind with fewer prompts than
-    the width, is filled to the full width by taking that kind's prompts again from its
-    first, so every call measures the width it is reported under.
+    counts towards that kind's ratio, and a kind with fewer prompts than the width is filled
+    to the full width by taking that kind's prompts again from its first, so every call
+    measures the width it is reported under.
+
+    ``"static"``: calls of exactly ``width`` prompts (a kind's last call filled the same way),
+    each finishing before the next starts, so a call lasts as long as its slowest sequence.
+    ``"queued"``: one call per kind holding all its prompts, which the engine's scheduler runs
+    ``width`` at a time, starting a waiting prompt as soon as a sequence finishes (continuous
+    batching, as a server runs). At width 1 both are one call per prompt: a single slot runs
+    the prompts one after another either way, and a call each gives a paired ratio each.
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
     calls = []
     for kind in dict.fromkeys(kinds):
         own = [i for i, k in enumerate(kinds) if k == kind]
-        for start in range(0, len(own), width):
-            calls.append((kind, [own[(start + j) % len(own)] for j in range(width)]))
+        size = width if schedule == "static" or width == 1 else max(width, len(own))
+        for start in range(0, len(own), size):
+            calls.append((kind, [own[(start + j) % len(own)] for j in range(size)]))
     return calls
 
 
@@ -590,7 +610,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
                 r.trials[-1].append(_Pass())
             for width in widths:
                 group = [r for r in runs if r.batch == width]
-                calls = prompt_groups(kinds, width)
+                calls = prompt_groups(kinds, width, args.schedule)
                 for done, (kind, members) in enumerate(calls, 1):
                     chunk = [prompts[i] for i in members]
                     turn += 1
@@ -616,6 +636,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
             "max_tokens": args.max_tokens,
             "num_drafts": args.num_drafts,
             "batch": widths,
+            "schedule": args.schedule,
             "repeat": args.repeat,
             "trials": args.trials,
             "draft_policies": policies,
@@ -670,6 +691,17 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")
     p.add_argument(
         "--batch", default="1", help="prompts generated together; a comma list runs each width"
+    )
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="queued",
+        help=(
+            "queued: each prompt kind's prompts in one call, run --batch at a time with a "
+            "waiting prompt starting as soon as a sequence finishes (continuous batching); "
+            "static: calls of exactly --batch prompts, each lasting as long as its slowest "
+            "sequence (default: queued)"
+        ),
     )
     p.add_argument(
         "--repeat", type=int, default=1, help="passes over the prompt set through the same engines"

@@ -168,6 +168,7 @@ def test_ratio_stats_summarise_per_trial_ratios() -> None:
 def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
     args = [*_common(tiny), "--prompts", "10", "--max-tokens", "5", "--json"]
     args += ["--batch", "1,4", "--trials", "3", "--proposer", "prompt-lookup,suffix"]
+    args += ["--schedule", "static"]
     code, out, err = _bench(capsys, *args)
     assert code == 0, err
     report = json.loads(out)
@@ -280,3 +281,38 @@ def test_each_call_holds_one_prompt_kind_at_the_full_width() -> None:
     ]
     grounded, open_ = [("grounded", [i]) for i in (0, 1, 2, 5)], [("open", [3]), ("open", [4])]
     assert prompt_groups(kinds, 1) == grounded + open_
+
+
+def test_a_queued_schedule_hands_each_kind_to_the_scheduler_in_one_call() -> None:
+    from specdraft.bench import prompt_groups
+
+    kinds = ["grounded"] * 3 + ["open"] * 2 + ["grounded"]
+    # Every prompt of a kind in one call, filled to the width when the kind has fewer.
+    assert prompt_groups(kinds, 2, "queued") == [("grounded", [0, 1, 2, 5]), ("open", [3, 4])]
+    assert prompt_groups(kinds, 3, "queued") == [
+        ("grounded", [0, 1, 2, 5]),
+        ("open", [3, 4, 3]),
+    ]
+    # One slot runs the prompts one after another either way: a call each.
+    assert prompt_groups(kinds, 1, "queued") == prompt_groups(kinds, 1, "static")
+    with pytest.raises(ValueError, match="--schedule 'fifo'"):
+        prompt_groups(kinds, 2, "fifo")
+
+
+def test_the_schedule_decides_the_calls_and_never_the_text(tiny, capsys) -> None:
+    # The first five built-in prompts are grounded: at batch 2 a static schedule makes three
+    # calls of them (the last filled from the first prompt), a queued one a single call.
+    args = [*_common(tiny), "--prompts", "5", "--max-tokens", "6", "--json", "--batch", "2"]
+    args += ["--proposer", "prompt-lookup"]
+    calls = {}
+    for schedule, want in [("static", 3), ("queued", 1)]:
+        code, out, err = _bench(capsys, *args, "--schedule", schedule)
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["schedule"] == schedule
+        baseline, lookup = report["results"]
+        assert lookup["identical_to_baseline"] is True and lookup["errors"] == []
+        assert lookup["paired_ratio"]["grounded"]["calls"] == want
+        calls[schedule] = baseline["tokens"]
+    # Static fills its last call with a repeated prompt; queued runs each prompt once.
+    assert calls["static"] > calls["queued"] > 0
