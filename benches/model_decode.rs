@@ -2,8 +2,18 @@
 //! weight bytes one token reads, the effective weight bandwidth, and the memory bandwidth of
 //! this machine measured in the same run (a parallel read on the backend's own kernel pool,
 //! and a memcpy) to compare it with; and the verify-cost table: the median time of a forward
-//! of 1..16 rows of one sequence (rolled back after each) over the one-row step's; and the
+//! of 1..16 rows of one sequence (rolled back after each), over the table's own one-row entry
+//! (`cost_vs_one_row`) and over the decode loop's step (`cost_vs_decode_step`); and the
 //! prompt processing rate of a 384-token prompt in chunks of 128 rows.
+//!
+//! The two ratios differ because the table interleaves its row counts: a forward's time
+//! depends on how long ago the weights were last read, since on a shared machine the other
+//! tenants of the last-level cache evict them meanwhile. Measured on a 2-core share of a
+//! 480 MiB L3: a one-row forward takes 3.0-3.3 ms after another one-row forward, 4.1-4.5 ms
+//! after a 16-row forward (and grows steadily with the rows of the one before), 4.7-4.8 ms
+//! after 8 ms of scalar work on the calling thread, 3.2 ms after writing 8 MB and 4.8-5.2 ms
+//! after reading 256 MB. So the table's one-row entry is dearer than a step of the decode
+//! loop, and `cost_vs_decode_step` is what a verify costs against plain decoding's steps.
 //!
 //! `cargo bench --bench model_decode [-- PATH] [--cuda] [--isa=NAME]`; without a path it uses
 //! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
@@ -191,7 +201,12 @@ fn main() {
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            serde_json::json!({"rows": i + 1, "ms": m * 1e3, "cost_vs_one_row": m / medians[0]})
+            serde_json::json!({
+                "rows": i + 1,
+                "ms": m * 1e3,
+                "cost_vs_one_row": m / medians[0],
+                "cost_vs_decode_step": m / per_token,
+            })
         })
         .collect();
     // Batched decode: 8 sequences, one token each per forward, weights read once per step.
