@@ -22,15 +22,6 @@ use half::bf16;
 use std::cell::RefCell;
 use std::ops::Range;
 
-/// Tasks per thread: one contiguous range of output groups each. Finer tasks were meant to
-/// even the threads out, but every task restarts its weight stream and claims from the
-/// counter both threads hammer, and a participant that runs late is already covered by the
-/// pool (a worker that has not joined when the caller finishes its range leaves the rest to
-/// the caller). Against four a thread (`model_decode`, 2 threads, three interleaved runs
-/// each): decode 4.16-4.66 -> 3.71-4.00 ms a token, 8 sequences 828-933 -> 962-981 tokens/s,
-/// a 9-row verify 8.50-8.73 -> 7.97-8.27 ms, prefill 1480-1501 -> 1593-1619 tokens/s.
-const TASKS_PER_THREAD: usize = 1;
-
 /// The output matrix `[rows, stride]` shared by the tasks, each writing its own columns.
 #[derive(Clone, Copy)]
 pub(crate) struct OutMatrix {
@@ -480,16 +471,23 @@ fn quant_units(
     dot_portable::quant_outputs(w, act, outputs, outm);
 }
 
-/// Runs `task` over `0..units` split into contiguous ranges, spread over the pool. Inner
-/// boundaries fall on even units: the 512-bit kernel takes groups in pairs and sends a
+/// Runs `task` over `0..units` split into one contiguous range per participant of the pool.
+/// Inner boundaries fall on even units: the 512-bit kernel takes groups in pairs and sends a
 /// range's odd last group to the 256-bit one, which costs about twice as much an output.
+///
+/// Finer tasks were meant to even the threads out, but every task restarts its weight stream
+/// and claims from the counter both threads hammer, and a participant that runs late is
+/// already covered by the pool (a worker that has not joined when the caller finishes its
+/// range leaves the rest to the caller). Against four tasks a thread (`model_decode`, 2
+/// threads, three interleaved runs each): decode 4.16-4.66 -> 3.71-4.00 ms a token, 8
+/// sequences 828-933 -> 962-981 tokens/s, a 9-row verify 8.50-8.73 -> 7.97-8.27 ms, prefill
+/// 1480-1501 -> 1593-1619 tokens/s.
 fn split(
     pool: &KernelPool,
     units: usize,
     task: &(dyn Fn(Range<usize>) + Sync),
 ) -> Result<(), QuantError> {
-    let tasks = units.min(pool.threads() * TASKS_PER_THREAD).max(1);
-    let tasks = if pool.threads() == 1 { 1 } else { tasks };
+    let tasks = units.min(pool.threads()).max(1);
     let bound = |t: usize| {
         if t == tasks {
             units
