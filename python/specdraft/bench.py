@@ -73,7 +73,8 @@ __all__ = [
 # Plain decoding's row name.
 BASELINE = "baseline"
 
-#: How a batch width's prompts are handed to the engines (see :func:`prompt_groups`).
+#: How a batch width's prompts are handed to the engines (see :func:`prompt_groups`); the
+#: first is the default.
 SCHEDULES = ("queued", "static")
 
 
@@ -154,7 +155,7 @@ def parse_widths(text: str) -> list[int]:
 
 
 def prompt_groups(
-    kinds: list[str], width: int, schedule: str = "static"
+    kinds: list[str], width: int, schedule: str = SCHEDULES[0]
 ) -> list[tuple[str, list[int]]]:
     """The ``generate`` calls of one pass at batch ``width``: ``(kind, prompt indices)``.
 
@@ -695,7 +696,7 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule",
         choices=SCHEDULES,
-        default="queued",
+        default=SCHEDULES[0],
         help=(
             "queued: each prompt kind's prompts in one call, run --batch at a time with a "
             "waiting prompt starting as soon as a sequence finishes (continuous batching); "

@@ -273,14 +273,17 @@ def test_each_call_holds_one_prompt_kind_at_the_full_width() -> None:
 
     kinds = ["grounded"] * 3 + ["open"] * 2 + ["grounded"]
     # Kinds in the order they first appear; a short call is filled from the kind's start.
-    assert prompt_groups(kinds, 4) == [("grounded", [0, 1, 2, 5]), ("open", [3, 4, 3, 4])]
-    assert prompt_groups(kinds, 3) == [
+    assert prompt_groups(kinds, 4, "static") == [
+        ("grounded", [0, 1, 2, 5]),
+        ("open", [3, 4, 3, 4]),
+    ]
+    assert prompt_groups(kinds, 3, "static") == [
         ("grounded", [0, 1, 2]),
         ("grounded", [5, 0, 1]),
         ("open", [3, 4, 3]),
     ]
     grounded, open_ = [("grounded", [i]) for i in (0, 1, 2, 5)], [("open", [3]), ("open", [4])]
-    assert prompt_groups(kinds, 1) == grounded + open_
+    assert prompt_groups(kinds, 1, "static") == grounded + open_
 
 
 def test_a_queued_schedule_hands_each_kind_to_the_scheduler_in_one_call() -> None:
@@ -289,6 +292,8 @@ def test_a_queued_schedule_hands_each_kind_to_the_scheduler_in_one_call() -> Non
     kinds = ["grounded"] * 3 + ["open"] * 2 + ["grounded"]
     # Every prompt of a kind in one call, filled to the width when the kind has fewer.
     assert prompt_groups(kinds, 2, "queued") == [("grounded", [0, 1, 2, 5]), ("open", [3, 4])]
+    # The function's default is the command's.
+    assert prompt_groups(kinds, 2) == prompt_groups(kinds, 2, "queued")
     assert prompt_groups(kinds, 3, "queued") == [
         ("grounded", [0, 1, 2, 5]),
         ("open", [3, 4, 3]),
