@@ -1,8 +1,13 @@
 //! [`Isa`]: the instruction sets the CPU kernels can use, detected once at run time.
 //!
-//! The levels form a chain, each a superset of the one before it, so `min` of two is what
-//! both can run and a pool can be held to any level at or below the CPU's. Every level gives
-//! the same bits; a level only changes how fast.
+//! The levels are ordered by what their kernels need, and each level's kernels use only its
+//! own features: every level from AVX2 up includes AVX2, FMA and F16C, [`Isa::Amx`] includes
+//! [`Isa::Avx512Vnni`], but [`Isa::Avx2Vnni`] (the VEX-encoded AVX-VNNI) and
+//! [`Isa::Avx512Vnni`] are separate CPU features: Alder Lake has the first only, Ice Lake,
+//! Cascade Lake and Zen 4 the second only, Sapphire Rapids and Zen 5 both. So a CPU supports
+//! a set of levels, not every level below its best; [`Isa::supported`] says which, and a pool
+//! asked for a level runs the best supported one at or below it. Every level gives the same
+//! bits; a level only changes how fast.
 //!
 //! AMX is the one level the operating system must also grant: Linux leaves the 8 KiB tile
 //! state off until a process asks for it (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and refuses
@@ -12,8 +17,8 @@
 
 use std::sync::OnceLock;
 
-/// Instruction sets the kernels can use, detected at run time, each a superset of the one
-/// before it (so `min` of two is what both can run).
+/// Instruction sets the kernels can use, detected at run time, ordered by what their kernels
+/// need (see the module doc for which a CPU supports).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Plain Rust, every CPU: the definition the others match bit for bit.
@@ -22,9 +27,8 @@ pub enum Isa {
     Avx2,
     /// AVX2 plus AVX-VNNI: the legacy-format quantized dots use `vpdpbusd`.
     Avx2Vnni,
-    /// AVX2, AVX-VNNI and AVX-512 (F, BW, VL, VNNI): the legacy-format quantized dots of a
-    /// few rows take two eight-row groups per 512-bit register. (A CPU with AVX-512 VNNI but
-    /// not AVX-VNNI, as before Sapphire Rapids, runs [`Isa::Avx2`].)
+    /// AVX2 and AVX-512 (F, BW, VL, VNNI), with or without AVX-VNNI: the legacy-format
+    /// quantized dots of a few rows take two eight-row groups per 512-bit register.
     Avx512Vnni,
     /// [`Isa::Avx512Vnni`] plus AMX-INT8 tile multiplies (Sapphire Rapids and later), granted
     /// by the operating system: the legacy-format quantized dots of calls of several rows
@@ -55,8 +59,29 @@ impl Isa {
 
     /// The best this CPU supports (detected once; AMX also asks the OS for the tiles).
     pub fn detect() -> Isa {
-        static DETECTED: OnceLock<Isa> = OnceLock::new();
-        *DETECTED.get_or_init(detect_once)
+        Isa::ALL
+            .into_iter()
+            .rev()
+            .find(|isa| isa.supported())
+            .unwrap_or(Isa::Portable)
+    }
+
+    /// Whether this CPU runs this level's kernels (detected once; AMX also asks the OS for
+    /// the tiles).
+    pub fn supported(self) -> bool {
+        static SUPPORTED: OnceLock<[bool; 5]> = OnceLock::new();
+        let table = SUPPORTED.get_or_init(|| Isa::ALL.map(detect_level));
+        table[self as usize]
+    }
+
+    /// The best level this CPU supports at or below `self`: what a pool asked for `self`
+    /// runs.
+    pub fn clamped(self) -> Isa {
+        Isa::ALL
+            .into_iter()
+            .rev()
+            .find(|&isa| isa <= self && isa.supported())
+            .unwrap_or(Isa::Portable)
     }
 
     /// The level a pool runs unless told otherwise ([`super::KernelPool::new`]): the best this
@@ -68,7 +93,7 @@ impl Isa {
     /// 384-token prompt 1364-1427 tokens/s against 1297-1319): the tiles' per-block scale
     /// pass and tile stores cost more than the multiplies they save.
     pub fn preferred() -> Isa {
-        Isa::detect().min(Isa::Avx512Vnni)
+        Isa::Avx512Vnni.clamped()
     }
 
     /// Whether the AVX2 kernels run (every op but the legacy quantized dots reads no more).
@@ -89,40 +114,32 @@ impl Isa {
 
     /// Every instruction set this CPU runs, the portable one first.
     pub fn available() -> Vec<Isa> {
-        Isa::ALL
-            .into_iter()
-            .filter(|&isa| isa <= Isa::detect())
-            .collect()
+        Isa::ALL.into_iter().filter(|isa| isa.supported()).collect()
     }
 }
 
-fn detect_once() -> Isa {
+/// Whether the CPU (and, for AMX, the OS) gives `isa` every feature its kernels use.
+fn detect_level(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
     {
-        if std::arch::is_x86_feature_detected!("avxvnni") {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-                && std::arch::is_x86_feature_detected!("avx512vnni")
-            {
-                if amx_int8_granted() {
-                    return Isa::Amx;
-                }
-                return Isa::Avx512Vnni;
-            }
-            return Isa::Avx2Vnni;
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+        let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl");
+        let avx512_vnni = avx512 && has!("avx512vnni");
+        match isa {
+            Isa::Portable => true,
+            Isa::Avx2 => avx2,
+            Isa::Avx2Vnni => avx2 && has!("avxvnni"),
+            Isa::Avx512Vnni => avx512_vnni,
+            Isa::Amx => avx512_vnni && amx_int8_granted(),
         }
-        return Isa::Avx2;
     }
-    Isa::Portable
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        isa == Isa::Portable
+    }
 }
 
-/// Whether the CPU has AMX-TILE and AMX-INT8, the OS saves their state, and this process
-/// may use it. `is_x86_feature_detected!` does not name the AMX features on stable Rust, so
-/// CPUID and XCR0 are read directly.
 #[cfg(target_arch = "x86_64")]
 fn amx_int8_granted() -> bool {
     use std::arch::x86_64::__cpuid_count;

@@ -50,13 +50,16 @@
 //! --kernel` on a Xeon with AVX-VNNI (fastest of many, one thread, weights hot): the Q8_0 head
 //! 4096x576 at 5 rows 157 us against 296 on AVX2 (its `sign` per row is gone: `w + 128` goes in
 //! unsigned and `128 * sum(qa)` comes off after), Q4_1 1536x576 at 3 rows 34 us against 40, at 128
-//! rows 1285 against 1437. Where it also has AVX-512 VNNI ([`Isa::Avx512Vnni`]), a 512-bit register
+//! rows 1285 against 1437. Where it has AVX-512 VNNI ([`Isa::Avx512Vnni`], with AVX-VNNI or without
+//! it, as on Zen 4 and Ice Lake, whose 256-bit dots then take the EVEX form), a 512-bit register
 //! holds two eight-row groups and 32 registers hold tiles of up to ten rows (`avx2/zmm.rs`, the
 //! activation codes read by the multiplies themselves, so no register holds them): Q4_1 1536x576
 //! at 5 rows 29 us against 77 on AVX2, at 9 rows 46, at 128 rows 690 against 1418; the head at 5
 //! rows 75 us against 293. A whole forward's linears on two threads (`-- --step`, a Sapphire
 //! Rapids class VM): 1 row 2.7-3.0 ms (the weight stream bounds it), 5 rows 4.7-5.1, 9 rows
-//! 7.0-7.5, 128 rows 67-72. Where it also has AMX-INT8 tiles, granted by the OS ([`Isa::Amx`]),
+//! 7.0-7.5, 128 rows 67-72. On a two-core Zen 4 VM (no AVX-VNNI, so AVX2 before the levels
+//! were told apart), `model_decode`: a 9-row forward 14.5-15.0 ms on AVX2 against 7.7-8.1, eight
+//! sequences 525-567 tokens/s against 1048-1206. Where it also has AMX-INT8 tiles, granted by the OS ([`Isa::Amx`]),
 //! a pool asked for that level runs calls of [`AMX_MIN_ROWS`] rows or more on them
 //! (`avx2/amx.rs`, the input laid out as tiles by `block_pairs.rs`): one tile multiply and one
 //! tile store give two blocks' sums of up to eight rows. A pool does not take that level

@@ -194,7 +194,7 @@ impl KernelPool {
     /// A pool of `threads` participants, kernels limited to `isa` (clamped to what the CPU
     /// has), idle workers spinning for `spin` before they sleep.
     pub fn with_options(threads: usize, isa: Isa, spin: Duration) -> Self {
-        let isa = isa.min(Isa::detect());
+        let isa = isa.clamped();
         let shared = Arc::new(Shared {
             published: Line(Published {
                 state: AtomicU64::new(0),

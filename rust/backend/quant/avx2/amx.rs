@@ -59,7 +59,7 @@ thread_local! {
 /// # Safety
 /// The CPU must support [`Isa::Amx`] (granted by the OS); `w` is of format `F`; `act` has
 /// pairs for its rows ([`QuantizedRows::has_pairs`]).
-#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn run<F: Fmt>(
     w: &PackedView<'_>,
     act: &QuantizedRows,
@@ -156,7 +156,7 @@ pub(super) unsafe fn run<F: Fmt>(
     ws.give_back();
     if pairs_end < groups.end {
         // SAFETY: as above, for the last group.
-        unsafe { legacy::run_with::<F, true>(w, act, pairs_end..groups.end, out) };
+        unsafe { legacy::run_with::<F, { legacy::EVEX_VNNI }>(w, act, pairs_end..groups.end, out) };
     }
 }
 

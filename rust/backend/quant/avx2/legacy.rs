@@ -48,7 +48,7 @@ pub(super) unsafe fn run<F: Fmt>(
     out: OutMatrix,
 ) {
     // SAFETY: forwarded.
-    unsafe { run_with::<F, false>(w, act, groups, out) }
+    unsafe { run_with::<F, MADDUBS>(w, act, groups, out) }
 }
 
 /// [`run`] with the dots on AVX-VNNI's `vpdpbusd`: one instruction where AVX2 takes a
@@ -67,13 +67,38 @@ pub(super) unsafe fn run_vnni<F: Fmt>(
     out: OutMatrix,
 ) {
     // SAFETY: forwarded.
-    unsafe { run_with::<F, true>(w, act, groups, out) }
+    unsafe { run_with::<F, VEX_VNNI>(w, act, groups, out) }
 }
 
-/// The body of [`run`] and [`run_vnni`], inlined into each so every intrinsic is compiled
-/// with its caller's features.
+/// How a kernel build forms its i32 sums: AVX2's `maddubs`/`madd`, or `vpdpbusd` on 256-bit
+/// registers in its VEX encoding (AVX-VNNI) or its EVEX one (AVX-512 VNNI with VL). The two
+/// encodings are separate CPU features: Zen 4 has only the EVEX one, Alder Lake only the VEX
+/// one, so the 512-bit kernels, which hand their odd last group to this one, use EVEX.
+pub(super) const MADDUBS: u8 = 0;
+/// See [`MADDUBS`].
+pub(super) const VEX_VNNI: u8 = 1;
+/// See [`MADDUBS`].
+pub(super) const EVEX_VNNI: u8 = 2;
+
+/// `acc + dpbusd(w, a)` in the encoding `DOT` names (the same integers either way). Only the
+/// branch of the caller's build is compiled into it, so it needs only that build's features.
 #[inline(always)]
-pub(super) unsafe fn run_with<F: Fmt, const VNNI: bool>(
+unsafe fn dpbusd256<const DOT: u8>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+    // SAFETY: the caller's build has the features of the encoding it names.
+    unsafe {
+        if DOT == EVEX_VNNI {
+            _mm256_dpbusd_epi32(acc, w, a)
+        } else {
+            _mm256_dpbusd_avx_epi32(acc, w, a)
+        }
+    }
+}
+
+/// The body of [`run`] and [`run_vnni`] (and of the 512-bit kernels' odd last group), inlined
+/// into each so every intrinsic is compiled with its caller's features; `DOT` is one of
+/// [`MADDUBS`], [`VEX_VNNI`] and [`EVEX_VNNI`].
+#[inline(always)]
+pub(super) unsafe fn run_with<F: Fmt, const DOT: u8>(
     w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,
@@ -94,7 +119,7 @@ pub(super) unsafe fn run_with<F: Fmt, const VNNI: bool>(
             let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
             // SAFETY: the rows hold every block of the weight's rows; the task owns these
             // groups' outputs of every row.
-            unsafe { direct::<F, R, VNNI>(w, &layout, &rows, r0, groups.clone(), out) }
+            unsafe { direct::<F, R, DOT>(w, &layout, &rows, r0, groups.clone(), out) }
         });
         return ws.give_back();
     }
@@ -103,7 +128,7 @@ pub(super) unsafe fn run_with<F: Fmt, const VNNI: bool>(
             even_tiles!(0..act.rows, register_rows::<F>(), [1, 2, 3, 4], |r0, R| {
                 let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
                 // SAFETY: as above, for group `g` alone.
-                unsafe { direct::<F, R, VNNI>(w, &layout, &rows, r0, g..g + 1, out) }
+                unsafe { direct::<F, R, DOT>(w, &layout, &rows, r0, g..g + 1, out) }
             });
         }
         return ws.give_back();
@@ -133,7 +158,7 @@ pub(super) unsafe fn run_with<F: Fmt, const VNNI: bool>(
                         accv[r] = _mm256_loadu_ps(acc[r]);
                     }
                     for b in 0..nbk {
-                        block_rows::<F, Scratch, R, VNNI>(s, b, &rows, &mut accv);
+                        block_rows::<F, Scratch, R, DOT>(s, b, &rows, &mut accv);
                     }
                     for r in 0..R {
                         _mm256_storeu_ps(acc[r], accv[r]);
@@ -152,7 +177,7 @@ pub(super) unsafe fn run_with<F: Fmt, const VNNI: bool>(
 /// of an output form one chain of dependent fused multiply-adds, and two groups' chains
 /// overlap where one would leave the core waiting.
 #[inline(always)]
-unsafe fn direct<F: Fmt, const R: usize, const VNNI: bool>(
+unsafe fn direct<F: Fmt, const R: usize, const DOT: u8>(
     w: &PackedView<'_>,
     layout: &RecordLayout,
     rows: &[Act; R],
@@ -163,19 +188,19 @@ unsafe fn direct<F: Fmt, const R: usize, const VNNI: bool>(
     let mut g = groups.start;
     if R == 1 {
         while g + 2 <= groups.end {
-            direct_groups::<F, R, 2, VNNI>(w, layout, rows, first, g, out);
+            direct_groups::<F, R, 2, DOT>(w, layout, rows, first, g, out);
             g += 2;
         }
     }
     while g < groups.end {
-        direct_groups::<F, R, 1, VNNI>(w, layout, rows, first, g, out);
+        direct_groups::<F, R, 1, DOT>(w, layout, rows, first, g, out);
         g += 1;
     }
 }
 
 /// Groups `g0..g0 + G` for rows `first..first + R`, decoded in registers.
 #[inline(always)]
-unsafe fn direct_groups<F: Fmt, const R: usize, const G: usize, const VNNI: bool>(
+unsafe fn direct_groups<F: Fmt, const R: usize, const G: usize, const DOT: u8>(
     w: &PackedView<'_>,
     layout: &RecordLayout,
     rows: &[Act; R],
@@ -197,7 +222,7 @@ unsafe fn direct_groups<F: Fmt, const R: usize, const G: usize, const VNNI: bool
     for b in 0..nb {
         for i in 0..G {
             src[i].prefetch(b);
-            block_rows::<F, _, R, VNNI>(&src[i], b, rows, &mut accv[i]);
+            block_rows::<F, _, R, DOT>(&src[i], b, rows, &mut accv[i]);
         }
     }
     for (i, sums) in accv.iter().enumerate() {
@@ -318,9 +343,10 @@ unsafe fn decode<F: Fmt>(s: &mut Scratch, k: usize, rec: *const u8, layout: &Rec
 }
 
 /// `R` rows times block `b` of `src` (the rows' block `b` is the activation block it meets),
-/// added to their running sums `accv`; with `VNNI`, on `vpdpbusd` (see [`run_vnni`]).
+/// added to their running sums `accv`; unless `DOT` is [`MADDUBS`], on `vpdpbusd` (see
+/// [`run_vnni`]).
 #[inline(always)]
-unsafe fn block_rows<F: Fmt, C: Codes, const R: usize, const VNNI: bool>(
+unsafe fn block_rows<F: Fmt, C: Codes, const R: usize, const DOT: u8>(
     src: &C,
     b: usize,
     rows: &[Act; R],
@@ -329,22 +355,22 @@ unsafe fn block_rows<F: Fmt, C: Codes, const R: usize, const VNNI: bool>(
     let ones = _mm256_set1_epi16(1);
     // Loops, not closures: intrinsics in a closure lack this function's target features.
     let mut isum = [_mm256_setzero_si256(); R];
-    if VNNI && F::Q8 {
+    if DOT != MADDUBS && F::Q8 {
         let flip = _mm256_set1_epi8(i8::MIN);
         for v in 0..8 {
             // `w ^ 0x80` is `w + 128` as an unsigned byte.
             let biased = _mm256_xor_si256(src.signed(b, v).1, flip);
             for r in 0..R {
                 let a = bcast4(rows[r].qa.add(32 * b + 4 * v));
-                isum[r] = _mm256_dpbusd_avx_epi32(isum[r], biased, a);
+                isum[r] = dpbusd256::<DOT>(isum[r], biased, a);
             }
         }
-    } else if VNNI {
+    } else if DOT != MADDUBS {
         for v in 0..8 {
             let wv = src.codes(b, v);
             for r in 0..R {
                 let a = bcast4(rows[r].qa.add(32 * b + 4 * v));
-                isum[r] = _mm256_dpbusd_avx_epi32(isum[r], wv, a);
+                isum[r] = dpbusd256::<DOT>(isum[r], wv, a);
             }
         }
     } else if F::Q8 {
@@ -373,7 +399,11 @@ unsafe fn block_rows<F: Fmt, C: Codes, const R: usize, const VNNI: bool>(
     }
     // The code offset `2^OFFSET` of Q4_0 and Q5_0, or the 128 added to Q8_0's codes for
     // `vpdpbusd`: that many times `sum(qa)` comes off.
-    let shift = if VNNI && F::Q8 { 7 } else { F::OFFSET };
+    let shift = if DOT != MADDUBS && F::Q8 {
+        7
+    } else {
+        F::OFFSET
+    };
     if shift != 0 {
         let shift = _mm_cvtsi32_si128(shift);
         for r in 0..R {

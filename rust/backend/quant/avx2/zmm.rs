@@ -26,9 +26,9 @@ const ZMM_TILE: usize = 10;
 /// Output features of groups `groups`, every row of `act` (Q8 blocks), into `out`.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA, F16C, AVX-VNNI, AVX-512 F/BW/VL and AVX-512 VNNI; `w` is
+/// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL and AVX-512 VNNI; `w` is
 /// of format `F`.
-#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn run<F: Fmt>(
     w: &PackedView<'_>,
     act: &QuantizedRows,
@@ -58,14 +58,14 @@ pub(super) unsafe fn run<F: Fmt>(
     ws.give_back();
     if pairs_end < groups.end {
         // SAFETY: as above, for the last group.
-        unsafe { legacy::run_with::<F, true>(w, act, pairs_end..groups.end, out) };
+        unsafe { legacy::run_with::<F, { legacy::EVEX_VNNI }>(w, act, pairs_end..groups.end, out) };
     }
 }
 
 /// Groups `g` and `g + 1` for rows `first..first + R` (`rows`, from their first block),
 /// decoded in registers, written to their sixteen outputs.
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn pair<F: Fmt, const R: usize>(
     w: &PackedView<'_>,
     layout: &RecordLayout,
