@@ -1,5 +1,14 @@
 //! The AVX2 kernel of the K-quants (256-element super-blocks: Q2_K .. Q6_K).
+//!
+//! Each record is decoded once into the L1 scratch (codes, the eight rows' sub-block scales
+//! and mins), then every row of the tile reads it. A sub-block's products are summed by
+//! AVX2's `maddubs` in i16 and scaled by `madd` with the sub-block scales ([`MADDUBS`]), or,
+//! where the CPU has VNNI, summed by `vpdpbusd` in i32 and scaled by one 32-bit multiply
+//! ([`VEX_VNNI`], [`EVEX_VNNI`]: half the instructions of the sub-block's dot). Both form
+//! the same integers (the module bounds in `avx2/mod.rs` keep every partial sum exact), so
+//! the f32 epilogue, and every output bit, is the same on each.
 
+use super::legacy::{dpbusd256, EVEX_VNNI, MADDUBS, VEX_VNNI};
 use super::*;
 
 /// Output features of groups `groups`, every row of `act` (Q8K blocks), into `out`.
@@ -8,6 +17,48 @@ use super::*;
 /// The CPU must support AVX2, FMA and F16C; `w` is of format `F`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run<F: Fmt>(
+    w: &PackedView<'_>,
+    act: &QuantizedRows,
+    groups: Range<usize>,
+    out: OutMatrix,
+) {
+    // SAFETY: forwarded.
+    unsafe { run_with::<F, MADDUBS>(w, act, groups, out) }
+}
+
+/// [`run`] with the sub-block dots on AVX-VNNI's `vpdpbusd`.
+///
+/// # Safety
+/// As [`run`], and the CPU must support AVX-VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(super) unsafe fn run_vnni<F: Fmt>(
+    w: &PackedView<'_>,
+    act: &QuantizedRows,
+    groups: Range<usize>,
+    out: OutMatrix,
+) {
+    // SAFETY: forwarded.
+    unsafe { run_with::<F, VEX_VNNI>(w, act, groups, out) }
+}
+
+/// [`run`] with the sub-block dots on AVX-512 VNNI's 256-bit `vpdpbusd` (EVEX).
+///
+/// # Safety
+/// As [`run`], and the CPU must support AVX-512 VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub(super) unsafe fn run_avx512_vnni<F: Fmt>(
+    w: &PackedView<'_>,
+    act: &QuantizedRows,
+    groups: Range<usize>,
+    out: OutMatrix,
+) {
+    // SAFETY: forwarded.
+    unsafe { run_with::<F, EVEX_VNNI>(w, act, groups, out) }
+}
+
+/// The body of the three builds, inlined into each; `DOT` says how sub-block sums are formed.
+#[inline(always)]
+unsafe fn run_with<F: Fmt, const DOT: u8>(
     w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,
@@ -38,7 +89,7 @@ pub(super) unsafe fn run<F: Fmt>(
                     std::array::from_fn(|i| acts[tile.start + r0 + i].at_block(b, 256));
                 let acc: [*mut f32; R] = std::array::from_fn(|i| accs.at(r0 + i));
                 // SAFETY: the rows hold super-block `b`; `acc` are this tile's sums.
-                unsafe { tile_rows::<F, R>(s, &rows, acc) }
+                unsafe { tile_rows::<F, R, DOT>(s, &rows, acc) }
             });
         }
         // SAFETY: the task owns group `g`'s outputs of every row.
@@ -66,6 +117,9 @@ unsafe fn decode<F: Fmt>(s: &mut Scratch, format: BlockFormat, rec: &[u8], layou
     }
     for (v, &x) in s.scale_pairs.iter_mut().zip(&sc).take(subs) {
         *v = pairs(x, x);
+    }
+    for (v, &x) in s.scale_words.iter_mut().zip(&sc).take(subs) {
+        *v = _mm256_cvtepi16_epi32(x);
     }
     let off = if F::MIN { &m } else { &sc };
     for (v, x) in s
@@ -136,23 +190,45 @@ unsafe fn sub_scale_lanes(format: BlockFormat, s: *const u8, j: usize) -> (__m12
 
 /// `R` rows times the decoded super-block, added to the sums at `acc`.
 #[inline(always)]
-unsafe fn tile_rows<F: Fmt, const R: usize>(s: &Scratch, rows: &[Act; R], acc: [*mut f32; R]) {
+unsafe fn tile_rows<F: Fmt, const R: usize, const DOT: u8>(
+    s: &Scratch,
+    rows: &[Act; R],
+    acc: [*mut f32; R],
+) {
     let subs = 64 / F::GPS;
     let codes = s.codes.as_ptr();
     let mut isum = [_mm256_setzero_si256(); R];
-    for j in 0..subs {
-        for h in 0..F::GPS / F::TERMS {
-            let mut p16 = [_mm256_setzero_si256(); R];
-            for v in j * F::GPS + h * F::TERMS..j * F::GPS + (h + 1) * F::TERMS {
-                let wv = *codes.add(v);
+    if DOT == MADDUBS {
+        for j in 0..subs {
+            for h in 0..F::GPS / F::TERMS {
+                let mut p16 = [_mm256_setzero_si256(); R];
+                for v in j * F::GPS + h * F::TERMS..j * F::GPS + (h + 1) * F::TERMS {
+                    let wv = *codes.add(v);
+                    for r in 0..R {
+                        let a = bcast4(rows[r].qa.add(4 * v));
+                        p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(wv, a));
+                    }
+                }
+                let scale = *s.scale_pairs.as_ptr().add(j);
                 for r in 0..R {
-                    let a = bcast4(rows[r].qa.add(4 * v));
-                    p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(wv, a));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], scale));
                 }
             }
-            let scale = *s.scale_pairs.as_ptr().add(j);
+        }
+    } else {
+        for j in 0..subs {
+            // The sub-block's dot in i32, then times its scale: the same integer as the
+            // pairs of i16 sums `madd` scales in the AVX2 build.
+            let mut dot = [_mm256_setzero_si256(); R];
+            for v in j * F::GPS..(j + 1) * F::GPS {
+                let wv = *codes.add(v);
+                for r in 0..R {
+                    dot[r] = dpbusd256::<DOT>(dot[r], wv, bcast4(rows[r].qa.add(4 * v)));
+                }
+            }
+            let scale = *s.scale_words.as_ptr().add(j);
             for r in 0..R {
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], scale));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot[r], scale));
             }
         }
     }

@@ -83,7 +83,7 @@ pub(super) const EVEX_VNNI: u8 = 2;
 /// `acc + dpbusd(w, a)` in the encoding `DOT` names (the same integers either way). Only the
 /// branch of the caller's build is compiled into it, so it needs only that build's features.
 #[inline(always)]
-unsafe fn dpbusd256<const DOT: u8>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+pub(super) unsafe fn dpbusd256<const DOT: u8>(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
     // SAFETY: the caller's build has the features of the encoding it names.
     unsafe {
         if DOT == EVEX_VNNI {

@@ -37,6 +37,8 @@ struct Scratch {
     codes: [__m256i; 64],
     /// K-quants: per sub-block, lane `l` = `(sc_j[l], sc_j[l])` as i16.
     scale_pairs: [__m256i; 16],
+    /// K-quants: per sub-block, lane `l` = `sc_j[l]` as i32 (the VNNI builds' multiplier).
+    scale_words: [__m256i; 16],
     /// K-quants: lane `l` = `(x_{2i}[l], x_{2i+1}[l])`, x = mins (KMin) or scales (KSym).
     off_pairs: [__m256i; 8],
     /// Per block of the chunk: the eight rows' `d` and `m`/`dmin`.
@@ -201,8 +203,8 @@ mod formats {
 /// Output features of groups `groups`, every row of `act`, into `out` (no bias). With
 /// AVX-VNNI the legacy formats' dots run on `vpdpbusd` (the same integers: see [`legacy`]),
 /// with AVX-512 VNNI too, on 512-bit registers ([`zmm`]), and with AMX, in tile multiplies
-/// where the call's input was laid out as tiles ([`amx`]); the K-quants keep `maddubs`, whose
-/// `madd` with the sub-block scales they need anyway.
+/// where the call's input was laid out as tiles ([`amx`]); the K-quants' sub-block dots run on
+/// 256-bit `vpdpbusd` with either VNNI, each scaled by a 32-bit multiply ([`kquant`]).
 ///
 /// # Safety
 /// The CPU must support `isa` (at least AVX2, FMA and F16C); `act` must hold the blocks `w`
@@ -227,6 +229,15 @@ pub(crate) unsafe fn quant_groups(
             }
         };
     }
+    macro_rules! kquant {
+        ($f:ty) => {
+            match isa {
+                Isa::Avx512Vnni | Isa::Amx => kquant::run_avx512_vnni::<$f>(w, act, groups, out),
+                Isa::Avx2Vnni => kquant::run_vnni::<$f>(w, act, groups, out),
+                _ => kquant::run::<$f>(w, act, groups, out),
+            }
+        };
+    }
     // SAFETY (all calls below): forwarded from this function's contract.
     unsafe {
         match w.format() {
@@ -235,11 +246,11 @@ pub(crate) unsafe fn quant_groups(
             F::Q5_0 => legacy!(Q5_0),
             F::Q5_1 => legacy!(Q5_1),
             F::Q8_0 => legacy!(Q8_0),
-            F::Q2_K => kquant::run::<Q2_K>(w, act, groups, out),
-            F::Q3_K => kquant::run::<Q3_K>(w, act, groups, out),
-            F::Q4_K => kquant::run::<Q4_K>(w, act, groups, out),
-            F::Q5_K => kquant::run::<Q5_K>(w, act, groups, out),
-            F::Q6_K => kquant::run::<Q6_K>(w, act, groups, out),
+            F::Q2_K => kquant!(Q2_K),
+            F::Q3_K => kquant!(Q3_K),
+            F::Q4_K => kquant!(Q4_K),
+            F::Q5_K => kquant!(Q5_K),
+            F::Q6_K => kquant!(Q6_K),
             F::F32 | F::F16 | F::BF16 => unreachable!("float formats use the float dot"),
         }
     }
