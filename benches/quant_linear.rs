@@ -93,9 +93,10 @@ fn cpu_samples(budget: Duration, mut f: impl FnMut()) -> Option<Vec<f64>> {
 }
 
 /// `--kernel`: the compute cost of rows alone. One thread, weights in cache, the *fastest*
-/// batch of calls (a shared machine only ever adds time), for SmolLM2's Q4_1 shapes and its
-/// Q8_0 head, at 1..16 rows and a 128-row prefill chunk: microseconds per call, the cost
-/// relative to one row, and GMAC/s; once per SIMD instruction set this CPU runs (AVX2, AVX-VNNI,
+/// batch of calls (a shared machine only ever adds time), for SmolLM2's Q4_1 shapes, its down
+/// projection as Q4_K and as Q6_K (the K-quants a Q4_K_M file mixes), and its Q8_0 head, at
+/// 1..16 rows and a 128-row prefill chunk: microseconds per call, the cost relative to one
+/// row, and GMAC/s; once per SIMD instruction set this CPU runs (AVX2, AVX-VNNI,
 /// AVX-512 VNNI where it has them), so the dots are compared in one run.
 fn kernel_costs(rng: &mut SmallRng, budget: Duration, isas: &[Isa]) -> Value {
     let mut out = Vec::new();
@@ -116,6 +117,7 @@ fn kernel_costs_on(single: &KernelPool, rng: &mut SmallRng, budget: Duration) ->
         (BlockFormat::Q4_1, 1536, 576),
         (BlockFormat::Q4_1, 576, 1536),
         (BlockFormat::Q4_K, 576, 1536),
+        (BlockFormat::Q6_K, 576, 1536),
         (BlockFormat::Q8_0, 4096, 576),
     ];
     let mut out = Vec::new();

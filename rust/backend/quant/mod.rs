@@ -58,9 +58,11 @@
 //! rows 75 us against 293. A whole forward's linears on two threads (`-- --step`, a Sapphire
 //! Rapids class VM): 1 row 2.7-3.0 ms (the weight stream bounds it), 5 rows 4.7-5.1, 9 rows
 //! 7.0-7.5, 128 rows 67-72. On a two-core Zen 4 VM (no AVX-VNNI, so AVX2 before the levels
-//! were told apart), `model_decode`: a 9-row forward 14.5-15.0 ms on AVX2 against 7.7-8.1, eight
-//! sequences 525-567 tokens/s against 1048-1206. Where it also has AMX-INT8 tiles, granted by the OS ([`Isa::Amx`]),
-//! a pool asked for that level runs calls of [`AMX_MIN_ROWS`] rows or more on them
+//! were told apart), `model_decode`: a 9-row forward 14.5-15.0 ms on AVX2 against 7.7-8.1,
+//! eight sequences 525-567 tokens/s against 1048-1206. The K-quants take the same two groups
+//! to a register (`avx2/kquant_zmm.rs`; on that VM, `--kernel`, Q4_K 576x1536 at 5 rows
+//! 35.6 us against 56.1 on AVX2, Q6_K 48.0 against 126.0). Where it also has AMX-INT8 tiles,
+//! granted by the OS ([`Isa::Amx`]), a pool asked for that level runs calls of [`AMX_MIN_ROWS`] rows or more on them
 //! (`avx2/amx.rs`, the input laid out as tiles by `block_pairs.rs`): one tile multiply and one
 //! tile store give two blocks' sums of up to eight rows. A pool does not take that level
 //! unless asked ([`Isa::preferred`]): on that VM the tiles lose to the 512-bit kernel at every

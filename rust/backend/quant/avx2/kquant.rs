@@ -4,11 +4,12 @@
 //! and mins), then every row of the tile reads it. A sub-block's products are summed by
 //! AVX2's `maddubs` in i16 and scaled by `madd` with the sub-block scales ([`MADDUBS`]), or,
 //! where the CPU has VNNI, summed by `vpdpbusd` in i32 and scaled by one 32-bit multiply
-//! ([`VEX_VNNI`], [`EVEX_VNNI`]: half the instructions of the sub-block's dot). Both form
+//! ([`VEX_VNNI`]; [`super::legacy::EVEX_VNNI`] for the odd last group of the 512-bit build,
+//! [`super::kquant_zmm`]). Both form
 //! the same integers (the module bounds in `avx2/mod.rs` keep every partial sum exact), so
 //! the f32 epilogue, and every output bit, is the same on each.
 
-use super::legacy::{dpbusd256, EVEX_VNNI, MADDUBS, VEX_VNNI};
+use super::legacy::{dpbusd256, MADDUBS, VEX_VNNI};
 use super::*;
 
 /// Output features of groups `groups`, every row of `act` (Q8K blocks), into `out`.
@@ -41,24 +42,10 @@ pub(super) unsafe fn run_vnni<F: Fmt>(
     unsafe { run_with::<F, VEX_VNNI>(w, act, groups, out) }
 }
 
-/// [`run`] with the sub-block dots on AVX-512 VNNI's 256-bit `vpdpbusd` (EVEX).
-///
-/// # Safety
-/// As [`run`], and the CPU must support AVX-512 VL and VNNI.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub(super) unsafe fn run_avx512_vnni<F: Fmt>(
-    w: &PackedView<'_>,
-    act: &QuantizedRows,
-    groups: Range<usize>,
-    out: OutMatrix,
-) {
-    // SAFETY: forwarded.
-    unsafe { run_with::<F, EVEX_VNNI>(w, act, groups, out) }
-}
-
-/// The body of the three builds, inlined into each; `DOT` says how sub-block sums are formed.
+/// The body of both builds (and of the 512-bit build's odd last group), inlined into each;
+/// `DOT` says how sub-block sums are formed.
 #[inline(always)]
-unsafe fn run_with<F: Fmt, const DOT: u8>(
+pub(super) unsafe fn run_with<F: Fmt, const DOT: u8>(
     w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,
@@ -134,7 +121,7 @@ unsafe fn decode<F: Fmt>(s: &mut Scratch, format: BlockFormat, rec: &[u8], layou
 
 /// Lane `l` = `(a[l], b[l])` as two i16 (what `madd` pairs with two block sums).
 #[inline(always)]
-unsafe fn pairs(a: __m128i, b: __m128i) -> __m256i {
+pub(super) unsafe fn pairs(a: __m128i, b: __m128i) -> __m256i {
     _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b))
 }
 
@@ -153,7 +140,11 @@ unsafe fn shr16(v: __m128i, n: usize) -> __m128i {
 /// Sub-block `j`'s scales and mins of the eight rows, from the record's sub-block-major
 /// scale bytes (the layout [`crate::backend::quant::subscales`] documents).
 #[inline(always)]
-unsafe fn sub_scale_lanes(format: BlockFormat, s: *const u8, j: usize) -> (__m128i, __m128i) {
+pub(super) unsafe fn sub_scale_lanes(
+    format: BlockFormat,
+    s: *const u8,
+    j: usize,
+) -> (__m128i, __m128i) {
     let low4 = _mm_set1_epi16(15);
     let low2 = _mm_set1_epi16(3);
     match format {

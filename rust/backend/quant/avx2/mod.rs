@@ -26,6 +26,7 @@ use std::ops::Range;
 
 mod amx;
 mod kquant;
+mod kquant_zmm;
 mod legacy;
 mod tiles;
 mod zmm;
@@ -204,7 +205,8 @@ mod formats {
 /// AVX-VNNI the legacy formats' dots run on `vpdpbusd` (the same integers: see [`legacy`]),
 /// with AVX-512 VNNI too, on 512-bit registers ([`zmm`]), and with AMX, in tile multiplies
 /// where the call's input was laid out as tiles ([`amx`]); the K-quants' sub-block dots run on
-/// 256-bit `vpdpbusd` with either VNNI, each scaled by a 32-bit multiply ([`kquant`]).
+/// `vpdpbusd` with either VNNI, each scaled by a 32-bit multiply ([`kquant`]), with AVX-512
+/// two groups to a 512-bit register ([`kquant_zmm`]).
 ///
 /// # Safety
 /// The CPU must support `isa` (at least AVX2, FMA and F16C); `act` must hold the blocks `w`
@@ -232,7 +234,7 @@ pub(crate) unsafe fn quant_groups(
     macro_rules! kquant {
         ($f:ty) => {
             match isa {
-                Isa::Avx512Vnni | Isa::Amx => kquant::run_avx512_vnni::<$f>(w, act, groups, out),
+                Isa::Avx512Vnni | Isa::Amx => kquant_zmm::run::<$f>(w, act, groups, out),
                 Isa::Avx2Vnni => kquant::run_vnni::<$f>(w, act, groups, out),
                 _ => kquant::run::<$f>(w, act, groups, out),
             }

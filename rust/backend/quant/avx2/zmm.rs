@@ -195,7 +195,8 @@ pub(super) unsafe fn f16x16(lo: *const u8, hi: *const u8) -> __m512 {
 }
 
 /// Group-vector `v` of both records' `w`-bit plane at byte `plane`, at bit `dest` of the code
-/// (the 512-bit form of the 256-bit kernel's register decode).
+/// (the 512-bit form of the 256-bit kernel's register decode), for a legacy format's record
+/// of eight group-vectors.
 #[inline(always)]
 pub(super) unsafe fn plane_vector(
     rec: &[*const u8; 2],
@@ -204,7 +205,20 @@ pub(super) unsafe fn plane_vector(
     dest: u32,
     v: usize,
 ) -> __m512i {
-    let (c, by, mask) = plane_field(w, dest, 8 / (8 / w as usize), v);
+    plane_vector_of(rec, plane, w, dest, 8, v)
+}
+
+/// [`plane_vector`] for records of `vectors` group-vectors (a K-quant's 64).
+#[inline(always)]
+pub(super) unsafe fn plane_vector_of(
+    rec: &[*const u8; 2],
+    plane: usize,
+    w: u32,
+    dest: u32,
+    vectors: usize,
+    v: usize,
+) -> __m512i {
+    let (c, by, mask) = plane_field(w, dest, vectors / (8 / w as usize), v);
     let x = halves(rec[0].add(plane + 32 * c), rec[1].add(plane + 32 * c));
     let x = if by >= 0 {
         _mm512_sll_epi16(x, _mm_cvtsi32_si128(by))
