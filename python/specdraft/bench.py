@@ -8,8 +8,9 @@ applied, greedy) goes through every engine ``--repeat`` times: pass 2 replays th
 through the same engines, so a proposer that learns across requests (``suffix``) shows it.
 The engines take turns prompt group by prompt group (the group is one ``generate`` call of
 prompts of one kind, at least ``--batch`` of them, filled to the width by taking that kind's
-prompts again: see :func:`prompt_groups`), rotating who goes first, so a machine whose load
-drifts during the run weighs on all of them alike; every figure is a ratio against plain
+prompts again: see :func:`prompt_groups`), rotating who goes first from call to call and
+from trial to trial (:func:`turn_order`), so a machine whose load drifts during the run
+weighs on all of them alike; every figure is a ratio against plain
 decoding at the same batch width and pass, measured in the same command. By default
 (``--schedule queued``) a group holds all of its kind's prompts and the engine runs
 ``--batch`` of them at a time, starting a waiting one whenever a sequence finishes, as a
@@ -53,9 +54,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import specdraft
+
+T = TypeVar("T")
 
 __all__ = [
     "PROPOSERS",
@@ -68,6 +71,7 @@ __all__ = [
     "prompt_groups",
     "ratio_stats",
     "run_model_bench",
+    "turn_order",
 ]
 
 # Plain decoding's row name.
@@ -152,6 +156,21 @@ def parse_widths(text: str) -> list[int]:
         if w not in widths:
             widths.append(w)
     return widths
+
+
+def turn_order(runs: list[T], trial: int, call: int) -> list[T]:
+    """The order ``runs`` take call ``call`` of trial ``trial`` in: rotated by ``trial + call``.
+
+    Each call rotates who goes first, and each trial shifts every call's rotation by one, so
+    over ``len(runs)`` trials every run goes first once in every call, whatever the number of
+    calls a trial makes (a rotation by a count running over the trials would give a call the
+    same order in every trial whenever the calls of a trial are a multiple of the runs: two
+    runs and an even number of calls, say).
+    """
+    if not runs:
+        return []
+    k = (trial + call) % len(runs)
+    return runs[k:] + runs[:k]
 
 
 def prompt_groups(
@@ -597,7 +616,6 @@ def run_model_bench(args: argparse.Namespace) -> int:
     for width in widths:
         runs.append(_Run(BASELINE, None, width, None))
         runs += [_Run(name, policy, width, None) for name in names for policy in policies]
-    turn = 0
     started = time.perf_counter()
     for trial in range(args.trials):
         # Fresh engines each trial: a proposer that learns across requests sees each prompt
@@ -606,6 +624,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
             r.engine = engine_for(r.proposer, r.policy, r.batch)
             r.trials.append([])
         label = f"trial {trial + 1}/{args.trials}, " if args.trials > 1 else ""
+        call = 0
         for pass_index in range(args.repeat):
             for r in runs:
                 r.trials[-1].append(_Pass())
@@ -614,8 +633,8 @@ def run_model_bench(args: argparse.Namespace) -> int:
                 calls = prompt_groups(kinds, width, args.schedule)
                 for done, (kind, members) in enumerate(calls, 1):
                     chunk = [prompts[i] for i in members]
-                    turn += 1
-                    order = group[turn % len(group) :] + group[: turn % len(group)]
+                    order = turn_order(group, trial, call)
+                    call += 1
                     for r in order:
                         t0, c0 = time.perf_counter(), time.process_time()
                         results = r.engine.generate(chunk, max_tokens=args.max_tokens)

@@ -321,3 +321,18 @@ def test_the_schedule_decides_the_calls_and_never_the_text(tiny, capsys) -> None
         calls[schedule] = baseline["tokens"]
     # Static fills its last call with a repeated prompt; queued runs each prompt once.
     assert calls["static"] > calls["queued"] > 0
+
+
+def test_every_run_goes_first_once_in_every_call_over_as_many_trials() -> None:
+    from specdraft.bench import turn_order
+
+    # Two runs and an even number of calls a trial, three runs and a multiple of three: the
+    # counts a rotation by a running total of calls would give the same order every trial.
+    for runs, calls in [(["baseline", "lookup"], 16), (["a", "b", "c"], 6), (["a", "b", "c"], 7)]:
+        for call in range(calls):
+            orders = [turn_order(runs, trial, call) for trial in range(len(runs))]
+            assert all(sorted(o) == sorted(runs) for o in orders), orders
+            assert sorted(o[0] for o in orders) == sorted(runs), (call, orders)
+        # Within a trial, consecutive calls rotate too.
+        assert turn_order(runs, 0, 0)[0] != turn_order(runs, 0, 1)[0]
+    assert turn_order([], 3, 5) == []
