@@ -2,45 +2,17 @@
 //!
 //! Each record is decoded once into the L1 scratch (codes, the eight rows' sub-block scales
 //! and mins), then every row of the tile reads it. A sub-block's products are summed by
-//! AVX2's `maddubs` in i16 and scaled by `madd` with the sub-block scales ([`MADDUBS`]), or,
+//! AVX2's `maddubs` in i16 and scaled by `madd` with the sub-block scales ([`run`]), or,
 //! where the CPU has VNNI, summed by `vpdpbusd` in i32 and scaled by one 32-bit multiply
-//! ([`VEX_VNNI`]; [`super::legacy::EVEX_VNNI`] for the odd last group of the 512-bit build,
+//! ([`run_vnni`]; [`super::legacy::EVEX_VNNI`] for the odd last group of the 512-bit build,
 //! [`super::kquant_zmm`]). Both form
 //! the same integers (the module bounds in `avx2/mod.rs` keep every partial sum exact), so
 //! the f32 epilogue, and every output bit, is the same on each.
 
-use super::legacy::{dpbusd256, MADDUBS, VEX_VNNI};
+use super::legacy::{dpbusd256, MADDUBS};
 use super::*;
 
-/// Output features of groups `groups`, every row of `act` (Q8K blocks), into `out`.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `w` is of format `F`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn run<F: Fmt>(
-    w: &PackedView<'_>,
-    act: &QuantizedRows,
-    groups: Range<usize>,
-    out: OutMatrix,
-) {
-    // SAFETY: forwarded.
-    unsafe { run_with::<F, MADDUBS>(w, act, groups, out) }
-}
-
-/// [`run`] with the sub-block dots on AVX-VNNI's `vpdpbusd`.
-///
-/// # Safety
-/// As [`run`], and the CPU must support AVX-VNNI.
-#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-pub(super) unsafe fn run_vnni<F: Fmt>(
-    w: &PackedView<'_>,
-    act: &QuantizedRows,
-    groups: Range<usize>,
-    out: OutMatrix,
-) {
-    // SAFETY: forwarded.
-    unsafe { run_with::<F, VEX_VNNI>(w, act, groups, out) }
-}
+dot_builds!();
 
 /// The body of both builds (and of the 512-bit build's odd last group), inlined into each;
 /// `DOT` says how sub-block sums are formed.

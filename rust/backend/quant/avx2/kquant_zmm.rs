@@ -6,9 +6,9 @@
 //! decoded in registers as they are used, never through the L1 scratch of the 256-bit build
 //! ([`super::kquant`]), and each meets a tile of up to [`TILE`] rows: per sub-block,
 //! `vpdpbusd` sums the codes times the row's activation codes in i32 (broadcast by the
-//! instruction itself), one 32-bit multiply scales the sum by the sub-block scale, and the
-//! mins (or the code offset) come off through the activation block sums after the last
-//! sub-block.
+//! instruction itself, as in [`super::zmm`]), one 32-bit multiply scales the sum by the
+//! sub-block scale, and the mins (or the code offset) come off through the activation block
+//! sums after the last sub-block.
 //!
 //! Invariants: the i32 sums are the same integers as the 256-bit build's (each partial sum is
 //! exact: see the bounds in `avx2/mod.rs`), and each output lane runs the same f32
@@ -17,7 +17,7 @@
 
 use super::kquant::{pairs, sub_scale_lanes};
 use super::legacy::EVEX_VNNI;
-use super::zmm::{f16x16, plane_vector_of};
+use super::zmm::{dpbusd_broadcast, f16x16, pair_tiles, plane_vector_of};
 use super::*;
 
 /// The most rows one tile holds in registers: per row its f32 sums, its i32 sums and its
@@ -37,26 +37,14 @@ pub(super) unsafe fn run<F: Fmt>(
     groups: Range<usize>,
     out: OutMatrix,
 ) {
-    let pairs_end = groups.start + groups.len() / 2 * 2;
-    let layout = RecordLayout::of(w.format());
-    let ws = Workspace::take(act);
-    let acts = &ws.acts;
-    for c0 in (0..act.rows).step_by(ROW_TILE) {
-        let chunk = c0..act.rows.min(c0 + ROW_TILE);
-        for g in (groups.start..pairs_end).step_by(2) {
-            even_tiles!(chunk.clone(), TILE, [1, 2, 3, 4, 5, 6, 7, 8], |r0, R| {
-                let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
-                // SAFETY: the rows hold every super-block of the weight's rows; the task owns
-                // groups `g` and `g + 1`'s outputs of every row.
-                unsafe { pair::<F, R>(w, &layout, &rows, r0, g, out) }
-            });
-        }
-    }
-    ws.give_back();
-    if pairs_end < groups.end {
-        // SAFETY: as above, for the last group.
-        unsafe { super::kquant::run_with::<F, EVEX_VNNI>(w, act, pairs_end..groups.end, out) };
-    }
+    // The odd group's 256-bit build runs on this function's features.
+    pair_tiles!(
+        (w, act, groups, out),
+        TILE,
+        [1, 2, 3, 4, 5, 6, 7, 8],
+        pair,
+        super::kquant::run_with::<F, EVEX_VNNI>
+    )
 }
 
 /// Groups `g` and `g + 1` for rows `first..first + R` (`rows`, from their first super-block),
@@ -103,7 +91,7 @@ unsafe fn pair<F: Fmt, const R: usize>(
                     _mm512_or_si512(x, y)
                 };
                 for r in 0..R {
-                    dot[r] = dpbusd_at(dot[r], codes, act[r].qa.add(4 * v));
+                    dot[r] = dpbusd_broadcast::<0>(dot[r], codes, act[r].qa.add(4 * v));
                 }
             }
             for r in 0..R {
@@ -156,23 +144,4 @@ unsafe fn pair<F: Fmt, const R: usize>(
         // SAFETY: the caller owns these sixteen outputs of row `first + r`.
         _mm512_storeu_ps(out.at(first + r, g * GROUP_ROWS), sum);
     }
-}
-
-/// `acc + dpbusd(codes, a)`, `a` the four activation codes at `at` broadcast to every lane by
-/// the instruction itself (as [`super::zmm`]'s, which LLVM would otherwise hoist and spill).
-#[inline]
-#[target_feature(enable = "avx512f,avx512vnni")]
-unsafe fn dpbusd_at(acc: __m512i, codes: __m512i, at: *const i8) -> __m512i {
-    let mut acc = acc;
-    // SAFETY: the caller's contract: the four bytes at `at` are readable.
-    unsafe {
-        std::arch::asm!(
-            "vpdpbusd {acc}, {codes}, dword ptr [{at}]{{1to16}}",
-            acc = inout(zmm_reg) acc,
-            codes = in(zmm_reg) codes,
-            at = in(reg) at,
-            options(pure, readonly, nostack, preserves_flags),
-        );
-    }
-    acc
 }

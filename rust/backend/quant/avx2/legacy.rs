@@ -8,7 +8,9 @@
 //! scratch once and take the rows four at a time past it. All form the same i32 sums and run
 //! the same f32 operations in the same order. Each is compiled twice: for AVX2 ([`run`],
 //! `maddubs`) and for AVX2 with AVX-VNNI ([`run_vnni`], `vpdpbusd`), the same integers by two
-//! instruction sequences.
+//! instruction sequences (AVX2's i16 steps never saturate, and `vpdpbusd` adds exactly). With
+//! VNNI, Q8_0's signed codes go in as `w + 128` (unsigned) with `128 * sum(qa)` taken off after,
+//! which drops AVX2's per-row `sign`.
 
 use super::*;
 
@@ -36,39 +38,7 @@ const fn register_rows<F: Fmt>() -> usize {
     }
 }
 
-/// Output features of groups `groups`, every row of `act` (Q8 blocks), into `out`.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `w` is of format `F`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn run<F: Fmt>(
-    w: &PackedView<'_>,
-    act: &QuantizedRows,
-    groups: Range<usize>,
-    out: OutMatrix,
-) {
-    // SAFETY: forwarded.
-    unsafe { run_with::<F, MADDUBS>(w, act, groups, out) }
-}
-
-/// [`run`] with the dots on AVX-VNNI's `vpdpbusd`: one instruction where AVX2 takes a
-/// `maddubs`, an i16 add and a share of a `madd`. The i32 sums are the same integers (AVX2's
-/// i16 steps never saturate, and `vpdpbusd` adds exactly), so outputs are bit-identical.
-/// Q8_0's signed codes go in as `w + 128` (unsigned) with `128 * sum(qa)` taken off after,
-/// which drops AVX2's per-row `sign`.
-///
-/// # Safety
-/// As [`run`], and the CPU must support AVX-VNNI.
-#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-pub(super) unsafe fn run_vnni<F: Fmt>(
-    w: &PackedView<'_>,
-    act: &QuantizedRows,
-    groups: Range<usize>,
-    out: OutMatrix,
-) {
-    // SAFETY: forwarded.
-    unsafe { run_with::<F, VEX_VNNI>(w, act, groups, out) }
-}
+dot_builds!();
 
 /// How a kernel build forms its i32 sums: AVX2's `maddubs`/`madd`, or `vpdpbusd` on 256-bit
 /// registers in its VEX encoding (AVX-VNNI) or its EVEX one (AVX-512 VNNI with VL). The two

@@ -452,6 +452,47 @@ impl Accumulators {
     }
 }
 
+/// Writes a module's two 256-bit builds of its kernel body `run_with::<F, DOT>`: `run`, on
+/// AVX2's `maddubs` ([`legacy::MADDUBS`]), and `run_vnni`, on AVX-VNNI's `vpdpbusd`
+/// ([`legacy::VEX_VNNI`]: one instruction where AVX2 takes a `maddubs`, an i16 add and a share
+/// of a `madd`, the same integers). Each is its own function so that every intrinsic of the
+/// inlined body is compiled with that build's features.
+macro_rules! dot_builds {
+    () => {
+        /// Output features of groups `groups`, every row of `act` (the 8-bit blocks this
+        /// module's formats read), into `out`.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2, FMA and F16C; `w` is of format `F`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn run<F: Fmt>(
+            w: &PackedView<'_>,
+            act: &QuantizedRows,
+            groups: Range<usize>,
+            out: OutMatrix,
+        ) {
+            // SAFETY: forwarded.
+            unsafe { run_with::<F, { super::legacy::MADDUBS }>(w, act, groups, out) }
+        }
+
+        /// [`run`] with the dots on AVX-VNNI's `vpdpbusd`.
+        ///
+        /// # Safety
+        /// As [`run`], and the CPU must support AVX-VNNI.
+        #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+        pub(super) unsafe fn run_vnni<F: Fmt>(
+            w: &PackedView<'_>,
+            act: &QuantizedRows,
+            groups: Range<usize>,
+            out: OutMatrix,
+        ) {
+            // SAFETY: forwarded.
+            unsafe { run_with::<F, { super::legacy::VEX_VNNI }>(w, act, groups, out) }
+        }
+    };
+}
+use dot_builds;
+
 /// Runs `$body` with const `$R` over the rows four at a time (4, then the 1..3 left over).
 macro_rules! row_tiles {
     ($rows:expr, |$r0:ident, $R:ident| $body:expr) => {{

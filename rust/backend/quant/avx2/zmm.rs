@@ -35,32 +35,54 @@ pub(super) unsafe fn run<F: Fmt>(
     groups: Range<usize>,
     out: OutMatrix,
 ) {
-    let pairs_end = groups.start + groups.len() / 2 * 2;
-    let layout = RecordLayout::of(w.format());
-    let ws = Workspace::take(act);
-    let acts = &ws.acts;
-    for c0 in (0..act.rows).step_by(ROW_TILE) {
-        let chunk = c0..act.rows.min(c0 + ROW_TILE);
-        for g in (groups.start..pairs_end).step_by(2) {
-            even_tiles!(
-                chunk.clone(),
-                ZMM_TILE,
-                [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-                |r0, R| {
-                    let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
-                    // SAFETY: the rows hold every block of the weight's rows; the task owns groups
-                    // `g` and `g + 1`'s outputs of every row.
-                    unsafe { pair::<F, R>(w, &layout, &rows, r0, g, out) }
-                }
-            );
-        }
-    }
-    ws.give_back();
-    if pairs_end < groups.end {
-        // SAFETY: as above, for the last group.
-        unsafe { legacy::run_with::<F, { legacy::EVEX_VNNI }>(w, act, pairs_end..groups.end, out) };
-    }
+    // The odd group's 256-bit build runs on this function's features.
+    pair_tiles!(
+        (w, act, groups, out),
+        ZMM_TILE,
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        pair,
+        legacy::run_with::<F, { legacy::EVEX_VNNI }>
+    )
 }
+
+/// The 512-bit kernels' loop over a task's outputs: for every chunk of [`ROW_TILE`] rows and
+/// every pair of groups (`g`, `g + 1`) of `groups`, `$pair::<F, R>(w, &layout, &rows, r0, g,
+/// out)` over tiles of at most `$tile` rows, as even as they can be (`$sizes` the lengths
+/// allowed, see [`even_tiles`]); a range's odd last group goes to `$odd` (a 256-bit build's
+/// body). Written once for the legacy formats' kernel and the K-quants' ([`super::kquant_zmm`]).
+macro_rules! pair_tiles {
+    (
+        ($w:expr, $act:expr, $groups:expr, $out:expr),
+        $tile:expr,
+        [$($n:literal),+],
+        $pair:ident,
+        $odd:expr
+    ) => {{
+        let (w, act, groups, out): (&PackedView<'_>, &QuantizedRows, Range<usize>, OutMatrix) =
+            ($w, $act, $groups, $out);
+        let pairs_end = groups.start + groups.len() / 2 * 2;
+        let layout = RecordLayout::of(w.format());
+        let ws = Workspace::take(act);
+        let acts = &ws.acts;
+        for c0 in (0..act.rows).step_by(ROW_TILE) {
+            let chunk = c0..act.rows.min(c0 + ROW_TILE);
+            for g in (groups.start..pairs_end).step_by(2) {
+                even_tiles!(chunk.clone(), $tile, [$($n),+], |r0, R| {
+                    let rows: [Act; R] = std::array::from_fn(|i| acts[r0 + i]);
+                    // SAFETY: the rows hold every block of the weight's rows; the task owns
+                    // groups `g` and `g + 1`'s outputs of every row.
+                    unsafe { $pair::<F, R>(w, &layout, &rows, r0, g, out) }
+                });
+            }
+        }
+        ws.give_back();
+        if pairs_end < groups.end {
+            // SAFETY: as above, for the last group.
+            unsafe { $odd(w, act, pairs_end..groups.end, out) };
+        }
+    }};
+}
+pub(super) use pair_tiles;
 
 /// Groups `g` and `g + 1` for rows `first..first + R` (`rows`, from their first block),
 /// decoded in registers, written to their sixteen outputs.
@@ -157,7 +179,7 @@ unsafe fn pair<F: Fmt, const R: usize>(
 /// (Q4_1 at five rows: 21 of 40, a store and a reload each).
 #[inline]
 #[target_feature(enable = "avx512f,avx512vnni")]
-unsafe fn dpbusd_broadcast<const OFF: usize>(
+pub(super) unsafe fn dpbusd_broadcast<const OFF: usize>(
     acc: __m512i,
     codes: __m512i,
     row: *const i8,
