@@ -5,9 +5,9 @@
 //! AVX2's `maddubs` in i16 and scaled by `madd` with the sub-block scales ([`run`]), or,
 //! where the CPU has VNNI, summed by `vpdpbusd` in i32 and scaled by one 32-bit multiply
 //! ([`run_vnni`]; [`super::legacy::EVEX_VNNI`] for the odd last group of the 512-bit build,
-//! [`super::kquant_zmm`]). Both form
-//! the same integers (the module bounds in `avx2/mod.rs` keep every partial sum exact), so
-//! the f32 epilogue, and every output bit, is the same on each.
+//! [`super::kquant_zmm`]). Both form the same integers (the module bounds in `avx2/mod.rs`
+//! keep every partial sum exact), so the f32 epilogue, and every output bit, is the same on
+//! each. The decode fills only the scale form its build reads.
 
 use super::legacy::{dpbusd256, MADDUBS};
 use super::*;
@@ -41,7 +41,7 @@ pub(super) unsafe fn run_with<F: Fmt, const DOT: u8>(
             // SAFETY: `rec` is a whole record of this format, which `layout` describes.
             unsafe {
                 prefetch_ahead(rec.as_ptr(), record_bytes);
-                decode::<F>(s, format, rec, &layout)
+                decode::<F, DOT>(s, format, rec, &layout)
             };
             row_tiles!(tile.len(), |r0, R| {
                 let rows: [Act; R] =
@@ -57,10 +57,15 @@ pub(super) unsafe fn run_with<F: Fmt, const DOT: u8>(
     ws.give_back();
 }
 
-/// Decodes one record: codes, the eight rows' scales, and their sub-block scales and mins as
-/// the i16 pairs `madd` takes.
+/// Decodes one record: codes, the eight rows' scales, and their sub-block scales (as the i16
+/// pairs `madd` takes, or, for the VNNI builds, as i32 multipliers) and mins.
 #[inline(always)]
-unsafe fn decode<F: Fmt>(s: &mut Scratch, format: BlockFormat, rec: &[u8], layout: &RecordLayout) {
+unsafe fn decode<F: Fmt, const DOT: u8>(
+    s: &mut Scratch,
+    format: BlockFormat,
+    rec: &[u8],
+    layout: &RecordLayout,
+) {
     s.d[0] = f16x8(rec.as_ptr());
     if let Some(at) = layout.d2 {
         s.d2[0] = f16x8(rec.as_ptr().add(at));
@@ -74,11 +79,14 @@ unsafe fn decode<F: Fmt>(s: &mut Scratch, format: BlockFormat, rec: &[u8], layou
     for (j, (sc, m)) in sc.iter_mut().zip(&mut m).enumerate().take(subs) {
         (*sc, *m) = sub_scale_lanes(format, scales, j);
     }
-    for (v, &x) in s.scale_pairs.iter_mut().zip(&sc).take(subs) {
-        *v = pairs(x, x);
-    }
-    for (v, &x) in s.scale_words.iter_mut().zip(&sc).take(subs) {
-        *v = _mm256_cvtepi16_epi32(x);
+    if DOT == MADDUBS {
+        for (v, &x) in s.scale_pairs.iter_mut().zip(&sc).take(subs) {
+            *v = pairs(x, x);
+        }
+    } else {
+        for (v, &x) in s.scale_words.iter_mut().zip(&sc).take(subs) {
+            *v = _mm256_cvtepi16_epi32(x);
+        }
     }
     let off = if F::MIN { &m } else { &sc };
     for (v, x) in s

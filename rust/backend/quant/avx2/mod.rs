@@ -36,9 +36,9 @@ mod zmm;
 struct Scratch {
     /// Group-vectors of unsigned codes (Q8_0: |w| in 0..32, w in 32..64).
     codes: [__m256i; 64],
-    /// K-quants: per sub-block, lane `l` = `(sc_j[l], sc_j[l])` as i16.
+    /// K-quants, AVX2 build: per sub-block, lane `l` = `(sc_j[l], sc_j[l])` as i16.
     scale_pairs: [__m256i; 16],
-    /// K-quants: per sub-block, lane `l` = `sc_j[l]` as i32 (the VNNI builds' multiplier).
+    /// K-quants, VNNI builds: per sub-block, lane `l` = `sc_j[l]` as i32.
     scale_words: [__m256i; 16],
     /// K-quants: lane `l` = `(x_{2i}[l], x_{2i+1}[l])`, x = mins (KMin) or scales (KSym).
     off_pairs: [__m256i; 8],
