@@ -57,19 +57,16 @@ impl Isa {
         }
     }
 
-    /// The best this CPU supports (detected once; AMX also asks the OS for the tiles).
+    /// The best this CPU supports (detected once; AMX also asks the OS for the tiles): the
+    /// highest level, clamped.
     pub fn detect() -> Isa {
-        Isa::ALL
-            .into_iter()
-            .rev()
-            .find(|isa| isa.supported())
-            .unwrap_or(Isa::Portable)
+        Isa::Amx.clamped()
     }
 
     /// Whether this CPU runs this level's kernels (detected once; AMX also asks the OS for
     /// the tiles).
     pub fn supported(self) -> bool {
-        static SUPPORTED: OnceLock<[bool; 5]> = OnceLock::new();
+        static SUPPORTED: OnceLock<[bool; Isa::ALL.len()]> = OnceLock::new();
         let table = SUPPORTED.get_or_init(|| Isa::ALL.map(detect_level));
         table[self as usize]
     }

@@ -47,9 +47,9 @@ pub(super) unsafe fn run<F: Fmt>(
 
 /// The 512-bit kernels' loop over a task's outputs: for every chunk of [`ROW_TILE`] rows and
 /// every pair of groups (`g`, `g + 1`) of `groups`, `$pair::<F, R>(w, &layout, &rows, r0, g,
-/// out)` over tiles of at most `$tile` rows, as even as they can be (`$sizes` the lengths
-/// allowed, see [`even_tiles`]); a range's odd last group goes to `$odd` (a 256-bit build's
-/// body). Written once for the legacy formats' kernel and the K-quants' ([`super::kquant_zmm`]).
+/// out)` over tiles of at most `$tile` rows, as even as they can be (the bracketed list the
+/// tile lengths `$pair` is instantiated for, as [`even_tiles`] takes it); a range's odd last
+/// group goes to `$odd` (a 256-bit build's body). Written once for the legacy formats' kernel and the K-quants' ([`super::kquant_zmm`]).
 macro_rules! pair_tiles {
     (
         ($w:expr, $act:expr, $groups:expr, $out:expr),
