@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from mtp_reference import bf16 as reference_bf16  # noqa: E402
 from specdraft.quantize import read_safetensors, to_float32  # noqa: E402
 from specdraft.train import data  # noqa: E402
 from specdraft.train.cache import HiddenCache, bf16_bits, from_bf16_bits  # noqa: E402
-from specdraft.train.export import WEIGHTS_FILE, tensor_name  # noqa: E402
+from specdraft.train.export import WEIGHTS_FILE, read_head, tensor_name  # noqa: E402
 from specdraft.train.head import head_dims, init_params, param_shapes  # noqa: E402
 from specdraft.train.pipeline import RunOptions, _frozen, train_mtp  # noqa: E402
 from specdraft.train.targets import read_target_weights  # noqa: E402
@@ -130,8 +131,6 @@ def test_resume_equals_an_uninterrupted_run(run, tmp_path):
 
 
 def test_train_steps_ends_the_run_and_its_schedule_there(run, tmp_path):
-    from dataclasses import replace
-
     opts, first = run
     # The run's cache is complete, so this run extracts nothing and trains 3 steps.
     short = replace(opts, out=tmp_path / "head", train_steps=3, max_extract_seconds=0.0)
@@ -145,11 +144,55 @@ def test_train_steps_ends_the_run_and_its_schedule_there(run, tmp_path):
     assert report["eval_tokens"] == sum(s.length for s in cache.split("eval"))
 
 
+def test_a_run_can_start_from_a_trained_head(run, tmp_path):
+    """``init_from`` a head folder: the new run's first step sees the head's own weights
+    (its loss is the trained head's loss on that batch, far under a fresh head's)."""
+    opts, _ = run
+    cache = HiddenCache(
+        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
+    )
+    shape, d, trainer, batches = _trainer(opts, cache)
+    raw = read_safetensors(opts.out / WEIGHTS_FILE)
+    bits = {p: raw[tensor_name(shape.num_hidden_layers, p)] for p in param_shapes(d)}
+    trained = {
+        p: jax.numpy.asarray(
+            (np.frombuffer(b[2], "<u2").astype(np.uint32) << 16).view(np.float32).reshape(b[1])
+        )
+        for p, b in bits.items()
+    }
+    want, _ = trainer.loss(trained, batches.batch(0))
+    fresh, _ = trainer.loss(
+        trainer.init_state(init_params(d, SETTINGS.seed)).params, batches.batch(0)
+    )
+    more = replace(
+        opts, out=tmp_path / "head", init_from=opts.out, train_steps=1, max_extract_seconds=0.0
+    )
+    report = train_mtp(more, conversations=_conversations(120))
+    assert report["init_from"] == str(opts.out) and report["steps"] == 1
+    assert report["first_losses"][0] == pytest.approx(want, rel=1e-4)
+    assert want < 0.5 * fresh
+
+
+def test_a_head_of_another_shape_is_refused_as_a_start(run):
+    opts, _ = run
+    cache = HiddenCache(
+        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
+    )
+    shape, d, _, _ = _trainer(opts, cache)
+    wider = head_dims(shape, ffn=d.ffn + 8)
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight has shape"):
+        read_head(opts.out, shape, wider)
+    with pytest.raises(ValueError, match="has no model.layers"):
+        read_head(
+            opts.out / WEIGHTS_FILE,
+            replace(shape, num_hidden_layers=shape.num_hidden_layers + 1),
+            d,
+        )
+
+
 def test_target_replies_are_the_targets_own_greedy_text(run, tmp_path):
     """With ``responses="target"`` each training sequence is a held-in prompt followed by what
     the engine's greedy decoding makes of it, and training runs on them."""
-    from dataclasses import replace
-
     import specdraft
     from specdraft.tokenizer import load_tokenizer
     from specdraft.train.targets import REPLY_CORPUS_SUFFIX, eval_prompt

@@ -148,7 +148,10 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument(
         "--init-from",
         default=None,
-        help="a checkpoint (state.npz) to start the weights from, with a fresh optimizer",
+        help=(
+            "start the weights from a checkpoint (a state.npz) or a trained head (its folder "
+            "or its mtp.safetensors), with a fresh optimizer and schedule"
+        ),
     )
     p.add_argument(
         "--max-minutes",

@@ -1,4 +1,6 @@
-"""Writing a trained head: BF16 safetensors of its own weights, config and model card.
+"""Writing a trained head, and reading one back as the start of further training.
+
+A head is BF16 safetensors of its own weights, a config and a model card.
 
 Tensor names are DeepSeek-V3's MTP layout, ``model.layers.{num_hidden_layers}.{part}.weight``
 with the parts of :func:`specdraft.train.head.param_shapes` (what specdraft's MTP loader
@@ -16,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from specdraft.quantize import write_safetensors
+from specdraft.quantize import read_safetensors, to_float32, write_safetensors
 from specdraft.train.cache import bf16_bits
-from specdraft.train.head import HeadDims
+from specdraft.train.head import HeadDims, param_shapes
 from specdraft.train.targets import TargetShape
 
-__all__ = ["WEIGHTS_FILE", "head_config", "tensor_name", "write_head"]
+__all__ = ["WEIGHTS_FILE", "head_config", "read_head", "tensor_name", "write_head"]
 
 WEIGHTS_FILE = "mtp.safetensors"
 
@@ -75,3 +77,26 @@ def write_head(
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (folder / "README.md").write_text(card)
     return folder / WEIGHTS_FILE
+
+
+def read_head(path: Path, shape: TargetShape, d: HeadDims) -> dict[str, np.ndarray]:
+    """The float32 weights of a head written by :func:`write_head`.
+
+    ``path`` is the head's folder or its ``mtp.safetensors``; the weights are checked against
+    the head ``d`` of ``shape``'s target.
+
+    Raises ``ValueError`` naming the first weight that is missing or of another shape.
+    """
+    path = Path(path)
+    file = path / WEIGHTS_FILE if path.is_dir() else path
+    raw = read_safetensors(file)
+    out = {}
+    for part, want in param_shapes(d).items():
+        name = tensor_name(shape.num_hidden_layers, part)
+        if name not in raw:
+            raise ValueError(f"{file} has no {name}: not a head for this target")
+        dtype, dims, data = raw[name]
+        if tuple(dims) != want:
+            raise ValueError(f"{file}: {name} has shape {tuple(dims)}, expected {want}")
+        out[part] = to_float32(dtype, dims, data)
+    return out

@@ -18,7 +18,7 @@ import numpy as np
 from specdraft.train import data as corpus
 from specdraft.train.cache import HiddenCache
 from specdraft.train.evaluate import Acceptance, evaluate
-from specdraft.train.export import write_head
+from specdraft.train.export import read_head, write_head
 from specdraft.train.head import head_dims, init_params
 from specdraft.train.progress import Progress
 from specdraft.train.targets import (
@@ -57,8 +57,9 @@ class RunOptions:
     cache: Path | None = None
     resume: bool = False
     max_steps: int | None = None
-    #: A checkpoint (``state.npz``) whose weights the head starts from, with a fresh
-    #: optimizer and this run's schedule (ignored when ``resume`` finds a checkpoint).
+    #: A checkpoint (``state.npz``) or a trained head (its folder or ``mtp.safetensors``)
+    #: whose weights the head starts from, with a fresh optimizer and this run's schedule
+    #: (ignored when ``resume`` finds a checkpoint).
     init_from: Path | None = None
     #: Stop training after this many seconds of it (then evaluate and write the head).
     max_seconds: float | None = None
@@ -230,8 +231,12 @@ def train_mtp(
         state = trainer.load(state, ckpt)
         _log(log, f"train-mtp: resumed from {ckpt} at step {state.step}")
     elif opts.init_from is not None:
-        state = trainer.load_params(state, Path(opts.init_from))
-        _log(log, f"train-mtp: starting from the weights of {opts.init_from}")
+        start = Path(opts.init_from)
+        if start.suffix == ".npz":
+            state = trainer.load_params(state, start)
+        else:
+            state = trainer.init_state(read_head(start, shape, d))
+        _log(log, f"train-mtp: starting from the weights of {start}")
     bar = Progress(trainer.total_steps, "train-mtp", "step")
     bar.update(state.step)
     first_losses: list[float] = []
