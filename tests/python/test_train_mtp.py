@@ -21,7 +21,7 @@ from mtp_reference import bf16 as reference_bf16  # noqa: E402
 from specdraft.quantize import read_safetensors, to_float32  # noqa: E402
 from specdraft.train import data  # noqa: E402
 from specdraft.train.cache import HiddenCache, bf16_bits, from_bf16_bits  # noqa: E402
-from specdraft.train.export import WEIGHTS_FILE, read_head, tensor_name  # noqa: E402
+from specdraft.train.export import WEIGHTS_FILE, read_head, start_weights, tensor_name  # noqa: E402
 from specdraft.train.head import head_dims, init_params, param_shapes  # noqa: E402
 from specdraft.train.pipeline import RunOptions, _frozen, train_mtp  # noqa: E402
 from specdraft.train.targets import read_target_weights  # noqa: E402
@@ -171,6 +171,20 @@ def test_a_run_can_start_from_a_trained_head(run, tmp_path):
     assert report["init_from"] == str(opts.out) and report["steps"] == 1
     assert report["first_losses"][0] == pytest.approx(want, rel=1e-4)
     assert want < 0.5 * fresh
+    card = (more.out / "README.md").read_text()
+    assert f"starting from the weights of {opts.out.name}" in card
+
+
+def test_a_start_is_a_path_or_a_shipped_heads_name_and_a_missing_one_fails_at_once(run, tmp_path):
+    from specdraft.heads import draft_head_path
+
+    opts, _ = run
+    assert start_weights(opts.out) == opts.out
+    assert start_weights("smollm2-mtp") == draft_head_path("smollm2-mtp")
+    missing = replace(opts, out=tmp_path / "head", init_from=tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="nowhere.*shipped: smollm2-mtp"):
+        train_mtp(missing, conversations=_conversations(120))
+    assert not (tmp_path / "head").exists()
 
 
 def test_a_head_of_another_shape_is_refused_as_a_start(run):
@@ -289,6 +303,7 @@ def test_exported_files_hold_only_the_head(run):
     assert config["specdraft_target"]["file"] == Path(opts.target).name
     card = (opts.out / "README.md").read_text()
     assert f"{report['acceptance']['mean_acceptance_length']:.3f}" in card
+    assert "from fresh weights" in card
 
 
 def test_bf16_rounding_matches_the_reference():

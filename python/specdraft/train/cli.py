@@ -149,8 +149,9 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         "--init-from",
         default=None,
         help=(
-            "start the weights from a checkpoint (a state.npz) or a trained head (its folder "
-            "or its mtp.safetensors), with a fresh optimizer and schedule"
+            "start the weights from a checkpoint (a state.npz), a trained head (its folder "
+            "or its mtp.safetensors) or a shipped head by name (smollm2-mtp), with a fresh "
+            "optimizer and schedule"
         ),
     )
     p.add_argument(

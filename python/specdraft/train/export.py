@@ -23,7 +23,7 @@ from specdraft.train.cache import bf16_bits
 from specdraft.train.head import HeadDims, param_shapes
 from specdraft.train.targets import TargetShape
 
-__all__ = ["WEIGHTS_FILE", "head_config", "read_head", "tensor_name", "write_head"]
+__all__ = ["WEIGHTS_FILE", "head_config", "read_head", "start_weights", "tensor_name", "write_head"]
 
 WEIGHTS_FILE = "mtp.safetensors"
 
@@ -100,3 +100,24 @@ def read_head(path: Path, shape: TargetShape, d: HeadDims) -> dict[str, np.ndarr
             raise ValueError(f"{file}: {name} has shape {tuple(dims)}, expected {want}")
         out[part] = to_float32(dtype, dims, data)
     return out
+
+
+def start_weights(init_from: str | Path) -> Path:
+    """Where ``train-mtp --init-from`` reads its weights.
+
+    That is ``init_from`` itself where it exists (a ``state.npz`` checkpoint, a head folder
+    or its ``mtp.safetensors``), else the shipped head of that name (``smollm2-mtp``).
+
+    Raises ``FileNotFoundError`` naming ``init_from`` and the shipped heads.
+    """
+    from specdraft.heads import draft_head_path, shipped_heads
+
+    path = Path(init_from)
+    if path.exists():
+        return path
+    if str(init_from) in shipped_heads():
+        return draft_head_path(str(init_from))
+    raise FileNotFoundError(
+        f"--init-from {str(init_from)!r}: no such file or folder, and no shipped head of that "
+        f"name (shipped: {', '.join(shipped_heads()) or 'none'})"
+    )

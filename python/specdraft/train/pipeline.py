@@ -18,7 +18,7 @@ import numpy as np
 from specdraft.train import data as corpus
 from specdraft.train.cache import HiddenCache
 from specdraft.train.evaluate import Acceptance, evaluate
-from specdraft.train.export import read_head, write_head
+from specdraft.train.export import read_head, start_weights, write_head
 from specdraft.train.head import head_dims, init_params
 from specdraft.train.progress import Progress
 from specdraft.train.targets import (
@@ -57,9 +57,9 @@ class RunOptions:
     cache: Path | None = None
     resume: bool = False
     max_steps: int | None = None
-    #: A checkpoint (``state.npz``) or a trained head (its folder or ``mtp.safetensors``)
-    #: whose weights the head starts from, with a fresh optimizer and this run's schedule
-    #: (ignored when ``resume`` finds a checkpoint).
+    #: A checkpoint (``state.npz``), a trained head (its folder or ``mtp.safetensors``) or
+    #: a shipped head's name, whose weights the head starts from, with a fresh optimizer and
+    #: this run's schedule (ignored when ``resume`` finds a checkpoint).
     init_from: Path | None = None
     #: Stop training after this many seconds of it (then evaluate and write the head).
     max_seconds: float | None = None
@@ -103,6 +103,11 @@ def _card(opts: RunOptions, report: dict[str, Any]) -> str:
         if opts.responses == "target"
         else ""
     )
+    start = (
+        "from fresh weights"
+        if report["init_from"] is None
+        else f"starting from the weights of {Path(report['init_from']).name}"
+    )
     return f"""# MTP draft head for {report["target"]["name"]}
 
 A DeepSeek-V3-style multi-token-prediction module (one decoder layer; the target's
@@ -119,7 +124,7 @@ embedding, final norm and LM head are shared, not stored here) trained by
   through its frozen final norm and LM head) to the head's, {opts.settings.steps} unrolled
   drafts feeding the head its own hidden, weights 0.8^j; AdamW lr {opts.settings.lr},
   batch {opts.settings.batch}, {report["steps"]} steps ({opts.settings.epochs} epoch(s)),
-  seed {opts.settings.seed}, {report["train_seconds"]:.0f} s of training.
+  seed {opts.settings.seed}, {report["train_seconds"]:.0f} s of training, {start}.
 - Draft vocabulary: the first {opts.draft_vocab} token ids (`mtp_vocab_size`), which hold
   the target's greedy choice at {cov.get(str(opts.draft_vocab), 0.0):.1%} of training
   positions.
@@ -154,6 +159,7 @@ def train_mtp(
         )
     if opts.responses not in ("corpus", "target"):
         raise ValueError(f"responses must be 'corpus' or 'target', not {opts.responses!r}")
+    start = None if opts.init_from is None else start_weights(opts.init_from)
     path = resolve_model(opts.target)
     model = specdraft.load_model(opts.target, max_seq_len=max(s.seq_len, 1024))
     shape = target_shape(model.config)
@@ -230,8 +236,7 @@ def train_mtp(
     if opts.resume and ckpt.exists():
         state = trainer.load(state, ckpt)
         _log(log, f"train-mtp: resumed from {ckpt} at step {state.step}")
-    elif opts.init_from is not None:
-        start = Path(opts.init_from)
+    elif start is not None:
         if start.suffix == ".npz":
             state = trainer.load_params(state, start)
         else:
