@@ -27,11 +27,11 @@ DRAFTS = 3
 NEW_TOKENS = 64
 # A prompt written for this test: open-ended, so prompt lookup has little to copy.
 PROMPT = "Explain in a few sentences why the sky is blue during the day and red at sunset."
-# Measured on the shipped head (engine, greedy, 3 drafts, 64 new tokens on PROMPT): 1.359
-# (14 drafts accepted in 39 verify steps, Q8_0 and BF16 projections alike); see the head's
-# README. The floor sits one accepted draft (about 0.026 here) and a little below it, for
+# Measured on the shipped head (engine, greedy, 3 drafts, 64 new tokens on PROMPT): 1.472
+# (17 drafts accepted in 36 verify steps, Q8_0 and BF16 projections alike); see the head's
+# README. The floor sits one accepted draft (about 0.028 here) and a little below it, for
 # a near-tie decided differently by other kernels or backends.
-ACCEPTANCE_FLOOR = 1.32
+ACCEPTANCE_FLOOR = 1.44
 
 pytestmark = pytest.mark.slow
 
