@@ -69,6 +69,21 @@ def run(tmp_path_factory):
     return opts, report
 
 
+def _run_cache(opts: RunOptions) -> HiddenCache:
+    """The hidden-state cache the ``run`` fixture's training filled."""
+    target = json.loads((opts.cache / "index.json").read_text())["target"]
+    return HiddenCache(opts.cache, target, 64)
+
+
+def _trained(opts: RunOptions, shape, d) -> dict:
+    """The weights of the head the ``run`` fixture wrote, as float32 arrays."""
+    raw = read_safetensors(opts.out / WEIGHTS_FILE)
+    return {
+        p: jax.numpy.asarray(to_float32(*raw[tensor_name(shape.num_hidden_layers, p)]))
+        for p in param_shapes(d)
+    }
+
+
 def _trainer(opts: RunOptions, cache: HiddenCache):
     import specdraft
     from specdraft.models import resolve_model
@@ -86,15 +101,9 @@ def _trainer(opts: RunOptions, cache: HiddenCache):
 def test_the_loss_falls_on_a_fixed_batch(run):
     opts, report = run
     assert report["steps"] == report["total_steps"] > 10
-    cache = HiddenCache(
-        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
-    )
+    cache = _run_cache(opts)
     shape, d, trainer, batches = _trainer(opts, cache)
-    raw = read_safetensors(opts.out / WEIGHTS_FILE)
-    trained = {
-        p: jax.numpy.asarray(to_float32(*raw[tensor_name(shape.num_hidden_layers, p)]))
-        for p in param_shapes(d)
-    }
+    trained = _trained(opts, shape, d)
     initial = trainer.init_state(init_params(d, SETTINGS.seed)).params
     batch = batches.batch(0)
     before, _ = trainer.loss(initial, batch)
@@ -106,9 +115,7 @@ def test_the_loss_falls_on_a_fixed_batch(run):
 
 def test_resume_equals_an_uninterrupted_run(run, tmp_path):
     opts, _ = run
-    cache = HiddenCache(
-        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
-    )
+    cache = _run_cache(opts)
     _, d, trainer, batches = _trainer(opts, cache)
     end = 8
     fresh = trainer.init_state(init_params(d, SETTINGS.seed))
@@ -138,8 +145,7 @@ def test_train_steps_ends_the_run_and_its_schedule_there(run, tmp_path):
     assert (report["steps"], report["total_steps"]) == (3, 3)
     assert first["total_steps"] > 3
     assert report["train_tokens"] == first["train_tokens"]
-    target = json.loads((opts.cache / "index.json").read_text())["target"]
-    cache = HiddenCache(opts.cache, target, 64)
+    cache = _run_cache(opts)
     assert report["trained_tokens"] == Batches(cache, SETTINGS).tokens_in(3)
     assert report["eval_tokens"] == sum(s.length for s in cache.split("eval"))
 
@@ -148,19 +154,9 @@ def test_a_run_can_start_from_a_trained_head(run, tmp_path):
     """``init_from`` a head folder: the new run's first step sees the head's own weights
     (its loss is the trained head's loss on that batch, far under a fresh head's)."""
     opts, _ = run
-    cache = HiddenCache(
-        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
-    )
+    cache = _run_cache(opts)
     shape, d, trainer, batches = _trainer(opts, cache)
-    raw = read_safetensors(opts.out / WEIGHTS_FILE)
-    bits = {p: raw[tensor_name(shape.num_hidden_layers, p)] for p in param_shapes(d)}
-    trained = {
-        p: jax.numpy.asarray(
-            (np.frombuffer(b[2], "<u2").astype(np.uint32) << 16).view(np.float32).reshape(b[1])
-        )
-        for p, b in bits.items()
-    }
-    want, _ = trainer.loss(trained, batches.batch(0))
+    want, _ = trainer.loss(_trained(opts, shape, d), batches.batch(0))
     fresh, _ = trainer.loss(
         trainer.init_state(init_params(d, SETTINGS.seed)).params, batches.batch(0)
     )
@@ -189,9 +185,7 @@ def test_a_start_is_a_path_or_a_shipped_heads_name_and_a_missing_one_fails_at_on
 
 def test_a_head_of_another_shape_is_refused_as_a_start(run):
     opts, _ = run
-    cache = HiddenCache(
-        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
-    )
+    cache = _run_cache(opts)
     shape, d, _, _ = _trainer(opts, cache)
     wider = head_dims(shape, ffn=d.ffn + 8)
     with pytest.raises(ValueError, match="mlp.gate_proj.weight has shape"):
@@ -242,9 +236,7 @@ def test_target_replies_are_the_targets_own_greedy_text(run, tmp_path):
 
 def test_a_checkpoint_of_another_shape_is_refused(run, tmp_path):
     opts, _ = run
-    cache = HiddenCache(
-        opts.cache, json.loads((opts.cache / "index.json").read_text())["target"], 64
-    )
+    cache = _run_cache(opts)
     _, d, trainer, _ = _trainer(opts, cache)
     state = trainer.init_state(init_params(d, 0))
     trainer.save(state, tmp_path / "s.npz")
