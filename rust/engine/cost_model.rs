@@ -9,6 +9,9 @@
 //! all the policy acts on. The slope is never negative and the cost never below zero; with
 //! one point the curve is flat; with none it is unknown.
 //!
+//! Where the points bend upwards clearly enough, the curve reads a line with one knee
+//! instead (see `cost_fit`).
+//!
 //! Measurements age by the curve's own clock (one tick a record, at whatever abscissa):
 //! each keeps `keep` of its weight at every later record. So a point the engine stopped
 //! visiting (the cost of many rows, measured early or while the machine was loaded) loses
@@ -19,6 +22,7 @@
 //! snapshot ([`CostCurves`]) once a step, so a test model that ignores the records and
 //! returns fixed curves makes the policy's choices exactly reproducible.
 
+use super::cost_fit::{self, CostFit};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -137,42 +141,28 @@ impl CostCurve {
         self.points.keys().next().copied()
     }
 
-    /// The fitted line's `(intercept, slope)`; `None` when nothing was measured.
-    pub fn line(&self) -> Option<(f64, f64)> {
-        let weighted: Vec<(f64, f64, f64)> = self
-            .points
+    /// Each measured abscissa's `(x, mean, weight in the fit)`, in order of `x`.
+    fn weighted(&self) -> Vec<(f64, f64, f64)> {
+        self.points
             .iter()
             .map(|(&x, p)| (x as f64, p.mean, self.aged(p).min(FIT_WEIGHT_CAP)))
-            .collect();
-        let (mut sw, mut sx, mut sy) = (0.0, 0.0, 0.0);
-        for &(x, y, w) in &weighted {
-            sw += w;
-            sx += w * x;
-            sy += w * y;
-        }
-        if weighted.is_empty() {
-            return None;
-        }
-        if sw <= 0.0 {
-            // Every point aged to nothing (only when forgetting everything at once): the
-            // plain mean of the means.
-            let n = weighted.len() as f64;
-            return Some((weighted.iter().map(|p| p.1).sum::<f64>() / n, 0.0));
-        }
-        let (mx, my) = (sx / sw, sy / sw);
-        let (mut sxx, mut sxy) = (0.0, 0.0);
-        for &(x, y, w) in &weighted {
-            let dx = x - mx;
-            sxx += w * dx * dx;
-            sxy += w * dx * (y - my);
-        }
-        let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
-        Some((my - slope * mx, slope))
+            .collect()
     }
 
-    /// The cost at `x` (see the module documentation); `None` when nothing was measured.
+    /// The fitted straight line's `(intercept, slope)`; `None` when nothing was measured.
+    pub fn line(&self) -> Option<(f64, f64)> {
+        cost_fit::line(&self.weighted())
+    }
+
+    /// The fitted cost: the straight line, or the bent one where the points bend upwards
+    /// clearly enough (see `cost_fit`); `None` when nothing was measured.
+    pub fn fit(&self) -> Option<CostFit> {
+        cost_fit::fit(&self.weighted())
+    }
+
+    /// The cost at `x` (see [`CostCurve::fit`]); `None` when nothing was measured.
     pub fn at(&self, x: f64) -> Option<f64> {
-        self.line().map(|(a, b)| (a + b * x).max(0.0))
+        self.fit().map(|f| f.at(x))
     }
 }
 

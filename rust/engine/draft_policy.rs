@@ -11,7 +11,9 @@
 //! - expected seconds: the verify cost at the step's expected rows plus each sequence's
 //!   drafting cost at its count, both read from a [`CostModel`] measured on the running
 //!   backend (a verify row is taken to cost at least `MIN_ROW_SHARE` of the plain
-//!   forward's cost a row, so noise cannot make a useless drafter look free);
+//!   forward's cost a row, so noise cannot make a useless drafter look free); where the
+//!   measured verify cost bends upwards, rows past its knee are priced at the steeper
+//!   slope, so a wide batch's drafts pay for what its last rows really cost;
 //! - the counts of a step's sequences share one forward, so they are chosen together,
 //!   one sequence at a time against the others' current choice, until none changes.
 //!
@@ -57,6 +59,7 @@
 //! - Choices are a pure function of the cost curves and the recorded outcomes: with a
 //!   fixed cost model ([`super::FixedCost`]) a run is exactly reproducible.
 
+use super::cost_fit::CostFit;
 use super::cost_model::{CostCurve, CostCurves, CostModel, MeasuredCost};
 use super::draft_confidence::Calibration;
 use super::EngineError;
@@ -255,17 +258,44 @@ struct Choice {
 }
 
 /// The verify cost the policy reads: the fitted cost at the step's base rows, plus
-/// `per_row` for each row beyond them.
+/// `per_row` for each row beyond them up to `knee` and `per_row_past` for each row past it
+/// (the fitted curve's bend, see `cost_fit`; `knee` infinite where it has none).
 #[derive(Clone, Copy)]
 struct RowCost {
     base_rows: f64,
     base_cost: f64,
     per_row: f64,
+    knee: f64,
+    per_row_past: f64,
 }
 
 impl RowCost {
+    /// The fitted verify cost from `base_rows` on, neither slope below `floor`.
+    fn from_fit(fit: CostFit, base_rows: f64, floor: f64) -> Self {
+        let past = fit.slope_at(f64::INFINITY).max(floor);
+        let knee = fit.knee.max(base_rows);
+        RowCost {
+            base_rows,
+            base_cost: fit.at(base_rows),
+            per_row: fit.slope_at(base_rows).max(floor),
+            knee,
+            per_row_past: past,
+        }
+    }
+
     fn verify(&self, rows: f64) -> f64 {
-        (self.base_cost + self.per_row * (rows - self.base_rows)).max(0.0)
+        let near = rows.min(self.knee) - self.base_rows;
+        let past = (rows - self.knee).max(0.0);
+        (self.base_cost + self.per_row * near + self.per_row_past * past).max(0.0)
+    }
+
+    /// The cost of one more row at `rows`.
+    fn marginal(&self, rows: f64) -> f64 {
+        if rows >= self.knee {
+            self.per_row_past
+        } else {
+            self.per_row
+        }
     }
 
     /// Expected tokens per second.
@@ -392,17 +422,13 @@ impl DraftPolicy {
                 }
             })
             .collect();
-        // The fitted line, its slope no less than MIN_ROW_SHARE of the base forward's cost a
+        // The fitted curve, its slopes no less than MIN_ROW_SHARE of the base forward's cost a
         // row: measurement noise on a loaded machine can flatten the slope to nothing, and
         // then any drafter, however rarely right, would look free.
-        let (intercept, slope) = curves.verify.line().unwrap_or((0.0, 0.0));
-        let base_cost = (intercept + slope * base_rows as f64).max(0.0);
+        let fit = curves.verify.fit().unwrap_or(CostFit::flat(0.0));
+        let base_cost = fit.at(base_rows as f64);
         let floor = MIN_ROW_SHARE * base_cost / base_rows as f64;
-        let mut cost = RowCost {
-            base_rows: base_rows as f64,
-            base_cost,
-            per_row: slope.max(floor),
-        };
+        let mut cost = RowCost::from_fit(fit, base_rows as f64, floor);
         let mut c = cost.best(&choosable);
         // Exploration's allowance: this step earns its share of the verify cost, in rows at
         // the measured cost a row; one row can be banked.
@@ -459,7 +485,7 @@ impl DraftPolicy {
             }
         }
         self.prior().explore_owed = 1.0 - credit;
-        let min_gain = cost.per_row * cost.rate(c.tokens, c.rows, c.draft);
+        let min_gain = cost.marginal(c.rows) * cost.rate(c.tokens, c.rows, c.draft);
         (c.k, min_gain)
     }
 
@@ -472,8 +498,10 @@ impl DraftPolicy {
         let age = verify.age().filter(|&age| age >= REFRESH_AGE)?;
         let rested = verify.clock().saturating_sub(self.prior().refreshed_at) >= REFRESH_AGE;
         let halvings = (1.0 + age as f64 / REFRESH_AGE as f64).min(64.0);
+        let cheaper = 0.5f64.powf(halvings);
         rested.then(|| RowCost {
-            per_row: (cost.per_row * 0.5f64.powf(halvings)).max(floor),
+            per_row: (cost.per_row * cheaper).max(floor),
+            per_row_past: (cost.per_row_past * cheaper).max(floor),
             ..cost
         })
     }
@@ -769,6 +797,39 @@ mod tests {
             p.observe(&mut stats, 4, 0);
         }
         assert_eq!(choose(&p, std::slice::from_ref(&stats), &[4], 0), vec![0]);
+    }
+
+    #[test]
+    fn rows_past_the_knee_of_a_bent_cost_are_priced_at_its_steeper_slope() {
+        use super::super::cost_fit::{BENT, BENT_LINE};
+        // Eight sequences whose first drafts are accepted about half the time. A plain step
+        // (8 rows) sits at the knee of the measured curve, past which a row costs 0.1 s
+        // against 1.07 s for 8 tokens: a draft then pays only when accepted more than about
+        // 3 times in 4. The straight line through the same points (0.037 s a row from
+        // 1.18 s) would pay for one accepted 1 time in 4.
+        let half = |p: &DraftPolicy| {
+            let mut stats = SequenceDraftStats::default();
+            for step in 0..40 {
+                stats.asked = Some(1);
+                p.observe(&mut stats, 1, step % 2);
+            }
+            vec![stats; 8]
+        };
+        let bent = policy(&BENT);
+        let k = choose(&bent, &half(&bent), &[4; 8], 0);
+        assert_eq!(k, vec![0; 8]);
+        let (a, b) = BENT_LINE;
+        let straight = policy(&[(1, a + b), (2, a + 2.0 * b)]);
+        let k = choose(&straight, &half(&straight), &[4; 8], 0);
+        assert!(k.iter().all(|&k| k > 0), "{k:?}");
+        // Below the knee the flat part holds: one sequence (1 row) drafts there.
+        let k = choose(&bent, &half(&bent)[..1], &[4], 0);
+        assert!(k[0] > 0, "{k:?}");
+        // Four sequences (4 rows) take the cheap rows up to the knee, one first draft each,
+        // and none past it, where a second draft (about 0.3 tokens, worth 0.08 s) would cost
+        // 0.1 s; read as cheap everywhere, each would be asked for all 4.
+        let k = choose(&bent, &half(&bent)[..4], &[4; 4], 0);
+        assert_eq!(k, vec![1; 4]);
     }
 
     #[test]

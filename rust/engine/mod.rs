@@ -16,6 +16,7 @@
 //! [`testing`] holds `TableTarget`, a deterministic stand-in target for tests and examples.
 
 mod conversation;
+mod cost_fit;
 mod cost_model;
 mod draft_confidence;
 mod draft_policy;
@@ -36,6 +37,7 @@ pub mod testing;
 mod verify;
 
 pub use conversation::{CarriedKv, Conversation};
+pub use cost_fit::CostFit;
 pub use cost_model::{CostCurve, CostCurves, CostModel, FixedCost, MeasuredCost};
 pub use draft_policy::DraftPolicyKind;
 pub use error::{EngineError, Stage};
