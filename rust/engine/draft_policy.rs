@@ -270,13 +270,14 @@ struct RowCost {
 }
 
 impl RowCost {
-    /// The fitted verify cost from `base_rows` on, neither slope below `floor`.
-    fn from_fit(fit: CostFit, base_rows: f64, floor: f64) -> Self {
+    /// The fitted verify cost from `base_rows` (where it is `base_cost`) on, neither slope
+    /// below `floor`.
+    fn from_fit(fit: CostFit, base_rows: f64, base_cost: f64, floor: f64) -> Self {
         let past = fit.slope_at(f64::INFINITY).max(floor);
         let knee = fit.knee.max(base_rows);
         RowCost {
             base_rows,
-            base_cost: fit.at(base_rows),
+            base_cost,
             per_row: fit.slope_at(base_rows).max(floor),
             knee,
             per_row_past: past,
@@ -428,7 +429,7 @@ impl DraftPolicy {
         let fit = curves.verify.fit().unwrap_or(CostFit::flat(0.0));
         let base_cost = fit.at(base_rows as f64);
         let floor = MIN_ROW_SHARE * base_cost / base_rows as f64;
-        let mut cost = RowCost::from_fit(fit, base_rows as f64, floor);
+        let mut cost = RowCost::from_fit(fit, base_rows as f64, base_cost, floor);
         let mut c = cost.best(&choosable);
         // Exploration's allowance: this step earns its share of the verify cost, in rows at
         // the measured cost a row; one row can be banked.
@@ -610,8 +611,9 @@ fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, curves: &CostCurves) 
         rows[j + 1] = rows[j] + reach_row;
         gain[j + 1] = gain[j] + reach_gain;
     }
+    let fit = curves.draft.fit();
     let draft = (0..=n)
-        .map(|k| curves.draft.at(k as f64).unwrap_or(0.0))
+        .map(|k| fit.map_or(0.0, |f| f.at(k as f64)))
         .collect();
     Outlook { gain, rows, draft }
 }
