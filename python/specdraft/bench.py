@@ -41,6 +41,12 @@ does not, so it is the steadiest figure. A wide batch makes few calls a trial (a
 one a prompt kind), so its figures need more trials (8 or so) to resolve a few percent. The table
 prints the paired median, its standard error and, in brackets, the fastest-trial ratio.
 The pooled figures (``speedup``, ``by_kind``) sum every trial.
+
+``--control`` adds a ``control`` row at every width: a second plain-decoding engine that
+takes its turns and is paired with the baseline exactly like a proposer. Nothing differs
+between the two, so the control's ratios are what the bench reads when there is nothing to
+find: their spread is this machine's noise at that width, in the same sitting, and a
+proposer whose ratio lies within the control's range is not told apart from plain decoding.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ __all__ = [
 
 # Plain decoding's row name.
 BASELINE = "baseline"
+# The row name of ``--control``: a second plain-decoding engine, measured like a proposer.
+CONTROL = "control"
 
 #: How a batch width's prompts are handed to the engines (see :func:`prompt_groups`); the
 #: first is the default.
@@ -553,7 +561,8 @@ def _progress_ratios(group: list[_Run], pass_index: int) -> None:
             continue
         f = _figures(r.trials[-1][pass_index], base.trials[-1][pass_index])
         kinds = ", ".join(f"{k} {v['speedup']:.3f}x" for k, v in f["by_kind"].items())
-        _progress(f"  {r.proposer} ({r.policy}): {f['speedup']:.3f}x ({kinds})")
+        label = f"{r.proposer} ({r.policy})" if r.policy else r.proposer
+        _progress(f"  {label}: {f['speedup']:.3f}x ({kinds})")
 
 
 def run_model_bench(args: argparse.Namespace) -> int:
@@ -605,7 +614,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
                 names.remove(name)
 
     def engine_for(name: str, policy: str | None, width: int) -> Any:  # noqa: ANN401
-        if name == BASELINE:
+        if name in (BASELINE, CONTROL):
             return specdraft.SpecEngine(model, None, max_batch=width)
         proposer = unused.pop(name) if name in unused else make_proposer(name, model, args.model)
         return specdraft.SpecEngine(
@@ -615,6 +624,8 @@ def run_model_bench(args: argparse.Namespace) -> int:
     runs: list[_Run] = []
     for width in widths:
         runs.append(_Run(BASELINE, None, width, None))
+        if args.control:
+            runs.append(_Run(CONTROL, None, width, None))
         runs += [_Run(name, policy, width, None) for name in names for policy in policies]
     started = time.perf_counter()
     for trial in range(args.trials):
@@ -660,6 +671,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
             "repeat": args.repeat,
             "trials": args.trials,
             "draft_policies": policies,
+            "control": args.control,
             "results": rows,
         }
         print(json.dumps(report, indent=2))
@@ -739,6 +751,14 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         "--draft-policy",
         default="adaptive",
         help="adaptive, fixed, or both as a comma list (each proposer runs under each)",
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help=(
+            "add a 'control' row at every width: a second plain-decoding engine measured "
+            "like a proposer, whose ratios show this machine's noise in the same run"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures to a PNG")

@@ -336,3 +336,43 @@ def test_every_run_goes_first_once_in_every_call_over_as_many_trials() -> None:
         # Within a trial, consecutive calls rotate too.
         assert turn_order(runs, 0, 0)[0] != turn_order(runs, 0, 1)[0]
     assert turn_order([], 3, 5) == []
+
+
+def test_a_control_row_is_plain_decoding_paired_like_a_proposer(tiny, capsys) -> None:
+    args = [*_common(tiny), "--prompts", "4", "--max-tokens", "5", "--json", "--trials", "2"]
+    args += ["--batch", "1,2", "--proposer", "prompt-lookup"]
+    code, out, err = _bench(capsys, *args, "--control")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["control"] is True
+    rows = report["results"]
+    order = [(r["proposer"], r["batch"]) for r in rows]
+    assert order == [
+        (name, width) for width in (1, 2) for name in ("baseline", "control", "prompt-lookup")
+    ]
+    by = {(r["proposer"], r["batch"]): r for r in rows}
+    for width in (1, 2):
+        control, lookup = by["control", width], by["prompt-lookup", width]
+        # A second plain engine: the baseline's text, no drafting, and ratios paired call by
+        # call with the baseline's, as many calls as a proposer's row has.
+        assert control["identical_to_baseline"] is True and control["errors"] == []
+        assert control["drafted"] == 0 and control["draft_lengths"] == []
+        assert control["time_s"]["draft"] == 0.0
+        assert control["tokens"] == by["baseline", width]["tokens"]
+        calls = {k: v["calls"] for k, v in lookup["paired_ratio"].items()}
+        assert {k: v["calls"] for k, v in control["paired_ratio"].items()} == calls
+        assert {k: v["trials"] for k, v in control["ratio"].items()} == dict.fromkeys(calls, 2)
+    assert "  control: " in err, err
+    # Without the option, no control row.
+    code, out, err = _bench(capsys, *args)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["control"] is False
+    assert [r["proposer"] for r in report["results"]].count("control") == 0
+    code, out, err = _bench(capsys, *[a for a in args if a != "--json"], "--control")
+    assert code == 0, err
+    assert [line.split()[0] for line in out.splitlines()[3:]] == [
+        "baseline",
+        "control",
+        "prompt-lookup",
+    ] * 2
