@@ -60,7 +60,7 @@
 //!   fixed cost model ([`super::FixedCost`]) a run is exactly reproducible.
 
 use super::cost_fit::CostFit;
-use super::cost_model::{CostCurve, CostCurves, CostModel, MeasuredCost};
+use super::cost_model::{CostCurve, CostModel, MeasuredCost};
 use super::draft_confidence::Calibration;
 use super::EngineError;
 use std::sync::{Arc, Mutex};
@@ -403,9 +403,11 @@ impl DraftPolicy {
         }
         let outlooks: Vec<Outlook> = {
             let prior = self.prior();
+            // One drafting curve for the proposer, so one fit serves every sequence.
+            let draft_fit = curves.draft.fit();
             candidates
                 .iter()
-                .map(|c| outlook(c, &prior, &curves))
+                .map(|c| outlook(c, &prior, draft_fit))
                 .collect()
         };
         // A sequence turned down after drafts that failed comes back only through a probe:
@@ -586,8 +588,9 @@ impl DraftPolicy {
     }
 }
 
-/// What asking `candidate` for each count would gain and cost.
-fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, curves: &CostCurves) -> Outlook {
+/// What asking `candidate` for each count would gain and cost, its drafting read from
+/// `draft_fit` (none measured: free).
+fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, draft_fit: Option<CostFit>) -> Outlook {
     let s = candidate.stats;
     let n = candidate.budget;
     let (mut gain, mut rows) = (vec![0.0; n + 1], vec![0.0; n + 1]);
@@ -611,16 +614,15 @@ fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, curves: &CostCurves) 
         rows[j + 1] = rows[j] + reach_row;
         gain[j + 1] = gain[j] + reach_gain;
     }
-    let fit = curves.draft.fit();
     let draft = (0..=n)
-        .map(|k| fit.map_or(0.0, |f| f.at(k as f64)))
+        .map(|k| draft_fit.map_or(0.0, |f| f.at(k as f64)))
         .collect();
     Outlook { gain, rows, draft }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::cost_model::{CostCurve, FixedCost};
+    use super::super::cost_model::{CostCurve, CostCurves, FixedCost};
     use super::*;
 
     fn policy(verify: &[(usize, f64)]) -> DraftPolicy {
