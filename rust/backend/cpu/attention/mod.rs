@@ -7,7 +7,8 @@
 //! at a time into per-thread scratch. A sequence with several tiles (a prefill chunk) has its
 //! keys and values widened once for all of them, by a first pool job. When there are too few
 //! tiles and KV heads to keep the pool busy (a single decode row), a group is split over
-//! several tasks.
+//! several tasks; the units left over by whole rounds of the pool (a verify step's third KV
+//! head on two threads) are split into runs of rows ([`plan`]).
 //!
 //! Each query (row, head) is computed in two exact passes, the definition the tests hold
 //! every instruction set and every tiling to:
@@ -27,6 +28,7 @@
 //! which is why they match the portable path bit for bit.
 
 pub(super) mod math;
+mod plan;
 mod reader;
 mod transpose;
 #[cfg(target_arch = "x86_64")]
@@ -37,6 +39,7 @@ use crate::backend::const_count::with_count;
 use crate::backend::quant::{KernelPool, QuantError};
 use half::bf16;
 use math::{add_weighted, score_block, softmax_weights, widen};
+use plan::{shares, tiles, Share, Tile};
 use reader::CacheReader;
 use std::cell::RefCell;
 
@@ -96,16 +99,6 @@ pub(super) struct AttentionInputs<'a> {
     pub row_ctx_len: &'a [u32],
 }
 
-/// Consecutive query rows of one sequence.
-#[derive(Clone, Copy)]
-struct Tile {
-    seq: usize,
-    first_row: usize,
-    rows: usize,
-    /// The longest context of its rows.
-    ctx: usize,
-}
-
 /// Per-thread buffers, reused from call to call so that no task allocates once warm.
 #[derive(Default)]
 struct Scratch {
@@ -142,21 +135,20 @@ pub(super) fn paged_attention(
     let (widened, buffer) = widen_shared(pool, shape, inputs, &tiles)?;
     let slot_len = 2 * KEYS * shape.head_dim;
     let group = shape.heads / shape.kv_heads;
-    let units = tiles.len() * shape.kv_heads;
-    // Split groups only when tiles and KV heads are fewer than the threads. Every part of a
-    // group reads and transposes the group's keys again, which costs more than the score
-    // arithmetic it shares out: with 3 KV heads on 2 threads, splitting each group in two
-    // (6 tasks) took about 30% longer than 3 whole groups (step_profile, one decode row).
-    let parts = group.min(pool.threads().div_ceil(units.max(1))).max(1);
+    let shares = shares(
+        &tiles,
+        shape.kv_heads,
+        group,
+        pool.threads(),
+        inputs.row_ctx_len,
+    );
     let shared = SharedOut::new(out);
-    pool.run(units * parts, &|t| {
-        let (tile, rest) = (
-            tiles[t / (shape.kv_heads * parts)],
-            t % (shape.kv_heads * parts),
-        );
-        let (kv_head, part) = (rest / parts, rest % parts);
-        let heads =
-            kv_head * group + part * group / parts..kv_head * group + (part + 1) * group / parts;
+    pool.run(shares.len(), &|t| {
+        let Share {
+            tile,
+            kv_head,
+            ref heads,
+        } = shares[t];
         let blocks = widened.iter().find(|w| w.seq == tile.seq).map(|w| {
             let first = (w.first_slot + kv_head * w.blocks) * slot_len;
             &buffer[first..first + w.blocks * slot_len]
@@ -171,7 +163,7 @@ pub(super) fn paged_attention(
                 isa,
             },
             tile,
-            heads,
+            heads: heads.clone(),
             widened: blocks,
         };
         SCRATCH.with(|cell| {
@@ -259,27 +251,6 @@ fn widen_shared(
         })?;
     }
     Ok((widened, buffer))
-}
-
-/// Groups consecutive rows of one sequence into tiles of at most [`TILE_ROWS`].
-fn tiles(row_seq: &[u32], row_ctx_len: &[u32]) -> Vec<Tile> {
-    let mut out: Vec<Tile> = Vec::new();
-    for (r, (&s, &len)) in row_seq.iter().zip(row_ctx_len).enumerate() {
-        let (seq, len) = (s as usize, len as usize);
-        match out.last_mut() {
-            Some(t) if t.seq == seq && t.rows < TILE_ROWS => {
-                t.rows += 1;
-                t.ctx = t.ctx.max(len);
-            }
-            _ => out.push(Tile {
-                seq,
-                first_row: r,
-                rows: 1,
-                ctx: len,
-            }),
-        }
-    }
-    out
 }
 
 /// One task: the rows of a tile, the query heads `heads` of one KV head.
