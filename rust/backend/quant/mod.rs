@@ -41,9 +41,9 @@
 //! Rows are taken four at a time against each decoded record and a call reads each weight byte from
 //! memory once, whatever its rows; long calls go 32 rows at a time past each decoded record, a
 //! tiled matrix product rather than row-by-row dots, with their input quantized in parallel. The
-//! kernels prefetch weight records 8 KiB ahead of the one they read: a one-row call mostly waits
-//! for weight bytes, and the prefetches keep more reads in flight than the hardware prefetcher
-//! alone. Float weights use float dots (F16C widening for F16). Where the CPU has AVX-VNNI
+//! kernels prefetch weight records 16 KiB ahead of the one they read, into the L2: a one-row call
+//! mostly waits for weight bytes, and the prefetches keep more reads in flight than the hardware
+//! prefetcher alone. Float weights use float dots (F16C widening for F16). Where the CPU has AVX-VNNI
 //! ([`Isa::Avx2Vnni`], detected at run time), the legacy formats' dots run on `vpdpbusd`: these
 //! sums never saturate `maddubs` (bounds in `avx2/mod.rs`), so both give the same integers, and the
 //! tests compare every instruction set this CPU runs against the portable path bit for bit. `--
