@@ -86,10 +86,10 @@ pub(super) fn shares(
             kv_head,
             heads,
         };
-        let (by_heads, by_rows) = (parts.min(group), parts.min(tile.rows));
-        if u < whole || (units >= threads && by_rows == 1) {
+        if u < whole {
             out.push(share(tile, heads_of(0, group)));
         } else if units < threads {
+            let by_heads = parts.min(group);
             for p in 0..by_heads {
                 out.push(share(
                     tile,
@@ -97,6 +97,8 @@ pub(super) fn shares(
                 ));
             }
         } else {
+            // A one-row unit is one run: the whole unit.
+            let by_rows = parts.min(tile.rows);
             for p in 0..by_rows {
                 let (a, b) = (p * tile.rows / by_rows, (p + 1) * tile.rows / by_rows);
                 let first_row = tile.first_row + a;
