@@ -338,6 +338,12 @@ const PREFETCH_BYTES: usize = 16384;
 /// (8 KiB: 3.6-4.4, 4 KiB: 5.0, 32 KiB: 3.7-4.2); the step's weights moved at 0.62 of a
 /// memcpy, now 0.88-0.94. One thread, Q4_1 576x576 at one row, weights streamed
 /// (`quant_linear --kernel`): 17.6 us -> 8.4.
+///
+/// Non-temporal prefetches (`NTA`) were tried so that a step's weight stream would not
+/// evict what the next step reads again (an MTP head's weights, the KV cache). On Zen 4 they
+/// fill the L1 as `T0` does and cost as much: decode 5.8-6.1 ms a token against 3.5-4.3,
+/// and the head's first draft step after a target step got slower too (0.53-0.61 ms against
+/// 0.29-0.31, `mtp --step-cost`), so they kept nothing warm.
 #[inline(always)]
 unsafe fn prefetch_ahead(at: *const u8, bytes: usize) {
     let ahead = at.wrapping_add(PREFETCH_BYTES);
