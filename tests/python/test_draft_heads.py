@@ -2,9 +2,9 @@
 
 It loads by name beside SmolLM2-135M-Instruct and reads the target's embedding, final
 norm and LM head where the target keeps them (the allocation ledger shows no second
-copy); greedy output with it equals plain greedy output; on a fixed prompt written here
+copy); greedy output with it equals plain greedy output; on fixed prompts written here
 (so never in its training data) its acceptance length stays above a measured floor; and
-the trainer's evaluation (JAX, float32) of that prompt agrees with what the engine
+the trainer's evaluation (JAX, float32) of the first of them agrees with what the engine
 measures. Slow (runs 135M parameters on the CPU backend): marked ``slow``.
 """
 
@@ -25,13 +25,22 @@ pytest.importorskip("tokenizers")
 HEAD = "smollm2-mtp"
 DRAFTS = 3
 NEW_TOKENS = 64
-# A prompt written for this test: open-ended, so prompt lookup has little to copy.
-PROMPT = "Explain in a few sentences why the sky is blue during the day and red at sunset."
-# Measured on the shipped head (engine, greedy, 3 drafts, 64 new tokens on PROMPT): 1.472
-# (17 drafts accepted in 36 verify steps, Q8_0 and BF16 projections alike); see the head's
-# README. The floor sits one accepted draft (about 0.028 here) and a little below it, for
-# a near-tie decided differently by other kernels or backends.
-ACCEPTANCE_FLOOR = 1.44
+# Prompts written for this test: open-ended, so prompt lookup has little to copy. The
+# first is also the one the trainer's evaluation is compared on.
+PROMPTS = (
+    "Explain in a few sentences why the sky is blue during the day and red at sunset.",
+    "What are three good habits for staying healthy while working at a desk all day?",
+    "Describe how a bicycle works, from the pedals to the wheels.",
+    "Write a short story about a cat who learns to swim.",
+)
+PROMPT = PROMPTS[0]
+# Measured on the shipped head (engine, greedy, 3 drafts, 64 new tokens on each prompt,
+# Q8_0 projections): 1.624, 93 drafts accepted in 149 verify steps; see the head's README.
+# A single prompt's ~40 steps swing by a few drafts between heads that differ on larger
+# sets, so the floor reads all of them. It sits about three accepted drafts (0.007 each)
+# below the measurement, for near-ties decided differently by other kernels or backends;
+# the first run's weights measure 1.497 here.
+ACCEPTANCE_FLOOR = 1.60
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +54,9 @@ def _load(model_path, gpu):
     return specdraft.load_model(model_path, gpu=gpu, max_seq_len=512, kv_blocks=64)
 
 
-def _prompt(model) -> list[int]:
+def _prompt(model, text: str = PROMPT) -> list[int]:
     tok = model.tokenizer
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
 def test_the_shipped_head_is_found_by_name_and_by_its_target(model_path):
@@ -108,14 +117,22 @@ def test_the_shipped_head_drafts_above_its_floor_without_changing_the_output(mod
     assert head.projection_format == "q8_0"
     own = set(read_safetensors(draft_head_path(HEAD) / "mtp.safetensors"))
     assert all("proj" not in tag for _, _, tag in gpu.live_report() if tag in own)
-    prompt = _prompt(model)
-    (plain,) = specdraft.SpecEngine(model, None).generate([prompt], max_tokens=NEW_TOKENS)
+    plain_engine = specdraft.SpecEngine(model, None)
     engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS, draft_policy="fixed")
-    (spec,) = engine.generate([prompt], max_tokens=NEW_TOKENS)
-    assert list(spec.tokens) == list(plain.tokens)
-    m = spec.metrics
-    assert m["mean_acceptance_length"] >= ACCEPTANCE_FLOOR, m["acceptance_by_position"]
-    del engine, head, model
+    accepted = steps = 0
+    per_prompt = []
+    for text in PROMPTS:
+        # One prompt a call: each is drafted alone, as the measurement above was.
+        prompt = _prompt(model, text)
+        (plain,) = plain_engine.generate([prompt], max_tokens=NEW_TOKENS)
+        (spec,) = engine.generate([prompt], max_tokens=NEW_TOKENS)
+        assert list(spec.tokens) == list(plain.tokens), text
+        m = spec.metrics
+        accepted += sum(m["accepted_at"])
+        steps += m["verify_steps"]
+        per_prompt.append((sum(m["accepted_at"]), m["verify_steps"]))
+    assert 1.0 + accepted / steps >= ACCEPTANCE_FLOOR, per_prompt
+    del engine, plain_engine, head, model
 
 
 def test_the_trainers_evaluation_agrees_with_the_engine(model_path, gpu, tmp_path):
