@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import specdraft
-from specdraft.quantize import write_safetensors
+from specdraft.quantize import read_safetensors, write_safetensors
 
 _HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("mtp_reference", _HERE / "mtp_reference.py")
@@ -250,3 +250,31 @@ def test_quant_names_a_block_format_and_a_bad_name_lists_the_known(tmp_path, gpu
         with pytest.raises(ValueError, match=f'quant "{bad}".*bf16, fp8, nvfp4.*q8_0'):
             specdraft.MtpHead.from_checkpoint(folder, gpu, quant=bad)
     del head
+
+
+def test_a_head_with_latent_attention_is_refused_naming_it(tmp_path, gpu):
+    """DeepSeek-V3's own MTP layers use MLA, which the README says is refused at load."""
+    folder = write_checkpoint(tmp_path / "mla", "deepseek_v3")
+    path = folder / "model.safetensors"
+    tensors = dict(read_safetensors(path))
+    module = ref.LAYOUTS["deepseek_v3"][1].format(L=1)
+    tensors[f"{module}self_attn.kv_a_proj_with_mqa.weight"] = (
+        "BF16",
+        [HD + 8, H],
+        _bf16_bytes(np.zeros((HD + 8, H))),
+    )
+    write_safetensors(path, tensors)
+    with pytest.raises(specdraft.CheckpointError, match="multi-head latent attention"):
+        specdraft.MtpHead.from_checkpoint(folder, gpu)
+    assert gpu.live_allocs == 0
+
+
+def test_a_mixture_of_experts_target_is_refused_naming_it(tmp_path, gpu):
+    """The README says the MoE models these heads draft for cannot be loaded as targets yet."""
+    folder = write_checkpoint(tmp_path / "moe", "deepseek_v3")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(specdraft.SpecdraftError, match="mixture-of-experts"):
+        specdraft.load_model(folder, gpu=gpu)
+    assert gpu.live_allocs == 0
