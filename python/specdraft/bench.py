@@ -7,15 +7,15 @@ and draft policy, and the built-in prompt set (:mod:`specdraft.bench_prompts`, c
 applied, greedy) goes through every engine ``--repeat`` times: pass 2 replays the prompts
 through the same engines, so a proposer that learns across requests (``suffix``) shows it.
 The engines take turns prompt group by prompt group (the group is one ``generate`` call of
-prompts of one kind, at least ``--batch`` of them, filled to the width by taking that kind's
-prompts again: see :func:`prompt_groups`), rotating who goes first from call to call and
-from trial to trial (:func:`turn_order`), so a machine whose load drifts during the run
-weighs on all of them alike; every figure is a ratio against plain
-decoding at the same batch width and pass, measured in the same command. By default
-(``--schedule queued``) a group holds all of its kind's prompts and the engine runs
-``--batch`` of them at a time, starting a waiting one whenever a sequence finishes, as a
-server does; ``--schedule static`` makes calls of exactly ``--batch`` prompts, each lasting as
-long as its slowest sequence, so a sequence that drafts badly holds the others' slots idle.
+prompts of one kind, no prompt in two calls of a pass: see :func:`prompt_groups`), rotating
+who goes first from call to call and from trial to trial (:func:`turn_order`), so a machine
+whose load drifts during the run weighs on all of them alike; every figure is a ratio
+against plain decoding at the same batch width and pass, measured in the same command. By
+default (``--schedule queued``) a group holds all of its kind's prompts and the
+engine runs ``--batch`` of them at a time, starting a waiting one whenever a sequence
+finishes, as a server does; ``--schedule static`` makes calls of ``--batch`` prompts (a
+kind's last call holds those left), each lasting as long as its slowest sequence, so a
+sequence that drafts badly holds the others' slots idle.
 
 One row per proposer, policy and batch width: tokens/s and the ratio to plain decoding (in
 all, per prompt kind, per pass), mean acceptance length, acceptance by draft position, the
@@ -187,12 +187,13 @@ def prompt_groups(
     """The ``generate`` calls of one pass at batch ``width``: ``(kind, prompt indices)``.
 
     Each call holds prompts of one kind (in the order the kinds first appear), so every call
-    counts towards that kind's ratio, and a kind with fewer prompts than the width is filled
-    to the full width by taking that kind's prompts again from its first, so every call
-    measures the width it is reported under.
+    counts towards that kind's ratio, and each prompt is in exactly one call: a prompt taken
+    twice in a pass would let a proposer that learns across requests (``suffix``) draft it
+    from its own reply. A call may then hold fewer prompts than the width; every engine of
+    the width makes the same calls, so each still has a baseline call of the same prompts.
 
-    ``"static"``: calls of exactly ``width`` prompts (a kind's last call filled the same way),
-    each finishing before the next starts, so a call lasts as long as its slowest sequence.
+    ``"static"``: calls of ``width`` prompts (a kind's last call holds those left), each
+    finishing before the next starts, so a call lasts as long as its slowest sequence.
     ``"queued"``: one call per kind holding all its prompts, which the engine's scheduler runs
     ``width`` at a time, starting a waiting prompt as soon as a sequence finishes (continuous
     batching, as a server runs). At width 1 both are one call per prompt: a single slot runs
@@ -203,9 +204,8 @@ def prompt_groups(
     calls = []
     for kind in dict.fromkeys(kinds):
         own = [i for i, k in enumerate(kinds) if k == kind]
-        size = width if schedule == "static" or width == 1 else max(width, len(own))
-        for start in range(0, len(own), size):
-            calls.append((kind, [own[(start + j) % len(own)] for j in range(size)]))
+        size = width if schedule == "static" or width == 1 else len(own)
+        calls += [(kind, own[start : start + size]) for start in range(0, len(own), size)]
     return calls
 
 
@@ -731,8 +731,8 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         help=(
             "queued: each prompt kind's prompts in one call, run --batch at a time with a "
             "waiting prompt starting as soon as a sequence finishes (continuous batching); "
-            "static: calls of exactly --batch prompts, each lasting as long as its slowest "
-            "sequence (default: queued)"
+            "static: calls of --batch prompts, each lasting as long as its slowest "
+            "sequence, a kind's last call holding those left (default: queued)"
         ),
     )
     p.add_argument(

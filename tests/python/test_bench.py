@@ -173,7 +173,7 @@ def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
     assert code == 0, err
     report = json.loads(out)
     assert report["trials"] == 3
-    # At batch 4: two calls of grounded prompts, then one of the two open ones taken twice.
+    # At batch 4: two calls of grounded prompts, then one of the two open ones.
     assert "trial 3/3, pass 1/1, batch 4: 3/3 calls" in err
     rows = report["results"]
     base_tokens = {r["batch"]: r["tokens"] for r in rows if r["proposer"] == "baseline"}
@@ -268,36 +268,47 @@ def test_the_fastest_trial_of_each_prompt_group_makes_the_fastest_ratio() -> Non
     assert rows[0]["paired_ratio"]["all"]["median"] == 1.0
 
 
-def test_each_call_holds_one_prompt_kind_at_the_full_width() -> None:
+def test_each_static_call_holds_one_prompt_kind_and_each_prompt_once() -> None:
     from specdraft.bench import prompt_groups
 
     kinds = ["grounded"] * 3 + ["open"] * 2 + ["grounded"]
-    # Kinds in the order they first appear; a short call is filled from the kind's start.
-    assert prompt_groups(kinds, 4, "static") == [
-        ("grounded", [0, 1, 2, 5]),
-        ("open", [3, 4, 3, 4]),
-    ]
+    # Kinds in the order they first appear; a kind's last call holds the prompts left.
+    assert prompt_groups(kinds, 4, "static") == [("grounded", [0, 1, 2, 5]), ("open", [3, 4])]
     assert prompt_groups(kinds, 3, "static") == [
         ("grounded", [0, 1, 2]),
-        ("grounded", [5, 0, 1]),
-        ("open", [3, 4, 3]),
+        ("grounded", [5]),
+        ("open", [3, 4]),
     ]
     grounded, open_ = [("grounded", [i]) for i in (0, 1, 2, 5)], [("open", [3]), ("open", [4])]
     assert prompt_groups(kinds, 1, "static") == grounded + open_
+
+
+def test_a_pass_holds_every_prompt_exactly_once_whatever_the_width() -> None:
+    from specdraft.bench import SCHEDULES, prompt_groups
+    from specdraft.bench_prompts import PROMPTS
+
+    # The built-in set (eight grounded, four open) and a ragged mix, at widths that divide
+    # their kinds' counts and widths that do not.
+    for kinds in [[p.kind for p in PROMPTS], ["a", "b", "a", "a", "c", "b", "a"]]:
+        for schedule in SCHEDULES:
+            for width in range(1, len(kinds) + 3):
+                calls = prompt_groups(kinds, width, schedule)
+                held = sorted(i for _, members in calls for i in members)
+                assert held == list(range(len(kinds))), (schedule, width, calls)
+                assert all(kinds[i] == kind for kind, members in calls for i in members)
+                if schedule == "static":
+                    assert all(1 <= len(members) <= width for _, members in calls)
 
 
 def test_a_queued_schedule_hands_each_kind_to_the_scheduler_in_one_call() -> None:
     from specdraft.bench import prompt_groups
 
     kinds = ["grounded"] * 3 + ["open"] * 2 + ["grounded"]
-    # Every prompt of a kind in one call, filled to the width when the kind has fewer.
+    # Every prompt of a kind in one call, however few it has.
     assert prompt_groups(kinds, 2, "queued") == [("grounded", [0, 1, 2, 5]), ("open", [3, 4])]
     # The function's default is the command's.
     assert prompt_groups(kinds, 2) == prompt_groups(kinds, 2, "queued")
-    assert prompt_groups(kinds, 3, "queued") == [
-        ("grounded", [0, 1, 2, 5]),
-        ("open", [3, 4, 3]),
-    ]
+    assert prompt_groups(kinds, 3, "queued") == [("grounded", [0, 1, 2, 5]), ("open", [3, 4])]
     # One slot runs the prompts one after another either way: a call each.
     assert prompt_groups(kinds, 1, "queued") == prompt_groups(kinds, 1, "static")
     with pytest.raises(ValueError, match="--schedule 'fifo'"):
@@ -306,7 +317,7 @@ def test_a_queued_schedule_hands_each_kind_to_the_scheduler_in_one_call() -> Non
 
 def test_the_schedule_decides_the_calls_and_never_the_text(tiny, capsys) -> None:
     # The first five built-in prompts are grounded: at batch 2 a static schedule makes three
-    # calls of them (the last filled from the first prompt), a queued one a single call.
+    # calls of them (the last holding one), a queued one a single call.
     args = [*_common(tiny), "--prompts", "5", "--max-tokens", "6", "--json", "--batch", "2"]
     args += ["--proposer", "prompt-lookup"]
     calls = {}
@@ -319,8 +330,8 @@ def test_the_schedule_decides_the_calls_and_never_the_text(tiny, capsys) -> None
         assert lookup["identical_to_baseline"] is True and lookup["errors"] == []
         assert lookup["paired_ratio"]["grounded"]["calls"] == want
         calls[schedule] = baseline["tokens"]
-    # Static fills its last call with a repeated prompt; queued runs each prompt once.
-    assert calls["static"] > calls["queued"] > 0
+    # Either way each prompt runs once, to the same text.
+    assert calls["static"] == calls["queued"] > 0
 
 
 def test_every_run_goes_first_once_in_every_call_over_as_many_trials() -> None:
