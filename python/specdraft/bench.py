@@ -6,12 +6,14 @@ Each proposer of :data:`PROPOSERS` (or each ``--proposer``) gets one engine per 
 and draft policy, and the built-in prompt set (:mod:`specdraft.bench_prompts`, chat template
 applied, greedy) goes through every engine ``--repeat`` times: pass 2 replays the prompts
 through the same engines, so a proposer that learns across requests (``suffix``) shows it.
-The engines take turns prompt group by prompt group (the group is one ``generate`` call of
-prompts of one kind, no prompt in two calls of a pass: see :func:`prompt_groups`), rotating
-who goes first from call to call and from trial to trial (:func:`turn_order`), so a machine
-whose load drifts during the run weighs on all of them alike; every figure is a ratio
-against plain decoding at the same batch width and pass, measured in the same command. By
-default (``--schedule queued``) a group holds all of its kind's prompts and the
+Before it is measured, each engine (plain decoding's, the control's and every proposer's)
+makes the same short warm-up call (:func:`warm_up`), so one-time costs stay out of every row
+alike. The engines take turns prompt group by prompt group (the group is one ``generate``
+call of prompts of one kind, no prompt in two calls of a pass: see :func:`prompt_groups`),
+rotating who goes first from call to call and from trial to trial (:func:`turn_order`), so a
+machine whose load drifts during the run weighs on all of them alike; every figure is a
+ratio against plain decoding at the same batch width and pass, measured in the same
+command. By default (``--schedule queued``) a group holds all of its kind's prompts and the
 engine runs ``--batch`` of them at a time, starting a waiting one whenever a sequence
 finishes, as a server does; ``--schedule static`` makes calls of ``--batch`` prompts (a
 kind's last call holds those left), each lasting as long as its slowest sequence, so a
@@ -78,12 +80,17 @@ __all__ = [
     "ratio_stats",
     "run_model_bench",
     "turn_order",
+    "warm_up",
 ]
 
 # Plain decoding's row name.
 BASELINE = "baseline"
 # The row name of ``--control``: a second plain-decoding engine, measured like a proposer.
 CONTROL = "control"
+
+#: Tokens the warm-up call generates on each engine (see :func:`warm_up`): enough for a
+#: drafting step after the first token.
+WARMUP_TOKENS = 4
 
 #: How a batch width's prompts are handed to the engines (see :func:`prompt_groups`); the
 #: first is the default.
@@ -281,6 +288,17 @@ class _Run:
         """Each pass index's figures summed over the trials."""
         count = max((len(t) for t in self.trials), default=0)
         return [_merge([t[i] for t in self.trials if i < len(t)]) for i in range(count)]
+
+
+def warm_up(engines: list[Any], prompt: list[int]) -> None:
+    """Makes the same short call of ``prompt`` on every engine, none of it measured.
+
+    One-time costs (first allocations, page faults on weights, a drafter's first calls) then
+    stay out of plain decoding's rows and every proposer's alike. ``prompt`` is none of the
+    measured ones, so a proposer that learns across requests learns no measured reply from it.
+    """
+    for engine in engines:
+        engine.generate([prompt], max_tokens=WARMUP_TOKENS)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -567,7 +585,7 @@ def _progress_ratios(group: list[_Run], pass_index: int) -> None:
 
 def run_model_bench(args: argparse.Namespace) -> int:
     """``specdraft bench`` on a model (see the module documentation); the exit status."""
-    from specdraft.bench_prompts import bench_prompts
+    from specdraft.bench_prompts import WARMUP, bench_prompts
     from specdraft.cli_engine import load_for_bench, make_proposer, proposer_key
 
     try:
@@ -599,8 +617,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
     tokenizer = model.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(list(p.messages))) for p in chosen]
     kinds = [p.kind for p in chosen]
-    # One-time costs (first allocations, page faults on the weights) stay out of the figures.
-    specdraft.SpecEngine(model, None).generate(prompts[:1], max_tokens=4)
+    warmup = tokenizer.encode(tokenizer.apply_chat_template(list(WARMUP)))
 
     unused: dict[str, Any] = {}
     if not args.proposer:
@@ -634,6 +651,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
         for r in runs:
             r.engine = engine_for(r.proposer, r.policy, r.batch)
             r.trials.append([])
+        warm_up([r.engine for r in runs], warmup)
         label = f"trial {trial + 1}/{args.trials}, " if args.trials > 1 else ""
         call = 0
         for pass_index in range(args.repeat):

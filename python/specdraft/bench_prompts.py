@@ -8,7 +8,7 @@ Each entry is a list of chat messages; the bench applies the model's chat templa
 
 from __future__ import annotations
 
-__all__ = ["PROMPTS", "BenchPrompt", "bench_prompts"]
+__all__ = ["PROMPTS", "WARMUP", "BenchPrompt", "bench_prompts"]
 
 from dataclasses import dataclass
 
@@ -124,6 +124,12 @@ PROMPTS: list[BenchPrompt] = [
         "open-compare", "open", _user("Compare trains and planes for travelling in Europe.")
     ),
 ]
+
+
+#: The chat of the call that warms each engine before it is measured: none of
+#: :data:`PROMPTS`, and about none of their subjects, so a proposer that learns from earlier
+#: replies meets no measured prompt's reply in it.
+WARMUP: tuple[dict[str, str], ...] = _user("Say hello.")
 
 
 def bench_prompts(n: int | None = None) -> list[BenchPrompt]:

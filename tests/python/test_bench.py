@@ -387,3 +387,66 @@ def test_a_control_row_is_plain_decoding_paired_like_a_proposer(tiny, capsys) ->
         "control",
         "prompt-lookup",
     ] * 2
+
+
+def test_every_engine_makes_the_same_warm_up_call_before_it_is_measured(
+    tiny, capsys, monkeypatch
+) -> None:
+    from specdraft import bench
+
+    real = specdraft.SpecEngine
+    engines: list[Recorded] = []
+    # Every engine's generate calls and a Python proposer's propose calls, in order.
+    events: list[tuple[object, str]] = []
+
+    class Recorded:
+        """A SpecEngine that records each call made of it."""
+
+        def __init__(self, model, proposer=None, **options) -> None:
+            self.engine = real(model, proposer, **options)
+            self.proposer = proposer
+            self.calls: list[tuple[list[list[int]], int]] = []
+            engines.append(self)
+
+        def generate(self, prompts, max_tokens, **options):
+            self.calls.append(([list(p) for p in prompts], max_tokens))
+            events.append((self, "generate"))
+            return self.engine.generate(prompts, max_tokens=max_tokens, **options)
+
+    class Recording(bench.RandomDrafter):
+        def propose(self, *args, **kwargs) -> list[int]:
+            events.append((self, "propose"))
+            return super().propose(*args, **kwargs)
+
+    monkeypatch.setattr(specdraft, "SpecEngine", Recorded)
+    monkeypatch.setitem(bench.PROPOSERS, "recording", lambda model, name: Recording())
+    args = [*_common(tiny), "--prompts", "3", "--max-tokens", "5", "--json", "--control"]
+    args += ["--batch", "1,2", "--trials", "2", "--proposer", "recording,suffix"]
+    code, out, err = _bench(capsys, *args)
+    assert code == 0, err
+    # One engine for each of baseline, control, recording and suffix, at each width, in each
+    # trial, and no other.
+    assert len(engines) == 2 * 2 * 4, [type(e.proposer).__name__ for e in engines]
+    kinds = {type(e.proposer).__name__ for e in engines}
+    assert kinds == {"NoneType", "Recording", "SuffixDecoding"}, kinds
+    # Each one's first call is the warm-up, the same call for all, and no measured call is it.
+    warm = engines[0].calls[0]
+    assert all(e.calls[0] == warm for e in engines), [e.calls[0] for e in engines]
+    measured = [c for e in engines for c in e.calls[1:]]
+    assert measured and all(c[1] == 5 for c in measured)
+    # Its prompt is none of the measured ones: a drafter learning from it learns no reply.
+    assert warm[0][0] not in [p for prompts, _ in measured for p in prompts]
+    # The warm-up reached the Python proposer: it drafted during each of its engines'.
+    for e in engines:
+        if isinstance(e.proposer, Recording):
+            first = events.index((e, "generate"))
+            following = events[first + 1 :]
+            end = next(
+                (i for i, (_, what) in enumerate(following) if what == "generate"),
+                len(following),
+            )
+            assert (e.proposer, "propose") in following[:end]
+    # The warm-up is not counted: every row generated the baseline's measured tokens.
+    rows = json.loads(out)["results"]
+    base = {r["batch"]: r["tokens"] for r in rows if r["proposer"] == "baseline"}
+    assert all(r["tokens"] == base[r["batch"]] for r in rows)
