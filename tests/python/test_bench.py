@@ -450,3 +450,72 @@ def test_every_engine_makes_the_same_warm_up_call_before_it_is_measured(
     rows = json.loads(out)["results"]
     base = {r["batch"]: r["tokens"] for r in rows if r["proposer"] == "baseline"}
     assert all(r["tokens"] == base[r["batch"]] for r in rows)
+
+
+def test_the_bench_flags_a_row_whose_output_differs_from_plain_decoding(
+    tiny, capsys, monkeypatch
+) -> None:
+    from types import SimpleNamespace
+
+    real = specdraft.SpecEngine
+    made: list[int] = []
+
+    class Tampered:
+        """A SpecEngine that, on the prompt-lookup engine at batch 2 of the second trial,
+        changes the last token of one output of its second measured call (pass 2)."""
+
+        def __init__(self, model, proposer=None, **options) -> None:
+            self.engine = real(model, proposer, **options)
+            lookup = isinstance(proposer, specdraft.PromptLookup)
+            if lookup and options.get("max_batch") == 2:
+                made.append(1)
+            self.tamper = lookup and options.get("max_batch") == 2 and len(made) == 2
+            self.measured = 0
+
+        def generate(self, prompts, max_tokens, **options):
+            results = self.engine.generate(prompts, max_tokens=max_tokens, **options)
+            if max_tokens != 6:  # the warm-up
+                return results
+            self.measured += 1
+            if not (self.tamper and self.measured == 2):
+                return results
+            r = results[0]
+            tokens = [*r.tokens[:-1], r.tokens[-1] + 1]
+            return [SimpleNamespace(tokens=tokens, metrics=r.metrics, error=r.error), *results[1:]]
+
+    monkeypatch.setattr(specdraft, "SpecEngine", Tampered)
+    args = [*_common(tiny), "--prompts", "3", "--max-tokens", "6", "--batch", "1,2"]
+    args += ["--repeat", "2", "--trials", "2", "--proposer", "prompt-lookup,suffix"]
+    code, out, err = _bench(capsys, *args, "--json")
+    assert made == [1, 1], "one prompt-lookup engine at batch 2 in each trial"
+    # The run fails, naming the row; every other row matches the baseline's text.
+    assert code == 1, err
+    differs = [line for line in err.splitlines() if "output differs" in line]
+    assert differs == [
+        "specdraft bench: prompt-lookup (adaptive, batch 2): output differs from plain decoding"
+    ]
+    rows = json.loads(out)["results"]
+    same = {(r["proposer"], r["batch"]): r["identical_to_baseline"] for r in rows}
+    assert same == {
+        ("baseline", 1): None,
+        ("prompt-lookup", 1): True,
+        ("suffix", 1): True,
+        ("baseline", 2): None,
+        ("prompt-lookup", 2): False,
+        ("suffix", 2): True,
+    }
+    # Only the text differs: the count of tokens is the baseline's.
+    assert len({r["tokens"] for r in rows if r["batch"] == 2}) == 1
+    # The table says so too.
+    made.clear()
+    code, out, err = _bench(capsys, *args)
+    assert code == 1, err
+    marks = {tuple(line.split()[:3:2]): line.split()[-1] for line in out.splitlines()[3:]}
+    assert marks == {
+        ("baseline", "1"): "-",
+        ("prompt-lookup", "1"): "yes",
+        ("suffix", "1"): "yes",
+        ("baseline", "2"): "-",
+        ("prompt-lookup", "2"): "NO",
+        ("suffix", "2"): "yes",
+    }, out
