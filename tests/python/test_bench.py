@@ -136,12 +136,55 @@ def test_plot_needs_matplotlib_and_says_so(tiny, capsys, monkeypatch, tmp_path) 
 
 
 def test_plot_draws_a_png(tiny, capsys, tmp_path) -> None:
-    pytest.importorskip("matplotlib")
+    # matplotlib is in the test extra: without it this fails rather than skips.
     png = tmp_path / "bench.png"
     args = [*_common(tiny), "--prompts", "2", "--max-tokens", "4", "--batch", "1,2"]
     code, _, err = _bench(capsys, *args, "--plot", str(png))
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_pools_acceptance_over_widths_and_leaves_a_gap_for_a_missing_row() -> None:
+    from specdraft.bench_plot import plot_data
+
+    def row(proposer: str, policy: str | None, batch: int, tps: float, drafted, accepted):
+        return {
+            "proposer": proposer,
+            "policy": policy,
+            "batch": batch,
+            "tokens_per_s": tps,
+            "drafted_at": drafted,
+            "accepted_at": accepted,
+        }
+
+    rows = [
+        row("baseline", None, 1, 20.0, [], []),
+        row("lookup", "fixed", 1, 30.0, [10, 5], [5, 1]),
+        row("lookup", "adaptive", 1, 25.0, [4], [0]),
+        row("baseline", None, 4, 60.0, [], []),
+        # A longer histogram at the second width, and no adaptive row there.
+        row("lookup", "fixed", 4, 70.0, [30, 15, 5], [15, 5, 4]),
+    ]
+    data = plot_data(rows)
+    assert data.widths == [1, 4]
+    # Three bars a width, 0.8 / 3 wide, centred on the width's tick.
+    step = 0.8 / 3
+    assert data.bar_width == pytest.approx(step)
+    labels = [label for label, _, _ in data.bars]
+    assert labels == ["baseline", "lookup (fixed)", "lookup (adaptive)"]
+    xs = {label: x for label, x, _ in data.bars}
+    ys = {label: y for label, _, y in data.bars}
+    assert xs["baseline"] == pytest.approx([-step, 1 - step])
+    assert xs["lookup (fixed)"] == pytest.approx([0.0, 1.0])
+    assert xs["lookup (adaptive)"] == pytest.approx([step])
+    assert ys == {
+        "baseline": [20.0, 60.0],
+        "lookup (fixed)": [30.0, 70.0],
+        "lookup (adaptive)": [25.0],
+    }
+    # Pooled counts, not a mean of rates: (5 + 15) / (10 + 30), (1 + 5) / (5 + 15), 4 / 5.
+    # The baseline drafted nothing and has no curve.
+    assert data.acceptance == [("lookup (fixed)", [0.5, 0.3, 0.8]), ("lookup (adaptive)", [0.0])]
 
 
 def test_ratio_stats_summarise_per_trial_ratios() -> None:
