@@ -29,6 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+# Re-exported: the checked reader lives beside its checks.
+from specdraft.safetensors_file import read_safetensors
+
 BLOCK = 16
 
 __all__ = [
@@ -41,7 +44,7 @@ __all__ = [
 ]
 
 
-# Raw safetensors I/O, so BF16 needs no extra package.
+# Raw safetensors I/O, so BF16 needs no extra package (reading: specdraft.safetensors_file).
 
 _DTYPES = {
     "F32": (np.float32, 4),
@@ -53,20 +56,6 @@ _DTYPES = {
     "I64": (np.int64, 8),
     "U32": (np.uint32, 4),
 }
-
-
-def read_safetensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
-    """``{name: (dtype, shape, raw bytes)}`` of one safetensors file."""
-    data = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = info["data_offsets"]
-        out[name] = (info["dtype"], info["shape"], data[8 + n + a : 8 + n + b])
-    return out
 
 
 def to_float32(dtype: str, shape: list[int], raw: bytes) -> np.ndarray:
