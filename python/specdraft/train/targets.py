@@ -2,8 +2,9 @@
 
 The hidden states come from specdraft's own target model (``TargetModel.hidden_states``,
 a teacher-forced forward), so the head learns exactly the hiddens the engine hands it. The
-target's embedding, final norm and LM head are read from the model file in float32 (the
-``gguf`` package dequantizes GGUF blocks; a Hugging Face folder is read as safetensors).
+target's embedding, final norm and LM head are read from the model file in float32 (a GGUF
+file through :mod:`specdraft.gguf_tensors`, a Hugging Face folder as safetensors through
+:func:`specdraft.quantize.read_safetensors`; both check the untrusted file before reading).
 """
 
 from __future__ import annotations
@@ -85,24 +86,16 @@ class TargetWeights:
 
 
 def _gguf_weights(path: Path) -> TargetWeights:
-    import gguf
+    from specdraft.gguf_tensors import read_gguf_tensors
 
-    reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
-
-    def read(name: str) -> np.ndarray:
-        t = tensors[name]
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-        # GGUF lists dims innermost first; numpy's shape is the reverse.
-        shape = tuple(int(d) for d in reversed(t.shape))
-        return np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
-
-    for name in ("token_embd.weight", "output_norm.weight"):
+    # specdraft's bounded reader, not gguf.GGUFReader: the file is untrusted input.
+    names = ("token_embd.weight", "output_norm.weight", "output.weight")
+    tensors = read_gguf_tensors(path, names)
+    for name in names[:2]:
         if name not in tensors:
             raise ValueError(f"{path}: no tensor {name!r}")
-    embed = read("token_embd.weight")
-    lm_head = read("output.weight") if "output.weight" in tensors else embed
-    return TargetWeights(embed, read("output_norm.weight"), lm_head)
+    embed = tensors["token_embd.weight"]
+    return TargetWeights(embed, tensors["output_norm.weight"], tensors.get("output.weight", embed))
 
 
 def _safetensors_weights(folder: Path) -> TargetWeights:
