@@ -82,8 +82,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 2
-    status: int = args.run(args)
+    from specdraft import SpecdraftError
+
+    # The one place a refused input becomes a message: a malformed model file, a bad value
+    # or a missing file is one line naming the command and what was wrong, not a traceback.
+    try:
+        status: int = args.run(args)
+    except (SpecdraftError, ValueError, OSError) as e:
+        print(f"specdraft {args.command}: {one_line(e)}", file=sys.stderr)
+        return 2
     return status
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line (its lines joined), for a command's error line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " / ".join(lines) or type(error).__name__
 
 
 if __name__ == "__main__":
