@@ -42,9 +42,7 @@ def main() -> int:
     tokenizer = load_tokenizer(path)
     convs = [c for name in args.data for c in corpus.read_conversations(name)]
     # The training split, in the trainer's order (seed 0, its default held-out fraction).
-    order = [
-        c for c in corpus.shuffled(convs, 0) if not corpus.is_held_out(0, c.corpus, c.id, 0.02)
-    ]
+    order = [c for c in corpus.shuffled(convs, 0) if not corpus.is_held_out(0, c, 0.02)]
     seqs = corpus.tokenize_conversations(tokenizer, order, args.seq_len, args.tokens)
     n = sum(len(s.tokens) for s in seqs)
 

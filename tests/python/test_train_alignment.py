@@ -87,10 +87,10 @@ def _head(d, weights, copy: str) -> dict[str, jax.Array]:
 
 def _per_step_kl(trainer, params, batch, position: int) -> np.ndarray:
     """The trainer's per-step KL with only ``position``'s teacher counted."""
-    tok, hid, valid = batch
+    tok, hid, valid, start = batch
     one = np.zeros_like(valid)
     one[0, position] = 1.0
-    _, kls = trainer.loss(params, (tok, hid, one))
+    _, kls = trainer.loss(params, (tok, hid, one, start))
     return np.asarray(kls, np.float64)
 
 
@@ -138,8 +138,8 @@ def test_draft_step_j_reads_the_token_at_p_plus_j(setup, position):
 
 def test_padding_teaches_nothing(setup):
     _, _, weights, d, trainer, batch = setup
-    tok, hid, valid = batch
+    tok, hid, valid, start = batch
     assert valid[0, :LENGTH].all() and not valid[0, LENGTH:].any()
     # With every real position masked out no step has a teacher: the loss is zero.
-    value, kls = trainer.loss(_head(d, weights, "hidden"), (tok, hid, np.zeros_like(valid)))
+    value, kls = trainer.loss(_head(d, weights, "hidden"), (tok, hid, np.zeros_like(valid), start))
     assert value == 0.0 and np.all(np.asarray(kls) == 0.0)

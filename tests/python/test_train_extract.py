@@ -6,7 +6,8 @@ there so that the files equal one uninterrupted extraction byte for byte.
 ``extract_replies`` caches each prompt followed by the target's reply, batch by batch,
 within its token budget, cut to the sequence length, its drafts starting at the reply.
 ``Batches.tokens_in`` counts the sequences' own tokens in the first steps' batches,
-checked against the ``valid`` masks of the batches themselves.
+checked against the ``valid`` masks of the batches themselves. ``tokenize_conversations``
+finds where each conversation's first reply starts, and the cache and the batches carry it.
 """
 
 from __future__ import annotations
@@ -186,3 +187,46 @@ def test_replies_stop_at_the_token_budget_and_the_deadline(tmp_path, clock):
         generate, _Model(clock), tok, cache, _chats(), 64, 20, 10_000, batch=2, deadline=clock.now
     )
     assert got == 0 and cache.tokens == 0
+
+
+def test_a_conversation_is_learned_from_its_first_reply_on(tmp_path, clock):
+    """Teacher-forced corpus text: the reply starts where the first assistant turn's content
+    does (after the template's own markup, also when the conversation opens with it), the
+    cache lists that start, and each batch row carries it to the loss."""
+    pytest.importorskip("jax")
+    from specdraft.train.data import tokenize_conversations
+    from specdraft.train.trainer import Batches, TrainSettings
+
+    def conv(i: int, *turns: tuple[str, str]) -> Conversation:
+        return Conversation("synth", str(i), [{"role": r, "content": c} for r, c in turns])
+
+    convs = [
+        conv(
+            0, ("user", "hi"), ("assistant", "hello there"), ("user", "more"), ("assistant", "ok")
+        ),
+        conv(1, ("assistant", "I open"), ("user", "fine"), ("assistant", "good")),
+        conv(2, ("system", "be brief"), ("user", "q"), ("assistant", "a reply")),
+        # Replies that begin two ids and one id before the 40-id cut: the second has no
+        # base position with a draft after it, and is dropped.
+        conv(3, ("user", "x" * 21), ("assistant", "late")),
+        conv(4, ("user", "x" * 22), ("assistant", "late")),
+    ]
+    tok = _Tokenizer()
+    seqs = tokenize_conversations(tok, convs, 40, 10_000, min_len=1)
+    assert [s.id for s in seqs] == ["0", "1", "2", "3"]
+    assert [s.start for s in seqs] == [
+        len("<user>hi<assistant>"),
+        len("<assistant>"),
+        len("<system>be brief<user>q<assistant>"),
+        38,
+    ]
+    for s, c in zip(seqs, convs, strict=False):
+        text = tok.apply_chat_template(c.messages, add_generation_prompt=False)
+        assert s.tokens == tok.encode(text)[:40]
+    cache = HiddenCache(tmp_path / "c", "fake", HIDDEN)
+    targets.extract_train(_Model(clock), cache, seqs)
+    assert [(s.id, s.start) for s in cache.sequences] == [(s.id, s.start) for s in seqs]
+    batches = Batches(cache, TrainSettings(batch=4, seq_len=40, width_step=8))
+    batch = batches.batch(0)
+    order = batches.order(0)
+    assert batch.start.tolist() == [seqs[int(i)].start for i in order]

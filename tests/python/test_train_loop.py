@@ -58,7 +58,7 @@ def test_a_batch_is_as_wide_as_its_longest_sequence_rounded_up(tmp_path):
     tokens, hiddens = cache.open_arrays()
     widths = {}
     for step in range(len(LENGTHS)):
-        tok, hid, valid = batches.batch(step)
+        tok, hid, valid, _ = batches.batch(step)
         n = int(valid.sum())
         seq = next(s for s in cache.split("train") if min(s.length, SETTINGS.seq_len) == n)
         widths[seq.length] = tok.shape[1]
@@ -79,15 +79,15 @@ def test_a_batch_is_as_wide_as_its_longest_sequence_rounded_up(tmp_path):
 def test_padding_a_batch_wider_leaves_its_loss_unchanged(cache):
     trainer = _trainer()
     params = trainer.init_state(init_params(D, 0)).params
-    tok, hid, valid = Batches(cache, SETTINGS).batch(0)
+    tok, hid, valid, start = Batches(cache, SETTINGS).batch(0)
     assert tok.shape[1] == WIDTH_STEP
     extra = 64
 
     def pad(x: np.ndarray) -> np.ndarray:
         return np.concatenate([x, np.zeros((1, extra, *x.shape[2:]), x.dtype)], axis=1)
 
-    loss, kls = trainer.loss(params, (tok, hid, valid))
-    wide_loss, wide_kls = trainer.loss(params, (pad(tok), pad(hid), pad(valid)))
+    loss, kls = trainer.loss(params, (tok, hid, valid, start))
+    wide_loss, wide_kls = trainer.loss(params, (pad(tok), pad(hid), pad(valid), start))
     assert loss > 0
     np.testing.assert_allclose(wide_loss, loss, rtol=1e-5)
     np.testing.assert_allclose(wide_kls, kls, rtol=1e-5)
@@ -125,3 +125,42 @@ def test_a_passed_deadline_stops_training_and_writes_a_checkpoint(cache, tmp_pat
     assert trainer.load(state, ckpt).step == 1
     # Without a deadline the same call trains to the end.
     assert trainer.run(state, batches, None).step == trainer.total_steps
+
+
+def test_the_loss_learns_on_the_reply_only(tmp_path):
+    """Tokens and hiddens strictly inside a sequence's prompt change no term of the loss.
+
+    The head here writes nothing from its attention (``o_proj`` zero), so each chain's terms
+    depend on its own positions alone: attention reads the prompt's rows by design, as the
+    head does in use. Counting chains from position 1 on (as every batch once did), the same
+    change moves the loss.
+    """
+    rng = np.random.default_rng(5)
+    n, start = 40, 24
+    cache = HiddenCache(tmp_path / "cache", "synthetic", D.hidden)
+    hid = rng.standard_normal((n, D.hidden)).astype(np.float32)
+    cache.append("synthetic", "0", "train", rng.integers(0, VOCAB, n).tolist(), hid, start=start)
+    batch = Batches(cache, SETTINGS).batch(0)
+    assert batch.start.tolist() == [start]
+    params = init_params(D, 0)
+    params["self_attn.o_proj"] = np.zeros_like(params["self_attn.o_proj"])
+    params = {k: jax.numpy.asarray(v) for k, v in params.items()}
+    trainer = _trainer()
+    # The prompt's tokens, and its hiddens but the last (the one the reply's first token
+    # is paired with, which a chain from the reply's start reads).
+    tok, hid2 = batch.tokens.copy(), batch.hiddens.copy()
+    tok[0, :start] = rng.integers(0, VOCAB, start)
+    hid2[0, : start - 1] = rng.standard_normal((start - 1, D.hidden))
+    changed = batch._replace(tokens=tok, hiddens=hid2)
+    loss, kls = trainer.loss(params, batch)
+    assert loss > 0
+    np.testing.assert_allclose(trainer.loss(params, changed)[1], kls, rtol=1e-6)
+    everywhere = np.ones_like(batch.start)
+    old, _ = trainer.loss(params, batch._replace(start=everywhere))
+    old_changed, _ = trainer.loss(params, changed._replace(start=everywhere))
+    assert abs(old_changed - old) > 0.01 * old, (old, old_changed)
+    # The boundary is exact: the prompt's last hidden is read.
+    hid3 = batch.hiddens.copy()
+    hid3[0, start - 1] = rng.standard_normal(D.hidden)
+    moved, _ = trainer.loss(params, batch._replace(hiddens=hid3))
+    assert abs(moved - loss) > 1e-3 * loss, (loss, moved)

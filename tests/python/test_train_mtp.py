@@ -28,7 +28,9 @@ from specdraft.train.targets import read_target_weights  # noqa: E402
 from specdraft.train.trainer import Batches, Trainer, TrainSettings  # noqa: E402
 from test_engine import write_tiny_chat_gguf  # noqa: E402
 
-WORDS = ["alpha", "beta", "gamma", "the cat", "sat on", "a mat", "hello", "world", "again"]
+# The tiny target's greedy continuation repeats its last id (a new line after the chat
+# template's assistant header), and the head learns on replies only: so replies hold some.
+WORDS = ["alpha", "beta", "gamma", "the cat", "sat on", "a mat", "hello", "world", "again", "\n"]
 DRAFT_VOCAB = 200
 SETTINGS = TrainSettings(epochs=2, batch=4, seq_len=64, lr=3e-3, checkpoint_every=5)
 
@@ -251,22 +253,26 @@ def test_a_checkpoint_of_another_shape_is_refused(run, tmp_path):
 def test_held_out_conversations_never_reach_training(run):
     opts, report = run
     index = json.loads((opts.cache / "index.json").read_text())
-    train = {(s["corpus"], s["id"]) for s in index["sequences"] if s["split"] == "train"}
-    held = {(s["corpus"], s["id"]) for s in index["sequences"] if s["split"] == "eval"}
+    convs = {c.id: c for c in _conversations(120)}
+    train = {s["id"] for s in index["sequences"] if s["split"] == "train"}
+    held = {s["id"] for s in index["sequences"] if s["split"] == "eval"}
     assert train and held and not train & held
+    # Nor does a held-out prompt, under another id.
+    prompts = {data.prompt_key(convs[i]) for i in train}
+    assert not prompts & {data.prompt_key(convs[i]) for i in held}
     seed = SETTINGS.seed
-    assert all(data.is_held_out(seed, c, i, opts.eval_fraction) for c, i in held)
-    assert not any(data.is_held_out(seed, c, i, opts.eval_fraction) for c, i in train)
+    assert all(data.is_held_out(seed, convs[i], opts.eval_fraction) for i in held)
+    assert not any(data.is_held_out(seed, convs[i], opts.eval_fraction) for i in train)
     assert report["acceptance"]["base_positions"] > 0
     assert len(report["acceptance"]["acceptance_by_position"]) == SETTINGS.steps
 
 
-def test_the_split_depends_only_on_the_conversation():
-    convs = _conversations(300)
-    held = {c.id for c in convs if data.is_held_out(7, c.corpus, c.id, 0.2)}
-    again = {c.id for c in reversed(convs) if data.is_held_out(7, c.corpus, c.id, 0.2)}
-    assert held == again and 30 < len(held) < 90  # about a fifth
-    assert held != {c.id for c in convs if data.is_held_out(8, c.corpus, c.id, 0.2)}
+def test_the_split_depends_only_on_the_prompt():
+    convs = data.deduplicated(_conversations(300))
+    held = {c.id for c in convs if data.is_held_out(7, c, 0.2)}
+    again = {c.id for c in reversed(convs) if data.is_held_out(7, c, 0.2)}
+    assert held == again and 0.1 * len(convs) < len(held) < 0.35 * len(convs)  # about a fifth
+    assert held != {c.id for c in convs if data.is_held_out(8, c, 0.2)}
 
 
 def test_exported_files_hold_only_the_head(run):
@@ -324,6 +330,104 @@ def test_the_cache_drops_rows_written_after_its_last_listed_sequence(tmp_path):
         HiddenCache(tmp_path, "other", 4)
     with pytest.raises(ValueError, match="hiddens of shape"):
         again.append("c", "2", "train", [1, 2], a)
+
+
+def test_a_cache_of_the_older_format_is_refused(tmp_path):
+    """Its teacher-forced sequences were listed without their reply start: training on it
+    would learn the prompts, so it is refused, not read."""
+    cache = HiddenCache(tmp_path, "m", 4)
+    cache.append("c", "1", "train", [5, 6, 7], np.zeros((3, 4), np.float32))
+    index = json.loads((tmp_path / "index.json").read_text())
+    del index["format"], index["split"]  # what the older writer listed
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="format 1, not 2: .*no reply start.*delete the folder"):
+        HiddenCache(tmp_path, "m", 4)
+
+
+def test_a_cache_of_another_split_is_refused_naming_both(tmp_path):
+    split = data.split_record(0, 0.02)
+    cache = HiddenCache(tmp_path, "m", 4, split=split)
+    cache.append("c", "1", "train", [5, 6, 7], np.zeros((3, 4), np.float32))
+    assert HiddenCache(tmp_path, "m", 4, split=split).has("c", "1", "train")
+    assert HiddenCache(tmp_path, "m", 4).has("c", "1", "train")  # a reader takes any split
+    for other, theirs, ours in [
+        (data.split_record(1, 0.02), "seed 0", "seed 1"),
+        (data.split_record(0, 0.05), "eval_fraction 0.02", "eval_fraction 0.05"),
+    ]:
+        with pytest.raises(ValueError, match=f"split of .*{theirs}.*this run's .*{ours}"):
+            HiddenCache(tmp_path, "m", 4, split=other)
+
+
+def _twin(conv: data.Conversation, corpus: str, conv_id: str) -> data.Conversation:
+    """The conversation under another corpus and id, its prompt re-spaced and re-cased, and
+    another reply."""
+    user = conv.messages[0]["content"]
+    return data.Conversation(
+        corpus,
+        conv_id,
+        [
+            {"role": "user", "content": "  " + user.upper().replace(" ", " \t ") + "\n"},
+            {"role": "assistant", "content": "another reply"},
+        ],
+    )
+
+
+def test_a_duplicated_prompt_lands_on_one_side_only():
+    convs = data.deduplicated(_conversations(300))
+    twins = [_twin(c, "elsewhere", f"twin-{c.id}") for c in convs]
+    for seed in range(4):
+        sides = [data.is_held_out(seed, c, 0.5) for c in convs]
+        assert 0 < sum(sides) < len(sides)
+        assert [data.is_held_out(seed, t, 0.5) for t in twins] == sides
+    # One conversation per prompt is kept, the first met; other prompts are all kept.
+    assert data.deduplicated(convs + twins) == convs
+    assert data.deduplicated(twins + convs) == twins
+    assert len({data.prompt_key(c) for c in convs}) == len(convs)
+
+
+def test_a_run_never_trains_on_a_held_out_prompt_under_another_id(run, tmp_path):
+    opts, _ = run
+    convs = _conversations(120)
+    mixed = [x for c in convs for x in (_twin(c, "synthetic", f"twin-{c.id}"), c)]
+    small = replace(
+        opts, out=tmp_path / "head", cache=tmp_path / "cache", tokens=20_000, max_steps=1
+    )
+    train_mtp(small, conversations=mixed)
+    by_id = {c.id: c for c in mixed}
+    index = json.loads((small.cache / "index.json").read_text())
+    keys = {
+        split: {data.prompt_key(by_id[s["id"]]) for s in index["sequences"] if s["split"] == split}
+        for split in ("train", "eval")
+    }
+    assert len(keys["train"]) > 50 and len(keys["eval"]) == small.eval_prompts
+    assert not keys["train"] & keys["eval"]
+
+
+def test_runs_of_another_split_never_share_a_cache(run, tmp_path, monkeypatch):
+    """The default cache folder is one per split, so a run with another seed trains on none
+    of its own held-out prompts; a folder of another split, named, is refused."""
+    opts, _ = run
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "home"))
+    convs = {c.id: c for c in _conversations(120)}
+
+    def train(seed: int, cache: Path | None = None) -> None:
+        settings = replace(SETTINGS, seed=seed)
+        again = replace(opts, out=tmp_path / f"head{seed}", cache=cache, tokens=20_000, max_steps=1)
+        train_mtp(replace(again, settings=settings), conversations=list(convs.values()))
+
+    train(0)
+    train(1)
+    root = tmp_path / "home" / "train-mtp" / Path(opts.target).stem
+    for seed in (0, 1):
+        index = json.loads(
+            (root / data.split_tag(seed, opts.eval_fraction) / "index.json").read_text()
+        )
+        assert index["split"] == data.split_record(seed, opts.eval_fraction)
+        train_ids = [s["id"] for s in index["sequences"] if s["split"] == "train"]
+        assert len(train_ids) > 50
+        assert not any(data.is_held_out(seed, convs[i], opts.eval_fraction) for i in train_ids)
+    with pytest.raises(ValueError, match="split of .*seed 0.*this run's .*seed 1"):
+        train(1, cache=root / data.split_tag(0, opts.eval_fraction))
 
 
 def test_a_cut_off_sharegpt_file_yields_its_complete_conversations(tmp_path):

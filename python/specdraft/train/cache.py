@@ -2,15 +2,21 @@
 
 A cache folder holds ``tokens.u32`` (every sequence's token ids, concatenated),
 ``hiddens.bf16`` (the target's hidden state before its final norm at each of those tokens,
-``[tokens, hidden]`` BF16 as little-endian ``uint16``) and ``index.json`` (the target it
-came from, the hidden size, and per sequence its corpus, id, split, offset, length and the
-first position whose drafts are evaluated). Logits are never stored: at 49k vocabulary
-they would be ~90 times larger than the hidden; the trainer recomputes the target's
-distribution from the hidden through the frozen final norm and LM head.
+``[tokens, hidden]`` BF16 as little-endian ``uint16``) and ``index.json`` (its format, the
+target it came from, the hidden size, the split it was made for, and per sequence its
+corpus, id, split, offset, length and reply start). Logits are never stored: at 49k
+vocabulary they would be ~90 times larger than the hidden; the trainer recomputes the
+target's distribution from the hidden through the frozen final norm and LM head.
 
 Invariants: the two data files hold exactly ``index["tokens"]`` rows; a sequence is listed
 in the index only after its rows are written (``flush`` writes the files first), so an
 interrupted extraction resumes from the last listed sequence, truncating anything after it.
+A cache holds one split (``split``, see ``data.split_record``): opened for another it is
+refused, as its training sequences would include that split's held-out prompts. A cache
+of an older format is refused too: its teacher-forced training sequences were listed
+without their reply start, so training on them would learn the prompts (and its split is
+not recorded); it is not rebuilt in place, as it may hold hours of extraction that the
+user may want to keep or move.
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["HiddenCache", "Sequence", "bf16_bits", "from_bf16_bits"]
+__all__ = ["CACHE_FORMAT", "HiddenCache", "Sequence", "bf16_bits", "from_bf16_bits"]
+
+#: The index's ``format``. 2: every sequence has its reply start, and the split is recorded.
+CACHE_FORMAT = 2
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -42,8 +52,8 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
 class Sequence:
     """One cached sequence: rows ``offset .. offset + length`` of the data files.
 
-    ``start`` is the first position the evaluation drafts at (the prompt's end for a
-    generated evaluation sequence, 1 otherwise).
+    ``start`` is the position of its reply's first token (the prompt's length): the
+    evaluation drafts from there on, and training learns only from there on.
     """
 
     corpus: str
@@ -54,24 +64,52 @@ class Sequence:
     start: int = 1
 
 
-class HiddenCache:
-    """A cache folder, opened for appending and reading (see the module docs)."""
+def _describe_split(split: dict[str, Any] | None) -> str:
+    if split is None:
+        return "no recorded split"
+    return ", ".join(f"{k} {split[k]}" for k in sorted(split))
 
-    def __init__(self, folder: Path, target: str, hidden: int) -> None:
+
+class HiddenCache:
+    """A cache folder, opened for appending and reading (see the module docs).
+
+    ``split`` is what defines the run's train/eval split: a new cache records it, and an
+    existing one must hold the same; ``None`` opens any cache of this format (to read it).
+    """
+
+    def __init__(
+        self, folder: Path, target: str, hidden: int, split: dict[str, Any] | None = None
+    ) -> None:
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.hidden = int(hidden)
         index = self.folder / "index.json"
         if index.exists():
             meta = json.loads(index.read_text())
+            if meta.get("format") != CACHE_FORMAT:
+                raise ValueError(
+                    f"{self.folder} is a hidden cache of format {meta.get('format', 1)}, "
+                    f"not {CACHE_FORMAT}: its training sequences have no reply start, so "
+                    "training would learn the prompts, and its held-out split is not "
+                    "recorded; delete the folder or use another"
+                )
             if meta["target"] != target or meta["hidden"] != self.hidden:
                 raise ValueError(
                     f"{self.folder} caches hiddens of {meta['target']} (hidden "
                     f"{meta['hidden']}), not of {target} (hidden {hidden}); use another folder"
                 )
+            if split is not None and meta["split"] != split:
+                raise ValueError(
+                    f"{self.folder} holds the split of {_describe_split(meta['split'])}, "
+                    f"not this run's {_describe_split(split)}: its training sequences "
+                    "would include this run's held-out prompts; use another folder (the "
+                    "default folder is one per split)"
+                )
+            self.split_def = meta["split"]
             self.sequences = [Sequence(**s) for s in meta["sequences"]]
         else:
+            self.split_def = split
             self.sequences = []
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.target = target
         self.tokens = sum(s.length for s in self.sequences)
         # Drop rows an interrupted run wrote after its last listed sequence.
@@ -113,8 +151,10 @@ class HiddenCache:
 
     def _write_index(self) -> None:
         meta = {
+            "format": CACHE_FORMAT,
             "target": self.target,
             "hidden": self.hidden,
+            "split": self.split_def,
             "tokens": self.tokens,
             "sequences": [asdict(s) for s in self.sequences],
         }

@@ -250,16 +250,26 @@ def unroll_loss(
     tokens: jax.Array,
     hidden: jax.Array,
     valid: jax.Array,
+    start: jax.Array,
     steps: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Forward KL from the target to the head, summed over steps with weight ``0.8 ** j``.
 
     A batch is ``B`` windows of ``W`` consecutive tokens from the start of a sequence:
-    ``tokens`` ``[B, W]``, the target hiddens at them ``[B, W, hidden]`` and ``valid``
-    ``[B, W]`` (0 on padding). Row ``i`` pairs token ``i + 1`` with hidden ``i``; step ``j``
-    of it learns the target's distribution at ``i + 1 + j`` (the token after ``i + 2 + j``'s
-    predecessor), and counts where that position is valid. Returns the weighted loss and
-    the per-step mean KL ``[steps]``.
+    ``tokens`` ``[B, W]``, the target hiddens at them ``[B, W, hidden]``, ``valid``
+    ``[B, W]`` (0 on padding) and ``start`` ``[B]``, each sequence's reply start (the
+    position of the reply's first token).
+
+    Row ``i`` is the chain the engine drafts from base position ``p = i + 1`` (the last
+    verified token): step 0 pairs token ``p`` with hidden ``p - 1``, and step ``j`` learns
+    the target's distribution at ``p + j``, its prediction of the token at ``p + 1 + j``.
+    The term of step ``j`` at row ``i`` counts where ``p >= start`` and position ``p + j``
+    is valid. So the head learns on the reply only, and only chains the engine runs: it
+    drafts from the reply's first token on (the target itself produces that token), so every
+    token a counted chain predicts, ``p + 1 .. p + steps``, is a reply token. Rows still
+    attend to the prompt's rows, as the head does in use; the prompt's own terms (chains
+    based in the prompt) are left out. Returns the weighted loss and the per-step mean KL
+    ``[steps]`` over the counted terms.
     """
     w = tokens.shape[1]
     positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), tokens.shape)
@@ -274,7 +284,8 @@ def unroll_loss(
         hidden[:, : w - 1],
         steps,
     )
-    mask = rows_from_window(valid.astype(jnp.float32), steps)
+    base = jnp.arange(1, w, dtype=jnp.int32)[None, :] >= start.astype(jnp.int32)[:, None]
+    mask = rows_from_window(valid.astype(jnp.float32), steps) * base.astype(jnp.float32)
     per_step = []
     for j, lg in enumerate(logits):
         t = tgt[:, j : j + w - 1]

@@ -115,11 +115,12 @@ embedding, final norm and LM head are shared, not stored here) trained by
 `specdraft train-mtp` to draft for `{report["target"]["file"]}`.
 
 - Data: {", ".join(opts.corpora)} conversations rendered through the target's chat
-  template{replies}, {report["train_tokens"]} training tokens in {report["train_sequences"]}
-  sequences of at most {opts.settings.seq_len} tokens, of which this run's steps took
-  {report["trained_tokens"]}; {report["eval_sequences"]} held-out
-  prompts (split by conversation hash, seed {opts.settings.seed}) with the target's greedy
-  continuations for evaluation.
+  template{replies}, one per distinct prompt, {report["train_tokens"]} training tokens in
+  {report["train_sequences"]} sequences of at most {opts.settings.seq_len} tokens, of which
+  this run's steps took {report["trained_tokens"]}; the loss learns on each sequence's reply
+  only (from its first assistant turn on). {report["eval_sequences"]} held-out prompts
+  (split by the hash of the prompt's text, seed {opts.settings.seed}, fraction
+  {opts.eval_fraction}) with the target's greedy continuations for evaluation.
 - Recipe: self-distillation, forward KL from the target's distribution (its stored hidden
   through its frozen final norm and LM head) to the head's, {opts.settings.steps} unrolled
   drafts feeding the head its own hidden, weights 0.8^j; AdamW lr {opts.settings.lr},
@@ -166,17 +167,26 @@ def train_mtp(
     if opts.draft_vocab > shape.vocab:
         raise ValueError(f"draft vocabulary {opts.draft_vocab} > target vocabulary {shape.vocab}")
     tokenizer = load_tokenizer(path)
-    folder = opts.cache or cache_dir() / "train-mtp" / Path(str(path)).stem
-    cache = HiddenCache(folder, str(path), shape.hidden)
+    # One cache per split: a cache holds the held-out prompts of the split it was made for,
+    # and would leak them into training under another seed or fraction.
+    split = corpus.split_record(s.seed, opts.eval_fraction)
+    tag = corpus.split_tag(s.seed, opts.eval_fraction)
+    folder = opts.cache or cache_dir() / "train-mtp" / Path(str(path)).stem / tag
+    cache = HiddenCache(folder, str(path), shape.hidden, split=split)
     _log(log, f"train-mtp: target {path} ({shape.hidden} hidden), cache {folder}")
 
     convs = conversations
     if convs is None:
         convs = [c for name in opts.corpora for c in corpus.read_conversations(name)]
-    order = corpus.shuffled(convs, s.seed)
-    held = [c for c in order if corpus.is_held_out(s.seed, c.corpus, c.id, opts.eval_fraction)]
-    train = [c for c in order if not corpus.is_held_out(s.seed, c.corpus, c.id, opts.eval_fraction)]
-    _log(log, f"train-mtp: {len(train)} training and {len(held)} held-out conversations")
+    unique = corpus.deduplicated(convs)
+    order = corpus.shuffled(unique, s.seed)
+    held = [c for c in order if corpus.is_held_out(s.seed, c, opts.eval_fraction)]
+    train = [c for c in order if not corpus.is_held_out(s.seed, c, opts.eval_fraction)]
+    _log(
+        log,
+        f"train-mtp: {len(convs)} conversations, {len(unique)} with distinct prompts: "
+        f"{len(train)} training and {len(held)} held-out",
+    )
     t0 = time.monotonic()
     max_prompt = max(s.seq_len - opts.eval_new_tokens, s.seq_len // 2)
     extract_eval(model, tokenizer, cache, held, opts.eval_prompts, opts.eval_new_tokens, max_prompt)

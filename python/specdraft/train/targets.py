@@ -126,9 +126,11 @@ def extract_train(
 ) -> int:
     """Cache the target's hiddens over each training sequence not cached yet, in order.
 
-    Stops before the next sequence once ``time.monotonic()`` has reached ``deadline``, so a
-    long corpus is cut to what the time allows (the sequences cached so far stay cached and
-    a later call goes on from there). Returns the number of tokens cached by this call.
+    Each is listed with its reply's start (``TokenizedConversation.start``), where training
+    begins to learn. Stops before the next sequence once ``time.monotonic()`` has reached
+    ``deadline``, so a long corpus is cut to what the time allows (the sequences cached so
+    far stay cached and a later call goes on from there). Returns the number of tokens
+    cached by this call.
     """
     todo = [c for c in conversations if not cache.has(c.corpus, c.id, "train")]
     if not todo:
@@ -139,7 +141,7 @@ def extract_train(
         if deadline is not None and time.monotonic() >= deadline:
             break
         hiddens = model.hidden_states(conv.tokens)
-        cache.append(conv.corpus, conv.id, "train", conv.tokens, hiddens)
+        cache.append(conv.corpus, conv.id, "train", conv.tokens, hiddens, start=conv.start)
         bar.update(len(conv.tokens))
         cached += len(conv.tokens)
     bar.close()

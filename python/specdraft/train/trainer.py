@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ import optax
 from specdraft.train.cache import HiddenCache, Sequence, from_bf16_bits
 from specdraft.train.head import HeadDims, unroll_loss
 
-__all__ = ["WIDTH_STEP", "Batches", "TrainState", "Trainer", "TrainSettings"]
+__all__ = ["WIDTH_STEP", "Batch", "Batches", "TrainState", "Trainer", "TrainSettings"]
 
 #: The default ``width_step``: a batch's width is its longest sequence rounded up to a
 #: multiple of it (at most ``seq_len``), and the step compiles once per width.
@@ -62,12 +62,26 @@ class TrainSettings:
     width_step: int = WIDTH_STEP
 
 
+class Batch(NamedTuple):
+    """One training batch of ``B`` windows of ``W`` tokens (see ``unroll_loss``)."""
+
+    #: int32 ``[B, W]``: each sequence from its first token (prompt and reply).
+    tokens: np.ndarray
+    #: float32 ``[B, W, hidden]``: the target's hiddens at those tokens.
+    hiddens: np.ndarray
+    #: float32 ``[B, W]``: 1 on the sequences' positions, 0 on padding.
+    valid: np.ndarray
+    #: int32 ``[B]``: each sequence's reply start, the first base position learned from.
+    start: np.ndarray
+
+
 class Batches:
     """The training sequences as batches ``[batch, width]``.
 
     In the seed's order for each epoch. ``width`` is the batch's longest sequence rounded up
     to a multiple of ``settings.width_step`` (at most ``seq_len``); shorter sequences, and the empty
-    rows of a short last batch, are padded with ``valid = 0``.
+    rows of a short last batch, are padded with ``valid = 0``. Each row carries its
+    sequence's reply start, so that the loss learns on the reply only.
     """
 
     def __init__(self, cache: HiddenCache, settings: TrainSettings) -> None:
@@ -92,11 +106,8 @@ class Batches:
                 total += min(self.sequences[int(idx)].length, s.seq_len)
         return total
 
-    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The batch of global step ``step``.
-
-        ``(tokens int32 [B, W], hiddens float32 [B, W, H], valid float32 [B, W])``.
-        """
+    def batch(self, step: int) -> Batch:
+        """The batch of global step ``step``."""
         s = self.settings
         epoch, i = divmod(step, self.per_epoch)
         picks = self.order(epoch)[i * s.batch : (i + 1) * s.batch]
@@ -106,13 +117,15 @@ class Batches:
         tok = np.zeros((s.batch, w), np.int32)
         hid = np.zeros((s.batch, w, h), np.float32)
         valid = np.zeros((s.batch, w), np.float32)
+        start = np.zeros(s.batch, np.int32)
         for r, idx in enumerate(picks):
             seq = self.sequences[int(idx)]
             n = min(seq.length, w)
             tok[r, :n] = self.tokens[seq.offset : seq.offset + n]
             hid[r, :n] = from_bf16_bits(self.hiddens[seq.offset : seq.offset + n])
             valid[r, :n] = 1.0
-        return tok, hid, valid
+            start[r] = seq.start
+        return Batch(tok, hid, valid, start)
 
 
 @dataclass
@@ -156,9 +169,9 @@ class Trainer:
         steps = settings.steps
         optimizer = self.optimizer
 
-        def step_fn(params, opt_state, frozen, tok, hid, valid):  # noqa: ANN001, ANN202
+        def step_fn(params, opt_state, frozen, tok, hid, valid, start):  # noqa: ANN001, ANN202
             def loss(p):  # noqa: ANN001, ANN202
-                return unroll_loss(p, frozen, d, tok, hid, valid, steps)
+                return unroll_loss(p, frozen, d, tok, hid, valid, start, steps)
 
             (value, kls), grads = jax.value_and_grad(loss, has_aux=True)(params)
             updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -166,8 +179,8 @@ class Trainer:
 
         self._step = jax.jit(step_fn)
         self._loss = jax.jit(
-            lambda params, frozen, tok, hid, valid: unroll_loss(
-                params, frozen, d, tok, hid, valid, steps
+            lambda params, frozen, tok, hid, valid, start: unroll_loss(
+                params, frozen, d, tok, hid, valid, start, steps
             )
         )
 
@@ -176,23 +189,19 @@ class Trainer:
         p = {k: jnp.asarray(v) for k, v in params.items()}
         return TrainState(p, self.optimizer.init(p), 0)
 
-    def step(
-        self, state: TrainState, batch: tuple[np.ndarray, np.ndarray, np.ndarray]
-    ) -> tuple[TrainState, float, np.ndarray]:
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, float, np.ndarray]:
         """One AdamW step; returns the new state, the weighted loss and per-step KL."""
-        tok, hid, valid = (jnp.asarray(x) for x in batch)
+        tok, hid, valid, start = (jnp.asarray(x) for x in batch)
         params, opt_state, loss, kls = self._step(
-            state.params, state.opt_state, self.frozen, tok, hid, valid
+            state.params, state.opt_state, self.frozen, tok, hid, valid, start
         )
         new = TrainState(params, opt_state, state.step + 1, state.seconds)
         return new, float(loss), np.asarray(kls)
 
-    def loss(
-        self, params: dict[str, Any], batch: tuple[np.ndarray, np.ndarray, np.ndarray]
-    ) -> tuple[float, np.ndarray]:
+    def loss(self, params: dict[str, Any], batch: Batch) -> tuple[float, np.ndarray]:
         """The weighted loss and per-step KL of ``params`` on a batch (no update)."""
-        tok, hid, valid = (jnp.asarray(x) for x in batch)
-        value, kls = self._loss(params, self.frozen, tok, hid, valid)
+        tok, hid, valid, start = (jnp.asarray(x) for x in batch)
+        value, kls = self._loss(params, self.frozen, tok, hid, valid, start)
         return float(value), np.asarray(kls)
 
     def save(self, state: TrainState, path: Path) -> None:
