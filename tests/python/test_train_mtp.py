@@ -573,32 +573,42 @@ def test_a_head_for_another_target_is_refused_naming_the_mismatch(run, gpu, tmp_
     del model
 
 
-def test_the_evaluation_measures_what_the_engine_measures(run, gpu):
-    """The trainer's held-out walk and the engine's greedy run over the same prompts.
+def test_the_evaluation_walks_the_engines_verify_steps(run, gpu):
+    """The trainer's engine walk over each held-out sequence is the engine's greedy run over
+    its prompt, verify step by verify step, with the engine's default levers.
 
-    Both verify greedily against the target's own continuation, so they meet the same
-    verify steps; they differ only where the trainer (float32) and the engine (BF16
-    activations) pick different drafts at a near-tie of the head's logits.
+    The trained head accepts most drafts here (a figure far from the 1.0 of a head that
+    never does), and the tiny target's logits are far from ties, so the float32 walk and
+    the BF16 engine agree exactly.
     """
     import specdraft
+    from recording_head import RecordingHead, engine_steps
+    from specdraft.train.evaluate import engine_walk
 
     opts, report = run
-    model, head = _beside(opts, gpu)
-    index = json.loads((opts.cache / "index.json").read_text())
-    tokens = np.fromfile(opts.cache / "tokens.u32", dtype="<u4")
-    accepted_at = np.zeros(SETTINGS.steps)
-    verify_steps = 0
-    for s in (s for s in index["sequences"] if s["split"] == "eval"):
-        seq = [int(t) for t in tokens[s["offset"] : s["offset"] + s["length"]]]
-        prompt, continuation = seq[: s["start"]], seq[s["start"] :]
-        engine = specdraft.SpecEngine(model, head, num_drafts=SETTINGS.steps, draft_policy="fixed")
-        (r,) = engine.generate([prompt], max_tokens=len(continuation))
-        del engine
-        assert list(r.tokens) == continuation[: len(r.tokens)]
-        accepted_at += np.asarray(r.metrics["accepted_at"][: SETTINGS.steps], dtype=float)
-        verify_steps += r.metrics["verify_steps"]
+    cache = _run_cache(opts)
+    shape, d, trainer, _ = _trainer(opts, cache)
+    params = _trained(opts, shape, d)
+    levers = specdraft.ModelLevers()
+    model = specdraft.load_model(opts.target, gpu=gpu, max_rows=64, max_seq_len=256, kv_blocks=128)
+    head = RecordingHead.from_checkpoint(
+        opts.out, gpu, target=model, max_seq_len=256, main_kv_blocks=128, levers=levers
+    )
+    tokens, hiddens = cache.open_arrays()
+    walked = []
+    for s in cache.split("eval"):
+        seq = np.asarray(tokens[s.offset : s.offset + s.length], np.int32)
+        steps, out = engine_steps(
+            model, head, seq[: s.start].tolist(), s.length - s.start, SETTINGS.steps, levers
+        )
+        assert out == seq[s.start :].tolist()
+        hid = from_bf16_bits(hiddens[s.offset : s.offset + s.length])
+        walk = engine_walk(params, trainer.frozen, d, seq, hid, s.start, SETTINGS.steps)
+        assert walk.accepted == steps
+        walked += steps
     acc = report["acceptance"]
-    assert verify_steps == pytest.approx(acc["engine_verify_steps"], rel=0.1)
-    engine_length = 1.0 + accepted_at.sum() / verify_steps
-    assert engine_length == pytest.approx(acc["engine_mean_acceptance_length"], abs=0.1)
+    assert acc["engine_verify_steps"] == len(walked)
+    length = 1.0 + sum(walked) / len(walked)
+    assert acc["engine_mean_acceptance_length"] == pytest.approx(length, abs=1e-4)
+    assert length > 2.0
     del head, model

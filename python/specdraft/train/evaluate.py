@@ -4,33 +4,48 @@ An evaluation sequence is a held-out prompt followed by the target's own greedy
 continuation, so every token after the prompt is the target's choice. At a base position
 ``p`` (the position of the last accepted token) the head drafts ``k`` tokens, each fed back
 as the next step's token, and draft ``j`` is accepted while it and all before it equal the
-token at ``p + 1 + j``. Two summaries are printed:
+token at ``p + 1 + j``. Three summaries:
 
 - *by position*: over every base position in the continuation, the fraction whose first
   ``j + 1`` drafts are accepted, and the mean acceptance length ``1 + E[accepted]``
-  (accepted drafts plus the target's own token);
-- *engine walk*: starting at the prompt's end and jumping ``accepted + 1`` positions after
-  each verify, as the engine does; its mean acceptance length and acceptance by position
-  (the fraction of verify steps whose first ``j + 1`` drafts are accepted) are the
-  engine's figures.
+  (accepted drafts plus the target's own token), with the head's KV holding target-hidden
+  rows for every earlier position;
+- *engine walk*: what the engine measures with its default levers. It starts at the
+  prompt's end and jumps ``accepted + 1`` positions after each verify, drafting
+  ``min(k, len - 2 - p)`` tokens (room for the target's own token), and the head's KV
+  holds what the engine's holds: target-hidden rows for the prompt (``prefill_drafter``)
+  and for each verify's base token (a propose's first row), and for each accepted draft
+  the row written while drafting it, from the head's own output hidden (``after_verify``
+  keeps the accepted drafts' rows and nothing rewrites them); when every draft of a verify
+  is accepted, the last one has no row (nothing was fed through it). Its mean acceptance
+  length and acceptance by position (the fraction of verify steps whose first ``j + 1``
+  drafts are accepted) are the engine's figures;
+- *exact-KV engine walk*: the same walk with ``SPECDRAFT_MTP_KV_EXACT`` on, where
+  ``catchup_batch`` rewrites the accepted drafts' rows from the target's hiddens, so the
+  KV holds target-hidden rows for every earlier position, as *by position* assumes.
 
-The head's KV holds target-hidden rows for every earlier position (what the engine holds
-with ``mtp_kv_exact`` on).
+The head is evaluated in float32 (the caller passes the weights it writes, rounded to
+BF16); the engine rounds activations and its KV to BF16, so a draft picked at a near-tie of
+two logits can differ between them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specdraft.train.cache import HiddenCache, from_bf16_bits
-from specdraft.train.head import HeadDims, rows_from_window, unroll
+from specdraft.train.head import HeadDims, decode_row, rows_from_window, target_row_kv, unroll
 
-__all__ = ["Acceptance", "accepted_counts", "evaluate", "walk"]
+__all__ = ["Acceptance", "Walk", "accepted_counts", "engine_walk", "evaluate", "walk"]
+
+#: The engine walk's KV width is a multiple of this (one compile per width).
+WALK_WIDTH_STEP = 64
 
 
 @dataclass
@@ -44,6 +59,9 @@ class Acceptance:
     engine_by_position: list[float] = field(default_factory=list)
     rows: int = 0
     verify_steps: int = 0
+    exact_kv_mean_length: float = 0.0
+    exact_kv_by_position: list[float] = field(default_factory=list)
+    exact_kv_verify_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -55,6 +73,11 @@ class Acceptance:
             "engine_acceptance_by_position": [round(x, 4) for x in self.engine_by_position],
             "base_positions": self.rows,
             "engine_verify_steps": self.verify_steps,
+            "exact_kv_engine_mean_acceptance_length": round(self.exact_kv_mean_length, 4),
+            "exact_kv_engine_acceptance_by_position": [
+                round(x, 4) for x in self.exact_kv_by_position
+            ],
+            "exact_kv_engine_verify_steps": self.exact_kv_verify_steps,
         }
 
     def describe(self) -> str:
@@ -63,7 +86,8 @@ class Acceptance:
         return (
             f"acceptance by position [{pos}], mean acceptance length {self.mean_length:.3f} "
             f"({self.rows} positions), engine walk {self.engine_mean_length:.3f} "
-            f"({self.verify_steps} verify steps), at {self.k} drafts"
+            f"({self.verify_steps} verify steps; {self.exact_kv_mean_length:.3f} with exact "
+            f"KV), at {self.k} drafts"
         )
 
 
@@ -96,6 +120,99 @@ def walk(counts: np.ndarray) -> list[int]:
         seen.append(int(counts[i]))
         i += int(counts[i]) + 1
     return seen
+
+
+@lru_cache(maxsize=8)
+def _walk_fns(d: HeadDims, k: int) -> tuple[Any, Any]:
+    """The engine walk's jitted parts: the target rows' KV, and one propose of ``k`` drafts."""
+
+    def propose(params, frozen, keys, values, present, token, hidden, base):  # noqa: ANN001, ANN202
+        drafts, margins = [], []
+        for j in range(k):
+            logits, hidden, keys, values = decode_row(
+                params, frozen, d, token, base + j, hidden, keys, values, present
+            )
+            present = present.at[base + j].set(True)
+            token = jnp.argmax(logits).astype(jnp.int32)
+            top = jax.lax.top_k(logits, 2)[0]
+            drafts.append(token)
+            margins.append(top[0] - top[1])
+        return jnp.stack(drafts), jnp.stack(margins), keys, values
+
+    def rows(params, frozen, tokens, hidden):  # noqa: ANN001, ANN202
+        return target_row_kv(params, frozen, d, tokens, hidden)
+
+    return jax.jit(rows), jax.jit(propose)
+
+
+class Walk(NamedTuple):
+    """The verify steps of an engine walk over one sequence."""
+
+    #: Drafts accepted at each verify step.
+    accepted: list[int]
+    #: At each verify step, the smallest gap between the head's two highest logits among
+    #: the drafts that decided its count (those up to the first rejected one); ``inf`` where
+    #: nothing was drafted. A small gap is a near-tie that rounding can decide either way.
+    margins: list[float]
+
+
+def engine_walk(
+    params: Any,  # noqa: ANN401 - the head's weights (a dict of arrays)
+    frozen: Any,  # noqa: ANN401
+    d: HeadDims,
+    seq: np.ndarray,
+    hiddens: np.ndarray,
+    start: int,
+    k: int,
+    exact_kv: bool = False,
+) -> Walk:
+    """The verify steps the engine runs over one evaluation sequence, greedy, ``k`` drafts.
+
+    ``seq`` ``[n]`` is the prompt (``start`` ids) and the target's greedy continuation,
+    ``hiddens`` ``[n, hidden]`` the target's hiddens at them. The head's KV is the default
+    engine's, or with ``exact_kv`` the one ``mtp_kv_exact`` keeps (see the module docs).
+    """
+    n = len(seq)
+    if start < 1 or n - 2 < start:
+        return Walk([], [])
+    width = -(-(n + k) // WALK_WIDTH_STEP) * WALK_WIDTH_STEP
+    tokens = np.zeros(width, np.int32)
+    tokens[:n] = seq
+    hid = np.zeros((width, d.hidden), np.float32)
+    hid[:n] = hiddens
+    rows_fn, propose = _walk_fns(d, k)
+    target_k, target_v = (np.asarray(x) for x in rows_fn(params, frozen, tokens, hid))
+    keys, values = target_k.copy(), target_v.copy()
+    present = np.zeros(width, bool)
+    present[1:start] = True  # prefill_drafter: rows 1 .. P-1
+    counts: list[int] = []
+    gaps: list[float] = []
+    p = start
+    while p <= n - 2:
+        budget = min(k, n - 2 - p)
+        drafts, margins, new_k, new_v = propose(
+            params, frozen, keys, values, present, np.int32(seq[p]), hid[p - 1], np.int32(p)
+        )
+        drafts = np.asarray(drafts)
+        a = 0
+        while a < budget and int(drafts[a]) == int(seq[p + 1 + a]):
+            a += 1
+        counts.append(a)
+        deciding = np.asarray(margins)[: min(a + 1, budget)]
+        gaps.append(float(deciding.min()) if len(deciding) else float("inf"))
+        # after_verify keeps the base row and the accepted drafts' rows, of those written
+        # (a propose of no drafts still writes its base row).
+        kept = min(a + 1, max(budget, 1))
+        keys[p : p + kept] = np.asarray(new_k)[p : p + kept]
+        values[p : p + kept] = np.asarray(new_v)[p : p + kept]
+        present[p : p + kept] = True
+        if exact_kv:
+            # catchup_batch: the accepted drafts' rows from the target's hiddens.
+            keys[p + 1 : p + 1 + a] = target_k[p + 1 : p + 1 + a]
+            values[p + 1 : p + 1 + a] = target_v[p + 1 : p + 1 + a]
+            present[p + 1 : p + 1 + a] = True
+        p += a + 1
+    return Walk(counts, gaps)
 
 
 def _drafts_fn(d: HeadDims, steps: int) -> Any:  # noqa: ANN401 - a jitted function
@@ -134,6 +251,7 @@ def evaluate(
     draft = _drafts_fn(d, k)
     counts: list[np.ndarray] = []
     walked: list[int] = []
+    exact: list[int] = []
     for s in seqs:
         seq = np.asarray(tokens_all[s.offset : s.offset + s.length], dtype=np.int32)
         tok = np.zeros((1, width), np.int32)
@@ -143,7 +261,8 @@ def evaluate(
         drafts = np.asarray(draft(params, frozen, jnp.asarray(tok), jnp.asarray(hid)))[:, 0]
         c = accepted_counts(drafts, seq, s.start)
         counts.append(c)
-        walked.extend(walk(c))
+        exact.extend(walk(c))
+        walked.extend(engine_walk(params, frozen, d, seq, hid[0, : s.length], s.start, k).accepted)
     allc = np.concatenate(counts) if counts else np.zeros(0, np.int64)
     result.rows = int(len(allc))
     if len(allc):
@@ -154,4 +273,9 @@ def evaluate(
         steps = np.asarray(walked)
         result.engine_mean_length = 1.0 + float(np.mean(steps))
         result.engine_by_position = [float(np.mean(steps >= j + 1)) for j in range(k)]
+    result.exact_kv_verify_steps = len(exact)
+    if exact:
+        steps = np.asarray(exact)
+        result.exact_kv_mean_length = 1.0 + float(np.mean(steps))
+        result.exact_kv_by_position = [float(np.mean(steps >= j + 1)) for j in range(k)]
     return result

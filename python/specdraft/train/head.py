@@ -35,11 +35,13 @@ from specdraft.train.targets import TargetShape
 
 __all__ = [
     "HeadDims",
+    "decode_row",
     "head_dims",
     "init_params",
     "param_shapes",
     "rows_from_window",
     "target_log_probs",
+    "target_row_kv",
     "unroll",
     "unroll_loss",
 ]
@@ -222,6 +224,58 @@ def unroll(
         out.append(_rms_norm(x, p["shared_head.norm"], d.eps) @ frozen["lm_head"].T)
         hidden = x
     return out
+
+
+def target_row_kv(
+    p: Params, frozen: Params, d: HeadDims, tokens: jax.Array, hidden: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Keys and values ``[S, kv_heads, head_dim]`` of the target-hidden rows of a sequence.
+
+    Row ``q`` pairs token ``q`` with hidden ``q - 1`` at position ``q`` (what
+    ``prefill_drafter``, a propose's first row and ``catchup`` write); row 0 has no hidden
+    before it and is zeros. ``tokens`` ``[S]``, ``hidden`` ``[S, hidden]``.
+    """
+    s = tokens.shape[0]
+    prev = jnp.concatenate([jnp.zeros_like(hidden[:1]), hidden[:-1]])
+    x = _layer_input(p, frozen["embed"], d, tokens[None], prev[None])
+    _, k, v = _qkv(p, d, x, jnp.arange(s, dtype=jnp.int32)[None])
+    first = (jnp.arange(s) > 0)[:, None, None]
+    return jnp.where(first, k[0], 0.0), jnp.where(first, v[0], 0.0)
+
+
+def decode_row(
+    p: Params,
+    frozen: Params,
+    d: HeadDims,
+    token: jax.Array,
+    position: jax.Array,
+    hidden: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    present: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One row of the head as a draft step of the engine runs it, over a KV cache.
+
+    The cache is indexed by position: ``keys`` and ``values`` ``[S, kv_heads, head_dim]``
+    hold the row at position ``q`` in slot ``q``, and ``present`` ``[S]`` marks the slots
+    that hold a row. The row pairs ``token`` with ``hidden`` ``[hidden]`` at ``position``
+    (scalars), writes its key and value into slot ``position``, and attends to the present
+    rows before it and to itself. Returns the draft-vocabulary logits, the layer's output
+    hidden (the next draft step's hidden) and the updated keys and values.
+    """
+    x = _layer_input(p, frozen["embed"], d, token[None, None], hidden[None, None])
+    q, k, v = _qkv(p, d, x, position[None, None])
+    keys = keys.at[position].set(k[0, 0])
+    values = values.at[position].set(v[0, 0])
+    slots = jnp.arange(keys.shape[0])
+    seen = (present | (slots == position)) & (slots <= position)
+    scale = 1.0 / float(np.sqrt(d.head_dim))
+    scores = jnp.einsum("kgd,skd->kgs", q[0, 0], keys) * scale
+    probs = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
+    attn = jnp.einsum("kgs,skd->kgd", probs, values).reshape(1, 1, d.heads * d.head_dim)
+    x = _layer_output(p, d, x, attn)
+    logits = _rms_norm(x, p["shared_head.norm"], d.eps) @ frozen["lm_head"].T
+    return logits[0, 0], x[0, 0], keys, values
 
 
 def target_log_probs(frozen: Params, d: HeadDims, hidden: jax.Array) -> jax.Array:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdraft.train import data as corpus
-from specdraft.train.cache import HiddenCache
+from specdraft.train.cache import HiddenCache, bf16_bits, from_bf16_bits
 from specdraft.train.evaluate import Acceptance, evaluate
 from specdraft.train.export import read_head, start_weights, write_head
 from specdraft.train.head import head_dims, init_params
@@ -131,7 +131,8 @@ embedding, final norm and LM head are shared, not stored here) trained by
   positions.
 - Held-out greedy acceptance at {acc["drafts"]} drafts: by position [{by_pos}], mean
   acceptance length {acc["mean_acceptance_length"]:.3f} (engine walk
-  {acc["engine_mean_acceptance_length"]:.3f}).
+  {acc["engine_mean_acceptance_length"]:.3f}; with `SPECDRAFT_MTP_KV_EXACT=1`
+  {acc["exact_kv_engine_mean_acceptance_length"]:.3f}).
 
 Data licences: {licences}.
 
@@ -279,9 +280,11 @@ def train_mtp(
     )
     bar.close()
 
-    acceptance: Acceptance = evaluate(state.params, frozen, d, cache, s.steps)
-    _log(log, "train-mtp: held-out " + acceptance.describe())
     params = {k: np.asarray(v) for k, v in state.params.items()}
+    # The weights as written (BF16), which the engine loads.
+    written = {k: jnp.asarray(from_bf16_bits(bf16_bits(v))) for k, v in params.items()}
+    acceptance: Acceptance = evaluate(written, frozen, d, cache, s.steps)
+    _log(log, "train-mtp: held-out " + acceptance.describe())
     train_tokens = sum(x.length for x in batches.sequences)
     trained_tokens = batches.tokens_in(state.step)
     report = {
