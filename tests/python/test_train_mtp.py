@@ -169,8 +169,9 @@ def test_a_run_can_start_from_a_trained_head(run, tmp_path):
     assert report["init_from"] == str(opts.out) and report["steps"] == 1
     assert report["first_losses"][0] == pytest.approx(want, rel=1e-4)
     assert want < 0.5 * fresh
+    # The card names the start as report.json records it, not a shortened form of it.
     card = (more.out / "README.md").read_text()
-    assert f"starting from the weights of {opts.out.name}" in card
+    assert f"starting from the weights of `{report['init_from']}`" in card
 
 
 def test_a_start_is_a_path_or_a_shipped_heads_name_and_a_missing_one_fails_at_once(run, tmp_path):
@@ -428,6 +429,18 @@ def test_runs_of_another_split_never_share_a_cache(run, tmp_path, monkeypatch):
         assert not any(data.is_held_out(seed, convs[i], opts.eval_fraction) for i in train_ids)
     with pytest.raises(ValueError, match="split of .*seed 0.*this run's .*seed 1"):
         train(1, cache=root / data.split_tag(0, opts.eval_fraction))
+
+
+def test_the_shipped_heads_card_names_the_start_its_report_records():
+    from specdraft.heads import draft_head_path
+
+    folder = draft_head_path("smollm2-mtp")
+    report = json.loads((folder / "report.json").read_text())
+    card = (folder / "README.md").read_text()
+    runs = [line for line in card.splitlines() if line.startswith("specdraft train-mtp")]
+    # The last command given is the run that made this head, which report.json describes.
+    assert f"--init-from {report['init_from']} " in runs[-1], runs[-1]
+    assert f"--train-steps {report['steps']} " in runs[-1], runs[-1]
 
 
 def test_a_cut_off_sharegpt_file_yields_its_complete_conversations(tmp_path):

@@ -103,10 +103,11 @@ def _card(opts: RunOptions, report: dict[str, Any]) -> str:
         if opts.responses == "target"
         else ""
     )
+    # As report.json records it, so the card and the report name the same start.
     start = (
         "from fresh weights"
         if report["init_from"] is None
-        else f"starting from the weights of {Path(report['init_from']).name}"
+        else f"starting from the weights of `{report['init_from']}`"
     )
     return f"""# MTP draft head for {report["target"]["name"]}
 
