@@ -3,8 +3,9 @@
 //! gigabytes. Each is a clear error naming the file, the field and the value, returned
 //! within a second with a bounded amount of memory.
 //!
-//! How memory is checked: see `tests/bounded` (a counting allocator; each load runs on a
-//! fresh thread whose heap growth is bounded).
+//! How memory is checked: see `tests/bounded` (a counting allocator of the whole process;
+//! each load runs on a fresh thread, and the heap's growth while it runs is bounded). Every
+//! test holds `bounded::serial()`, so no other test's allocations are counted in a bound.
 
 mod bounded;
 mod model_util;
@@ -74,7 +75,31 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 const NEAR_2_60: u64 = (1 << 60) + 12345;
 
 #[test]
+fn heap_a_load_allocates_on_a_thread_it_starts_counts_against_its_bound() {
+    let _serial = bounded::serial();
+    // A loader that hands its work to a helper thread, as a kernel pool's workers would.
+    const SIZE: usize = 8 << 20;
+    let helper = || std::thread::spawn(|| vec![1u8; SIZE].len()).join().unwrap();
+    let (len, grew) = bounded::measure(Duration::from_secs(10), helper);
+    assert_eq!(len, SIZE);
+    // The helper's buffer, and no more than a little bookkeeping around it.
+    assert!(
+        (SIZE as isize..SIZE as isize + (64 << 10)).contains(&grew),
+        "the heap grew by {grew} bytes"
+    );
+    let over = std::panic::catch_unwind(|| bounded(helper)).expect_err("the bound held");
+    let message = over
+        .downcast_ref::<String>()
+        .expect("a formatted panic message");
+    assert!(
+        message.starts_with("the load's heap grew by") && message.ends_with("(bound 1048576)"),
+        "{message}"
+    );
+}
+
+#[test]
 fn gguf_string_lengths_near_2_60_are_refused() {
+    let _serial = bounded::serial();
     let dir = temp_dir("bomb-gguf-string");
     // A key whose length field says 2^60.
     let mut b = header(0, 1);
@@ -111,6 +136,7 @@ fn gguf_string_lengths_near_2_60_are_refused() {
 
 #[test]
 fn gguf_array_counts_near_2_60_are_refused() {
+    let _serial = bounded::serial();
     let dir = temp_dir("bomb-gguf-array");
     for (inner, name) in [(0u32, "u8"), (8, "string"), (9, "array")] {
         let mut b = header(0, 1);
@@ -127,6 +153,7 @@ fn gguf_array_counts_near_2_60_are_refused() {
 
 #[test]
 fn gguf_tensor_and_metadata_counts_near_2_60_are_refused() {
+    let _serial = bounded::serial();
     let dir = temp_dir("bomb-gguf-counts");
     let mut b = header(NEAR_2_60, 0);
     b.extend([0u8; 256]);
@@ -169,6 +196,7 @@ fn one_tensor(dims: &[u64], ggml_type: u32) -> Vec<u8> {
 
 #[test]
 fn gguf_tensor_dims_near_2_60_are_refused() {
+    let _serial = bounded::serial();
     let dir = temp_dir("bomb-gguf-dims");
     // The element count overflows 64 bits.
     let path = write(&dir, "overflow.gguf", &one_tensor(&[NEAR_2_60, 16], 0));
@@ -201,6 +229,7 @@ fn gguf_tensor_dims_near_2_60_are_refused() {
 
 #[test]
 fn a_gguf_header_that_would_take_gigabytes_in_memory_is_refused() {
+    let _serial = bounded::serial();
     // 16 Mi one-byte elements: a 16 MiB file whose values would take 512 MiB as parsed.
     let dir = temp_dir("bomb-gguf-amplify");
     let n: u64 = 16 << 20;
@@ -222,6 +251,7 @@ fn a_gguf_header_that_would_take_gigabytes_in_memory_is_refused() {
 
 #[test]
 fn gguf_alignment_and_offsets_are_checked() {
+    let _serial = bounded::serial();
     let dir = temp_dir("bomb-gguf-align");
     let mut b = header(0, 1);
     put_str(&mut b, "general.alignment");
@@ -248,6 +278,7 @@ fn gguf_alignment_and_offsets_are_checked() {
 
 #[test]
 fn safetensors_header_lengths_near_2_64_are_refused() {
+    let _serial = bounded::serial();
     let dir = temp_dir("bomb-st");
     for (name, n) in [
         ("max", u64::MAX),
@@ -278,6 +309,7 @@ fn config_err(path: PathBuf) -> ConfigError {
 
 #[test]
 fn absurd_config_sizes_are_refused_naming_file_key_and_value() {
+    let _serial = bounded::serial();
     let dir = temp_dir("bomb-config");
     let tiny = Tiny::default();
     let json = tiny.config_json();
@@ -347,6 +379,7 @@ fn absurd_config_sizes_are_refused_naming_file_key_and_value() {
 
 #[test]
 fn a_checkpoint_with_an_absurd_config_fails_before_allocating() {
+    let _serial = bounded::serial();
     let dir = temp_dir("bomb-config-model");
     let tiny = Tiny::default();
     write_hf(&dir, &tiny, &tiny.tensors(1));
@@ -379,6 +412,7 @@ fn a_checkpoint_with_an_absurd_config_fails_before_allocating() {
 
 #[test]
 fn an_mtp_checkpoint_with_groups_that_do_not_split_its_experts_is_refused() {
+    let _serial = bounded::serial();
     let dir = mtp_common::scratch_dir("bomb-mtp-groups");
     mtp_common::write_checkpoint_with(&dir, "glm4_moe", 3, true);
     let config_path = dir.join("config.json");
