@@ -11,8 +11,9 @@
 # from the tests' tiny checkpoints and the default model's header (fuzz/out/seeds/), with a
 # fresh corpus, so a run is repeatable from its seed. The smoke needs no libFuzzer build:
 # the Rust targets run under the seeded structured mutator of tests/fuzz_regressions.rs.
-# Failing inputs land in fuzz/out/artifacts/TARGET/; minimize each and add it under
-# tests/fuzz_inputs/TARGET/, where the tests replay it.
+# Failing inputs land in fuzz/out/artifacts/TARGET/; minimize each, add it under
+# tests/fuzz_inputs/TARGET/ and its expected outcome to the test that replays it
+# (tests/fuzz_regressions.rs, or tests/python/test_tokenizer_files.py for tokenizer_gguf).
 # Environment: FUZZ_RUNS=N also stops each target after N inputs; PYTHON (default python3).
 # Exits non-zero if any target found a failing input.
 set -euo pipefail
@@ -24,7 +25,7 @@ ALL_TARGETS=("${RUST_TARGETS[@]}" tokenizer_gguf)
 OUT="$PWD/fuzz/out"
 SMOKE_PY_RUNS=500
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 
 seeds() {
     if [[ -f "$OUT/seeds/.done" ]]; then return; fi

@@ -5,11 +5,16 @@
 //!
 //! `tests/fuzz_inputs/<target>/` holds inputs that crashed, hung or over-allocated a target,
 //! minimized and named after what they broke: those the fuzzers find, and hand-made ones
-//! that broke the loaders before they checked sizes (dims whose product overflows, a hidden
-//! size of 2^40 that asked for terabytes).
-//! Each must now return within the time limit with a bounded heap (see `tests/bounded`). The seeds are the tiny
-//! checkpoints the other tests write; when `SPECDRAFT_FUZZ_SEEDS` names a folder, they are
-//! saved there as `<target>/<name>` for the fuzz script.
+//! (`fuzz/regression_inputs.py`) that reached a dangerous path before the loaders checked
+//! sizes (dims whose product overflows, a hidden size of 2^40 that asked for terabytes).
+//! Each must now return within the time limit with a bounded heap (see `tests/bounded`), with
+//! the outcome [`EXPECTED`] gives it: refused with a given message, or loaded. A target's
+//! folder that is missing or empty fails the test, as does an input without an expected
+//! outcome. Like every test of a binary that bounds the heap, each test here holds
+//! `bounded::serial()`, so they run one at a time.
+//!
+//! The seeds are the tiny checkpoints the other tests write; when `SPECDRAFT_FUZZ_SEEDS`
+//! names a folder, they are saved there as `<target>/<name>` for the fuzz script.
 
 mod bounded;
 mod model_util;
@@ -41,20 +46,412 @@ const TIME_LIMIT: Duration = Duration::from_secs(10);
 /// Mutated inputs per target in the smoke run.
 const SMOKE_INPUTS: usize = 250;
 
+/// What each regression input must come to: refused with a message holding this text, or
+/// loaded. An input that reached a dangerous path but now loads quietly would no longer
+/// exercise the check it is kept for.
+enum Expect {
+    Refused(&'static str),
+    Loads,
+}
+use Expect::{Loads, Refused};
+
+/// `(target, file, outcome)` for every file under `tests/fuzz_inputs/` (the hand-made ones
+/// are written by `fuzz/regression_inputs.py`; a file without an entry fails the test, which
+/// then prints its outcome).
+const EXPECTED: &[(&str, &str, Expect)] = &[
+    // GGUF: every count and length is checked against the bytes left before a loop or an
+    // allocation trusts it; shapes, offsets and the alignment before a range is placed.
+    (
+        "gguf",
+        "tensor-count-2^60",
+        Refused("the tensor count is 1152921504606846976"),
+    ),
+    (
+        "gguf",
+        "metadata-count-2^60",
+        Refused("the metadata count is 1152921504606846976"),
+    ),
+    (
+        "gguf",
+        "key-length-2^60",
+        Refused("the length of a metadata key at byte 24 is 1152921504606846976"),
+    ),
+    (
+        "gguf",
+        "string-value-length-2^60",
+        Refused("the value of \"general.name\" at byte 48 is 1152921504606846976"),
+    ),
+    (
+        "gguf",
+        "tensor-name-length-2^60",
+        Refused("the length of a tensor name at byte 24 is 1152921504606846976"),
+    ),
+    (
+        "gguf",
+        "array-count-2^60",
+        Refused("the length of array \"tokenizer.ggml.tokens\" is 1152921504606846976"),
+    ),
+    (
+        "gguf",
+        "arrays-nested-5-deep",
+        Refused("the nesting of arrays in \"general.nested\" is 5"),
+    ),
+    (
+        "gguf",
+        "value-type-13",
+        Refused("the type of \"general.name\" is 13, out of range"),
+    ),
+    (
+        "gguf",
+        "dims-count-5",
+        Refused("the dims count of tensor \"blk.0.attn_q.weight\" is 5"),
+    ),
+    (
+        "gguf",
+        "dims-product-overflows-2^64",
+        Refused("its element count overflows 64 bits"),
+    ),
+    (
+        "gguf",
+        "f32-bytes-2^62-past-the-end",
+        Refused("needs bytes 96..4611686018427437380 but the file has 160"),
+    ),
+    (
+        "gguf",
+        "data-offset-2^40-past-the-end",
+        Refused("needs bytes 1099511627872..1099511627904 but the file has 160"),
+    ),
+    (
+        "gguf",
+        "data-offset-8-not-aligned",
+        Refused("the data offset of tensor \"blk.0.attn_q.weight\" is 8"),
+    ),
+    (
+        "gguf",
+        "alignment-48",
+        Refused("\"general.alignment\" is UInt(48), out of range"),
+    ),
+    (
+        "gguf",
+        "alignment-2^62",
+        Refused("\"general.alignment\" is UInt(4611686018427387904), out of range"),
+    ),
+    (
+        "gguf",
+        "q8_0-33-elements-not-whole-blocks",
+        Refused("33 elements of type Q8_0 are not a whole number of blocks"),
+    ),
+    (
+        "gguf",
+        "version-4",
+        Refused("the version is 4, out of range"),
+    ),
+    (
+        "gguf",
+        "ends-inside-the-version",
+        Refused("the file ends at byte 6 while reading the version"),
+    ),
+    (
+        "gguf",
+        "key-twice",
+        Refused("metadata key \"general.name\" appears twice"),
+    ),
+    // GGUF metadata goes through the configuration's limits, and tensors through its shapes.
+    (
+        "gguf",
+        "embedding-length-2^40",
+        Refused("\"hidden_size\": is 1099511627776, above the largest accepted"),
+    ),
+    (
+        "gguf",
+        "head-count-0",
+        Refused("\"num_attention_heads\": must be greater than zero"),
+    ),
+    (
+        "gguf",
+        "eos-token-id-2^32+2",
+        Refused("\"tokenizer.ggml.eos_token_id\" is 4294967298, not a u32 token id"),
+    ),
+    (
+        "gguf",
+        "token-embd-rows-against-vocab",
+        Refused("\"token_embd.weight\" in fuzz.gguf has shape [8, 16], expected [16, 16]"),
+    ),
+    // safetensors: the header length before the header is read; the crate's checks of
+    // offsets, shapes and JSON after.
+    (
+        "safetensors",
+        "header-length-2^40",
+        Refused("the header length is 1099511627776, out of range"),
+    ),
+    (
+        "safetensors",
+        "header-length-2^64-1",
+        Refused("the header length is 18446744073709551615, out of range"),
+    ),
+    (
+        "safetensors",
+        "header-length-past-the-end",
+        Refused("the header length is 4096, out of range: the file holds 58 bytes after it"),
+    ),
+    (
+        "safetensors",
+        "too-short-for-the-header-length",
+        Refused("the file is 5 bytes, too short for the header length"),
+    ),
+    (
+        "safetensors",
+        "offsets-2^40-past-the-end",
+        Refused("tensor \"a\" in fuzz.safetensors is truncated: it needs bytes 0..1099511627776"),
+    ),
+    (
+        "safetensors",
+        "shape-product-overflows-2^64",
+        Refused("overflow computing buffer size from shape"),
+    ),
+    (
+        "safetensors",
+        "offsets-overlap",
+        Refused("invalid offset for tensor `b`"),
+    ),
+    (
+        "safetensors",
+        "offsets-reversed",
+        Refused("invalid offset for tensor `a`"),
+    ),
+    (
+        "safetensors",
+        "shape-against-offsets",
+        Refused("invalid shape, data type, or offset for tensor"),
+    ),
+    ("safetensors", "zero-element-tensor", Loads),
+    (
+        "safetensors",
+        "f4-odd-element-count",
+        Refused("does not end up at a byte boundary"),
+    ),
+    (
+        "safetensors",
+        "dim-2^64",
+        Refused("invalid type: floating point `1.8446744073709552e+19`, expected usize"),
+    ),
+    (
+        "safetensors",
+        "header-not-utf8",
+        Refused("invalid UTF-8 in header"),
+    ),
+    (
+        "safetensors",
+        "header-nested-200-deep",
+        Refused("invalid JSON in header: recursion limit exceeded"),
+    ),
+    // config.json: every size within the limits, every count a non-negative integer.
+    (
+        "config_json",
+        "hidden-size-2^40",
+        Refused("\"hidden_size\": is 1099511627776, above the largest accepted"),
+    ),
+    (
+        "config_json",
+        "vocab-size-2^64-1",
+        Refused("\"vocab_size\": is 18446744073709551615, above the largest accepted"),
+    ),
+    (
+        "config_json",
+        "max-position-embeddings-2^64-1",
+        Refused("\"max_position_embeddings\": is 18446744073709551615, above the largest"),
+    ),
+    (
+        "config_json",
+        "num-hidden-layers-negative",
+        Refused("\"num_hidden_layers\": expected a non-negative integer, found -1"),
+    ),
+    (
+        "config_json",
+        "intermediate-size-1e300",
+        Refused("\"intermediate_size\": expected a non-negative integer, found 1e+300"),
+    ),
+    (
+        "config_json",
+        "num-attention-heads-0",
+        Refused("\"num_attention_heads\": must be greater than zero"),
+    ),
+    (
+        "config_json",
+        "num-key-value-heads-0",
+        Refused("\"num_key_value_heads\": must be greater than zero"),
+    ),
+    (
+        "config_json",
+        "heads-3-over-kv-heads-2",
+        Refused("2 does not divide num_attention_heads 3"),
+    ),
+    (
+        "config_json",
+        "head-dim-odd",
+        Refused("\"head_dim\": 7 is odd"),
+    ),
+    (
+        "config_json",
+        "rope-theta-1e39-is-inf-in-f32",
+        Refused("\"rope_theta\": is inf; it must be positive and finite"),
+    ),
+    (
+        "config_json",
+        "rms-norm-eps-negative",
+        Refused("\"rms_norm_eps\": is -1; it must be positive and finite"),
+    ),
+    (
+        "config_json",
+        "rope-scaling-factor-0",
+        Refused("\"rope_scaling.factor\": is 0; it must be positive and finite"),
+    ),
+    (
+        "config_json",
+        "eos-token-id-2^32+2",
+        Refused("\"eos_token_id\": expected a u32 token id, found 4294967298"),
+    ),
+    (
+        "config_json",
+        "experts-2^40",
+        Refused("\"num_experts\": is 1099511627776, above the largest accepted"),
+    ),
+    (
+        "config_json",
+        "experts-per-token-9-of-8",
+        Refused("\"num_experts_per_tok\": is 9, not in 1..=8"),
+    ),
+    (
+        "config_json",
+        "mtp-layers-2^20",
+        Refused("\"num_nextn_predict_layers\": is 1048576, above the largest accepted"),
+    ),
+    (
+        "config_json",
+        "nested-200-deep",
+        Refused("not a JSON object: recursion limit exceeded"),
+    ),
+    (
+        "config_json",
+        "top-level-array",
+        Refused("the top level is not an object"),
+    ),
+    (
+        "config_json",
+        "not-utf8",
+        Refused("config.json: invalid utf-8"),
+    ),
+    (
+        "config_json",
+        "model-type-unknown",
+        Refused("unknown model_type \"gpt-j\""),
+    ),
+    // A checkpoint: its config's limits before anything is sized from them, then each
+    // tensor's shape and type against the config before it is read.
+    (
+        "checkpoint",
+        "hidden-size-2^40",
+        Refused("\"hidden_size\": is 1099511627776, above the largest accepted"),
+    ),
+    (
+        "checkpoint",
+        "vocab-size-2^40",
+        Refused("\"vocab_size\": is 1099511627776, above the largest accepted"),
+    ),
+    (
+        "checkpoint",
+        "intermediate-size-2^40",
+        Refused("\"intermediate_size\": is 1099511627776, above the largest accepted"),
+    ),
+    (
+        "checkpoint",
+        "num-hidden-layers-2^20",
+        Refused("\"num_hidden_layers\": is 1048576, above the largest accepted"),
+    ),
+    (
+        "checkpoint",
+        "experts-2^40",
+        Refused("\"num_experts\": is 1099511627776, above the largest accepted"),
+    ),
+    (
+        "checkpoint",
+        "heads-0",
+        Refused("\"num_attention_heads\": must be greater than zero"),
+    ),
+    (
+        "checkpoint",
+        "vocab-size-64-against-16-embedding-rows",
+        Refused("\"model.embed_tokens.weight\" in fuzz/model.safetensors has shape [16, 16]"),
+    ),
+    (
+        "checkpoint",
+        "down-proj-shape-transposed",
+        Refused("down_proj.weight\" in fuzz/model.safetensors has shape [32, 16]"),
+    ),
+    (
+        "checkpoint",
+        "norm-weight-f64",
+        Refused("\"model.norm.weight\" in fuzz/model.safetensors has type F64, which is not"),
+    ),
+];
+
+/// The files of a target's regression folder, sorted; a missing or empty folder fails the
+/// test, since replaying nothing would check nothing.
+fn regression_inputs(dir: &Path) -> Vec<PathBuf> {
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| {
+        panic!(
+            "cannot list the regression inputs in {}: {e}",
+            dir.display()
+        )
+    });
+    let mut paths: Vec<PathBuf> = entries.map(|e| e.unwrap().path()).collect();
+    paths.sort();
+    assert!(
+        !paths.is_empty(),
+        "{} holds no regression inputs",
+        dir.display()
+    );
+    paths
+}
+
 #[test]
 fn every_input_that_once_broke_a_target_now_returns_cleanly() {
+    let _serial = bounded::serial();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz_inputs");
+    // Every input is replayed before failing, so one run lists every outcome that differs.
+    let mut wrong = Vec::new();
     for (name, target) in targets::TARGETS {
-        let Ok(entries) = std::fs::read_dir(root.join(name)) else {
-            continue;
-        };
-        for entry in entries {
-            let path = entry.unwrap().path();
+        for path in regression_inputs(&root.join(name)) {
+            let file = path.file_name().unwrap().to_str().unwrap().to_string();
+            let expect = EXPECTED
+                .iter()
+                .find(|e| e.0 == name && e.1 == file)
+                .map(|e| &e.2);
             let data = std::fs::read(&path).unwrap();
             eprintln!("replaying {}", path.display());
-            bounded::bounded(HEAP_BOUND, TIME_LIMIT, move || target(&data));
+            let outcome = bounded::bounded(HEAP_BOUND, TIME_LIMIT, move || target(&data));
+            match (expect, &outcome) {
+                (Some(Refused(text)), Err(message)) if message.contains(text) => {}
+                (Some(Loads), Ok(())) => {}
+                (None, _) => wrong.push(format!("{name}/{file} (no entry): {outcome:?}")),
+                (Some(_), _) => wrong.push(format!("{name}/{file}: {outcome:?}")),
+            }
         }
     }
+    assert!(
+        wrong.is_empty(),
+        "outcomes not as expected:\n{}",
+        wrong.join("\n")
+    );
+    let missing: Vec<String> = EXPECTED
+        .iter()
+        .filter(|e| !root.join(e.0).join(e.1).is_file())
+        .map(|e| format!("{}/{}", e.0, e.1))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "EXPECTED names inputs that are not there: {missing:?}"
+    );
 }
 
 /// A model smaller than the tests' default, so that fuzzing runs many inputs a second.
@@ -216,6 +613,7 @@ fn nvfp4_seed(dir: &Path) -> Vec<u8> {
 
 #[test]
 fn seeds_are_inputs_the_loaders_accept() {
+    let _serial = bounded::serial();
     let seeds = seeds();
     for (target, _) in targets::TARGETS {
         assert!(seeds.iter().any(|s| s.0 == target), "no seed for {target}");
@@ -232,6 +630,7 @@ fn seeds_are_inputs_the_loaders_accept() {
 
 #[test]
 fn every_target_survives_a_mutation_smoke_from_a_fixed_seed() {
+    let _serial = bounded::serial();
     let seeds = seeds();
     let failed_dir = temp_dir("fuzz-smoke");
     for (name, target) in targets::TARGETS {
@@ -240,6 +639,7 @@ fn every_target_survives_a_mutation_smoke_from_a_fixed_seed() {
             .filter(|s| s.0 == name)
             .map(|s| s.2.clone())
             .collect();
+        assert!(!mine.is_empty(), "no seed for {name}: nothing to mutate");
         let mut mutator = mutate::Mutator::new(1);
         let mut slowest = (Duration::ZERO, 0);
         for k in 0..SMOKE_INPUTS {
@@ -250,7 +650,8 @@ fn every_target_survives_a_mutation_smoke_from_a_fixed_seed() {
             std::fs::write(&path, &input).unwrap();
             let len = input.len();
             let start = Instant::now();
-            bounded::bounded(HEAP_BOUND, TIME_LIMIT, move || target(&input));
+            // A mutated input may load or be refused; returning is what is checked.
+            let _ = bounded::bounded(HEAP_BOUND, TIME_LIMIT, move || target(&input));
             slowest = slowest.max((start.elapsed(), len));
             std::fs::remove_file(&path).unwrap();
         }

@@ -3,6 +3,8 @@
 //! allocation beyond the harness's cap. libFuzzer drives them (`fuzz_targets/`), and the
 //! crate's regression tests replay every input that once broke one (`tests/fuzz_regressions`).
 //!
+//! Each returns its [`Outcome`]: whether the input loaded, or the message of what refused it.
+//!
 //! Past the parser, each target goes as far as a real load would: tensors are converted,
 //! configs validated, models and MTP heads built on the CPU backend, so a header that parses
 //! but lies is exercised too.
@@ -13,6 +15,7 @@ use specdraft::model::{
     TargetModel, TensorSource,
 };
 use specdraft::speculative::{MtpHead, MtpQuantization};
+use std::fmt::Display;
 use std::sync::Arc;
 
 /// Tensors up to this many elements are converted to BF16 (bigger ones only in a model load,
@@ -39,23 +42,26 @@ fn convert_tensors(src: &dyn TensorSource) {
     }
 }
 
-/// Runs `build` on a fresh CPU backend and checks that nothing is left allocated after.
-fn on_cpu<T>(build: impl FnOnce(Arc<dyn GpuBackend>) -> T) {
+/// Runs `build` on a fresh CPU backend, checks that nothing is left allocated after, and
+/// returns what refused the load, if anything did.
+fn on_cpu<T, E: Display>(build: impl FnOnce(Arc<dyn GpuBackend>) -> Result<T, E>) -> Outcome {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    drop(build(gpu.clone()));
+    let outcome = build(gpu.clone()).map(drop).map_err(|e| e.to_string());
     let live = gpu.ledger().live_count();
     assert_eq!(live, 0, "a load left {live} device allocations behind");
+    outcome
+}
+
+/// The message of a refusal.
+fn refused(e: impl Display) -> String {
+    e.to_string()
 }
 
 /// A GGUF file: header, metadata, tensor table, tensors, model config, and the model.
-pub fn gguf(data: &[u8]) {
-    let Ok(file) = GgufFile::from_bytes("fuzz.gguf", data.to_vec()) else {
-        return;
-    };
+pub fn gguf(data: &[u8]) -> Outcome {
+    let file = GgufFile::from_bytes("fuzz.gguf", data.to_vec()).map_err(refused)?;
     convert_tensors(&file);
-    let Ok(config) = file.model_config() else {
-        return;
-    };
+    let config = file.model_config().map_err(refused)?;
     on_cpu(|gpu| {
         let scheme = NameScheme::Gguf;
         TargetModel::from_source(
@@ -66,52 +72,47 @@ pub fn gguf(data: &[u8]) {
             RopeStyle::Interleaved,
             load_options(),
         )
-    });
+    })
 }
 
 /// A safetensors file: header length, JSON header, offsets, tensors.
-pub fn safetensors(data: &[u8]) {
-    if let Ok(file) = SafetensorsCheckpoint::from_bytes("fuzz.safetensors", data.to_vec()) {
-        convert_tensors(&file);
-    }
+pub fn safetensors(data: &[u8]) -> Outcome {
+    let file =
+        SafetensorsCheckpoint::from_bytes("fuzz.safetensors", data.to_vec()).map_err(refused)?;
+    convert_tensors(&file);
+    Ok(())
 }
 
 /// The text of a `config.json`.
-pub fn config_json(data: &[u8]) {
-    if let Ok(text) = std::str::from_utf8(data) {
-        if let Ok(config) = ModelConfig::from_json_str(text) {
-            // A config that exists is consistent.
-            config.validate().expect("a parsed config validates");
-            let _ = (config.q_size(), config.kv_size());
-        }
-    }
+pub fn config_json(data: &[u8]) -> Outcome {
+    let text = std::str::from_utf8(data).map_err(|e| format!("config.json: {e}"))?;
+    let config = ModelConfig::from_json_str(text).map_err(refused)?;
+    // A config that exists is consistent.
+    config.validate().expect("a parsed config validates");
+    let _ = (config.q_size(), config.kv_size());
+    Ok(())
 }
 
 /// A checkpoint folder packed in one input: the length of `config.json` (8 bytes, little
 /// endian), `config.json`, then one safetensors file. Loaded as a target model and as an
-/// MTP head, which reads NVFP4 codes and scales where the checkpoint has them.
-pub fn checkpoint(data: &[u8]) {
-    let Some((config, weights)) = unpack_checkpoint(data) else {
-        return;
-    };
-    let Ok(config) = std::str::from_utf8(config).map(ModelConfig::from_json_str) else {
-        return;
-    };
-    let Ok(config) = config else {
-        return;
-    };
-    let Ok(file) = SafetensorsCheckpoint::from_bytes("fuzz/model.safetensors", weights.to_vec())
-    else {
-        return;
-    };
-    if config.moe.is_none() {
-        let c = config.clone();
-        on_cpu(|gpu| {
+/// MTP head, which reads NVFP4 codes and scales where the checkpoint has them; the target
+/// model's refusal comes first in the outcome, but the head is loaded either way.
+pub fn checkpoint(data: &[u8]) -> Outcome {
+    let (config, weights) = unpack_checkpoint(data)
+        .ok_or("the input is shorter than the config.json length it starts with")?;
+    let config = std::str::from_utf8(config).map_err(|e| format!("config.json: {e}"))?;
+    let config = ModelConfig::from_json_str(config).map_err(refused)?;
+    let file = SafetensorsCheckpoint::from_bytes("fuzz/model.safetensors", weights.to_vec())
+        .map_err(refused)?;
+    let target = match config.moe {
+        None => on_cpu(|gpu| {
             let scheme = NameScheme::HuggingFace;
+            let c = config.clone();
             TargetModel::from_source(gpu, c, &file, scheme, RopeStyle::Half, load_options())
-        });
-    }
-    on_cpu(|gpu| {
+        }),
+        Some(_) => Ok(()),
+    };
+    let head = on_cpu(|gpu| {
         let quant = MtpQuantization::Bf16;
         MtpHead::from_source(
             &file,
@@ -125,6 +126,7 @@ pub fn checkpoint(data: &[u8]) {
             &ModelLevers::default(),
         )
     });
+    target.and(head)
 }
 
 /// Splits a [`checkpoint`] input into `config.json` and the safetensors file.
@@ -143,8 +145,12 @@ pub fn pack_checkpoint(config: &[u8], weights: &[u8]) -> Vec<u8> {
     out
 }
 
+/// What a target made of its input: `Ok` when it loaded all the way, else the message of the
+/// first refusal (the regression tests check it against the refusal each input is kept for).
+pub type Outcome = Result<(), String>;
+
 /// A fuzz target: one input, checked inside.
-pub type Target = fn(&[u8]);
+pub type Target = fn(&[u8]) -> Outcome;
 
 /// Every target by name.
 pub const TARGETS: [(&str, Target); 4] = [
