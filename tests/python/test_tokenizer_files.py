@@ -218,12 +218,98 @@ def test_named_templates_pick_the_default(tmp_path: Path) -> None:
     assert load_tokenizer(tmp_path).apply_chat_template([]) == "D"
 
 
-def test_every_input_that_once_broke_the_gguf_tokenizer_loader_now_loads_or_is_refused() -> None:
+#: What each input under ``tests/fuzz_inputs/tokenizer_gguf/`` must come to: refused with
+#: that error class and a message holding that text (and the file's path), or loaded (None).
+#: The hand-made inputs are written by ``fuzz/regression_inputs.py``.
+TOKENIZER_REGRESSIONS: dict[str, tuple[type[Exception], str] | None] = {
+    "tokens-count-2^60": (
+        specdraft.CheckpointError,
+        'the length of array "tokenizer.ggml.tokens" is 1152921504606846976, out of range',
+    ),
+    "token-string-length-2^60": (
+        specdraft.CheckpointError,
+        'the length of the value of "tokenizer.ggml.tokens" at byte 113 is 1152921504606846976',
+    ),
+    "template-length-2^60": (
+        specdraft.CheckpointError,
+        'the length of the value of "tokenizer.chat_template" at byte 450 is 1152921504606846976',
+    ),
+    "merges-of-type-u32": (
+        specdraft.CheckpointError,
+        "tokenizer.ggml.merges is [1, 2]; expected a list of strings",
+    ),
+    "merges-of-type-string": (
+        specdraft.CheckpointError,
+        "tokenizer.ggml.merges is 'a b'; expected a list of strings",
+    ),
+    "merge-without-a-space": (
+        specdraft.CheckpointError,
+        "tokenizer.ggml.merges[0] is 'ab'; expected two tokens separated by a space",
+    ),
+    "merge-of-unknown-tokens": (
+        specdraft.CheckpointError,
+        "the BPE vocabulary and merges do not fit",
+    ),
+    "tokens-of-type-u32": (
+        specdraft.CheckpointError,
+        "tokenizer.ggml.tokens is [1, 2, 3]; expected a list of strings",
+    ),
+    "no-tokens": (specdraft.CheckpointError, "tokenizer.ggml.tokens is []; expected 1 to"),
+    "token-types-2-for-6-tokens": (
+        specdraft.CheckpointError,
+        "tokenizer.ggml.token_type is [1, 1]; expected 6 entries, one per token, found 2",
+    ),
+    "eos-token-id-2^40": (
+        specdraft.CheckpointError,
+        "tokenizer.ggml.eos_token_id is 1099511627776; expected a token id below",
+    ),
+    "template-of-type-u32": (
+        specdraft.CheckpointError,
+        "tokenizer.chat_template is 7; expected a string",
+    ),
+    "tokenizer-model-llama": (specdraft.ConfigError, "tokenizer model 'llama' is not supported"),
+    "header-ends-after-the-version": (
+        specdraft.CheckpointError,
+        "the file ends at byte 8 while reading the tensor count",
+    ),
+    "file-ends-inside-the-tokens": (
+        specdraft.CheckpointError,
+        'the length of the value of "tokenizer.ggml.tokens" at byte 154 is 10, out of range',
+    ),
+    "token-with-invalid-utf8": None,
+}
+
+
+def test_every_input_that_once_broke_the_gguf_tokenizer_loader_now_loads_or_is_refused(
+    tmp_path: Path,
+) -> None:
     sys.path.insert(0, str(ROOT / "fuzz"))
     try:
         import tokenizer_gguf
     finally:
         sys.path.pop(0)
-    inputs = sorted((ROOT / "tests" / "fuzz_inputs" / "tokenizer_gguf").glob("*"))
-    for path in inputs:
-        tokenizer_gguf.load(path.read_bytes())
+    folder = ROOT / "tests" / "fuzz_inputs" / "tokenizer_gguf"
+    inputs = sorted(folder.glob("*")) if folder.is_dir() else []
+    assert inputs, f"{folder} holds no regression inputs: replaying nothing checks nothing"
+    assert sorted(p.name for p in inputs) == sorted(TOKENIZER_REGRESSIONS), (
+        "every input needs an entry in TOKENIZER_REGRESSIONS, and every entry its input"
+    )
+    for source in inputs:
+        path = tmp_path / f"{source.name}.gguf"
+        path.write_bytes(source.read_bytes())
+        expected = TOKENIZER_REGRESSIONS[source.name]
+        if expected is None:
+            assert load_tokenizer(path).vocab_size > 0, source.name
+        else:
+            kind, message = expected
+            with pytest.raises(specdraft.SpecdraftError) as info:
+                load_tokenizer(path)
+            # ConfigError and CheckpointError are siblings: the class tells a file specdraft
+            # cannot use from a broken one.
+            assert type(info.value) is kind, (source.name, info.value)
+            assert message in str(info.value) and str(path) in str(info.value), (
+                source.name,
+                str(info.value),
+            )
+        # The fuzz target's own contract: load and use it, or a SpecdraftError, nothing else.
+        tokenizer_gguf.load(source.read_bytes())
