@@ -1,7 +1,9 @@
 """What the trainer takes from the target: shape, frozen output weights, hidden states.
 
 The hidden states come from specdraft's own target model (``TargetModel.hidden_states``,
-a teacher-forced forward), so the head learns exactly the hiddens the engine hands it. The
+a teacher-forced forward), so the head learns exactly the hiddens the engine hands it: the
+final hidden, or the outputs of the layers the cache holds (``cache.layers``), side by
+side, as the engine captures them for a proposer that names them. The
 target's embedding, final norm and LM head are read from the model file in float32 (a GGUF
 file through :mod:`specdraft.gguf_tensors`, a Hugging Face folder as safetensors through
 :func:`specdraft.quantize.read_safetensors`; both check the untrusted file before reading).
@@ -32,6 +34,7 @@ __all__ = [
     "extract_replies",
     "extract_train",
     "read_target_weights",
+    "target_rows",
     "target_shape",
 ]
 
@@ -54,6 +57,7 @@ class TargetShape:
     rms_norm_eps: float
     rope_theta: float
     model_type: str
+    max_position_embeddings: int = 2048
 
 
 def target_shape(config: Any) -> TargetShape:  # noqa: ANN401 - specdraft.ModelConfig
@@ -69,6 +73,7 @@ def target_shape(config: Any) -> TargetShape:  # noqa: ANN401 - specdraft.ModelC
         rms_norm_eps=float(config.rms_norm_eps),
         rope_theta=float(config.rope_theta),
         model_type=str(config.model_type),
+        max_position_embeddings=int(config.max_position_embeddings),
     )
 
 
@@ -118,6 +123,27 @@ def read_target_weights(path: str | os.PathLike[str]) -> TargetWeights:
     return _safetensors_weights(p) if p.is_dir() else _gguf_weights(p)
 
 
+def target_rows(
+    model: Any,  # noqa: ANN401 - specdraft.TargetModel
+    cache: HiddenCache,
+    tokens: Sequence[int],
+) -> np.ndarray:
+    """The rows ``cache`` holds for a teacher-forced forward over ``tokens`` (float32).
+
+    Raises ``RuntimeError`` when the cache needs layers that this build's
+    ``TargetModel.hidden_states`` cannot return.
+    """
+    if not cache.layers:
+        return model.hidden_states(tokens)
+    try:
+        return model.hidden_states(tokens, layers=list(cache.layers))
+    except TypeError as e:
+        raise RuntimeError(
+            f"this build's TargetModel.hidden_states takes no layers= ({e}); the cache needs "
+            f"the outputs of layers {list(cache.layers)}: rebuild the extension"
+        ) from e
+
+
 def extract_train(
     model: Any,  # noqa: ANN401 - specdraft.TargetModel
     cache: HiddenCache,
@@ -140,7 +166,7 @@ def extract_train(
     for conv in todo:
         if deadline is not None and time.monotonic() >= deadline:
             break
-        hiddens = model.hidden_states(conv.tokens)
+        hiddens = target_rows(model, cache, conv.tokens)
         cache.append(conv.corpus, conv.id, "train", conv.tokens, hiddens, start=conv.start)
         bar.update(len(conv.tokens))
         cached += len(conv.tokens)
@@ -200,7 +226,8 @@ def extract_eval(
         if len(generated) < 2:
             continue
         seq = prompt + generated
-        cache.append(conv.corpus, conv.id, "eval", seq, model.hidden_states(seq), start=len(prompt))
+        rows = target_rows(model, cache, seq)
+        cache.append(conv.corpus, conv.id, "eval", seq, rows, start=len(prompt))
         have += 1
         bar.update(1)
     bar.close()
@@ -267,7 +294,7 @@ def extract_replies(
                 conv.id,
                 "train",
                 seq,
-                model.hidden_states(seq),
+                target_rows(model, cache, seq),
                 start=len(prompt),
             )
             bar.update(len(seq))
