@@ -26,7 +26,9 @@ token at ``p + 1 + j``. Three summaries:
 
 The head is evaluated in float32 (the caller passes the weights it writes, rounded to
 BF16); the engine rounds activations and its KV to BF16, so a draft picked at a near-tie of
-two logits can differ between them.
+two logits can differ between them. Any head runs here through its row forward (``rows``,
+the MTP head's by default; see :mod:`specdraft.train.head`), and its drafts are compared as
+target ids (``frozen["draft_ids"]``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdraft.train.cache import HiddenCache, from_bf16_bits
-from specdraft.train.head import HeadDims, decode_row, rows_from_window, target_row_kv, unroll
+from specdraft.train.head import (
+    HeadDims,
+    decode_row,
+    draft_tokens,
+    rows_from_window,
+    target_row_kv,
+    unroll,
+)
+from specdraft.train.layer import RowForward
+from specdraft.train.mtp import MTP_ROWS
 
 __all__ = ["Acceptance", "Walk", "accepted_counts", "engine_walk", "evaluate", "walk"]
 
@@ -123,26 +134,27 @@ def walk(counts: np.ndarray) -> list[int]:
 
 
 @lru_cache(maxsize=8)
-def _walk_fns(d: HeadDims, k: int) -> tuple[Any, Any]:
+def _walk_fns(d: HeadDims, k: int, rows: RowForward) -> tuple[Any, Any]:
     """The engine walk's jitted parts: the target rows' KV, and one propose of ``k`` drafts."""
 
-    def propose(params, frozen, keys, values, present, token, hidden, base):  # noqa: ANN001, ANN202
+    def propose(params, frozen, keys, values, present, token, row, base):  # noqa: ANN001, ANN202
         drafts, margins = [], []
+        hidden = rows.first_hidden(params, row)
         for j in range(k):
             logits, hidden, keys, values = decode_row(
-                params, frozen, d, token, base + j, hidden, keys, values, present
+                params, frozen, d, token, base + j, hidden, keys, values, present, rows
             )
             present = present.at[base + j].set(True)
-            token = jnp.argmax(logits).astype(jnp.int32)
+            token = draft_tokens(frozen, logits)
             top = jax.lax.top_k(logits, 2)[0]
             drafts.append(token)
             margins.append(top[0] - top[1])
         return jnp.stack(drafts), jnp.stack(margins), keys, values
 
-    def rows(params, frozen, tokens, hidden):  # noqa: ANN001, ANN202
-        return target_row_kv(params, frozen, d, tokens, hidden)
+    def row_kv(params, frozen, tokens, hidden):  # noqa: ANN001, ANN202
+        return target_row_kv(params, frozen, d, tokens, hidden, rows)
 
-    return jax.jit(rows), jax.jit(propose)
+    return jax.jit(row_kv), jax.jit(propose)
 
 
 class Walk(NamedTuple):
@@ -165,11 +177,12 @@ def engine_walk(
     start: int,
     k: int,
     exact_kv: bool = False,
+    rows: RowForward = MTP_ROWS,
 ) -> Walk:
     """The verify steps the engine runs over one evaluation sequence, greedy, ``k`` drafts.
 
     ``seq`` ``[n]`` is the prompt (``start`` ids) and the target's greedy continuation,
-    ``hiddens`` ``[n, hidden]`` the target's hiddens at them. The head's KV is the default
+    ``hiddens`` ``[n, row width]`` the cached rows at them. The head's KV is the default
     engine's, or with ``exact_kv`` the one ``mtp_kv_exact`` keeps (see the module docs).
     """
     n = len(seq)
@@ -178,9 +191,9 @@ def engine_walk(
     width = -(-(n + k) // WALK_WIDTH_STEP) * WALK_WIDTH_STEP
     tokens = np.zeros(width, np.int32)
     tokens[:n] = seq
-    hid = np.zeros((width, d.hidden), np.float32)
+    hid = np.zeros((width, hiddens.shape[1]), np.float32)
     hid[:n] = hiddens
-    rows_fn, propose = _walk_fns(d, k)
+    rows_fn, propose = _walk_fns(d, k, rows)
     target_k, target_v = (np.asarray(x) for x in rows_fn(params, frozen, tokens, hid))
     keys, values = target_k.copy(), target_v.copy()
     present = np.zeros(width, bool)
@@ -215,7 +228,7 @@ def engine_walk(
     return Walk(counts, gaps)
 
 
-def _drafts_fn(d: HeadDims, steps: int) -> Any:  # noqa: ANN401 - a jitted function
+def _drafts_fn(d: HeadDims, steps: int, rows: RowForward) -> Any:  # noqa: ANN401 - jitted
     def draft(params: Any, frozen: Any, tokens: jax.Array, hidden: jax.Array) -> jax.Array:  # noqa: ANN401
         w = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), tokens.shape)
@@ -228,8 +241,9 @@ def _drafts_fn(d: HeadDims, steps: int) -> Any:  # noqa: ANN401 - a jitted funct
             hidden[:, : w - 1],
             steps,
             feed_drafts=True,
+            rows=rows,
         )
-        return jnp.stack([jnp.argmax(lg, axis=-1) for lg in logits])  # [steps, 1, W-1]
+        return jnp.stack([draft_tokens(frozen, lg) for lg in logits])  # [steps, 1, W-1]
 
     return jax.jit(draft)
 
@@ -240,6 +254,7 @@ def evaluate(
     d: HeadDims,
     cache: HiddenCache,
     k: int,
+    rows: RowForward = MTP_ROWS,
 ) -> Acceptance:
     """Acceptance of the head over the cache's evaluation sequences (see the module docs)."""
     seqs = cache.split("eval")
@@ -248,7 +263,7 @@ def evaluate(
         return result
     tokens_all, hiddens_all = cache.open_arrays()
     width = max(s.length for s in seqs)
-    draft = _drafts_fn(d, k)
+    draft = _drafts_fn(d, k, rows)
     counts: list[np.ndarray] = []
     walked: list[int] = []
     exact: list[int] = []
@@ -256,13 +271,14 @@ def evaluate(
         seq = np.asarray(tokens_all[s.offset : s.offset + s.length], dtype=np.int32)
         tok = np.zeros((1, width), np.int32)
         tok[0, : s.length] = seq
-        hid = np.zeros((1, width, d.hidden), np.float32)
+        hid = np.zeros((1, width, cache.width), np.float32)
         hid[0, : s.length] = from_bf16_bits(hiddens_all[s.offset : s.offset + s.length])
         drafts = np.asarray(draft(params, frozen, jnp.asarray(tok), jnp.asarray(hid)))[:, 0]
         c = accepted_counts(drafts, seq, s.start)
         counts.append(c)
         exact.extend(walk(c))
-        walked.extend(engine_walk(params, frozen, d, seq, hid[0, : s.length], s.start, k).accepted)
+        one = engine_walk(params, frozen, d, seq, hid[0, : s.length], s.start, k, rows=rows)
+        walked.extend(one.accepted)
     allc = np.concatenate(counts) if counts else np.zeros(0, np.int64)
     result.rows = int(len(allc))
     if len(allc):

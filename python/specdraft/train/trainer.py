@@ -37,11 +37,23 @@ import optax
 from specdraft.train.cache import HiddenCache, Sequence, from_bf16_bits
 from specdraft.train.head import HeadDims, unroll_loss
 
-__all__ = ["WIDTH_STEP", "Batch", "Batches", "TrainState", "Trainer", "TrainSettings"]
+__all__ = [
+    "WIDTH_STEP",
+    "Batch",
+    "Batches",
+    "LossFn",
+    "TrainState",
+    "Trainer",
+    "TrainSettings",
+]
 
 #: The default ``width_step``: a batch's width is its longest sequence rounded up to a
 #: multiple of it (at most ``seq_len``), and the step compiles once per width.
 WIDTH_STEP = 64
+
+#: A head's loss on a batch: ``(params, frozen, tokens, hiddens, valid, start) -> (weighted
+#: loss, per-step KL)`` (see :func:`specdraft.train.head.unroll_loss`); traced by ``jax.jit``.
+LossFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,7 @@ class Batch(NamedTuple):
 
     #: int32 ``[B, W]``: each sequence from its first token (prompt and reply).
     tokens: np.ndarray
-    #: float32 ``[B, W, hidden]``: the target's hiddens at those tokens.
+    #: float32 ``[B, W, row width]``: the cache's rows at those tokens.
     hiddens: np.ndarray
     #: float32 ``[B, W]``: 1 on the sequences' positions, 0 on padding.
     valid: np.ndarray
@@ -113,7 +125,7 @@ class Batches:
         picks = self.order(epoch)[i * s.batch : (i + 1) * s.batch]
         longest = max((min(self.sequences[int(i)].length, s.seq_len) for i in picks), default=1)
         step = max(s.width_step, 1)
-        w, h = min(s.seq_len, -(-longest // step) * step), self.cache.hidden
+        w, h = min(s.seq_len, -(-longest // step) * step), self.cache.width
         tok = np.zeros((s.batch, w), np.int32)
         hid = np.zeros((s.batch, w, h), np.float32)
         valid = np.zeros((s.batch, w), np.float32)
@@ -143,11 +155,17 @@ class Trainer:
     """Trains a head's weights.
 
     ``frozen`` holds the target's ``embed``, draft-vocabulary ``lm_head`` rows and
-    ``target_norm``.
+    ``target_norm`` (see :mod:`specdraft.train.head`). ``loss`` is the head's loss (its
+    method's); by default the MTP head's training-time-test unroll of ``settings.steps``.
     """
 
     def __init__(
-        self, d: HeadDims, frozen: dict[str, Any], settings: TrainSettings, total_steps: int
+        self,
+        d: HeadDims,
+        frozen: dict[str, Any],
+        settings: TrainSettings,
+        total_steps: int,
+        loss: LossFn | None = None,
     ) -> None:
         self.d = d
         self.frozen = frozen
@@ -168,21 +186,23 @@ class Trainer:
         )
         steps = settings.steps
         optimizer = self.optimizer
+        if loss is None:
+
+            def loss(params, frozen, tok, hid, valid, start):  # noqa: ANN001, ANN202
+                return unroll_loss(params, frozen, d, tok, hid, valid, start, steps)
+
+        head_loss = loss
 
         def step_fn(params, opt_state, frozen, tok, hid, valid, start):  # noqa: ANN001, ANN202
-            def loss(p):  # noqa: ANN001, ANN202
-                return unroll_loss(p, frozen, d, tok, hid, valid, start, steps)
+            def of(p):  # noqa: ANN001, ANN202
+                return head_loss(p, frozen, tok, hid, valid, start)
 
-            (value, kls), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            (value, kls), grads = jax.value_and_grad(of, has_aux=True)(params)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, value, kls
 
         self._step = jax.jit(step_fn)
-        self._loss = jax.jit(
-            lambda params, frozen, tok, hid, valid, start: unroll_loss(
-                params, frozen, d, tok, hid, valid, start, steps
-            )
-        )
+        self._loss = jax.jit(head_loss)
 
     def init_state(self, params: dict[str, np.ndarray]) -> TrainState:
         """A fresh state from initial weights."""
