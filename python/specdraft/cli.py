@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from specdraft.cli_engine import add_generate
 from specdraft.quantize import add_quantize
-from specdraft.train.cli import add_train_mtp
+from specdraft.train.cli import add_train, add_train_mtp
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -57,6 +57,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser
     add_bench,
     add_generate,
     add_quantize,
+    add_train,
     add_train_mtp,
 ]
 

@@ -27,8 +27,9 @@ def write_tiny_llama(
     seed: int = 0,
     context_length: int = 256,
     metadata: Callable[[object], None] | None = None,
+    layers: int = LAYERS,
 ) -> None:
-    """Write a tiny random llama with ``vocab`` tokens to ``path``.
+    """Write a tiny random llama with ``vocab`` tokens and ``layers`` layers to ``path``.
 
     ``metadata(writer)`` adds tokenizer keys; without it the file only names EOS id 2.
     """
@@ -44,7 +45,7 @@ def write_tiny_llama(
         return (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
+    w.add_block_count(layers)
     w.add_context_length(context_length)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
@@ -58,7 +59,7 @@ def write_tiny_llama(
     else:
         metadata(w)
     w.add_tensor("token_embd.weight", rng.standard_normal((vocab, HIDDEN)).astype(np.float32))
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm())
         w.add_tensor(p + "attn_q.weight", permute_qk(mat(HEADS * hd, HIDDEN), HEADS))

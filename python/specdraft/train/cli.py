@@ -1,7 +1,10 @@
-"""``specdraft train-mtp``: the command line of the MTP head trainer.
+"""``specdraft train --method mtp|eagle3``: the command line of the draft-head trainer.
+
+``specdraft train-mtp`` is ``train --method mtp`` by its older name.
 
 The parser imports nothing heavy; the trainer's dependencies (``jax``, ``optax``) come with
-the optional extra ``specdraft[train]`` and are imported only when the command runs.
+the optional extra ``specdraft[train]`` and are imported only when the command runs. Both
+commands share every option and default; ``train`` adds ``--method`` and ``--aux-layers``.
 """
 
 from __future__ import annotations
@@ -11,17 +14,27 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["add_train_mtp", "run_train_mtp"]
+from specdraft.train.methods import METHODS
+
+__all__ = ["add_train", "add_train_mtp", "run_train", "run_train_mtp"]
+
+#: Bytes a token of the SmolLM2 cache (hidden 576, BF16) holds, per method: the final hidden;
+#: three captured layers and the final hidden.
+_CACHE_BYTES = "mtp: 2 x hidden bytes a token (1.1 KB for SmolLM2), eagle3: 8 x hidden (4.6 KB)"
 
 
-def run_train_mtp(args: argparse.Namespace) -> int:
-    """Run ``specdraft train-mtp`` with parsed arguments; returns the exit status."""
+def run_train(args: argparse.Namespace) -> int:
+    """Run ``specdraft train`` (or ``train-mtp``) with parsed arguments.
+
+    Returns the exit status.
+    """
+    command = f"specdraft {args.command}"
     try:
-        from specdraft.train.pipeline import RunOptions, train_mtp
+        from specdraft.train.pipeline import RunOptions, train_head
         from specdraft.train.trainer import TrainSettings
     except ImportError as e:
         print(
-            f"specdraft train-mtp needs the training extra ({e}); "
+            f"{command} needs the training extra ({e}); "
             "install it with: pip install 'specdraft[train]'",
             file=sys.stderr,
         )
@@ -38,11 +51,13 @@ def run_train_mtp(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
     )
     opts = RunOptions(
+        method=args.method,
         target=args.model,
-        out=Path(args.out),
+        out=Path(args.out or f"smollm2-{args.method}"),
         corpora=tuple(args.data),
         tokens=args.tokens,
         draft_vocab=args.draft_vocab,
+        aux_layers=args.aux_layers,
         eval_prompts=args.eval_prompts,
         eval_new_tokens=args.eval_new_tokens,
         cache=Path(args.cache) if args.cache else None,
@@ -58,12 +73,17 @@ def run_train_mtp(args: argparse.Namespace) -> int:
         settings=settings,
     )
     try:
-        report = train_mtp(opts)
+        report = train_head(opts)
     except (ValueError, RuntimeError, OSError) as e:
-        print(f"specdraft train-mtp: {e}", file=sys.stderr)
+        print(f"{command}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report["acceptance"], indent=2))
     return 0
+
+
+def run_train_mtp(args: argparse.Namespace) -> int:
+    """Run ``specdraft train-mtp``: ``train --method mtp``."""
+    return run_train(args)
 
 
 def _positive(text: str) -> int:
@@ -80,19 +100,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Adds ``specdraft train-mtp``."""
-    p = subparsers.add_parser(
-        "train-mtp",
-        help="train an MTP draft head for a target model by self-distillation",
-        description=(
-            "Train a DeepSeek-V3-style MTP draft head for a target model: the target's hidden "
-            "states over a conversation corpus are cached (BF16), then the head learns the "
-            "target's distribution for the token after next, unrolled over several drafts. "
-            "Progress goes to stderr; the held-out acceptance is printed as JSON. "
-            "Needs: pip install 'specdraft[train]'."
-        ),
-    )
+def _layer_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected layer ids separated by commas (2,15,27), not {text}"
+        ) from None
+    if any(i < 1 for i in ids):
+        raise argparse.ArgumentTypeError(f"layer ids are positive (1 is the first), not {text}")
+    return ids
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    """The options ``train`` and ``train-mtp`` share."""
     p.add_argument("--model", default="smollm2", help="target: a .gguf, a folder or a known name")
     p.add_argument(
         "--data",
@@ -101,7 +122,12 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         choices=["sharegpt", "chitchat"],
         help="corpora (downloaded once into the cache folder)",
     )
-    p.add_argument("--tokens", type=_positive, default=300_000, help="training tokens to take")
+    p.add_argument(
+        "--tokens",
+        type=_positive,
+        default=300_000,
+        help=f"training tokens to take (cached on disk, {_CACHE_BYTES})",
+    )
     p.add_argument(
         "--responses",
         choices=["corpus", "target"],
@@ -123,8 +149,9 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         type=_positive,
         default=16384,
         help=(
-            "mtp_vocab_size: the head drafts over the first N token ids (16384 holds SmolLM2's "
-            "greedy choice at 94.6%% of positions, 8192 at 87.7%%)"
+            "draft vocabulary size N: mtp drafts over the first N token ids (mtp_vocab_size; "
+            "16384 holds SmolLM2's greedy choice at 94.6%% of positions, 8192 at 87.7%%), "
+            "eagle3 over the N ids the target chooses most often on the training replies (d2t)"
         ),
     )
     p.add_argument("--unroll", type=_positive, default=3, help="draft steps trained per row")
@@ -141,7 +168,7 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--batch", type=_positive, default=4, help="sequences per step")
     p.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (cut)")
     p.add_argument("--seed", type=int, default=0, help="weights, data order and split")
-    p.add_argument("--out", default="smollm2-mtp", help="output folder")
+    p.add_argument("--out", default=None, help="output folder (default: smollm2-METHOD)")
     p.add_argument("--cache", default=None, help="hidden-state cache folder")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--max-steps", type=_positive, default=None, help="stop after this step")
@@ -149,9 +176,10 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         "--init-from",
         default=None,
         help=(
-            "start the weights from a checkpoint (a state.npz), a trained head (its folder "
-            "or its mtp.safetensors) or a shipped head by name (smollm2-mtp), with a fresh "
-            "optimizer and schedule"
+            "start the weights from a checkpoint (a state.npz), a trained head (its folder, "
+            "its mtp.safetensors or an eagle3 head's model.safetensors: the eagle3 head then "
+            "keeps its draft vocabulary) or a shipped head by name (smollm2-mtp), with a "
+            "fresh optimizer and schedule"
         ),
     )
     p.add_argument(
@@ -179,11 +207,61 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         "--coverage-tokens",
         type=_positive,
         default=20_000,
-        help="training positions the draft-vocabulary coverage is measured on",
+        help=(
+            "training positions the draft-vocabulary coverage is measured on (eagle3: the "
+            "reply positions its draft vocabulary is chosen on)"
+        ),
     )
     p.add_argument("--eval-prompts", type=_positive, default=16, help="held-out prompts")
     p.add_argument(
         "--eval-new-tokens", type=_positive, default=96, help="greedy tokens per held-out prompt"
     )
-    p.set_defaults(run=run_train_mtp)
+
+
+def add_train(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds ``specdraft train``."""
+    p = subparsers.add_parser(
+        "train",
+        help="train a draft head (MTP or EAGLE-3) for a target model by self-distillation",
+        description=(
+            "Train a draft head for a target model: the target's hidden states over a "
+            "conversation corpus are cached (BF16; mtp: the final hidden, eagle3: three "
+            f"captured layers and the final hidden; {_CACHE_BYTES}), then the head learns the "
+            "target's distribution for the tokens after the next, unrolled over several drafts. "
+            "--method mtp writes a DeepSeek-V3-style MTP head, --method eagle3 an EAGLE-3 head "
+            "in the speculators format. Progress goes to stderr; the held-out acceptance is "
+            "printed as JSON. Needs: pip install 'specdraft[train]'."
+        ),
+    )
+    p.add_argument("--method", choices=list(METHODS), default="mtp", help="the head to train")
+    p.add_argument(
+        "--aux-layers",
+        type=_layer_ids,
+        default=None,
+        help=(
+            "eagle3: the layers whose entering hidden is fused, comma-separated (vLLM's ids; "
+            "default 2,L/2,L-3, for SmolLM2 2,15,27: the outputs of layers 1,14,26 are captured)"
+        ),
+    )
+    _add_options(p)
+    p.set_defaults(run=run_train)
+    return p
+
+
+def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds ``specdraft train-mtp``, the older name of ``train --method mtp``."""
+    p = subparsers.add_parser(
+        "train-mtp",
+        help="train an MTP draft head (specdraft train --method mtp)",
+        description=(
+            "Train a DeepSeek-V3-style MTP draft head for a target model: the target's hidden "
+            "states over a conversation corpus are cached (BF16, 2 x hidden bytes a token: "
+            "1.1 KB for SmolLM2), then the head learns the target's distribution for the token "
+            "after next, unrolled over several drafts. The same as specdraft train --method "
+            "mtp. Progress goes to stderr; the held-out acceptance is printed as JSON. "
+            "Needs: pip install 'specdraft[train]'."
+        ),
+    )
+    _add_options(p)
+    p.set_defaults(run=run_train_mtp, method="mtp", aux_layers=None)
     return p

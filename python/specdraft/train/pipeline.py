@@ -1,6 +1,9 @@
-"""``train_mtp``: corpus, target hiddens, draft vocabulary, training, evaluation, files.
+"""``train_head``: corpus, target hiddens, draft vocabulary, training, evaluation, files.
 
-Each stage is cached or checkpointed, so an interrupted run picks up where it was.
+The same stages for every head; what differs is the method's (``RunOptions.method``, see
+:mod:`specdraft.train.methods`): the layers the cache holds, the draft vocabulary's ids,
+the loss, the evaluation's row forward and the files. Each stage is cached or
+checkpointed, so an interrupted run picks up where it was.
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -16,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdraft.train import data as corpus
-from specdraft.train.cache import HiddenCache, bf16_bits, from_bf16_bits
-from specdraft.train.evaluate import Acceptance, evaluate
-from specdraft.train.export import read_head, start_weights, write_head
-from specdraft.train.head import head_dims, init_params
+from specdraft.train.cache import HiddenCache, bf16_bits, describe_layers, from_bf16_bits
+from specdraft.train.evaluate import Acceptance
+from specdraft.train.export import start_weights
+from specdraft.train.layer import head_dims
+from specdraft.train.methods import TrainMethod, load_method
 from specdraft.train.progress import Progress
 from specdraft.train.targets import (
     extract_eval,
@@ -29,9 +33,9 @@ from specdraft.train.targets import (
     target_shape,
 )
 from specdraft.train.trainer import Batches, Trainer, TrainSettings
-from specdraft.train.vocab import target_choices, vocab_coverage
+from specdraft.train.vocab import coverage_of, heldout_choices, target_choices, vocab_coverage
 
-__all__ = ["RunOptions", "train_mtp"]
+__all__ = ["RunOptions", "default_cache_folder", "train_head", "train_mtp"]
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 #: Prompts the engine decodes side by side when it writes the target's replies: a step of 16
@@ -44,13 +48,17 @@ RUNNING_MEAN_STEPS = 50
 
 @dataclass(frozen=True)
 class RunOptions:
-    """Everything ``specdraft train-mtp`` takes (see its ``--help``)."""
+    """Everything ``specdraft train`` takes (see its ``--help``)."""
 
+    #: The head to train: a name of :data:`specdraft.train.methods.METHODS`.
+    method: str = "mtp"
     target: str = "smollm2"
     out: Path = Path("smollm2-mtp")
     corpora: tuple[str, ...] = ("sharegpt", "chitchat")
     tokens: int = 300_000
     draft_vocab: int = 16384
+    #: EAGLE-3: the aux layer ids (the hidden entering each), else vLLM's default.
+    aux_layers: tuple[int, ...] | None = None
     eval_prompts: int = 16
     eval_new_tokens: int = 96
     eval_fraction: float = 0.02
@@ -85,18 +93,47 @@ def _log(stream: TextIO, message: str) -> None:
     stream.flush()
 
 
-def _frozen(weights: Any, draft_vocab: int) -> dict[str, Any]:  # noqa: ANN401
-    return {
+def _frozen(
+    weights: Any,  # noqa: ANN401 - TargetWeights
+    draft_vocab: int,
+    draft_ids: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """The target's frozen weights a head trains against (see :mod:`.head`).
+
+    The LM head's rows are the first ``draft_vocab``, or those of ``draft_ids`` (then kept
+    as ``draft_ids``).
+    """
+    if draft_ids is None:
+        rows = weights.lm_head[:draft_vocab]
+    else:
+        rows = weights.lm_head[np.asarray(draft_ids)]
+    frozen = {
         "embed": jnp.asarray(weights.embed),
-        "lm_head": jnp.asarray(weights.lm_head[:draft_vocab]),
+        "lm_head": jnp.asarray(rows),
         "target_norm": jnp.asarray(weights.final_norm),
     }
+    if draft_ids is not None:
+        frozen["draft_ids"] = jnp.asarray(np.asarray(draft_ids), jnp.int32)
+    return frozen
 
 
-def _card(opts: RunOptions, report: dict[str, Any]) -> str:
+def default_cache_folder(root: Path, method: TrainMethod, target: Path, tag: str) -> Path:
+    """The cache folder of a run under ``root``.
+
+    One per method, target, layers and split (the MTP head's is
+    ``train-mtp/<target>/<split>``, as it always was).
+    """
+    folder = root / f"train-{method.name}" / target.stem
+    if method.cache_layers:
+        folder = folder / ("layers-" + "-".join(str(i) for i in method.cache_layers))
+    return folder / tag
+
+
+def _card(
+    opts: RunOptions, method: TrainMethod, report: dict[str, Any], choice: dict[str, float]
+) -> str:
     acc = report["acceptance"]
     by_pos = ", ".join(f"{x:.1%}" for x in acc["acceptance_by_position"])
-    cov = report["draft_vocab_coverage"]
     licences = "; ".join(corpus.LICENCES.get(c, f"{c}: not stated") for c in opts.corpora)
     replies = (
         ", their prompts followed by the target's own greedy replies"
@@ -109,11 +146,7 @@ def _card(opts: RunOptions, report: dict[str, Any]) -> str:
         if report["init_from"] is None
         else f"starting from the weights of `{report['init_from']}`"
     )
-    return f"""# MTP draft head for {report["target"]["name"]}
-
-A DeepSeek-V3-style multi-token-prediction module (one decoder layer; the target's
-embedding, final norm and LM head are shared, not stored here) trained by
-`specdraft train-mtp` to draft for `{report["target"]["file"]}`.
+    return f"""{method.card_head(report["target"])}
 
 - Data: {", ".join(opts.corpora)} conversations rendered through the target's chat
   template{replies}, one per distinct prompt, {report["train_tokens"]} training tokens in
@@ -127,9 +160,7 @@ embedding, final norm and LM head are shared, not stored here) trained by
   drafts feeding the head its own hidden, weights 0.8^j; AdamW lr {opts.settings.lr},
   batch {opts.settings.batch}, {report["steps"]} steps ({opts.settings.epochs} epoch(s)),
   seed {opts.settings.seed}, {report["train_seconds"]:.0f} s of training, {start}.
-- Draft vocabulary: the first {opts.draft_vocab} token ids (`mtp_vocab_size`), which hold
-  the target's greedy choice at {cov.get(str(opts.draft_vocab), 0.0):.1%} of training
-  positions.
+{method.card_vocab(opts.draft_vocab, choice)}
 - Held-out greedy acceptance at {acc["drafts"]} drafts: by position [{by_pos}], mean
   acceptance length {acc["mean_acceptance_length"]:.3f} (engine walk
   {acc["engine_mean_acceptance_length"]:.3f}; with `SPECDRAFT_MTP_KV_EXACT=1`
@@ -146,9 +177,48 @@ def train_mtp(
     stream: TextIO | None = None,
     conversations: list[corpus.Conversation] | None = None,
 ) -> dict[str, Any]:
-    """Run the whole pipeline and write the head into ``opts.out``; returns the report.
+    """:func:`train_head` for the MTP head (``specdraft train-mtp``)."""
+    return train_head(replace(opts, method="mtp"), stream, conversations)
 
-    ``conversations`` replaces the named corpora (for tests and for your own data).
+
+def _choose_draft_ids(
+    opts: RunOptions,
+    method: TrainMethod,
+    choices: np.ndarray,
+    vocab: int,
+    resume_from: Path | None,
+    start: Path | None,
+) -> np.ndarray:
+    """The run's draft vocabulary.
+
+    A resumed run's or a starting head's where it fixes one (its weights were trained over
+    those ids), else the method's choice.
+    """
+    ids = None
+    if resume_from is not None:
+        ids = method.start_draft_ids(resume_from)
+    elif start is not None:
+        ids = method.start_draft_ids(start)
+    if ids is None:
+        ids = method.choose_draft_ids(choices, opts.draft_vocab, vocab)
+    if len(ids) != opts.draft_vocab:
+        where = resume_from or start
+        raise ValueError(
+            f"{where} drafts over {len(ids)} ids, not --draft-vocab {opts.draft_vocab}; pass "
+            f"--draft-vocab {len(ids)} to continue it"
+        )
+    return np.asarray(ids, np.int64)
+
+
+def train_head(
+    opts: RunOptions,
+    stream: TextIO | None = None,
+    conversations: list[corpus.Conversation] | None = None,
+) -> dict[str, Any]:
+    """Run the whole pipeline for ``opts.method``; returns the report.
+
+    The head is written into ``opts.out``. ``conversations`` replaces the named corpora
+    (for tests and for your own data).
     """
     import specdraft
     from specdraft.models import cache_dir, resolve_model
@@ -166,16 +236,23 @@ def train_mtp(
     path = resolve_model(opts.target)
     model = specdraft.load_model(opts.target, max_seq_len=max(s.seq_len, 1024))
     shape = target_shape(model.config)
+    method = load_method(opts.method, shape, opts.aux_layers)
+    label = f"train-{method.name}"
     if opts.draft_vocab > shape.vocab:
         raise ValueError(f"draft vocabulary {opts.draft_vocab} > target vocabulary {shape.vocab}")
     tokenizer = load_tokenizer(path)
     # One cache per split: a cache holds the held-out prompts of the split it was made for,
-    # and would leak them into training under another seed or fraction.
+    # and would leak them into training under another seed or fraction. And one per set of
+    # layers: a row of other layers would be read as these.
     split = corpus.split_record(s.seed, opts.eval_fraction)
     tag = corpus.split_tag(s.seed, opts.eval_fraction)
-    folder = opts.cache or cache_dir() / "train-mtp" / Path(str(path)).stem / tag
-    cache = HiddenCache(folder, str(path), shape.hidden, split=split)
-    _log(log, f"train-mtp: target {path} ({shape.hidden} hidden), cache {folder}")
+    folder = opts.cache or default_cache_folder(cache_dir(), method, Path(str(path)), tag)
+    cache = HiddenCache(folder, str(path), shape.hidden, split=split, layers=method.cache_layers)
+    _log(
+        log,
+        f"{label}: target {path} ({shape.hidden} hidden), cache {folder} "
+        f"({describe_layers(cache.layers)}, {2 * cache.width} bytes a token)",
+    )
 
     convs = conversations
     if convs is None:
@@ -186,7 +263,7 @@ def train_mtp(
     train = [c for c in order if not corpus.is_held_out(s.seed, c, opts.eval_fraction)]
     _log(
         log,
-        f"train-mtp: {len(convs)} conversations, {len(unique)} with distinct prompts: "
+        f"{label}: {len(convs)} conversations, {len(unique)} with distinct prompts: "
         f"{len(train)} training and {len(held)} held-out",
     )
     t0 = time.monotonic()
@@ -225,36 +302,67 @@ def train_mtp(
     extract_seconds = time.monotonic() - t0
     if extracted:
         rate = extracted / max(time.monotonic() - t_extract, 1e-9)
-        _log(log, f"train-mtp: cached target hiddens of {extracted} new tokens ({rate:.1f} tok/s)")
+        _log(log, f"{label}: cached target hiddens of {extracted} new tokens ({rate:.1f} tok/s)")
     del model
 
     weights = read_target_weights(path)
     full = {"target_norm": jnp.asarray(weights.final_norm), "lm_head": jnp.asarray(weights.lm_head)}
-    choices = target_choices(cache, full, shape.rms_norm_eps, limit=opts.coverage_tokens)
+    choices = target_choices(
+        cache,
+        full,
+        shape.rms_norm_eps,
+        limit=opts.coverage_tokens,
+        replies_only=method.choices_on_replies,
+    )
     coverage = vocab_coverage(choices, (*COVERAGE_SIZES, opts.draft_vocab))
     _log(
         log,
-        "train-mtp: draft vocabulary coverage of the target's choices: "
+        f"{label}: draft vocabulary coverage of the target's choices: "
         + ", ".join(f"{n}: {c:.1%}" for n, c in sorted(coverage.items())),
+    )
+    ckpt = opts.out / "checkpoint" / "state.npz"
+    resumed = opts.resume and ckpt.exists()
+    draft_ids = _choose_draft_ids(
+        opts, method, choices, shape.vocab, ckpt if resumed else None, start
+    )
+    heldout = heldout_choices(cache)
+    first_n = np.arange(opts.draft_vocab)
+    choice = {
+        "chosen_train": coverage_of(choices, draft_ids),
+        "first_n_train": coverage_of(choices, first_n),
+        "chosen_heldout": coverage_of(heldout, draft_ids),
+        "first_n_heldout": coverage_of(heldout, first_n),
+    }
+    _log(
+        log,
+        f"{label}: the draft vocabulary's {opts.draft_vocab} ids hold the target's choice at "
+        f"{choice['chosen_train']:.1%} of {len(choices)} training positions and "
+        f"{choice['chosen_heldout']:.1%} of {len(heldout)} held-out ones (the first "
+        f"{opts.draft_vocab} ids: {choice['first_n_train']:.1%}, "
+        f"{choice['first_n_heldout']:.1%})",
     )
 
     d = head_dims(shape)
-    frozen = _frozen(weights, opts.draft_vocab)
+    frozen = _frozen(weights, opts.draft_vocab, draft_ids)
     batches = Batches(cache, s)
     planned = batches.per_epoch * s.epochs
-    trainer = Trainer(d, frozen, s, min(planned, opts.train_steps or planned))
-    state = trainer.init_state(init_params(d, s.seed))
-    ckpt = opts.out / "checkpoint" / "state.npz"
-    if opts.resume and ckpt.exists():
+    trainer = Trainer(
+        d, frozen, s, min(planned, opts.train_steps or planned), loss=method.loss_fn(d, s.steps)
+    )
+    state = trainer.init_state(method.init_params(d, s.seed, weights.lm_head[draft_ids]))
+    if resumed:
         state = trainer.load(state, ckpt)
-        _log(log, f"train-mtp: resumed from {ckpt} at step {state.step}")
+        _log(log, f"{label}: resumed from {ckpt} at step {state.step}")
     elif start is not None:
         if start.suffix == ".npz":
             state = trainer.load_params(state, start)
         else:
-            state = trainer.init_state(read_head(start, shape, d))
-        _log(log, f"train-mtp: starting from the weights of {start}")
-    bar = Progress(trainer.total_steps, "train-mtp", "step")
+            state = trainer.init_state(method.read_head(start, shape, d, draft_ids))
+        _log(log, f"{label}: starting from the weights of {start}")
+    # Beside the checkpoint, so that a resumed run drafts over the ids it trained on.
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    np.save(ckpt.parent / "draft_ids.npy", draft_ids)
+    bar = Progress(trainer.total_steps, label, "step")
     bar.update(state.step)
     first_losses: list[float] = []
     last_losses: list[float] = []
@@ -284,11 +392,14 @@ def train_mtp(
     params = {k: np.asarray(v) for k, v in state.params.items()}
     # The weights as written (BF16), which the engine loads.
     written = {k: jnp.asarray(from_bf16_bits(bf16_bits(v))) for k, v in params.items()}
-    acceptance: Acceptance = evaluate(written, frozen, d, cache, s.steps)
-    _log(log, "train-mtp: held-out " + acceptance.describe())
+    acceptance: Acceptance = method.evaluate(written, frozen, d, cache, s.steps)
+    _log(log, f"{label}: held-out " + acceptance.describe())
     train_tokens = sum(x.length for x in batches.sequences)
     trained_tokens = batches.tokens_in(state.step)
     report = {
+        "method": method.name,
+        **method.report(),
+        "cache_layers": list(cache.layers),
         "target": {"name": opts.target, "file": Path(str(path)).name},
         "train_sequences": len(batches.sequences),
         "train_tokens": train_tokens,
@@ -305,10 +416,12 @@ def train_mtp(
         "last_losses": last_losses,
         "draft_vocab": opts.draft_vocab,
         "draft_vocab_coverage": {str(k): round(v, 4) for k, v in sorted(coverage.items())},
+        "draft_vocab_choice": {k: round(v, 4) for k, v in choice.items()},
         "acceptance": acceptance.to_dict(),
         "settings": asdict(s),
     }
-    write_head(opts.out, params, shape, d, opts.draft_vocab, report["target"], _card(opts, report))
+    card = _card(opts, method, report, choice)
+    method.write_head(opts.out, params, shape, d, draft_ids, s.steps, report["target"], card)
     (opts.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _log(log, f"train-mtp: wrote {opts.out}")
+    _log(log, f"{label}: wrote {opts.out}")
     return report
