@@ -19,7 +19,6 @@ import specdraft
 jax = pytest.importorskip("jax")
 pytest.importorskip("optax")
 gguf = pytest.importorskip("gguf")
-import eagle3_reference as ref  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from specdraft.cli import build_parser, main  # noqa: E402
 from specdraft.quantize import read_safetensors  # noqa: E402
@@ -327,6 +326,9 @@ def _random_head(tmp_path: Path) -> tuple[Path, np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("base", [1, 9, 30])
 def test_jax_forward_matches_the_numpy_reference(tmp_path, base):
+    ref = pytest.importorskip(
+        "eagle3_reference", reason="tests/python/eagle3_reference.py (the numpy EAGLE-3 head)"
+    )
     folder, embed, ids = _random_head(tmp_path)
     numpy_head = ref.Eagle3(folder, embed=ref.bf16(embed))
     np.testing.assert_array_equal(numpy_head.draft_to_target, ids)
