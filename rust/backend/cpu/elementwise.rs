@@ -166,7 +166,7 @@ pub(super) fn rms_norm(
     split_units(pool, out, (rows, dim), NORM_TASK, &|part, first, _| {
         let x = x.skip(first * dim);
         dispatch!(
-            pool.isa(),
+            pool.level(),
             rms_norm_part,
             rms_norm_part_avx2,
             rms_norm_part_avx512(part, x, w, dim, eps)
@@ -228,7 +228,7 @@ pub(super) fn binary(
     split_units(pool, out, (len, 1), task, &|part, first, _| {
         let (a, b) = (a.skip(first), b.skip(first));
         dispatch!(
-            pool.isa(),
+            pool.level(),
             binary_part,
             binary_part_avx2,
             binary_part_avx512(op, part, a, b)
@@ -334,7 +334,7 @@ pub(super) fn rope(
     split_units(pool, x, units, ROPE_TASK, &|part, first, rows| {
         let pos = &positions[first..first + rows];
         dispatch!(
-            pool.isa(),
+            pool.level(),
             rope_part,
             rope_part_avx2,
             rope_part_avx512(part, pos, inv_freq, angles, shape)

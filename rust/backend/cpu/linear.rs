@@ -13,7 +13,7 @@
 
 use super::formats::{e2m1_to_f32, fp8_e4m3_to_f32};
 use super::shared_out::SharedOut;
-use crate::backend::quant::{KernelPool, QuantError};
+use crate::backend::quant::{Avx2Token, KernelPool, QuantError};
 use std::cell::RefCell;
 
 /// Independent running sums per dot product (two AVX2 registers of f32).
@@ -137,12 +137,10 @@ unsafe fn dots_avx2<const R: usize>(w: &[f32], x: [&[f32]; R]) -> [f32; R] {
 pub(super) trait WeightRows: Sync {
     type Elem: WeightElem;
     fn row<'a>(&'a self, o: usize, buf: &'a mut Vec<f32>) -> &'a [Self::Elem];
-    /// Asks the CPU to start loading row `o` (if it exists) into cache; a hint only.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 (implementations may use its instructions).
+    /// Asks the CPU to start loading row `o` (if it exists) into cache; a hint only. Only
+    /// the AVX2 build asks, and may use its instructions, which the proof says this CPU runs.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn prefetch(&self, _o: usize) {}
+    fn prefetch(&self, _proof: Avx2Token, _o: usize) {}
 }
 
 /// One task: features `first..first + col.len() / rows`, written feature-major into `col`
@@ -155,7 +153,7 @@ fn task<S: WeightRows>(
     rows: usize,
     first: usize,
     col: &mut [f32],
-    avx2: bool,
+    avx2: Option<Avx2Token>,
 ) {
     let in_features = xs.len() / rows;
     #[cfg(not(target_arch = "x86_64"))]
@@ -169,11 +167,10 @@ fn task<S: WeightRows>(
         for (j, outs) in col.chunks_mut(rows).enumerate() {
             let w = src.row(first + j, buf);
             #[cfg(target_arch = "x86_64")]
-            if avx2 {
+            if let Some(proof) = avx2 {
                 // The hardware prefetcher alone leaves the core waiting on memory between
                 // rows (each row is a short stream of its own, and each task a new region).
-                // SAFETY: only reached from `task_avx2`, so the CPU has AVX2.
-                unsafe { src.prefetch(first + j + PREFETCH_ROWS) };
+                src.prefetch(proof, first + j + PREFETCH_ROWS);
             }
             if rows == 1 {
                 // Decode: memory-bound, so the weights are widened inside the dot.
@@ -189,9 +186,9 @@ fn task<S: WeightRows>(
             }
             let mut r = t0;
             #[cfg(target_arch = "x86_64")]
-            if avx2 {
+            if avx2.is_some() {
                 while r + 4 <= t1 {
-                    // SAFETY: only reached from `task_avx2`, so the CPU has AVX2.
+                    // SAFETY: the proof says this CPU runs AVX2.
                     let v = unsafe { dots_avx2(wide, [x(r), x(r + 1), x(r + 2), x(r + 3)]) };
                     outs[r..r + 4].copy_from_slice(&v);
                     r += 4;
@@ -214,14 +211,11 @@ fn task<S: WeightRows>(
     }
 }
 
-/// [`task`] compiled for AVX2. Same source, so the same operations in the same order: the
-/// wider registers change only how many lanes run at once.
-///
-/// # Safety
-/// The CPU must support AVX2.
+/// [`task`] compiled for AVX2, which the proof says this CPU runs. Same source, so the same
+/// operations in the same order: the wider registers change only how many lanes run at once.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn task_avx2<S: WeightRows>(
+fn task_avx2<S: WeightRows>(
+    proof: Avx2Token,
     src: &S,
     bufs: &mut (Vec<f32>, Vec<f32>),
     xs: &[f32],
@@ -229,7 +223,20 @@ unsafe fn task_avx2<S: WeightRows>(
     first: usize,
     col: &mut [f32],
 ) {
-    task(src, bufs, xs, rows, first, col, true)
+    #[target_feature(enable = "avx2")]
+    unsafe fn build<S: WeightRows>(
+        proof: Avx2Token,
+        src: &S,
+        bufs: &mut (Vec<f32>, Vec<f32>),
+        xs: &[f32],
+        rows: usize,
+        first: usize,
+        col: &mut [f32],
+    ) {
+        task(src, bufs, xs, rows, first, col, Some(proof))
+    }
+    // SAFETY: the proof says this CPU runs AVX2.
+    unsafe { build(proof, src, bufs, xs, rows, first, col) }
 }
 
 thread_local! {
@@ -270,7 +277,7 @@ pub(super) fn linear_rows<'s>(
     // Exactly `rows` rows, so that the tasks can derive `in_features` from the length.
     let xs = &xs[..rows * in_features];
     #[cfg(target_arch = "x86_64")]
-    let avx2 = std::arch::is_x86_feature_detected!("avx2");
+    let avx2 = pool.level().avx2();
     let chunk = FEATURES_PER_TASK * rows;
     let shared = SharedOut::new(by_feature);
     pool.run(out_features.div_ceil(FEATURES_PER_TASK), &|t| {
@@ -285,12 +292,10 @@ pub(super) fn linear_rows<'s>(
                 Err(_) => &mut fresh,
             };
             #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: the CPU supports AVX2 (checked above); the body is the portable one.
-                unsafe { task_avx2(src, bufs, xs, rows, first, col) };
-                return;
+            if let Some(proof) = avx2 {
+                return task_avx2(proof, src, bufs, xs, rows, first, col);
             }
-            task(src, bufs, xs, rows, first, col, false);
+            task(src, bufs, xs, rows, first, col, None);
         })
     })?;
     if let Some(b) = bias {
@@ -325,7 +330,7 @@ impl WeightRows for Bf16Rows<'_> {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn prefetch(&self, o: usize) {
+    fn prefetch(&self, _: Avx2Token, o: usize) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         if let Some(row) = self
             .weight
@@ -506,9 +511,10 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_and_portable_kernels_agree_bitwise() {
-        if !std::arch::is_x86_feature_detected!("avx2") {
+        use crate::backend::quant::{Isa, SupportedIsa};
+        let Some(proof) = SupportedIsa::at_most(Isa::Avx2).avx2() else {
             return;
-        }
+        };
         let (rows, inf, outf) = (9, 577, 40);
         let mut rng = SmallRng::seed_from_u64(9);
         let w: Vec<u16> = (0..outf * inf)
@@ -524,9 +530,8 @@ mod tests {
         for rows in [1, 2, 3, 4, 6, 7, rows] {
             let (mut a, mut b) = (vec![0f32; outf * rows], vec![0f32; outf * rows]);
             let xs = &xs[..rows * inf];
-            task(&src, &mut Default::default(), xs, rows, 0, &mut a, false);
-            // SAFETY: AVX2 is present (checked above).
-            unsafe { task_avx2(&src, &mut Default::default(), xs, rows, 0, &mut b) };
+            task(&src, &mut Default::default(), xs, rows, 0, &mut a, None);
+            task_avx2(proof, &src, &mut Default::default(), xs, rows, 0, &mut b);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&a), bits(&b), "{rows} rows");
         }

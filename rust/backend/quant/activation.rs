@@ -11,7 +11,7 @@
 //! gets `d = NaN`, so the outputs it feeds are NaN rather than silently finite.
 
 use super::block_pairs::BlockPairs;
-use super::{Isa, KernelPool, QuantError};
+use super::{KernelPool, QuantError, SupportedIsa};
 use half::bf16;
 
 /// Input elements per quantization task (see [`QuantizedRows::fill`]).
@@ -99,14 +99,14 @@ impl QuantizedRows {
     }
 
     /// Quantizes `x` (`[rows, cols]`, `cols` a multiple of the kind's block length) with
-    /// the SIMD of `isa` (the CPU must run it; every level gives the same codes and scales),
+    /// the SIMD of `isa` (every level gives the same codes and scales),
     /// inputs of several thousand elements spread over `pool`.
     pub(crate) fn fill(
         &mut self,
         kind: ActKind,
         x: &[f32],
         (rows, cols): (usize, usize),
-        isa: Isa,
+        isa: SupportedIsa,
         pool: &KernelPool,
     ) -> Result<(), QuantError> {
         let n = kind.block_len();
@@ -138,8 +138,7 @@ impl QuantizedRows {
         pool.run(tasks, &|t| {
             let range = t * blocks / tasks..(t + 1) * blocks / tasks;
             // SAFETY: the tasks cover disjoint block ranges of buffers sized above, which
-            // `self` keeps alive and unborrowed until `run` returns; the caller's `isa` runs
-            // on this CPU.
+            // `self` keeps alive and unborrowed until `run` returns.
             unsafe { out.quantize(x, n, k, isa, range) };
         })
     }
@@ -162,14 +161,13 @@ impl Blocks {
     /// Quantizes blocks `range` (of `n` elements; `k`: also the 16- and 32-element sums).
     ///
     /// # Safety
-    /// The buffers hold every block of `range`, and no one else touches those blocks; the
-    /// CPU runs `isa`.
+    /// The buffers hold every block of `range`, and no one else touches those blocks.
     unsafe fn quantize(
         &self,
         x: &[f32],
         n: usize,
         k: bool,
-        isa: Isa,
+        isa: SupportedIsa,
         range: std::ops::Range<usize>,
     ) {
         for b in range {
@@ -177,10 +175,10 @@ impl Blocks {
             // SAFETY: block `b` is this task's (the function's contract).
             let qb = unsafe { std::slice::from_raw_parts_mut(self.qs.add(b * n), n) };
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU runs `isa` (the function's contract).
-            let (d, total) = match isa {
-                isa if isa.avx512() => unsafe { avx512::quantize_block(xb, qb) },
-                isa if isa.avx2() => {
+            // SAFETY: each build runs only with the proof that this CPU has its features.
+            let (d, total) = match (isa.avx512(), isa.avx2()) {
+                (Some(_proof), _) => unsafe { avx512::quantize_block(xb, qb) },
+                (None, Some(_proof)) => {
                     let d = unsafe { avx2::quantize_block(xb, qb) };
                     (d, code_sum(qb))
                 }
@@ -350,13 +348,20 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::quant::Isa;
 
     #[test]
     fn codes_round_to_nearest_and_scale_is_amax_over_127() {
         let x: Vec<f32> = (0..32).map(|i| (i as f32 - 15.5) * 0.25).collect();
         let mut a = QuantizedRows::default();
-        a.fill(ActKind::Q8, &x, (1, 32), Isa::Portable, &KernelPool::new(1))
-            .unwrap();
+        a.fill(
+            ActKind::Q8,
+            &x,
+            (1, 32),
+            SupportedIsa::PORTABLE,
+            &KernelPool::new(1),
+        )
+        .unwrap();
         let d = 3.875f32 / 127.0;
         assert_eq!(a.d[0], d);
         for (q, v) in a.qs.iter().zip(&x) {
@@ -403,12 +408,19 @@ mod tests {
                     continue;
                 }
                 let mut want = QuantizedRows::default();
-                want.fill(kind, &x, (rows, cols), Isa::Portable, &KernelPool::new(1))
-                    .unwrap();
+                want.fill(
+                    kind,
+                    &x,
+                    (rows, cols),
+                    SupportedIsa::PORTABLE,
+                    &KernelPool::new(1),
+                )
+                .unwrap();
                 for isa in Isa::available() {
                     let pool = KernelPool::with_options(2, isa, KernelPool::DEFAULT_SPIN);
                     let mut got = QuantizedRows::default();
-                    got.fill(kind, &x, (rows, cols), isa, &pool).unwrap();
+                    got.fill(kind, &x, (rows, cols), pool.level(), &pool)
+                        .unwrap();
                     let what = format!("{kind:?} {rows}x{cols} on {}", isa.name());
                     assert_eq!(got.qs, want.qs, "codes, {what}");
                     assert_eq!(got.bsum, want.bsum, "code sums, {what}");
@@ -432,7 +444,7 @@ mod tests {
             ActKind::Q8K,
             &x,
             (1, 512),
-            Isa::Portable,
+            SupportedIsa::PORTABLE,
             &KernelPool::new(1),
         )
         .unwrap();
@@ -441,7 +453,7 @@ mod tests {
             ActKind::Q8,
             &x,
             (1, 512),
-            Isa::Portable,
+            SupportedIsa::PORTABLE,
             &KernelPool::new(1),
         )
         .unwrap();
@@ -459,7 +471,7 @@ mod tests {
             ActKind::Q8K,
             &x,
             (2, 256),
-            Isa::Portable,
+            SupportedIsa::PORTABLE,
             &KernelPool::new(1),
         )
         .unwrap();

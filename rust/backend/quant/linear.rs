@@ -16,7 +16,9 @@ use super::bf16_round::narrow;
 use super::block_pairs::AMX_MIN_ROWS;
 use super::format::checked_mul;
 use super::packed::GROUP_ROWS;
-use super::{dot_portable, float_dot, Isa, KernelPool, PackedView, PackedWeight, QuantError};
+use super::{
+    dot_portable, float_dot, Isa, KernelPool, PackedView, PackedWeight, QuantError, SupportedIsa,
+};
 use crate::backend::simd_builds::{dispatch, simd_builds};
 use half::bf16;
 use std::cell::RefCell;
@@ -242,7 +244,7 @@ fn run<T: InputElem>(
     parts: &mut [GroupPart<'_>],
     s: &mut Scratch,
 ) -> Result<(), QuantError> {
-    let isa = pool.isa();
+    let isa = pool.level();
     let Scratch {
         q8,
         q8k,
@@ -269,7 +271,7 @@ fn run<T: InputElem>(
             act.fill(kind, x, (rows, inf), isa, pool)?;
         }
     }
-    if isa == Isa::Amx && rows >= AMX_MIN_ROWS && needs(ActKind::Q8) {
+    if isa.isa() == Isa::Amx && rows >= AMX_MIN_ROWS && needs(ActKind::Q8) {
         q8.fill_pairs();
     }
     // The f32 results of BF16 outputs, one region per part, sized before any pointer into
@@ -356,7 +358,7 @@ fn unit_count(w: &PackedView<'_>) -> usize {
 impl PartJob<'_> {
     /// Units `units` of this part: the dots, then the bias and the BF16 rounding of the
     /// same output features.
-    fn run(&self, units: Range<usize>, x: &[f32], rows: usize, isa: Isa) {
+    fn run(&self, units: Range<usize>, x: &[f32], rows: usize, isa: SupportedIsa) {
         let (w, outm) = (self.w, self.results);
         let outf = w.out_features();
         let features = units.start * GROUP_ROWS..(units.end * GROUP_ROWS).min(outf);
@@ -373,8 +375,8 @@ impl PartJob<'_> {
         match self.act {
             None => {
                 #[cfg(target_arch = "x86_64")]
-                if isa.avx2() {
-                    // SAFETY: the pool only reports AVX2 when the CPU has AVX2, FMA and F16C.
+                if let Some(_proof) = isa.avx2() {
+                    // SAFETY: the proof says this CPU has AVX2, FMA and F16C.
                     unsafe { float_dot::float_outputs_avx2(w, x, rows, features.clone(), outm) };
                 } else {
                     float_dot::float_outputs(w, x, rows, features.clone(), outm);
@@ -389,7 +391,7 @@ impl PartJob<'_> {
 
     /// Adds the bias to output features `features` of every row and rounds them into the
     /// BF16 output: the same f32 add, then round to nearest even, as a single linear.
-    fn epilogue(&self, rows: usize, features: Range<usize>, add_bias: bool, isa: Isa) {
+    fn epilogue(&self, rows: usize, features: Range<usize>, add_bias: bool, isa: SupportedIsa) {
         let bias = self
             .bias
             .filter(|_| add_bias)
@@ -450,7 +452,7 @@ fn quant_units(
     act: &QuantizedRows,
     units: Range<usize>,
     outm: OutMatrix,
-    isa: Isa,
+    isa: SupportedIsa,
 ) {
     let groups = w.groups();
     let full = units.start..units.end.min(groups);
@@ -461,9 +463,9 @@ fn quant_units(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa.avx2() {
-        // SAFETY: the pool reports an instruction set only where the CPU has it; `act` holds
-        // the blocks of the kind this format reads.
+    if isa.avx2().is_some() {
+        // SAFETY: `isa` includes AVX2, and a `SupportedIsa` is a level this CPU runs; `act`
+        // holds the blocks of the kind this format reads.
         return unsafe { super::avx2::quant_groups(w, act, full, outm, isa) };
     }
     let _ = isa;

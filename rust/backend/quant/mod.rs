@@ -151,6 +151,7 @@ pub mod pool;
 mod quantize;
 mod quantize_k;
 mod subscales;
+mod supported;
 
 pub use activation::InputElem;
 pub use block_pairs::AMX_MIN_ROWS;
@@ -162,3 +163,4 @@ pub use linear::{linear, linear_group, Bias, GroupPart, LinearOut};
 pub use packed::{PackedView, PackedWeight, GROUP_ROWS};
 pub use pool::KernelPool;
 pub use quantize::{quantize, quantize_to_vec};
+pub use supported::{Avx2Token, Avx512Token, SupportedIsa};

@@ -25,7 +25,7 @@
 //! - A call made while the pool is busy (another thread, or a task calling back into the pool)
 //!   runs inline on the calling thread: no deadlock, no extra threads.
 
-use super::{Isa, QuantError};
+use super::{Isa, QuantError, SupportedIsa};
 use std::any::Any;
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -178,7 +178,7 @@ pub struct KernelPool {
     workers: Vec<JoinHandle<()>>,
     /// Held by the call that has the workers; a call that finds it held runs inline.
     busy: Line<AtomicBool>,
-    isa: Isa,
+    level: SupportedIsa,
 }
 
 impl KernelPool {
@@ -194,7 +194,7 @@ impl KernelPool {
     /// A pool of `threads` participants, kernels limited to `isa` (clamped to what the CPU
     /// has), idle workers spinning for `spin` before they sleep.
     pub fn with_options(threads: usize, isa: Isa, spin: Duration) -> Self {
-        let isa = isa.clamped();
+        let level = SupportedIsa::at_most(isa);
         let shared = Arc::new(Shared {
             published: Line(Published {
                 state: AtomicU64::new(0),
@@ -223,7 +223,7 @@ impl KernelPool {
             shared,
             workers,
             busy: Line(AtomicBool::new(false)),
-            isa,
+            level,
         }
     }
 
@@ -239,7 +239,13 @@ impl KernelPool {
 
     /// The instruction set the kernels use.
     pub fn isa(&self) -> Isa {
-        self.isa
+        self.level.isa()
+    }
+
+    /// The instruction set the kernels use, as the proof that this CPU runs it which the
+    /// kernels take.
+    pub fn level(&self) -> SupportedIsa {
+        self.level
     }
 
     /// How long idle workers spin before sleeping.
@@ -340,7 +346,7 @@ impl std::fmt::Debug for KernelPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KernelPool")
             .field("threads", &self.threads())
-            .field("isa", &self.isa)
+            .field("isa", &self.level.isa())
             .field("spin", &self.shared.spin)
             .finish()
     }

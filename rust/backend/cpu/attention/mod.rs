@@ -30,13 +30,14 @@
 pub(super) mod math;
 mod plan;
 mod reader;
+#[cfg(target_arch = "x86_64")]
 mod transpose;
 #[cfg(target_arch = "x86_64")]
 mod zmm;
 
 use super::shared_out::SharedOut;
 use crate::backend::const_count::with_count;
-use crate::backend::quant::{KernelPool, QuantError};
+use crate::backend::quant::{Avx2Token, Avx512Token, KernelPool, QuantError};
 use half::bf16;
 use math::{add_weighted, score_block, softmax_weights, widen};
 use plan::{shares, tiles, Share, Tile};
@@ -63,19 +64,26 @@ const PREFETCH_BLOCKS: usize = 2;
 struct Sharing {
     score: usize,
     value: usize,
-    zmm: bool,
+    /// The AVX-512 build's proof that the CPU runs [`zmm`]'s intrinsics, which it runs where
+    /// the other builds run the plain loops.
+    zmm: Option<Avx512Token>,
 }
 
 const AVX2_SHARING: Sharing = Sharing {
     score: 4,
     value: 2,
-    zmm: false,
+    zmm: None,
 };
-const AVX512_SHARING: Sharing = Sharing {
-    score: 8,
-    value: 8,
-    zmm: true,
-};
+
+impl Sharing {
+    fn avx512(proof: Avx512Token) -> Sharing {
+        Sharing {
+            score: 8,
+            value: 8,
+            zmm: Some(proof),
+        }
+    }
+}
 
 /// The shape of one paged attention call (see `PagedAttentionArgs`).
 #[derive(Clone, Copy, Debug)]
@@ -131,7 +139,7 @@ pub(super) fn paged_attention(
         return Ok(());
     }
     let tiles = tiles(inputs.row_seq, inputs.row_ctx_len);
-    let isa = pool.isa();
+    let isa = pool.level();
     let (widened, buffer) = widen_shared(pool, shape, inputs, &tiles)?;
     let slot_len = 2 * KEYS * shape.head_dim;
     let group = shape.heads / shape.kv_heads;
@@ -168,13 +176,11 @@ pub(super) fn paged_attention(
         };
         SCRATCH.with(|cell| {
             let scratch = &mut cell.borrow_mut();
-            match isa {
+            match (isa.avx512(), isa.avx2()) {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: the pool reports AVX-512 only where the CPU has it.
-                isa if isa.avx512() => unsafe { task.run_avx512(scratch, shared) },
+                (Some(proof), _) => task.run_avx512(proof, scratch, shared),
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: the pool reports AVX2 only where the CPU has it.
-                isa if isa.avx2() => unsafe { task.run_avx2(scratch, shared) },
+                (None, Some(proof)) => task.run_avx2(proof, scratch, shared),
                 _ => task.run(scratch, shared, AVX2_SHARING),
             }
         })
@@ -224,7 +230,7 @@ fn widen_shared(
     let mut buffer = vec![0f32; slots * slot_len];
     if slots > 0 {
         let shared = SharedOut::new(&mut buffer);
-        let isa = pool.isa();
+        let isa = pool.level();
         pool.run(slots, &|t| {
             let w = widened.iter().rposition(|w| w.first_slot <= t).unwrap_or(0);
             let (kv_head, b) = (
@@ -242,10 +248,9 @@ fn widen_shared(
             // SAFETY: slot `t` is written by task `t` alone.
             let (keys, values) =
                 unsafe { shared.chunk(t, slot_len) }.split_at_mut(KEYS * shape.head_dim);
-            match isa {
+            match isa.avx2() {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: the pool reports AVX2 only where the CPU has it.
-                isa if isa.avx2() => unsafe { reader.load_block_avx2(b * KEYS, keys, values) },
+                Some(proof) => reader.load_block_avx2(proof, b * KEYS, keys, values),
                 _ => reader.load_block(b * KEYS, keys, values),
             }
         })?;
@@ -263,20 +268,32 @@ struct Task<'a> {
 }
 
 impl Task<'_> {
-    /// # Safety
-    /// The CPU must support AVX2.
+    /// [`Self::run`] compiled with AVX2 and FMA, which the proof says this CPU runs.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2(&self, scratch: &mut Scratch, out: SharedOut<bf16>) {
-        self.run(scratch, out, AVX2_SHARING)
+    fn run_avx2(&self, _: Avx2Token, scratch: &mut Scratch, out: SharedOut<bf16>) {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn build(task: &Task, scratch: &mut Scratch, out: SharedOut<bf16>) {
+            task.run(scratch, out, AVX2_SHARING)
+        }
+        // SAFETY: the proof says this CPU runs AVX2 and FMA.
+        unsafe { build(self, scratch, out) }
     }
 
-    /// # Safety
-    /// The CPU must support AVX2 and AVX-512 F/BW/VL.
+    /// [`Self::run`] compiled with AVX2, FMA and AVX-512 F/BW/VL, which the proof says this
+    /// CPU runs, its hot loops in [`zmm`]'s intrinsics.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl")]
-    unsafe fn run_avx512(&self, scratch: &mut Scratch, out: SharedOut<bf16>) {
-        self.run(scratch, out, AVX512_SHARING)
+    fn run_avx512(&self, proof: Avx512Token, scratch: &mut Scratch, out: SharedOut<bf16>) {
+        #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl")]
+        unsafe fn build(
+            task: &Task,
+            proof: Avx512Token,
+            scratch: &mut Scratch,
+            out: SharedOut<bf16>,
+        ) {
+            task.run(scratch, out, Sharing::avx512(proof))
+        }
+        // SAFETY: the proof says this CPU runs AVX2, FMA and AVX-512 F, BW and VL.
+        unsafe { build(self, proof, scratch, out) }
     }
 
     #[inline(always)]
@@ -335,8 +352,7 @@ impl Task<'_> {
                     let qs = std::array::from_fn(|x| &queries[(i + x) * hd..(i + x + 1) * hd]);
                     let block = match sharing.zmm {
                         #[cfg(target_arch = "x86_64")]
-                        // SAFETY: only the AVX-512 build asks for it.
-                        true => unsafe { zmm::score_block::<N>(qs, keys, sh.scale) },
+                        Some(proof) => zmm::score_block::<N>(proof, qs, keys, sh.scale),
                         _ => score_block::<N>(qs, keys, sh.scale),
                     };
                     for (x, row) in block.iter().enumerate() {
@@ -352,8 +368,7 @@ impl Task<'_> {
             let row = &mut s.scores[i * padded..i * padded + len(i)];
             s.totals[i] = match sharing.zmm {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: only the AVX-512 build asks for it.
-                true => unsafe { zmm::softmax_weights(row) },
+                Some(proof) => zmm::softmax_weights(proof, row),
                 _ => softmax_weights(row),
             };
         }
@@ -387,8 +402,9 @@ impl Task<'_> {
                     let weights = std::array::from_fn(weights);
                     match sharing.zmm {
                         #[cfg(target_arch = "x86_64")]
-                        // SAFETY: only the AVX-512 build asks for it.
-                        true => unsafe { zmm::add_weighted::<N>(acc, weights, &values[..n * hd]) },
+                        Some(proof) => {
+                            zmm::add_weighted::<N>(proof, acc, weights, &values[..n * hd])
+                        }
                         _ => add_weighted::<N>(acc, weights, &values[..n * hd]),
                     }
                 });

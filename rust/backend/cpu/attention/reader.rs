@@ -5,8 +5,8 @@
 //! same bits; positions past the context read as zero keys and are never read as values.
 
 use super::math::{to_f32, widen};
-use super::{transpose, AttentionInputs, AttentionShape, KEYS};
-use crate::backend::quant::Isa;
+use super::{AttentionInputs, AttentionShape, KEYS};
+use crate::backend::quant::{Avx2Token, SupportedIsa};
 use half::bf16;
 
 /// Reads one KV head of one sequence's cache, up to context `ctx`, a block at a time.
@@ -17,16 +17,25 @@ pub(super) struct CacheReader<'a> {
     pub ctx: usize,
     pub kv_head: usize,
     /// The pool's instruction set (the keys are transposed with its widest registers).
-    pub isa: Isa,
+    pub isa: SupportedIsa,
 }
 
 impl CacheReader<'_> {
-    /// # Safety
-    /// The CPU must support AVX2.
+    /// [`Self::load_block`] compiled with AVX2, which the proof says this CPU runs.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn load_block_avx2(&self, j0: usize, keys: &mut [f32], values: &mut [f32]) {
-        self.load_block(j0, keys, values)
+    pub(super) fn load_block_avx2(
+        &self,
+        _: Avx2Token,
+        j0: usize,
+        keys: &mut [f32],
+        values: &mut [f32],
+    ) {
+        #[target_feature(enable = "avx2")]
+        unsafe fn build(reader: &CacheReader, j0: usize, keys: &mut [f32], values: &mut [f32]) {
+            reader.load_block(j0, keys, values)
+        }
+        // SAFETY: the proof says this CPU runs AVX2.
+        unsafe { build(self, j0, keys, values) }
     }
 
     #[inline(always)]
@@ -83,25 +92,21 @@ impl CacheReader<'_> {
     #[inline(always)]
     pub(super) fn load_keys(&self, j0: usize, keys: &mut [f32]) {
         let hd = self.shape.head_dim;
-        if cfg!(target_arch = "x86_64")
-            && self.isa.avx2()
-            && hd.is_multiple_of(8)
-            && j0 + KEYS <= self.ctx
-        {
-            let rows: [&[bf16]; KEYS] = std::array::from_fn(|jj| {
-                let at = self.cache_at(j0 + jj);
-                &self.inputs.k_cache[at..at + hd]
-            });
-            if self.isa.avx512() && hd.is_multiple_of(16) {
-                // SAFETY: the pool runs AVX-512 only where the CPU has it; each row holds
-                // `head_dim` elements, a multiple of 16, and `keys` `head_dim * KEYS`.
-                unsafe { transpose::keys_avx512(&rows, keys) };
-            } else {
-                // SAFETY: the pool runs AVX2 only where the CPU has it; each row holds
-                // `head_dim` elements, a multiple of 8, and `keys` `head_dim * KEYS`.
-                unsafe { transpose::keys_avx2(&rows, keys) };
+        #[cfg(target_arch = "x86_64")]
+        if let Some(avx2) = self.isa.avx2() {
+            if hd.is_multiple_of(8) && j0 + KEYS <= self.ctx {
+                let rows: [&[bf16]; KEYS] = std::array::from_fn(|jj| {
+                    let at = self.cache_at(j0 + jj);
+                    &self.inputs.k_cache[at..at + hd]
+                });
+                match self.isa.avx512() {
+                    Some(proof) if hd.is_multiple_of(16) => {
+                        super::transpose::keys_avx512(proof, &rows, keys)
+                    }
+                    _ => super::transpose::keys_avx2(avx2, &rows, keys),
+                }
+                return;
             }
-            return;
         }
         for jj in 0..KEYS {
             let j = j0 + jj;

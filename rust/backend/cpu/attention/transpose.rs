@@ -6,19 +6,23 @@
 //! Widening is exact, so every path writes the same bits.
 
 use super::KEYS;
+use crate::backend::quant::{Avx2Token, Avx512Token};
 use half::bf16;
-#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Writes `keys[d * KEYS + j] = rows[j][d]` widened to f32, for every `d < head_dim`.
-///
-/// # Safety
-/// The CPU must support AVX2. Every row holds `head_dim` elements, `head_dim` is a multiple
-/// of 8 and `keys` holds `head_dim * KEYS` elements (checked by slicing, so a wrong length
-/// panics rather than writes out of bounds).
-#[cfg(target_arch = "x86_64")]
+/// Writes `keys[d * KEYS + j] = rows[j][d]` widened to f32, for every `d < head_dim`, with
+/// AVX2, which the proof says this CPU runs. Every row holds `head_dim` elements, `head_dim`
+/// is a multiple of 8 and `keys` holds `head_dim * KEYS` elements (checked by slicing, so a
+/// wrong length panics rather than reads or writes out of bounds).
+#[inline(always)]
+pub(super) fn keys_avx2(_: Avx2Token, rows: &[&[bf16]; KEYS], keys: &mut [f32]) {
+    // SAFETY: the proof says this CPU runs AVX2.
+    unsafe { keys_avx2_build(rows, keys) }
+}
+
+/// [`keys_avx2`]'s body, compiled with AVX2.
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn keys_avx2(rows: &[&[bf16]; KEYS], keys: &mut [f32]) {
+unsafe fn keys_avx2_build(rows: &[&[bf16]; KEYS], keys: &mut [f32]) {
     let hd = keys.len() / KEYS;
     for group in 0..KEYS / 8 {
         let rows = &rows[group * 8..group * 8 + 8];
@@ -40,7 +44,6 @@ pub(super) unsafe fn keys_avx2(rows: &[&[bf16]; KEYS], keys: &mut [f32]) {
 }
 
 /// The 8x8 transpose: lane `r` of output `k` is lane `k` of input `r`.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
     let t0 = _mm256_unpacklo_ps(v[0], v[1]);
@@ -71,14 +74,18 @@ unsafe fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
     ]
 }
 
-/// [`keys_avx2`] with 16x16 transposes of 512-bit registers.
-///
-/// # Safety
-/// The CPU must support AVX-512 F. Every row holds `head_dim` elements, `head_dim` is a
-/// multiple of 16 and `keys` holds `head_dim * KEYS` elements (checked by slicing).
-#[cfg(target_arch = "x86_64")]
+/// [`keys_avx2`] with 16x16 transposes of 512-bit registers, which the proof says this CPU
+/// runs. Every row holds `head_dim` elements, `head_dim` is a multiple of 16 and `keys` holds
+/// `head_dim * KEYS` elements (checked by slicing).
+#[inline(always)]
+pub(super) fn keys_avx512(_: Avx512Token, rows: &[&[bf16]; KEYS], keys: &mut [f32]) {
+    // SAFETY: the proof says this CPU runs AVX-512 F and AVX2.
+    unsafe { keys_avx512_build(rows, keys) }
+}
+
+/// [`keys_avx512`]'s body, compiled with AVX-512 F.
 #[target_feature(enable = "avx2,avx512f")]
-pub(super) unsafe fn keys_avx512(rows: &[&[bf16]; KEYS], keys: &mut [f32]) {
+unsafe fn keys_avx512_build(rows: &[&[bf16]; KEYS], keys: &mut [f32]) {
     const { assert!(KEYS == 16) };
     let hd = keys.len() / KEYS;
     for d0 in (0..hd).step_by(16) {
@@ -98,7 +105,6 @@ pub(super) unsafe fn keys_avx512(rows: &[&[bf16]; KEYS], keys: &mut [f32]) {
 }
 
 /// The 16x16 transpose: lane `r` of output `k` is lane `k` of input `r`.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
@@ -140,21 +146,10 @@ fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     out
 }
 
-/// The portable build has no transposes: the caller's scalar path runs.
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn keys_avx2(_rows: &[&[bf16]; KEYS], _keys: &mut [f32]) {
-    unreachable!("AVX2 is only reported on x86-64")
-}
-
-/// The portable build has no transposes: the caller's scalar path runs.
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn keys_avx512(_rows: &[&[bf16]; KEYS], _keys: &mut [f32]) {
-    unreachable!("AVX-512 is only reported on x86-64")
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::quant::{Isa, SupportedIsa};
 
     /// Both transposes write `keys[d * KEYS + j] = rows[j][d]`, widened, for every element.
     #[test]
@@ -175,15 +170,14 @@ mod tests {
                 .map(|i| data[i % KEYS][i / KEYS].to_f32())
                 .collect();
             let mut got = vec![0f32; hd * KEYS];
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: AVX2 was detected; the lengths are as the function asks.
-                unsafe { keys_avx2(&rows, &mut got) };
+            let level = SupportedIsa::at_most(Isa::Amx);
+            if let Some(proof) = level.avx2() {
+                keys_avx2(proof, &rows, &mut got);
                 assert_eq!(got, want, "AVX2, head size {hd}");
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if let Some(proof) = level.avx512() {
                 got.fill(0.0);
-                // SAFETY: AVX-512 F was detected; as above.
-                unsafe { keys_avx512(&rows, &mut got) };
+                keys_avx512(proof, &rows, &mut got);
                 assert_eq!(got, want, "AVX-512, head size {hd}");
             }
         }

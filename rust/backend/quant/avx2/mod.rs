@@ -20,7 +20,7 @@
 use super::activation::QuantizedRows;
 use super::linear::OutMatrix;
 use super::packed::{RecordLayout, GROUP_ROWS};
-use super::{BlockFormat, Isa, PackedView};
+use super::{BlockFormat, Isa, PackedView, SupportedIsa};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -209,21 +209,22 @@ mod formats {
 /// two groups to a 512-bit register ([`kquant_zmm`]).
 ///
 /// # Safety
-/// The CPU must support `isa` (at least AVX2, FMA and F16C); `act` must hold the blocks `w`
-/// reads (Q8 for legacy formats, Q8K for K-quants) of `w.in_features()` columns.
+/// `isa` includes AVX2 (`isa.avx2()` is `Some`; every higher level it names, this CPU runs,
+/// being a [`SupportedIsa`]); `act` must hold the blocks `w` reads (Q8 for legacy formats,
+/// Q8K for K-quants) of `w.in_features()` columns.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quant_groups(
     w: &PackedView<'_>,
     act: &QuantizedRows,
     groups: Range<usize>,
     out: OutMatrix,
-    isa: Isa,
+    isa: SupportedIsa,
 ) {
     use formats::*;
     use BlockFormat as F;
     macro_rules! legacy {
         ($f:ty) => {
-            match isa {
+            match isa.isa() {
                 Isa::Amx if act.has_pairs() => amx::run::<$f>(w, act, groups, out),
                 Isa::Avx512Vnni | Isa::Amx => zmm::run::<$f>(w, act, groups, out),
                 Isa::Avx2Vnni => legacy::run_vnni::<$f>(w, act, groups, out),
@@ -233,7 +234,7 @@ pub(crate) unsafe fn quant_groups(
     }
     macro_rules! kquant {
         ($f:ty) => {
-            match isa {
+            match isa.isa() {
                 Isa::Avx512Vnni | Isa::Amx => kquant_zmm::run::<$f>(w, act, groups, out),
                 Isa::Avx2Vnni => kquant::run_vnni::<$f>(w, act, groups, out),
                 _ => kquant::run::<$f>(w, act, groups, out),
