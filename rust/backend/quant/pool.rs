@@ -21,7 +21,9 @@
 //!   caller runs out of tasks, a worker joins only an open job, and the caller waits only for
 //!   workers that joined. A descheduled worker costs nothing but its share of the tasks.
 //! - A job's closure outlives every use: the caller returns only after every joined worker
-//!   has left, even when a task panicked (the panic becomes an error).
+//!   has left, even when a task panicked (the panic becomes an error) and even when the caller
+//!   unwinds (a guard's `Drop` waits for them), and recording a panic never unwinds a worker
+//!   out of its job.
 //! - A call made while the pool is busy (another thread, or a task calling back into the pool)
 //!   runs inline on the calling thread: no deadlock, no extra threads.
 
@@ -85,11 +87,20 @@ struct Shared {
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
+/// A task's panic as text, its payload dropped without unwinding: a payload whose own `Drop`
+/// panics (`std::panic::panic_any` takes any type) has that second panic caught and its
+/// payload leaked. Recording a panic therefore never unwinds: a worker that unwound here would
+/// never leave its job, and its caller would wait for it forever.
 fn panic_message(p: Box<dyn Any + Send>) -> String {
-    p.downcast_ref::<&str>()
+    let message = p
+        .downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
+        .unwrap_or_else(|| "unknown panic".into());
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(p))) {
+        std::mem::forget(again);
+    }
+    message
 }
 
 impl Shared {
@@ -270,34 +281,17 @@ impl KernelPool {
         {
             return inline();
         }
-        // Released however this call ends (the tasks' panics are caught, but not the caller's
-        // own, such as a failed allocation).
+        // Released however this call ends, after `open` below (declared later, dropped
+        // first): a job stays claimed until its workers have left.
         let _claim = ClaimGuard(&self.busy);
         let sh = &*self.shared;
-        let published = &*sh.published;
-        // SAFETY: the closure is only used until every joined worker has left (below), which
-        // happens before this function returns, so erasing its lifetime is sound.
-        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
-        // SAFETY: no worker reads `job` now: the previous job is closed with no one joined.
-        unsafe { *published.job.get() = job };
-        published.tasks.store(tasks, Relaxed);
-        sh.next.store(0, Relaxed);
-        let s = published.state.load(Relaxed);
-        published.state.store((epoch(s) + 1) << 32, SeqCst);
-        if sh.sleepers.load(SeqCst) > 0 {
-            let _g = sh.sleep.lock().unwrap_or_else(|e| e.into_inner());
-            sh.wake.notify_all();
-        }
-        sh.run_tasks(f);
-        published.state.fetch_or(CLOSED, AcqRel);
-        let mut spins = 0u32;
-        while published.state.load(Acquire) & ACTIVE != 0 {
-            spins += 1;
-            if spins < 1 << 12 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+        {
+            // SAFETY: this call holds the claim, and `open` is dropped at the end of this
+            // block (on an unwind too), never leaked.
+            let open = unsafe { OpenJob::publish(sh, tasks, f) };
+            sh.run_tasks(f);
+            // Closes the job and waits for every worker that joined it.
+            drop(open);
         }
         if !sh.panicked.load(Acquire) {
             return Ok(());
@@ -311,6 +305,62 @@ impl KernelPool {
         Err(QuantError::TaskPanicked(
             msg.unwrap_or_else(|| "unknown panic".into()),
         ))
+    }
+}
+
+/// A published job, open to workers until dropped. Dropping it closes the job and waits
+/// until every worker that joined has left, so the closure whose lifetime
+/// [`OpenJob::publish`] erased is never read after the borrow it came from ends. Being a
+/// `Drop`, the wait also happens when the caller unwinds between publishing and waiting:
+/// without it, an unwind there would return while workers still ran a closure on the
+/// caller's stack.
+struct OpenJob<'a> {
+    shared: &'a Shared,
+    _job: std::marker::PhantomData<&'a (dyn Fn(usize) + Sync)>,
+}
+
+impl<'a> OpenJob<'a> {
+    /// Publishes `f` over `tasks` tasks and wakes sleeping workers.
+    ///
+    /// # Safety
+    /// The caller holds the pool's `busy` claim (so no other job is published meanwhile), and
+    /// drops the guard, never leaks it (`std::mem::forget`): the lifetime `'a` ties `f` to
+    /// the guard, but only the drop makes the workers stop reading it.
+    unsafe fn publish(shared: &'a Shared, tasks: usize, f: &'a (dyn Fn(usize) + Sync)) -> Self {
+        let published = &*shared.published;
+        // SAFETY: workers read the closure only between joining this job and leaving it, and
+        // the guard's drop waits until every joined worker has left, before `'a` ends.
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        // SAFETY: no worker reads `job` now: the previous job is closed with no one joined.
+        unsafe { *published.job.get() = job };
+        published.tasks.store(tasks, Relaxed);
+        shared.next.store(0, Relaxed);
+        let s = published.state.load(Relaxed);
+        published.state.store((epoch(s) + 1) << 32, SeqCst);
+        if shared.sleepers.load(SeqCst) > 0 {
+            let _g = shared.sleep.lock().unwrap_or_else(|e| e.into_inner());
+            shared.wake.notify_all();
+        }
+        OpenJob {
+            shared,
+            _job: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for OpenJob<'_> {
+    fn drop(&mut self) {
+        let published = &*self.shared.published;
+        published.state.fetch_or(CLOSED, AcqRel);
+        let mut spins = 0u32;
+        while published.state.load(Acquire) & ACTIVE != 0 {
+            spins += 1;
+            if spins < 1 << 12 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
     }
 }
 
@@ -485,5 +535,171 @@ mod tests {
         }
         // The check above means something only if the worker took part.
         assert!(on_worker.load(Relaxed) > 0, "the worker never ran a task");
+    }
+
+    /// A panic payload whose own `Drop` panics: what `panic_any` can throw at the pool.
+    struct DropPanics;
+
+    impl Drop for DropPanics {
+        fn drop(&mut self) {
+            panic!("the panic payload's drop panicked too");
+        }
+    }
+
+    /// Runs `f` on a thread of its own and fails if it takes more than a minute: a pool that
+    /// waits forever for a worker fails the test instead of hanging it.
+    fn within_a_minute<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(f()).unwrap());
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("the pool hung")
+    }
+
+    /// Spins until `flag` is set; false after a few seconds without it.
+    fn wait_for(flag: &AtomicBool) -> bool {
+        let start = Instant::now();
+        while !flag.load(SeqCst) {
+            if start.elapsed() > Duration::from_secs(2) {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
+    }
+
+    #[test]
+    fn a_panic_on_the_caller_returns_only_after_the_workers_and_leaves_the_pool_usable() {
+        let (returned, busy_worker_done, total) = within_a_minute(|| {
+            // Declared before the pool, so they outlive its workers whatever `run` does.
+            let (started, done) = (AtomicBool::new(false), AtomicBool::new(false));
+            let caller = std::thread::current().id();
+            let job = |_| {
+                if std::thread::current().id() != caller {
+                    started.store(true, SeqCst);
+                    std::thread::sleep(Duration::from_millis(50));
+                    done.store(true, SeqCst);
+                } else if wait_for(&started) {
+                    // While the worker is inside the job.
+                    std::panic::panic_any(DropPanics);
+                }
+            };
+            let pool = KernelPool::with_options(2, Isa::Portable, Duration::from_millis(20));
+            for _ in 0..20 {
+                started.store(false, SeqCst);
+                done.store(false, SeqCst);
+                let result = catch_unwind(AssertUnwindSafe(|| pool.run(2, &job)));
+                if !started.load(SeqCst) {
+                    continue; // The worker never joined: try again.
+                }
+                let done = done.load(SeqCst);
+                let count = AtomicU32::new(0);
+                pool.run(16, &|_| {
+                    count.fetch_add(1, Relaxed);
+                })
+                .unwrap();
+                return (result, done, count.load(Relaxed));
+            }
+            panic!("the worker never joined a job");
+        });
+        let returned = returned.expect("run unwound instead of returning the task's panic");
+        assert_eq!(
+            returned,
+            Err(QuantError::TaskPanicked("unknown panic".into()))
+        );
+        assert!(
+            busy_worker_done,
+            "run returned while a worker was still running its job"
+        );
+        assert_eq!(total, 16, "the next job after the panic");
+    }
+
+    #[test]
+    fn a_panic_on_a_worker_is_the_callers_error_and_the_worker_keeps_working() {
+        let (returned, worker_ran_later) = within_a_minute(|| {
+            let (thrown, on_worker) = (AtomicBool::new(false), AtomicBool::new(false));
+            let caller = std::thread::current().id();
+            let job = |_| {
+                if std::thread::current().id() != caller {
+                    thrown.store(true, SeqCst);
+                    std::panic::panic_any(DropPanics);
+                }
+                // The caller leaves the worker time to join and take a task.
+                wait_for(&thrown);
+            };
+            let pool = KernelPool::with_options(2, Isa::Portable, Duration::from_millis(20));
+            for _ in 0..20 {
+                let result = pool.run(2, &job);
+                if !thrown.load(SeqCst) {
+                    continue; // The worker never joined: try again.
+                }
+                // The worker is alive: it takes tasks of later jobs.
+                for _ in 0..200 {
+                    pool.run(2, &|_| {
+                        if std::thread::current().id() != caller {
+                            on_worker.store(true, SeqCst);
+                        }
+                        std::thread::sleep(Duration::from_micros(200));
+                    })
+                    .unwrap();
+                    if on_worker.load(SeqCst) {
+                        break;
+                    }
+                }
+                return (result, on_worker.load(SeqCst));
+            }
+            panic!("the worker never joined a job");
+        });
+        assert_eq!(
+            returned,
+            Err(QuantError::TaskPanicked("unknown panic".into()))
+        );
+        assert!(worker_ran_later, "the worker ran no task after its panic");
+    }
+
+    #[test]
+    fn an_unwinding_caller_waits_for_the_workers_inside_its_job() {
+        // Nothing in `run` unwinds between publishing and waiting today; the guard is what
+        // keeps that sound if something ever does. Here the caller unwinds by hand, its job
+        // published and a worker inside it.
+        let (started, done) = (AtomicBool::new(false), AtomicBool::new(false));
+        let job = |_| {
+            started.store(true, SeqCst);
+            std::thread::sleep(Duration::from_millis(50));
+            done.store(true, SeqCst);
+        };
+        // Declared after what the job borrows, so its workers are joined before that goes.
+        let pool = KernelPool::with_options(2, Isa::Portable, Duration::from_millis(20));
+        // A worker joins jobs published after it started: wait until it has taken a task.
+        let caller = std::thread::current().id();
+        let worker_ran = AtomicBool::new(false);
+        for _ in 0..1000 {
+            pool.run(2, &|_| {
+                if std::thread::current().id() != caller {
+                    worker_ran.store(true, SeqCst);
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            })
+            .unwrap();
+            if worker_ran.load(SeqCst) {
+                break;
+            }
+        }
+        assert!(pool
+            .busy
+            .compare_exchange(false, true, Acquire, Relaxed)
+            .is_ok());
+        let _claim = ClaimGuard(&pool.busy);
+        let unwound = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the claim is held; the guard is dropped by this closure's unwind.
+            let _open = unsafe { OpenJob::publish(&pool.shared, 1, &job) };
+            assert!(wait_for(&started), "no worker joined the job");
+            panic!("the caller fails while a worker runs its job");
+        }));
+        let message = panic_message(unwound.expect_err("the caller unwinds"));
+        assert_eq!(message, "the caller fails while a worker runs its job");
+        assert!(
+            done.load(SeqCst),
+            "the caller unwound past a worker still running its job"
+        );
     }
 }
