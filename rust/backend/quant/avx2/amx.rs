@@ -66,7 +66,11 @@ pub(super) unsafe fn run<F: Fmt>(
     groups: Range<usize>,
     out: OutMatrix,
 ) {
-    debug_assert!(act.has_pairs() && act.rows >= AMX_MIN_ROWS);
+    // Once a task: the tile shapes below, and so every tile load's rows, follow from it.
+    assert!(
+        act.has_pairs() && act.rows >= AMX_MIN_ROWS,
+        "the AMX kernel needs the input laid out as tiles, {AMX_MIN_ROWS} rows or more"
+    );
     let pairs_end = groups.start + groups.len() / 2 * 2;
     let layout = RecordLayout::of(w.format());
     let ws = Workspace::take(act);

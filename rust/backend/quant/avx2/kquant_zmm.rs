@@ -63,7 +63,11 @@ unsafe fn pair<F: Fmt, const R: usize>(
     let nb = w.blocks();
     let (lo, hi) = (w.group_records(g), w.group_records(g + 1));
     let record_bytes = F::RECORD_BYTES;
-    debug_assert_eq!(record_bytes * nb, lo.len());
+    // Once a pair of groups: every record pointer below rests on it.
+    assert!(
+        lo.len() == record_bytes * nb && hi.len() == lo.len(),
+        "a group's records are not {nb} of {record_bytes} bytes"
+    );
     let subs = 64 / F::GPS;
     let mut accv = [_mm512_setzero_ps(); R];
     for b in 0..nb {

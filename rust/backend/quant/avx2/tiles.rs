@@ -22,7 +22,10 @@ pub(super) struct TileConfig {
 }
 
 impl TileConfig {
-    /// Tiles `shapes[t] = (rows, bytes per row)` for `tmm0..`, the others unused.
+    /// Tiles `shapes[t] = (rows, bytes per row)` for `tmm0..`, the others unused. Panics on
+    /// a shape larger than a tile (16 rows of 64 bytes), in every build: the tile loads and
+    /// stores read and write the configured rows, so a configuration is what keeps them in
+    /// their buffers, and it is made once a task, far from any hot loop.
     pub(super) fn new(shapes: &[(usize, usize)]) -> TileConfig {
         let mut c = TileConfig {
             palette: 1,
@@ -32,7 +35,10 @@ impl TileConfig {
             rows: [0; 16],
         };
         for (t, &(rows, bytes)) in shapes.iter().enumerate().take(8) {
-            debug_assert!(rows <= 16 && bytes <= 64);
+            assert!(
+                rows <= 16 && bytes <= 64,
+                "tile {t}: {rows} rows of {bytes} bytes do not fit a tile of 16 rows of 64"
+            );
             c.rows[t] = rows as u8;
             c.bytes_per_row[t] = bytes as u16;
         }
@@ -98,5 +104,37 @@ pub(super) unsafe fn dot<const C: u8, const A: u8, const B: u8, const SIGNED_B: 
             c = const C, a = const A, b = const B,
             options(nostack, nomem, preserves_flags)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shape check holds in release builds too (it needs no AMX: nothing is loaded).
+    #[test]
+    fn a_shape_larger_than_a_tile_is_refused() {
+        let c = TileConfig::new(&[(16, 64), (2, 64), (0, 0)]);
+        assert_eq!(
+            (c.rows[..3].to_vec(), c.bytes_per_row[..3].to_vec()),
+            (vec![16, 2, 0], vec![64, 64, 0])
+        );
+        for (shape, what) in [
+            ((17, 64), "17 rows of 64 bytes"),
+            ((16, 65), "16 rows of 65 bytes"),
+        ] {
+            let caught = std::panic::catch_unwind(|| {
+                TileConfig::new(&[(16, 64), shape]);
+            });
+            let payload = caught.expect_err(what);
+            let message = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_default();
+            assert_eq!(
+                message,
+                format!("tile 1: {what} do not fit a tile of 16 rows of 64")
+            );
+        }
     }
 }
