@@ -1,5 +1,6 @@
 //! The one pre-norm decoder layer the target model and the MTP draft heads share, on the
-//! typed [`Kernels`] only (so every backend runs it): RMSNorm, q/k/v projections (with
+//! typed [`Kernels`] only (so every backend runs it): RMSNorm (or an attention input the
+//! caller normed, as EAGLE-3's wider one: [`decoder_layer_with_input`]), q/k/v projections (with
 //! biases when the weights have them; one grouped linear over the shared input), the per-head q/k RMSNorm, RoPE, the paged KV write,
 //! paged attention (with Qwen3-Next's sigmoid output gate), the output projection and
 //! residual, then RMSNorm and a SwiGLU MLP (gate and up grouped) or routed experts with shared experts, and the
@@ -121,6 +122,25 @@ pub fn decoder_layer(
     sc: &LayerScratch,
     depth: LayerDepth,
 ) -> crate::Result<()> {
+    decoder_layer_with_input(gpu, shape, w, cache, io, sc, depth, None)
+}
+
+/// [`decoder_layer`] whose attention reads `attn_input` (BF16 `[rows, in]`, already normed
+/// by the caller, `in` the q/k/v projections' input width) instead of
+/// `input_layernorm(io.hidden)`; `io.hidden` is still the residual stream the attention and
+/// the MLP add to. EAGLE-3's layer attends over `[input_layernorm(embed) | hidden_norm(h)]`
+/// (twice the hidden width) this way. `None` is [`decoder_layer`].
+#[allow(clippy::too_many_arguments)]
+pub fn decoder_layer_with_input(
+    gpu: &dyn GpuBackend,
+    shape: &LayerShape,
+    w: &LayerWeights,
+    cache: &LayerCache,
+    io: &LayerIo,
+    sc: &LayerScratch,
+    depth: LayerDepth,
+    attn_input: Option<DevicePtr>,
+) -> crate::Result<()> {
     let (rows, stream) = (io.rows, io.stream);
     let LayerShape {
         hidden,
@@ -154,7 +174,13 @@ pub fn decoder_layer(
     let bf16 = Dtype::Bf16;
 
     // Attention.
-    rms_norm(sc.normed, io.hidden, w.attn_norm.ptr, rows, hidden)?;
+    let attn_in = match attn_input {
+        Some(x) => x,
+        None => {
+            rms_norm(sc.normed, io.hidden, w.attn_norm.ptr, rows, hidden)?;
+            sc.normed
+        }
+    };
     let gated = match (w.gated_attention, sc.gated) {
         (false, _) => None,
         (true, Some(g)) => Some(g),
@@ -173,7 +199,7 @@ pub fn decoder_layer(
         (&w.v, w.v_bias.as_ref(), sc.v),
     ]
     .map(|(weight, bias, out)| Projection { weight, bias, out });
-    project_bf16(gpu, sc.normed, rows, stream, &qkv)?;
+    project_bf16(gpu, attn_in, rows, stream, &qkv)?;
     if let Some(g) = gated {
         // Per head, q_proj's rows are [query (head_dim), gate (head_dim)].
         let head_bytes = head_dim * bf16.size();

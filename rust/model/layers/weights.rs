@@ -243,6 +243,20 @@ impl LayerWeights {
         names: &LayerNames,
         options: &LayerOptions,
     ) -> crate::Result<Self> {
+        Self::load_with_attention_input(allocs, src, config, names, options, config.hidden_size)
+    }
+
+    /// [`LayerWeights::load`] of a layer whose q/k/v projections read `attn_in` columns
+    /// (EAGLE-3's `2 * hidden`, run by
+    /// [`decoder_layer_with_input`](super::decoder_layer_with_input)).
+    pub fn load_with_attention_input(
+        allocs: &DeviceAllocations,
+        src: &dyn TensorSource,
+        config: &ModelConfig,
+        names: &LayerNames,
+        options: &LayerOptions,
+        attn_in: usize,
+    ) -> crate::Result<Self> {
         let (h, hd) = (config.hidden_size, config.head_dim);
         let (qs, kvs) = (config.q_size(), config.kv_size());
         let q_rows = if options.gated_attention { 2 * qs } else { qs };
@@ -259,9 +273,9 @@ impl LayerWeights {
         };
         let attn_norm = norm(Part::AttnNorm, h)?;
         let (q, k, v, o) = (
-            lin(Part::Q, q_rows, h)?,
-            lin(Part::K, kvs, h)?,
-            lin(Part::V, kvs, h)?,
+            lin(Part::Q, q_rows, attn_in)?,
+            lin(Part::K, kvs, attn_in)?,
+            lin(Part::V, kvs, attn_in)?,
             lin(Part::O, h, qs)?,
         );
         let (q_bias, k_bias, v_bias) = (
@@ -319,6 +333,15 @@ impl LayerWeights {
 
     /// `Err(message)` naming the first weight whose shape `shape` does not imply.
     pub fn check(&self, shape: &LayerShape) -> Result<(), String> {
+        self.check_with_attention_input(shape, shape.hidden)
+    }
+
+    /// [`LayerWeights::check`] of a layer whose q/k/v projections read `attn_in` columns.
+    pub fn check_with_attention_input(
+        &self,
+        shape: &LayerShape,
+        attn_in: usize,
+    ) -> Result<(), String> {
         let LayerShape {
             hidden: h,
             heads,
@@ -329,9 +352,9 @@ impl LayerWeights {
         let gated = if self.gated_attention { 2 } else { 1 };
         type Dims = (usize, usize);
         let expect: [(&str, Dims, Dims); 4] = [
-            ("q_proj", self.q.dims(), (gated * heads * hd, h)),
-            ("k_proj", self.k.dims(), (kvh * hd, h)),
-            ("v_proj", self.v.dims(), (kvh * hd, h)),
+            ("q_proj", self.q.dims(), (gated * heads * hd, attn_in)),
+            ("k_proj", self.k.dims(), (kvh * hd, attn_in)),
+            ("v_proj", self.v.dims(), (kvh * hd, attn_in)),
             ("o_proj", self.o.dims(), (h, heads * hd)),
         ];
         for (name, found, want) in expect {
