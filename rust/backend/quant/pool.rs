@@ -87,19 +87,25 @@ struct Shared {
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
-/// A task's panic as text, its payload dropped without unwinding: a payload whose own `Drop`
-/// panics (`std::panic::panic_any` takes any type) has that second panic caught and its
-/// payload leaked. Recording a panic therefore never unwinds: a worker that unwound here would
-/// never leave its job, and its caller would wait for it forever.
+/// A task's panic as text, its payload dropped without unwinding: a payload's own `Drop` may
+/// panic (`std::panic::panic_any` takes any type), and that panic is caught and its payload
+/// dropped the same way (a chain of them is cut after a few, its last payload leaked).
+/// Recording a panic therefore never unwinds: a worker that unwound here would never leave its
+/// job, and its caller would wait for it forever.
 fn panic_message(p: Box<dyn Any + Send>) -> String {
     let message = p
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".into());
-    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(p))) {
-        std::mem::forget(again);
+    let mut p = p;
+    for _ in 0..4 {
+        match catch_unwind(AssertUnwindSafe(move || drop(p))) {
+            Ok(()) => return message,
+            Err(again) => p = again,
+        }
     }
+    std::mem::forget(p);
     message
 }
 

@@ -85,6 +85,9 @@ mod tests {
         };
         #[cfg(not(target_arch = "x86_64"))]
         let (avx2, avx512) = (false, false);
+        // What a checker's run covered (scripts/unsafe-check.sh reads this line).
+        let names: Vec<_> = Isa::available().iter().map(|i| i.name()).collect();
+        eprintln!("instruction sets this CPU runs: {}", names.join(", "));
         for asked in Isa::ALL {
             let level = SupportedIsa::at_most(asked);
             assert!(level.isa() <= asked, "asked {asked:?}");
