@@ -19,9 +19,9 @@
 //! back to its first row after (the engine part always decodes plainly).
 
 use specdraft::backend::{
-    AllocationLedger, ArgmaxArgs, BackendError, CpuBackend, DevicePtr, ElementwiseArgs,
-    ElementwiseOp, EmbeddingArgs, GpuBackend, GroupedLinearArgs, Kernels, KvWriteArgs, LinearArgs,
-    PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
+    ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GpuBackend, GroupedLinearArgs, Kernels,
+    KvWriteArgs, LinearArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use specdraft::engine::{GenerateRequest, KvPoolStatus, SpecEngine, Target, TargetOutput};
 use specdraft::memory::BufferArena;
@@ -116,6 +116,9 @@ impl Kernels for TimedBackend {
     }
     fn softmax(&self, a: SoftmaxArgs) -> Result<(), BackendError> {
         self.timed("softmax", || self.inner.softmax(a))
+    }
+    fn copy_rows(&self, a: CopyRowsArgs) -> Result<(), BackendError> {
+        self.timed("layer capture", || self.inner.copy_rows(a))
     }
 }
 

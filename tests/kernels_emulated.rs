@@ -146,6 +146,24 @@ fn softmax_matches_reference() {
 }
 
 #[test]
+fn copy_rows_matches_reference() {
+    let dut = EmuBackend::new();
+    // One row and one element; rows wider than a block's threads; a source wider than what
+    // is copied; a destination with columns no part writes.
+    for (rows, width, src_stride, parts, pad) in [
+        (1, 1, 1, 1, 0),
+        (3, 577, 577, 3, 0),
+        (7, 33, 40, 2, 5),
+        (2, 256, 256, 4, 1),
+    ] {
+        check(
+            &dut,
+            k::copy_rows(&dut, rows, width, src_stride, parts, pad, 111),
+        );
+    }
+}
+
+#[test]
 fn bad_arguments_get_the_reference_errors() {
     let dut = EmuBackend::new();
     check(&dut, k::same_errors(&dut));
@@ -178,6 +196,7 @@ fn a_thread_that_never_runs_is_caught() {
     assert!(k::add_silu(&dut, 577, 31).is_err());
     // Row kernels: the last thread's columns are never written.
     assert!(k::embedding(&dut, 3, 577, 50, 11).is_err());
+    assert!(k::copy_rows(&dut, 3, 577, 577, 2, 0, 111).is_err());
     // A warp shuffle that reads the absent lane is an error of the launch itself.
     let err = k::rms_norm(&dut, 3, 33, 21, false).unwrap_err();
     assert!(err.contains("absent or has returned"), "{err}");

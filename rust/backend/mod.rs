@@ -32,9 +32,10 @@ pub use device_ptr::DevicePtr;
 pub use dtype::Dtype;
 pub use error::BackendError;
 pub use kernels::{
-    ArgmaxArgs, CheckedMemory, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs,
-    Kernels, KvWriteArgs, LinearArgs, LinearPart, LinearWeight, PagedAttentionArgs, RmsNormArgs,
-    RopeArgs, RopeStyle, SoftmaxArgs, FP8_BLOCK, MAX_LINEAR_PARTS, NVFP4_BLOCK,
+    ArgmaxArgs, CheckedMemory, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs,
+    GroupedLinearArgs, Kernels, KvWriteArgs, LinearArgs, LinearPart, LinearWeight,
+    PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs, FP8_BLOCK, MAX_LINEAR_PARTS,
+    NVFP4_BLOCK,
 };
 pub use ledger::{AllocationLedger, LiveAllocation};
 pub use traits::{GpuBackend, GpuBackendExt};

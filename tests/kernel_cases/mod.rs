@@ -7,7 +7,7 @@
 //! it allocated, on both backends, whatever happens.
 //!
 //! Tolerances (stated once, used by every case):
-//! - copies (embedding, kv_write) and argmax: exact;
+//! - copies (embedding, kv_write, copy_rows) and argmax: exact;
 //! - BF16 outputs: one BF16 rounding step, |got - want| <= 2^-7 * |want| + `atol`, where
 //!   `atol` covers f32 accumulation done in a different order (given per op);
 //! - F32 outputs: |got - want| <= 1e-5 * |want| + `atol`.
@@ -20,8 +20,8 @@ use half::bf16;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{
-    ArgmaxArgs, BackendError, CpuBackend, DevicePtr, Dtype, ElementwiseArgs, ElementwiseOp,
-    EmbeddingArgs, GpuBackend, GpuBackendExt, KvWriteArgs, LinearArgs, LinearWeight,
+    ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr, Dtype, ElementwiseArgs,
+    ElementwiseOp, EmbeddingArgs, GpuBackend, GpuBackendExt, KvWriteArgs, LinearArgs, LinearWeight,
     PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
 };
 use std::cell::RefCell;
@@ -588,6 +588,52 @@ pub fn softmax(
     close("softmax", &got, &want, F32_RTOL, 1e-8)
 }
 
+/// `parts` source buffers of `rows` rows (`src_stride` elements apart, `width` used) copied
+/// side by side into one poisoned `[rows, parts * width + pad]` buffer, part `j` at column
+/// `j * width`, as the target's layer capture does. The reference's result is also checked
+/// against the copy done here on the host (the pad columns stay poisoned).
+pub fn copy_rows(
+    dut: &dyn GpuBackend,
+    rows: usize,
+    width: usize,
+    src_stride: usize,
+    parts: usize,
+    pad: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let dst_stride = parts * width + pad;
+    let srcs: Vec<Vec<f32>> = (0..parts)
+        .map(|j| uniform(seed + j as u64, rows * src_stride, -4.0, 4.0))
+        .collect();
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let dst = s.out(Dtype::Bf16, rows * dst_stride)?;
+        for (j, src) in srcs.iter().enumerate() {
+            b.copy_rows(CopyRowsArgs {
+                dst,
+                src: s.bf16(src)?,
+                rows,
+                width,
+                col: j * width,
+                dst_stride,
+                src_stride,
+                stream: 0,
+            })?;
+        }
+        b.download::<bf16>(dst, rows * dst_stride)
+    })?;
+    let mut host = vec![bf16::from_bits(0xffff); rows * dst_stride];
+    for (j, src) in srcs.iter().enumerate() {
+        for r in 0..rows {
+            for i in 0..width {
+                host[r * dst_stride + j * width + i] = bf16::from_f32(src[r * src_stride + i]);
+            }
+        }
+    }
+    exact("copy_rows reference", &bits(&want), &bits(&host))?;
+    exact("copy_rows", &bits(&got), &bits(&want))
+}
+
 /// Bad arguments: the backend under test must reject each exactly as the reference does.
 pub fn same_errors(dut: &dyn GpuBackend) -> Result<(), String> {
     let run = |b: &dyn GpuBackend| -> Result<Vec<String>, BackendError> {
@@ -718,6 +764,39 @@ pub fn same_errors(dut: &dyn GpuBackend) -> Result<(), String> {
                 kv_heads: 1,
                 head_dim: 8,
                 num_slots: 2,
+                stream: 0,
+            }),
+            // A row wider than the source's stride, then columns past the destination's.
+            // (Each span lies inside its buffer: only the shape check refuses it.)
+            b.copy_rows(CopyRowsArgs {
+                dst: out,
+                src: table,
+                rows: 1,
+                width: 9,
+                col: 0,
+                dst_stride: 9,
+                src_stride: 8,
+                stream: 0,
+            }),
+            b.copy_rows(CopyRowsArgs {
+                dst: out,
+                src: table,
+                rows: 1,
+                width: 8,
+                col: 1,
+                dst_stride: 8,
+                src_stride: 8,
+                stream: 0,
+            }),
+            // The last destination row runs past its buffer (2 rows of 8 hold 16 elements).
+            b.copy_rows(CopyRowsArgs {
+                dst: out,
+                src: table,
+                rows: 2,
+                width: 4,
+                col: 6,
+                dst_stride: 8,
+                src_stride: 8,
                 stream: 0,
             }),
             // A misaligned f32 pointer.

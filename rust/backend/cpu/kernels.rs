@@ -17,8 +17,8 @@ use super::fp8::Fp8Rows;
 use super::linear::{Nvfp4Rows, WeightRows};
 use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
-    ArgmaxArgs, ElementwiseArgs, EmbeddingArgs, GroupedLinearArgs, Kernels, KvWriteArgs,
-    LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, EmbeddingArgs, GroupedLinearArgs, Kernels,
+    KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use crate::backend::quant::{PackedView, QuantError};
 use crate::backend::BackendError;
@@ -249,6 +249,20 @@ impl Kernels for CpuBackend {
         }
         // SAFETY: validated range; no other view of it is alive.
         unsafe { a.out.typed_mut::<f32>() }.copy_from_slice(&ls);
+        Ok(())
+    }
+
+    fn copy_rows(&self, args: CopyRowsArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        if a.rows == 0 || a.width == 0 {
+            return Ok(());
+        }
+        // SAFETY: validated spans, apart from each other.
+        let (src, dst) = unsafe { (a.src.typed::<bf16>(), a.dst.typed_mut::<bf16>()) };
+        for r in 0..a.rows {
+            let (s, d) = (r * a.src_stride, r * a.dst_stride);
+            dst[d..d + a.width].copy_from_slice(&src[s..s + a.width]);
+        }
         Ok(())
     }
 }

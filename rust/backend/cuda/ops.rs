@@ -15,8 +15,9 @@
 use super::attention;
 use super::launch::*;
 use crate::backend::kernels::{
-    ArgmaxArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs, Kernels,
-    KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs,
+    Kernels, KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs,
+    SoftmaxArgs,
 };
 use crate::backend::{BackendError, Dtype};
 
@@ -159,5 +160,20 @@ impl<L: KernelLauncher> Kernels for L {
             return Ok(());
         }
         self.launch("sd_softmax", rows_shape(a.rows, op)?, &l.args, a.stream)
+    }
+
+    fn copy_rows(&self, args: CopyRowsArgs) -> Result<(), BackendError> {
+        let op = "copy_rows";
+        let a = args.validate(self)?;
+        let mut l = LaunchArgs::new(op);
+        l.ptr(&a.dst).ptr(&a.src);
+        l.int("rows", a.rows)?
+            .int("width", a.width)?
+            .int("dst_stride", a.dst_stride)?
+            .int("src_stride", a.src_stride)?;
+        if a.rows == 0 || a.width == 0 {
+            return Ok(());
+        }
+        self.launch("sd_copy_rows", rows_shape(a.rows, op)?, &l.args, a.stream)
     }
 }

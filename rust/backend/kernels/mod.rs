@@ -23,6 +23,7 @@
 mod attention;
 mod basic;
 pub(crate) mod check;
+mod copy_rows;
 mod linear;
 
 pub use attention::{CheckedAttention, CheckedKvWrite, KvWriteArgs, PagedAttentionArgs, RopeArgs};
@@ -31,6 +32,7 @@ pub use basic::{
     SoftmaxArgs,
 };
 pub use check::CheckedMemory;
+pub use copy_rows::CopyRowsArgs;
 pub use linear::{
     GroupedLinearArgs, LinearArgs, LinearPart, LinearWeight, FP8_BLOCK, MAX_LINEAR_PARTS,
     NVFP4_BLOCK,
@@ -71,4 +73,6 @@ pub trait Kernels {
     fn argmax(&self, args: ArgmaxArgs) -> Result<(), BackendError>;
     /// Softmax of each row at a temperature ([`SoftmaxArgs`]).
     fn softmax(&self, args: SoftmaxArgs) -> Result<(), BackendError>;
+    /// Rows copied into columns of wider rows ([`CopyRowsArgs`]).
+    fn copy_rows(&self, args: CopyRowsArgs) -> Result<(), BackendError>;
 }
