@@ -11,6 +11,7 @@
 //!   checked, and an error names the tensor and the file.
 
 mod batch;
+mod capture;
 mod config;
 mod config_limits;
 mod context;
@@ -28,6 +29,7 @@ mod target;
 pub mod tensors;
 mod weights;
 
+pub use capture::check_layer_ids;
 pub use config::{ConfigError, ModelConfig, ModelFamily, MoeConfig, RopeScaling, MAX_CONFIG_BYTES};
 pub use config_limits::LIMITS;
 pub use context::{Communicator, ForwardContext};

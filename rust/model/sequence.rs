@@ -57,4 +57,7 @@ pub struct ForwardOutput {
     pub logits_rows: usize,
     /// BF16 `[rows, hidden]`: each row's hidden state before the final norm.
     pub hiddens: DevicePtr,
+    /// BF16 `[rows, n * hidden]`: the hidden after each of the `n` capture layers the forward
+    /// named, side by side in the order named; `None` when it named none.
+    pub hidden_stack: Option<DevicePtr>,
 }

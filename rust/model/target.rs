@@ -9,8 +9,12 @@
 //! - `forward` is all-or-nothing: on error no sequence changes and no block is taken.
 //! - Forwards are serialised (one scratch, one set of outputs); the outputs stay valid until
 //!   the next forward.
+//! - A forward that names capture layers (see [`super::capture`]) also returns the hidden
+//!   after each of them for every row; one that names none reads and writes nothing more
+//!   than a forward without capture, and allocates nothing for it.
 
 use super::batch::{stage, Plan};
+use super::capture::{check_layer_ids, Capture, CaptureBuffer};
 use super::decoder_weights::{DecoderWeights, NameScheme};
 use super::gguf::GgufFile;
 use super::hf_checkpoint::SafetensorsCheckpoint;
@@ -60,6 +64,7 @@ impl Default for LoadOptions {
 
 struct Scratch {
     staging: Vec<u32>,
+    capture: CaptureBuffer,
 }
 
 /// A loaded Llama-family target model.
@@ -225,6 +230,7 @@ impl TargetModel {
             max_blocks_per_seq,
             scratch: Mutex::new(Scratch {
                 staging: Vec::with_capacity(meta_len),
+                capture: CaptureBuffer::empty(),
             }),
             allocs,
         })
@@ -311,10 +317,26 @@ impl TargetModel {
         tokens: &[&[u32]],
         logit_rows: LogitRows,
     ) -> crate::Result<ForwardOutput> {
+        self.forward_capturing(seqs, tokens, logit_rows, &[])
+    }
+
+    /// [`TargetModel::forward_with`] that also captures the hidden after each decoder layer
+    /// in `layers` (ids below `num_hidden_layers`, distinct; see [`super::capture`]) for
+    /// every row, into the output's `hidden_stack`: BF16 `[rows, layers.len() * hidden]`,
+    /// the layers side by side in the order given. With no layers it is `forward_with`.
+    pub fn forward_capturing(
+        &self,
+        seqs: &mut [&mut KvSequence],
+        tokens: &[&[u32]],
+        logit_rows: LogitRows,
+        layers: &[usize],
+    ) -> crate::Result<ForwardOutput> {
         const OP: &str = "TargetModel::forward";
         if self.allocs.is_empty() {
             return Err(ModelError::invalid(OP, "the model has been freed").into());
         }
+        check_layer_ids(layers, self.config.num_hidden_layers)
+            .map_err(|m| ModelError::invalid(OP, format!("capture layers: {m}")))?;
         if seqs.len() != tokens.len() || seqs.is_empty() {
             return Err(ModelError::invalid(
                 OP,
@@ -369,9 +391,21 @@ impl TargetModel {
             need.push(new_len.div_ceil(BLOCK_SIZE) - s.blocks.len());
         }
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let capture = match layers {
+            [] => None,
+            ids => Some(Capture {
+                buffer: scratch.capture.with_room(
+                    &self.allocs,
+                    ids.len(),
+                    self.max_rows,
+                    self.config.hidden_size,
+                )?,
+                ids,
+            }),
+        };
         let fresh = self.pool.alloc(need.iter().sum())?;
         let plan = stage(&mut scratch.staging, seqs, tokens, &need, &fresh);
-        match self.run(&scratch.staging, plan, rows, logit_rows) {
+        match self.run(&scratch.staging, plan, rows, logit_rows, capture) {
             Ok(out) => {
                 let mut taken = 0;
                 for ((s, t), n) in seqs.iter_mut().zip(tokens).zip(&need) {
@@ -394,6 +428,7 @@ impl TargetModel {
         plan: Plan,
         rows: usize,
         logit_rows: LogitRows,
+        capture: Option<Capture<'_>>,
     ) -> crate::Result<ForwardOutput> {
         let gpu = self.gpu.as_ref();
         let mbps = plan.max_blocks_per_seq;
@@ -435,8 +470,11 @@ impl TargetModel {
             vocab: c.vocab_size,
             stream: s,
         })?;
-        for (lw, cache) in w.layers.iter().zip(&self.caches) {
+        for (l, (lw, cache)) in w.layers.iter().zip(&self.caches).enumerate() {
             decoder_layer(gpu, &self.shape, lw, cache, &io, sc, LayerDepth::Full)?;
+            if let Some(c) = &capture {
+                c.after_layer(gpu, l, io.hidden, rows, h, s)?;
+            }
         }
         let final_norm = |x: DevicePtr, rows: usize| {
             gpu.rms_norm(RmsNormArgs {
@@ -474,6 +512,7 @@ impl TargetModel {
             logits: self.logits,
             logits_rows: head_rows,
             hiddens: self.hiddens,
+            hidden_stack: capture.map(|c| c.buffer),
         })
     }
 

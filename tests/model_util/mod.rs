@@ -303,11 +303,23 @@ fn matvec(w: &[f32], x: &[f32]) -> Vec<f32> {
 /// An independent f32 forward of the tiny model (HF layout, rotate-half RoPE, causal
 /// attention over the whole prefix): the logits at every position of `tokens`.
 pub fn reference_logits(tiny: &Tiny, tensors: &Tensors, tokens: &[u32]) -> Vec<Vec<f32>> {
+    reference_forward(tiny, tensors, tokens).0
+}
+
+/// [`reference_logits`]' forward: the logits at every position of `tokens`, and at every
+/// position the residual stream after each decoder layer (`[position][layer]`).
+#[allow(clippy::type_complexity)]
+pub fn reference_forward(
+    tiny: &Tiny,
+    tensors: &Tensors,
+    tokens: &[u32],
+) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
     let t: HashMap<&str, &Vec<f32>> = tensors.iter().map(|(n, _, v)| (n.as_str(), v)).collect();
     let (hd, nh, nkv) = (tiny.head_dim, tiny.heads, tiny.kv_heads);
     let mut keys: Vec<Vec<Vec<f32>>> = vec![Vec::new(); tiny.layers];
     let mut vals: Vec<Vec<Vec<f32>>> = vec![Vec::new(); tiny.layers];
     let mut logits = Vec::new();
+    let mut layer_outputs = Vec::new();
     let rope = |x: &mut [f32], heads: usize, pos: usize| {
         for h in 0..heads {
             for i in 0..hd / 2 {
@@ -323,6 +335,7 @@ pub fn reference_logits(tiny: &Tiny, tensors: &Tensors, tokens: &[u32]) -> Vec<V
         let emb = t["model.embed_tokens.weight"];
         let mut x: Vec<f32> =
             emb[tok as usize * tiny.hidden..(tok as usize + 1) * tiny.hidden].to_vec();
+        let mut outputs = Vec::with_capacity(tiny.layers);
         for l in 0..tiny.layers {
             let p = |s: &str| t[format!("model.layers.{l}.{s}").as_str()];
             let n = rms_norm(&x, p("input_layernorm.weight"), tiny.eps);
@@ -384,7 +397,9 @@ pub fn reference_logits(tiny: &Tiny, tensors: &Tensors, tokens: &[u32]) -> Vec<V
                 .collect();
             let d = matvec(p("mlp.down_proj.weight"), &a);
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+            outputs.push(x.clone());
         }
+        layer_outputs.push(outputs);
         let n = rms_norm(&x, t["model.norm.weight"], tiny.eps);
         let head = if tiny.tied {
             t["model.embed_tokens.weight"]
@@ -393,7 +408,7 @@ pub fn reference_logits(tiny: &Tiny, tensors: &Tensors, tokens: &[u32]) -> Vec<V
         };
         logits.push(matvec(head, &n));
     }
-    logits
+    (logits, layer_outputs)
 }
 
 /// Largest absolute difference between two equally long slices.
