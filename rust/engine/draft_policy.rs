@@ -58,6 +58,9 @@
 //!   (see `draft_confidence`).
 //! - Choices are a pure function of the cost curves and the recorded outcomes: with a
 //!   fixed cost model ([`super::FixedCost`]) a run is exactly reproducible.
+//! - A block drafter (`block_gamma()` is `Some`) drafts any count in one block forward, so
+//!   its drafting cost is flat in the count: its drafting is recorded and read at 1 for any
+//!   count from 1 (and at 0 for none), never along a per-draft slope.
 
 use super::cost_fit::CostFit;
 use super::cost_model::{CostCurve, CostModel, MeasuredCost};
@@ -229,6 +232,8 @@ pub(super) struct Candidate<'a> {
 pub(super) struct DraftPolicy {
     pub kind: DraftPolicyKind,
     pub cost: Arc<dyn CostModel>,
+    /// Whether the proposer drafts a whole block in one forward (see the module docs).
+    pub block_drafter: bool,
     prior: Arc<Mutex<EnginePrior>>,
 }
 
@@ -351,7 +356,24 @@ impl DraftPolicy {
         DraftPolicy {
             kind,
             cost,
+            block_drafter: false,
             prior: Arc::new(Mutex::new(EnginePrior::default())),
+        }
+    }
+
+    /// The same policy for a block drafter (`true`) or one that drafts token by token.
+    pub fn for_block_drafter(mut self, block: bool) -> Self {
+        self.block_drafter = block;
+        self
+    }
+
+    /// Where drafting `asked` tokens sits on the drafting cost curve: the count itself, or
+    /// for a block drafter 1 for any count from 1 (one block forward drafts them all).
+    pub fn draft_abscissa(&self, asked: usize) -> usize {
+        if self.block_drafter {
+            asked.min(1)
+        } else {
+            asked
         }
     }
 
@@ -407,7 +429,7 @@ impl DraftPolicy {
             let draft_fit = curves.draft.fit();
             candidates
                 .iter()
-                .map(|c| outlook(c, &prior, draft_fit))
+                .map(|c| outlook(c, &prior, draft_fit, |k| self.draft_abscissa(k)))
                 .collect()
         };
         // A sequence turned down after drafts that failed comes back only through a probe:
@@ -589,8 +611,13 @@ impl DraftPolicy {
 }
 
 /// What asking `candidate` for each count would gain and cost, its drafting read from
-/// `draft_fit` (none measured: free).
-fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, draft_fit: Option<CostFit>) -> Outlook {
+/// `draft_fit` (none measured: free) at `abscissa(count)`.
+fn outlook(
+    candidate: &Candidate<'_>,
+    prior: &EnginePrior,
+    draft_fit: Option<CostFit>,
+    abscissa: impl Fn(usize) -> usize,
+) -> Outlook {
     let s = candidate.stats;
     let n = candidate.budget;
     let (mut gain, mut rows) = (vec![0.0; n + 1], vec![0.0; n + 1]);
@@ -615,7 +642,7 @@ fn outlook(candidate: &Candidate<'_>, prior: &EnginePrior, draft_fit: Option<Cos
         gain[j + 1] = gain[j] + reach_gain;
     }
     let draft = (0..=n)
-        .map(|k| draft_fit.map_or(0.0, |f| f.at(k as f64)))
+        .map(|k| draft_fit.map_or(0.0, |f| f.at(abscissa(k) as f64)))
         .collect();
     Outlook { gain, rows, draft }
 }
@@ -787,6 +814,35 @@ mod tests {
         assert!(
             probes as f64 >= allowed / 2.0,
             "{probes} probes, {allowed} allowed"
+        );
+    }
+
+    #[test]
+    fn a_block_drafter_pays_one_block_forward_whatever_the_count() {
+        // A verify row costs 0.1 s on a 1 s step; drafting costs 1 s a draft when read along
+        // the count. Drafts are always accepted.
+        let curves = || CostCurves {
+            verify: CostCurve::from_points([(1, 1.0), (2, 1.1)]),
+            draft: CostCurve::from_points((0..=4).map(|k| (k, k as f64))),
+        };
+        let accepted = |p: &DraftPolicy| {
+            let mut stats = SequenceDraftStats::default();
+            for _ in 0..6 {
+                stats.asked = Some(4);
+                p.observe(&mut stats, 4, 4);
+            }
+            stats
+        };
+        // Token by token, 4 drafts would cost 4 s of drafting for 4 tokens: none pays.
+        let p = DraftPolicy::new(DraftPolicyKind::Adaptive, Arc::new(FixedCost(curves())));
+        assert_eq!(choose(&p, &[accepted(&p)], &[4], 0), vec![0]);
+        // One block forward (1 s) drafts all 4: the whole budget pays.
+        let p = DraftPolicy::new(DraftPolicyKind::Adaptive, Arc::new(FixedCost(curves())))
+            .for_block_drafter(true);
+        assert_eq!(choose(&p, &[accepted(&p)], &[4], 0), vec![4]);
+        assert_eq!(
+            (0..=5).map(|k| p.draft_abscissa(k)).collect::<Vec<_>>(),
+            [0, 1, 1, 1, 1, 1]
         );
     }
 

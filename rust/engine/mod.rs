@@ -30,6 +30,7 @@ mod request;
 mod scheduler;
 mod sequence;
 mod spec_engine;
+mod stack;
 mod step;
 mod step_drafts;
 mod target;

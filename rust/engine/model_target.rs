@@ -3,7 +3,9 @@
 use super::{KvPoolStatus, Target, TargetOutput};
 use crate::backend::GpuBackend;
 use crate::memory::BufferArena;
-use crate::model::{ForwardOutput, KvSequence, LogitRows, ModelConfig, TargetModel};
+use crate::model::{
+    check_layer_ids, ForwardOutput, KvSequence, LogitRows, ModelConfig, TargetModel,
+};
 use crate::Result;
 use std::sync::Arc;
 
@@ -53,6 +55,27 @@ impl Target for TargetModel {
         )?)
     }
 
+    fn check_capture(&self, layers: &[usize]) -> std::result::Result<(), String> {
+        check_layer_ids(layers, self.config().num_hidden_layers)
+    }
+
+    fn forward_capturing(
+        &self,
+        seqs: &mut [&mut KvSequence],
+        tokens: &[&[u32]],
+        last_logits_only: bool,
+        layers: &[usize],
+    ) -> Result<TargetOutput> {
+        let rows = if last_logits_only {
+            LogitRows::LastPerSequence
+        } else {
+            LogitRows::All
+        };
+        convert(TargetModel::forward_capturing(
+            self, seqs, tokens, rows, layers,
+        )?)
+    }
+
     fn trim(&self, seq: &mut KvSequence, new_len: usize) -> Result<()> {
         TargetModel::trim(self, seq, new_len)
     }
@@ -83,5 +106,6 @@ fn convert(out: ForwardOutput) -> Result<TargetOutput> {
         logits: out.logits,
         last_logits_only,
         hiddens: out.hiddens,
+        hidden_stack: out.hidden_stack,
     })
 }

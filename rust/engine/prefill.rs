@@ -10,7 +10,8 @@
 //!
 //! The target hiddens the drafter prefill needs are copied out of the target's outputs as
 //! each prefill chunk lands, since those outputs are overwritten by the next forward and may
-//! live in the shared scratch a deferred drafter prefill uses.
+//! live in the shared scratch a deferred drafter prefill uses; so are the captured layer
+//! rows, into a sibling buffer, when the proposer names target layers (see `stack`).
 //!
 //! Invariants:
 //! - Carried drafter KV is either installed into the new state (and only the prompt rows
@@ -61,6 +62,7 @@ impl<T: Target> SpecEngine<T> {
             return Ok(());
         };
         seq.hidden_rows = gpu.alloc((self.num_drafts + 1) * hb, "engine:hidden_rows")?;
+        self.alloc_stack(seq)?;
         let t = Instant::now();
         let budget = seq.prompt_len.saturating_add(seq.max_tokens);
         let mut state = prop.alloc_state_for(gpu.as_ref(), budget)?;
@@ -98,11 +100,29 @@ impl<T: Target> SpecEngine<T> {
         let cap = prop.prefill_hidden_rows(self.target.max_seq_len());
         if !tokens.is_empty() && tokens.len() <= cap {
             let hiddens = gpu.alloc(tokens.len() * hb, "engine:prefill_hiddens")?;
+            let stack = match self.captures() {
+                false => Ok(None),
+                true => gpu
+                    .alloc(
+                        tokens.len() * self.stack_row_bytes(),
+                        "engine:prefill_stack",
+                    )
+                    .map(Some),
+            };
+            let stack = match stack {
+                Ok(s) => s,
+                Err(e) => {
+                    // Not yet held by the sequence, so not freed by its release.
+                    let _ = gpu.free(hiddens);
+                    return Err(e.into());
+                }
+            };
             seq.pending = Some(PendingPrefill {
                 kind,
                 first_row,
                 tokens,
                 hiddens,
+                stack,
             });
         }
         Ok(())
@@ -141,7 +161,7 @@ impl<T: Target> SpecEngine<T> {
                 .collect();
             let toks: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
             match kvs {
-                Ok(mut kvs) => self.target.forward_last(&mut kvs, &toks),
+                Ok(mut kvs) => self.forward_rows_of(&mut kvs, &toks, true),
                 Err(e) => Err(e.into()),
             }
         };
@@ -210,12 +230,19 @@ impl<T: Target> SpecEngine<T> {
             let lo = begin.max(pp.first_row);
             let hi = end.min(pp.first_row + pp.tokens.len());
             if lo < hi {
-                gpu.copy_dtod(
-                    pp.hiddens.offset((lo - pp.first_row) * hb),
-                    out.hiddens.offset((row0 + lo - begin) * hb),
-                    (hi - lo) * hb,
-                    DEFAULT_STREAM,
-                )?;
+                let copies = [(pp.hiddens, out.hiddens, hb)].into_iter().chain(
+                    pp.stack
+                        .zip(out.hidden_stack)
+                        .map(|(dst, src)| (dst, src, self.stack_row_bytes())),
+                );
+                for (dst, src, rb) in copies {
+                    gpu.copy_dtod(
+                        dst.offset((lo - pp.first_row) * rb),
+                        src.offset((row0 + lo - begin) * rb),
+                        (hi - lo) * rb,
+                        DEFAULT_STREAM,
+                    )?;
+                }
             }
         }
         seq.prefilled = end;
@@ -232,6 +259,11 @@ impl<T: Target> SpecEngine<T> {
             )?;
         }
         seq.hidden_row = 0;
+        if let (Some(stack), false) = (out.hidden_stack, seq.stack.ptr.is_null()) {
+            let sb = self.stack_row_bytes();
+            gpu.copy_dtod(seq.stack.ptr, stack.offset(last * sb), sb, DEFAULT_STREAM)?;
+            seq.stack.len = 1;
+        }
         if seq.generated() > 0 {
             // A recomputation: the last token was picked before the preemption.
             seq.metrics.recomputed_tokens += seq.prefill_end as u64;
@@ -270,6 +302,11 @@ impl<T: Target> SpecEngine<T> {
             return Ok(());
         };
         let t = Instant::now();
+        let ctx = ForwardContext {
+            target_hidden_stack: pp.stack,
+            ..ctx.clone()
+        };
+        let ctx = &ctx;
         let ran = match (&self.proposer, seq.state.as_deref_mut()) {
             (Some(prop), Some(state)) => match pp.kind {
                 DrafterPrefill::Prefill => {
@@ -287,7 +324,11 @@ impl<T: Target> SpecEngine<T> {
             },
             _ => Ok(0),
         };
-        let freed = self.target.gpu().free(pp.hiddens);
+        let gpu = self.target.gpu();
+        let freed = std::iter::once(pp.hiddens)
+            .chain(pp.stack)
+            .map(|p| gpu.free(p))
+            .fold(Ok(()), std::result::Result::and);
         seq.metrics.draft_time += t.elapsed();
         let at = |e| EngineError::at(seq.request, Stage::DrafterPrefill, e);
         ran.map_err(at)?;

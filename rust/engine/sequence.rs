@@ -5,7 +5,9 @@
 //!   target's KV, so `kv` holds `tokens.len() - 1` tokens between steps.
 //! - `hidden_rows` holds the hidden rows of the sequence's last forward (engine-owned
 //!   copies, so a proposer that reuses the target's scratch cannot clobber them); row
-//!   `hidden_row` is the hidden whose logits picked the last token.
+//!   `hidden_row` is the hidden whose logits picked the last token. When the proposer names
+//!   target layers, `stack` holds the captured rows of every token committed since its last
+//!   propose (see `stack`), the last of them paired with the last token.
 //! - Every resource (`kv`, `state`, `hidden_rows`, the prefill capture, carried blocks) is released
 //!   exactly once, by the engine's `release`, whatever ended the sequence; a preempted
 //!   sequence gives them up early (`preempt`) and takes fresh ones when it is readmitted.
@@ -15,6 +17,7 @@
 
 use super::draft_policy::SequenceDraftStats;
 use super::error::Stage;
+use super::stack::StackRows;
 use super::{CarriedKv, EngineError, FinishReason, GrammarMatcher, Metrics, SamplingParams};
 use crate::backend::DevicePtr;
 use crate::speculative::ProposerState;
@@ -38,6 +41,9 @@ pub(super) struct PendingPrefill {
     pub tokens: Vec<u32>,
     /// Engine-owned BF16 `[tokens.len(), hidden]` copy of the paired target hiddens.
     pub hiddens: DevicePtr,
+    /// Engine-owned BF16 `[tokens.len(), n * hidden]` copy of the paired captured rows, when
+    /// the proposer names target layers.
+    pub stack: Option<DevicePtr>,
 }
 
 /// A grammar slot as the `Option<&mut dyn GrammarMatcher>` that `verify` takes (the
@@ -66,6 +72,8 @@ pub(super) struct EngineSequence<K> {
     pub state: Option<Box<dyn ProposerState>>,
     pub hidden_rows: DevicePtr,
     pub hidden_row: usize,
+    /// The captured rows for the next propose (empty without capture).
+    pub stack: StackRows,
     pub pending: Option<PendingPrefill>,
     pub drafts: Vec<u32>,
     /// Whether `propose` ran this step (so `after_verify` is owed).

@@ -15,6 +15,17 @@
 //! MTP pairing: `propose` gets `last_token` at `position` with the hidden whose logits
 //! picked it (the row before it); `prefill_drafter` gets the hidden of every prompt row.
 //!
+//! Layer capture: a proposer that names `target_layer_ids` (checked against the target when
+//! the engine is built) gets the hiddens of those layers with the same pairing, stacked
+//! `[rows, n * hidden]`: the rows of every token committed since its last propose as
+//! `propose`'s `target_hidden_stack`, and the prompt's rows as `ctx.target_hidden_stack` of
+//! `prefill_drafter` (see `stack`). It is proposed per sequence. A proposer that names none
+//! costs nothing: no capture is asked of the target and no buffer is allocated for it.
+//!
+//! Block drafters: a proposer whose `block_gamma()` is `Some(γ)` is asked for `γ - 1`
+//! drafts a step (at least 1): γ takes precedence over the `num_drafts` the engine is built
+//! with, which is ignored for it.
+//!
 //! Invariants:
 //! - A bad request ([`SpecEngine::check_request`]) never starts: it holds nothing and its
 //!   result carries the request error.
@@ -76,6 +87,8 @@ pub struct SpecEngine<T: Target> {
     pub(super) max_batch_tokens: usize,
     pub(super) drafter_pool: Option<DrafterPoolProbe>,
     pub(super) draft_policy: DraftPolicy,
+    /// The proposer's `target_layer_ids`, read once (empty: no capture).
+    pub(super) capture_layers: Arc<[usize]>,
 }
 
 impl<T: Target> Clone for SpecEngine<T> {
@@ -89,6 +102,7 @@ impl<T: Target> Clone for SpecEngine<T> {
             max_batch_tokens: self.max_batch_tokens,
             drafter_pool: self.drafter_pool.clone(),
             draft_policy: self.draft_policy.clone(),
+            capture_layers: self.capture_layers.clone(),
         }
     }
 }
@@ -96,11 +110,21 @@ impl<T: Target> Clone for SpecEngine<T> {
 impl<T: Target> SpecEngine<T> {
     /// An engine drafting up to `num_drafts` tokens a step with `proposer` (`None`: plain
     /// decoding, one token per forward). Levers default to off.
+    ///
+    /// A block drafter (`block_gamma()` is `Some(γ)`) drafts `γ - 1` tokens a step, at least
+    /// one, whatever `num_drafts` says. The proposer's `target_layer_ids` are checked here
+    /// against the target (each below its layer count, none twice, a target that can
+    /// capture): a bad list is an error naming the id and the layer count.
     pub fn new(
         target: Arc<T>,
         proposer: Option<Arc<dyn DraftProposer>>,
         num_drafts: usize,
     ) -> Result<Self> {
+        // Every call into the proposer goes through the guard, so a panic in it ends only
+        // the sequence the call was for.
+        let proposer = proposer.map(|p| Arc::new(PanicGuard(p)) as Arc<dyn DraftProposer>);
+        let gamma = proposer.as_ref().and_then(|p| p.block_gamma());
+        let num_drafts = gamma.map_or(num_drafts, |g| g.saturating_sub(1).max(1));
         if proposer.is_some() && num_drafts == 0 {
             return Err(EngineError::InvalidArgument {
                 what: "num_drafts",
@@ -108,17 +132,26 @@ impl<T: Target> SpecEngine<T> {
             }
             .into());
         }
+        let layers = proposer
+            .as_ref()
+            .map(|p| p.target_layer_ids())
+            .unwrap_or_default();
+        target
+            .check_capture(&layers)
+            .map_err(|message| EngineError::InvalidArgument {
+                what: "target_layer_ids",
+                message,
+            })?;
         Ok(SpecEngine {
             target,
-            // Every call into the proposer goes through the guard, so a panic in it ends
-            // only the sequence the call was for.
-            proposer: proposer.map(|p| Arc::new(PanicGuard(p)) as Arc<dyn DraftProposer>),
+            proposer,
             num_drafts,
             levers: ModelLevers::default(),
             max_batch: usize::MAX,
             max_batch_tokens: usize::MAX,
             drafter_pool: None,
-            draft_policy: DraftPolicy::default(),
+            draft_policy: DraftPolicy::default().for_block_drafter(gamma.is_some()),
+            capture_layers: layers.into(),
         })
     }
 
@@ -164,14 +197,17 @@ impl<T: Target> SpecEngine<T> {
     /// The same engine choosing draft counts by `kind` (adaptive by default); the cost
     /// model and the running acceptance figures start afresh.
     pub fn with_draft_policy(mut self, kind: DraftPolicyKind) -> Self {
-        self.draft_policy = DraftPolicy::new(kind, self.draft_policy.cost.clone());
+        let block = self.draft_policy.block_drafter;
+        self.draft_policy =
+            DraftPolicy::new(kind, self.draft_policy.cost.clone()).for_block_drafter(block);
         self
     }
 
     /// The same engine reading the adaptive policy's costs from `cost` (by default, what
     /// it measures as it runs); the running acceptance figures start afresh.
     pub fn with_cost_model(mut self, cost: Arc<dyn CostModel>) -> Self {
-        self.draft_policy = DraftPolicy::new(self.draft_policy.kind, cost);
+        let block = self.draft_policy.block_drafter;
+        self.draft_policy = DraftPolicy::new(self.draft_policy.kind, cost).for_block_drafter(block);
         self
     }
 
@@ -190,7 +226,12 @@ impl<T: Target> SpecEngine<T> {
         self.proposer.as_ref()
     }
 
-    /// Most drafts per step.
+    /// The target layers captured for the proposer (its `target_layer_ids`; empty: none).
+    pub fn capture_layers(&self) -> &[usize] {
+        &self.capture_layers
+    }
+
+    /// Most drafts per step (`γ - 1` for a block drafter).
     pub fn num_drafts(&self) -> usize {
         self.num_drafts
     }
@@ -275,6 +316,7 @@ impl<T: Target> SpecEngine<T> {
             state: None,
             hidden_rows: DevicePtr::NULL,
             hidden_row: 0,
+            stack: Default::default(),
             pending: None,
             drafts: Vec::new(),
             proposed: false,
@@ -419,9 +461,14 @@ impl<T: Target> SpecEngine<T> {
             }
         }
         if let Some(pp) = seq.pending.take() {
-            if let Err(e) = gpu.free(pp.hiddens) {
-                seq.fail_at(Stage::Release, e.into());
+            for p in std::iter::once(pp.hiddens).chain(pp.stack) {
+                if let Err(e) = gpu.free(p) {
+                    seq.fail_at(Stage::Release, e.into());
+                }
             }
+        }
+        if let Err(e) = seq.stack.free(gpu) {
+            seq.fail_at(Stage::Release, e.into());
         }
         if !seq.hidden_rows.is_null() {
             if let Err(e) = gpu.free(seq.hidden_rows) {

@@ -9,7 +9,8 @@
 //!   verdict's (the accepted drafts, then the target's own pick), so greedy output does not
 //!   depend on what was drafted.
 //! - After a step the target KV holds every token but the last (rejected rows trimmed), and
-//!   `hidden_rows` row `hidden_row` is the hidden whose logits picked the last token.
+//!   `hidden_rows` row `hidden_row` is the hidden whose logits picked the last token; with
+//!   capture, the last of the `stack` rows is its captured counterpart (see `stack`).
 //! - `after_verify` is called once for every successful `propose` (or `propose_batch`
 //!   entry) of the step, and never otherwise, with the number of accepted drafts that
 //!   entered the sequence: drafts accepted past an EOS are not counted, so the proposer's
@@ -71,7 +72,7 @@ impl<T: Target> SpecEngine<T> {
                     batchable.push(i);
                 }
             }
-            let batch_max = prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1);
+            let batch_max = self.batch_max(prop.as_ref(), ctx);
             if batch_max > 1 {
                 for group in batch_groups(&batchable, &asked, batch_max) {
                     if !self.propose_group(prop.as_ref(), &group, &asked, seqs, ctx) {
@@ -116,6 +117,15 @@ impl<T: Target> SpecEngine<T> {
         total.verify_time += verify_time;
         total.draft_time += proposer_time;
         self.observe_step(seqs, &returned, step_rows, verify_time);
+    }
+
+    /// The widest `propose_batch` / `catchup_batch` group: 1 for a proposer that names target
+    /// layers (each sequence's stack rows are its own), else what the proposer says.
+    fn batch_max(&self, prop: &dyn DraftProposer, ctx: &ForwardContext<'_>) -> usize {
+        if self.captures() {
+            return 1;
+        }
+        prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1)
     }
 
     /// One `propose_batch` call for `group`; false when the caller should propose per
@@ -197,6 +207,7 @@ impl<T: Target> SpecEngine<T> {
             mask = Some(words);
         }
         let (last, pos) = (seq.last_token(), seq.last_pos());
+        let stack = seq.stack.for_propose();
         let Some(state) = seq.state.as_deref_mut() else {
             return;
         };
@@ -211,7 +222,7 @@ impl<T: Target> SpecEngine<T> {
             DEFAULT_STREAM,
             None,
             mask.as_deref(),
-            None,
+            stack,
         );
         seq.metrics.draft_time += t.elapsed();
         match result {
@@ -289,7 +300,7 @@ impl<T: Target> SpecEngine<T> {
                 .collect();
             let toks: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
             match kvs {
-                Ok(mut kvs) => self.target.forward(&mut kvs, &toks),
+                Ok(mut kvs) => self.forward_rows_of(&mut kvs, &toks, false),
                 Err(e) => Err(e.into()),
             }
         };
@@ -364,6 +375,7 @@ impl<T: Target> SpecEngine<T> {
                 DEFAULT_STREAM,
             )?;
         }
+        let stack_base = self.keep_stack_rows(seq, out, offset, rows)?;
         let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();
         let verdict = verify(
             &row_refs,
@@ -374,7 +386,10 @@ impl<T: Target> SpecEngine<T> {
             grammar_of(&mut seq.grammar),
         )?;
         seq.metrics.verify_time += t.elapsed();
-        self.apply(seq, verdict)
+        let spent = self.apply(seq, verdict)?;
+        // The rows of the accepted drafts and of the emitted token: verify rows 0..=a.
+        seq.stack.len = stack_base + seq.hidden_row + 1;
+        Ok(spent)
     }
 
     /// Trims the rejected rows, tells the proposer, and emits the verdict's tokens.
@@ -437,9 +452,17 @@ impl<T: Target> SpecEngine<T> {
                 s.error.is_none() && s.proposed && !s.drafts.is_empty() && s.state.is_some()
             })
             .collect();
-        let batch_max = prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1);
+        let batch_max = self.batch_max(prop.as_ref(), ctx);
         let mut spent = Duration::ZERO;
         for group in ready.chunks(batch_max) {
+            // One sequence a call when capturing: its stack rows go in the context.
+            let ctx = &ForwardContext {
+                target_hidden_stack: match group {
+                    [i] => seqs[*i].stack.for_propose(),
+                    _ => None,
+                },
+                ..ctx.clone()
+            };
             let tokens: Vec<Vec<u32>> = group.iter().map(|&i| seqs[i].drafts.clone()).collect();
             let hiddens: Vec<Vec<DevicePtr>> = group
                 .iter()

@@ -102,7 +102,9 @@ impl<T: Target> SpecEngine<T> {
                 .metrics
                 .draft_time
                 .saturating_sub(seq.draft_stats.draft_mark);
-            policy.cost.record_draft(asked, spent.as_secs_f64());
+            policy
+                .cost
+                .record_draft(policy.draft_abscissa(asked), spent.as_secs_f64());
             let accepted = seq.drafts.len();
             policy.observe(&mut seq.draft_stats, got, accepted);
         }

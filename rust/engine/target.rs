@@ -12,6 +12,10 @@
 //! - The output buffers stay valid until the next `forward` and belong to the target: the
 //!   engine copies what it keeps past that point.
 //! - `trim` shortens a sequence's KV to `new_len` tokens; `free_sequence` releases it.
+//! - `forward_capturing` with capture layers also returns, in `hidden_stack`, the hidden
+//!   after each of those decoder layers for every row (see [`crate::model::check_layer_ids`]
+//!   for what an id names); with none it is the plain forward. A target that cannot
+//!   capture says so in `check_capture`, which the engine asks once, when it is built.
 //! - When `kv_pool` reports a paged pool, a sequence of `n` tokens holds exactly
 //!   `ceil(n / block_size)` of its blocks, taken by `forward` and returned by `trim` and
 //!   `free_sequence`; the scheduler plans every forward from these figures.
@@ -36,6 +40,10 @@ pub struct TargetOutput {
     pub last_logits_only: bool,
     /// BF16 `[rows, hidden_size]`, each row the hidden state before the final norm.
     pub hiddens: DevicePtr,
+    /// BF16 `[rows, n * hidden_size]`: the hidden after each of the `n` layers a
+    /// [`Target::forward_capturing`] named, side by side in the order named; `None` when the
+    /// forward named none.
+    pub hidden_stack: Option<DevicePtr>,
 }
 
 /// A paged KV pool's shape and how much of it is free at the moment.
@@ -91,6 +99,39 @@ pub trait Target: Send + Sync {
         tokens: &[&[u32]],
     ) -> Result<TargetOutput> {
         self.forward(seqs, tokens)
+    }
+    /// Whether this target can capture the hidden after each decoder layer in `layers`
+    /// (empty: nothing to capture, always fine); the message says why not. The default
+    /// captures nothing, so it refuses any layer.
+    fn check_capture(&self, layers: &[usize]) -> std::result::Result<(), String> {
+        match layers {
+            [] => Ok(()),
+            _ => Err("this target cannot capture layer hiddens".into()),
+        }
+    }
+    /// [`Target::forward`] (or [`Target::forward_last`] when `last_logits_only`) that also
+    /// captures the hidden after each decoder layer in `layers` for every row, into the
+    /// output's `hidden_stack`. With no layers it is that forward; the default captures
+    /// nothing, so it refuses any layer (see [`Target::check_capture`]).
+    fn forward_capturing(
+        &self,
+        seqs: &mut [&mut Self::KvSequence],
+        tokens: &[&[u32]],
+        last_logits_only: bool,
+        layers: &[usize],
+    ) -> Result<TargetOutput> {
+        if let Err(message) = self.check_capture(layers) {
+            return Err(crate::engine::EngineError::InvalidArgument {
+                what: "target_layer_ids",
+                message,
+            }
+            .into());
+        }
+        if last_logits_only {
+            self.forward_last(seqs, tokens)
+        } else {
+            self.forward(seqs, tokens)
+        }
     }
     /// Shortens `seq` to its first `new_len` tokens.
     fn trim(&self, seq: &mut Self::KvSequence, new_len: usize) -> Result<()>;

@@ -390,6 +390,7 @@ impl TableTarget {
             logits: self.logits,
             last_logits_only: last_only,
             hiddens: self.hiddens,
+            hidden_stack: None,
         })
     }
 

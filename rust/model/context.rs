@@ -3,7 +3,7 @@
 //! It holds shared handles (`Arc`), so building one per step is cheap and a copy kept past
 //! the call (as the Python view does) stays valid.
 
-use crate::backend::GpuBackend;
+use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ModelConfig, ModelLevers};
 use std::sync::Arc;
@@ -29,6 +29,12 @@ pub struct ForwardContext<'a> {
     pub levers: ModelLevers,
     /// The communicator on a multi-rank serve; `None` on one rank.
     pub comm: Option<&'a dyn Communicator>,
+    /// The captured rows paired row for row with the `hiddens` argument of the call it is
+    /// passed to: BF16 `[rows, n * hidden_size]`, the hidden after each of the proposer's
+    /// `target_layer_ids` side by side (`prefill_drafter`: `[P, n * hidden_size]`, row `i`
+    /// paired with `hiddens` row `i`; `catchup_drafter` / `catchup_batch`: paired with their
+    /// hiddens). `None` when the proposer names no layers or the call has no hiddens.
+    pub target_hidden_stack: Option<DevicePtr>,
 }
 
 impl<'a> ForwardContext<'a> {
@@ -45,6 +51,7 @@ impl<'a> ForwardContext<'a> {
             config,
             levers,
             comm: None,
+            target_hidden_stack: None,
         }
     }
 }

@@ -1,11 +1,11 @@
-//! What a proposer is through the adapter: `block_gamma`, `needs_comm`, and the circuit
-//! binding (`circuit_draft`, `set_circuit_draft`).
+//! What a proposer is through the adapter: `block_gamma`, `target_layer_ids`, `needs_comm`,
+//! and the circuit binding (`circuit_draft`, `set_circuit_draft`).
 //!
 //! Each method runs the Rust path when the Python class does not override it, otherwise
 //! calls Python with its arguments converted and checks what comes back.
 
 use super::adapter::{PyProposer, M};
-use super::convert::{ret_bool, ret_opt_usize, short_repr};
+use super::convert::{ret_bool, ret_opt_usize, ret_usize_list, short_repr};
 use super::model::{PyModelConfig, PyModelLevers};
 use super::proposer::PyDraftRunner;
 use crate::model::{ModelConfig, ModelLevers};
@@ -25,6 +25,21 @@ impl PyProposer {
                 ret_opt_usize(&r).map_err(|e| self.bad_return(M::BlockGamma, e))
             },
             || self.fallback().block_gamma(),
+        )
+    }
+
+    pub(super) fn target_layer_ids(&self) -> Vec<usize> {
+        let m = M::TargetLayerIds;
+        if !self.python(m) {
+            return self.fallback().target_layer_ids();
+        }
+        self.infallible(
+            m,
+            |py| {
+                let r = self.call(py, m, (), None)?;
+                ret_usize_list(&r).map_err(|e| self.bad_return(m, e))
+            },
+            || self.fallback().target_layer_ids(),
         )
     }
 

@@ -94,6 +94,16 @@ pub fn ret_usize(obj: &Bound<'_, PyAny>) -> Result<usize, String> {
         .map_err(|_| format!("{}, expected a non-negative int", what(obj)))
 }
 
+/// A list-like of non-negative integers (layer ids, ...).
+pub fn ret_usize_list(obj: &Bound<'_, PyAny>) -> Result<Vec<usize>, String> {
+    let items = as_items(obj, "a list of non-negative ints")?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, it)| ret_usize(it).map_err(|e| format!("{e} at index {i}")))
+        .collect()
+}
+
 /// `None` or a non-negative integer.
 pub fn ret_opt_usize(obj: &Bound<'_, PyAny>) -> Result<Option<usize>, String> {
     if obj.is_none() {

@@ -241,9 +241,22 @@ impl PyDraftProposer {
         self.wrap_state(py, st)
     }
 
-    /// The block size of a block-diffusion drafter; None for others.
+    /// The block size of a block-diffusion drafter; None for others. The engine asks
+    /// `Some(γ)` for `γ - 1` drafts a step (at least 1), whatever its `num_drafts`.
     fn block_gamma(&self, py: Python<'_>) -> Option<usize> {
         py.detach(|| self.target().block_gamma())
+    }
+
+    /// The target layers whose hiddens this proposer fuses (default: none).
+    ///
+    /// Id `i` is the hidden after decoder layer `i` (0-based) before the final norm; EAGLE-3's
+    /// "hidden entering layer k" is id `k - 1`. The engine checks the ids when it is built
+    /// (each below the model's layer count, none twice) and then passes the captured rows,
+    /// bf16 `[rows, len(ids) * hidden]`, as `propose`'s `target_hidden_stack` and as
+    /// `ctx.target_hidden_stack` of `prefill_drafter`; such a proposer is proposed per
+    /// sequence.
+    fn target_layer_ids(&self, py: Python<'_>) -> Vec<usize> {
+        py.detach(|| self.target().target_layer_ids())
     }
 
     /// Rows of the prefill hidden capture this proposer can use (default `max_seq_len`).

@@ -1,5 +1,6 @@
-//! The `DraftProposer` protocol: three required methods and nineteen provided ones, with the
-//! defaults the specification documents.
+//! The `DraftProposer` protocol: three required methods and twenty provided ones, with the
+//! defaults the specification documents (`target_layer_ids`, which the specification does
+//! not have, asks the engine for the target hiddens of chosen layers).
 //!
 //! The engine drives a proposer in this order: `alloc_state_for` → `prefill_drafter` →
 //! (`propose` | `propose_batch`) → verify → `after_verify` (+ `catchup_batch` under
@@ -70,6 +71,7 @@ macro_rules! with_protocol_methods {
                 budget_tokens: usize,
             ) -> $crate::Result<Box<dyn $crate::speculative::ProposerState>>, fallible;
             BlockGamma => fn block_gamma() -> Option<usize>, default(None);
+            TargetLayerIds => fn target_layer_ids() -> Vec<usize>, default(Vec::new());
             PrefillHiddenRows => fn prefill_hidden_rows(max_seq_len: usize) -> usize,
                 default(max_seq_len);
             NeedsComm => fn needs_comm() -> bool, default(false);
@@ -308,8 +310,20 @@ pub trait DraftProposer: Send + Sync {
     /// `last_token`: the last verified token. `target_hidden`: the target's `[1,
     /// hidden_size]` BF16 hidden for it, saved before the final norm. `position`: the
     /// sequence position, for RoPE. `grammar_bitmask`: when `Some`, one bit per token id in
-    /// i32 words; drafts are limited to tokens whose bit is set. `target_hidden_stack`: the
-    /// model's DFlash hidden capture, when it has one.
+    /// i32 words; drafts are limited to tokens whose bit is set.
+    ///
+    /// `target_hidden_stack`: `Some` when the proposer names [`Self::target_layer_ids`],
+    /// else `None`. It points at `k` rows of BF16 `[n * hidden_size]` (the named layers'
+    /// hiddens side by side): the captured rows paired with every token committed to the
+    /// sequence since the previous propose, oldest first, the last paired with `last_token`.
+    /// A token's row is the one computed at the position before it (whose logits picked
+    /// it), as for `target_hidden`, so the last row is the stack counterpart of
+    /// `target_hidden`. `k = 1 + num_accepted` of the `after_verify` before this propose,
+    /// and `k = 1` for the first propose after `prefill_drafter` (its row is the last prompt
+    /// row's). A step in which the engine did not call `propose` (no room for drafts) adds
+    /// its one committed token's row to the next propose's stack. So `k` is always
+    /// `position` less the previous propose's `position` (less `P - 1` after a
+    /// `prefill_drafter` of `P` tokens).
     fn propose(
         &self,
         last_token: u32,
@@ -345,8 +359,30 @@ pub trait DraftProposer: Send + Sync {
     }
 
     /// The block size γ of a block-diffusion (DFlash) drafter; `None` for other proposers.
+    ///
+    /// The engine asks `Some(γ)` for `γ - 1` drafts a step (at least 1), whatever draft
+    /// count it was built with, and reads it once, when it is built. Its adaptive policy may
+    /// still verify fewer of them, and charges the drafting of any count the cost of one
+    /// block forward.
     fn block_gamma(&self) -> Option<usize> {
         None
+    }
+
+    /// The target layers whose hidden states this proposer fuses (EAGLE-3, DFlash); empty
+    /// (the default) for none, and then nothing is captured and nothing is paid for it.
+    ///
+    /// Id `i` names the residual stream after decoder layer `i` (0-based), before any final
+    /// norm: the output of layer `i`. EAGLE-3's "hidden entering layer `k`" is id `k - 1`.
+    /// Ids must be below the target's `num_hidden_layers` and distinct: the engine checks
+    /// them once, when it is built, and refuses the proposer otherwise.
+    ///
+    /// For each named layer the engine passes the captured rows as BF16 `[rows, n *
+    /// hidden_size]` (`n` ids, side by side in this order): to `propose` as
+    /// `target_hidden_stack`, and to `prefill_drafter`, `catchup_drafter` and `catchup_batch`
+    /// as `ctx.target_hidden_stack` (paired row for row with their `hiddens`). Such a
+    /// proposer is proposed per sequence (`propose_batch` is not called for it).
+    fn target_layer_ids(&self) -> Vec<usize> {
+        Vec::new()
     }
 
     /// Rows of the prefill hidden capture this proposer can use, given the served
@@ -517,7 +553,7 @@ mod tests {
     fn the_method_list_is_the_trait_in_order() {
         let names: Vec<&str> = ProtocolMethod::NAMES.to_vec();
         assert_eq!(trait_methods(), names);
-        assert_eq!(ProtocolMethod::COUNT, 22);
+        assert_eq!(ProtocolMethod::COUNT, 23);
         assert_eq!(
             ProtocolMethod::ALL[..ProtocolMethod::REQUIRED]
                 .iter()
