@@ -1,6 +1,6 @@
 //! The speculative layer: the `DraftProposer` protocol, its proposers (`MtpHead`,
-//! `PromptLookup`, `SuffixDecoding`), and the conformance checker that drives any proposer
-//! through the whole lifecycle.
+//! `Eagle3Head`, `PromptLookup`, `SuffixDecoding`), and the conformance checker that drives
+//! any proposer through the whole lifecycle.
 //!
 //! Invariants every proposer in this module keeps (and [`conformance::check_proposer`]
 //! checks for any proposer):
@@ -11,6 +11,7 @@
 //! - `free_state` returns every device allocation `alloc_state` made.
 
 pub mod conformance;
+pub mod eagle3;
 mod error;
 mod grammar;
 pub mod mtp;
@@ -18,6 +19,7 @@ mod prompt_lookup;
 mod protocol;
 pub mod suffix;
 
+pub use eagle3::{Eagle3Head, Eagle3State};
 pub use error::ProposerError;
 pub use grammar::{bitmask_allows, bitmask_words};
 pub use mtp::{MtpHead, MtpQuantization, MtpState, MtpWeights};

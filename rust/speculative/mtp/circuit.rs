@@ -12,8 +12,9 @@
 //! shape `[out, in]` with their f32 scales per 128 x 128 block (`weight_scale_inv`,
 //! `[ceil(out / 128), ceil(in / 128)]`) in `block_scale` and no `global_scale`.
 //!
-//! A head with a routed MoE MLP has no binding yet (`circuit_draft` returns `None` and a
-//! runner is ignored), since the slots above do not describe experts.
+//! A head with a routed MoE MLP, and an EAGLE-3 head, have no binding yet (`circuit_draft`
+//! returns `None` and a runner is ignored), since the slots above do not describe experts
+//! or EAGLE-3's fusion.
 //!
 //! The reference runner rebuilds the head's forward from nothing but those slots, so a
 //! binding that leaves anything out fails to draft, and one that is complete drafts exactly
@@ -83,6 +84,12 @@ fn linear_slot(name: &str, w: &Linear) -> WeightSlot {
 }
 
 impl MtpHead {
+    /// Whether the head has a binding: its slots describe neither routed experts nor
+    /// EAGLE-3's fusion.
+    pub(crate) fn has_binding(&self) -> bool {
+        self.spec.weights.layer.moe().is_none() && self.spec.eagle3.is_none()
+    }
+
     /// The binding of this head under `levers` (the sizes come from the head itself; `config`
     /// only has to describe the same model).
     pub(crate) fn binding(&self, _config: &ModelConfig, levers: &ModelLevers) -> DraftBinding {
@@ -171,6 +178,7 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
         .next()
         .and_then(|k| k.strip_prefix("mtp:"))
         .and_then(MtpLayout::parse)
+        .filter(|l| *l != MtpLayout::Eagle3)
         .ok_or_else(|| missing(format!("binding kind {:?} is not an MTP head", b.kind)))?;
     let mut levers = ModelLevers::default();
     for flag in parts {
@@ -290,6 +298,7 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
         inv_freq: freq.ptr,
         rotary_dim: freq.shape.first().copied().unwrap_or(0) * 2,
         max_blocks_per_seq,
+        eagle3: None,
     })
 }
 

@@ -71,15 +71,19 @@ impl MtpHead {
         self.scratch.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Refuses a grammar mask too short for the draft vocabulary.
+    /// Refuses a grammar mask too short for the draft vocabulary (for the whole target
+    /// vocabulary when draft ids map to other target ids).
     pub(crate) fn check_mask(&self, mask: &[i32]) -> crate::Result<()> {
-        let vd = self.spec.draft_vocab;
-        let words = vd.div_ceil(32);
+        let words = self.spec.mask_words();
         if mask.len() < words {
+            let (what, n) = match self.spec.eagle3 {
+                Some(_) => ("target vocabulary", self.spec.config.vocab_size),
+                None => ("draft vocabulary", self.spec.draft_vocab),
+            };
             return Err(bad(
                 "propose",
                 format!(
-                    "grammar_bitmask has {} words; the draft vocabulary of {vd} needs {words}",
+                    "grammar_bitmask has {} words; the {what} of {n} needs {words}",
                     mask.len()
                 ),
             ));
@@ -113,7 +117,6 @@ impl MtpHead {
     ) -> crate::Result<Vec<Vec<u32>>> {
         let method = "propose";
         let vd = self.spec.draft_vocab;
-        let words = vd.div_ceil(32);
         if let Some(m) = mask {
             self.check_mask(m)?;
             if seqs.len() != 1 {
@@ -149,7 +152,7 @@ impl MtpHead {
         }
         let sc = self.lock_scratch();
         if let Some(m) = mask {
-            gpu.write(sc.grammar_mask, &m[..words], stream)?;
+            gpu.write(sc.grammar_mask, &self.spec.draft_mask(m), stream)?;
         }
         let n_seq = seqs.len();
         let mut drafts = vec![Vec::new(); n_seq];
@@ -224,8 +227,10 @@ impl MtpHead {
                     let at = sc.probs.offset((k * vd + pick as usize) * 4);
                     probs[i].push(gpu.download::<f32>(at, 1)?[0]);
                 }
-                drafts[i].push(pick);
-                inputs[i] = (pick, self.spec.chain_hidden(&sc, k));
+                // A draft is drafted, and fed back, as its target id.
+                let token = self.spec.to_target(pick);
+                drafts[i].push(token);
+                inputs[i] = (token, self.spec.chain_hidden(&sc, k));
             }
         }
         for (s, d) in seqs.iter_mut().zip(&drafts) {
@@ -292,7 +297,7 @@ impl MtpHead {
             .filter(|st| st.deferred.len() >= DEFERRED_ROWS)
             .collect();
         self.flush_deferred(gpu, &mut full, stream)?;
-        let row_bytes = self.spec.config.hidden_size * 2;
+        let row_bytes = self.spec.target_row_bytes();
         for s in seqs.iter_mut() {
             let st = &mut *s.state;
             if st.logical_rows() >= st.capacity_rows() {
@@ -323,7 +328,7 @@ impl MtpHead {
         states: &mut [&mut MtpState],
         stream: u64,
     ) -> crate::Result<()> {
-        let row_bytes = self.spec.config.hidden_size * 2;
+        let row_bytes = self.spec.target_row_bytes();
         let mut items = Vec::new();
         for (i, st) in states.iter_mut().enumerate() {
             let Some(buf) = st.deferred_hidden else {

@@ -6,19 +6,25 @@
 //! model layer's decoder layer (`decoder_layer`, the one the target runs) with the head's own
 //! paged KV, then the final norm and the LM head (f32 logits over the draft vocabulary).
 //!
+//! EAGLE-3 ([`MtpLayout::Eagle3`]) fuses its input differently: `fused = fc(hidden)` for the
+//! target's rows (the captured layers side by side, `n * target hidden` wide), the hidden
+//! itself for the head's own (chain) rows; the layer attends over `[enorm(e) |
+//! hnorm(fused)]` with `fused` (or `hnorm(fused)` under `norm_before_residual`) as its
+//! residual, and a draft id `d` of its reduced vocabulary is the target id `d + d2t[d]`.
+//!
 //! Rows are independent except through the KV cache, and every kernel computes a row from
 //! that row alone, so a row's result does not depend on which other rows share the call:
 //! this is what makes `propose_batch` return exactly what `propose` does.
 
 use super::state::DRAFTER_BLOCK_SIZE;
-use super::weights::MtpWeights;
+use super::weights::{MtpLayout, MtpWeights};
 use crate::backend::{
     DevicePtr, Dtype, EmbeddingArgs, GpuBackend, GpuBackendExt, RmsNormArgs, RopeStyle,
 };
 use crate::memory::{ArenaSlot, BufferArena, SlotSpec};
 use crate::model::layers::{
-    decoder_layer, layer_slots, LayerCache, LayerDepth, LayerIo, LayerScratch, LayerShape,
-    ScratchShape,
+    decoder_layer_with_input, layer_slots, LayerCache, LayerDepth, LayerIo, LayerScratch,
+    LayerShape, ScratchShape,
 };
 use crate::model::{DenseWeight, Linear, ModelConfig, ModelLevers};
 
@@ -36,7 +42,8 @@ pub(crate) struct Scratch {
     pub block_tables: DevicePtr,
     /// The normed token embeddings.
     pub embedding: DevicePtr,
-    /// The normed hiddens the rows came with.
+    /// The normed hiddens the rows came with (EAGLE-3: the rows as they came, as wide as a
+    /// target row, then `hnorm(fused)`).
     pub target_hidden: DevicePtr,
     /// `[rows, 2 * hidden]`: the two above, concatenated in the layout's order.
     pub concat: DevicePtr,
@@ -53,7 +60,12 @@ pub(crate) struct Scratch {
 
 impl Scratch {
     /// The head's own slots around the layer's.
-    fn head_slots(hidden: usize, vocab: usize, max_blocks_per_seq: usize) -> [SlotSpec; 15] {
+    fn head_slots(
+        hidden: usize,
+        target_width: usize,
+        vocab: usize,
+        max_blocks_per_seq: usize,
+    ) -> [SlotSpec; 15] {
         let slot = |name, dtype, row_elems| SlotSpec {
             name,
             dtype,
@@ -68,7 +80,7 @@ impl Scratch {
             slot("row_ctx_len", U32, 1),
             slot("block_tables", U32, max_blocks_per_seq),
             slot("embedding", Bf16, hidden),
-            slot("target_hidden", Bf16, hidden),
+            slot("target_hidden", Bf16, hidden.max(target_width)),
             slot("concat", Bf16, 2 * hidden),
             slot("residual", Bf16, hidden),
             slot("final_normed", Bf16, hidden),
@@ -98,6 +110,7 @@ impl Scratch {
         });
         slots.extend(Self::head_slots(
             h,
+            spec.target_width(),
             spec.draft_vocab,
             spec.max_blocks_per_seq,
         ));
@@ -184,11 +197,71 @@ pub(crate) struct HeadSpec {
     pub inv_freq: DevicePtr,
     pub rotary_dim: usize,
     pub max_blocks_per_seq: usize,
+    /// What an EAGLE-3 head adds; `None` for an MTP head.
+    pub eagle3: Option<Eagle3Parts>,
+}
+
+/// What an EAGLE-3 head's forward and draft loop read beyond an MTP head's.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Eagle3Parts {
+    /// The target id of each draft-vocabulary row (`d + d2t[d]`), every one below
+    /// `vocab_size`.
+    pub draft_to_target: Vec<u32>,
+    /// The residual is `hnorm(fused)` rather than `fused` (speculators'
+    /// `norm_before_residual`).
+    pub norm_before_residual: bool,
 }
 
 impl HeadSpec {
     fn row_bytes(&self) -> usize {
         self.config.hidden_size * Dtype::Bf16.size()
+    }
+
+    /// Elements of one target row the head is given: the hidden, or EAGLE-3's captured
+    /// layers side by side (`fc`'s input width).
+    pub(crate) fn target_width(&self) -> usize {
+        match self.weights.layout {
+            MtpLayout::Eagle3 => self.weights.eh_proj.dims().1,
+            _ => self.config.hidden_size,
+        }
+    }
+
+    /// Bytes of one target row (see [`HeadSpec::target_width`]).
+    pub(crate) fn target_row_bytes(&self) -> usize {
+        self.target_width() * Dtype::Bf16.size()
+    }
+
+    /// The target id of draft id `draft` (the same id without a reduced vocabulary).
+    pub(crate) fn to_target(&self, draft: u32) -> u32 {
+        match &self.eagle3 {
+            Some(e) => e.draft_to_target[draft as usize],
+            None => draft,
+        }
+    }
+
+    /// Words of a grammar mask the head needs: its draft vocabulary's, or the whole target
+    /// vocabulary's when draft ids map to other target ids.
+    pub(crate) fn mask_words(&self) -> usize {
+        match &self.eagle3 {
+            Some(_) => self.config.vocab_size.div_ceil(32),
+            None => self.draft_vocab.div_ceil(32),
+        }
+    }
+
+    /// `mask` (over target ids) as a mask over draft ids: draft id `d` is allowed when its
+    /// target id is. `mask` holds at least [`HeadSpec::mask_words`] words.
+    pub(crate) fn draft_mask(&self, mask: &[i32]) -> Vec<i32> {
+        let Some(e) = &self.eagle3 else {
+            return mask[..self.draft_vocab.div_ceil(32)].to_vec();
+        };
+        let mut out = vec![0i32; self.draft_vocab.div_ceil(32)];
+        for (d, &t) in e.draft_to_target.iter().enumerate() {
+            let t = t as usize;
+            if (mask[t / 32] >> (t % 32)) & 1 == 1 {
+                out[d / 32] |= 1 << (d % 32);
+            }
+        }
+        out
     }
 
     /// The decoder layer's sizes (its rotation width is the head's RoPE table's).
@@ -218,7 +291,6 @@ impl HeadSpec {
         let cfg = &self.config;
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let w = &self.weights;
-        let row_bytes = self.row_bytes();
         let rms_norm = |out, x, weight: &DenseWeight| {
             gpu.rms_norm(RmsNormArgs {
                 out,
@@ -245,27 +317,13 @@ impl HeadSpec {
             stream,
         })?;
         rms_norm(sc.embedding, sc.embedding, &w.enorm)?;
-        for (i, row) in rows.iter().enumerate() {
-            let to = sc.target_hidden.offset(i * row_bytes);
-            gpu.copy_dtod(to, row.hidden, row_bytes, stream)?;
-        }
-        if kind == HiddenKind::Target && self.levers.mtp_target_postnorm {
-            rms_norm(sc.target_hidden, sc.target_hidden, &self.target_final_norm)?;
-        }
-        rms_norm(sc.target_hidden, sc.target_hidden, &w.hnorm)?;
-        let (first, second) = if w.layout.embedding_first() {
-            (sc.embedding, sc.target_hidden)
-        } else {
-            (sc.target_hidden, sc.embedding)
+        let attn_input = match w.layout {
+            MtpLayout::Eagle3 => Some(self.eagle3_input(gpu, sc, rows, kind, stream)?),
+            _ => {
+                self.mtp_input(gpu, sc, rows, kind, stream)?;
+                None
+            }
         };
-        for i in 0..r {
-            let to = sc.concat.offset(2 * i * row_bytes);
-            gpu.copy_dtod(to, first.offset(i * row_bytes), row_bytes, stream)?;
-            let to = sc.concat.offset((2 * i + 1) * row_bytes);
-            gpu.copy_dtod(to, second.offset(i * row_bytes), row_bytes, stream)?;
-        }
-        w.eh_proj
-            .forward(gpu, sc.residual, Dtype::Bf16, sc.concat, None, r, stream)?;
 
         let mbps = self.max_blocks_per_seq;
         let layer_depth = match depth {
@@ -300,7 +358,16 @@ impl HeadSpec {
             block_size: DRAFTER_BLOCK_SIZE,
         };
         let shape = self.layer_shape();
-        decoder_layer(gpu, &shape, &w.layer, &cache, &io, &sc.layer, layer_depth)?;
+        decoder_layer_with_input(
+            gpu,
+            &shape,
+            &w.layer,
+            &cache,
+            &io,
+            &sc.layer,
+            layer_depth,
+            attn_input,
+        )?;
         if depth == Depth::KvOnly {
             return Ok(());
         }
@@ -309,6 +376,122 @@ impl HeadSpec {
         self.lm_head
             .forward(gpu, sc.logits, Dtype::F32, sc.final_normed, None, r, stream)?;
         Ok(())
+    }
+
+    /// MTP's input: `sc.residual = eh_proj(concat)` of the normed embedding (already in
+    /// `sc.embedding`) and the normed hidden, in the layout's order.
+    fn mtp_input(
+        &self,
+        gpu: &dyn GpuBackend,
+        sc: &Scratch,
+        rows: &[Row],
+        kind: HiddenKind,
+        stream: u64,
+    ) -> crate::Result<()> {
+        let (w, r, row_bytes) = (&self.weights, rows.len(), self.row_bytes());
+        let rms_norm = |out, x, weight: &DenseWeight| self.rms_norm(gpu, out, x, weight, r, stream);
+        for (i, row) in rows.iter().enumerate() {
+            let to = sc.target_hidden.offset(i * row_bytes);
+            gpu.copy_dtod(to, row.hidden, row_bytes, stream)?;
+        }
+        if kind == HiddenKind::Target && self.levers.mtp_target_postnorm {
+            rms_norm(sc.target_hidden, sc.target_hidden, &self.target_final_norm)?;
+        }
+        rms_norm(sc.target_hidden, sc.target_hidden, &w.hnorm)?;
+        let (first, second) = if w.layout.embedding_first() {
+            (sc.embedding, sc.target_hidden)
+        } else {
+            (sc.target_hidden, sc.embedding)
+        };
+        self.concat(gpu, sc, first, second, r, stream)?;
+        w.eh_proj
+            .forward(gpu, sc.residual, Dtype::Bf16, sc.concat, None, r, stream)?;
+        Ok(())
+    }
+
+    /// EAGLE-3's input: the residual `sc.residual = fused` (`fc` of a target row, or a
+    /// chain row as it is; `hnorm(fused)` under `norm_before_residual`), and the attention
+    /// input `[enorm(e) | hnorm(fused)]` in `sc.concat`, which it returns.
+    fn eagle3_input(
+        &self,
+        gpu: &dyn GpuBackend,
+        sc: &Scratch,
+        rows: &[Row],
+        kind: HiddenKind,
+        stream: u64,
+    ) -> crate::Result<DevicePtr> {
+        let (w, r, row_bytes) = (&self.weights, rows.len(), self.row_bytes());
+        let in_bytes = match kind {
+            HiddenKind::Target => self.target_row_bytes(),
+            HiddenKind::Chain => row_bytes,
+        };
+        // Rows are copied in before anything is written: a chain row's hidden is the
+        // previous step's `sc.residual`, which this forward overwrites.
+        for (i, row) in rows.iter().enumerate() {
+            let to = sc.target_hidden.offset(i * in_bytes);
+            gpu.copy_dtod(to, row.hidden, in_bytes, stream)?;
+        }
+        match kind {
+            HiddenKind::Target => w.eh_proj.forward(
+                gpu,
+                sc.residual,
+                Dtype::Bf16,
+                sc.target_hidden,
+                None,
+                r,
+                stream,
+            )?,
+            HiddenKind::Chain => {
+                gpu.copy_dtod(sc.residual, sc.target_hidden, r * row_bytes, stream)?
+            }
+        }
+        self.rms_norm(gpu, sc.target_hidden, sc.residual, &w.hnorm, r, stream)?;
+        if self.eagle3.as_ref().is_some_and(|e| e.norm_before_residual) {
+            gpu.copy_dtod(sc.residual, sc.target_hidden, r * row_bytes, stream)?;
+        }
+        self.concat(gpu, sc, sc.embedding, sc.target_hidden, r, stream)?;
+        Ok(sc.concat)
+    }
+
+    /// `sc.concat` row `i` = `[first row i | second row i]` (each `hidden` wide).
+    fn concat(
+        &self,
+        gpu: &dyn GpuBackend,
+        sc: &Scratch,
+        first: DevicePtr,
+        second: DevicePtr,
+        r: usize,
+        stream: u64,
+    ) -> crate::Result<()> {
+        let row_bytes = self.row_bytes();
+        for i in 0..r {
+            let to = sc.concat.offset(2 * i * row_bytes);
+            gpu.copy_dtod(to, first.offset(i * row_bytes), row_bytes, stream)?;
+            let to = sc.concat.offset((2 * i + 1) * row_bytes);
+            gpu.copy_dtod(to, second.offset(i * row_bytes), row_bytes, stream)?;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm(
+        &self,
+        gpu: &dyn GpuBackend,
+        out: DevicePtr,
+        x: DevicePtr,
+        weight: &DenseWeight,
+        rows: usize,
+        stream: u64,
+    ) -> crate::Result<()> {
+        Ok(gpu.rms_norm(RmsNormArgs {
+            out,
+            x,
+            weight: weight.ptr,
+            rows,
+            dim: self.config.hidden_size,
+            eps: self.config.rms_norm_eps,
+            stream,
+        })?)
     }
 
     /// The hidden the next draft step feeds back for row `i` of the last forward.

@@ -6,13 +6,13 @@
 //! [`MtpHead::new`] stay the caller's.
 
 use super::bad;
-use super::forward::{HeadSpec, Scratch};
+use super::forward::{Eagle3Parts, HeadSpec, Scratch};
 use super::fp8::quantize_fp8;
 use super::nvfp4::quantize_nvfp4;
 use super::quantization::MtpQuantization;
 use super::state::{DrafterKv, DRAFTER_BLOCK_SIZE};
 use super::weight_checks::{check_weights, first_rows};
-use super::weights::MtpWeights;
+use super::weights::{MtpLayout, MtpWeights};
 use crate::backend::quant::{BlockFormat, PackedWeight};
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
@@ -127,6 +127,7 @@ impl MtpHead {
             max_seq_len,
             main_kv_blocks,
             levers,
+            None,
         )
     }
 
@@ -159,6 +160,50 @@ impl MtpHead {
             max_seq_len,
             main_kv_blocks,
             levers,
+            None,
+        )
+    }
+
+    /// The machinery of an EAGLE-3 head ([`Eagle3Head`](crate::speculative::Eagle3Head)):
+    /// `weights` of layout [`MtpLayout::Eagle3`], its own LM head over the draft vocabulary
+    /// (every row), and what the EAGLE-3 forward adds. The MTP levers do not apply: the
+    /// target rows are fed as captured, the chain feeds the pre-norm hidden, and accepted
+    /// drafts keep their draft-time rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn for_eagle3(
+        weights: MtpWeights,
+        embed_tokens: Linear,
+        lm_head: Linear,
+        eagle3: Eagle3Parts,
+        config: &ModelConfig,
+        gpu: &dyn GpuBackend,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: &ModelLevers,
+    ) -> crate::Result<Self> {
+        let levers = ModelLevers {
+            mtp_kv_exact: false,
+            mtp_target_postnorm: false,
+            mtp_chain_postnorm: false,
+            ..*levers
+        };
+        // The target's final norm is never read with `mtp_target_postnorm` off; the head's
+        // own stands in for it.
+        let final_norm = weights.final_norm.clone();
+        Self::build_or_free(
+            gpu,
+            weights,
+            embed_tokens,
+            final_norm,
+            lm_head,
+            None,
+            config,
+            MtpQuantization::Bf16,
+            0,
+            max_seq_len,
+            main_kv_blocks,
+            &levers,
+            Some(eagle3),
         )
     }
 
@@ -177,6 +222,7 @@ impl MtpHead {
         max_seq_len: usize,
         main_kv_blocks: usize,
         levers: &ModelLevers,
+        eagle3: Option<Eagle3Parts>,
     ) -> crate::Result<Self> {
         let mut owned = Owned {
             gpu,
@@ -195,6 +241,7 @@ impl MtpHead {
             max_seq_len,
             main_kv_blocks,
             levers,
+            eagle3,
         );
         if result.is_err() {
             owned.free_all();
@@ -216,10 +263,16 @@ impl MtpHead {
         max_seq_len: usize,
         main_kv_blocks: usize,
         levers: &ModelLevers,
+        eagle3: Option<Eagle3Parts>,
     ) -> crate::Result<Self> {
         config.validate()?;
         let (h, vocab) = (config.hidden_size, config.vocab_size);
         let (kvh, hd) = (config.num_key_value_heads, config.head_dim);
+        if (weights.layout == MtpLayout::Eagle3) != eagle3.is_some() {
+            return Err(invalid(
+                "EAGLE-3 weights are drafted by Eagle3Head, and only those".into(),
+            ));
+        }
         check_weights(&weights, &embed, &target_final_norm, config)?;
         let (lm_rows, lm_cols) = lm_head.dims();
         if lm_cols != h || lm_rows > vocab || lm_rows == 0 {
@@ -251,6 +304,24 @@ impl MtpHead {
             return Err(invalid(format!(
                 "the draft vocabulary ({draft_vocab}) exceeds vocab_size {vocab}"
             )));
+        }
+        if let Some(e) = &eagle3 {
+            if e.draft_to_target.len() != draft_vocab {
+                return Err(invalid(format!(
+                    "{} draft-to-target ids for a draft vocabulary of {draft_vocab}",
+                    e.draft_to_target.len()
+                )));
+            }
+            if let Some((d, t)) = e
+                .draft_to_target
+                .iter()
+                .enumerate()
+                .find(|(_, &t)| t as usize >= vocab)
+            {
+                return Err(invalid(format!(
+                    "draft id {d} maps to target id {t}, outside vocab_size {vocab}"
+                )));
+            }
         }
         let head = first_rows(&head, draft_vocab)?;
         if max_seq_len == 0 || main_kv_blocks == 0 {
@@ -288,6 +359,7 @@ impl MtpHead {
             inv_freq,
             rotary_dim: freqs.len() * 2,
             max_blocks_per_seq,
+            eagle3,
         };
         let rows = MTP_MAX_BATCH.max(MTP_CHUNK_ROWS);
         let (scratch, slots) = Scratch::alloc(owned.gpu, &spec, rows)?;

@@ -10,6 +10,10 @@
 //! `shared` (loading a head beside its target, sharing the target's embedding and LM head)
 //! and `circuit` (the circuit binding and the reference runner).
 //!
+//! The same machinery drafts for [`Eagle3Head`](crate::speculative::Eagle3Head): its weights
+//! are [`MtpLayout::Eagle3`] ones, and the forward (`forward`) and the draft loop (`draft`)
+//! add its input fusion and its draft-to-target id map; nothing else differs.
+//!
 //! Invariants: every drafter row at RoPE position p pairs the token at p with the target
 //! hidden computed at p - 1 (pair key p - 1); `propose_batch` returns exactly what
 //! per-sequence `propose` returns; `free_state` returns every block and every byte a state
@@ -31,6 +35,7 @@ mod weight_checks;
 pub mod weights;
 
 pub use circuit::ReferenceDraftRunner;
+pub(crate) use forward::Eagle3Parts;
 pub use fp8::{quantize_fp8, Fp8Host};
 pub use head::{MtpHead, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
 pub use nvfp4::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Host};

@@ -204,7 +204,7 @@ impl DraftProposer for MtpHead {
         }
         st.pending = 0;
         st.truncate(&self.kv, row_base)?;
-        let row_bytes = self.spec.config.hidden_size * 2;
+        let row_bytes = self.spec.target_row_bytes();
         let items: Vec<_> = tokens
             .iter()
             .enumerate()
@@ -325,7 +325,7 @@ impl DraftProposer for MtpHead {
     ) -> crate::Result<usize> {
         let st = self.state_mut(state, "prefill_drafter")?;
         st.clear(&self.kv)?;
-        let row_bytes = self.spec.config.hidden_size * 2;
+        let row_bytes = self.spec.target_row_bytes();
         // Row for position i pairs token i with the hidden computed at position i - 1.
         let items: Vec<_> = (1..prompt_tokens.len())
             .map(|i| (0, prompt_tokens[i], hiddens.offset((i - 1) * row_bytes), i))
@@ -350,17 +350,12 @@ impl DraftProposer for MtpHead {
     }
 
     fn circuit_draft(&self, config: &ModelConfig, levers: &ModelLevers) -> Option<DraftBinding> {
-        // The binding's slots do not describe routed experts.
-        self.spec
-            .weights
-            .layer
-            .moe()
-            .is_none()
-            .then(|| self.binding(config, levers))
+        // The binding's slots do not describe routed experts, nor EAGLE-3's fusion.
+        self.has_binding().then(|| self.binding(config, levers))
     }
 
     fn set_circuit_draft(&self, runner: Option<Arc<dyn DraftRunner>>) {
-        if self.spec.weights.layer.moe().is_some() {
+        if !self.has_binding() {
             return;
         }
         *self.runner.write().unwrap_or_else(|e| e.into_inner()) = runner;

@@ -5,7 +5,7 @@
 //! any; a shape error names the tensor, the shape found and the shape expected.
 
 use super::bad;
-use super::weights::MtpWeights;
+use super::weights::{MtpLayout, MtpWeights};
 use crate::backend::quant::GROUP_ROWS;
 use crate::model::layers::LayerShape;
 use crate::model::{DenseWeight, Fp8Weight, Linear, ModelConfig, PackedLinear, QuantizedWeight};
@@ -21,14 +21,22 @@ pub(crate) fn check_weights(
     config: &ModelConfig,
 ) -> crate::Result<()> {
     let h = config.hidden_size;
-    let (found, want) = (w.eh_proj.dims(), (h, 2 * h));
+    let found = w.eh_proj.dims();
+    // EAGLE-3's fc reads the captured layers (any positive width); its layer attends over
+    // the `2 * hidden` concatenation. An MTP projection reads the concatenation itself.
+    let (want, attn_in) = match w.layout {
+        MtpLayout::Eagle3 => ((h, found.1.max(1)), 2 * h),
+        _ => ((h, 2 * h), h),
+    };
     if found != want {
         return Err(invalid(format!(
             "eh_proj is [{}, {}], expected [{}, {}] for hidden_size {h}",
             found.0, found.1, want.0, want.1
         )));
     }
-    w.layer.check(&LayerShape::of(config)).map_err(invalid)?;
+    w.layer
+        .check_with_attention_input(&LayerShape::of(config), attn_in)
+        .map_err(invalid)?;
     let vectors = [
         ("enorm", &w.enorm),
         ("hnorm", &w.hnorm),

@@ -5,6 +5,13 @@
 //! | DeepSeek-V3 / GLM-4.5+ | `model.layers.{num_hidden_layers}.` | `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` |
 //! | MiMo | `model.mtp_layers.{i}.` | `token_layernorm`, `hidden_layernorm`, `input_proj`, `final_layernorm` |
 //! | Qwen3-Next | `mtp.` | `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, `norm` |
+//! | EAGLE-3 | (none) | `layers.0.input_layernorm`, `layers.0.hidden_norm`, `fc`, `norm` |
+//!
+//! EAGLE-3 is drafted only by [`Eagle3Head`](crate::speculative::Eagle3Head), which loads it
+//! (the original checkpoints name the layer `midlayer.` rather than `layers.0.`): its
+//! projection (`fc`, `[hidden, n * target hidden]`) fuses the captured target layers and is
+//! applied to the target's rows only, and its layer's q/k/v read `[enorm(embed) |
+//! hnorm(fused)]` (`2 * hidden` columns) with `fused` as the residual.
 //!
 //! The decoder layer is the model layer's one decoder layer ([`LayerWeights`]), at the
 //! prefix itself (DeepSeek, MiMo) or at `mtp.layers.0.` (Qwen3-Next), with Hugging Face's
@@ -29,6 +36,10 @@ pub enum MtpLayout {
     Mimo,
     /// Qwen3-Next / 3.5: `mtp.*`, embedding first, gated attention, q/k norm, zero-centred norms.
     Qwen3Next,
+    /// EAGLE-3: `fc` over the captured target layers, attention over the concatenation
+    /// (embedding first); loaded and drafted by
+    /// [`Eagle3Head`](crate::speculative::Eagle3Head) only.
+    Eagle3,
 }
 
 impl MtpLayout {
@@ -38,12 +49,13 @@ impl MtpLayout {
             MtpLayout::DeepseekV3 => "deepseek_v3",
             MtpLayout::Mimo => "mimo",
             MtpLayout::Qwen3Next => "qwen3_next",
+            MtpLayout::Eagle3 => "eagle3",
         }
     }
 
     /// Parses [`MtpLayout::name`].
     pub fn parse(name: &str) -> Option<Self> {
-        [Self::DeepseekV3, Self::Mimo, Self::Qwen3Next]
+        [Self::DeepseekV3, Self::Mimo, Self::Qwen3Next, Self::Eagle3]
             .into_iter()
             .find(|l| l.name() == name)
     }
@@ -75,6 +87,7 @@ impl MtpLayout {
                 (p.clone(), p)
             }
             MtpLayout::Qwen3Next => ("mtp.".into(), format!("mtp.layers.{index}.")),
+            MtpLayout::Eagle3 => (String::new(), format!("layers.{index}.")),
         }
     }
 
@@ -89,6 +102,12 @@ impl MtpLayout {
                 "final_layernorm",
             ],
             MtpLayout::Qwen3Next => ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"],
+            MtpLayout::Eagle3 => [
+                "layers.0.input_layernorm",
+                "layers.0.hidden_norm",
+                "fc",
+                "norm",
+            ],
         }
     }
 }
@@ -99,11 +118,12 @@ impl MtpLayout {
 pub struct MtpWeights {
     /// Which family's MTP module this is (tensor names, concatenation order, attention).
     pub layout: MtpLayout,
-    /// RMSNorm of the token embedding (`enorm`).
+    /// RMSNorm of the token embedding (`enorm`; EAGLE-3's `input_layernorm`).
     pub enorm: DenseWeight,
-    /// RMSNorm of the target hidden (`hnorm`).
+    /// RMSNorm of the target hidden (`hnorm`; EAGLE-3's `hidden_norm`, of the fused hidden).
     pub hnorm: DenseWeight,
-    /// `[hidden, 2 * hidden]`, applied to the concatenation.
+    /// `[hidden, 2 * hidden]`, applied to the concatenation (EAGLE-3: `fc`, `[hidden, n *
+    /// target hidden]`, applied to the captured target layers).
     pub eh_proj: Linear,
     /// The module's decoder layer (attention and MLP), the same kind as a target layer's.
     pub layer: LayerWeights,
@@ -145,6 +165,14 @@ impl MtpWeights {
         layout: MtpLayout,
         index: usize,
     ) -> crate::Result<Self> {
+        if layout == MtpLayout::Eagle3 {
+            return Err(ModelError::Format {
+                path: src.path().to_string(),
+                format: "MTP checkpoint",
+                message: "EAGLE-3 weights are loaded by Eagle3Head".into(),
+            }
+            .into());
+        }
         let (module, layer) = layout.prefixes(config, index);
         let h = config.hidden_size;
         let zc = layout.zero_centered_norms();
@@ -160,7 +188,7 @@ impl MtpWeights {
             gated_attention: layout.gated_attention(),
             zero_centered_norms: zc,
             experts: match (has("mlp.gate.weight")?, layout) {
-                (false, _) | (_, MtpLayout::Mimo) => None,
+                (false, _) | (_, MtpLayout::Mimo | MtpLayout::Eagle3) => None,
                 (true, MtpLayout::DeepseekV3) => Some(MoeScoring::Sigmoid),
                 (true, MtpLayout::Qwen3Next) => Some(MoeScoring::Softmax),
             },

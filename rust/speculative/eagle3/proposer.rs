@@ -1,0 +1,270 @@
+//! `DraftProposer` for `Eagle3Head`: the MTP head's methods, given the captured target rows
+//! in place of the final hidden.
+//!
+//! Where the rows come from: `propose` reads the last row of `target_hidden_stack` (the row
+//! paired with `last_token`), `prefill_drafter` and `catchup_drafter` read
+//! `ctx.target_hidden_stack` (paired row for row with their `hiddens`); the `hiddens`
+//! arguments themselves are not read. Without the captured rows these methods fail saying
+//! so. The stack holds the rows of every token committed since the previous propose, so the
+//! state keeps the position through which rows were consumed, and the last row is row
+//! `position - consumed - 1` (row 0 when nothing was consumed yet).
+//!
+//! Invariants (beyond the MTP head's, which hold as they are):
+//! - after `prefill_drafter` of `P` tokens the consumed position is `P - 1`; after
+//!   `after_verify` it is the position the verified propose drafted from; after
+//!   `catchup_drafter` it is the last position it wrote; after `take_drafter_kv` nothing is
+//!   consumed, as in a fresh state.
+//! - accepted drafts keep the KV rows written when they were drafted (`mtp_kv_exact` does not
+//!   apply: `catchup_batch` writes nothing), and `propose_batch` is unsupported (`Ok(None)`),
+//!   since it carries no captured rows.
+
+use super::head::Eagle3Head;
+use crate::backend::{DevicePtr, GpuBackend};
+use crate::memory::BufferArena;
+use crate::model::{ForwardContext, ModelConfig};
+use crate::speculative::mtp::bad;
+use crate::speculative::{DraftProposer, MtpState, ProposerError, ProposerState};
+
+/// Per-sequence state of an [`Eagle3Head`]: the MTP head's state, and where the captured
+/// rows stand.
+pub struct Eagle3State {
+    pub(crate) inner: MtpState,
+    /// The position of the last token whose captured row the head has consumed.
+    consumed: Option<usize>,
+    /// The position the latest propose drafted from, until `after_verify` settles it.
+    proposed_at: Option<usize>,
+}
+
+crate::impl_proposer_state!(Eagle3State);
+
+impl Eagle3State {
+    /// The MTP head's state inside (rows, blocks, pair keys).
+    pub fn drafter(&self) -> &MtpState {
+        &self.inner
+    }
+}
+
+fn needs_capture(method: &'static str) -> crate::Error {
+    bad(
+        method,
+        "Eagle3Head needs the target's captured layers (target_hidden_stack): run it in an engine that captures its target_layer_ids, or pass the rows".into(),
+    )
+}
+
+impl Eagle3Head {
+    fn state<'s>(
+        &self,
+        state: &'s mut dyn ProposerState,
+        method: &'static str,
+    ) -> crate::Result<&'s mut Eagle3State> {
+        state
+            .as_any_mut()
+            .downcast_mut::<Eagle3State>()
+            .ok_or_else(|| {
+                ProposerError::WrongState {
+                    method,
+                    expected: "Eagle3State",
+                }
+                .into()
+            })
+    }
+
+    /// The row of `stack` paired with the token at `position`.
+    fn last_stack_row(
+        &self,
+        st: &Eagle3State,
+        stack: DevicePtr,
+        position: usize,
+    ) -> crate::Result<DevicePtr> {
+        let back = match st.consumed {
+            None => 0,
+            Some(c) if position > c => position - c - 1,
+            Some(c) => {
+                return Err(bad(
+                    "propose",
+                    format!(
+                        "position {position} is not after position {c}, whose captured row was already consumed"
+                    ),
+                ))
+            }
+        };
+        Ok(stack.offset(back * self.head.spec.target_row_bytes()))
+    }
+}
+
+impl DraftProposer for Eagle3Head {
+    fn alloc_state(&self, gpu: &dyn GpuBackend) -> crate::Result<Box<dyn ProposerState>> {
+        self.alloc_state_for(gpu, usize::MAX)
+    }
+
+    fn alloc_state_for(
+        &self,
+        gpu: &dyn GpuBackend,
+        budget_tokens: usize,
+    ) -> crate::Result<Box<dyn ProposerState>> {
+        let cap = self.head.capacity_blocks(budget_tokens);
+        let inner = MtpState::new(gpu, self.head.id, cap)?;
+        Ok(Box::new(Eagle3State {
+            inner,
+            consumed: None,
+            proposed_at: None,
+        }))
+    }
+
+    fn propose(
+        &self,
+        last_token: u32,
+        _target_hidden: DevicePtr,
+        position: usize,
+        num_drafts: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        target_hidden_stack: Option<DevicePtr>,
+    ) -> crate::Result<Vec<u32>> {
+        let stack = target_hidden_stack.ok_or_else(|| needs_capture("propose"))?;
+        let st = self.state(state, "propose")?;
+        let row = self.last_stack_row(st, stack, position)?;
+        let drafts = self.head.propose(
+            last_token,
+            row,
+            position,
+            num_drafts,
+            &mut st.inner,
+            ctx,
+            stream,
+            draft_embed_target,
+            grammar_bitmask,
+            None,
+        )?;
+        st.proposed_at = Some(position);
+        Ok(drafts)
+    }
+
+    fn after_verify(
+        &self,
+        num_accepted: usize,
+        state: &mut dyn ProposerState,
+        stream: u64,
+    ) -> crate::Result<()> {
+        let st = self.state(state, "after_verify")?;
+        self.head
+            .after_verify(num_accepted, &mut st.inner, stream)?;
+        if let Some(p) = st.proposed_at.take() {
+            st.consumed = Some(p);
+        }
+        Ok(())
+    }
+
+    fn target_layer_ids(&self) -> Vec<usize> {
+        self.capture_layer_ids()
+    }
+
+    fn prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
+        self.head.prefill_hidden_rows(max_seq_len)
+    }
+
+    fn drafter_rows(&self, state: &mut dyn ProposerState) -> usize {
+        self.state(state, "drafter_rows")
+            .map_or(0, |st| self.head.drafter_rows(&mut st.inner))
+    }
+
+    fn last_pair_key(&self, state: &mut dyn ProposerState) -> Option<usize> {
+        let st = self.state(state, "last_pair_key").ok()?;
+        self.head.last_pair_key(&mut st.inner)
+    }
+
+    fn take_drafter_kv(
+        &self,
+        state: &mut dyn ProposerState,
+    ) -> Option<(Vec<u32>, usize, Option<usize>)> {
+        let st = self.state(state, "take_drafter_kv").ok()?;
+        let taken = self.head.take_drafter_kv(&mut st.inner)?;
+        st.consumed = None;
+        st.proposed_at = None;
+        Some(taken)
+    }
+
+    fn install_drafter_kv(
+        &self,
+        state: &mut dyn ProposerState,
+        blocks: Vec<u32>,
+        rows: usize,
+        last_pair_key: Option<usize>,
+    ) -> bool {
+        let Ok(st) = self.state(state, "install_drafter_kv") else {
+            return false;
+        };
+        self.head
+            .install_drafter_kv(&mut st.inner, blocks, rows, last_pair_key)
+    }
+
+    fn free_drafter_kv(&self, blocks: &[u32]) {
+        self.head.free_drafter_kv(blocks)
+    }
+
+    fn catchup_drafter(
+        &self,
+        tokens: &[u32],
+        _hiddens: DevicePtr,
+        row_base: usize,
+        pos_base: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> crate::Result<usize> {
+        let stack = ctx
+            .target_hidden_stack
+            .ok_or_else(|| needs_capture("catchup_drafter"))?;
+        let st = self.state(state, "catchup_drafter")?;
+        let written = self.head.catchup_drafter(
+            tokens,
+            stack,
+            row_base,
+            pos_base,
+            &mut st.inner,
+            ctx,
+            stream,
+        )?;
+        if !tokens.is_empty() {
+            st.consumed = Some(pos_base + tokens.len() - 1);
+            st.proposed_at = None;
+        }
+        Ok(written)
+    }
+
+    fn propose_batch_max(&self, _buffers: &BufferArena, _config: &ModelConfig) -> usize {
+        1
+    }
+
+    fn prefill_drafter(
+        &self,
+        prompt_tokens: &[u32],
+        _hiddens: DevicePtr,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> crate::Result<usize> {
+        let stack = ctx
+            .target_hidden_stack
+            .ok_or_else(|| needs_capture("prefill_drafter"))?;
+        let st = self.state(state, "prefill_drafter")?;
+        let written =
+            self.head
+                .prefill_drafter(prompt_tokens, stack, &mut st.inner, ctx, stream)?;
+        st.consumed = prompt_tokens.len().checked_sub(1);
+        st.proposed_at = None;
+        Ok(written)
+    }
+
+    fn read_deferred_draft_token(&self, gpu: &dyn GpuBackend) -> crate::Result<u32> {
+        self.head.read_deferred_draft_token(gpu)
+    }
+
+    fn free_state(&self, gpu: &dyn GpuBackend, state: &mut dyn ProposerState) -> crate::Result<()> {
+        let st = self.state(state, "free_state")?;
+        self.head.free_state(gpu, &mut st.inner)
+    }
+}
