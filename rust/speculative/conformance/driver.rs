@@ -56,9 +56,15 @@ pub(super) struct Sequence {
     pub(super) truth: Vec<u32>,
     pub(super) prompt_len: usize,
     pub(super) hiddens: DevicePtr,
+    /// The captured rows `[total, n * hidden]`, paired row for row with `hiddens`, when the
+    /// proposer names `target_layer_ids`.
+    pub(super) stack: Option<DevicePtr>,
     pub(super) state: Option<Box<dyn ProposerState>>,
     /// Position of the last verified token.
     pub(super) pos: usize,
+    /// Position of the last token whose captured row an earlier call delivered: the next
+    /// propose's stack holds the rows of the tokens after it, up to `pos`.
+    pub(super) delivered: usize,
 }
 
 fn synthetic_tokens(rng: &mut SmallRng, vocab: usize, prompt_len: usize, total: usize) -> Vec<u32> {
@@ -114,6 +120,8 @@ pub(super) struct Checker<'p> {
     pub(super) ctx: ForwardContext<'static>,
     pub(super) options: CheckOptions,
     pub(super) report: ConformanceReport,
+    /// How many target layers the proposer names (0: it is given no captured rows).
+    pub(super) layers: usize,
 }
 
 impl Checker<'_> {
@@ -129,7 +137,9 @@ impl Checker<'_> {
             return;
         };
         let prompt = &seq.truth[..seq.prompt_len];
-        let ctx = &self.ctx;
+        let mut ctx = self.ctx.clone();
+        ctx.target_hidden_stack = seq.stack;
+        let ctx = &ctx;
         let written = guarded(&mut self.report, "prefill_drafter", || {
             p.prefill_drafter(prompt, seq.hiddens, &mut *state, ctx, 0)
         });
@@ -153,6 +163,7 @@ impl Checker<'_> {
             }
         }
         seq.pos = seq.prompt_len;
+        seq.delivered = seq.prompt_len - 1;
         seq.state = Some(state);
     }
 
@@ -160,6 +171,20 @@ impl Checker<'_> {
         // The hidden whose logits picked the token at `pos` is the one computed at `pos - 1`.
         seq.hiddens
             .offset((seq.pos - 1) * self.options.hidden_size * 2)
+    }
+
+    /// The `target_hidden_stack` of the next propose: the captured rows of the tokens after
+    /// `delivered` up to `pos` (their rows `delivered .. pos - 1`), as the engine passes them.
+    pub(super) fn stack_for(&self, seq: &Sequence) -> Option<DevicePtr> {
+        let row_bytes = self.layers * self.options.hidden_size * 2;
+        seq.stack.map(|s| s.offset(seq.delivered * row_bytes))
+    }
+
+    /// A one-row stack, the row paired with the token at `pos` (what a state that was never
+    /// given rows is proposed with).
+    pub(super) fn last_stack_row(&self, seq: &Sequence) -> Option<DevicePtr> {
+        let row_bytes = self.layers * self.options.hidden_size * 2;
+        seq.stack.map(|s| s.offset((seq.pos - 1) * row_bytes))
     }
 
     /// Checks one sequence's drafts and returns how many the simulated target accepts.
@@ -215,6 +240,7 @@ impl Checker<'_> {
             return;
         }
         // Accepted drafts plus the bonus token.
+        seq.delivered = seq.pos;
         seq.pos += accepted + 1;
     }
 
@@ -225,9 +251,21 @@ impl Checker<'_> {
     ) -> Option<Vec<u32>> {
         let (p, ctx, n) = (self.proposer, &self.ctx, self.options.num_drafts);
         let (last, pos, hidden) = (seq.truth[seq.pos], seq.pos, self.hidden_for(seq));
+        let stack = self.stack_for(seq);
         let state = seq.state.as_mut()?;
         let drafts = guarded(&mut self.report, "propose", || {
-            p.propose(last, hidden, pos, n, &mut **state, ctx, 0, None, mask, None)
+            p.propose(
+                last,
+                hidden,
+                pos,
+                n,
+                &mut **state,
+                ctx,
+                0,
+                None,
+                mask,
+                stack,
+            )
         });
         if drafts.is_none() {
             self.end(seq);
@@ -296,12 +334,17 @@ pub(super) fn run(
         Arc::new(config),
         ModelLevers::default(),
     );
+    let layers = guarded_value(&mut report, "target_layer_ids", || {
+        proposer.target_layer_ids()
+    })
+    .map_or(0, |ids| ids.len());
     let mut checker = Checker {
         proposer,
         gpu: gpu.clone(),
         ctx,
         options: options.clone(),
         report,
+        layers,
     };
     let mut rng = SmallRng::seed_from_u64(options.seed);
     let mut twins: Vec<(Sequence, Sequence)> = Vec::new();
@@ -317,12 +360,30 @@ pub(super) fn run(
             setup_failed = true;
             break;
         };
+        let stack = match layers {
+            0 => None,
+            n => {
+                let values: Vec<f32> = (0..total * n * options.hidden_size)
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                match gpu.upload_bf16(&values, "check_proposer:target_hidden_stack") {
+                    Ok(s) => Some(s),
+                    Err(_) => {
+                        let _ = gpu.free(hiddens);
+                        setup_failed = true;
+                        break;
+                    }
+                }
+            }
+        };
         let make = || Sequence {
             truth: truth.clone(),
             prompt_len,
             hiddens,
+            stack,
             state: None,
             pos: prompt_len,
+            delivered: prompt_len - 1,
         };
         twins.push((make(), make()));
     }
@@ -362,8 +423,11 @@ pub(super) fn run(
     }
     let mut report = std::mem::take(&mut checker.report);
     for (a, _) in &twins {
-        // Both twins share one hidden buffer.
+        // Both twins share one hidden buffer (and one stack).
         let _ = gpu.free(a.hiddens);
+        if let Some(s) = a.stack {
+            let _ = gpu.free(s);
+        }
     }
     if let Ok(mut arena) = Arc::try_unwrap(checker.ctx.buffers) {
         if let Err(e) = arena.free(&*gpu) {

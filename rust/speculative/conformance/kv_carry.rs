@@ -12,6 +12,8 @@ pub(super) fn check_kv_carry(checker: &mut Checker<'_>, seq: &mut Sequence) {
     );
     let budget = Checker::budget(seq);
     let (last, pos, hidden) = (seq.truth[seq.pos], seq.pos, checker.hidden_for(seq));
+    // Both states below are as fresh: neither was given captured rows yet.
+    let stack = checker.last_stack_row(seq);
     let Some(state) = seq.state.as_mut() else {
         return;
     };
@@ -37,10 +39,21 @@ pub(super) fn check_kv_carry(checker: &mut Checker<'_>, seq: &mut Sequence) {
     }) {
         let ctx = &checker.ctx;
         let from_fresh = guarded(&mut checker.report, "propose", || {
-            p.propose(last, hidden, pos, n, &mut *fresh, ctx, 0, None, None, None)
+            p.propose(last, hidden, pos, n, &mut *fresh, ctx, 0, None, None, stack)
         });
         let from_taken = guarded(&mut checker.report, "propose", || {
-            p.propose(last, hidden, pos, n, &mut **state, ctx, 0, None, None, None)
+            p.propose(
+                last,
+                hidden,
+                pos,
+                n,
+                &mut **state,
+                ctx,
+                0,
+                None,
+                None,
+                stack,
+            )
         });
         if from_fresh.is_some() && from_taken.is_some() && from_fresh != from_taken {
             checker.report.violate(

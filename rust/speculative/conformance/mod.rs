@@ -7,6 +7,9 @@
 //! runs a twin of every sequence through `propose_batch` and compares the drafts, probes the
 //! grammar mask, moves drafter KV out and back in, and finally checks that `free_state`
 //! returned every byte. Proposers must be deterministic given the same state and inputs.
+//! A proposer that names `target_layer_ids` is given synthetic captured rows as the engine
+//! gives them: `ctx.target_hidden_stack` at its prefill, and at each propose the rows of the
+//! tokens committed since the previous one as `target_hidden_stack`.
 //!
 //! It never panics: a proposer that panics or errors is reported, and the check goes on with
 //! the sequences that still work.
