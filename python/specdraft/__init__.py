@@ -4,7 +4,7 @@ A Rust core (GPU backends, the ``DevicePtr`` lifecycle, the paged KV block alloc
 proposers, the engine) exposed to Python. Write a proposer by subclassing
 :class:`DraftProposer`; the methods you define are called from Rust, every other method runs
 the Rust default without entering Python. Rust proposers such as :class:`PromptLookup` and
-:class:`SuffixDecoding` are
+:class:`SuffixDecoding` (and the draft heads :class:`MtpHead` and :class:`Eagle3Head`) are
 subclasses of :class:`DraftProposer` too, and a Python subclass of one overrides single
 methods.
 
@@ -34,6 +34,7 @@ from specdraft._core import (
     DevicePtr,
     DraftProposer,
     DraftRunner,
+    Eagle3Head,
     ForwardContext,
     GenerationError,
     GenerationResult,
@@ -78,6 +79,7 @@ __all__ = [
     "DevicePtr",
     "DraftProposer",
     "DraftRunner",
+    "Eagle3Head",
     "ForwardContext",
     "GenerationError",
     "GenerationResult",

@@ -670,6 +670,77 @@ class MtpHead(DraftProposer):
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
         """Row `row` of the f32 logits of the head's latest forward."""
 
+class Eagle3Head(DraftProposer):
+    """The EAGLE-3 draft head of a checkpoint (speculators or original EAGLE-3 layout).
+
+    Drafts from the target's hiddens captured at several layers (its `target_layer_ids`),
+    which the engine passes as `target_hidden_stack`; every protocol method runs in Rust.
+    Made with `Eagle3Head.from_checkpoint(path, gpu, ...)`; `Eagle3Head(path, gpu, ...)` is the
+    same call, and a subclass's `__init__` receives those arguments.
+    """
+
+    def __new__(
+        cls,
+        path: str | PathLike[str],
+        gpu: Backend,
+        *,
+        target: TargetModel | None = None,
+        target_layers: int | None = None,
+        max_seq_len: int = 4096,
+        main_kv_blocks: int = 4096,
+        levers: ModelLevers | None = None,
+    ) -> Self: ...
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | PathLike[str],
+        gpu: Backend,
+        *,
+        target: TargetModel | None = None,
+        target_layers: int | None = None,
+        max_seq_len: int = 4096,
+        main_kv_blocks: int = 4096,
+        levers: ModelLevers | None = None,
+    ) -> Self:
+        """Loads the EAGLE-3 head in the checkpoint folder `path` onto `gpu`; called on a
+        subclass, returns an instance of that subclass.
+
+        The folder holds a speculators checkpoint (`config.json` with
+        `speculators_model_type: "eagle3"`, `layers.0.*`) or an original EAGLE-3 one
+        (`midlayer.*`): `fc`, the decoder layer, `norm`, `lm_head` over the draft vocabulary
+        and `d2t`. With `target` (a `TargetModel` on `gpu`) the target's embedding is read in
+        place unless the folder has `embed_tokens.weight`, and the target's layer count
+        decides the default capture layers; without it, pass `target_layers` (the target's
+        `num_hidden_layers`) and the folder must carry its own embedding.
+        """
+    @property
+    def draft_vocab_size(self) -> int:
+        """Rows of the head's own LM head (its draft vocabulary)."""
+    @property
+    def draft_to_target(self) -> npt.NDArray[np.uint32]:
+        """The target id of each draft id (`d + d2t[d]`), as uint32."""
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """The checkpoint's `eagle_aux_hidden_state_layer_ids` (or vLLM's default): the hidden
+        entering layer `k`; `target_layer_ids()` is `k - 1` for each.
+        """
+    @property
+    def format(self) -> str:
+        """`"speculators"` or `"eagle3"` (the original release's `config.json`)."""
+    @property
+    def shares_target(self) -> bool:
+        """Whether the head reads its target's embedding in place (loaded with `target=` from
+        a folder without `embed_tokens.weight`).
+        """
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """`(total, free)` blocks of the drafter KV pool."""
+    @property
+    def bytes_per_draft(self) -> int:
+        """Bytes of weights one draft step reads."""
+    def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
+        """Row `row` of the f32 logits (over the draft vocabulary) of the head's latest forward."""
+
 def quantize_nvfp4(
     w: npt.NDArray[np.float32],
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], float]:

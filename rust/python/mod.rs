@@ -5,9 +5,10 @@
 //! [`allocator`] (KV blocks), [`model`] (config, levers, forward context views), [`state`]
 //! and [`proposer`] (the `DraftProposer` base class), [`adapter`] (a Python proposer behind
 //! `dyn DraftProposer`, its methods in the `adapter_*` files by group), [`rust_proposers`],
-//! [`mtp`] (the MTP draft head), [`conformance`], [`target_model`], the engine
-//! ([`engine`], [`conversation`], [`generation`], [`grammar`]), and [`testing`] (hooks for
-//! tests and the protocol benchmark, reached through `specdraft.testing`).
+//! [`mtp`] (the MTP draft head), [`eagle3`] (the EAGLE-3 draft head), [`conformance`],
+//! [`target_model`], the engine ([`engine`], [`conversation`], [`generation`],
+//! [`grammar`]), and [`testing`] (hooks for tests and the protocol benchmark, reached
+//! through `specdraft.testing`).
 //!
 //! Invariants: nothing here panics across the boundary (every failure is an exception);
 //! Rust work that may call back into Python runs with the interpreter released; no thread
@@ -27,6 +28,7 @@ mod conversation;
 mod convert;
 mod cuda_backend;
 mod device_ptr;
+mod eagle3;
 mod engine;
 mod errors;
 mod generation;
@@ -72,6 +74,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(target_model::gguf_metadata, m)?)?;
     m.add_class::<mtp::PyMtpHead>()?;
     m.add_class::<mtp::PyReferenceDraftRunner>()?;
+    m.add_class::<eagle3::PyEagle3Head>()?;
     m.add_function(wrap_pyfunction!(mtp::quantize_nvfp4, m)?)?;
     engine::register(m)?;
     m.add(

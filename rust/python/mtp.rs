@@ -213,7 +213,10 @@ impl PyReferenceDraftRunner {
 }
 
 /// The Rust target behind a `target=` argument, which must live on `gpu`.
-fn target_arg(target: &Bound<'_, PyAny>, gpu: &Arc<dyn GpuBackend>) -> PyResult<Arc<TargetModel>> {
+pub(super) fn target_arg(
+    target: &Bound<'_, PyAny>,
+    gpu: &Arc<dyn GpuBackend>,
+) -> PyResult<Arc<TargetModel>> {
     let model = target.cast::<PyTargetModel>().map_err(|_| {
         PyTypeError::new_err(format!(
             "target must be a specdraft TargetModel (specdraft.load_model), got {}",
