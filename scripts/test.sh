@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the tests need and runs every test: lints, Rust unit and integration
-# tests, the CUDA build and its kernels under CPU emulation, the real SmolLM2 checks, the
+# tests, the CUDA build and its kernels under CPU emulation, the real SmolLM2 checks, the unsafe
+# kernels under valgrind and Miri (a pinned nightly toolchain, installed through rustup), the
 # examples, and the Python suite against the installed package. Exits non-zero on the
 # first failure. This is what CI runs.
 #
@@ -62,6 +63,9 @@ step "examples"
 cargo run --quiet --example 01_rust_proposer
 cargo run --quiet --example 02_spec_engine
 "$PY" examples/03_python_proposer.py
+
+step "unsafe code under checkers: valgrind on the portable and AVX2 kernels, Miri on the pool and the AVX-512 attention"
+bash scripts/unsafe-check.sh smoke
 
 step "fuzz smoke: every loader fuzz target, a few hundred inputs each from a fixed seed"
 PYTHON="$PY" bash scripts/fuzz.sh smoke

@@ -17,9 +17,10 @@
 # - full only: AddressSanitizer (nightly) on this CPU's own level (AVX-512 where it has it),
 #   the kernels' unit tests and the attention and quantized linear tests (a ten-minute build).
 #
-# The nightly toolchain and its miri and rust-src components are added through rustup when
-# missing; where that fails the script fails, saying so: a checker that did not run is not a
-# pass. Exits non-zero if any checker found an error.
+# The nightly toolchain is pinned (NIGHTLY below, so that a new nightly never changes what CI
+# checks) and installed through rustup with its miri and rust-src components when missing;
+# where that fails the script fails, saying so: a checker that did not run is not a pass.
+# Exits non-zero if any checker found an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +35,7 @@ esac
 TARGET="${CARGO_TARGET_DIR:-target}"
 HOST="$(rustc -vV | sed -n 's/^host: //p')"
 AVX512_FEATURES="-Ctarget-feature=+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni"
+NIGHTLY=nightly-2026-10-29
 failed=()
 step() { printf '\n==> %s\n' "$*" >&2; }
 
@@ -67,7 +69,7 @@ miri_run() {
     local label=$1 dir=$2 flags=$3 log start=$SECONDS
     shift 3
     log="$(mktemp)"
-    if RUSTFLAGS="$flags" cargo +nightly miri test --quiet --target-dir "$dir" --lib -- "$@" \
+    if RUSTFLAGS="$flags" cargo +"$NIGHTLY" miri test --quiet --target-dir "$dir" --lib -- "$@" \
         >"$log" 2>&1; then
         echo "Miri, $label: no undefined behaviour ($(grep -m1 -o '[0-9]* passed' "$log")), $((SECONDS - start)) s"
     else
@@ -102,12 +104,13 @@ else
 fi
 
 step "Miri (nightly)"
-if ! rustup component add --toolchain nightly miri rust-src >/dev/null 2>&1; then
-    echo "Miri could not be installed (rustup component add --toolchain nightly miri" \
+if ! rustup toolchain install "$NIGHTLY" --profile minimal --component miri \
+    --component rust-src >/dev/null 2>&1; then
+    echo "Miri could not be installed (rustup toolchain install $NIGHTLY with miri and" \
         "rust-src failed): the Miri checks did not run" >&2
     failed+=("Miri (not installed)")
 else
-    cargo +nightly miri setup --quiet >/dev/null 2>&1 || true
+    cargo +"$NIGHTLY" miri setup --quiet >/dev/null 2>&1 || true
     miri_run "kernel pool and portable kernels" "$TARGET/unsafe-check/miri" "" \
         backend::quant::pool::tests::a_panic backend::quant::pool::tests::an_unwinding \
         backend::quant::pool::tests::run_returns backend::quant::activation::tests::codes_round \
@@ -127,7 +130,7 @@ asan_run() {
     # --target keeps the sanitizer off build scripts; the standard library is not rebuilt
     # with it (hence the mismatch allowed), so this crate's own accesses are what it checks.
     if RUSTFLAGS="-Zsanitizer=address -Cunsafe-allow-abi-mismatch=sanitizer" \
-        ASAN_OPTIONS=detect_leaks=0 cargo +nightly test --quiet --target "$HOST" \
+        ASAN_OPTIONS=detect_leaks=0 cargo +"$NIGHTLY" test --quiet --target "$HOST" \
         --target-dir "$TARGET/unsafe-check/asan" "$@" >"$log" 2>&1; then
         echo "AddressSanitizer, $label: no errors ($(grep -o '[0-9]* passed' "$log" |
             awk '{n += $1} END {print n}') passed), $((SECONDS - start)) s"
