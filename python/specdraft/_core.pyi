@@ -334,9 +334,10 @@ class BufferArena:
 
 @final
 class ForwardContext:
-    """`ForwardContext(gpu, config, levers=None, buffers=None)`: what a forward runs with
-    (backend, shared scratch, configuration, levers). It holds shared handles, so keeping
-    it is safe. Made by hand, a single-rank context (`gpu` must be a backend you created).
+    """`ForwardContext(gpu, config, levers=None, buffers=None, target_hidden_stack=None)`: what a
+    forward runs with (backend, shared scratch, configuration, levers, and the captured target
+    rows of a proposer that names `target_layer_ids`). It holds shared handles, so keeping it
+    is safe. Made by hand, a single-rank context (`gpu` must be a backend you created).
     """
 
     def __new__(
@@ -345,6 +346,7 @@ class ForwardContext:
         config: ModelConfig,
         levers: ModelLevers | None = None,
         buffers: BufferArena | None = None,
+        target_hidden_stack: DevicePtr | int | None = None,
     ) -> Self: ...
     @property
     def gpu(self) -> Backend:
@@ -358,6 +360,12 @@ class ForwardContext:
     @property
     def buffers(self) -> BufferArena:
         """The shared forward scratch."""
+    @property
+    def target_hidden_stack(self) -> DevicePtr | None:
+        """The captured target rows paired row for row with the `hiddens` of the call this
+        context was passed to (bf16 `[rows, len(target_layer_ids) * hidden]`), or None when
+        the proposer names no layers or the call has no hiddens.
+        """
 
 @final
 class ProposerState:
@@ -431,7 +439,19 @@ class DraftProposer:
     def alloc_state_for(self, gpu: Backend, budget_tokens: int) -> Any:
         """`alloc_state` given the sequence's token budget (`2**64 - 1`: unknown)."""
     def block_gamma(self) -> int | None:
-        """The block size of a block-diffusion drafter; None for others."""
+        """The block size of a block-diffusion drafter; None for others. The engine asks
+        `Some(γ)` for `γ - 1` drafts a step (at least 1), whatever its `num_drafts`.
+        """
+    def target_layer_ids(self) -> list[int]:
+        """The target layers whose hiddens this proposer fuses (default: none).
+
+        Id `i` is the hidden after decoder layer `i` (0-based) before the final norm; EAGLE-3's
+        "hidden entering layer k" is id `k - 1`. The engine checks the ids when it is built
+        (each below the model's layer count, none twice) and then passes the captured rows,
+        bf16 `[rows, len(ids) * hidden]`, as `propose`'s `target_hidden_stack` and as
+        `ctx.target_hidden_stack` of `prefill_drafter`; such a proposer is proposed per
+        sequence.
+        """
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
         """Rows of the prefill hidden capture this proposer can use (default `max_seq_len`)."""
     def needs_comm(self) -> bool:
@@ -825,10 +845,17 @@ class TargetModel:
         """The f32 logits of a fresh forward over `tokens`, as a flat numpy array of
         `len(tokens) * vocab_size` values (row-major); the KV it used is returned at once.
         """
-    def hidden_states(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+    def hidden_states(
+        self, tokens: Sequence[int], layers: Sequence[int] | None = None
+    ) -> npt.NDArray[np.float32]:
         """The hidden state before the final norm at every position of a fresh forward over
         `tokens` (teacher forcing), as a float32 numpy array `[len(tokens), hidden]`; long
         inputs run in chunks of `max_rows`, and the KV is returned at once.
+
+        With `layers` (decoder layer ids, each below `config.num_hidden_layers`, none twice)
+        it is instead the hidden after each of those layers, side by side in the order given:
+        `[len(tokens), len(layers) * hidden]`, what the engine passes a proposer that names
+        them as `target_layer_ids` (id `i` is layer `i`'s output, before any final norm).
         """
     def generate_greedy(self, prompt: Sequence[int], max_tokens: int = 16) -> list[int]:
         """Greedy decoding without drafting (the engine with no proposer): the ids that follow

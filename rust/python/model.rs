@@ -5,9 +5,9 @@
 //! proposer may keep a `ForwardContext` past the call it was given in.
 
 use super::backend::{backend_arg, backend_from_arc};
-use super::device_ptr::PyDevicePtr;
+use super::device_ptr::{PtrArg, PyDevicePtr};
 use super::errors::{ConfigError as PyConfigError, IntoPyResult};
-use crate::backend::GpuBackend;
+use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
 use pyo3::prelude::*;
@@ -317,15 +317,17 @@ impl PyBufferArena {
     }
 }
 
-/// `ForwardContext(gpu, config, levers=None, buffers=None)`: what a forward runs with
-/// (backend, shared scratch, configuration, levers). It holds shared handles, so keeping
-/// it is safe. Made by hand, a single-rank context (`gpu` must be a backend you created).
+/// `ForwardContext(gpu, config, levers=None, buffers=None, target_hidden_stack=None)`: what a
+/// forward runs with (backend, shared scratch, configuration, levers, and the captured target
+/// rows of a proposer that names `target_layer_ids`). It holds shared handles, so keeping it
+/// is safe. Made by hand, a single-rank context (`gpu` must be a backend you created).
 #[pyclass(name = "ForwardContext", module = "specdraft", frozen)]
 pub struct PyForwardContext {
     pub gpu: Arc<dyn GpuBackend>,
     pub buffers: Arc<BufferArena>,
     pub config: Arc<ModelConfig>,
     pub levers: ModelLevers,
+    pub target_hidden_stack: Option<DevicePtr>,
 }
 
 impl PyForwardContext {
@@ -336,32 +338,38 @@ impl PyForwardContext {
             buffers: ctx.buffers.clone(),
             config: ctx.config.clone(),
             levers: ctx.levers,
+            target_hidden_stack: ctx.target_hidden_stack,
         }
     }
 
     /// The Rust context this view stands for (single rank).
     pub fn to_rust(&self) -> ForwardContext<'static> {
-        ForwardContext::new(
-            self.gpu.clone(),
-            self.buffers.clone(),
-            self.config.clone(),
-            self.levers,
-        )
+        ForwardContext {
+            target_hidden_stack: self.target_hidden_stack,
+            ..ForwardContext::new(
+                self.gpu.clone(),
+                self.buffers.clone(),
+                self.config.clone(),
+                self.levers,
+            )
+        }
     }
 }
 
 #[pymethods]
 impl PyForwardContext {
     #[new]
-    #[pyo3(signature = (gpu, config, levers = None, buffers = None))]
+    #[pyo3(signature = (gpu, config, levers = None, buffers = None, target_hidden_stack = None))]
     fn new(
         gpu: &Bound<'_, PyAny>,
         config: &Bound<'_, PyModelConfig>,
         levers: Option<PyModelLevers>,
         buffers: Option<&Bound<'_, PyBufferArena>>,
+        target_hidden_stack: Option<PtrArg>,
     ) -> PyResult<Self> {
         let gpu = backend_arg(gpu)?.get().arc()?;
         Ok(PyForwardContext {
+            target_hidden_stack: target_hidden_stack.map(|p| p.0),
             gpu,
             buffers: buffers.map_or_else(
                 || Arc::new(BufferArena::empty(1)),
@@ -398,6 +406,14 @@ impl PyForwardContext {
         PyBufferArena {
             inner: self.buffers.clone(),
         }
+    }
+
+    /// The captured target rows paired row for row with the `hiddens` of the call this
+    /// context was passed to (bf16 `[rows, len(target_layer_ids) * hidden]`), or None when
+    /// the proposer names no layers or the call has no hiddens.
+    #[getter]
+    fn target_hidden_stack(&self) -> Option<PyDevicePtr> {
+        self.target_hidden_stack.map(PyDevicePtr)
     }
 
     fn __repr__(&self) -> String {

@@ -114,28 +114,43 @@ impl PyTargetModel {
     /// The hidden state before the final norm at every position of a fresh forward over
     /// `tokens` (teacher forcing), as a float32 numpy array `[len(tokens), hidden]`; long
     /// inputs run in chunks of `max_rows`, and the KV is returned at once.
+    ///
+    /// With `layers` (decoder layer ids, each below `config.num_hidden_layers`, none twice)
+    /// it is instead the hidden after each of those layers, side by side in the order given:
+    /// `[len(tokens), len(layers) * hidden]`, what the engine passes a proposer that names
+    /// them as `target_layer_ids` (id `i` is layer `i`'s output, before any final norm).
+    #[pyo3(signature = (tokens, layers = None))]
     fn hidden_states<'py>(
         &self,
         py: Python<'py>,
         tokens: Vec<u32>,
+        layers: Option<Vec<usize>>,
     ) -> PyResult<Bound<'py, numpy::PyArray2<f32>>> {
         let model = self.inner.clone();
         let h = model.config().hidden_size;
         let n = tokens.len();
+        let width = layers.as_ref().map_or(h, |l| l.len() * h);
+        if layers.as_ref().is_some_and(|l| l.is_empty()) {
+            return Err(request_error(
+                "hidden_states: layers is empty (name at least one layer, or leave it out for the final hidden)",
+            ));
+        }
         let values = py
             .detach(move || {
                 run_exclusive(|| -> crate::Result<Vec<f32>> {
+                    let ids = layers.as_deref().unwrap_or(&[]);
                     let mut seq = model.new_sequence();
-                    let mut values = Vec::with_capacity(tokens.len() * h);
+                    let mut values = Vec::with_capacity(tokens.len() * width);
                     // Only the last row's logits are computed: the hiddens are what is wanted.
                     let run = tokens.chunks(model.max_rows()).try_for_each(|chunk| {
-                        let out = model.forward_with(
+                        let out = model.forward_capturing(
                             &mut [&mut seq],
                             &[chunk],
                             LogitRows::LastPerSequence,
+                            ids,
                         )?;
-                        let rows: Vec<half::bf16> =
-                            model.gpu().download(out.hiddens, out.rows * h)?;
+                        let src = out.hidden_stack.unwrap_or(out.hiddens);
+                        let rows: Vec<half::bf16> = model.gpu().download(src, out.rows * width)?;
                         values.extend(rows.into_iter().map(f32::from));
                         Ok(())
                     });
@@ -144,7 +159,7 @@ impl PyTargetModel {
                 })
             })
             .py()?;
-        numpy::ndarray::Array2::from_shape_vec((n, h), values)
+        numpy::ndarray::Array2::from_shape_vec((n, width), values)
             .map(|a| numpy::PyArray2::from_owned_array(py, a))
             .map_err(|e| SpecdraftError::new_err(e.to_string()))
     }
