@@ -513,7 +513,7 @@ def test_the_two_commands_parse_to_the_same_options():
     args = parser.parse_args(["train", "--method", "eagle3", "--aux-layers", "2,15,27"])
     assert (args.method, args.aux_layers, args.draft_vocab) == ("eagle3", (2, 15, 27), 16384)
     with pytest.raises(SystemExit):
-        parser.parse_args(["train", "--method", "dflash"])
+        parser.parse_args(["train", "--method", "medusa"])
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--aux-layers", "2,x"])
 
@@ -524,5 +524,5 @@ def test_the_help_gives_the_methods_and_the_caches_disk_footprint(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for option in ["--method", "--aux-layers", "--draft-vocab", "--unroll", "--init-from"]:
         assert option in text
-    assert "{mtp,eagle3}" in text
+    assert "{mtp,eagle3,dflash}" in text
     assert "1.1 KB for SmolLM2" in text and "(4.6 KB)" in text

@@ -1,10 +1,11 @@
-"""``specdraft train --method mtp|eagle3``: the command line of the draft-head trainer.
+"""``specdraft train --method mtp|eagle3|dflash``: the command line of the draft-head trainer.
 
 ``specdraft train-mtp`` is ``train --method mtp`` by its older name.
 
 The parser imports nothing heavy; the trainer's dependencies (``jax``, ``optax``) come with
 the optional extra ``specdraft[train]`` and are imported only when the command runs. Both
-commands share every option and default; ``train`` adds ``--method`` and ``--aux-layers``.
+commands share every option and default; ``train`` adds ``--method``, ``--aux-layers`` and
+DFlash's ``--draft-layers``, ``--block-size`` and ``--mask-token``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from specdraft.train.methods import METHODS
 __all__ = ["add_train", "add_train_mtp", "run_train", "run_train_mtp"]
 
 #: Bytes a token of the SmolLM2 cache (hidden 576, BF16) holds, per method: the final hidden;
-#: three captured layers and the final hidden.
-_CACHE_BYTES = "mtp: 2 x hidden bytes a token (1.1 KB for SmolLM2), eagle3: 8 x hidden (4.6 KB)"
+#: three captured layers and the final hidden (one cache for eagle3 and dflash).
+_CACHE_BYTES = (
+    "mtp: 2 x hidden bytes a token (1.1 KB for SmolLM2), eagle3: 8 x hidden (4.6 KB), dflash: "
+    "the same cache as eagle3 for the same layers"
+)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -58,6 +62,9 @@ def run_train(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         draft_vocab=args.draft_vocab,
         aux_layers=args.aux_layers,
+        draft_layers=args.draft_layers,
+        block_size=args.block_size,
+        mask_token=args.mask_token,
         eval_prompts=args.eval_prompts,
         eval_new_tokens=args.eval_new_tokens,
         cache=Path(args.cache) if args.cache else None,
@@ -151,10 +158,16 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         help=(
             "draft vocabulary size N: mtp drafts over the first N token ids (mtp_vocab_size; "
             "16384 holds SmolLM2's greedy choice at 94.6%% of positions, 8192 at 87.7%%), "
-            "eagle3 over the N ids the target chooses most often on the training replies (d2t)"
+            "eagle3 over the N ids the target chooses most often on the training replies (d2t), "
+            "dflash over the first N ids of the target's LM head, which it shares"
         ),
     )
-    p.add_argument("--unroll", type=_positive, default=3, help="draft steps trained per row")
+    p.add_argument(
+        "--unroll",
+        type=_positive,
+        default=3,
+        help="draft steps trained per row (dflash: a block drafts block-size - 1)",
+    )
     p.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
     p.add_argument(
         "--warmup", type=_positive, default=20, help="warm-up steps (then cosine decay to lr/10)"
@@ -222,15 +235,17 @@ def add_train(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser
     """Adds ``specdraft train``."""
     p = subparsers.add_parser(
         "train",
-        help="train a draft head (MTP or EAGLE-3) for a target model by self-distillation",
+        help="train a draft head (MTP, EAGLE-3 or DFlash) for a target model by self-distillation",
         description=(
             "Train a draft head for a target model: the target's hidden states over a "
-            "conversation corpus are cached (BF16; mtp: the final hidden, eagle3: three "
-            f"captured layers and the final hidden; {_CACHE_BYTES}), then the head learns the "
-            "target's distribution for the tokens after the next, unrolled over several drafts. "
-            "--method mtp writes a DeepSeek-V3-style MTP head, --method eagle3 an EAGLE-3 head "
-            "in the speculators format. Progress goes to stderr; the held-out acceptance is "
-            "printed as JSON. Needs: pip install 'specdraft[train]'."
+            "conversation corpus are cached (BF16; mtp: the final hidden, eagle3 and dflash: "
+            f"three captured layers and the final hidden; {_CACHE_BYTES}), then the head learns "
+            "the target's distribution for the tokens after the next, unrolled over several "
+            "drafts (dflash: drafted side by side in blocks). --method mtp writes a "
+            "DeepSeek-V3-style MTP head, --method eagle3 an EAGLE-3 head in the speculators "
+            "format, --method dflash a DFlash block drafter in z-lab's layout. Progress goes to "
+            "stderr; the held-out acceptance is printed as JSON. Needs: pip install "
+            "'specdraft[train]'."
         ),
     )
     p.add_argument("--method", choices=list(METHODS), default="mtp", help="the head to train")
@@ -240,7 +255,30 @@ def add_train(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser
         default=None,
         help=(
             "eagle3: the layers whose entering hidden is fused, comma-separated (vLLM's ids; "
-            "default 2,L/2,L-3, for SmolLM2 2,15,27: the outputs of layers 1,14,26 are captured)"
+            "default 2,L/2,L-3, for SmolLM2 2,15,27: the outputs of layers 1,14,26 are "
+            "captured); dflash: the layers whose output is fused (z-lab's target_layer_ids; "
+            "default the layers eagle3 captures, 1,14,26 for SmolLM2, so the two share a cache)"
+        ),
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=_positive,
+        default=None,
+        help="dflash: draft decoder layers (default 2)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=_positive,
+        default=None,
+        help="dflash: rows of a block, the anchor and block-size - 1 drafts (default 8)",
+    )
+    p.add_argument(
+        "--mask-token",
+        type=int,
+        default=None,
+        help=(
+            "dflash: the id of the blocks' mask token (default: the highest-id special token "
+            "that is no chat marker and never occurs in the cached text; SmolLM2: 16)"
         ),
     )
     _add_options(p)
@@ -263,5 +301,12 @@ def add_train_mtp(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         ),
     )
     _add_options(p)
-    p.set_defaults(run=run_train_mtp, method="mtp", aux_layers=None)
+    p.set_defaults(
+        run=run_train_mtp,
+        method="mtp",
+        aux_layers=None,
+        draft_layers=None,
+        block_size=None,
+        mask_token=None,
+    )
     return p

@@ -23,7 +23,7 @@ from specdraft.train.export_eagle3 import WEIGHTS_FILE, eagle3_config, read_eagl
 from specdraft.train.head import unroll_loss
 from specdraft.train.layer import HeadDims
 from specdraft.train.targets import TargetShape
-from specdraft.train.trainer import LossFn
+from specdraft.train.trainer import LossFn, TrainSettings
 from specdraft.train.vocab import top_choices
 
 __all__ = ["Eagle3Method", "make"]
@@ -44,6 +44,11 @@ class Eagle3Method:
     def cache_layers(self) -> tuple[int, ...]:
         """The capture layers, then the last layer."""
         return (*capture_layers(self.aux_ids), self.last_layer)
+
+    def bind(self, cache: HiddenCache, tokenizer: Any) -> Eagle3Method:  # noqa: ANN401
+        """Itself: nothing is chosen from the cached text."""
+        del cache, tokenizer
+        return self
 
     def init_params(
         self, d: HeadDims, seed: int, lm_head_rows: np.ndarray
@@ -136,6 +141,14 @@ is shared, not stored here) in the `speculators` format, trained by `specdraft t
   of the held-out continuations' positions ({coverage["chosen_train"]:.1%} of the training
   reply positions they were chosen on); the first {n} ids would hold
   {coverage["first_n_heldout"]:.1%} ({coverage["first_n_train"]:.1%})."""
+
+    def card_objective(self, settings: TrainSettings) -> None:
+        """None: the unroll's forward KL."""
+        del settings
+
+    def card_walk(self, acceptance: dict[str, Any]) -> None:
+        """None: the engine walk and its exact-KV variant."""
+        del acceptance
 
 
 def make(shape: TargetShape, aux_layers: tuple[int, ...] | None) -> Eagle3Method:

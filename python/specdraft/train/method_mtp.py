@@ -20,7 +20,7 @@ from specdraft.train.head import unroll_loss
 from specdraft.train.layer import HeadDims
 from specdraft.train.mtp import MTP_ROWS, init_params
 from specdraft.train.targets import TargetShape
-from specdraft.train.trainer import LossFn
+from specdraft.train.trainer import LossFn, TrainSettings
 
 __all__ = ["MtpMethod", "make"]
 
@@ -34,6 +34,11 @@ class MtpMethod:
     #: The coverage of the first ids is measured over every training position, as it
     #: always was for this head (its figures in the README are so).
     choices_on_replies: bool = False
+
+    def bind(self, cache: HiddenCache, tokenizer: Any) -> MtpMethod:  # noqa: ANN401
+        """Itself: nothing is chosen from the cached text."""
+        del cache, tokenizer
+        return self
 
     def init_params(
         self, d: HeadDims, seed: int, lm_head_rows: np.ndarray
@@ -111,10 +116,20 @@ embedding, final norm and LM head are shared, not stored here) trained by
   the target's greedy choice at {coverage["chosen_train"]:.1%} of training
   positions."""
 
+    def card_objective(self, settings: TrainSettings) -> None:
+        """None: the unroll's forward KL."""
+        del settings
+
+    def card_walk(self, acceptance: dict[str, Any]) -> None:
+        """None: the engine walk and its exact-KV variant."""
+        del acceptance
+
 
 def make(shape: TargetShape, aux_layers: tuple[int, ...] | None) -> MtpMethod:
     """The MTP method; it captures no layers, so ``aux_layers`` must be left out."""
     del shape
     if aux_layers is not None:
-        raise ValueError("--aux-layers is an EAGLE-3 option; the MTP head reads the final hidden")
+        raise ValueError(
+            "--aux-layers is an EAGLE-3 and DFlash option; the MTP head reads the final hidden"
+        )
     return MtpMethod()

@@ -6,8 +6,8 @@ every method: the corpus and split, the cache of target rows (the method names t
 a row holds), the draft vocabulary (the method picks its ids), AdamW with checkpoints over
 the method's loss, the held-out evaluation and the files (the method writes its own
 format). MTP and EAGLE-3 share the training-time-test unroll (:mod:`specdraft.train.head`)
-and differ in their row forward; a head trained otherwise (a block drafter) brings its own
-loss and evaluation through the same two methods.
+and differ in their row forward; a head trained otherwise (DFlash's block drafter) brings its
+own loss and evaluation through the same two methods, and its own lines of the model card.
 
 This module imports nothing heavy, so the command line can list the methods without JAX.
 """
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from specdraft.train.evaluate import Acceptance
     from specdraft.train.layer import HeadDims
     from specdraft.train.targets import TargetShape
-    from specdraft.train.trainer import LossFn
+    from specdraft.train.trainer import LossFn, TrainSettings
 
 __all__ = ["METHODS", "TrainMethod", "load_method"]
 
@@ -33,6 +33,7 @@ __all__ = ["METHODS", "TrainMethod", "load_method"]
 METHODS: dict[str, str] = {
     "mtp": "specdraft.train.method_mtp",
     "eagle3": "specdraft.train.method_eagle3",
+    "dflash": "specdraft.train.method_dflash",
 }
 
 
@@ -46,6 +47,13 @@ class TrainMethod(Protocol):
     #: Whether the draft vocabulary's figures count the training replies' positions only
     #: (else every training position).
     choices_on_replies: bool
+
+    def bind(self, cache: HiddenCache, tokenizer: Any) -> TrainMethod:  # noqa: ANN401
+        """The method with what it chooses from the cached text fixed.
+
+        DFlash chooses its mask token; the others return themselves.
+        """
+        ...
 
     def init_params(
         self, d: HeadDims, seed: int, lm_head_rows: np.ndarray
@@ -109,16 +117,34 @@ class TrainMethod(Protocol):
         """The model card's draft-vocabulary line, from the pipeline's coverage figures."""
         ...
 
+    def card_objective(self, settings: TrainSettings) -> str | None:
+        """The model card's loss, or None for the unroll's forward KL."""
+        ...
+
+    def card_walk(self, acceptance: dict[str, Any]) -> str | None:
+        """The model card's engine-walk figures, or None for the chain heads' two walks."""
+        ...
+
 
 def load_method(
-    name: str, shape: TargetShape, aux_layers: tuple[int, ...] | None = None
+    name: str, shape: TargetShape, aux_layers: tuple[int, ...] | None = None, **options: Any
 ) -> TrainMethod:
-    """The method ``name`` for ``shape``'s target (``aux_layers``: EAGLE-3's override).
+    """The method ``name`` for ``shape``'s target.
 
-    Raises ``ValueError`` for an unknown name or options the method refuses.
+    ``aux_layers``: the captured layers' override (EAGLE-3's aux ids, DFlash's target layer
+    ids); ``options`` left at None are not passed, the others must be among the method
+    module's ``OPTIONS`` (DFlash's ``draft_layers``, ``block_size``, ``mask_token``).
+
+    Raises ``ValueError`` for an unknown name, an option the method does not take, or
+    options the method refuses.
     """
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
     module = importlib.import_module(METHODS[name])
-    method: TrainMethod = module.make(shape, aux_layers)
+    given = {k: v for k, v in options.items() if v is not None}
+    foreign = sorted(set(given) - set(getattr(module, "OPTIONS", ())))
+    if foreign:
+        flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
+        raise ValueError(f"{flags}: not an option of --method {name}")
+    method: TrainMethod = module.make(shape, aux_layers, **given)
     return method

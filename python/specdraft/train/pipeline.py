@@ -57,8 +57,15 @@ class RunOptions:
     corpora: tuple[str, ...] = ("sharegpt", "chitchat")
     tokens: int = 300_000
     draft_vocab: int = 16384
-    #: EAGLE-3: the aux layer ids (the hidden entering each), else vLLM's default.
+    #: EAGLE-3: the aux layer ids (the hidden entering each), else vLLM's default; DFlash:
+    #: its target layer ids (the output of each), else EAGLE-3's captured layers.
     aux_layers: tuple[int, ...] | None = None
+    #: DFlash: draft decoder layers (None: the method's default).
+    draft_layers: int | None = None
+    #: DFlash: rows of a block, the anchor and the drafts (None: the method's default).
+    block_size: int | None = None
+    #: DFlash: the mask token's id (None: a special token the cached text never holds).
+    mask_token: int | None = None
     eval_prompts: int = 16
     eval_new_tokens: int = 96
     eval_fraction: float = 0.02
@@ -120,10 +127,13 @@ def _frozen(
 def default_cache_folder(root: Path, method: TrainMethod, target: Path, tag: str) -> Path:
     """The cache folder of a run under ``root``.
 
-    One per method, target, layers and split (the MTP head's is
-    ``train-mtp/<target>/<split>``, as it always was).
+    One per target, layers and split: the MTP head's is ``train-mtp/<target>/<split>``, as
+    it always was; a cache of captured layers is the same whichever head reads it, so every
+    method that captures layers shares ``train-eagle3/<target>/layers-<ids>/<split>`` (where
+    EAGLE-3, the first of them, made its caches): DFlash's default layers read EAGLE-3's.
     """
-    folder = root / f"train-{method.name}" / target.stem
+    name = "eagle3" if method.cache_layers else method.name
+    folder = root / f"train-{name}" / target.stem
     if method.cache_layers:
         folder = folder / ("layers-" + "-".join(str(i) for i in method.cache_layers))
     return folder / tag
@@ -146,6 +156,16 @@ def _card(
         if report["init_from"] is None
         else f"starting from the weights of `{report['init_from']}`"
     )
+    s = opts.settings
+    objective = method.card_objective(s) or (
+        "forward KL from the target's distribution (its stored hidden through its frozen "
+        f"final norm and LM head) to the head's, {s.steps} unrolled drafts feeding the head "
+        "its own hidden, weights 0.8^j"
+    )
+    walked = method.card_walk(acc) or (
+        f"engine walk {acc['engine_mean_acceptance_length']:.3f}; with "
+        f"`SPECDRAFT_MTP_KV_EXACT=1` {acc['exact_kv_engine_mean_acceptance_length']:.3f}"
+    )
     return f"""{method.card_head(report["target"])}
 
 - Data: {", ".join(opts.corpora)} conversations rendered through the target's chat
@@ -155,16 +175,12 @@ def _card(
   only (from its first assistant turn on). {report["eval_sequences"]} held-out prompts
   (split by the hash of the prompt's text, seed {opts.settings.seed}, fraction
   {opts.eval_fraction}) with the target's greedy continuations for evaluation.
-- Recipe: self-distillation, forward KL from the target's distribution (its stored hidden
-  through its frozen final norm and LM head) to the head's, {opts.settings.steps} unrolled
-  drafts feeding the head its own hidden, weights 0.8^j; AdamW lr {opts.settings.lr},
-  batch {opts.settings.batch}, {report["steps"]} steps ({opts.settings.epochs} epoch(s)),
-  seed {opts.settings.seed}, {report["train_seconds"]:.0f} s of training, {start}.
+- Recipe: self-distillation, {objective}; AdamW lr {s.lr}, batch {s.batch},
+  {report["steps"]} steps ({s.epochs} epoch(s)), seed {s.seed},
+  {report["train_seconds"]:.0f} s of training, {start}.
 {method.card_vocab(opts.draft_vocab, choice)}
 - Held-out greedy acceptance at {acc["drafts"]} drafts: by position [{by_pos}], mean
-  acceptance length {acc["mean_acceptance_length"]:.3f} (engine walk
-  {acc["engine_mean_acceptance_length"]:.3f}; with `SPECDRAFT_MTP_KV_EXACT=1`
-  {acc["exact_kv_engine_mean_acceptance_length"]:.3f}).
+  acceptance length {acc["mean_acceptance_length"]:.3f} ({walked}).
 
 Data licences: {licences}.
 
@@ -236,7 +252,14 @@ def train_head(
     path = resolve_model(opts.target)
     model = specdraft.load_model(opts.target, max_seq_len=max(s.seq_len, 1024))
     shape = target_shape(model.config)
-    method = load_method(opts.method, shape, opts.aux_layers)
+    method = load_method(
+        opts.method,
+        shape,
+        opts.aux_layers,
+        draft_layers=opts.draft_layers,
+        block_size=opts.block_size,
+        mask_token=opts.mask_token,
+    )
     label = f"train-{method.name}"
     if opts.draft_vocab > shape.vocab:
         raise ValueError(f"draft vocabulary {opts.draft_vocab} > target vocabulary {shape.vocab}")
@@ -304,6 +327,7 @@ def train_head(
         rate = extracted / max(time.monotonic() - t_extract, 1e-9)
         _log(log, f"{label}: cached target hiddens of {extracted} new tokens ({rate:.1f} tok/s)")
     del model
+    method = method.bind(cache, tokenizer)
 
     weights = read_target_weights(path)
     full = {"target_norm": jnp.asarray(weights.final_norm), "lm_head": jnp.asarray(weights.lm_head)}
@@ -378,7 +402,7 @@ def train_head(
         del recent[:-RUNNING_MEAN_STEPS]
         bar.update(
             1,
-            f"loss {loss:.4f} (mean of last {len(recent)}: {np.mean(recent):.4f}) kl/step "
+            f"loss {loss:.4f} (mean of last {len(recent)}: {np.mean(recent):.4f}) by draft "
             + " ".join(f"{k:.3f}" for k in kls),
         )
 
