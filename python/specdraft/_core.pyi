@@ -690,6 +690,7 @@ class MtpHead(DraftProposer):
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
         """Row `row` of the f32 logits of the head's latest forward."""
 
+@disjoint_base
 class Eagle3Head(DraftProposer):
     """The EAGLE-3 draft head of a checkpoint (speculators or original EAGLE-3 layout).
 
