@@ -239,11 +239,13 @@ def _drafts_as_the_trainer_computes_them(opts, report, model, head, gpu) -> None
             for j, lg in enumerate(want_logits[b]):
                 scale = float(np.abs(lg).max())
                 # The head rounds activations to BF16, the trainer keeps float32: the stated
-                # tolerance is 3% of the logits' scale, and drafts agree outside near-ties.
-                got = head.last_logits(gpu, j)
-                assert np.abs(got - lg).max() <= 0.03 * scale, f"base {base} row {j}"
+                # tolerance is 1.5% of the logits' scale (measured: at most 0.6%).
+                err = float(np.abs(head.last_logits(gpu, j) - lg).max())
+                assert err <= 0.015 * scale, f"base {base} row {j}: {err} > 1.5% of {scale}"
+                # Where the trainer's top two logits lie further apart than the two forwards
+                # can move them, the head drafts the trainer's pick.
                 top2 = np.sort(lg)[-2:]
-                if top2[1] - top2[0] > 0.06 * scale:
+                if top2[1] - top2[0] > 2 * err:
                     assert drafts[j] == int(np.argmax(lg)), f"base {base} row {j}"
                     compared += 1
             head.free_state(gpu, state)
