@@ -11,7 +11,9 @@
 mod kernel_cases;
 
 use kernel_cases as k;
-use specdraft::backend::{Dtype, EmuBackend, EmuFault, GpuBackend, RopeStyle};
+use specdraft::backend::{
+    Dtype, EmuBackend, EmuFault, GpuBackend, GpuBackendExt, PagedAttentionArgs, RopeStyle,
+};
 
 fn check(dut: &EmuBackend, result: Result<(), String>) {
     if let Err(e) = result {
@@ -125,6 +127,70 @@ fn paged_attention_matches_reference() {
     check(&dut, k::paged_attention(&dut, &[5, 33], 5, 4, 2, 33, 8, 82));
     check(&dut, k::paged_attention(&dut, &[70], 3, 2, 1, 128, 16, 83));
     check(&dut, k::paged_attention(&dut, &[3], 1, 1, 1, 256, 1, 84));
+}
+
+/// A block drafter's rows (DFlash): every row of a block attends to the whole context and
+/// the whole block, so a row's context length runs past its own position. Blocks of 8 rows
+/// after 37 context rows, 4 with no context, 16 after 130 (GQA 3:1, SmolLM2's 64-wide
+/// heads), against the CPU reference (which `cpu_attention.rs` holds to an f64 attention).
+fn non_causal_blocks(dut: &dyn GpuBackend, seed: u64) -> Result<(), String> {
+    let (heads, kv_heads, head_dim, block_size) = (9, 3, 64, 16);
+    let blocks = [(37usize, 8usize), (0, 4), (130, 16)];
+    let max_blocks = blocks
+        .iter()
+        .map(|&(c, g)| (c + g).div_ceil(block_size))
+        .max()
+        .unwrap_or(1);
+    let num_blocks = blocks.len() * max_blocks + 2;
+    // Each sequence's blocks in reverse order, so the table is not the identity.
+    let table: Vec<u32> = (0..blocks.len() * max_blocks)
+        .map(|i| (num_blocks - 1 - i) as u32)
+        .collect();
+    let (mut row_seq, mut row_len) = (Vec::new(), Vec::new());
+    for (s, &(c, g)) in blocks.iter().enumerate() {
+        row_seq.extend(std::iter::repeat_n(s as u32, g));
+        row_len.extend(std::iter::repeat_n((c + g) as u32, g));
+    }
+    let rows = row_seq.len();
+    let width = kv_heads * head_dim;
+    let q = k::uniform(seed, rows * heads * head_dim, -1.0, 1.0);
+    let kc = k::uniform(seed + 1, num_blocks * block_size * width, -2.0, 2.0);
+    let vc = k::uniform(seed + 2, num_blocks * block_size * width, -1.0, 1.0);
+    let (got, want) = k::both(dut, |b| {
+        let s = k::Scope::new(b);
+        let o = s.out(Dtype::Bf16, rows * heads * head_dim)?;
+        b.paged_attention(PagedAttentionArgs {
+            out: o,
+            q: s.bf16(&q)?,
+            k_cache: s.bf16(&kc)?,
+            v_cache: s.bf16(&vc)?,
+            block_table: s.u32(&table)?,
+            row_seq: s.u32(&row_seq)?,
+            row_ctx_len: s.u32(&row_len)?,
+            rows,
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            max_blocks_per_seq: max_blocks,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            stream: 0,
+        })?;
+        b.download_bf16(o, rows * heads * head_dim)
+    })?;
+    k::close(
+        "non-causal paged_attention",
+        &got,
+        &want,
+        k::BF16_RTOL,
+        2e-3,
+    )
+}
+
+#[test]
+fn paged_attention_of_non_causal_blocks_matches_reference() {
+    let dut = EmuBackend::new();
+    check(&dut, non_causal_blocks(&dut, 85));
 }
 
 #[test]

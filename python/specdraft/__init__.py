@@ -4,9 +4,10 @@ A Rust core (GPU backends, the ``DevicePtr`` lifecycle, the paged KV block alloc
 proposers, the engine) exposed to Python. Write a proposer by subclassing
 :class:`DraftProposer`; the methods you define are called from Rust, every other method runs
 the Rust default without entering Python. Rust proposers such as :class:`PromptLookup` and
-:class:`SuffixDecoding` (and the draft heads :class:`MtpHead` and :class:`Eagle3Head`) are
-subclasses of :class:`DraftProposer` too, and a Python subclass of one overrides single
-methods.
+:class:`SuffixDecoding` (and the draft heads :class:`MtpHead`, :class:`Eagle3Head` and
+:class:`DFlashHead`) are subclasses of :class:`DraftProposer` too, and a Python subclass of
+one overrides single methods. :class:`Hybrid` drafts with the first of several proposers that
+has a draft (retrieval where the text repeats, a learned head elsewhere).
 
 Run one against a model with :class:`SpecEngine` (``load_model("smollm2")`` brings its
 tokenizer, so text and chat messages just work), and check any proposer against the
@@ -32,6 +33,7 @@ from specdraft._core import (
     CpuBackend,
     CudaBackend,
     DevicePtr,
+    DFlashHead,
     DraftProposer,
     DraftRunner,
     Eagle3Head,
@@ -39,6 +41,7 @@ from specdraft._core import (
     GenerationError,
     GenerationResult,
     GenerationStream,
+    Hybrid,
     ModelConfig,
     ModelLevers,
     MtpHead,
@@ -77,6 +80,7 @@ __all__ = [
     "CpuBackend",
     "CudaBackend",
     "DevicePtr",
+    "DFlashHead",
     "DraftProposer",
     "DraftRunner",
     "Eagle3Head",
@@ -84,6 +88,7 @@ __all__ = [
     "GenerationError",
     "GenerationResult",
     "GenerationStream",
+    "Hybrid",
     "ModelConfig",
     "ModelLevers",
     "MtpHead",

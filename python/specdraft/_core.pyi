@@ -762,6 +762,123 @@ class Eagle3Head(DraftProposer):
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
         """Row `row` of the f32 logits (over the draft vocabulary) of the head's latest forward."""
 
+@disjoint_base
+class Hybrid(DraftProposer):
+    """A proposer made of proposers: each step it drafts with the first member (in list order)
+    that returns at least its `min_drafts` drafts, and every member sees every step.
+
+    `Hybrid([SuffixDecoding(), head])` drafts by retrieval where the text repeats and by the
+    learned head elsewhere. Members are asked in order; the first with a confident draft wins
+    the step, and the members after it are still given the step with `num_drafts=0`. After
+    verification the winner gets the accepted count, a member whose drafts lost the length of
+    their common prefix with the accepted drafts, and the others 0; at the next step each
+    member first catches up on the accepted drafts it did not draft (one `propose` of 0 drafts
+    and one `after_verify(0)` per token), so its history and drafter KV follow the sequence.
+
+    `target_layers` (the target's decoder layer count) makes that catch-up exact for members
+    that read `target_hidden` (the MTP head): the hybrid then also names the target's last
+    layer among its `target_layer_ids`, whose captured rows are the final hiddens of the
+    caught-up tokens. It defaults to the layer count of the target an `MtpHead` member was
+    loaded beside (`target=` or `load_draft_head`); without one, caught-up tokens are paired
+    with the step's `target_hidden`. `min_drafts` gives each member's threshold (default 1
+    each). A member that raises fails the call with a `ProposerError` naming the member's
+    index and class. Drafter KV is not carried between turns of a conversation.
+    """
+
+    def __new__(
+        cls,
+        members: Sequence[DraftProposer],
+        *,
+        target_layers: int | None = None,
+        min_drafts: list[int] | None = None,
+    ) -> Self: ...
+    @property
+    def members(self) -> list[DraftProposer]:
+        """The members, in the order they are asked (a new list each time)."""
+    @property
+    def min_drafts(self) -> list[int]:
+        """Drafts each member must return to win a step."""
+    @property
+    def target_layers(self) -> int | None:
+        """The target's layer count the catch-up pairs tokens with (None: not exact)."""
+
+@disjoint_base
+class DFlashHead(DraftProposer):
+    """The DFlash draft head of a checkpoint (z-lab's layout): a few Qwen3 layers that draft a
+    whole block of `block_size - 1` tokens in one forward.
+
+    Drafts from the target's hiddens captured at several layers (its `target_layer_ids`),
+    which the engine passes as `target_hidden_stack`; `block_gamma()` is the checkpoint's
+    `block_size`, so an engine asks it for `block_size - 1` drafts a step. Every protocol
+    method runs in Rust. Made with `DFlashHead.from_checkpoint(path, gpu, target=model)`;
+    `DFlashHead(path, gpu, target=model)` is the same call, and a subclass's `__init__`
+    receives those arguments.
+    """
+
+    def __new__(
+        cls,
+        path: str | PathLike[str],
+        gpu: Backend,
+        *,
+        target: TargetModel,
+        draft_vocab: int | None = None,
+        quant: str = "bf16",
+        max_seq_len: int | None = None,
+        main_kv_blocks: int | None = None,
+    ) -> Self: ...
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | PathLike[str],
+        gpu: Backend,
+        *,
+        target: TargetModel,
+        draft_vocab: int | None = None,
+        quant: str = "bf16",
+        max_seq_len: int | None = None,
+        main_kv_blocks: int | None = None,
+    ) -> Self:
+        """Loads the DFlash head in the checkpoint folder `path` beside `target` (a
+        `TargetModel` on `gpu`); called on a subclass, returns an instance of that subclass.
+
+        The folder holds z-lab's layout: `config.json` (a Qwen3 config of the draft layers
+        with `block_size`, `num_target_layers` and `dflash_config: {target_layer_ids,
+        mask_token_id}`) and safetensors of `fc`, `hidden_norm`, `layers.*` and `norm`. The
+        target's embedding and LM head are read in place. `draft_vocab`: score only the LM
+        head's first `draft_vocab` rows (every row when `None`). `quant`: the head's
+        projections as stored (`"bf16"`) or quantized at load to a GGUF block format
+        (`"q8_0"`, ...; on the CPU backend, run by the kernels the target's quantized
+        projections run on). `max_seq_len` and `main_kv_blocks` size the drafter KV pool (the
+        target's by default).
+        """
+    @property
+    def block_size(self) -> int:
+        """γ: rows of one block forward; a propose drafts at most `block_size - 1` tokens."""
+    @property
+    def mask_token_id(self) -> int:
+        """The token every block row after the first holds (`dflash_config.mask_token_id`)."""
+    @property
+    def draft_vocab_size(self) -> int:
+        """Rows of the target's LM head drafts are chosen from."""
+    @property
+    def projection_format(self) -> str:
+        """The storage of the head's projections (`"bf16"`, `"q8_0"`, ...)."""
+    @property
+    def num_layers(self) -> int:
+        """Draft layers."""
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """`(total, free)` blocks of the drafter KV pool."""
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of weights one block forward reads (the draft layers, `norm`, the block's
+        embedding rows and the LM head rows drafts are chosen from).
+        """
+    def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
+        """Row `row` of the f32 logits (over the draft vocabulary) of the latest block: the
+        logits that picked draft `row`.
+        """
+
 def quantize_nvfp4(
     w: npt.NDArray[np.float32],
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], float]:

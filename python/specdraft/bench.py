@@ -146,6 +146,19 @@ def shipped_head_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
     return load_draft_head(default_head_for(resolve_model(model_name or "smollm2")), model)
 
 
+def hybrid_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
+    """Suffix decoding, then the shipped learned head for ``model_name`` (a :class:`Hybrid`).
+
+    Each step drafts by retrieval when the text so far repeats, else with the head; the
+    head catches up exactly on the tokens retrieval drafted (it is told the target's layer
+    count).
+    """
+    head = shipped_head_for(model, model_name)
+    return specdraft.Hybrid(
+        [specdraft.SuffixDecoding(), head], target_layers=model.config.num_hidden_layers
+    )
+
+
 #: The proposers ``specdraft bench`` runs by default, in row order. Each entry builds a
 #: fresh proposer for the loaded model (None: plain decoding). Adding a proposer to the
 #: bench is one line here.
@@ -155,6 +168,7 @@ PROPOSERS: dict[str, Callable[[Any, str | None], Any]] = {
     "suffix": lambda model, model_name: specdraft.SuffixDecoding(),
     "random": lambda model, model_name: RandomDrafter(),
     "mtp": lambda model, model_name: shipped_head_for(model, model_name),
+    "hybrid": hybrid_for,
 }
 
 

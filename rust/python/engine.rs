@@ -16,6 +16,7 @@ use super::generation::{
     encode, metrics_dict, need_tokenizer, prompt_ids, render_chat, run_exclusive, to_py_result,
     GenerateOptions, PyGenerationResult,
 };
+use super::hybrid::PyHybrid;
 use super::model::PyModelLevers;
 use super::mtp::PyMtpHead;
 use super::stream::PyGenerationStream;
@@ -150,8 +151,12 @@ impl PySpecEngine {
         if let Some(n) = max_batch_tokens {
             engine = engine.with_max_batch_tokens(n);
         }
-        if let Some(head) = proposer.and_then(|p| p.cast::<PyMtpHead>().ok()) {
-            engine = engine.with_drafter_pool(mtp_pool_probe(head.get().head().clone()));
+        let mtp = proposer.and_then(|p| match p.cast::<PyMtpHead>() {
+            Ok(head) => Some(head.get().head().clone()),
+            Err(_) => p.cast::<PyHybrid>().ok()?.get().mtp_member(p.py()),
+        });
+        if let Some(head) = mtp {
+            engine = engine.with_drafter_pool(mtp_pool_probe(head));
         }
         let py = model.py();
         let tokenizer = match tokenizer {

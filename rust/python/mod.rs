@@ -5,7 +5,8 @@
 //! [`allocator`] (KV blocks), [`model`] (config, levers, forward context views), [`state`]
 //! and [`proposer`] (the `DraftProposer` base class), [`adapter`] (a Python proposer behind
 //! `dyn DraftProposer`, its methods in the `adapter_*` files by group), [`rust_proposers`],
-//! [`mtp`] (the MTP draft head), [`eagle3`] (the EAGLE-3 draft head), [`conformance`],
+//! [`mtp`] (the MTP draft head), [`eagle3`] (the EAGLE-3 draft head), [`dflash`] (the DFlash
+//! draft head), [`hybrid`] (a proposer made of proposers), [`conformance`],
 //! [`target_model`], the engine ([`engine`], [`conversation`], [`generation`],
 //! [`grammar`]), and [`testing`] (hooks for tests and the protocol benchmark, reached
 //! through `specdraft.testing`).
@@ -28,11 +29,13 @@ mod conversation;
 mod convert;
 mod cuda_backend;
 mod device_ptr;
+mod dflash;
 mod eagle3;
 mod engine;
 mod errors;
 mod generation;
 mod grammar;
+mod hybrid;
 mod model;
 mod mtp;
 mod proposer;
@@ -75,6 +78,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mtp::PyMtpHead>()?;
     m.add_class::<mtp::PyReferenceDraftRunner>()?;
     m.add_class::<eagle3::PyEagle3Head>()?;
+    m.add_class::<hybrid::PyHybrid>()?;
+    m.add_class::<dflash::PyDFlashHead>()?;
     m.add_function(wrap_pyfunction!(mtp::quantize_nvfp4, m)?)?;
     engine::register(m)?;
     m.add(

@@ -41,6 +41,18 @@ pub enum ProposerError {
         /// The Python exception or what was unusable in the result.
         message: String,
     },
+    /// A member of a `Hybrid` failed: `source` is the member's own error.
+    #[error("{method}: hybrid member {index} ({name}) failed: {source}")]
+    Member {
+        /// The hybrid's method that was running.
+        method: &'static str,
+        /// The member's place in the hybrid's list (0 first).
+        index: usize,
+        /// The member's name.
+        name: String,
+        /// What the member returned.
+        source: Box<crate::Error>,
+    },
     /// Any other failure inside a proposer.
     #[error("{method}: {message}")]
     Failed {

@@ -1,6 +1,7 @@
 //! The speculative layer: the `DraftProposer` protocol, its proposers (`MtpHead`,
-//! `Eagle3Head`, `PromptLookup`, `SuffixDecoding`), and the conformance checker that drives
-//! any proposer through the whole lifecycle.
+//! `Eagle3Head`, `DFlashHead`, `PromptLookup`, `SuffixDecoding`, and `Hybrid`, made of
+//! others), and the conformance checker that drives any proposer through the whole
+//! lifecycle.
 //!
 //! Invariants every proposer in this module keeps (and [`conformance::check_proposer`]
 //! checks for any proposer):
@@ -11,17 +12,21 @@
 //! - `free_state` returns every device allocation `alloc_state` made.
 
 pub mod conformance;
+pub mod dflash;
 pub mod eagle3;
 mod error;
 mod grammar;
+pub mod hybrid;
 pub mod mtp;
 mod prompt_lookup;
 mod protocol;
 pub mod suffix;
 
+pub use dflash::{DFlashHead, DFlashState};
 pub use eagle3::{Eagle3Head, Eagle3State};
 pub use error::ProposerError;
 pub use grammar::{bitmask_allows, bitmask_words};
+pub use hybrid::{Hybrid, HybridMember, HybridState};
 pub use mtp::{MtpHead, MtpQuantization, MtpState, MtpWeights};
 pub use prompt_lookup::{
     match_confidence, PromptLookup, PromptLookupState, CONFIDENCE_MATCH, DEFAULT_MAX_NGRAM,

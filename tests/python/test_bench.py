@@ -69,10 +69,11 @@ def test_bench_rows_cover_every_proposer_width_policy_and_pass(tiny, capsys) -> 
     assert report["device"] == f"CpuBackend ({specdraft.CpuBackend().instruction_set})"
     assert (report["batch"], report["repeat"]) == ([1, 2], 2)
     assert report["draft_policies"] == ["adaptive", "fixed"]
-    # The tiny model has no shipped draft head: its mtp row is left out, with a note.
-    proposers = [n for n in PROPOSERS if n not in ("baseline", "mtp")]
+    # The tiny model has no shipped draft head: its mtp and hybrid rows are left out, with a
+    # note each.
+    proposers = [n for n in PROPOSERS if n not in ("baseline", "mtp", "hybrid")]
     assert {"prompt-lookup", "suffix", "random"} <= set(proposers)
-    assert "no mtp row" in err, err
+    assert "no mtp row" in err and "no hybrid row" in err, err
     want = []
     for width in (1, 2):
         want.append(("baseline", None, width))
