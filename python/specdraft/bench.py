@@ -133,30 +133,44 @@ class RandomDrafter(specdraft.DraftProposer):
         """Nothing to update."""
 
 
-def shipped_head_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
-    """The shipped MTP draft head for the model file ``model_name`` (default smollm2).
+def shipped_head_for(model: Any, model_name: str | None, kind: str = "mtp") -> Any:  # noqa: ANN401
+    """The shipped draft head of ``kind`` for the model file ``model_name`` (default smollm2).
 
-    It is loaded beside ``model`` and shares its embedding and LM head.
+    ``kind`` is ``mtp``, ``eagle3`` or ``dflash``. It is loaded beside ``model`` and shares
+    its embedding (and, but for an EAGLE-3 head, its LM head).
     """
     from specdraft.heads import default_head_for, load_draft_head
     from specdraft.models import resolve_model
 
     if model is None:
-        raise ValueError("--proposer 'mtp' drafts beside a loaded target model")
-    return load_draft_head(default_head_for(resolve_model(model_name or "smollm2")), model)
+        raise ValueError(f"--proposer {kind!r} drafts beside a loaded target model")
+    path = resolve_model(model_name or "smollm2")
+    return load_draft_head(default_head_for(path, kind), model)
+
+
+#: The learned heads ``--proposer hybrid`` puts after suffix decoding, best first: the first
+#: kind shipped for the model is used.
+HYBRID_HEAD_KINDS = ("eagle3", "mtp", "dflash")
 
 
 def hybrid_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
-    """Suffix decoding, then the shipped learned head for ``model_name`` (a :class:`Hybrid`).
+    """Suffix decoding, then the best shipped learned head for ``model_name`` (a Hybrid).
 
-    Each step drafts by retrieval when the text so far repeats, else with the head; the
-    head catches up exactly on the tokens retrieval drafted (it is told the target's layer
-    count).
+    The head is the first kind of :data:`HYBRID_HEAD_KINDS` shipped for the model. Each step
+    drafts by retrieval when the text so far repeats, else with the head; the head catches up
+    exactly on the tokens retrieval drafted (it is told the target's layer count).
     """
-    head = shipped_head_for(model, model_name)
-    return specdraft.Hybrid(
-        [specdraft.SuffixDecoding(), head], target_layers=model.config.num_hidden_layers
-    )
+    errors = []
+    for kind in HYBRID_HEAD_KINDS:
+        try:
+            head = shipped_head_for(model, model_name, kind)
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        return specdraft.Hybrid(
+            [specdraft.SuffixDecoding(), head], target_layers=model.config.num_hidden_layers
+        )
+    raise ValueError("; ".join(errors))
 
 
 #: The proposers ``specdraft bench`` runs by default, in row order. Each entry builds a
@@ -167,7 +181,9 @@ PROPOSERS: dict[str, Callable[[Any, str | None], Any]] = {
     "prompt-lookup": lambda model, model_name: specdraft.PromptLookup(),
     "suffix": lambda model, model_name: specdraft.SuffixDecoding(),
     "random": lambda model, model_name: RandomDrafter(),
-    "mtp": lambda model, model_name: shipped_head_for(model, model_name),
+    "mtp": lambda model, model_name: shipped_head_for(model, model_name, "mtp"),
+    "eagle3": lambda model, model_name: shipped_head_for(model, model_name, "eagle3"),
+    "dflash": lambda model, model_name: shipped_head_for(model, model_name, "dflash"),
     "hybrid": hybrid_for,
 }
 

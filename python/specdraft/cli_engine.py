@@ -73,10 +73,11 @@ def make_proposer(
     """The proposer called ``name`` for ``model`` (loaded from ``model_name``).
 
     A name of :data:`specdraft.bench.PROPOSERS` (``prompt-lookup``, ``suffix``, ``random``,
-    ``mtp``: the shipped MTP draft head trained for ``model_name``'s file, ``hybrid``: suffix
-    decoding then that head; ``none`` or ``baseline`` is plain decoding), the name of a
-    shipped head (``smollm2-mtp``), or ``module:Class`` (built with no arguments). A draft
-    head is loaded beside ``model``, sharing its embedding and LM head.
+    ``mtp``, ``eagle3``, ``dflash``: the shipped draft head of that kind trained for
+    ``model_name``'s file, ``hybrid``: suffix decoding then the best shipped head; ``none``
+    or ``baseline`` is plain decoding), the name of a shipped head (``smollm2-mtp``), or
+    ``module:Class`` (built with no arguments). A draft head is loaded beside ``model``,
+    sharing its embedding.
     """
     import specdraft
     from specdraft.bench import PROPOSERS
@@ -219,8 +220,9 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument(
         "--proposer",
         default="prompt-lookup",
-        help="prompt-lookup, suffix, random, mtp (the model's shipped draft head), hybrid "
-        "(suffix, then the shipped head), none or module:Class (imports and runs it)",
+        help="prompt-lookup, suffix, random, mtp, eagle3, dflash (the model's shipped draft "
+        "head of that kind), hybrid (suffix, then the best shipped head), none or module:Class "
+        "(imports and runs it)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)

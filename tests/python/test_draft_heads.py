@@ -72,7 +72,7 @@ def test_the_shipped_head_is_found_by_name_and_by_its_target(model_path):
     assert 3_000_000 < params < 6_000_000, params
     with pytest.raises(ValueError, match="no shipped draft head 'nope'; shipped: .*smollm2-mtp"):
         draft_head_path("nope")
-    with pytest.raises(ValueError, match="no shipped draft head was trained for other.gguf"):
+    with pytest.raises(ValueError, match="no shipped mtp draft head was trained for other.gguf"):
         default_head_for("other.gguf")
     from specdraft.cli_engine import make_proposer
 

@@ -1,10 +1,14 @@
 """Draft heads shipped inside the package, loadable by name beside their target.
 
-Each head is a folder here (``config.json``, ``mtp.safetensors``, ``README.md``, the
-training ``report.json``) holding only the head's own weights: loaded with
-:func:`load_draft_head`, it reads the target's embedding, final norm and LM head in place.
-``config.json``'s ``specdraft_target.file`` names the model file the head was trained for,
-which is how ``--proposer mtp`` finds the head of the model being run.
+Each head is a folder here (``config.json``, its weights, ``README.md``, the training
+``report.json``) holding only the head's own weights: loaded with :func:`load_draft_head`, it
+reads the target's embedding (and, but for an EAGLE-3 head's own LM head, its final norm and
+LM head) in place. Its kind, read from ``config.json``, picks the class that loads it: an MTP
+head (:class:`specdraft.MtpHead`), an EAGLE-3 head (``speculators_model_type: "eagle3"``,
+:class:`specdraft.Eagle3Head`) or a DFlash head (``dflash_config``,
+:class:`specdraft.DFlashHead`). ``config.json``'s ``specdraft_target.file`` names the model
+file the head was trained for, which is how ``--proposer mtp`` (or ``eagle3``, ``dflash``)
+finds the head of that kind for the model being run.
 """
 
 from __future__ import annotations
@@ -14,7 +18,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["default_head_for", "draft_head_path", "load_draft_head", "shipped_heads"]
+__all__ = [
+    "HEAD_KINDS",
+    "default_head_for",
+    "draft_head_path",
+    "head_kind",
+    "load_draft_head",
+    "shipped_heads",
+]
+
+#: The kinds of draft head a shipped folder can hold.
+HEAD_KINDS = ("mtp", "eagle3", "dflash")
 
 
 def _root() -> Path:
@@ -36,22 +50,41 @@ def draft_head_path(name: str) -> Path:
     return folder
 
 
-def default_head_for(model_file: str | Path) -> str:
-    """The shipped head trained for the model file ``model_file`` (matched by file name)."""
+def _config(name: str) -> dict[str, Any]:
+    config = json.loads((draft_head_path(name) / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"draft head {name!r}: config.json is not a JSON object")
+    return config
+
+
+def head_kind(name: str) -> str:
+    """The kind of the shipped head ``name``: ``"mtp"``, ``"eagle3"`` or ``"dflash"``."""
+    config = _config(name)
+    if config.get("speculators_model_type") == "eagle3":
+        return "eagle3"
+    if "dflash_config" in config:
+        return "dflash"
+    return "mtp"
+
+
+def default_head_for(model_file: str | Path, kind: str = "mtp") -> str:
+    """The shipped head of ``kind`` trained for the model file ``model_file`` (by its name)."""
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"no draft head kind {kind!r}; kinds: {', '.join(HEAD_KINDS)}")
     wanted = Path(model_file).name
     for name in shipped_heads():
-        config = json.loads((draft_head_path(name) / "config.json").read_text())
-        if config.get("specdraft_target", {}).get("file") == wanted:
+        config = _config(name)
+        if config.get("specdraft_target", {}).get("file") == wanted and head_kind(name) == kind:
             return name
     raise ValueError(
-        f"no shipped draft head was trained for {wanted}; shipped: "
-        + ", ".join(f"{n} (for {_target_file(n)})" for n in shipped_heads())
-        + "; train one with specdraft train-mtp and load it with MtpHead.from_checkpoint"
+        f"no shipped {kind} draft head was trained for {wanted}; shipped: "
+        + ", ".join(f"{n} ({head_kind(n)}, for {_target_file(n)})" for n in shipped_heads())
+        + f"; train one with specdraft train --method {kind} and load it from its folder"
     )
 
 
 def _target_file(name: str) -> str:
-    config = json.loads((draft_head_path(name) / "config.json").read_text())
+    config = _config(name)
     return str(config.get("specdraft_target", {}).get("file", "an unnamed target"))
 
 
@@ -59,21 +92,33 @@ def load_draft_head(name: str, model: Any, **options: Any) -> Any:  # noqa: ANN4
     """The shipped draft head ``name`` (e.g. ``"smollm2-mtp"``), ready to draft for ``model``.
 
     ``model`` is a :class:`specdraft.TargetModel`; the head runs on its backend and shares
-    its embedding, final norm and LM head (no copy). ``options`` go to
-    :meth:`specdraft.MtpHead.from_checkpoint` (``quant``, ``mtp_vocab_size``,
-    ``max_seq_len``, ``main_kv_blocks``, ``levers``); the drafter's KV pool is sized to the
-    model's (its ``max_seq_len`` and KV blocks) unless they say otherwise.
+    its embedding (and, but for an EAGLE-3 head's own, its final norm and LM head) without a
+    copy. The class is the head's kind (:func:`head_kind`): :class:`specdraft.MtpHead`,
+    :class:`specdraft.Eagle3Head` or :class:`specdraft.DFlashHead`, and ``options`` go to its
+    ``from_checkpoint`` (for an MTP head ``quant``, ``mtp_vocab_size``, ``max_seq_len``,
+    ``main_kv_blocks``, ``levers``); the drafter's KV pool is sized to the model's (its
+    ``max_seq_len`` and KV blocks) unless they say otherwise.
 
-    ``quant`` defaults to ``"q8_0"`` on the CPU backend: the head's BF16 projections are
-    quantized at load to Q8_0 blocks and run on the kernels the target's quantized weights
-    use, which about halves the bytes a draft step reads (``benches/mtp.rs`` measures the
-    step against the target's). On other backends it defaults to ``"bf16"``, the weights as
-    shipped.
+    ``quant`` (MTP and DFlash heads) defaults to ``"q8_0"`` on the CPU backend: the head's
+    BF16 projections are quantized at load to Q8_0 blocks and run on the kernels the target's
+    quantized weights use, which about halves the bytes a draft step reads
+    (``benches/mtp.rs`` and ``benches/dflash.rs`` measure it against the target's step). On
+    other backends it defaults to ``"bf16"``, the weights as shipped. A DFlash head drafts
+    over the ``draft_vocab_size`` its ``config.json`` names unless ``draft_vocab`` says
+    otherwise.
     """
     import specdraft
 
     folder = draft_head_path(name)
-    options.setdefault("quant", "q8_0" if isinstance(model.gpu, specdraft.CpuBackend) else "bf16")
+    kind = head_kind(name)
     options.setdefault("max_seq_len", model.max_seq_len)
     options.setdefault("main_kv_blocks", model.kv_blocks[0])
+    if kind == "eagle3":
+        return specdraft.Eagle3Head.from_checkpoint(folder, model.gpu, target=model, **options)
+    options.setdefault("quant", "q8_0" if isinstance(model.gpu, specdraft.CpuBackend) else "bf16")
+    if kind == "dflash":
+        vocab = _config(name).get("draft_vocab_size")
+        if isinstance(vocab, int):
+            options.setdefault("draft_vocab", vocab)
+        return specdraft.DFlashHead.from_checkpoint(folder, model.gpu, target=model, **options)
     return specdraft.MtpHead.from_checkpoint(folder, model.gpu, target=model, **options)
