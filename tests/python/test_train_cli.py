@@ -57,6 +57,7 @@ def test_the_command_line_documents_its_options(capsys):
         "--train-steps",
         "--responses",
         "--reply-tokens",
+        "--eval-fraction",
     ]:
         assert option in text
     args = build_parser().parse_args(["train-mtp"])
@@ -68,3 +69,25 @@ def test_the_command_line_documents_its_options(capsys):
         build_parser().parse_args(["train-mtp", "--batch", "0"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train-mtp", "--max-minutes", "0"])
+
+
+def test_the_held_out_fraction_reaches_the_run_and_is_bounded(monkeypatch, capsys):
+    pytest.importorskip("jax")
+    import specdraft.train.pipeline as pipeline
+    from specdraft.train.cli import run_train
+
+    seen = []
+
+    def capture(opts):
+        seen.append(opts)
+        raise ValueError("stopped before any work")
+
+    monkeypatch.setattr(pipeline, "train_head", capture)
+    args = build_parser().parse_args(["train", "--method", "eagle3", "--eval-fraction", "0.1"])
+    assert run_train(args) == 1
+    assert "stopped before any work" in capsys.readouterr().err
+    assert (seen[0].method, seen[0].eval_fraction) == ("eagle3", 0.1)
+    assert build_parser().parse_args(["train"]).eval_fraction == 0.02
+    for bad in ("0", "1", "-0.5", "nan"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["train", "--eval-fraction", bad])

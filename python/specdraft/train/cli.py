@@ -67,6 +67,7 @@ def run_train(args: argparse.Namespace) -> int:
         mask_token=args.mask_token,
         eval_prompts=args.eval_prompts,
         eval_new_tokens=args.eval_new_tokens,
+        eval_fraction=args.eval_fraction,
         cache=Path(args.cache) if args.cache else None,
         resume=args.resume,
         max_steps=args.max_steps,
@@ -104,6 +105,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), not {text}")
     return value
 
 
@@ -226,6 +234,13 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument("--eval-prompts", type=_positive, default=16, help="held-out prompts")
+    p.add_argument(
+        "--eval-fraction",
+        type=_fraction,
+        default=0.02,
+        help="share of distinct prompts held out (by a hash of the prompt and --seed); the "
+        "cache folder is keyed by it",
+    )
     p.add_argument(
         "--eval-new-tokens", type=_positive, default=96, help="greedy tokens per held-out prompt"
     )
