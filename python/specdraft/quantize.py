@@ -103,18 +103,29 @@ def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path) -> list[str]:
 
     Returns the names of the quantized weights.
     """
-    from specdraft import quantize_nvfp4
-
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     files = sorted(in_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{in_dir} holds no *.safetensors file")
     if out_dir.resolve() == in_dir.resolve():
         raise ValueError("OUT_DIR must differ from IN_DIR")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # A refused input leaves no output folder behind (nor a half-written one).
+    created = not out_dir.exists()
+    try:
+        return _quantize_files(files, in_dir, out_dir)
+    except BaseException:
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _quantize_files(files: list[Path], in_dir: Path, out_dir: Path) -> list[str]:
+    from specdraft import quantize_nvfp4
+
     done = []
     for f in files:
         tensors = read_safetensors(f)
+        out_dir.mkdir(parents=True, exist_ok=True)
         out = {}
         for name, (dtype, shape, raw) in tensors.items():
             if not _quantizable(name, dtype, shape):

@@ -423,3 +423,5 @@ def test_each_command_reports_a_refused_file_in_one_line(
     assert lines[0].startswith(f"specdraft {command}: {model}"), lines[0]
     assert "out of range" in lines[0], lines[0]
     assert "quantized" not in out.stdout
+    # Nothing is written for a refused file.
+    assert not (tmp_path / "out").exists() and not (tmp_path / "head").exists()
