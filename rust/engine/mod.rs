@@ -45,7 +45,7 @@ pub use error::{EngineError, Stage};
 pub use grammar::GrammarMatcher;
 pub use metrics::Metrics;
 pub use request::{FinishReason, GenerateRequest, GenerateResult, Generation};
-pub use scheduler::{GenerationRun, StreamUpdate};
+pub use scheduler::{GenerationRun, ServeUpdate, StreamUpdate};
 pub use spec_engine::{mtp_pool_probe, DrafterPoolProbe, SpecEngine};
 pub use target::{KvPoolStatus, Target, TargetOutput};
 pub use verify::{argmax, sample_from, target_probs, verify, SamplingParams, Verdict};

@@ -63,6 +63,8 @@ pub enum FinishReason {
     Grammar,
     /// An error ended it (see [`GenerateResult::error`]).
     Error,
+    /// Its caller cancelled it (see [`GenerationRun::cancel`](super::GenerationRun::cancel)).
+    Cancelled,
 }
 
 impl FinishReason {
@@ -74,6 +76,7 @@ impl FinishReason {
             FinishReason::Context => "context",
             FinishReason::Grammar => "grammar",
             FinishReason::Error => "error",
+            FinishReason::Cancelled => "cancelled",
         }
     }
 }

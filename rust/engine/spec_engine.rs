@@ -259,6 +259,12 @@ impl<T: Target> SpecEngine<T> {
         GenerationRun::new(self.clone(), requests, Vec::new(), false)
     }
 
+    /// A long-lived run with no requests yet, to which requests are submitted and from
+    /// which they are cancelled between steps (see [`GenerationRun::submit`]).
+    pub fn serve(&self) -> GenerationRun<T> {
+        self.begin(Vec::new())
+    }
+
     pub(super) fn max_rows(&self) -> usize {
         match self.target.buffers().max_rows() {
             0 => usize::MAX,

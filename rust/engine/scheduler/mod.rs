@@ -23,6 +23,7 @@
 //!   every sequence's resources are released exactly once.
 
 mod plan;
+mod serving;
 
 use super::sequence::EngineSequence;
 use super::{
@@ -34,6 +35,8 @@ use plan::{grants, total_new_blocks, Demand};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+pub use serving::ServeUpdate;
+
 /// A prefill chunk: the sequence and its rows.
 type Chunk = (usize, usize);
 
@@ -41,7 +44,7 @@ type Chunk = (usize, usize);
 /// has ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamUpdate {
-    /// The request's index in its call.
+    /// The request's index in its call (or the id [`GenerationRun::submit`] gave it).
     pub request: usize,
     /// Newly emitted token ids (possibly none, on the update that reports the end).
     pub tokens: Vec<u32>,
@@ -62,6 +65,9 @@ pub struct GenerationRun<T: Target> {
     total: Metrics,
     started: Instant,
     want_carry: bool,
+    /// The id the next [`GenerationRun::submit`] gives (ids of the call's own requests are
+    /// their indices).
+    next_id: usize,
 }
 
 impl<T: Target> GenerationRun<T> {
@@ -100,6 +106,7 @@ impl<T: Target> GenerationRun<T> {
             total: Metrics::default(),
             started: Instant::now(),
             want_carry,
+            next_id: n,
         };
         for i in 0..n {
             if run.seqs[i].live() {
@@ -167,7 +174,7 @@ impl<T: Target> GenerationRun<T> {
             if generated > seq.streamed || ended {
                 let from = seq.prompt_len + seq.streamed;
                 updates.push(StreamUpdate {
-                    request: i,
+                    request: seq.request,
                     tokens: seq.tokens[from..].to_vec(),
                     finish: if ended {
                         seq.finish.or(Some(FinishReason::Error))
