@@ -13,49 +13,18 @@ use specdraft::backend::{CpuBackend, GpuBackend};
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{argmax, DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
 use specdraft::speculative::DraftProposer;
-use stats::{chi_square, reference, Fit};
-use std::collections::BTreeMap;
+use stats::paths::{check, fit, Path, Tables};
 use std::sync::Arc;
 
 const VOCAB: usize = 8;
 const PROMPT: [u32; 8] = [1, 2, 3, 1, 2, 3, 1, 2];
-
-/// Counts of the next token, per context.
-type Table = BTreeMap<Vec<u32>, Vec<u64>>;
-
-fn tally(table: &mut Table, context: &[u32], next: u32) {
-    table
-        .entry(context.to_vec())
-        .or_insert_with(|| vec![0; VOCAB])[next as usize] += 1;
-}
-
-/// The summed chi-square of every context's counts against the target's distribution there.
-fn fit(target: &TableTarget, s: &SamplingParams, table: &Table) -> Fit {
-    let mut total = Fit::empty();
-    for (context, counts) in table {
-        let mut full = PROMPT.to_vec();
-        full.extend_from_slice(context);
-        let p = reference(&target.logits_for(&full), s);
-        let f = chi_square(counts, &p).unwrap_or_else(|e| panic!("after {context:?}: {e}"));
-        total.add(&f);
-    }
-    total
-}
-
-struct Tables {
-    first: Table,
-    second: Table,
-    third_after_accept: Table,
-    third_after_reject: Table,
-    accepted: u64,
-}
 
 fn generate(
     target: &Arc<TableTarget>,
     proposer: Option<Arc<dyn DraftProposer>>,
     s: SamplingParams,
     n: u64,
-) -> Tables {
+) -> (Tables, u64) {
     // Every step drafts the full count, so both draft paths are sampled often.
     let engine = SpecEngine::new(target.clone(), proposer, 3)
         .unwrap()
@@ -67,44 +36,30 @@ fn generate(
                 .with_sampling(SamplingParams { seed, ..s })
         })
         .collect();
-    let mut t = Tables {
-        first: Table::new(),
-        second: Table::new(),
-        third_after_accept: Table::new(),
-        third_after_reject: Table::new(),
-        accepted: 0,
-    };
+    let mut t = Tables::new(VOCAB);
+    let mut accepted = 0;
     for r in engine.generate(requests).results {
         assert!(r.error.is_none(), "{:?}", r.error);
         let x = &r.tokens;
         assert_eq!(x.len(), 3);
-        tally(&mut t.first, &[], x[0]);
-        tally(&mut t.second, &x[..1], x[1]);
         // The oracle's first draft for the second token is the greedy pick there: the second
         // token equals it exactly when that draft was accepted (a rejected one-hot draft is
-        // never the correction).
+        // never the correction). The metrics must say the same.
         let mut ctx = PROMPT.to_vec();
         ctx.push(x[0]);
         let draft = argmax(&target.logits_for(&ctx), None).unwrap();
         let path = if x[1] == draft {
-            &mut t.third_after_accept
+            Path::Accepted
         } else {
-            &mut t.third_after_reject
+            Path::Rejected
         };
-        tally(path, &x[..2], x[2]);
-        t.accepted += r.metrics.accepted;
+        if r.metrics.drafted > 0 {
+            assert_eq!(Path::of(&r.metrics), path, "{x:?}");
+        }
+        t.add(x, path);
+        accepted += r.metrics.accepted;
     }
-    t
-}
-
-fn check(what: &str, f: &Fit, min_df: usize) {
-    assert!(
-        f.df >= min_df && f.passes(),
-        "{what}: chi2 {} on {} df (critical {})",
-        f.statistic,
-        f.df,
-        stats::critical_value(f.df.max(1), stats::ALPHA)
-    );
+    (t, accepted)
 }
 
 #[test]
@@ -132,23 +87,30 @@ fn sampled_generations_with_drafts_follow_the_conditional_distributions() {
             target: target.clone(),
             fail: None,
         };
-        let t = generate(&target, Some(Arc::new(oracle)), s, 6000);
+        let (t, accepted) = generate(&target, Some(Arc::new(oracle)), s, 6000);
         assert!(
-            (2000..12000).contains(&t.accepted),
-            "{s:?}: {} drafts accepted",
-            t.accepted
+            (2000..12000).contains(&accepted),
+            "{s:?}: {accepted} drafts accepted"
         );
-        check(&format!("{s:?} first"), &fit(&target, &s, &t.first), 2);
-        check(&format!("{s:?} second"), &fit(&target, &s, &t.second), 10);
-        let accept = fit(&target, &s, &t.third_after_accept);
-        let reject = fit(&target, &s, &t.third_after_reject);
+        let mut logits = |c: &[u32]| {
+            let full: Vec<u32> = PROMPT.iter().chain(c).copied().collect();
+            target.logits_for(&full)
+        };
+        check(&format!("{s:?} first"), &fit(&mut logits, &s, &t.first), 2);
+        check(
+            &format!("{s:?} second"),
+            &fit(&mut logits, &s, &t.second),
+            10,
+        );
+        let accept = fit(&mut logits, &s, &t.third_after_accept);
+        let reject = fit(&mut logits, &s, &t.third_after_reject);
         check(&format!("{s:?} third, first draft accepted"), &accept, 10);
         check(&format!("{s:?} third, first draft rejected"), &reject, 10);
         // Without a proposer the same statistics pass as well (the reference is right).
-        let plain = generate(&target, None, s, 2000);
+        let (plain, _) = generate(&target, None, s, 2000);
         check(
             &format!("{s:?} plain second"),
-            &fit(&target, &s, &plain.second),
+            &fit(&mut logits, &s, &plain.second),
             4,
         );
     }

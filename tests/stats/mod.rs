@@ -9,6 +9,8 @@
 //! - the degrees of freedom are the cells actually compared, minus one.
 #![allow(dead_code)]
 
+pub mod paths;
+
 /// Smallest expected count for a cell to stand on its own (the usual rule for Pearson's test).
 pub const MIN_EXPECTED: f64 = 5.0;
 
