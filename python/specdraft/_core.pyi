@@ -1090,6 +1090,69 @@ class Conversation:
         """Forgets the history and the messages, and frees carried drafter KV."""
 
 @final
+class ServingEngine:
+    """`ServingEngine(engine)`: a long-lived generation on `engine` (a `SpecEngine`, whose
+    proposer, draft policy, batch limits and KV pool it uses) that takes requests while it
+    runs. `submit` queues a request and returns its id; `step` runs one scheduler
+    iteration, in which queued requests join the running batch as slots and KV blocks allow,
+    and returns `(id, new_token_ids, finish_reason, metrics, error)` for each request that
+    emitted tokens or ended (`finish_reason` is "stop", "length", "context", "grammar",
+    "error" or "cancelled", with the request's metrics dict, on its last update);
+    `cancel(id)` ends a request and frees what it holds at once. One thread should drive it;
+    calls from others wait for the running step.
+    """
+
+    def __new__(cls, engine: SpecEngine) -> Self: ...
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        grammar: Any | None = None,
+        ignore_eos: bool = False,
+    ) -> int:
+        """Queues one prompt (a string, or a list of token ids) with `SpecEngine.generate`'s
+        options and returns its id. A bad request (the engine's checks, a prompt plus
+        `max_tokens` beyond the context or the whole KV pool) raises `RequestError` and
+        nothing is queued.
+        """
+    def cancel(self, id: int) -> bool:
+        """Ends request `id` and frees its KV, proposer state and buffers now; returns False
+        when no such request is queued or running. Its end ("cancelled") comes with the
+        next step's updates.
+        """
+    def step(
+        self,
+    ) -> list[
+        tuple[int, list[int], str | None, dict[str, Any] | None, SpecdraftError | None]
+    ]:
+        """One scheduler iteration (nothing when no request is queued or running), then what
+        each request emitted since the last step: a list of `(id, new_token_ids,
+        finish_reason, metrics, error)`.
+        """
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot or KV blocks."""
+    @property
+    def running(self) -> int:
+        """Requests in the running batch."""
+    @property
+    def idle(self) -> bool:
+        """Whether no request is queued or running."""
+    @property
+    def kv_blocks(self) -> tuple[int, int] | None:
+        """The target's KV pool as `(total_blocks, free_blocks)`, or None when the model's KV
+        is not a pool of blocks.
+        """
+    def close(self) -> None:
+        """Ends every request still queued or running and frees what they hold; later calls
+        raise. Closing twice does nothing.
+        """
+
+@final
 class SpecEngine:
     """`SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
     max_batch=256, max_batch_tokens=None, draft_policy="adaptive")`: speculative decoding on

@@ -8,8 +8,8 @@
 //! [`mtp`] (the MTP draft head), [`eagle3`] (the EAGLE-3 draft head), [`dflash`] (the DFlash
 //! draft head), [`hybrid`] (a proposer made of proposers), [`conformance`],
 //! [`target_model`], the engine ([`engine`], [`conversation`], [`generation`],
-//! [`grammar`]), and [`testing`] (hooks for tests and the protocol benchmark, reached
-//! through `specdraft.testing`).
+//! [`grammar`], [`serving`]), and [`testing`] (hooks for tests and the protocol benchmark,
+//! reached through `specdraft.testing`).
 //!
 //! Invariants: nothing here panics across the boundary (every failure is an exception);
 //! Rust work that may call back into Python runs with the interpreter released; no thread
@@ -40,6 +40,7 @@ mod model;
 mod mtp;
 mod proposer;
 mod rust_proposers;
+mod serving;
 mod state;
 mod stream;
 mod target_model;
@@ -82,6 +83,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dflash::PyDFlashHead>()?;
     m.add_function(wrap_pyfunction!(mtp::quantize_nvfp4, m)?)?;
     engine::register(m)?;
+    m.add_class::<serving::PyServingEngine>()?;
     m.add(
         "PROTOCOL_METHODS",
         crate::speculative::ProtocolMethod::NAMES.to_vec(),
