@@ -48,12 +48,22 @@ def write_checkpoint(
     seed: int = 0,
     config: dict | None = None,
     drop: tuple[str, ...] = (),
-    fc_in: int = ROW,
+    fc_in: int | None = None,
+    hidden: int = H,
+    heads: int = HEADS,
+    kv_heads: int = KVH,
+    ffn: int = FFN,
+    vocab: int = VOCAB,
+    target_layers: int = TARGET_LAYERS,
+    taps: tuple[int, ...] = TAPS,
 ) -> Path:
     """A random DFlash head in z-lab's layout; `config` overrides keys of `config.json`,
-    `drop` leaves tensors out and `fc_in` sets the width of `fc`'s input."""
+    `drop` leaves tensors out and `fc_in` sets the width of `fc`'s input (the taps' width by
+    default). The shape defaults to this module's target; the mask token is the last id."""
     rng = np.random.default_rng(seed)
     t = {}
+    H, HEADS, KVH, FFN, HD = hidden, heads, kv_heads, ffn, hidden // heads
+    fc_in = len(taps) * H if fc_in is None else fc_in
 
     def put(name, shape, scale, base=0.0):
         t[name] = ("BF16", list(shape), _bf16_bytes(base + rng.uniform(-scale, scale, shape)))
@@ -88,13 +98,13 @@ def write_checkpoint(
         "num_attention_heads": HEADS,
         "num_key_value_heads": KVH,
         "head_dim": HD,
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "max_position_embeddings": 256,
-        "num_target_layers": TARGET_LAYERS,
+        "num_target_layers": target_layers,
         "block_size": block_size,
-        "dflash_config": {"target_layer_ids": list(TAPS), "mask_token_id": MASK},
+        "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": vocab - 1},
     }
     cfg.update(config or {})
     (folder / "config.json").write_text(json.dumps(cfg))
