@@ -1126,9 +1126,7 @@ class ServingEngine:
         """
     def step(
         self,
-    ) -> list[
-        tuple[int, list[int], str | None, dict[str, Any] | None, SpecdraftError | None]
-    ]:
+    ) -> list[tuple[int, list[int], str | None, dict[str, Any] | None, SpecdraftError | None]]:
         """One scheduler iteration (nothing when no request is queued or running), then what
         each request emitted since the last step: a list of `(id, new_token_ids,
         finish_reason, metrics, error)`.
