@@ -20,7 +20,7 @@ use crate::model::{
     ConfigError, DeviceAllocations, Linear, ModelLevers, SafetensorsCheckpoint, TargetModel,
 };
 use crate::speculative::mtp::Eagle3Parts;
-use crate::speculative::MtpHead;
+use crate::speculative::{MtpHead, MtpQuantization};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -69,15 +69,34 @@ impl Eagle3Head {
         main_kv_blocks: usize,
         levers: &ModelLevers,
     ) -> crate::Result<Self> {
-        Self::load(
-            dir.as_ref(),
+        let bf16 = MtpQuantization::Bf16;
+        Self::from_checkpoint_quantized(
+            dir,
             gpu,
-            None,
             target_layers,
+            bf16,
             max_seq_len,
             main_kv_blocks,
             levers,
         )
+    }
+
+    /// [`Eagle3Head::from_checkpoint`] with the head's matrices (`fc`, the decoder layer's
+    /// projections and its own LM head; not the norms or an embedding) re-stored as `quant`
+    /// says, by the MTP head's quantizers: a GGUF block format (`Q8_0`, say) where the
+    /// backend runs block formats and a row is whole blocks, FP8 or NVFP4; `Bf16` keeps them
+    /// as loaded. The loaded BF16 copies of re-stored matrices are freed.
+    pub fn from_checkpoint_quantized(
+        dir: impl AsRef<Path>,
+        gpu: Arc<dyn GpuBackend>,
+        target_layers: usize,
+        quant: MtpQuantization,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: &ModelLevers,
+    ) -> crate::Result<Self> {
+        let sizes = (max_seq_len, main_kv_blocks);
+        Self::load(dir.as_ref(), gpu, None, target_layers, quant, sizes, levers)
     }
 
     /// Loads the EAGLE-3 head in `dir` to draft for `target`, on the target's backend: the
@@ -90,26 +109,48 @@ impl Eagle3Head {
         main_kv_blocks: usize,
         levers: &ModelLevers,
     ) -> crate::Result<Self> {
-        let (gpu, layers) = (target.gpu().clone(), target.config().num_hidden_layers);
-        Self::load(
-            dir.as_ref(),
-            gpu,
-            Some(target),
-            layers,
+        let bf16 = MtpQuantization::Bf16;
+        Self::from_checkpoint_for_target_quantized(
+            dir,
+            target,
+            bf16,
             max_seq_len,
             main_kv_blocks,
             levers,
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// [`Eagle3Head::from_checkpoint_for_target`] with the head's matrices re-stored as
+    /// `quant` says (see [`Eagle3Head::from_checkpoint_quantized`]).
+    pub fn from_checkpoint_for_target_quantized(
+        dir: impl AsRef<Path>,
+        target: Arc<TargetModel>,
+        quant: MtpQuantization,
+        max_seq_len: usize,
+        main_kv_blocks: usize,
+        levers: &ModelLevers,
+    ) -> crate::Result<Self> {
+        let (gpu, layers) = (target.gpu().clone(), target.config().num_hidden_layers);
+        let sizes = (max_seq_len, main_kv_blocks);
+        Self::load(
+            dir.as_ref(),
+            gpu,
+            Some(target),
+            layers,
+            quant,
+            sizes,
+            levers,
+        )
+    }
+
+    /// `sizes`: `(max_seq_len, main_kv_blocks)`, which size the drafter KV pool.
     fn load(
         dir: &Path,
         gpu: Arc<dyn GpuBackend>,
         target: Option<Arc<TargetModel>>,
         target_layers: usize,
-        max_seq_len: usize,
-        main_kv_blocks: usize,
+        quant: MtpQuantization,
+        (max_seq_len, main_kv_blocks): (usize, usize),
         levers: &ModelLevers,
     ) -> crate::Result<Self> {
         let path = dir.join("config.json");
@@ -161,7 +202,13 @@ impl Eagle3Head {
         };
         let shares = shared_embed.is_some();
         let allocs = DeviceAllocations::new(gpu.clone());
-        let loaded = load_weights(&allocs, &src, &cfg, prefix, aux.len())?;
+        let mut loaded = load_weights(&allocs, &src, &cfg, prefix, aux.len())?;
+        // The BF16 matrices as loaded: those `quant` re-stores are freed once the head holds
+        // its copies.
+        let mut dense = MtpHead::dense_projections(&mut loaded.weights);
+        if let Linear::Dense(d) = &loaded.lm_head {
+            dense.push(d.ptr);
+        }
         let embed = loaded
             .embed
             .map(Linear::Dense)
@@ -178,11 +225,13 @@ impl Eagle3Head {
             parts,
             &cfg.layer,
             gpu.as_ref(),
+            quant,
             max_seq_len,
             main_kv_blocks,
             levers,
         )?;
         head.adopt_into(allocs);
+        head.free_restored(&dense)?;
         // Held only where the head reads the target's memory, so that memory outlives it.
         head.target = target.filter(|_| shares);
         Ok(Eagle3Head {
@@ -250,6 +299,17 @@ impl Eagle3Head {
     /// Row `row` of the f32 logits (over the draft vocabulary) of the head's latest forward.
     pub fn last_logits(&self, gpu: &dyn GpuBackend, row: usize) -> crate::Result<Vec<f32>> {
         self.head.last_logits(gpu, row)
+    }
+
+    /// The storage of the head's projections as a draft step reads them (`"bf16"`, `"q8_0"`,
+    /// ...; `fc`'s, which the layer's projections share unless a row is not whole blocks).
+    pub fn projection_format(&self) -> &'static str {
+        self.head.projection_format()
+    }
+
+    /// The storage of the head's own LM head (`"bf16"`, `"q8_0"`, ...).
+    pub fn lm_head_format(&self) -> &'static str {
+        self.head.lm_head_format()
     }
 
     /// The draft layer's configuration (its `vocab_size` is the target's).

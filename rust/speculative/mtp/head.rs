@@ -168,7 +168,8 @@ impl MtpHead {
     /// `weights` of layout [`MtpLayout::Eagle3`], its own LM head over the draft vocabulary
     /// (every row), and what the EAGLE-3 forward adds. The MTP levers do not apply: the
     /// target rows are fed as captured, the chain feeds the pre-norm hidden, and accepted
-    /// drafts keep their draft-time rows.
+    /// drafts keep their draft-time rows. `quant` re-stores the projections (`fc` among them)
+    /// and, since the head owns it, the LM head as [`MtpHead::new`] re-stores projections.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn for_eagle3(
         weights: MtpWeights,
@@ -177,6 +178,7 @@ impl MtpHead {
         eagle3: Eagle3Parts,
         config: &ModelConfig,
         gpu: &dyn GpuBackend,
+        quant: MtpQuantization,
         max_seq_len: usize,
         main_kv_blocks: usize,
         levers: &ModelLevers,
@@ -198,7 +200,7 @@ impl MtpHead {
             lm_head,
             None,
             config,
-            MtpQuantization::Bf16,
+            quant,
             0,
             max_seq_len,
             main_kv_blocks,
@@ -323,7 +325,12 @@ impl MtpHead {
                 )));
             }
         }
-        let head = first_rows(&head, draft_vocab)?;
+        let mut head = first_rows(&head, draft_vocab)?;
+        if eagle3.is_some() {
+            // An EAGLE-3 head's LM head is its own, and its largest matrix: a draft step
+            // reads it whole, so it is stored as the projections are.
+            requantize(owned, &mut head, quant)?;
+        }
         if max_seq_len == 0 || main_kv_blocks == 0 {
             return Err(invalid(format!(
                 "max_seq_len ({max_seq_len}) and main_kv_blocks ({main_kv_blocks}) must be positive"
@@ -409,9 +416,13 @@ impl MtpHead {
 
     /// Frees the BF16 projections in `loaded` (owned by the allocations the head adopted)
     /// that the head no longer reads because `new` re-stored them as FP8 or NVFP4, so a
-    /// quantized head holds only its quantized copies.
+    /// quantized head holds only its quantized copies. `loaded` may name the head's own LM
+    /// head too (an EAGLE-3 head's), freed likewise once re-stored.
     pub(crate) fn free_restored(&mut self, loaded: &[DevicePtr]) -> crate::Result<()> {
-        let kept = Self::dense_projections(&mut self.spec.weights);
+        let mut kept = Self::dense_projections(&mut self.spec.weights);
+        if let Linear::Dense(d) = &self.spec.lm_head {
+            kept.push(d.ptr);
+        }
         let Some(allocs) = &self.owned else {
             return Ok(());
         };
