@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from specdraft.cli_engine import add_generate
 from specdraft.quantize import add_quantize
+from specdraft.serve.cli import add_serve
 from specdraft.train.cli import add_train, add_train_mtp
 
 
@@ -57,6 +58,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser
     add_bench,
     add_generate,
     add_quantize,
+    add_serve,
     add_train,
     add_train_mtp,
 ]
