@@ -85,6 +85,68 @@ def test_chat_and_completions_give_offline_text_streamed_or_not(model_path):
             assert streamed == want.text
 
 
+def test_response_format_constrains_the_reply_as_the_engine_grammar_does(model_path):
+    from specdraft.grammar import Grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with serve(model_path) as s:
+        tok = s.model.tokenizer
+        c = client(s.url)
+        for fmt, grammar_schema in [
+            ({"type": "json_object"}, {"type": "object"}),
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, schema),
+        ]:
+            (want,) = s.engine.chat(
+                [CHATS[1]],
+                max_tokens=40,
+                temperature=0.0,
+                grammar=Grammar.json_schema(tok, grammar_schema),
+            )
+            got = c.chat.completions.create(
+                model=MODEL, messages=CHATS[1], max_tokens=40, temperature=0, response_format=fmt
+            )
+            assert got.choices[0].message.content == want.text
+            if want.finish_reason == "stop":
+                assert isinstance(json.loads(want.text), dict)
+        r = httpx.post(
+            f"{s.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": CHATS[1], "response_format": {"type": "yaml"}},
+            timeout=30,
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_metrics_name_every_series_and_return_to_an_empty_pool(model_path):
+    with serve(model_path) as s:
+        c = client(s.url)
+        for i in range(3):
+            c.completions.create(model=MODEL, prompt=f"abab {i}", max_tokens=8, temperature=0)
+        text = httpx.get(f"{s.url}/metrics", timeout=10).text
+        for name in [
+            "specdraft_requests_total",
+            "specdraft_requests_running",
+            "specdraft_requests_waiting",
+            "specdraft_generated_tokens_total",
+            "specdraft_drafted_tokens_total",
+            "specdraft_accepted_tokens_total",
+            "specdraft_kv_blocks_total",
+            "specdraft_kv_blocks_free",
+            "specdraft_time_to_first_token_seconds_bucket",
+            "specdraft_inter_token_latency_seconds_count",
+            "specdraft_acceptance_length_sum",
+        ]:
+            assert f"\n{name}{{" in text, name
+        assert 'specdraft_requests_total{proposer="prompt-lookup",finish_reason="length"} 3' in text
+        assert metric(s.url, "specdraft_generated_tokens_total") == 24
+        assert metric(s.url, "specdraft_time_to_first_token_seconds_count") == 3
+        # Tokens after each request's first step are observed, once each: at most 7 a request.
+        assert 0 < metric(s.url, "specdraft_inter_token_latency_seconds_count") <= 21
+        assert metric(s.url, "specdraft_kv_blocks_free") == metric(
+            s.url, "specdraft_kv_blocks_total"
+        )
+        assert metric(s.url, "specdraft_requests_running") == 0
+
+
 def test_concurrent_streams_each_get_their_solo_text(model_path):
     n = 32
     chats = [CHATS[i % len(CHATS)] + [{"role": "user", "content": str(i)}] for i in range(n)]

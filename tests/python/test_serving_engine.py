@@ -12,7 +12,15 @@ import specdraft
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
-from test_engine import _load, model_path  # noqa: E402, F401 - model_path is a fixture
+from test_engine import _load, write_tiny_chat_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serving") / "tiny-chat.gguf"
+    write_tiny_chat_gguf(path)
+    return path
+
 
 PROMPTS = ["hello there", "abcabcabcabc", "the cat sat on the mat", "x", "0123401234"]
 
@@ -45,8 +53,9 @@ def test_requests_joining_a_running_batch_get_their_offline_greedy_output(model_
     engine = specdraft.SpecEngine(model, specdraft.PromptLookup(), num_drafts=3, max_batch=3)
     offline = engine.generate(PROMPTS, max_tokens=24, ignore_eos=True)
     serving = specdraft.ServingEngine(engine)
-    out = _drive(serving, {0: PROMPTS[:2], 3: PROMPTS[2:4], 7: PROMPTS[4:]}, max_tokens=24,
-                 ignore_eos=True)
+    out = _drive(
+        serving, {0: PROMPTS[:2], 3: PROMPTS[2:4], 7: PROMPTS[4:]}, max_tokens=24, ignore_eos=True
+    )
     for k, rid in enumerate(out["ids"]):
         tokens, finish, metrics = out["seen"][rid]
         assert tokens == offline[k].tokens, f"prompt {k}"

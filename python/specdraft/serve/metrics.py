@@ -90,7 +90,11 @@ class ServerMetrics:
                     "Time from a request's arrival to its first token.",
                     self.ttft,
                 ),
-                ("inter_token_latency_seconds", "Time between a request's tokens.", self.itl),
+                (
+                    "inter_token_latency_seconds",
+                    "Time between a request's steps, per token emitted (after its first).",
+                    self.itl,
+                ),
                 (
                     "acceptance_length",
                     "Tokens a verify step emitted for a request.",
