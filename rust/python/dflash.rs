@@ -32,6 +32,13 @@ pub struct PyDFlashHead {
     head: Arc<DFlashHead>,
 }
 
+impl PyDFlashHead {
+    /// The Rust head (the engine reads its drafter KV pool).
+    pub(super) fn head(&self) -> &Arc<DFlashHead> {
+        &self.head
+    }
+}
+
 #[pymethods]
 impl PyDFlashHead {
     #[new]

@@ -29,6 +29,13 @@ pub struct PyEagle3Head {
     head: Arc<Eagle3Head>,
 }
 
+impl PyEagle3Head {
+    /// The Rust head (the engine reads its drafter KV pool).
+    pub(super) fn head(&self) -> &Arc<Eagle3Head> {
+        &self.head
+    }
+}
+
 #[pymethods]
 impl PyEagle3Head {
     #[new]

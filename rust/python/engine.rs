@@ -11,19 +11,16 @@
 
 use super::adapter::wrap;
 use super::conversation::PyConversation;
+use super::drafter_pool::drafter_pool_of;
 use super::errors::{to_pyerr, IntoPyResult};
 use super::generation::{
     encode, metrics_dict, need_tokenizer, prompt_ids, render_chat, run_exclusive, to_py_result,
     GenerateOptions, PyGenerationResult,
 };
-use super::hybrid::PyHybrid;
 use super::model::PyModelLevers;
-use super::mtp::PyMtpHead;
 use super::stream::PyGenerationStream;
 use super::target_model::PyTargetModel;
-use crate::engine::{
-    mtp_pool_probe, DraftPolicyKind, EngineError, GenerateRequest, Metrics, SpecEngine,
-};
+use crate::engine::{DraftPolicyKind, EngineError, GenerateRequest, Metrics, SpecEngine};
 use crate::model::{ModelLevers, TargetModel};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -151,12 +148,8 @@ impl PySpecEngine {
         if let Some(n) = max_batch_tokens {
             engine = engine.with_max_batch_tokens(n);
         }
-        let mtp = proposer.and_then(|p| match p.cast::<PyMtpHead>() {
-            Ok(head) => Some(head.get().head().clone()),
-            Err(_) => p.cast::<PyHybrid>().ok()?.get().mtp_member(p.py()),
-        });
-        if let Some(head) = mtp {
-            engine = engine.with_drafter_pool(mtp_pool_probe(head));
+        if let Some(probe) = proposer.and_then(drafter_pool_of) {
+            engine = engine.with_drafter_pool(probe);
         }
         let py = model.py();
         let tokenizer = match tokenizer {

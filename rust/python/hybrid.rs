@@ -12,7 +12,7 @@ use super::errors::IntoPyResult;
 use super::mtp::PyMtpHead;
 use super::proposer::PyDraftProposer;
 use crate::backend::GpuBackend;
-use crate::speculative::{Hybrid, HybridMember, MtpHead};
+use crate::speculative::{Hybrid, HybridMember};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::sync::Arc;
@@ -84,12 +84,9 @@ fn home_of(members: &[Bound<'_, PyAny>]) -> PyResult<Option<Arc<dyn GpuBackend>>
 }
 
 impl PyHybrid {
-    /// The first member that is an `MtpHead` (the engine watches its drafter KV pool).
-    pub(super) fn mtp_member(&self, py: Python<'_>) -> Option<Arc<MtpHead>> {
-        self.members.iter().find_map(|m| {
-            let head = m.bind(py).cast::<PyMtpHead>().ok()?.get().head().clone();
-            Some(head)
-        })
+    /// The members, in the order they are asked (the engine looks for a drafter KV pool).
+    pub(super) fn member_objects(&self) -> &[Py<PyAny>] {
+        &self.members
     }
 }
 

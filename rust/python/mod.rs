@@ -7,7 +7,7 @@
 //! `dyn DraftProposer`, its methods in the `adapter_*` files by group), [`rust_proposers`],
 //! [`mtp`] (the MTP draft head), [`eagle3`] (the EAGLE-3 draft head), [`dflash`] (the DFlash
 //! draft head), [`hybrid`] (a proposer made of proposers), [`conformance`],
-//! [`target_model`], the engine ([`engine`], [`conversation`], [`generation`],
+//! [`target_model`], the engine ([`engine`], [`drafter_pool`], [`conversation`], [`generation`],
 //! [`grammar`], [`serving`]), and [`testing`] (hooks for tests and the protocol benchmark,
 //! reached through `specdraft.testing`).
 //!
@@ -30,6 +30,7 @@ mod convert;
 mod cuda_backend;
 mod device_ptr;
 mod dflash;
+mod drafter_pool;
 mod eagle3;
 mod engine;
 mod errors;

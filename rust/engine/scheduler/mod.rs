@@ -317,8 +317,16 @@ impl<T: Target> GenerationRun<T> {
                 }
             }
             if let Some(probe) = &self.engine.drafter_pool {
+                // A drafter takes its blocks as its sequence's prefill completes: count those
+                // promised to the running sequences still prefilling.
                 let d = probe();
-                if !self.running.is_empty() && d.blocks_for(rows) > d.num_free {
+                let promised: usize = self
+                    .running
+                    .iter()
+                    .filter(|&&r| self.kv_len(r) < self.seqs[r].prompt_len)
+                    .map(|&r| d.blocks_for(self.seqs[r].prompt_len + 1 + self.engine.num_drafts))
+                    .sum();
+                if !self.running.is_empty() && d.blocks_for(rows) + promised > d.num_free {
                     return;
                 }
             }
