@@ -198,6 +198,49 @@ def test_a_disconnected_stream_frees_its_kv(model_path):
         assert s.loop.serving.running == 0
 
 
+def test_a_bounded_load_with_disconnects_ends_every_request_and_frees_everything(model_path):
+    n, width = 200, 32
+    with serve(model_path, max_batch=16, kv_blocks=96) as s:
+        baseline = s.gpu.live_allocs  # the model alone
+        total = metric(s.url, "specdraft_kv_blocks_total")
+
+        def one(i: int) -> str:
+            body = {
+                "model": MODEL,
+                "prompt": f"request {i}: " + "ab" * (i % 7),
+                "max_tokens": 8 + i % 40,
+                "temperature": 0.0 if i % 2 else 0.7,
+                "seed": i,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            with httpx.Client(timeout=30) as h:
+                with h.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+                    assert r.status_code == 200, r.read()
+                    data = (line for line in r.iter_lines() if line.startswith("data:"))
+                    if i % 10 == 3:
+                        next(data)
+                        return "disconnected"  # leaving the block closes the connection
+                    lines = list(data)
+            assert lines[-1] == "data: [DONE]"
+            return json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"]
+
+        with ThreadPoolExecutor(width) as pool:
+            ends = list(pool.map(one, range(n), timeout=240))
+        assert ends.count("disconnected") == n // 10
+        assert ends.count("length") == n - n // 10
+        wait_for(lambda: metric(s.url, "specdraft_kv_blocks_free") == total, 10, "every block")
+        wait_for(lambda: s.loop.serving.idle, 10, "an idle engine")
+        text = httpx.get(f"{s.url}/metrics", timeout=10).text
+        ended = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("specdraft_requests_total{")
+        )
+        assert ended == n, text
+        assert s.gpu.live_allocs == baseline, s.gpu.live_report()
+
+
 def test_each_bad_request_gets_its_error_while_another_stream_runs(model_path):
     key = "sk-test"
     with serve(model_path, api_key=key, max_batch=1, max_queue=1, slow=True) as s:
