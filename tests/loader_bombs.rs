@@ -82,9 +82,11 @@ fn heap_a_load_allocates_on_a_thread_it_starts_counts_against_its_bound() {
     let helper = || std::thread::spawn(|| vec![1u8; SIZE].len()).join().unwrap();
     let (len, grew) = bounded::measure(Duration::from_secs(10), helper);
     assert_eq!(len, SIZE);
-    // The helper's buffer, and no more than a little bookkeeping around it.
+    // The helper's buffer, give or take a little bookkeeping: the count is the whole
+    // process's, so another test's thread may allocate or free a few bytes meanwhile.
+    let slack = 64 << 10;
     assert!(
-        (SIZE as isize..SIZE as isize + (64 << 10)).contains(&grew),
+        (SIZE as isize - slack..SIZE as isize + slack).contains(&grew),
         "the heap grew by {grew} bytes"
     );
     let over = std::panic::catch_unwind(|| bounded(helper)).expect_err("the bound held");
