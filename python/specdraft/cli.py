@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from specdraft.bench_serve import add_bench_serve
 from specdraft.cli_engine import add_generate
 from specdraft.quantize import add_quantize
 from specdraft.serve.cli import add_serve
@@ -56,6 +57,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser
 #: Functions that each add one subcommand.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [
     add_bench,
+    add_bench_serve,
     add_generate,
     add_quantize,
     add_serve,

@@ -67,10 +67,11 @@ def serve(
     max_batch: int = 64,
     kv_blocks: int = 256,
     slow: bool = False,
+    max_seq_len: int = 256,
 ) -> Iterator[Served]:
     """Serves the tiny model with prompt lookup (or, ``slow``, :class:`Sleepy`)."""
     gpu = specdraft.CpuBackend()
-    model = _load(model_path, gpu, kv_blocks=kv_blocks)
+    model = _load(model_path, gpu, kv_blocks=kv_blocks, max_seq_len=max_seq_len)
     proposer = Sleepy() if slow else specdraft.PromptLookup()
     engine = specdraft.SpecEngine(
         model, proposer, num_drafts=3, max_batch=max_batch, draft_policy="fixed"
@@ -82,7 +83,9 @@ def serve(
         "prompt-lookup",
         max_queue,
     )
-    app = build_app(loop, ServeContext(MODEL, model.tokenizer, 256, 32), api_key, drain_s=10)
+    app = build_app(
+        loop, ServeContext(MODEL, model.tokenizer, max_seq_len, 32), api_key, drain_s=10
+    )
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -276,7 +277,8 @@ class EngineLoop:
                 ignore_eos=p.ignore_eos,
             )
         except (specdraft.RequestError, ValueError, TypeError, OverflowError) as e:
-            self._resolve(stream, fut, ApiError(400, str(e)))
+            # The engine numbers requests within a call; a server's request is alone in its.
+            self._resolve(stream, fut, ApiError(400, re.sub(r"^request \d+: ", "", str(e))))
             return
         except Exception as e:  # noqa: BLE001 - answered as the server's own failure
             self._resolve(stream, fut, ApiError(500, str(e), type="server_error"))
