@@ -16,6 +16,12 @@
 //! (`step_vs_target`, of medians; `min_step_vs_target`, of the least disturbed rounds);
 //! `chain_step_vs_target` is each further draft of a chain (no `fc`), from the 3-draft call.
 //!
+//! Each propose follows a target step, as in decoding: a Q8_0 head of 10 MB fits a 32 MiB
+//! L3 cache, so a propose timed right after another one reads its weights from the cache
+//! (measured: a 3-draft propose then cost what a 1-draft one did), while the target's step
+//! in between evicts them. The chain's further drafts still read a warm cache, as they do
+//! in decoding.
+//!
 //! `cargo bench --bench eagle3 [-- PATH] [--quick]`; without a path it uses
 //! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
 
@@ -236,16 +242,21 @@ fn bench(model: &Arc<TargetModel>, dir: &Path, quant: MtpQuantization, path: &Pa
     let base_len = seq.len();
     let rounds = if quick { 7 } else { 31 };
     let (mut target, mut one, mut three) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..rounds {
-        target.push(timed(|| {
+    let mut target_step = || {
+        let t = timed(|| {
             model
                 .forward(&mut [&mut seq], &[&[tokens[5]]])
                 .expect("step");
-        }));
+        });
         model.trim(&mut seq, base_len).expect("trim");
+        t
+    };
+    for _ in 0..rounds {
+        target.push(target_step());
         one.push(timed(|| {
             propose(1);
         }));
+        target.push(target_step());
         three.push(timed(|| {
             propose(3);
         }));
