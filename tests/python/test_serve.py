@@ -335,3 +335,14 @@ def test_sigterm_drains_running_streams_and_exits_0(model_path, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_dflash_names_the_shipped_dflash_head_and_refuses_a_second_proposer(model_path, capsys):
+    from specdraft.cli import main
+
+    base = ["serve", "--model", str(model_path), "--port", str(free_port()), "--dflash"]
+    assert main([*base, "--proposer", "suffix"]) == 2
+    assert "--dflash names the proposer" in capsys.readouterr().err
+    # The tiny model has no shipped DFlash head: the command says so and serves nothing.
+    assert main(base) == 2
+    assert "dflash" in capsys.readouterr().err.lower()

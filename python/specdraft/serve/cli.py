@@ -73,6 +73,14 @@ def run_serve(args: argparse.Namespace) -> int:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.dflash:
+        if args.proposer is not None:
+            raise ValueError(
+                "--dflash names the proposer (the shipped DFlash head): drop --proposer"
+            )
+        args.proposer = "dflash"
+    elif args.proposer is None:
+        args.proposer = "prompt-lookup"
     if proposer_key(args.proposer) is None:
         make_proposer(args.proposer)  # a bad name fails before the model loads
     model = _load(args)
@@ -115,9 +123,15 @@ def add_serve(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser
     add_model_args(p, 256)
     p.add_argument(
         "--proposer",
-        default="prompt-lookup",
-        help="prompt-lookup, suffix, random, mtp, eagle3, dflash (the model's shipped draft "
-        "head of that kind), hybrid, none or module:Class",
+        default=None,
+        help="prompt-lookup (the default), suffix, random, mtp, eagle3, dflash (the model's "
+        "shipped draft head of that kind), hybrid, none or module:Class",
+    )
+    p.add_argument(
+        "--dflash",
+        action="store_true",
+        help="draft with the model's shipped DFlash head, its block_gamma setting the draft "
+        "count (--proposer dflash)",
     )
     p.add_argument(
         "--draft-policy",
