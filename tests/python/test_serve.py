@@ -241,6 +241,21 @@ def test_a_bounded_load_with_disconnects_ends_every_request_and_frees_everything
         assert s.gpu.live_allocs == baseline, s.gpu.live_report()
 
 
+def test_a_client_that_stops_waiting_for_a_whole_reply_frees_its_kv(model_path):
+    with serve(model_path, slow=True) as s:
+        total = metric(s.url, "specdraft_kv_blocks_total")
+        body = {"model": MODEL, "prompt": "a long story", "max_tokens": 240, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{s.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        wait_for(
+            lambda: metric(s.url, "specdraft_kv_blocks_free") == total,
+            1.5,
+            what="the KV blocks of the abandoned request",
+        )
+        text = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert 'finish_reason="cancelled"} 1' in text
+
+
 def test_each_bad_request_gets_its_error_while_another_stream_runs(model_path):
     key = "sk-test"
     with serve(model_path, api_key=key, max_batch=1, max_queue=1, slow=True) as s:
