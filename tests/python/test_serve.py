@@ -361,3 +361,21 @@ def test_dflash_names_the_shipped_dflash_head_and_refuses_a_second_proposer(mode
     # The tiny model has no shipped DFlash head: the command says so and serves nothing.
     assert main(base) == 2
     assert "dflash" in capsys.readouterr().err.lower()
+
+
+def test_a_failed_engine_loop_tells_its_clients_and_health_says_so(model_path):
+    class Broken:
+        def decode(self, ids):
+            raise RuntimeError("decoder broke")
+
+    with serve(model_path) as s:
+        s.loop.tokenizer = Broken()
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "decoder broke" in error["message"] and error["type"] == "server_error"
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
+        r = httpx.post(f"{s.url}/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 503, r.text

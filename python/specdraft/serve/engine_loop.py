@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import re
 import threading
 import time
@@ -31,6 +32,8 @@ from specdraft.serve.errors import ApiError
 from specdraft.serve.metrics import ServerMetrics
 from specdraft.serve.params import Completion
 from specdraft.serve.text import StopFilter, TextDecoder
+
+_log = logging.getLogger("specdraft.serve")
 
 #: The OpenAI finish reason of each engine finish reason.
 FINISH = {"stop": "stop", "grammar": "stop", "length": "length", "context": "length"}
@@ -217,7 +220,13 @@ class EngineLoop:
             for live in self._live.values():
                 self._post(live.stream, Event(end=True, error=f"the engine loop failed: {e}"))
             self._live.clear()
-            raise
+            with self._cv:
+                waiting = list(self._cmds.submits)
+                self._cmds.submits.clear()
+            for stream, fut in waiting:
+                failed = ApiError(503, f"the engine loop failed: {e}", type="server_error")
+                self._resolve(stream, fut, failed)
+            _log.exception("the engine loop failed; the server answers 503 from now on")
 
     def _iterate(self) -> bool:
         with self._cv:
@@ -229,12 +238,13 @@ class EngineLoop:
             self._cmds.cancels.clear()
             self._submitting = len(submits)
             closing = self._closing
-        for stream in cancels:
-            self._cancel(stream)
+        # Submissions first: a cancel that came with its own submission finds its id.
         for stream, fut in submits:
             self._submit(stream, fut)
         if submits:
             self._refresh(submitted=True)
+        for stream in cancels:
+            self._cancel(stream)
         if closing:
             if not self._live:
                 return False
