@@ -3,14 +3,16 @@
 //! next step, and nothing is left held once the run is dropped.
 
 mod engine_common;
+mod mtp_common;
 
 use engine_common::*;
-use specdraft::backend::GpuBackend;
+use specdraft::backend::{CpuBackend, GpuBackend};
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
-    EngineError, FinishReason, GenerateRequest, GenerationRun, Metrics, SpecEngine,
+    mtp_pool_probe, EngineError, FinishReason, GenerateRequest, GenerationRun, Metrics, SpecEngine,
 };
-use specdraft::speculative::PromptLookup;
+use specdraft::model::ModelLevers;
+use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization, PromptLookup};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -235,5 +237,68 @@ fn a_refused_submission_ends_with_its_error_and_holds_nothing() {
     ));
     assert_eq!(seen.ends[&good].0, FinishReason::Length);
     assert_eq!(seen.tokens[&good].len(), 8);
+    assert_eq!(run.tracked(), 0);
+}
+
+#[test]
+fn cancelling_mtp_drafted_requests_returns_both_kv_pools() {
+    let dir = mtp_common::scratch_dir("engine_serving_mtp");
+    mtp_common::write_checkpoint(&dir, "deepseek_v3", 5);
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let head = Arc::new(
+        MtpHead::from_checkpoint(
+            &dir,
+            gpu.clone(),
+            MtpQuantization::Bf16,
+            0,
+            512,
+            64,
+            &ModelLevers::default(),
+        )
+        .unwrap(),
+    );
+    let vocab = mtp_common::VOCAB as u32;
+    let target = Arc::new(
+        TableTarget::new(gpu.clone(), vocab as usize, 512, 64, 2, 0.1)
+            .unwrap()
+            .with_kv_blocks(64, 4)
+            .unwrap(),
+    );
+    let engine = SpecEngine::new(
+        target.clone(),
+        Some(head.clone() as Arc<dyn DraftProposer>),
+        3,
+    )
+    .unwrap()
+    .with_drafter_pool(mtp_pool_probe(head.clone()));
+    let mut run = engine.serve();
+    let ids: Vec<usize> = (0..4u32)
+        .map(|i| {
+            let prompt = (0..6 + i).map(|k| (i * 7 + k % 3) % vocab).collect();
+            run.submit(GenerateRequest::new(prompt, 40).ignore_eos())
+        })
+        .collect();
+    for _ in 0..4 {
+        run.step();
+        run.poll();
+    }
+    let (head_total, head_free) = head.kv_blocks();
+    assert!(
+        head_free < head_total,
+        "the drafter holds KV while its requests run"
+    );
+    for &id in &ids {
+        assert!(run.cancel(id));
+    }
+    assert_eq!(target.kv_blocks().unwrap().1, target.kv_blocks().unwrap().0);
+    assert_eq!(
+        head.kv_blocks(),
+        (head_total, head_total),
+        "drafter KV after cancel"
+    );
+    assert!(run
+        .poll()
+        .iter()
+        .all(|u| u.finish == Some(FinishReason::Cancelled)));
     assert_eq!(run.tracked(), 0);
 }
