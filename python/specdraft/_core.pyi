@@ -707,6 +707,7 @@ class Eagle3Head(DraftProposer):
         *,
         target: TargetModel | None = None,
         target_layers: int | None = None,
+        quant: str = "bf16",
         max_seq_len: int = 4096,
         main_kv_blocks: int = 4096,
         levers: ModelLevers | None = None,
@@ -719,6 +720,7 @@ class Eagle3Head(DraftProposer):
         *,
         target: TargetModel | None = None,
         target_layers: int | None = None,
+        quant: str = "bf16",
         max_seq_len: int = 4096,
         main_kv_blocks: int = 4096,
         levers: ModelLevers | None = None,
@@ -732,7 +734,10 @@ class Eagle3Head(DraftProposer):
         and `d2t`. With `target` (a `TargetModel` on `gpu`) the target's embedding is read in
         place unless the folder has `embed_tokens.weight`, and the target's layer count
         decides the default capture layers; without it, pass `target_layers` (the target's
-        `num_hidden_layers`) and the folder must carry its own embedding.
+        `num_hidden_layers`) and the folder must carry its own embedding. `quant` is how the
+        head's matrices (`fc`, the layer's projections and its own LM head) are stored, as
+        `MtpHead`'s `quant` says: `"bf16"` as loaded, `"q8_0"` (or another GGUF block format)
+        quantized at load and run by the block-format kernels on the CPU, `"fp8"`, `"nvfp4"`.
         """
     @property
     def draft_vocab_size(self) -> int:
@@ -759,6 +764,12 @@ class Eagle3Head(DraftProposer):
     @property
     def bytes_per_draft(self) -> int:
         """Bytes of weights one draft step reads."""
+    @property
+    def projection_format(self) -> str:
+        """The storage of the head's projections (`"bf16"`, `"q8_0"`, ...)."""
+    @property
+    def lm_head_format(self) -> str:
+        """The storage of the head's own LM head (`"bf16"`, `"q8_0"`, ...)."""
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
         """Row `row` of the f32 logits (over the draft vocabulary) of the head's latest forward."""
 

@@ -8,7 +8,7 @@
 use super::backend::{backend_arg, PyBackend};
 use super::errors::IntoPyResult;
 use super::model::PyModelLevers;
-use super::mtp::target_arg;
+use super::mtp::{parse_quant, target_arg};
 use super::proposer::PyDraftProposer;
 use crate::speculative::Eagle3Head;
 use numpy::PyArray1;
@@ -39,7 +39,7 @@ impl PyEagle3Head {
 #[pymethods]
 impl PyEagle3Head {
     #[new]
-    #[pyo3(signature = (path, gpu, *, target = None, target_layers = None, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
+    #[pyo3(signature = (path, gpu, *, target = None, target_layers = None, quant = "bf16", max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -47,10 +47,12 @@ impl PyEagle3Head {
         gpu: &Bound<'_, PyAny>,
         target: Option<&Bound<'_, PyAny>>,
         target_layers: Option<usize>,
+        quant: &str,
         max_seq_len: usize,
         main_kv_blocks: usize,
         levers: Option<PyRef<'_, PyModelLevers>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let quant = parse_quant(quant)?;
         let gpu = backend_arg(gpu)?.get().arc()?;
         let target = target.map(|t| target_arg(t, &gpu)).transpose()?;
         let levers = levers.map(|l| l.0).unwrap_or_default();
@@ -65,9 +67,10 @@ impl PyEagle3Head {
                     )));
                 }
                 py.detach(move || {
-                    Eagle3Head::from_checkpoint_for_target(
+                    Eagle3Head::from_checkpoint_for_target_quantized(
                         path,
                         target,
+                        quant,
                         max_seq_len,
                         main_kv_blocks,
                         &levers,
@@ -75,7 +78,15 @@ impl PyEagle3Head {
                 })
             }
             (None, Some(layers)) => py.detach(move || {
-                Eagle3Head::from_checkpoint(path, gpu, layers, max_seq_len, main_kv_blocks, &levers)
+                Eagle3Head::from_checkpoint_quantized(
+                    path,
+                    gpu,
+                    layers,
+                    quant,
+                    max_seq_len,
+                    main_kv_blocks,
+                    &levers,
+                )
             }),
             (None, None) => {
                 return Err(PyValueError::new_err(
@@ -100,9 +111,12 @@ impl PyEagle3Head {
     /// and `d2t`. With `target` (a `TargetModel` on `gpu`) the target's embedding is read in
     /// place unless the folder has `embed_tokens.weight`, and the target's layer count
     /// decides the default capture layers; without it, pass `target_layers` (the target's
-    /// `num_hidden_layers`) and the folder must carry its own embedding.
+    /// `num_hidden_layers`) and the folder must carry its own embedding. `quant` is how the
+    /// head's matrices (`fc`, the layer's projections and its own LM head) are stored, as
+    /// `MtpHead`'s `quant` says: `"bf16"` as loaded, `"q8_0"` (or another GGUF block format)
+    /// quantized at load and run by the block-format kernels on the CPU, `"fp8"`, `"nvfp4"`.
     #[classmethod]
-    #[pyo3(signature = (path, gpu, *, target = None, target_layers = None, max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
+    #[pyo3(signature = (path, gpu, *, target = None, target_layers = None, quant = "bf16", max_seq_len = 4096, main_kv_blocks = 4096, levers = None))]
     #[allow(clippy::too_many_arguments)]
     fn from_checkpoint<'py>(
         cls: &Bound<'py, PyType>,
@@ -110,6 +124,7 @@ impl PyEagle3Head {
         gpu: &Bound<'py, PyAny>,
         target: Option<Bound<'py, PyAny>>,
         target_layers: Option<usize>,
+        quant: &str,
         max_seq_len: usize,
         main_kv_blocks: usize,
         levers: Option<Bound<'py, PyModelLevers>>,
@@ -117,6 +132,7 @@ impl PyEagle3Head {
         let kwargs = PyDict::new(cls.py());
         kwargs.set_item("target", target)?;
         kwargs.set_item("target_layers", target_layers)?;
+        kwargs.set_item("quant", quant)?;
         kwargs.set_item("max_seq_len", max_seq_len)?;
         kwargs.set_item("main_kv_blocks", main_kv_blocks)?;
         kwargs.set_item("levers", levers)?;
@@ -165,6 +181,18 @@ impl PyEagle3Head {
     #[getter]
     fn bytes_per_draft(&self) -> usize {
         self.head.bytes_per_draft()
+    }
+
+    /// The storage of the head's projections (`"bf16"`, `"q8_0"`, ...).
+    #[getter]
+    fn projection_format(&self) -> &'static str {
+        self.head.projection_format()
+    }
+
+    /// The storage of the head's own LM head (`"bf16"`, `"q8_0"`, ...).
+    #[getter]
+    fn lm_head_format(&self) -> &'static str {
+        self.head.lm_head_format()
     }
 
     /// Row `row` of the f32 logits (over the draft vocabulary) of the head's latest forward.

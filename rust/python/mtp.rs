@@ -23,7 +23,7 @@ use pyo3::types::{PyDict, PyType};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-fn parse_quant(quant: &str) -> PyResult<MtpQuantization> {
+pub(super) fn parse_quant(quant: &str) -> PyResult<MtpQuantization> {
     MtpQuantization::parse(quant).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 

@@ -218,6 +218,23 @@ def test_conformance_from_python(tmp_path, gpu):
     del head
 
 
+def test_matrices_can_be_quantized_at_load(tmp_path, gpu):
+    folder = write_checkpoint(tmp_path / "q", "speculators")
+    bf16 = specdraft.Eagle3Head.from_checkpoint(folder, gpu, target_layers=TARGET_LAYERS)
+    q8 = specdraft.Eagle3Head.from_checkpoint(
+        folder, gpu, target_layers=TARGET_LAYERS, quant="q8_0"
+    )
+    assert (bf16.projection_format, bf16.lm_head_format) == ("bf16", "bf16")
+    assert (q8.projection_format, q8.lm_head_format) == ("q8_0", "q8_0")
+    # Q8_0 reads 34 bytes a block of 32 weights where BF16 reads 64 (the norms stay BF16).
+    assert 0.50 < q8.bytes_per_draft / bf16.bytes_per_draft < 0.60
+    report = specdraft.check_proposer(q8, gpu=gpu, vocab_size=VOCAB, hidden_size=H)
+    assert report.ok, report.violations
+    with pytest.raises(ValueError, match='quant "q9_9" is not one of bf16, fp8, nvfp4'):
+        specdraft.Eagle3Head.from_checkpoint(folder, gpu, target_layers=TARGET_LAYERS, quant="q9_9")
+    del bf16, q8
+
+
 def test_without_the_captured_rows_the_head_says_what_it_needs(tmp_path, gpu):
     head = specdraft.Eagle3Head.from_checkpoint(
         write_checkpoint(tmp_path / "n", "speculators"), gpu, target_layers=TARGET_LAYERS
