@@ -231,7 +231,8 @@ def parse(kind: Kind, body: object, ctx: ServeContext) -> Completion:
         include_usage = bool(options.get("include_usage"))
     max_tokens = _int(body, "max_tokens")
     if kind == "chat":
-        max_tokens = _int(body, "max_completion_tokens") or max_tokens
+        completion = _int(body, "max_completion_tokens")
+        max_tokens = completion if completion is not None else max_tokens
     top_k = body.get("top_k")
     if top_k == -1:  # vLLM's spelling of "no top-k"
         top_k = 0
