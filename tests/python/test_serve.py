@@ -379,3 +379,26 @@ def test_a_failed_engine_loop_tells_its_clients_and_health_says_so(model_path):
         assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
         r = httpx.post(f"{s.url}/v1/completions", json={**body, "stream": False}, timeout=30)
         assert r.status_code == 503, r.text
+
+
+def test_a_handler_that_fails_answers_500_in_openai_format_and_serves_on(model_path, monkeypatch):
+    from specdraft.serve import app as app_module
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    with serve(model_path) as s:
+
+        def unforeseen(*args):
+            raise RuntimeError("unforeseen")
+
+        with monkeypatch.context() as m:
+            m.setattr(app_module, "parse", unforeseen)
+            r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500
+        assert r.json()["error"] == {
+            "message": "internal error: unforeseen",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text

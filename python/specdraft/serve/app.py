@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,13 +32,11 @@ from specdraft.serve.params import Completion, Kind, ServeContext, parse
 
 Handler = Callable[[Request], Awaitable[Response]]
 
+_log = logging.getLogger("specdraft.serve")
+
 
 def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _usage_event(usage: dict[str, int] | None) -> dict[str, int]:
-    return dict(usage or {})
 
 
 class _Api:
@@ -66,6 +65,9 @@ class _Api:
                 return await handler(request)
             except ApiError as e:
                 return _error_response(e)
+            except Exception as e:  # noqa: BLE001 - answered in OpenAI's format, and logged
+                _log.exception("%s %s failed", request.method, request.url.path)
+                return _error_response(ApiError(500, f"internal error: {e}", type="server_error"))
 
         return run
 
@@ -158,7 +160,7 @@ class _Api:
                             "created": int(time.time()),
                             "model": self.ctx.model_name,
                             "choices": [],
-                            "usage": _usage_event(ev.usage),
+                            "usage": dict(ev.usage or {}),
                         }
                         yield f"data: {json.dumps(data)}\n\n"
                 yield "data: [DONE]\n\n"
@@ -215,7 +217,7 @@ class _Api:
                 "created": int(time.time()),
                 "model": self.ctx.model_name,
                 "choices": [choice],
-                "usage": _usage_event(ev.usage),
+                "usage": dict(ev.usage or {}),
             }
         )
 
