@@ -65,6 +65,8 @@ def test_each_kind_is_found_by_its_target_and_loads_as_its_class(shipped, gpu) -
         assert (name, heads.head_kind(name)) == (f"tiny-{kind}", kind)
         head = heads.load_draft_head(name, model)
         assert type(head).__name__ == cls, kind
+        # On the CPU backend the projections are re-stored as Q8_0 by default.
+        assert head.projection_format == "q8_0", kind
         engine = specdraft.SpecEngine(model, head, num_drafts=3, draft_policy="fixed")
         (spec,) = engine.generate([prompt], max_tokens=20)
         assert spec.error is None, spec.error

@@ -99,10 +99,11 @@ def load_draft_head(name: str, model: Any, **options: Any) -> Any:  # noqa: ANN4
     ``main_kv_blocks``, ``levers``); the drafter's KV pool is sized to the model's (its
     ``max_seq_len`` and KV blocks) unless they say otherwise.
 
-    ``quant`` (MTP and DFlash heads) defaults to ``"q8_0"`` on the CPU backend: the head's
-    BF16 projections are quantized at load to Q8_0 blocks and run on the kernels the target's
-    quantized weights use, which about halves the bytes a draft step reads
-    (``benches/mtp.rs`` and ``benches/dflash.rs`` measure it against the target's step). On
+    ``quant`` defaults to ``"q8_0"`` on the CPU backend: the head's BF16 projections (and an
+    EAGLE-3 head's own LM head) are quantized at load to Q8_0 blocks and run on the kernels
+    the target's quantized weights use, which about halves the bytes a draft step reads
+    (``benches/mtp.rs``, ``eagle3.rs`` and ``dflash.rs`` measure it against the target's
+    step). On
     other backends it defaults to ``"bf16"``, the weights as shipped. A DFlash head drafts
     over the ``draft_vocab_size`` its ``config.json`` names unless ``draft_vocab`` says
     otherwise.
@@ -113,9 +114,9 @@ def load_draft_head(name: str, model: Any, **options: Any) -> Any:  # noqa: ANN4
     kind = head_kind(name)
     options.setdefault("max_seq_len", model.max_seq_len)
     options.setdefault("main_kv_blocks", model.kv_blocks[0])
+    options.setdefault("quant", "q8_0" if isinstance(model.gpu, specdraft.CpuBackend) else "bf16")
     if kind == "eagle3":
         return specdraft.Eagle3Head.from_checkpoint(folder, model.gpu, target=model, **options)
-    options.setdefault("quant", "q8_0" if isinstance(model.gpu, specdraft.CpuBackend) else "bf16")
     if kind == "dflash":
         vocab = _config(name).get("draft_vocab_size")
         if isinstance(vocab, int):
