@@ -88,7 +88,16 @@ def serve(
     )
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        # log_config=None: uvicorn's own logging set-up (dictConfig) would close every
+        # logging handler of the test process, pytest's and absl's (jax's) among them.
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            log_config=None,
+        )
     )
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
