@@ -503,6 +503,26 @@ class DraftProposer:
 
         A Python override sees a view with the arena's `max_rows` (no slots).
         """
+    def propose_tree(
+        self,
+        last_token: int,
+        target_hidden: DevicePtr,
+        position: int,
+        budget: int,
+        state: Any,
+        ctx: ForwardContext,
+        stream: int = 0,
+        draft_embed_target: DevicePtr | None = None,
+        grammar_bitmask: npt.NDArray[np.int32] | Sequence[int] | None = None,
+        target_hidden_stack: DevicePtr | None = None,
+    ) -> tuple[list[int], list[int]] | tuple[list[int], list[int], list[float]]:
+        """Proposes a tree of at most `budget` draft tokens after `last_token`:
+        `(tokens, parents)` or `(tokens, parents, probs)`, each parent an earlier node's
+        index or -1 for a child of `last_token`. The other arguments are `propose`'s.
+
+        The default is the chain of `budget` drafts from `propose`; a Python class that
+        defines `propose` gets the chain of its own `propose`.
+        """
     def catchup_batch(
         self,
         tokens: Sequence[Sequence[int]],

@@ -1,5 +1,5 @@
-//! Drafting through the adapter: `propose`, its batched form and its width, the verify
-//! feedback (`after_verify`) and `read_deferred_draft_token`.
+//! Drafting through the adapter: `propose`, its batched form and its width, its tree form
+//! (`propose_tree`), the verify feedback (`after_verify`) and `read_deferred_draft_token`.
 //!
 //! Each method runs the Rust path when the Python class does not override it, otherwise
 //! calls Python with its arguments converted and checks what comes back.
@@ -8,12 +8,13 @@ use super::adapter::{held, PyProposer, M};
 use super::backend::BackendLease;
 use super::convert::{ptr_list, ret_tokens, ret_usize};
 use super::device_ptr::PyDevicePtr;
+use super::draft_tree::ret_tree;
 use super::model::{PyBufferArena, PyModelConfig};
 use super::state::{with_rust_state, with_rust_states};
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
-use crate::speculative::ProposerState;
+use crate::speculative::{DraftTree, ProposerState};
 use crate::Result;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -68,6 +69,72 @@ impl PyProposer {
             let r = self.call(py, m, args, kwargs.as_ref())?;
             ret_tokens(&r, Some((num_drafts, "num_drafts")), ctx.config.vocab_size)
                 .map_err(|e| self.bad_return(m, e))
+        })
+    }
+
+    /// A Python `propose` that the class does not pair with its own `propose_tree` is asked
+    /// for the chain (the protocol's default), so the Rust tree of the class it extends
+    /// never bypasses it.
+    pub(super) fn propose_tree(
+        &self,
+        last_token: u32,
+        target_hidden: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        target_hidden_stack: Option<DevicePtr>,
+    ) -> Result<DraftTree> {
+        let m = M::ProposeTree;
+        if !self.python(m) {
+            if self.python(M::Propose) {
+                let drafts = self.propose(
+                    last_token,
+                    target_hidden,
+                    position,
+                    budget,
+                    state,
+                    ctx,
+                    stream,
+                    draft_embed_target,
+                    grammar_bitmask,
+                    target_hidden_stack,
+                )?;
+                return Ok(DraftTree::chain(drafts));
+            }
+            return with_rust_state(state, m.name(), |s| {
+                self.fallback().propose_tree(
+                    last_token,
+                    target_hidden,
+                    position,
+                    budget,
+                    s,
+                    ctx,
+                    stream,
+                    draft_embed_target,
+                    grammar_bitmask,
+                    target_hidden_stack,
+                )
+            });
+        }
+        let st = held(state, m)?;
+        Python::attach(|py| {
+            let kwargs =
+                self.propose_kwargs(py, draft_embed_target, grammar_bitmask, target_hidden_stack)?;
+            let args = (
+                last_token,
+                PyDevicePtr(target_hidden),
+                position,
+                budget,
+                st.obj.bind(py),
+                self.ctx_obj(py, ctx, m)?,
+                stream,
+            );
+            let r = self.call(py, m, args, kwargs.as_ref())?;
+            ret_tree(&r, budget, ctx.config.vocab_size).map_err(|e| self.bad_return(m, e))
         })
     }
 

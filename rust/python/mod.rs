@@ -30,6 +30,7 @@ mod convert;
 mod cuda_backend;
 mod device_ptr;
 mod dflash;
+mod draft_tree;
 mod drafter_pool;
 mod eagle3;
 mod engine;

@@ -10,9 +10,11 @@
 //! Rust work runs with the interpreter released: the held proposer may be a wrapped Python
 //! proposer that needs to attach again.
 
+use super::adapter::overridden;
 use super::backend::{backend_arg, PyBackend};
-use super::convert::{binding_to_dict, bitmask_arg};
-use super::device_ptr::PtrArg;
+use super::convert::{binding_to_dict, bitmask_arg, ret_tokens};
+use super::device_ptr::{PtrArg, PyDevicePtr};
+use super::draft_tree::tree_to_py;
 use super::errors::{IntoPyResult, ProposerError as PyProposerError};
 use super::model::{PyBufferArena, PyForwardContext, PyModelConfig, PyModelLevers};
 use super::state::{PyProposerState, StateSrc};
@@ -20,11 +22,11 @@ use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
 use crate::speculative::{
-    DraftProposer, DraftRunner, ProposerError, ProposerState, ProtocolMethod as M,
+    DraftProposer, DraftRunner, DraftTree, ProposerError, ProposerState, ProtocolMethod as M,
 };
 use crate::Result;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PyTuple};
 use std::sync::Arc;
 
 /// The protocol's defaults, for a class that holds no Rust proposer. Its required methods
@@ -434,6 +436,77 @@ impl PyDraftProposer {
         let buffers: Arc<BufferArena> = buffers.get().inner.clone();
         let config: Arc<ModelConfig> = config.get().inner.clone();
         py.detach(|| self.target().propose_batch_max(&buffers, &config))
+    }
+
+    /// Proposes a tree of at most `budget` draft tokens after `last_token`:
+    /// `(tokens, parents)` or `(tokens, parents, probs)`, each parent an earlier node's
+    /// index or -1 for a child of `last_token`. The other arguments are `propose`'s.
+    ///
+    /// The default is the chain of `budget` drafts from `propose`; a Python class that
+    /// defines `propose` gets the chain of its own `propose`.
+    #[pyo3(signature = (last_token, target_hidden, position, budget, state, ctx, stream = 0, draft_embed_target = None, grammar_bitmask = None, target_hidden_stack = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn propose_tree<'py>(
+        slf: &Bound<'py, Self>,
+        last_token: u32,
+        target_hidden: PtrArg,
+        position: usize,
+        budget: usize,
+        state: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyForwardContext>,
+        stream: u64,
+        draft_embed_target: Option<PtrArg>,
+        grammar_bitmask: Option<&Bound<'py, PyAny>>,
+        target_hidden_stack: Option<PtrArg>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let me = slf.get();
+        let rust_ctx = ctx.get().to_rust();
+        if me.inner.is_none() || overridden(slf.as_any())?.contains(&M::Propose.name()) {
+            let kwargs = PyDict::new(py);
+            if let Some(p) = draft_embed_target {
+                kwargs.set_item("draft_embed_target", PyDevicePtr(p.0))?;
+            }
+            if let Some(mask) = grammar_bitmask {
+                kwargs.set_item("grammar_bitmask", mask)?;
+            }
+            if let Some(p) = target_hidden_stack {
+                kwargs.set_item("target_hidden_stack", PyDevicePtr(p.0))?;
+            }
+            let args = (
+                last_token,
+                PyDevicePtr(target_hidden.0),
+                position,
+                budget,
+                state,
+                ctx,
+                stream,
+            );
+            let r = slf.call_method(M::Propose.name(), args, Some(&kwargs))?;
+            let drafts = ret_tokens(&r, Some((budget, "budget")), rust_ctx.config.vocab_size)
+                .map_err(|e| PyProposerError::new_err(format!("propose returned {e}")))?;
+            return tree_to_py(py, DraftTree::chain(drafts));
+        }
+        let mask = grammar_bitmask.map(bitmask_arg).transpose()?;
+        let mut st = StateSrc::from_py(state);
+        let tree = py
+            .detach(|| {
+                let mut g = st.lock(M::ProposeTree.name())?;
+                me.target().propose_tree(
+                    last_token,
+                    target_hidden.0,
+                    position,
+                    budget,
+                    g.as_state(),
+                    &rust_ctx,
+                    stream,
+                    draft_embed_target.map(|p| p.0),
+                    mask.as_deref(),
+                    target_hidden_stack.map(|p| p.0),
+                )
+            })
+            .py()?;
+        tree_to_py(py, tree)
     }
 
     /// Appends one drafter row per accepted draft, for several sequences.

@@ -8,11 +8,14 @@
 //! - `propose` returns at most `num_drafts` ids, each inside the vocabulary, each allowed by
 //!   the grammar mask when one is given.
 //! - `propose_batch`, when supported, returns what per-sequence `propose` would.
+//! - `propose_tree` returns a tree of at most `budget` nodes, each node's parent before it,
+//!   each token inside the vocabulary and allowed by the grammar mask.
 //! - after `take_drafter_kv`, a state behaves as freshly allocated.
 //! - `free_state` returns every device allocation `alloc_state` made.
 
 pub mod conformance;
 pub mod dflash;
+mod draft_tree;
 pub mod eagle3;
 mod error;
 mod grammar;
@@ -23,6 +26,7 @@ mod protocol;
 pub mod suffix;
 
 pub use dflash::{DFlashHead, DFlashState};
+pub use draft_tree::{DraftTree, TreeFault};
 pub use eagle3::{Eagle3Head, Eagle3State};
 pub use error::ProposerError;
 pub use grammar::{bitmask_allows, bitmask_words};

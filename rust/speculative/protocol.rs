@@ -1,9 +1,9 @@
-//! The `DraftProposer` protocol: three required methods and twenty provided ones, with the
+//! The `DraftProposer` protocol: three required methods and twenty-one provided ones, with the
 //! defaults the specification documents (`target_layer_ids`, which the specification does
 //! not have, asks the engine for the target hiddens of chosen layers).
 //!
 //! The engine drives a proposer in this order: `alloc_state_for` → `prefill_drafter` →
-//! (`propose` | `propose_batch`) → verify → `after_verify` (+ `catchup_batch` under
+//! (`propose` | `propose_batch` | `propose_tree`) → verify → `after_verify` (+ `catchup_batch` under
 //! `ModelLevers::mtp_kv_exact`) → `take_drafter_kv` / `install_drafter_kv` between turns →
 //! `free_state`. Hidden states at these seams are BF16 `[rows, hidden_size]`; token ids are
 //! `u32`; `DevicePtr` has no `Drop`, so whatever `alloc_state` allocates is freed in
@@ -20,6 +20,8 @@
 //! - `propose` returns at most `num_drafts` ids, each inside the vocabulary and, when a
 //!   grammar mask is given, allowed by it; `propose_batch` returns what per-sequence
 //!   `propose` would, or `None`.
+//! - `propose_tree` returns a well-formed [`DraftTree`] of at most `budget` nodes, each
+//!   token inside the vocabulary and allowed by the grammar mask when one is given.
 //! - Every `propose` is followed by exactly one `after_verify`, with `num_accepted` at most
 //!   the number of drafts returned, before the next `propose` on the same state (unless the
 //!   sequence ends first, and `free_state` follows instead).
@@ -29,6 +31,7 @@
 use crate::backend::{DevicePtr, Dtype, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
+use crate::speculative::DraftTree;
 use crate::Result;
 use std::any::Any;
 use std::sync::Arc;
@@ -115,6 +118,18 @@ macro_rules! with_protocol_methods {
                 buffers: &$crate::memory::BufferArena,
                 config: &$crate::model::ModelConfig,
             ) -> usize, default(1);
+            ProposeTree => fn propose_tree(
+                last_token: u32,
+                target_hidden: $crate::backend::DevicePtr,
+                position: usize,
+                budget: usize,
+                state: &mut dyn $crate::speculative::ProposerState,
+                ctx: &$crate::model::ForwardContext<'_>,
+                stream: u64,
+                draft_embed_target: Option<$crate::backend::DevicePtr>,
+                grammar_bitmask: Option<&[i32]>,
+                target_hidden_stack: Option<$crate::backend::DevicePtr>,
+            ) -> $crate::Result<$crate::speculative::DraftTree>, fallible;
             CatchupBatch => fn catchup_batch(
                 tokens: &[Vec<u32>],
                 hiddens: &[Vec<$crate::backend::DevicePtr>],
@@ -478,6 +493,39 @@ pub trait DraftProposer: Send + Sync {
         1
     }
 
+    /// Proposes a tree of at most `budget` draft tokens rooted at `last_token`, with the
+    /// same meaning of every other argument as [`Self::propose`]: each node's token is
+    /// inside the vocabulary and allowed by `grammar_bitmask` when one is given, and each
+    /// node's parent comes before it (see [`DraftTree`]). The default proposes a chain of
+    /// `budget` drafts with `propose`, so every proposer can be asked for a tree.
+    fn propose_tree(
+        &self,
+        last_token: u32,
+        target_hidden: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        target_hidden_stack: Option<DevicePtr>,
+    ) -> Result<DraftTree> {
+        let drafts = self.propose(
+            last_token,
+            target_hidden,
+            position,
+            budget,
+            state,
+            ctx,
+            stream,
+            draft_embed_target,
+            grammar_bitmask,
+            target_hidden_stack,
+        )?;
+        Ok(DraftTree::chain(drafts))
+    }
+
     /// Appends one drafter row per accepted draft of the last verify, for several
     /// sequences; called only with `ModelLevers::mtp_kv_exact` on. Returns the rows written;
     /// the default writes none.
@@ -553,7 +601,7 @@ mod tests {
     fn the_method_list_is_the_trait_in_order() {
         let names: Vec<&str> = ProtocolMethod::NAMES.to_vec();
         assert_eq!(trait_methods(), names);
-        assert_eq!(ProtocolMethod::COUNT, 23);
+        assert_eq!(ProtocolMethod::COUNT, 24);
         assert_eq!(
             ProtocolMethod::ALL[..ProtocolMethod::REQUIRED]
                 .iter()

@@ -1,7 +1,9 @@
-//! The lifecycle the checker drives: setup, twin sequences, grammar probe, KV carry, leaks.
+//! The lifecycle the checker drives: setup, twin sequences, grammar probe, trees, KV carry,
+//! leaks.
 
 use super::batch::batch_step;
 use super::kv_carry::check_kv_carry;
+use super::tree::check_trees;
 use super::{CheckOptions, ConformanceReport};
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
@@ -484,6 +486,8 @@ fn drive(checker: &mut Checker<'_>, twins: &mut [(Sequence, Sequence)], rng: &mu
             batch_supported = batch_step(checker, twins, &per_seq, width);
         }
     }
+
+    check_trees(checker, &mut twins[0].0, rng);
     check_kv_carry(checker, &mut twins[0].0);
 }
 

@@ -5,7 +5,8 @@
 //! drafter with a prompt and its hiddens, then alternates `propose` and a simulated verify
 //! against a known continuation, calling `after_verify` with the accepted count. Alongside it
 //! runs a twin of every sequence through `propose_batch` and compares the drafts, probes the
-//! grammar mask, moves drafter KV out and back in, and finally checks that `free_state`
+//! grammar mask, asks one sequence for trees (with and without a mask) and checks their
+//! shape, moves drafter KV out and back in, and finally checks that `free_state`
 //! returned every byte. Proposers must be deterministic given the same state and inputs.
 //! A proposer that names `target_layer_ids` is given synthetic captured rows as the engine
 //! gives them: `ctx.target_hidden_stack` at its prefill, and at each propose the rows of the
@@ -18,6 +19,7 @@ mod batch;
 mod driver;
 mod kv_carry;
 mod report;
+mod tree;
 
 pub use report::{ConformanceReport, Violation};
 
