@@ -53,6 +53,7 @@ fn time_call(b: &CpuBackend, ctx: usize, rows: usize) -> (f64, usize) {
             block_table: ptrs[3],
             row_seq: ptrs[4],
             row_ctx_len: ptrs[5],
+            row_parent: None,
             rows,
             heads: HEADS,
             kv_heads: KV_HEADS,

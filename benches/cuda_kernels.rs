@@ -168,6 +168,7 @@ fn run(gpu: &CudaBackend) -> Result<Vec<serde_json::Value>, BackendError> {
                 block_table: table,
                 row_seq,
                 row_ctx_len: row_len,
+                row_parent: None,
                 rows: seqs,
                 heads,
                 kv_heads,

@@ -2,7 +2,8 @@
 //! over odd shapes (head sizes, group sizes 1, 3 and 4, contexts of 0 to 300 rows across
 //! block boundaries, scattered blocks); and each row's output bitwise the same alone, in a
 //! verify batch of 1 to 16 rows, in a long prefill chunk, next to other sequences, on 1 to 3
-//! threads and on the portable instruction set.
+//! threads and on the portable instruction set; and rows under a tree mask (a draft tree's
+//! verify) against the f64 attention over the prefix and their ancestors.
 //!
 //! Bound against the f64 attention: the output is rounded to BF16 once (half a unit in the
 //! last place, 2^-8 relative at most) and computed in f32 (under 1e-5 of the values' scale,
@@ -80,13 +81,19 @@ impl Cache {
     /// The f64 attention of query `q` (one row, every head) of `seq` over its first `len`
     /// cached rows.
     fn reference(&self, q: &[f32], seq: usize, len: usize) -> Vec<f64> {
+        self.reference_over(q, seq, &(0..len).collect::<Vec<_>>())
+    }
+
+    /// The f64 attention of query `q` of `seq` over the cached rows `cols` alone.
+    fn reference_over(&self, q: &[f32], seq: usize, cols: &[usize]) -> Vec<f64> {
         let (hd, group) = (self.head_dim, self.heads / self.kv_heads);
         let scale = 1.0 / (hd as f64).sqrt();
         let mut out = vec![0f64; self.heads * hd];
         for h in 0..self.heads {
             let qh = &q[h * hd..(h + 1) * hd];
-            let scores: Vec<f64> = (0..len)
-                .map(|j| {
+            let scores: Vec<f64> = cols
+                .iter()
+                .map(|&j| {
                     let k = self.kv_at(&self.k, seq, j, h / group);
                     scale
                         * qh.iter()
@@ -98,7 +105,7 @@ impl Cache {
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let total: f64 = weights.iter().sum();
-            for (j, w) in weights.iter().enumerate() {
+            for (&j, w) in cols.iter().zip(&weights) {
                 let v = self.kv_at(&self.v, seq, j, h / group);
                 for d in 0..hd {
                     out[h * hd + d] += w / total * v[d] as f64;
@@ -110,6 +117,17 @@ impl Cache {
 
     /// Runs one call: row `i` is `(seq, len)` with query `qs[i]`; returns the output's bits.
     fn run(&self, b: &CpuBackend, rows: &[(usize, usize)], qs: &[&[f32]]) -> Vec<u16> {
+        self.try_run(b, rows, qs, None).unwrap()
+    }
+
+    /// [`Self::run`] under the tree mask `parents` when given.
+    fn try_run(
+        &self,
+        b: &CpuBackend,
+        rows: &[(usize, usize)],
+        qs: &[&[f32]],
+        parents: Option<&[u32]>,
+    ) -> Result<Vec<u16>, specdraft::backend::BackendError> {
         let n = rows.len() * self.heads * self.head_dim;
         let q: Vec<f32> = qs.iter().flat_map(|q| q.iter().copied()).collect();
         let seqs: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
@@ -126,7 +144,8 @@ impl Cache {
             // Poisoned (NaN), so that an element left unwritten shows.
             b.upload(&vec![0xFFFFu16; n.max(1)], "out").unwrap(),
         ];
-        b.paged_attention(PagedAttentionArgs {
+        let parent_ptr = parents.map(|p| b.upload(p, "parents").unwrap());
+        let result = b.paged_attention(PagedAttentionArgs {
             out: ptrs[6],
             q: ptrs[0],
             k_cache: ptrs[1],
@@ -134,6 +153,7 @@ impl Cache {
             block_table: ptrs[3],
             row_seq: ptrs[4],
             row_ctx_len: ptrs[5],
+            row_parent: parent_ptr,
             rows: rows.len(),
             heads: self.heads,
             kv_heads: self.kv_heads,
@@ -142,14 +162,13 @@ impl Cache {
             max_blocks_per_seq: self.max_blocks,
             scale: 1.0 / (self.head_dim as f32).sqrt(),
             stream: 0,
-        })
-        .unwrap();
+        });
         let out = b.download::<u16>(ptrs[6], n).unwrap();
-        for p in ptrs {
+        for p in ptrs.into_iter().chain(parent_ptr) {
             b.free(p).unwrap();
         }
         assert_eq!(b.ledger().live_count(), 0);
-        out
+        result.map(|()| out)
     }
 }
 
@@ -367,4 +386,131 @@ fn non_causal_blocks_match_f64_attention() {
     check_non_causal_blocks(9, 3, 64, 16);
     check_non_causal_blocks(4, 1, 16, 16);
     check_non_causal_blocks(8, 2, 17, 5);
+}
+
+/// A verify forward of a draft tree: sequence 0 has `prefix` cached rows, then the last
+/// verified token's row (no parent) and one row per node in order, node `i`'s parent the row
+/// of `tree[i]` (`None`: the last verified token). Returns the call's rows and parents, and
+/// for each row the cached rows it may attend to: the prefix, the last verified token's row
+/// and those of its ancestors and itself. Rows of sequence 1 (causal, no parent) come first.
+#[allow(clippy::type_complexity)]
+fn tree_call(
+    prefix: usize,
+    tree: &[Option<usize>],
+    other: &[usize],
+) -> (Vec<(usize, usize)>, Vec<u32>, Vec<Vec<usize>>) {
+    let none = PagedAttentionArgs::NO_PARENT;
+    let mut rows: Vec<(usize, usize)> = other.iter().map(|&l| (1, l)).collect();
+    let mut parents = vec![none; rows.len()];
+    let mut cols: Vec<Vec<usize>> = other.iter().map(|&l| (0..l).collect()).collect();
+    let root = rows.len();
+    rows.push((0, prefix + 1));
+    parents.push(none);
+    cols.push((0..=prefix).collect());
+    for (i, parent) in tree.iter().enumerate() {
+        let parent_row = parent.map_or(root, |p| root + 1 + p);
+        rows.push((0, prefix + 2 + i));
+        parents.push(parent_row as u32);
+        let mut c = cols[parent_row].clone();
+        c.push(prefix + 1 + i);
+        cols.push(c);
+    }
+    (rows, parents, cols)
+}
+
+/// Random trees of up to 20 nodes (so a tree spans two tiles), a chain, and stars, on every
+/// pool size and instruction set: each row against the f64 attention over the rows it may
+/// attend to; the chain's rows bitwise the rows without a mask.
+#[test]
+fn tree_rows_attend_to_their_prefix_and_ancestors_only() {
+    let (heads, kv_heads, head_dim, block_size) = (9, 3, 64, 16);
+    let prefix = 45;
+    let c = Cache::new(
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        &[prefix + 24, 30],
+        91,
+    );
+    let mut r = SmallRng::seed_from_u64(92);
+    let mut trees: Vec<Vec<Option<usize>>> = (0..6)
+        .map(|t| {
+            let n = [5, 8, 16, 20, 12, 3][t];
+            (0..n)
+                .map(|i| {
+                    let p = r.random_range(0..=i);
+                    (p < i).then_some(p)
+                })
+                .collect()
+        })
+        .collect();
+    trees.push((0..10).map(|i: usize| i.checked_sub(1)).collect());
+    trees.push(vec![None; 12]);
+    let width = heads * head_dim;
+    for (name, b) in backends() {
+        for (t, tree) in trees.iter().enumerate() {
+            let (rows, parents, cols) = tree_call(prefix, tree, &[30, 7]);
+            let qs: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|_| values(&mut r, width, -1.0, 1.0))
+                .collect();
+            let q_refs: Vec<&[f32]> = qs.iter().map(|q| &q[..]).collect();
+            let got = c.try_run(&b, &rows, &q_refs, Some(&parents)).unwrap();
+            for (i, &(s, _)) in rows.iter().enumerate() {
+                let want = c.reference_over(&qs[i], s, &cols[i]);
+                for (e, (&g, &w)) in got[i * width..(i + 1) * width]
+                    .iter()
+                    .zip(&want)
+                    .enumerate()
+                {
+                    let g = bf16::from_bits(g).to_f64();
+                    assert!(
+                        (g - w).abs() <= w.abs() / 256.0 + 1e-5,
+                        "{name}, tree {t}: row {i}, element {e}: got {g}, want {w}"
+                    );
+                }
+            }
+            if t == 6 {
+                let plain = c.run(&b, &rows, &q_refs);
+                assert!(
+                    got == plain,
+                    "{name}: a chain under the mask differs from no mask"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_tree_mask_that_breaks_its_contract_is_refused() {
+    let c = Cache::new(2, 1, 8, 4, &[12, 12], 101);
+    let q = [0.5f32; 16];
+    let qs: Vec<&[f32]> = vec![&q[..]; 3];
+    let none = PagedAttentionArgs::NO_PARENT;
+    let b = CpuBackend::new();
+    type Case<'a> = (&'a [(usize, usize)], [u32; 3], &'a str);
+    let cases: [Case; 3] = [
+        (
+            &[(0, 5), (0, 6), (0, 7)],
+            [none, 2, 1],
+            "row 1's parent 2 is not an earlier row",
+        ),
+        (
+            &[(0, 5), (1, 6), (1, 7)],
+            [none, 0, 1],
+            "row 1 (sequence 1) has parent 0 of sequence 0",
+        ),
+        (
+            &[(0, 5), (0, 5), (0, 7)],
+            [none, 0, 1],
+            "row 1 attends to 5 rows, its parent 0 to 5",
+        ),
+    ];
+    for (rows, parents, words) in cases {
+        let err = c.try_run(&b, rows, &qs, Some(&parents)).unwrap_err();
+        assert!(err.to_string().contains(words), "{err}");
+    }
+    let fine = c.try_run(&b, &[(0, 5), (0, 6), (0, 7)], &qs, Some(&[none, 0, 0]));
+    assert!(fine.is_ok(), "{fine:?}");
 }

@@ -319,6 +319,7 @@ fn index_and_cache_ops_refuse_outputs_over_their_inputs() {
         block_table: table_ptr,
         row_seq: seq,
         row_ctx_len: lens,
+        row_parent: None,
         rows: 1,
         heads: 1,
         kv_heads: 1,

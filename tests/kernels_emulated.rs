@@ -167,6 +167,7 @@ fn non_causal_blocks(dut: &dyn GpuBackend, seed: u64) -> Result<(), String> {
             block_table: s.u32(&table)?,
             row_seq: s.u32(&row_seq)?,
             row_ctx_len: s.u32(&row_len)?,
+            row_parent: None,
             rows,
             heads,
             kv_heads,

@@ -193,6 +193,7 @@ impl Kernels for CpuBackend {
                     block_table: &c.block_table,
                     row_seq: &c.row_seq,
                     row_ctx_len: &c.row_ctx_len,
+                    row_parent: c.row_parent.as_deref(),
                 },
                 a.out.typed_mut::<bf16>(),
             )

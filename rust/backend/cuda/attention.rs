@@ -55,6 +55,14 @@ pub(super) fn paged_attention<L: KernelLauncher>(
     let op = "paged_attention";
     let checked = args.validate(b)?;
     let a = &checked.args;
+    if a.row_parent.is_some() {
+        // Refused rather than ignored: attending to every earlier row would mix a tree's
+        // branches.
+        return Err(invalid(
+            op,
+            "the CUDA kernel has no tree mask: row_parent must be None".into(),
+        ));
+    }
     if a.head_dim > ATTN_MAX_HEAD_DIM {
         return Err(invalid(
             op,

@@ -160,6 +160,15 @@ impl KvWriteArgs {
 /// `j` of sequence `s` is slot `block_table[s, j / block_size] * block_size + j %
 /// block_size`. Query head `h` reads KV head `h / (heads / kv_heads)`. Scores are scaled by
 /// `scale`; `out` BF16 `[rows, heads, head_dim]` is apart from every input.
+///
+/// A tree mask (`row_parent`) narrows what a row attends to: a row with parent row `p` (an
+/// earlier row of the same sequence, with a shorter context) attends to what `p` attends to
+/// and to its own cached row, `row_ctx_len[r] - 1`; a row without one
+/// ([`PagedAttentionArgs::NO_PARENT`]) attends to its whole context as above. So in a verify
+/// forward of a draft tree whose nodes sit in consecutive cache rows after the sequence's
+/// prefix, the last verified token's row has no parent and each node's row names its
+/// parent's: each node sees the prefix and its own ancestors, not its siblings' branches. A
+/// chain (each row the parent of the next) attends as without a mask.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PagedAttentionArgs<P = DevicePtr> {
     /// BF16 `[rows, heads, head_dim]`: the attention output.
@@ -176,6 +185,9 @@ pub struct PagedAttentionArgs<P = DevicePtr> {
     pub row_seq: P,
     /// u32 `[rows]`: how many cached rows each query row attends to.
     pub row_ctx_len: P,
+    /// u32 `[rows]`: each row's parent row in this call, or [`Self::NO_PARENT`]; `None`
+    /// for no tree mask.
+    pub row_parent: Option<P>,
     /// Query rows.
     pub rows: usize,
     /// Query heads per row.
@@ -202,13 +214,40 @@ pub struct CheckedAttention<R> {
     pub row_seq: Vec<u32>,
     /// The context length of each query row, read from the device.
     pub row_ctx_len: Vec<u32>,
+    /// Each query row's parent row, read from the device, when there is a tree mask.
+    pub row_parent: Option<Vec<u32>>,
     /// `[num_seqs, max_blocks_per_seq]`, `num_seqs` the largest `row_seq` plus one.
     pub block_table: Vec<u32>,
     /// Sequences the table covers.
     pub num_seqs: usize,
 }
 
+/// The first row whose parent breaks the mask's contract, with what is wrong.
+fn parent_fault(row_parent: &[u32], row_seq: &[u32], row_ctx_len: &[u32]) -> Option<String> {
+    row_parent.iter().enumerate().find_map(|(r, &p)| {
+        let p = (p != PagedAttentionArgs::NO_PARENT).then_some(p as usize)?;
+        if p >= r {
+            Some(format!("row {r}'s parent {p} is not an earlier row"))
+        } else if row_seq[p] != row_seq[r] {
+            Some(format!(
+                "row {r} (sequence {}) has parent {p} of sequence {}",
+                row_seq[r], row_seq[p]
+            ))
+        } else if row_ctx_len[p] >= row_ctx_len[r] {
+            Some(format!(
+                "row {r} attends to {} rows, its parent {p} to {}: a parent's own row comes first",
+                row_ctx_len[r], row_ctx_len[p]
+            ))
+        } else {
+            None
+        }
+    })
+}
+
 impl PagedAttentionArgs {
+    /// The `row_parent` of a row that attends to its whole context.
+    pub const NO_PARENT: u32 = u32::MAX;
+
     /// The checks every backend makes before it runs the op. The caches are checked over
     /// every slot the block table names.
     pub fn validate<M: CheckedMemory + ?Sized>(
@@ -236,6 +275,16 @@ impl PagedAttentionArgs {
         let (seq_op, seq_range, row_seq) = index(self.row_seq, rows, "paged_attention row_seq")?;
         let (len_op, len_range, row_ctx_len) =
             index(self.row_ctx_len, rows, "paged_attention row_ctx_len")?;
+        let parents = match self.row_parent {
+            Some(ptr) => Some(index(ptr, rows, "paged_attention row_parent")?),
+            None => None,
+        };
+        if let Some(fault) = parents
+            .as_ref()
+            .and_then(|(_, _, p)| parent_fault(p, &row_seq, &row_ctx_len))
+        {
+            return Err(invalid(op, fault));
+        }
         let num_seqs = row_seq.iter().map(|&s| s as usize + 1).max().unwrap_or(0);
         let (table_op, table_range, block_table) = index(
             self.block_table,
@@ -274,6 +323,10 @@ impl PagedAttentionArgs {
             ));
         }
         let out = Operand::new(op, self.out, q_n, Dtype::Bf16, "paged_attention out")?;
+        let (parent_op, parent_range, row_parent) = match parents {
+            Some((o, r, v)) => (Some(o), Some(r), Some(v)),
+            None => (None, None, None),
+        };
         let args = PagedAttentionArgs {
             out: out.check(mem)?,
             q: q_range,
@@ -282,6 +335,7 @@ impl PagedAttentionArgs {
             block_table: table_range,
             row_seq: seq_range,
             row_ctx_len: len_range,
+            row_parent: parent_range,
             rows,
             heads,
             kv_heads,
@@ -291,13 +345,17 @@ impl PagedAttentionArgs {
             scale: self.scale,
             stream: self.stream,
         };
-        for input in [q, k_cache, v_cache, table_op, seq_op, len_op] {
+        for input in [q, k_cache, v_cache, table_op, seq_op, len_op]
+            .into_iter()
+            .chain(parent_op)
+        {
             apart(op, out, input)?;
         }
         Ok(CheckedAttention {
             args,
             row_seq,
             row_ctx_len,
+            row_parent,
             block_table,
             num_seqs,
         })

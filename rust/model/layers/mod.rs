@@ -250,6 +250,7 @@ pub fn decoder_layer_with_input(
         block_table: io.block_table,
         row_seq: io.row_seq,
         row_ctx_len: io.row_ctx_len,
+        row_parent: None,
         rows,
         heads,
         kv_heads,

@@ -20,9 +20,14 @@
 //! - output `d` is `(sum over j, in order, of p_j * v_j[d]) / total`, each product fused
 //!   into the sum, rounded to BF16 (zero for a row that attends to nothing).
 //!
-//! Invariant: a row's arithmetic depends only on its own query, its context length and the
-//! cache, never on the other rows of its batch, tile or task, nor on the pool's size or
-//! instruction set, so a row's output is bitwise the same whatever it is computed with.
+//! Under a tree mask (`row_parent`), a row's weights are the softmax of the scores it
+//! attends to, gathered in order (its branch's prefix, then its ancestors' rows and its own),
+//! and zero elsewhere, so a chain's rows are bitwise the rows without a mask.
+//!
+//! Invariant: a row's arithmetic depends only on its own query, its context length (and its
+//! ancestors', under a tree mask) and the cache, never on the other rows of its batch, tile
+//! or task, nor on the pool's size or instruction set, so a row's output is bitwise the same
+//! whatever it is computed with.
 //! Tiling shares loads, never operations. The AVX2 and AVX-512 paths are the same source
 //! compiled with those features enabled (lane-wise multiplies and adds, no reassociation),
 //! which is why they match the portable path bit for bit.
@@ -105,6 +110,8 @@ pub(super) struct AttentionInputs<'a> {
     pub block_table: &'a [u32],
     pub row_seq: &'a [u32],
     pub row_ctx_len: &'a [u32],
+    /// Each row's parent row (the tree mask), when there is one.
+    pub row_parent: Option<&'a [u32]>,
 }
 
 /// Per-thread buffers, reused from call to call so that no task allocates once warm.
@@ -116,6 +123,9 @@ struct Scratch {
     values: Vec<f32>,
     acc: Vec<f32>,
     totals: Vec<f32>,
+    /// A tree row's own cached row and its ancestors', increasing, and their weights.
+    branch: Vec<usize>,
+    branch_weights: Vec<f32>,
 }
 
 thread_local! {
@@ -258,6 +268,57 @@ fn widen_shared(
     Ok((widened, buffer))
 }
 
+/// For a row under the tree mask with a parent: fills `rows` with the cached rows of the row
+/// and of its ancestors below the first one without a parent, increasing, and returns that
+/// ancestor's context length, the prefix every row of the branch sees. `None` for a row that
+/// attends to its whole context.
+fn branch(
+    row_parent: &[u32],
+    row_ctx_len: &[u32],
+    r: usize,
+    rows: &mut Vec<usize>,
+) -> Option<usize> {
+    let no_parent = crate::backend::PagedAttentionArgs::NO_PARENT;
+    if row_parent[r] == no_parent {
+        return None;
+    }
+    rows.clear();
+    let mut at = r;
+    // Validation made each parent an earlier row, so the walk ends.
+    while row_parent[at] != no_parent {
+        rows.push(row_ctx_len[at] as usize - 1);
+        at = row_parent[at] as usize;
+    }
+    rows.reverse();
+    Some(row_ctx_len[at] as usize)
+}
+
+/// The weights of a tree row whose scores are `row`: a softmax over the `prefix` and the
+/// `branch` rows alone (gathered next to the prefix, so the sum runs as for a row that
+/// attended to those only), every other weight zero, which adds nothing in the value pass.
+/// Returns the total.
+fn masked_softmax(
+    row: &mut [f32],
+    prefix: usize,
+    branch: &[usize],
+    weights: &mut Vec<f32>,
+    softmax: impl Fn(&mut [f32]) -> f32,
+) -> f32 {
+    // Each branch row is at or after its gathered place (rows increase from `prefix`), so
+    // moving them in order overwrites only scores already moved or masked.
+    for (x, &j) in branch.iter().enumerate() {
+        row[prefix + x] = row[j];
+    }
+    let total = softmax(&mut row[..prefix + branch.len()]);
+    weights.clear();
+    weights.extend_from_slice(&row[prefix..prefix + branch.len()]);
+    row[prefix..].fill(0.0);
+    for (&j, &w) in branch.iter().zip(weights.iter()) {
+        row[j] = w;
+    }
+    total
+}
+
 /// One task: the rows of a tile, the query heads `heads` of one KV head.
 struct Task<'a> {
     reader: CacheReader<'a>,
@@ -364,12 +425,22 @@ impl Task<'_> {
             }
         }
         // Pass 2: each query's weights and their total.
+        let softmax = |row: &mut [f32]| match sharing.zmm {
+            #[cfg(target_arch = "x86_64")]
+            Some(proof) => zmm::softmax_weights(proof, row),
+            _ => softmax_weights(row),
+        };
         for i in 0..nq {
             let row = &mut s.scores[i * padded..i * padded + len(i)];
-            s.totals[i] = match sharing.zmm {
-                #[cfg(target_arch = "x86_64")]
-                Some(proof) => zmm::softmax_weights(proof, row),
-                _ => softmax_weights(row),
+            let r = tile.first_row + i / hcount;
+            s.totals[i] = match inputs
+                .row_parent
+                .and_then(|p| branch(p, inputs.row_ctx_len, r, &mut s.branch))
+            {
+                None => softmax(row),
+                Some(prefix) => {
+                    masked_softmax(row, prefix, &s.branch, &mut s.branch_weights, softmax)
+                }
             };
         }
         // Pass 3: the weighted values, value block by value block.
