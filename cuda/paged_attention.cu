@@ -6,18 +6,24 @@
 // exponentials and weighted V (the online softmax, so no score buffer of context length is
 // needed). The warps then merge their partial results through shared memory. head_dim is
 // at most SD_ATTN_MAX_DIM (the host checks), which bounds the registers a lane keeps.
+//
+// Under a tree mask (row_parent non-null), a row with a parent attends to the context of its
+// first ancestor without one (the prefix) and to the own rows (row_ctx_len - 1) of that
+// ancestor's descendants on its path and of itself, never to its siblings' branches; the
+// warps share the branch rows as they share the prefix's.
 #include "common.cuh"
 
 #define SD_ATTN_WARPS 4
 #define SD_ATTN_MAX_DIM 256
 #define SD_ATTN_PER_LANE (SD_ATTN_MAX_DIM / 32)
+#define SD_ATTN_NO_PARENT 0xFFFFFFFFu
 
 SD_KERNEL void sd_paged_attention(__nv_bfloat16* out, const __nv_bfloat16* q,
                                   const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
                                   const unsigned* block_table, const unsigned* row_seq,
-                                  const unsigned* row_ctx_len, int heads, int kv_heads,
-                                  int head_dim, int block_size, int max_blocks_per_seq,
-                                  float scale) {
+                                  const unsigned* row_ctx_len, const unsigned* row_parent,
+                                  int heads, int kv_heads, int head_dim, int block_size,
+                                  int max_blocks_per_seq, float scale) {
     SD_SHARED(float, part_max, SD_ATTN_WARPS);
     SD_SHARED(float, part_sum, SD_ATTN_WARPS);
     SD_SHARED(float, part_acc, SD_ATTN_WARPS * SD_ATTN_MAX_DIM);
@@ -35,8 +41,33 @@ SD_KERNEL void sd_paged_attention(__nv_bfloat16* out, const __nv_bfloat16* q,
         qv[i] = d < head_dim ? sd_ld(qh + d) : 0.0f;
         acc[i] = 0.0f;
     }
+    // The prefix every row of the branch sees: the whole context for a row without parent.
+    const bool masked = row_parent != nullptr && row_parent[r] != SD_ATTN_NO_PARENT;
+    int prefix = n;
+    if (masked) {
+        unsigned at = (unsigned)r;
+        while (row_parent[at] != SD_ATTN_NO_PARENT) at = row_parent[at];
+        prefix = (int)row_ctx_len[at];
+    }
     float m = -INFINITY, l = 0.0f;
-    for (int j = warp; j < n; j += SD_ATTN_WARPS) {
+    // The prefix's rows in order, then the branch's own rows from this row up (branch index
+    // 0 is this row's, 1 its parent's, ...), each index visited by warp index % WARPS. `up`
+    // is the row at branch index `cur`, only ever walked upwards.
+    unsigned up = (unsigned)r;
+    int cur = 0;
+    for (int idx = warp;; idx += SD_ATTN_WARPS) {
+        int j = idx;
+        if (idx >= prefix) {
+            if (!masked) break;
+            const int b = idx - prefix;
+            while (cur < b && row_parent[up] != SD_ATTN_NO_PARENT) {
+                up = row_parent[up];
+                ++cur;
+            }
+            // Past the branch: the first ancestor without a parent is in the prefix.
+            if (cur < b || row_parent[up] == SD_ATTN_NO_PARENT) break;
+            j = (int)row_ctx_len[up] - 1;
+        }
         const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
         const size_t base = (slot * kv_heads + kvh) * head_dim;
         float dot = 0.0f;

@@ -123,6 +123,7 @@ fn gpu_ops_match_reference() {
         k::paged_attention(&g, &[1, 17, 300], 1, 9, 3, 64, 16, 81),
     );
     check(&g, k::paged_attention(&g, &[5, 33], 5, 4, 2, 128, 8, 82));
+    check(&g, k::paged_attention_tree(&g, 85));
     check(&g, k::argmax(&g, 3, 49152, false, 91));
     check(&g, k::argmax(&g, 3, 49152, true, 92));
     check(&g, k::softmax(&g, 3, 49152, 0.7, false, 101));

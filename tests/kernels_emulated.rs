@@ -129,6 +129,12 @@ fn paged_attention_matches_reference() {
     check(&dut, k::paged_attention(&dut, &[3], 1, 1, 1, 256, 1, 84));
 }
 
+#[test]
+fn paged_attention_under_a_tree_mask_matches_reference() {
+    let dut = EmuBackend::new();
+    check(&dut, k::paged_attention_tree(&dut, 85));
+}
+
 /// A block drafter's rows (DFlash): every row of a block attends to the whole context and
 /// the whole block, so a row's context length runs past its own position. Blocks of 8 rows
 /// after 37 context rows, 4 with no context, 16 after 130 (GQA 3:1, SmolLM2's 64-wide

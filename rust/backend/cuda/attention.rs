@@ -55,14 +55,6 @@ pub(super) fn paged_attention<L: KernelLauncher>(
     let op = "paged_attention";
     let checked = args.validate(b)?;
     let a = &checked.args;
-    if a.row_parent.is_some() {
-        // Refused rather than ignored: attending to every earlier row would mix a tree's
-        // branches.
-        return Err(invalid(
-            op,
-            "the CUDA kernel has no tree mask: row_parent must be None".into(),
-        ));
-    }
     if a.head_dim > ATTN_MAX_HEAD_DIM {
         return Err(invalid(
             op,
@@ -77,6 +69,8 @@ pub(super) fn paged_attention<L: KernelLauncher>(
     // An empty batch reads no table; the kernel gets the null pointer.
     l.opt_ptr((checked.num_seqs > 0).then_some(&a.block_table));
     l.ptr(&a.row_seq).ptr(&a.row_ctx_len);
+    // No tree mask: the kernel gets the null pointer.
+    l.opt_ptr(a.row_parent.as_ref());
     l.int("heads", a.heads)?
         .int("kv_heads", a.kv_heads)?
         .int("head_dim", a.head_dim)?
