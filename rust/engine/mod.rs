@@ -36,6 +36,7 @@ mod step_drafts;
 mod target;
 pub mod testing;
 mod verify;
+mod verify_tree;
 
 pub use conversation::{CarriedKv, Conversation};
 pub use cost_fit::CostFit;
@@ -49,3 +50,4 @@ pub use scheduler::{GenerationRun, ServeUpdate, StreamUpdate};
 pub use spec_engine::{mtp_pool_probe, DrafterPoolProbe, SpecEngine};
 pub use target::{KvPoolStatus, Target, TargetOutput};
 pub use verify::{argmax, sample_from, target_probs, verify, SamplingParams, Verdict};
+pub use verify_tree::{verify_tree_greedy, TreeVerdict};
