@@ -15,6 +15,21 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
+WORDS = {"three": 3, "twenty": 20, "twenty-one": 21, "twenty-two": 22, "twenty-three": 23}
+
+
+def test_the_protocol_method_count_is_the_modules() -> None:
+    import specdraft
+
+    m = re.search(
+        r"\((\S+) required methods, (\S+) provided ones", " ".join(README.read_text().split())
+    )
+    assert m, "the README no longer counts the protocol's methods"
+    required, provided = (WORDS[w] for w in m.groups())
+    methods = specdraft.PROTOCOL_METHODS
+    assert (required, provided) == (3, len(methods) - 3), methods
+
+
 def test_proposer_example_runs_and_conforms(capsys) -> None:
     block = next(b for b in python_blocks() if "class RepeatLast" in b)
     namespace: dict[str, object] = {}
