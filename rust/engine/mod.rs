@@ -47,7 +47,7 @@ pub use grammar::GrammarMatcher;
 pub use metrics::Metrics;
 pub use request::{FinishReason, GenerateRequest, GenerateResult, Generation};
 pub use scheduler::{GenerationRun, ServeUpdate, StreamUpdate};
-pub use spec_engine::{mtp_pool_probe, DrafterPoolProbe, SpecEngine};
+pub use spec_engine::{drafter_pool_probe, mtp_pool_probe, DrafterPoolProbe, SpecEngine};
 pub use target::{KvPoolStatus, Target, TargetOutput};
 pub use verify::{argmax, sample_from, target_probs, verify, SamplingParams, Verdict};
 pub use verify_tree::{verify_tree_greedy, TreeVerdict};

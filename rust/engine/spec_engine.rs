@@ -61,16 +61,25 @@ use std::time::Instant;
 /// Reports the drafter's KV pool (see [`SpecEngine::with_drafter_pool`]).
 pub type DrafterPoolProbe = Arc<dyn Fn() -> KvPoolStatus + Send + Sync>;
 
-/// The probe of an [`MtpHead`]'s drafter KV pool.
-pub fn mtp_pool_probe(head: Arc<MtpHead>) -> DrafterPoolProbe {
+/// A probe of a drafter KV pool of `block_size` rows a block, whose `(total, free)` blocks
+/// `blocks` reports.
+pub fn drafter_pool_probe(
+    block_size: usize,
+    blocks: impl Fn() -> (usize, usize) + Send + Sync + 'static,
+) -> DrafterPoolProbe {
     Arc::new(move || {
-        let (num_blocks, num_free) = head.kv_blocks();
+        let (num_blocks, num_free) = blocks();
         KvPoolStatus {
-            block_size: DRAFTER_BLOCK_SIZE,
+            block_size,
             num_blocks,
             num_free,
         }
     })
+}
+
+/// The probe of an [`MtpHead`]'s drafter KV pool.
+pub fn mtp_pool_probe(head: Arc<MtpHead>) -> DrafterPoolProbe {
+    drafter_pool_probe(DRAFTER_BLOCK_SIZE, move || head.kv_blocks())
 }
 
 /// The speculative decoding engine over one target and at most one proposer.

@@ -11,26 +11,10 @@ use super::dflash::PyDFlashHead;
 use super::eagle3::PyEagle3Head;
 use super::hybrid::PyHybrid;
 use super::mtp::PyMtpHead;
-use crate::engine::{mtp_pool_probe, DrafterPoolProbe, KvPoolStatus};
+use crate::engine::{drafter_pool_probe, mtp_pool_probe, DrafterPoolProbe};
 use crate::speculative::dflash::DFLASH_BLOCK_ROWS;
 use crate::speculative::mtp::DRAFTER_BLOCK_SIZE;
 use pyo3::prelude::*;
-use std::sync::Arc;
-
-/// A probe reporting `blocks()` (total, free) of a pool of `block_size` rows a block.
-fn probe(
-    block_size: usize,
-    blocks: impl Fn() -> (usize, usize) + Send + Sync + 'static,
-) -> DrafterPoolProbe {
-    Arc::new(move || {
-        let (num_blocks, num_free) = blocks();
-        KvPoolStatus {
-            block_size,
-            num_blocks,
-            num_free,
-        }
-    })
-}
 
 /// The drafter pool of `proposer`: an MTP, EAGLE-3 or DFlash head's own, or a `Hybrid`'s
 /// first member that has one; `None` for proposers without a pool.
@@ -40,11 +24,15 @@ pub(super) fn drafter_pool_of(proposer: &Bound<'_, PyAny>) -> Option<DrafterPool
     }
     if let Ok(h) = proposer.cast::<PyEagle3Head>() {
         let head = h.get().head().clone();
-        return Some(probe(DRAFTER_BLOCK_SIZE, move || head.kv_blocks()));
+        return Some(drafter_pool_probe(DRAFTER_BLOCK_SIZE, move || {
+            head.kv_blocks()
+        }));
     }
     if let Ok(h) = proposer.cast::<PyDFlashHead>() {
         let head = h.get().head().clone();
-        return Some(probe(DFLASH_BLOCK_ROWS, move || head.kv_blocks()));
+        return Some(drafter_pool_probe(DFLASH_BLOCK_ROWS, move || {
+            head.kv_blocks()
+        }));
     }
     let hybrid = proposer.cast::<PyHybrid>().ok()?;
     let py = proposer.py();

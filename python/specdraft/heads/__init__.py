@@ -57,14 +57,17 @@ def _config(name: str) -> dict[str, Any]:
     return config
 
 
-def head_kind(name: str) -> str:
-    """The kind of the shipped head ``name``: ``"mtp"``, ``"eagle3"`` or ``"dflash"``."""
-    config = _config(name)
+def _kind_of(config: dict[str, Any]) -> str:
     if config.get("speculators_model_type") == "eagle3":
         return "eagle3"
     if "dflash_config" in config:
         return "dflash"
     return "mtp"
+
+
+def head_kind(name: str) -> str:
+    """The kind of the shipped head ``name``: ``"mtp"``, ``"eagle3"`` or ``"dflash"``."""
+    return _kind_of(_config(name))
 
 
 def default_head_for(model_file: str | Path, kind: str = "mtp") -> str:
@@ -74,7 +77,7 @@ def default_head_for(model_file: str | Path, kind: str = "mtp") -> str:
     wanted = Path(model_file).name
     for name in shipped_heads():
         config = _config(name)
-        if config.get("specdraft_target", {}).get("file") == wanted and head_kind(name) == kind:
+        if config.get("specdraft_target", {}).get("file") == wanted and _kind_of(config) == kind:
             return name
     raise ValueError(
         f"no shipped {kind} draft head was trained for {wanted}; shipped: "
@@ -111,14 +114,15 @@ def load_draft_head(name: str, model: Any, **options: Any) -> Any:  # noqa: ANN4
     import specdraft
 
     folder = draft_head_path(name)
-    kind = head_kind(name)
+    config = _config(name)
+    kind = _kind_of(config)
     options.setdefault("max_seq_len", model.max_seq_len)
     options.setdefault("main_kv_blocks", model.kv_blocks[0])
     options.setdefault("quant", "q8_0" if isinstance(model.gpu, specdraft.CpuBackend) else "bf16")
     if kind == "eagle3":
         return specdraft.Eagle3Head.from_checkpoint(folder, model.gpu, target=model, **options)
     if kind == "dflash":
-        vocab = _config(name).get("draft_vocab_size")
+        vocab = config.get("draft_vocab_size")
         if isinstance(vocab, int):
             options.setdefault("draft_vocab", vocab)
         return specdraft.DFlashHead.from_checkpoint(folder, model.gpu, target=model, **options)
