@@ -10,14 +10,14 @@ Before it is measured, each engine (plain decoding's, the control's and every pr
 makes the same short warm-up call (:func:`warm_up`), so one-time costs stay out of every row
 alike. The engines take turns prompt group by prompt group (the group is one ``generate``
 call of prompts of one kind, no prompt in two calls of a pass: see :func:`prompt_groups`),
-rotating who goes first from call to call and from trial to trial (:func:`turn_order`), so a
-machine whose load drifts during the run weighs on all of them alike; every figure is a
-ratio against plain decoding at the same batch width and pass, measured in the same
-command. By default (``--schedule queued``) a group holds all of its kind's prompts and the
-engine runs ``--batch`` of them at a time, starting a waiting one whenever a sequence
-finishes, as a server does; ``--schedule static`` makes calls of ``--batch`` prompts (a
-kind's last call holds those left), each lasting as long as its slowest sequence, so a
-sequence that drafts badly holds the others' slots idle.
+rotating who goes first from call to call and from trial to trial
+(:func:`specdraft.measure.turn_order`), so a machine whose load drifts during the run weighs
+on all of them alike; every figure is a ratio against plain decoding at the same batch width
+and pass, measured in the same command. By default (``--schedule queued``) a group holds all
+of its kind's prompts and the engine runs ``--batch`` of them at a time, starting a waiting
+one whenever a sequence finishes, as a server does; ``--schedule static`` makes calls of
+``--batch`` prompts (a kind's last call holds those left), each lasting as long as its
+slowest sequence, so a sequence that drafts badly holds the others' slots idle.
 
 One row per proposer, policy and batch width: tokens/s and the ratio to plain decoding (in
 all, per prompt kind, per pass), mean acceptance length, acceptance by draft position, the
@@ -29,20 +29,16 @@ tokens/s by proposer and batch width and acceptance by draft position (needs mat
 One run of the prompt set rests each ratio on a few ``generate`` calls, and on a shared
 machine that carries noise of several percent. ``--trials N`` runs the whole comparison N
 times, each trial through fresh engines (so a cross-request drafter sees each prompt once a
-trial, as in the first pass), with the baseline and proposer calls of each prompt group
-back to back. Each row's ``ratio`` then gives, per prompt kind (``all``, ``grounded``,
-``open``), the median of the N per-trial ratios, their minimum and maximum, their geometric
-mean and its standard error (from the spread of the log ratios). ``fastest_ratio`` counts
-each prompt group's fastest trial (another program's load only ever slows a call down, so
-that trial is the least disturbed), and ``cpu_ratio`` is ``ratio`` over tokens per second
-of the process's CPU time, which load sways less than wall time. ``paired_ratio`` has the
-same statistics (with ``calls`` in place of ``trials``) over the ratio of every ``generate``
-call to the baseline's call of the same prompts, made just before or after it: each pair
-shares the machine's load of the moment, which a trial's sum of calls made minutes apart
-does not, so it is the steadiest figure. A wide batch makes few calls a trial (at batch 8,
-one a prompt kind), so its figures need more trials (8 or so) to resolve a few percent. The table
-prints the paired median, its standard error and, in brackets, the fastest-trial ratio.
-The pooled figures (``speedup``, ``by_kind``) sum every trial.
+trial, as in the first pass), with the baseline and proposer calls of each prompt group back
+to back. Each row then has the figures :mod:`specdraft.measure` defines, where each JSON
+field is documented: the pooled ``speedup`` and ``by_kind``
+(:func:`~specdraft.measure.figures`), the per-trial ``ratio`` and ``cpu_ratio``
+(:func:`~specdraft.measure.trial_ratios`), ``fastest_ratio``
+(:func:`~specdraft.measure.fastest_ratios`) and the steadiest, ``paired_ratio``
+(:func:`~specdraft.measure.paired_ratios`). A wide batch makes few calls a trial (at batch
+8, one a prompt kind), so its figures need more trials (8 or so) to resolve a few percent.
+The table prints the paired median, its standard error and, in brackets, the fastest-trial
+ratio.
 
 ``--control`` adds a ``control`` row at every width: a second plain-decoding engine that
 takes its turns and is paired with the baseline exactly like a proposer. Nothing differs
@@ -55,36 +51,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import specdraft
-
-T = TypeVar("T")
+from specdraft.measure import BASELINE, Pass, Run, bench_rows, figures, turn_order
 
 __all__ = [
     "PROPOSERS",
     "SCHEDULES",
     "RandomDrafter",
     "add_model_bench_args",
-    "bench_rows",
-    "paired_ratios",
     "parse_widths",
     "prompt_groups",
-    "ratio_stats",
     "run_model_bench",
-    "turn_order",
     "warm_up",
 ]
 
-# Plain decoding's row name.
-BASELINE = "baseline"
 # The row name of ``--control``: a second plain-decoding engine, measured like a proposer.
 CONTROL = "control"
 
@@ -203,21 +189,6 @@ def parse_widths(text: str) -> list[int]:
     return widths
 
 
-def turn_order(runs: list[T], trial: int, call: int) -> list[T]:
-    """The order ``runs`` take call ``call`` of trial ``trial`` in: rotated by ``trial + call``.
-
-    Each call rotates who goes first, and each trial shifts every call's rotation by one, so
-    over ``len(runs)`` trials every run goes first once in every call, whatever the number of
-    calls a trial makes (a rotation by a count running over the trials would give a call the
-    same order in every trial whenever the calls of a trial are a multiple of the runs: two
-    runs and an even number of calls, say).
-    """
-    if not runs:
-        return []
-    k = (trial + call) % len(runs)
-    return runs[k:] + runs[:k]
-
-
 def prompt_groups(
     kinds: list[str], width: int, schedule: str = SCHEDULES[0]
 ) -> list[tuple[str, list[int]]]:
@@ -254,72 +225,6 @@ def _policies(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-@dataclass
-class _Pass:
-    """What one engine did over one pass of the prompt set."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    # Per prompt kind: tokens, seconds, CPU seconds.
-    by_kind: dict[str, list[float]] = field(default_factory=dict)
-    outputs: list[list[int]] = field(default_factory=list)
-    # Each call's prompt kind, tokens and wall seconds, in order.
-    calls: list[tuple[str, int, float]] = field(default_factory=list)
-    counters: dict[str, Any] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-
-    def add(self, results: list[Any], seconds: float, kind: str, cpu_seconds: float = 0.0) -> None:
-        """Adds one ``generate`` call's results, wall and CPU time, for prompts of ``kind``."""
-        tokens = sum(len(r.tokens) for r in results)
-        self.tokens += tokens
-        self.seconds += seconds
-        self.cpu_seconds += cpu_seconds
-        self.calls.append((kind, tokens, seconds))
-        acc = self.by_kind.setdefault(kind, [0.0, 0.0, 0.0])
-        acc[0] += tokens
-        acc[1] += seconds
-        acc[2] += cpu_seconds
-        for r in results:
-            self.outputs.append(list(r.tokens))
-            for key, value in r.metrics.items():
-                if key in ("drafted", "accepted", "verify_steps", "decode_tokens", *_TIMES):
-                    self.counters[key] = self.counters.get(key, 0) + value
-                elif key in ("drafted_at", "accepted_at", "draft_lengths"):
-                    self.counters[key] = _sum_lists(self.counters.get(key, []), value)
-            if r.error:
-                self.errors.append(str(r.error))
-
-
-#: The per-request timings a row sums (seconds drafting, verifying, prefilling).
-_TIMES = ("draft_time_s", "verify_time_s", "prefill_time_s")
-
-
-def _sum_lists(a: list[int], b: list[int]) -> list[int]:
-    n = max(len(a), len(b))
-    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
-
-
-@dataclass
-class _Run:
-    """One row of the bench: a proposer at a batch width under a policy.
-
-    It holds the current trial's engine and every trial's passes.
-    """
-
-    proposer: str
-    policy: str | None
-    batch: int
-    engine: Any
-    trials: list[list[_Pass]] = field(default_factory=list)
-
-    @property
-    def passes(self) -> list[_Pass]:
-        """Each pass index's figures summed over the trials."""
-        count = max((len(t) for t in self.trials), default=0)
-        return [_merge([t[i] for t in self.trials if i < len(t)]) for i in range(count)]
-
-
 def warm_up(engines: list[Any], prompt: list[int]) -> None:
     """Makes the same short call of ``prompt`` on every engine, none of it measured.
 
@@ -329,210 +234,6 @@ def warm_up(engines: list[Any], prompt: list[int]) -> None:
     """
     for engine in engines:
         engine.generate([prompt], max_tokens=WARMUP_TOKENS)
-
-
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 3) if b else 0.0
-
-
-def _tps(tokens: float, seconds: float) -> float:
-    return tokens / seconds if seconds else 0.0
-
-
-def _figures(p: _Pass, base: _Pass | None) -> dict[str, Any]:
-    """A pass's (or a sum of passes') figures, with ratios to ``base``."""
-    c = p.counters
-    steps = c.get("verify_steps", 0)
-    drafted_at, accepted_at = c.get("drafted_at", []), c.get("accepted_at", [])
-    tps = _tps(p.tokens, p.seconds)
-    by_kind = {}
-    for kind, (tokens, seconds, _) in sorted(p.by_kind.items()):
-        ref = (base or p).by_kind.get(kind, [0.0, 0.0, 0.0])
-        by_kind[kind] = {
-            "tokens_per_s": round(_tps(tokens, seconds), 2),
-            "speedup": _ratio(_tps(tokens, seconds), _tps(ref[0], ref[1])),
-        }
-    return {
-        "tokens": p.tokens,
-        "seconds": round(p.seconds, 4),
-        "tokens_per_s": round(tps, 2),
-        "speedup": _ratio(tps, _tps((base or p).tokens, (base or p).seconds)),
-        "by_kind": by_kind,
-        "mean_acceptance_length": round(c.get("decode_tokens", 0) / steps, 3) if steps else 0.0,
-        "acceptance_rate": _ratio(c.get("accepted", 0), c.get("drafted", 0)),
-        "acceptance_by_position": [
-            round(a / d, 4) if d else 0.0 for a, d in zip(accepted_at, drafted_at, strict=False)
-        ],
-        "drafted_at": drafted_at,
-        "accepted_at": accepted_at,
-        "drafted": c.get("drafted", 0),
-        "accepted": c.get("accepted", 0),
-        "draft_lengths": c.get("draft_lengths", []),
-        # Where the time went, summed over requests (a shared forward split by its rows).
-        "time_s": {key.removesuffix("_time_s"): round(c.get(key, 0.0), 4) for key in _TIMES},
-    }
-
-
-def _merge(passes: list[_Pass]) -> _Pass:
-    total = _Pass()
-    for p in passes:
-        total.tokens += p.tokens
-        total.seconds += p.seconds
-        total.cpu_seconds += p.cpu_seconds
-        for kind, figures in p.by_kind.items():
-            acc = total.by_kind.setdefault(kind, [0.0, 0.0, 0.0])
-            for i, x in enumerate(figures):
-                acc[i] += x
-        for key, value in p.counters.items():
-            if isinstance(value, list):
-                total.counters[key] = _sum_lists(total.counters.get(key, []), value)
-            else:
-                total.counters[key] = total.counters.get(key, 0) + value
-        total.errors += p.errors
-    return total
-
-
-def _kind_rates(p: _Pass, cpu: bool = False) -> dict[str, float]:
-    """Tokens per second (of wall time, or of the process's CPU time) in all and per kind."""
-    rates = {"all": _tps(p.tokens, p.cpu_seconds if cpu else p.seconds)}
-    rates.update({kind: _tps(f[0], f[2] if cpu else f[1]) for kind, f in p.by_kind.items()})
-    return rates
-
-
-def ratio_stats(ratios: list[float], count: str = "trials") -> dict[str, Any]:
-    """What a list of ratios (one a trial, or one a call) says.
-
-    Median, range, geometric mean and its error, and how many ratios (under the key
-    ``count``). The standard error is the geometric mean's, from the sample deviation of the log
-    ratios (0 with one ratio); ratios of 0 (no tokens) are left out.
-    """
-    logs = [math.log(r) for r in ratios if r > 0]
-    if not logs:
-        return {count: 0, "median": 0.0, "min": 0.0, "max": 0.0, "geomean": 0.0, "stderr": 0.0}
-    geomean = math.exp(statistics.fmean(logs))
-    spread = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    kept = [r for r in ratios if r > 0]
-    return {
-        count: len(kept),
-        "median": round(statistics.median(kept), 4),
-        "min": round(min(kept), 4),
-        "max": round(max(kept), 4),
-        "geomean": round(geomean, 4),
-        "stderr": round(geomean * spread, 4),
-    }
-
-
-def _trial_ratios(
-    r: _Run, base: _Run, cpu: bool = False
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """``r`` against ``base`` trial by trial (tokens per wall or per CPU second).
-
-    Per prompt kind, the statistics of the per-trial ratios; and each trial's ratios and
-    draft counts.
-    """
-    per_kind: dict[str, list[float]] = {}
-    per_trial = []
-    for mine, theirs in zip(r.trials, base.trials, strict=False):
-        merged = _merge(mine)
-        own, ref = _kind_rates(merged, cpu), _kind_rates(_merge(theirs), cpu)
-        speedup = {}
-        for kind, rate in own.items():
-            if ref.get(kind):
-                per_kind.setdefault(kind, []).append(rate / ref[kind])
-                speedup[kind] = round(rate / ref[kind], 4)
-        per_trial.append(
-            {
-                "speedup": speedup,
-                "drafted": merged.counters.get("drafted", 0),
-                "accepted": merged.counters.get("accepted", 0),
-            }
-        )
-    stats = {kind: ratio_stats(ratios) for kind, ratios in sorted(per_kind.items())}
-    return stats, per_trial
-
-
-def paired_ratios(r: _Run, base: _Run) -> dict[str, dict[str, Any]]:
-    """Per prompt kind, the statistics of each ``generate`` call's ratio to the baseline.
-
-    Each call is set against the baseline's call of the same prompts, pass and trial, which
-    ran just before or after it. A call and its baseline share the machine's load of that
-    moment, so each pair cancels most of the drift that separates calls made minutes apart;
-    every call of every pass and trial is one ratio (``calls`` of them). ``all`` pools the
-    calls of every kind.
-    """
-    per_kind: dict[str, list[float]] = {}
-    for mine, theirs in zip(r.trials, base.trials, strict=False):
-        for p, b in zip(mine, theirs, strict=False):
-            for (kind, tokens, seconds), (_, ref_tokens, ref_seconds) in zip(
-                p.calls, b.calls, strict=False
-            ):
-                ref = _tps(ref_tokens, ref_seconds)
-                if ref:
-                    for key in ("all", kind):
-                        per_kind.setdefault(key, []).append(_tps(tokens, seconds) / ref)
-    return {kind: ratio_stats(ratios, "calls") for kind, ratios in sorted(per_kind.items())}
-
-
-def _fastest_ratios(r: _Run, base: _Run) -> dict[str, float]:
-    """Per prompt kind, the ratio of tokens per second counting each call's fastest trial.
-
-    Another program's load only ever slows a call down, so each prompt group's fastest
-    trial is the one least disturbed: the ratio of those sums estimates a quiet machine's.
-    """
-
-    def fastest(run: _Run) -> dict[str, list[float]]:
-        sums: dict[str, list[float]] = {}
-        calls = [[c for p in trial for c in p.calls] for trial in run.trials]
-        for i in range(min((len(c) for c in calls), default=0)):
-            kind, tokens, _ = calls[0][i]
-            best = min(c[i][2] for c in calls)
-            for key in ("all", kind):
-                acc = sums.setdefault(key, [0.0, 0.0])
-                acc[0] += tokens
-                acc[1] += best
-        return sums
-
-    own, ref = fastest(r), fastest(base)
-    return {
-        kind: round(_tps(*own[kind]) / _tps(*ref[kind]), 4)
-        for kind in sorted(own)
-        if kind in ref and _tps(*ref[kind])
-    }
-
-
-def bench_rows(runs: list[_Run]) -> list[dict[str, Any]]:
-    """One row per run: its figures over all passes and per pass, and its per-trial ratios.
-
-    Ratios are against the baseline run of the same batch width (and pass, and trial).
-    """
-    base_of = {r.batch: r for r in runs if r.proposer == BASELINE}
-    rows = []
-    for r in runs:
-        base = base_of.get(r.batch)
-        is_base = r is base
-        row: dict[str, Any] = {"proposer": r.proposer, "policy": r.policy, "batch": r.batch}
-        passes, base_passes = r.passes, None if base is None else base.passes
-        row.update(_figures(_merge(passes), None if base_passes is None else _merge(base_passes)))
-        row["passes"] = [
-            _figures(p, None if base_passes is None else base_passes[i])
-            for i, p in enumerate(passes)
-        ]
-        row["ratio"], row["trials"] = ({}, []) if base is None else _trial_ratios(r, base)
-        row["cpu_ratio"] = {} if base is None else _trial_ratios(r, base, cpu=True)[0]
-        row["fastest_ratio"] = {} if base is None else _fastest_ratios(r, base)
-        row["paired_ratio"] = {} if base is None else paired_ratios(r, base)
-        row["identical_to_baseline"] = (
-            None
-            if is_base or base is None
-            else all(
-                p.outputs == b.outputs
-                for mine, theirs in zip(r.trials, base.trials, strict=True)
-                for p, b in zip(mine, theirs, strict=True)
-            )
-        )
-        row["errors"] = [e for t in r.trials for p in t for e in p.errors]
-        rows.append(row)
-    return rows
 
 
 def _ratio_cell(row: dict[str, Any], kind: str, trials: int) -> str:
@@ -599,7 +300,7 @@ def _check_plot_dependency(path: str | None) -> None:
         ) from None
 
 
-def _progress_ratios(group: list[_Run], pass_index: int) -> None:
+def _progress_ratios(group: list[Run], pass_index: int) -> None:
     """Each run's ratios to plain decoding over this pass so far (figures survive a stop)."""
     base = next((r for r in group if r.proposer == BASELINE), None)
     if base is None:
@@ -607,7 +308,7 @@ def _progress_ratios(group: list[_Run], pass_index: int) -> None:
     for r in group:
         if r is base:
             continue
-        f = _figures(r.trials[-1][pass_index], base.trials[-1][pass_index])
+        f = figures(r.trials[-1][pass_index], base.trials[-1][pass_index])
         kinds = ", ".join(f"{k} {v['speedup']:.3f}x" for k, v in f["by_kind"].items())
         label = f"{r.proposer} ({r.policy})" if r.policy else r.proposer
         _progress(f"  {label}: {f['speedup']:.3f}x ({kinds})")
@@ -668,12 +369,12 @@ def run_model_bench(args: argparse.Namespace) -> int:
             model, proposer, num_drafts=args.num_drafts, max_batch=width, draft_policy=policy
         )
 
-    runs: list[_Run] = []
+    runs: list[Run] = []
     for width in widths:
-        runs.append(_Run(BASELINE, None, width, None))
+        runs.append(Run(BASELINE, None, width, None))
         if args.control:
-            runs.append(_Run(CONTROL, None, width, None))
-        runs += [_Run(name, policy, width, None) for name in names for policy in policies]
+            runs.append(Run(CONTROL, None, width, None))
+        runs += [Run(name, policy, width, None) for name in names for policy in policies]
     started = time.perf_counter()
     for trial in range(args.trials):
         # Fresh engines each trial: a proposer that learns across requests sees each prompt
@@ -686,7 +387,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
         call = 0
         for pass_index in range(args.repeat):
             for r in runs:
-                r.trials[-1].append(_Pass())
+                r.trials[-1].append(Pass())
             for width in widths:
                 group = [r for r in runs if r.batch == width]
                 calls = prompt_groups(kinds, width, args.schedule)

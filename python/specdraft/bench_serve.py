@@ -4,49 +4,24 @@ Each client streams chat completions of the bench prompts (:mod:`specdraft.bench
 one request after another, until the requests run out, so ``--clients`` requests are in
 flight at every moment. It prints JSON: aggregate output tokens per second over the whole
 run, requests per second, and the p50 / p90 / p99 (and mean) of the time to first token,
-of the gap between successive content chunks as the client sees them (``chunk_gap_s``; a
-chunk holds every token one step emitted), and of each request's time per output token
-after its first (``tpot_s``), with the errors. It works against ``specdraft serve``,
-``llama-server`` and ``vllm serve`` alike.
+of the gap between successive content chunks and of each request's time per output token,
+with the errors; :func:`specdraft.measure.serve_figures` defines each field. It works
+against ``specdraft serve``, ``llama-server`` and ``vllm serve`` alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["add_bench_serve", "percentiles", "run"]
+from specdraft.measure import Stream, serve_figures, time_per_output_token
 
-
-@dataclass
-class _Outcome:
-    """What one request measured."""
-
-    error: str | None = None
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    tpot: float | None = None
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50, p90, p99 (nearest rank) and the mean of ``values`` (None for each when empty)."""
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    s = sorted(values)
-
-    def rank(q: float) -> float:
-        return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-    return {"p50": rank(50), "p90": rank(90), "p99": rank(99), "mean": statistics.fmean(s)}
+__all__ = ["add_bench_serve", "run"]
 
 
 def _one(
@@ -54,15 +29,15 @@ def _one(
     url: str,
     headers: dict[str, str],
     body: dict[str, Any],
-) -> _Outcome:
-    out = _Outcome()
+) -> Stream:
+    out = Stream()
     start = time.perf_counter()
     last = first = None
     chunks = 0
     try:
         with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
-                return _Outcome(error=f"HTTP {r.status_code}: {r.read().decode()[:300]}")
+                return Stream(error=f"HTTP {r.status_code}: {r.read().decode()[:300]}")
             for line in r.iter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -71,7 +46,7 @@ def _one(
                     break
                 event = json.loads(data)
                 if "error" in event:
-                    return _Outcome(error=json.dumps(event["error"])[:300])
+                    return Stream(error=json.dumps(event["error"])[:300])
                 usage = event.get("usage")
                 if usage:
                     out.tokens = int(usage.get("completion_tokens", out.tokens))
@@ -88,11 +63,11 @@ def _one(
                         out.gaps.append(now - last)
                     last = now
     except Exception as e:  # noqa: BLE001 - a failed request is a counted error, not a crash
-        return _Outcome(error=f"{type(e).__name__}: {e}"[:300])
+        return Stream(error=f"{type(e).__name__}: {e}"[:300])
     if out.tokens == 0:
         out.tokens = chunks
-    if first is not None and last is not None and out.tokens > 1:
-        out.tpot = (last - first) / (out.tokens - 1)
+    if first is not None and last is not None:
+        out.tpot = time_per_output_token(first, last, out.tokens)
     return out
 
 
@@ -122,7 +97,7 @@ def run(
     prompts = bench_prompts()
     lock = threading.Lock()
     next_index = [0]
-    outcomes: list[_Outcome] = []
+    outcomes: list[Stream] = []
 
     def client_loop() -> None:
         with httpx.Client(timeout=timeout_s) as client:
@@ -151,25 +126,13 @@ def run(
         for f in [pool.submit(client_loop) for _ in range(clients)]:
             f.result()
     wall = time.perf_counter() - start
-    ok = [o for o in outcomes if o.error is None]
-    errors = [o.error for o in outcomes if o.error is not None]
-    tokens = sum(o.tokens for o in ok)
     return {
         "url": base,
         "model": model,
         "clients": clients,
         "requests": requests,
         "max_tokens": max_tokens,
-        "completed": len(ok),
-        "errors": len(errors),
-        "error_samples": sorted(set(errors))[:5],
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "throughput_tok_s": tokens / wall if wall > 0 else 0.0,
-        "requests_per_s": len(ok) / wall if wall > 0 else 0.0,
-        "ttft_s": percentiles([o.ttft for o in ok if o.ttft is not None]),
-        "chunk_gap_s": percentiles([g for o in ok for g in o.gaps]),
-        "tpot_s": percentiles([o.tpot for o in ok if o.tpot is not None]),
+        **serve_figures(outcomes, wall),
     }
 
 

@@ -190,7 +190,7 @@ def test_the_plot_pools_acceptance_over_widths_and_leaves_a_gap_for_a_missing_ro
 
 
 def test_ratio_stats_summarise_per_trial_ratios() -> None:
-    from specdraft.bench import ratio_stats
+    from specdraft.measure import ratio_stats
 
     # Log ratios ln 0.5, ln 1, ln 2, ln 1: mean 0 (geomean 1), sample deviation
     # ln 2 * sqrt(2/3), standard error that over 2.
@@ -265,7 +265,9 @@ def test_trials_report_each_ratio_over_fresh_engines(tiny, capsys) -> None:
 
 
 def test_the_fastest_trial_of_each_prompt_group_makes_the_fastest_ratio() -> None:
-    from specdraft.bench import _Pass, _Run, bench_rows
+    from specdraft.measure import Pass as _Pass
+    from specdraft.measure import Run as _Run
+    from specdraft.measure import bench_rows
 
     def run(name: str, *trials: list[tuple[str, int, float]]) -> _Run:
         r = _Run(name, None, 4, None)
@@ -380,7 +382,7 @@ def test_the_schedule_decides_the_calls_and_never_the_text(tiny, capsys) -> None
 
 
 def test_every_run_goes_first_once_in_every_call_over_as_many_trials() -> None:
-    from specdraft.bench import turn_order
+    from specdraft.measure import turn_order
 
     # Two runs and an even number of calls a trial, three runs and a multiple of three: the
     # counts a rotation by a running total of calls would give the same order every trial.

@@ -13,8 +13,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 from serve_harness import MODEL, serve  # noqa: E402
-from specdraft.bench_serve import percentiles  # noqa: E402
 from specdraft.cli import main  # noqa: E402
+from specdraft.measure import percentiles  # noqa: E402
 from test_engine import write_tiny_chat_gguf  # noqa: E402
 
 
