@@ -205,3 +205,24 @@ fn greedy_output_with_a_q8_0_head_is_plain_output() {
         gpu.ledger().live_report()
     );
 }
+
+/// A BF16 head's draft step reads each of its stored weights once (the layer's
+/// `input_layernorm`, which normalizes the embedding half of the input, included once), one
+/// embedding row of the target's, and nothing of `d2t`: the checkpoint's own bytes say how many.
+#[test]
+fn a_draft_step_reads_each_stored_weight_once() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = target(&gpu, "bytes");
+    let dir = drafter_fixtures::write_eagle3("bytes", &tiny(), &[1, 2, 3], &DRAFT_VOCAB);
+    let file = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&file).unwrap();
+    let weights: usize = tensors
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name != "d2t" && name != "t2d")
+        .map(|(_, view)| view.data().len())
+        .sum();
+    let head = load(&dir, &model, MtpQuantization::Bf16);
+    let embedding_row = model.config().hidden_size * 2;
+    assert_eq!(head.bytes_per_draft(), weights + embedding_row);
+}

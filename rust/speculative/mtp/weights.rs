@@ -151,8 +151,14 @@ impl MtpWeights {
     /// Bytes of weights one draft step reads (projections and norms; not the embedding row,
     /// the LM head, which the head counts itself, or the routed experts).
     pub fn nbytes(&self) -> usize {
-        let norms = [&self.enorm, &self.hnorm, &self.final_norm];
+        // EAGLE-3's `enorm` is its layer's own `input_layernorm`, which the layer counts.
+        let enorm = match self.layout {
+            MtpLayout::Eagle3 => 0,
+            _ => self.enorm.nbytes(),
+        };
+        let norms = [&self.hnorm, &self.final_norm];
         self.eh_proj.nbytes()
+            + enorm
             + norms.iter().map(|w| w.nbytes()).sum::<usize>()
             + self.layer.nbytes()
     }
