@@ -134,29 +134,23 @@ def shipped_head_for(model: Any, model_name: str | None, kind: str = "mtp") -> A
     return load_draft_head(default_head_for(path, kind), model)
 
 
-#: The learned heads ``--proposer hybrid`` puts after suffix decoding, best first: the first
-#: kind shipped for the model is used.
-HYBRID_HEAD_KINDS = ("eagle3", "mtp", "dflash")
-
-
 def hybrid_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
     """Suffix decoding, then the best shipped learned head for ``model_name`` (a Hybrid).
 
-    The head is the first kind of :data:`HYBRID_HEAD_KINDS` shipped for the model. Each step
+    The head is :func:`specdraft.heads.best_head_for`'s: of the heads shipped for the model,
+    the one whose training measured the longest acceptance through the engine. Each step
     drafts by retrieval when the text so far repeats, else with the head; the head catches up
     exactly on the tokens retrieval drafted (it is told the target's layer count).
     """
-    errors = []
-    for kind in HYBRID_HEAD_KINDS:
-        try:
-            head = shipped_head_for(model, model_name, kind)
-        except ValueError as e:
-            errors.append(str(e))
-            continue
-        return specdraft.Hybrid(
-            [specdraft.SuffixDecoding(), head], target_layers=model.config.num_hidden_layers
-        )
-    raise ValueError("; ".join(errors))
+    from specdraft.heads import best_head_for, load_draft_head
+    from specdraft.models import resolve_model
+
+    if model is None:
+        raise ValueError("--proposer 'hybrid' drafts beside a loaded target model")
+    head = load_draft_head(best_head_for(resolve_model(model_name or "smollm2")), model)
+    return specdraft.Hybrid(
+        [specdraft.SuffixDecoding(), head], target_layers=model.config.num_hidden_layers
+    )
 
 
 #: The proposers ``specdraft bench`` runs by default, in row order. Each entry builds a

@@ -27,10 +27,13 @@ TARGET_FILE = "tiny-target.gguf"
 CLASSES = {"mtp": "MtpHead", "eagle3": "Eagle3Head", "dflash": "DFlashHead"}
 
 
-def _ship(folder: Path) -> None:
+def _ship(folder: Path, acceptance: float | None = None) -> None:
     config = json.loads((folder / "config.json").read_text())
     config["specdraft_target"] = {"name": "tiny", "file": TARGET_FILE}
     (folder / "config.json").write_text(json.dumps(config))
+    if acceptance is not None:
+        report = {"acceptance": {"engine_mean_acceptance_length": acceptance}}
+        (folder / "report.json").write_text(json.dumps(report))
 
 
 @pytest.fixture
@@ -38,11 +41,12 @@ def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A head folder holding one random head of each kind for the tiny target; returns the
     target's path."""
     root = tmp_path / "heads"
-    _ship(test_mtp_head.write_checkpoint(root / "tiny-mtp", "deepseek_v3"))
+    _ship(test_mtp_head.write_checkpoint(root / "tiny-mtp", "deepseek_v3"), 1.7)
     _ship(
         test_eagle3_head.write_checkpoint(
             root / "tiny-eagle3", "speculators", aux=(1, 2, 3), embed=False
-        )
+        ),
+        1.4,
     )
     _ship(test_dflash_head.write_checkpoint(root / "tiny-dflash", config={"vocab_size": VOCAB}))
     monkeypatch.setattr(heads, "_root", lambda: root)
@@ -85,17 +89,15 @@ def test_the_command_line_names_build_each_kind_and_the_hybrid(shipped, gpu) -> 
         del head
     hybrid = make_proposer("hybrid", model, str(shipped))
     suffix, head = hybrid.members
-    # The best kind shipped comes after suffix decoding.
+    # The head whose training measured the longest acceptance comes after suffix decoding.
     assert type(suffix).__name__ == "SuffixDecoding"
-    assert type(head).__name__ == CLASSES[specdraft.bench.HYBRID_HEAD_KINDS[0]]
+    assert type(head).__name__ == "MtpHead"
     assert hybrid.target_layers == LAYERS
     del hybrid, suffix, head, model
     assert gpu.live_allocs == 0
 
 
-def test_a_kind_not_shipped_or_unknown_is_refused_naming_what_is_shipped(
-    shipped, gpu, monkeypatch
-) -> None:
+def test_a_kind_not_shipped_or_unknown_is_refused_naming_what_is_shipped(shipped, gpu) -> None:
     with pytest.raises(ValueError, match="no draft head kind 'medusa'; kinds: mtp, eagle3"):
         heads.default_head_for(shipped, "medusa")
     (Path(heads._root()) / "tiny-eagle3" / "config.json").unlink()
@@ -108,9 +110,31 @@ def test_a_kind_not_shipped_or_unknown_is_refused_naming_what_is_shipped(
     model = _load(shipped, gpu)
     with pytest.raises(ValueError, match="no shipped eagle3 draft head"):
         make_proposer("eagle3", model, str(shipped))
-    # Without an EAGLE-3 head the hybrid takes the next kind shipped.
-    monkeypatch.setattr(specdraft.bench, "HYBRID_HEAD_KINDS", ("eagle3", "dflash"))
+    del model
+    assert gpu.live_allocs == 0
+
+
+def test_the_hybrid_takes_the_head_that_measured_the_longest_acceptance(shipped, gpu) -> None:
+    root = Path(heads._root())
+    assert heads.measured_acceptance("tiny-eagle3") == 1.4
+    assert heads.measured_acceptance("tiny-dflash") is None
+    assert heads.best_head_for(shipped) == "tiny-mtp"
+    _ship(root / "tiny-eagle3", 1.9)
+    assert heads.best_head_for(shipped) == "tiny-eagle3"
+    model = _load(shipped, gpu)
     hybrid = hybrid_for(model, str(shipped))
-    assert type(hybrid.members[1]).__name__ == "DFlashHead"
-    del hybrid, model
+    assert type(hybrid.members[1]).__name__ == "Eagle3Head"
+    del hybrid
+    # A tie goes to the kind listed first; a head without a report comes last.
+    _ship(root / "tiny-mtp", 1.9)
+    assert heads.best_head_for(shipped) == "tiny-mtp"
+    (root / "tiny-mtp" / "config.json").unlink()
+    (root / "tiny-eagle3" / "config.json").unlink()
+    assert heads.best_head_for(shipped) == "tiny-dflash"
+    (root / "tiny-dflash" / "config.json").unlink()
+    with pytest.raises(ValueError, match=f"no shipped draft head was trained for {TARGET_FILE}"):
+        heads.best_head_for(shipped)
+    with pytest.raises(ValueError, match="no shipped draft head was trained"):
+        hybrid_for(model, str(shipped))
+    del model
     assert gpu.live_allocs == 0

@@ -20,10 +20,12 @@ from typing import Any
 
 __all__ = [
     "HEAD_KINDS",
+    "best_head_for",
     "default_head_for",
     "draft_head_path",
     "head_kind",
     "load_draft_head",
+    "measured_acceptance",
     "shipped_heads",
 ]
 
@@ -84,6 +86,46 @@ def default_head_for(model_file: str | Path, kind: str = "mtp") -> str:
         + ", ".join(f"{n} ({head_kind(n)}, for {_target_file(n)})" for n in shipped_heads())
         + f"; train one with specdraft train --method {kind} and load it from its folder"
     )
+
+
+def measured_acceptance(name: str) -> float | None:
+    """The mean acceptance length the shipped head ``name`` measured when it was trained.
+
+    It is ``report.json``'s ``acceptance.engine_mean_acceptance_length``, counted through the
+    engine; None when the head's folder holds no such figure.
+    """
+    try:
+        report = json.loads((draft_head_path(name) / "report.json").read_text())
+        value = report["acceptance"]["engine_mean_acceptance_length"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def best_head_for(model_file: str | Path) -> str:
+    """The shipped head, of any kind, that drafts best for the model file ``model_file``.
+
+    That is the highest mean acceptance length its training report measured through the
+    engine (:func:`measured_acceptance`); heads without one come last, and a tie goes to the
+    kind listed first in :data:`HEAD_KINDS`.
+    """
+    wanted = Path(model_file).name
+    found = [
+        name
+        for name in shipped_heads()
+        if _config(name).get("specdraft_target", {}).get("file") == wanted
+    ]
+    if not found:
+        raise ValueError(
+            f"no shipped draft head was trained for {wanted}; shipped: "
+            + (", ".join(f"{n} (for {_target_file(n)})" for n in shipped_heads()) or "none")
+        )
+
+    def rank(name: str) -> tuple[float, int]:
+        acceptance = measured_acceptance(name)
+        return (-1.0 if acceptance is None else acceptance, -HEAD_KINDS.index(head_kind(name)))
+
+    return max(found, key=rank)
 
 
 def _target_file(name: str) -> str:
