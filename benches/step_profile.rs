@@ -21,7 +21,7 @@
 use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
     ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GpuBackend, GroupedLinearArgs, Kernels,
-    KvWriteArgs, LinearArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    KvCopyArgs, KvWriteArgs, LinearArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use specdraft::engine::{GenerateRequest, KvPoolStatus, SpecEngine, Target, TargetOutput};
 use specdraft::memory::BufferArena;
@@ -119,6 +119,9 @@ impl Kernels for TimedBackend {
     }
     fn copy_rows(&self, a: CopyRowsArgs) -> Result<(), BackendError> {
         self.timed("layer capture", || self.inner.copy_rows(a))
+    }
+    fn kv_copy(&self, a: KvCopyArgs) -> Result<(), BackendError> {
+        self.timed("kv compaction", || self.inner.kv_copy(a))
     }
 }
 

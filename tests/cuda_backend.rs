@@ -118,6 +118,7 @@ fn gpu_ops_match_reference() {
         check(&g, k::rope(&g, 7, 9, 64, 64, style, 61));
     }
     check(&g, k::kv_write(&g, 7, 3, 64, 100, 71));
+    check(&g, k::kv_copy(&g, 3, 64, 16, 13, &[1, 4, 5, 9], 73));
     check(
         &g,
         k::paged_attention(&g, &[1, 17, 300], 1, 9, 3, 64, 16, 81),

@@ -16,7 +16,7 @@ use model_util::*;
 use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
     ElementwiseArgs, EmbeddingArgs, GpuBackend, GpuBackendExt, GroupedLinearArgs, Kernels,
-    KvWriteArgs, LinearArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    KvCopyArgs, KvWriteArgs, LinearArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
@@ -632,6 +632,9 @@ impl Kernels for Counting {
     fn copy_rows(&self, a: CopyRowsArgs) -> std::result::Result<(), BackendError> {
         self.copy_rows.fetch_add(1, Ordering::Relaxed);
         self.inner.copy_rows(a)
+    }
+    fn kv_copy(&self, a: KvCopyArgs) -> std::result::Result<(), BackendError> {
+        self.inner.kv_copy(a)
     }
 }
 

@@ -116,6 +116,24 @@ fn kv_write_matches_reference() {
 }
 
 #[test]
+fn kv_copy_matches_reference() {
+    let dut = EmuBackend::new();
+    // First children all the way (each copy writes the row the one before read), a path
+    // that skips siblings, an empty path, and rows wider than the block's threads.
+    for (kv_heads, head_dim, block_size, prefix, path) in [
+        (1, 4, 4, 2, &[1, 2, 3, 4][..]),
+        (3, 64, 16, 13, &[1, 4, 5, 9][..]),
+        (2, 33, 8, 0, &[][..]),
+        (5, 64, 16, 30, &[2, 3, 40][..]),
+    ] {
+        check(
+            &dut,
+            k::kv_copy(&dut, kv_heads, head_dim, block_size, prefix, path, 73),
+        );
+    }
+}
+
+#[test]
 fn paged_attention_matches_reference() {
     let dut = EmuBackend::new();
     // Decode (one query per sequence) and prefill-like causal rows; 9 heads on 3 KV heads;

@@ -33,7 +33,7 @@ pub use dtype::Dtype;
 pub use error::BackendError;
 pub use kernels::{
     ArgmaxArgs, CheckedMemory, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs,
-    GroupedLinearArgs, Kernels, KvWriteArgs, LinearArgs, LinearPart, LinearWeight,
+    GroupedLinearArgs, Kernels, KvCopyArgs, KvWriteArgs, LinearArgs, LinearPart, LinearWeight,
     PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs, FP8_BLOCK, MAX_LINEAR_PARTS,
     NVFP4_BLOCK,
 };

@@ -7,7 +7,7 @@
 //! it allocated, on both backends, whatever happens.
 //!
 //! Tolerances (stated once, used by every case):
-//! - copies (embedding, kv_write, copy_rows) and argmax: exact;
+//! - copies (embedding, kv_write, kv_copy, copy_rows) and argmax: exact;
 //! - BF16 outputs: one BF16 rounding step, |got - want| <= 2^-7 * |want| + `atol`, where
 //!   `atol` covers f32 accumulation done in a different order (given per op);
 //! - F32 outputs: |got - want| <= 1e-5 * |want| + `atol`.
@@ -21,8 +21,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{
     ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr, Dtype, ElementwiseArgs,
-    ElementwiseOp, EmbeddingArgs, GpuBackend, GpuBackendExt, KvWriteArgs, LinearArgs, LinearWeight,
-    PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
+    ElementwiseOp, EmbeddingArgs, GpuBackend, GpuBackendExt, KvCopyArgs, KvWriteArgs, LinearArgs,
+    LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
 };
 use std::cell::RefCell;
 
@@ -448,6 +448,67 @@ pub fn kv_write(
         Ok(out)
     })?;
     exact("kv_write", &bits(&got), &bits(&want))
+}
+
+/// A compaction of a draft tree's accepted path in a paged cache of random rows: `path`
+/// (increasing node indices) moves from the rows after `prefix` to the rows right after it,
+/// through a scattered block table, as the target model compacts a sequence. The result
+/// must be the copies done one at a time on the host (a later copy writes the row an
+/// earlier one read whenever the path takes a node's first child).
+pub fn kv_copy(
+    dut: &dyn GpuBackend,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    prefix: usize,
+    path: &[usize],
+    seed: u64,
+) -> Result<(), String> {
+    let width = kv_heads * head_dim;
+    let rows_used = prefix + 1 + path.last().map_or(0, |&p| p + 1);
+    let blocks = rows_used.div_ceil(block_size) + 3;
+    let num_slots = blocks * block_size;
+    let mut r = rng(seed);
+    let mut table: Vec<u32> = (0..blocks as u32).collect();
+    for i in (1..table.len()).rev() {
+        table.swap(i, r.random_range(0..=i));
+    }
+    let slot = |row: usize| table[row / block_size] * block_size as u32 + (row % block_size) as u32;
+    let (src, dst): (Vec<u32>, Vec<u32>) = path
+        .iter()
+        .enumerate()
+        .map(|(k, &node)| (slot(prefix + 1 + node), slot(prefix + 1 + k)))
+        .unzip();
+    let k0 = uniform(seed + 1, num_slots * width, -1.0, 1.0);
+    let v0 = uniform(seed + 2, num_slots * width, -1.0, 1.0);
+    let mut want: Vec<bf16> = k0.iter().chain(&v0).map(|&x| bf16::from_f32(x)).collect();
+    for (&s, &d) in src.iter().zip(&dst) {
+        for base in [0, num_slots * width] {
+            let (s, d) = (base + s as usize * width, base + d as usize * width);
+            want.copy_within(s..s + width, d);
+        }
+    }
+    let (got, reference) = both(dut, |b| {
+        let sc = Scope::new(b);
+        let (kc, vc) = (sc.bf16(&k0)?, sc.bf16(&v0)?);
+        let (ps, pd) = (sc.u32(&src)?, sc.u32(&dst)?);
+        b.kv_copy(KvCopyArgs {
+            k_cache: kc,
+            v_cache: vc,
+            src: ps,
+            dst: pd,
+            copies: src.len(),
+            kv_heads,
+            head_dim,
+            num_slots,
+            stream: 0,
+        })?;
+        let mut out = b.download::<bf16>(kc, num_slots * width)?;
+        out.extend(b.download::<bf16>(vc, num_slots * width)?);
+        Ok(out)
+    })?;
+    exact("kv_copy reference", &bits(&reference), &bits(&want))?;
+    exact("kv_copy", &bits(&got), &bits(&want))
 }
 
 /// A paged attention batch: `ctx[s]` cached rows for sequence s, blocks scattered through

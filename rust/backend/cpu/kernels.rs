@@ -18,7 +18,8 @@ use super::linear::{Nvfp4Rows, WeightRows};
 use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, EmbeddingArgs, GroupedLinearArgs, Kernels,
-    KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs,
+    SoftmaxArgs,
 };
 use crate::backend::quant::{PackedView, QuantError};
 use crate::backend::BackendError;
@@ -263,6 +264,20 @@ impl Kernels for CpuBackend {
         for r in 0..a.rows {
             let (s, d) = (r * a.src_stride, r * a.dst_stride);
             dst[d..d + a.width].copy_from_slice(&src[s..s + a.width]);
+        }
+        Ok(())
+    }
+
+    fn kv_copy(&self, args: KvCopyArgs) -> Result<(), BackendError> {
+        let c = args.validate(self)?;
+        let width = c.args.kv_heads * c.args.head_dim;
+        for cache in [&c.args.k_cache, &c.args.v_cache] {
+            // SAFETY: a validated range, apart from the other cache and the slot lists.
+            let cache = unsafe { cache.typed_mut::<bf16>() };
+            for (&s, &d) in c.src.iter().zip(&c.dst) {
+                let (s, d) = (s as usize * width, d as usize * width);
+                cache.copy_within(s..s + width, d);
+            }
         }
         Ok(())
     }

@@ -1,10 +1,10 @@
-//! Host side of the position and cache kernels (RoPE, KV write, paged attention): the
+//! Host side of the position and cache kernels (RoPE, KV write and copy, paged attention): the
 //! arguments' shared `validate`, the limits of these kernels, then one launch. Split from
 //! `ops.rs` only to keep files short; the invariants are those of `ops.rs`.
 
 use super::launch::*;
 use crate::backend::kernels::check::{count, invalid};
-use crate::backend::kernels::{KvWriteArgs, PagedAttentionArgs, RopeArgs, RopeStyle};
+use crate::backend::kernels::{KvCopyArgs, KvWriteArgs, PagedAttentionArgs, RopeArgs, RopeStyle};
 use crate::backend::BackendError;
 
 pub(super) fn rope<L: KernelLauncher>(b: &L, args: RopeArgs) -> Result<(), BackendError> {
@@ -46,6 +46,27 @@ pub(super) fn kv_write<L: KernelLauncher>(b: &L, args: KvWriteArgs) -> Result<()
         return Ok(());
     }
     b.launch("sd_kv_write", rows_shape(a.rows, op)?, &l.args, a.stream)
+}
+
+pub(super) fn kv_copy<L: KernelLauncher>(b: &L, args: KvCopyArgs) -> Result<(), BackendError> {
+    let op = "kv_copy";
+    let a = args.validate(b)?.args;
+    let width = a.kv_heads * a.head_dim;
+    let mut l = LaunchArgs::new(op);
+    l.ptr(&a.k_cache).ptr(&a.v_cache).ptr(&a.src).ptr(&a.dst);
+    l.int("copies", a.copies)?
+        .int("kv_heads * head_dim", width)?
+        .int("num_slots", a.num_slots)?;
+    if a.copies == 0 || width == 0 {
+        return Ok(());
+    }
+    // One block: the copies run in order, a barrier apart (a later copy may write the row
+    // an earlier one read).
+    let shape = Shape {
+        grid: (1, 1, 1),
+        block: (ROW_THREADS, 1, 1),
+    };
+    b.launch("sd_kv_copy", shape, &l.args, a.stream)
 }
 
 pub(super) fn paged_attention<L: KernelLauncher>(

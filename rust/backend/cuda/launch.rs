@@ -11,7 +11,7 @@ use crate::backend::kernels::CheckedMemory;
 use crate::backend::{BackendError, DevicePtr, GpuBackend, HostView};
 
 /// Names of every kernel entry point in the fatbin (`cuda/*.cu`).
-pub const KERNEL_NAMES: [&str; 14] = [
+pub const KERNEL_NAMES: [&str; 15] = [
     "sd_embedding",
     "sd_rms_norm",
     "sd_add",
@@ -26,6 +26,7 @@ pub const KERNEL_NAMES: [&str; 14] = [
     "sd_argmax",
     "sd_softmax",
     "sd_copy_rows",
+    "sd_kv_copy",
 ];
 
 /// Threads per block of the row-per-block kernels (whole warps, as the reductions need).

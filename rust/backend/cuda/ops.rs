@@ -16,8 +16,8 @@ use super::attention;
 use super::launch::*;
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs,
-    Kernels, KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs,
-    SoftmaxArgs,
+    Kernels, KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs,
+    RopeArgs, SoftmaxArgs,
 };
 use crate::backend::{BackendError, Dtype};
 
@@ -130,6 +130,10 @@ impl<L: KernelLauncher> Kernels for L {
 
     fn kv_write(&self, args: KvWriteArgs) -> Result<(), BackendError> {
         attention::kv_write(self, args)
+    }
+
+    fn kv_copy(&self, args: KvCopyArgs) -> Result<(), BackendError> {
+        attention::kv_copy(self, args)
     }
 
     fn paged_attention(&self, args: PagedAttentionArgs) -> Result<(), BackendError> {

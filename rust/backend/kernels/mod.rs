@@ -24,6 +24,7 @@ mod attention;
 mod basic;
 pub(crate) mod check;
 mod copy_rows;
+mod kv_copy;
 mod linear;
 
 pub use attention::{CheckedAttention, CheckedKvWrite, KvWriteArgs, PagedAttentionArgs, RopeArgs};
@@ -33,6 +34,7 @@ pub use basic::{
 };
 pub use check::CheckedMemory;
 pub use copy_rows::CopyRowsArgs;
+pub use kv_copy::{CheckedKvCopy, KvCopyArgs};
 pub use linear::{
     GroupedLinearArgs, LinearArgs, LinearPart, LinearWeight, FP8_BLOCK, MAX_LINEAR_PARTS,
     NVFP4_BLOCK,
@@ -75,4 +77,6 @@ pub trait Kernels {
     fn softmax(&self, args: SoftmaxArgs) -> Result<(), BackendError>;
     /// Rows copied into columns of wider rows ([`CopyRowsArgs`]).
     fn copy_rows(&self, args: CopyRowsArgs) -> Result<(), BackendError>;
+    /// Rows copied between slots of a paged cache, in order ([`KvCopyArgs`]).
+    fn kv_copy(&self, args: KvCopyArgs) -> Result<(), BackendError>;
 }
