@@ -82,6 +82,7 @@ def serve(
         list(model.config.eos_token_ids),
         "prompt-lookup",
         max_queue,
+        gpu=gpu,
     )
     app = build_app(
         loop, ServeContext(MODEL, model.tokenizer, max_seq_len, 32), api_key, drain_s=10

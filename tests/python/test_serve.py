@@ -131,6 +131,8 @@ def test_metrics_name_every_series_and_return_to_an_empty_pool(model_path):
             "specdraft_accepted_tokens_total",
             "specdraft_kv_blocks_total",
             "specdraft_kv_blocks_free",
+            "specdraft_device_live_allocations",
+            "specdraft_device_base_allocations",
             "specdraft_time_to_first_token_seconds_bucket",
             "specdraft_inter_token_latency_seconds_count",
             "specdraft_acceptance_length_sum",
@@ -145,6 +147,9 @@ def test_metrics_name_every_series_and_return_to_an_empty_pool(model_path):
             s.url, "specdraft_kv_blocks_total"
         )
         assert metric(s.url, "specdraft_requests_running") == 0
+        # Idle again, the ledger holds what it held before the first request: the model's.
+        live = metric(s.url, "specdraft_device_live_allocations")
+        assert live == metric(s.url, "specdraft_device_base_allocations") == s.gpu.live_allocs
 
 
 def test_concurrent_streams_each_get_their_solo_text(model_path):
@@ -184,6 +189,8 @@ def test_a_disconnected_stream_frees_its_kv(model_path):
                 lines = r.iter_lines()
                 assert next(line for line in lines if line.startswith("data:"))
                 assert metric(s.url, "specdraft_kv_blocks_free") < total
+                base = metric(s.url, "specdraft_device_base_allocations")
+                assert metric(s.url, "specdraft_device_live_allocations") > base
         # The connection is gone: the request is cancelled and its blocks come back long
         # before its 240 tokens (at least 10 ms a step) could have run out.
         wait_for(
@@ -191,6 +198,7 @@ def test_a_disconnected_stream_frees_its_kv(model_path):
             1.5,
             what="the KV blocks of the disconnected stream",
         )
+        assert metric(s.url, "specdraft_device_live_allocations") == base
         text = httpx.get(f"{s.url}/metrics", timeout=10).text
         assert (
             'specdraft_requests_total{proposer="prompt-lookup",finish_reason="cancelled"} 1' in text

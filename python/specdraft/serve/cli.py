@@ -100,6 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
         list(model.config.eos_token_ids),
         args.proposer,
         args.max_queue,
+        gpu=model.gpu,
     )
     ctx = ServeContext(name, model.tokenizer, args.max_seq_len, args.max_tokens)
     app = build_app(loop, ctx, args.api_key, args.drain_timeout)

@@ -82,6 +82,7 @@ class _Snapshot:
     running: int = 0
     kv_total: int = 0
     kv_free: int = 0
+    live_allocs: int = 0
 
 
 @dataclass
@@ -102,8 +103,10 @@ class EngineLoop:
         eos_ids: list[int],
         proposer: str,
         max_queue: int,
+        gpu: Any = None,  # noqa: ANN401 - the model's specdraft.Backend
     ) -> None:
         self.serving = serving
+        self.gpu = gpu
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_ids)
         self.max_queue = max_queue
@@ -114,7 +117,10 @@ class EngineLoop:
         self._closing = False
         self._drain_deadline = 0.0
         total, free = serving.kv_blocks or (0, 0)
-        self._snapshot = _Snapshot(kv_total=total, kv_free=free)
+        self._snapshot = _Snapshot(kv_total=total, kv_free=free, live_allocs=self._live_allocs())
+        # Before any request the ledger holds the model's and the engine's own allocations:
+        # what it returns to whenever no request is queued or running.
+        self.base_allocs = self._snapshot.live_allocs
         # Submissions taken off the queue whose place in the engine's queue the snapshot does
         # not show yet (so the queue bound sees them at every moment).
         self._submitting = 0
@@ -131,7 +137,12 @@ class EngineLoop:
             "requests_waiting": self._waiting(),
             "kv_blocks_total": s.kv_total,
             "kv_blocks_free": s.kv_free,
+            "device_live_allocations": s.live_allocs,
+            "device_base_allocations": self.base_allocs,
         }
+
+    def _live_allocs(self) -> int:
+        return int(self.gpu.live_allocs) if self.gpu is not None else 0
 
     def _waiting(self) -> int:
         return self._snapshot.waiting + self._submitting + len(self._cmds.submits)
@@ -265,7 +276,9 @@ class EngineLoop:
 
     def _refresh(self, submitted: bool = False) -> None:
         total, free = self.serving.kv_blocks or (0, 0)
-        snapshot = _Snapshot(self.serving.waiting, self.serving.running, total, free)
+        snapshot = _Snapshot(
+            self.serving.waiting, self.serving.running, total, free, self._live_allocs()
+        )
         with self._cv:
             self._snapshot = snapshot
             if submitted:

@@ -122,6 +122,11 @@ class ServerMetrics:
             ("requests_waiting", "Requests waiting for a slot or KV blocks."),
             ("kv_blocks_total", "Blocks of the target's KV pool."),
             ("kv_blocks_free", "Free blocks of the target's KV pool."),
+            ("device_live_allocations", "Live allocations in the backend's ledger."),
+            (
+                "device_base_allocations",
+                "Live allocations before the first request: the model's and the engine's own.",
+            ),
         ):
             one(f"specdraft_{name}", "gauge", help_, [(label, gauges.get(name, 0))])
         for name, help_, lines in hist_text:
