@@ -76,6 +76,26 @@ impl Target for TargetModel {
         )?)
     }
 
+    fn supports_trees(&self) -> bool {
+        true
+    }
+
+    fn forward_tree(
+        &self,
+        seqs: &mut [&mut KvSequence],
+        tokens: &[&[u32]],
+        trees: &[Option<&[usize]>],
+        layers: &[usize],
+    ) -> Result<TargetOutput> {
+        convert(TargetModel::forward_tree(
+            self, seqs, tokens, trees, layers,
+        )?)
+    }
+
+    fn compact(&self, seq: &mut KvSequence, start: usize, rows: &[usize]) -> Result<()> {
+        TargetModel::compact(self, seq, start, rows)
+    }
+
     fn trim(&self, seq: &mut KvSequence, new_len: usize) -> Result<()> {
         TargetModel::trim(self, seq, new_len)
     }

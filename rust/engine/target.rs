@@ -16,6 +16,13 @@
 //!   after each of those decoder layers for every row (see [`crate::model::check_layer_ids`]
 //!   for what an id names); with none it is the plain forward. A target that cannot
 //!   capture says so in `check_capture`, which the engine asks once, when it is built.
+//! - `forward_tree` is `forward_capturing` (every row's logits) where a sequence's rows
+//!   may form a draft tree: row 0 the last verified token, each later row a child of an
+//!   earlier one, attending to the prefix and its ancestors only, at its depth's position.
+//!   Its rows still take the sequence's next KV rows in row order; `compact` then keeps one
+//!   path (moved down after the prefix, the rest dropped), leaving the KV a plain forward of
+//!   that path would. A target that cannot (`supports_trees` false, the default) only
+//!   takes chains there.
 //! - When `kv_pool` reports a paged pool, a sequence of `n` tokens holds exactly
 //!   `ceil(n / block_size)` of its blocks, taken by `forward` and returned by `trim` and
 //!   `free_sequence`; the scheduler plans every forward from these figures.
@@ -132,6 +139,45 @@ pub trait Target: Send + Sync {
         } else {
             self.forward(seqs, tokens)
         }
+    }
+    /// Whether [`Target::forward_tree`] and [`Target::compact`] take draft trees; the engine
+    /// asks once, when it is built. The default takes none.
+    fn supports_trees(&self) -> bool {
+        false
+    }
+    /// A verify forward (every row's logits, capturing `layers`) where `trees[i] =
+    /// Some(parents)` makes sequence `i`'s rows a draft tree: row `k + 1`'s parent is row
+    /// `parents[k]` (`<= k`), row 0 the root. `None` is a chain. The default takes chains
+    /// only.
+    fn forward_tree(
+        &self,
+        seqs: &mut [&mut Self::KvSequence],
+        tokens: &[&[u32]],
+        trees: &[Option<&[usize]>],
+        layers: &[usize],
+    ) -> Result<TargetOutput> {
+        if trees.iter().any(Option::is_some) {
+            return Err(crate::engine::EngineError::InvalidArgument {
+                what: "draft tree",
+                message: "this target verifies chains only".into(),
+            }
+            .into());
+        }
+        self.forward_capturing(seqs, tokens, false, layers)
+    }
+    /// Moves `seq`'s KV rows `rows` (increasing, each at or after its destination) to rows
+    /// `start..start + rows.len()` in order, and trims it to `start + rows.len()`: the
+    /// accepted path of a draft tree after its verify forward. The default can only trim
+    /// (rows already in place).
+    fn compact(&self, seq: &mut Self::KvSequence, start: usize, rows: &[usize]) -> Result<()> {
+        if let Some((k, &r)) = rows.iter().enumerate().find(|(k, &r)| r != start + k) {
+            return Err(crate::engine::EngineError::InvalidArgument {
+                what: "compact",
+                message: format!("this target cannot move KV row {r} to row {}", start + k),
+            }
+            .into());
+        }
+        self.trim(seq, start + rows.len())
     }
     /// Shortens `seq` to its first `new_len` tokens.
     fn trim(&self, seq: &mut Self::KvSequence, new_len: usize) -> Result<()>;

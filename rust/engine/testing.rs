@@ -13,6 +13,10 @@
 //! its arena's `max_rows`, past `max_seq_len`, with an id outside the vocabulary, or on a
 //! freed sequence is an error (the same `ModelError::InvalidInput` the real model returns).
 //!
+//! It verifies draft trees as the real model does: a tree row's logits and hidden are those
+//! of its own path (the prefix, its ancestors, itself) at its depth's position, its token
+//! goes to the next KV row in row order, and `compact` moves the kept path's tokens down.
+//!
 //! With [`TableTarget::with_kv_blocks`] its sequences take blocks from a paged pool as the
 //! real model's do (`ceil(len / block_size)` each, all or nothing per forward), so tests can
 //! run the scheduler's admission and preemption against a pool they size.
@@ -288,11 +292,63 @@ impl Target for TableTarget {
     }
 
     fn forward(&self, seqs: &mut [&mut TableKv], tokens: &[&[u32]]) -> Result<TargetOutput> {
-        self.run(seqs, tokens, false)
+        self.run(seqs, tokens, false, None)
     }
 
     fn forward_last(&self, seqs: &mut [&mut TableKv], tokens: &[&[u32]]) -> Result<TargetOutput> {
-        self.run(seqs, tokens, true)
+        self.run(seqs, tokens, true, None)
+    }
+
+    fn supports_trees(&self) -> bool {
+        true
+    }
+
+    fn forward_tree(
+        &self,
+        seqs: &mut [&mut TableKv],
+        tokens: &[&[u32]],
+        trees: &[Option<&[usize]>],
+        layers: &[usize],
+    ) -> Result<TargetOutput> {
+        if !layers.is_empty() {
+            return self.forward_capturing(seqs, tokens, false, layers);
+        }
+        if trees.len() != tokens.len() {
+            return Err(contract_broken(
+                "table_target.forward_tree",
+                format!("{} trees for {} token lists", trees.len(), tokens.len()),
+            ));
+        }
+        for (tree, toks) in trees.iter().zip(tokens) {
+            let Some(parents) = tree else { continue };
+            if parents.len() + 1 != toks.len() || parents.iter().enumerate().any(|(k, &p)| p > k) {
+                return Err(contract_broken(
+                    "table_target.forward_tree",
+                    format!("parents {parents:?} for {} rows", toks.len()),
+                ));
+            }
+        }
+        self.run(seqs, tokens, false, Some(trees))
+    }
+
+    fn compact(&self, seq: &mut TableKv, start: usize, rows: &[usize]) -> Result<()> {
+        let ok = rows
+            .iter()
+            .enumerate()
+            .all(|(k, &r)| r >= start + k && r < seq.tokens.len() && (k == 0 || r > rows[k - 1]));
+        if !ok {
+            return Err(contract_broken(
+                "table_target.compact",
+                format!(
+                    "rows {rows:?} to {start}.. of a sequence of {}",
+                    seq.tokens.len()
+                ),
+            ));
+        }
+        for (k, &r) in rows.iter().enumerate() {
+            seq.tokens[start + k] = seq.tokens[r];
+        }
+        self.trim(seq, start + rows.len())
     }
 
     fn trim(&self, seq: &mut TableKv, new_len: usize) -> Result<()> {
@@ -340,6 +396,7 @@ impl TableTarget {
         seqs: &mut [&mut TableKv],
         tokens: &[&[u32]],
         last_only: bool,
+        trees: Option<&[Option<&[usize]>]>,
     ) -> Result<TargetOutput> {
         if seqs.len() != tokens.len() {
             return Err(contract_broken(
@@ -366,15 +423,34 @@ impl TableTarget {
         let mut logits = Vec::with_capacity(rows * v);
         let mut hiddens = Vec::with_capacity(rows * hidden);
         let mut row_offsets = Vec::with_capacity(seqs.len());
-        for (seq, toks) in seqs.iter_mut().zip(tokens) {
+        for (i, (seq, toks)) in seqs.iter_mut().zip(tokens).enumerate() {
             row_offsets.push(hiddens.len() / hidden);
+            let prefix = seq.tokens.len();
+            let parents = trees.and_then(|t| t[i]);
             for (k, &t) in toks.iter().enumerate() {
                 seq.tokens.push(t);
+                // The row's own path: the prefix, then its ancestors' tokens and its own.
+                let on_path: Vec<u32>;
+                let context: &[u32] = match parents {
+                    Some(parents) if k > 0 => {
+                        let mut path = vec![t];
+                        let mut at = parents[k - 1];
+                        while at > 0 {
+                            path.push(toks[at]);
+                            at = parents[at - 1];
+                        }
+                        path.push(toks[0]);
+                        path.reverse();
+                        on_path = [&seq.tokens[..prefix], &path[..]].concat();
+                        &on_path
+                    }
+                    _ => &seq.tokens,
+                };
                 if !last_only || k + 1 == toks.len() {
-                    logits.extend(self.logits_for(&seq.tokens));
+                    logits.extend(self.logits_for(context));
                 }
                 hiddens.extend(
-                    self.hidden_for(t, seq.tokens.len() - 1)
+                    self.hidden_for(t, context.len() - 1)
                         .into_iter()
                         .map(bf16::from_f32),
                 );

@@ -2,9 +2,13 @@
 //! so that a forward needs a single host-to-device copy.
 //!
 //! Layout (u32): token ids `[rows]` | positions `[rows]` | KV slots `[rows]` | sequence of
-//! each row `[rows]` | context length of each row `[rows]` | block table `[seqs, max_blocks]`.
-//! Invariant: row `r` of sequence `i` at position `p` writes slot `block(p / B) * B + p % B`
-//! and attends to `p + 1` rows, so causality within a multi-token step is in the lengths.
+//! each row `[rows]` | context length of each row `[rows]` | block table `[seqs, max_blocks]`
+//! | with draft trees, each row's parent row `[rows]`.
+//! Invariant: row `r` of a sequence holding `n` rows writes cache row `j = n + r`, slot
+//! `block(j / B) * B + j % B`, and attends to `j + 1` rows, so causality within a
+//! multi-token step is in the lengths. Its position is `j` too, except in a draft tree,
+//! where it is `n + depth` (row 0 at depth 0, a row one deeper than its parent row): a node
+//! sits where it would on its own path, and the tree mask hides every row off that path.
 
 use super::sequence::KvSequence;
 use super::target::BLOCK_SIZE;
@@ -15,6 +19,23 @@ pub(super) struct Plan {
     pub row_offsets: Vec<usize>,
     /// Columns of the staged block table.
     pub max_blocks_per_seq: usize,
+    /// Where the row parents start (in u32 words), when a sequence's rows form a tree.
+    pub row_parent_at: Option<usize>,
+}
+
+/// Each sequence's draft tree, if any: `Some(parents)` gives the parent row (within the
+/// sequence's rows) of each row after the first, `parents[k] <= k` for row `k + 1`; the
+/// first row has none. `None` (the whole list, or a sequence's entry) is a chain.
+pub(super) type RowTrees<'a> = Option<&'a [Option<&'a [usize]>]>;
+
+/// Depth of each row of a tree (row 0 at depth 0) from its rows' parents.
+fn depths(parents: &[usize]) -> Vec<usize> {
+    let mut depth = Vec::with_capacity(parents.len() + 1);
+    depth.push(0);
+    for &p in parents {
+        depth.push(depth[p] + 1);
+    }
+    depth
 }
 
 /// Fills `staging` for appending `tokens[i]` to `seqs[i]`, where sequence `i` gets `need[i]`
@@ -25,7 +46,9 @@ pub(super) fn stage(
     tokens: &[&[u32]],
     need: &[usize],
     fresh: &[u32],
+    trees: RowTrees<'_>,
 ) -> Plan {
+    let tree_of = |i: usize| trees.and_then(|t| t[i]);
     let block_of = |i: usize, b: usize, base: usize| -> u32 {
         let s = &seqs[i];
         if b < s.blocks.len() {
@@ -48,8 +71,11 @@ pub(super) fn stage(
     }
     let mut row_offsets = Vec::with_capacity(seqs.len() + 1);
     row_offsets.push(0);
-    for (s, t) in seqs.iter().zip(tokens) {
-        staging.extend((s.len..s.len + t.len()).map(|p| p as u32));
+    for (i, (s, t)) in seqs.iter().zip(tokens).enumerate() {
+        match tree_of(i) {
+            Some(parents) => staging.extend(depths(parents).iter().map(|d| (s.len + d) as u32)),
+            None => staging.extend((s.len..s.len + t.len()).map(|p| p as u32)),
+        }
         row_offsets.push(row_offsets.last().copied().unwrap_or(0) + t.len());
     }
     let mut base = 0;
@@ -81,8 +107,21 @@ pub(super) fn stage(
             }
         }));
     }
+    let mut row_parent_at = None;
+    if trees.is_some() {
+        row_parent_at = Some(staging.len());
+        let none = crate::backend::PagedAttentionArgs::NO_PARENT;
+        for (i, t) in tokens.iter().enumerate() {
+            let first = row_offsets[i] as u32;
+            staging.extend((0..t.len()).map(|r| match (tree_of(i), r) {
+                (Some(parents), 1..) => first + parents[r - 1] as u32,
+                _ => none,
+            }));
+        }
+    }
     Plan {
         row_offsets,
         max_blocks_per_seq: mbps,
+        row_parent_at,
     }
 }

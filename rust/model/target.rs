@@ -9,18 +9,22 @@
 //! - `forward` is all-or-nothing: on error no sequence changes and no block is taken.
 //! - Forwards are serialised (one scratch, one set of outputs); the outputs stay valid until
 //!   the next forward.
+//! - A draft tree's verify forward ([`TargetModel::forward_tree`]) writes its rows to the
+//!   sequence's next cache rows in node order, each at its depth's position; `compact` then
+//!   moves the accepted path's rows down after the prefix (in order, never reading a row it
+//!   wrote) and drops the rest, leaving the cache a plain forward of the path would.
 //! - A forward that names capture layers (see [`super::capture`]) also returns the hidden
 //!   after each of them for every row; one that names none reads and writes nothing more
 //!   than a forward without capture, and allocates nothing for it.
 
-use super::batch::{stage, Plan};
+use super::batch::{stage, Plan, RowTrees};
 use super::capture::{check_layer_ids, Capture, CaptureBuffer};
 use super::decoder_weights::{DecoderWeights, NameScheme};
 use super::gguf::GgufFile;
 use super::hf_checkpoint::SafetensorsCheckpoint;
 use super::layers::{
-    arena_slots, decoder_layer, rope_inv_freq, LayerCache, LayerDepth, LayerIo, LayerScratch,
-    LayerShape,
+    arena_slots, decoder_layer, decoder_layer_tree, rope_inv_freq, LayerCache, LayerDepth, LayerIo,
+    LayerScratch, LayerShape,
 };
 use super::quantized_source::QuantizedSource;
 pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
@@ -29,7 +33,7 @@ use super::weights::DeviceAllocations;
 use super::{ModelConfig, ModelError};
 use crate::backend::quant::BlockFormat;
 use crate::backend::{
-    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, RmsNormArgs, RopeStyle, DEFAULT_STREAM,
+    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, KvCopyArgs, RmsNormArgs, RopeStyle, DEFAULT_STREAM,
 };
 use crate::memory::{BlockAllocator, BufferArena};
 use std::path::Path;
@@ -209,7 +213,8 @@ impl TargetModel {
                 block_size: BLOCK_SIZE,
             });
         }
-        let meta_len = 5 * opts.max_rows + opts.max_rows * max_blocks_per_seq;
+        // Six per-row lists (the sixth, row parents, only for draft trees) and the table.
+        let meta_len = 6 * opts.max_rows + opts.max_rows * max_blocks_per_seq;
         Ok(TargetModel {
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
             inv_freq: allocs.upload(&inv, "rope_inv_freq")?,
@@ -331,6 +336,153 @@ impl TargetModel {
         logit_rows: LogitRows,
         layers: &[usize],
     ) -> crate::Result<ForwardOutput> {
+        self.forward_rows(seqs, tokens, logit_rows, layers, None)
+    }
+
+    /// [`TargetModel::forward_capturing`] with logits for every row, where sequence `i`'s
+    /// rows form a draft tree when `trees[i]` is `Some(parents)`: its first row (the last
+    /// verified token) is the root and row `k + 1`'s parent is row `parents[k]` (`<= k`).
+    /// Each row sits at its depth's position (the root at the sequence's length) and
+    /// attends to the prefix, its ancestors' rows and its own; its key and value go to the
+    /// sequence's next cache row in row order, as in any forward, so [`TargetModel::compact`]
+    /// must follow to keep one path. `None` is a chain (a plain forward of those rows).
+    pub fn forward_tree(
+        &self,
+        seqs: &mut [&mut KvSequence],
+        tokens: &[&[u32]],
+        trees: &[Option<&[usize]>],
+        layers: &[usize],
+    ) -> crate::Result<ForwardOutput> {
+        const OP: &str = "TargetModel::forward_tree";
+        if trees.len() != tokens.len() {
+            return Err(ModelError::invalid(
+                OP,
+                format!("{} trees for {} token lists", trees.len(), tokens.len()),
+            )
+            .into());
+        }
+        for (i, (tree, t)) in trees.iter().zip(tokens).enumerate() {
+            let Some(parents) = tree else { continue };
+            if parents.len() + 1 != t.len() {
+                return Err(ModelError::invalid(
+                    OP,
+                    format!(
+                        "sequence {i}: {} parents for {} rows (one per row after the first)",
+                        parents.len(),
+                        t.len()
+                    ),
+                )
+                .into());
+            }
+            if let Some((k, &p)) = parents.iter().enumerate().find(|(k, &p)| p > *k) {
+                return Err(ModelError::invalid(
+                    OP,
+                    format!(
+                        "sequence {i}: row {}'s parent row {p} is not an earlier row",
+                        k + 1
+                    ),
+                )
+                .into());
+            }
+        }
+        // Chains only: the plain forward, with no mask at all.
+        let trees = trees.iter().any(Option::is_some).then_some(trees);
+        self.forward_rows(seqs, tokens, LogitRows::All, layers, trees)
+    }
+
+    /// Keeps one path of a draft tree's verify forward: cache rows `rows` (increasing, each
+    /// at or after its destination, below the sequence's length) move to rows `start..start
+    /// + rows.len()`, in order, and the sequence is trimmed to `start + rows.len()`. The
+    /// keys and values move unchanged; a node's position was its depth's, which is the row
+    /// it lands on.
+    pub fn compact(&self, seq: &mut KvSequence, start: usize, rows: &[usize]) -> crate::Result<()> {
+        const OP: &str = "TargetModel::compact";
+        self.check_owner(seq, OP)?;
+        let end = start + rows.len();
+        let fault = rows.iter().enumerate().find_map(|(k, &r)| {
+            if r < start + k {
+                Some(format!("row {r} would move up, to row {}", start + k))
+            } else if k > 0 && r <= rows[k - 1] {
+                Some(format!("rows {} and {r} are not increasing", rows[k - 1]))
+            } else if r >= seq.len {
+                Some(format!("row {r} is past the sequence's {} rows", seq.len))
+            } else {
+                None
+            }
+        });
+        if let Some(message) = fault {
+            return Err(ModelError::invalid(OP, message).into());
+        }
+        let slot =
+            |j: usize| seq.blocks[j / BLOCK_SIZE] * BLOCK_SIZE as u32 + (j % BLOCK_SIZE) as u32;
+        let (src, dst): (Vec<u32>, Vec<u32>) = rows
+            .iter()
+            .enumerate()
+            .filter(|&(k, &r)| r != start + k)
+            .map(|(k, &r)| (slot(r), slot(start + k)))
+            .unzip();
+        if !src.is_empty() {
+            // The forward's metadata buffer is free between forwards, which the lock serialises.
+            let _scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            let n = src.len();
+            let words: Vec<u32> = src.into_iter().chain(dst).collect();
+            self.gpu
+                .copy_htod(self.meta, bytemuck::cast_slice(&words), DEFAULT_STREAM)?;
+            let c = &self.config;
+            for cache in &self.caches {
+                self.gpu.kv_copy(KvCopyArgs {
+                    k_cache: cache.k,
+                    v_cache: cache.v,
+                    src: self.meta,
+                    dst: self.meta.offset(n * 4),
+                    copies: n,
+                    kv_heads: c.num_key_value_heads,
+                    head_dim: c.head_dim,
+                    num_slots: cache.num_slots,
+                    stream: DEFAULT_STREAM,
+                })?;
+            }
+        }
+        self.trim(seq, end)
+    }
+
+    /// The keys and values `seq` holds at decoder layer `layer`: BF16 bits `[len, kv_heads *
+    /// head_dim]` each, cache row `j` at row `j` (read through the block table), for tests
+    /// and debugging.
+    pub fn read_kv(&self, seq: &KvSequence, layer: usize) -> crate::Result<(Vec<u16>, Vec<u16>)> {
+        const OP: &str = "TargetModel::read_kv";
+        self.check_owner(seq, OP)?;
+        let Some(cache) = self.caches.get(layer) else {
+            return Err(
+                ModelError::invalid(OP, format!("layer {layer} of {}", self.caches.len())).into(),
+            );
+        };
+        let width = self.config.kv_size();
+        let row_bytes = width * Dtype::Bf16.size();
+        let mut out = (
+            Vec::with_capacity(seq.len * width),
+            Vec::with_capacity(seq.len * width),
+        );
+        for j in 0..seq.len {
+            let slot = seq.blocks[j / BLOCK_SIZE] as usize * BLOCK_SIZE + j % BLOCK_SIZE;
+            for (ptr, dst) in [(cache.k, &mut out.0), (cache.v, &mut out.1)] {
+                let mut row = vec![0u8; row_bytes];
+                self.gpu
+                    .copy_dtoh(&mut row, ptr.offset(slot * row_bytes), DEFAULT_STREAM)?;
+                dst.extend(row.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])));
+            }
+        }
+        Ok(out)
+    }
+
+    fn forward_rows(
+        &self,
+        seqs: &mut [&mut KvSequence],
+        tokens: &[&[u32]],
+        logit_rows: LogitRows,
+        layers: &[usize],
+        trees: RowTrees<'_>,
+    ) -> crate::Result<ForwardOutput> {
         const OP: &str = "TargetModel::forward";
         if self.allocs.is_empty() {
             return Err(ModelError::invalid(OP, "the model has been freed").into());
@@ -404,7 +556,7 @@ impl TargetModel {
             }),
         };
         let fresh = self.pool.alloc(need.iter().sum())?;
-        let plan = stage(&mut scratch.staging, seqs, tokens, &need, &fresh);
+        let plan = stage(&mut scratch.staging, seqs, tokens, &need, &fresh, trees);
         match self.run(&scratch.staging, plan, rows, logit_rows, capture) {
             Ok(out) => {
                 let mut taken = 0;
@@ -434,6 +586,7 @@ impl TargetModel {
         let mbps = plan.max_blocks_per_seq;
         let row_offsets = plan.row_offsets;
         let num_seqs = row_offsets.len() - 1;
+        let row_parent = plan.row_parent_at.map(|at| self.meta.offset(at * 4));
         if num_seqs * mbps > self.max_rows * self.max_blocks_per_seq {
             return Err(ModelError::invalid(
                 "TargetModel::forward",
@@ -471,7 +624,10 @@ impl TargetModel {
             stream: s,
         })?;
         for (l, (lw, cache)) in w.layers.iter().zip(&self.caches).enumerate() {
-            decoder_layer(gpu, &self.shape, lw, cache, &io, sc, LayerDepth::Full)?;
+            match row_parent {
+                Some(p) => decoder_layer_tree(gpu, &self.shape, lw, cache, &io, sc, p)?,
+                None => decoder_layer(gpu, &self.shape, lw, cache, &io, sc, LayerDepth::Full)?,
+            }
             if let Some(c) = &capture {
                 c.after_layer(gpu, l, io.hidden, rows, h, s)?;
             }

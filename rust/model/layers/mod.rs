@@ -125,6 +125,32 @@ pub fn decoder_layer(
     decoder_layer_with_input(gpu, shape, w, cache, io, sc, depth, None)
 }
 
+/// [`decoder_layer`] whose rows form draft trees: the attention's tree mask `row_parent`
+/// (u32 `[rows]`, see [`PagedAttentionArgs::row_parent`]) narrows each row with a parent to
+/// the prefix and its ancestors' rows. `io.positions` must give each row its depth's
+/// position, which the caller stages.
+pub fn decoder_layer_tree(
+    gpu: &dyn GpuBackend,
+    shape: &LayerShape,
+    w: &LayerWeights,
+    cache: &LayerCache,
+    io: &LayerIo,
+    sc: &LayerScratch,
+    row_parent: DevicePtr,
+) -> crate::Result<()> {
+    layer(
+        gpu,
+        shape,
+        w,
+        cache,
+        io,
+        sc,
+        LayerDepth::Full,
+        None,
+        Some(row_parent),
+    )
+}
+
 /// [`decoder_layer`] whose attention reads `attn_input` (BF16 `[rows, in]`, already normed
 /// by the caller, `in` the q/k/v projections' input width) instead of
 /// `input_layernorm(io.hidden)`; `io.hidden` is still the residual stream the attention and
@@ -140,6 +166,22 @@ pub fn decoder_layer_with_input(
     sc: &LayerScratch,
     depth: LayerDepth,
     attn_input: Option<DevicePtr>,
+) -> crate::Result<()> {
+    layer(gpu, shape, w, cache, io, sc, depth, attn_input, None)
+}
+
+/// The layer itself, with an optional tree mask for its attention.
+#[allow(clippy::too_many_arguments)]
+fn layer(
+    gpu: &dyn GpuBackend,
+    shape: &LayerShape,
+    w: &LayerWeights,
+    cache: &LayerCache,
+    io: &LayerIo,
+    sc: &LayerScratch,
+    depth: LayerDepth,
+    attn_input: Option<DevicePtr>,
+    row_parent: Option<DevicePtr>,
 ) -> crate::Result<()> {
     let (rows, stream) = (io.rows, io.stream);
     let LayerShape {
@@ -250,7 +292,7 @@ pub fn decoder_layer_with_input(
         block_table: io.block_table,
         row_seq: io.row_seq,
         row_ctx_len: io.row_ctx_len,
-        row_parent: None,
+        row_parent,
         rows,
         heads,
         kv_heads,
