@@ -1,6 +1,7 @@
 """Starts and stops the servers the serving benches drive, each on 127.0.0.1.
 
-A :class:`ServerProcess` runs a server command with its output in a log file, waits until
+A :class:`ServerProcess` runs a server command with its output in a log file (removed after
+a clean exit, kept for :meth:`ServerProcess.log_tail` otherwise), waits until
 its health URL answers 200 (or the process dies, or the start-up time runs out), and on
 exit sends SIGTERM, waits a bounded time, and kills what is still running: nothing it
 starts outlives it. :func:`metrics` reads a Prometheus ``/metrics`` page into numbers.
@@ -111,13 +112,19 @@ class ServerProcess:
                 self.proc.wait(30)
         self.returncode = self.proc.returncode
         self.log.close()
+        if self.returncode == 0:
+            # A clean exit leaves nothing to read; a failed one keeps its log for log_tail.
+            os.unlink(self.log.name)
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the server's output."""
         if not self.log.closed:
             self.log.flush()
-        with open(self.log.name, "rb") as f:
-            return f.read().decode(errors="replace")[-chars:]
+        try:
+            with open(self.log.name, "rb") as f:
+                return f.read().decode(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
 
 
 def metrics(url: str) -> dict[str, float]:
