@@ -45,7 +45,7 @@ pub enum ConfigError {
         message: String,
     },
     /// A `model_type` this crate does not know.
-    #[error("unknown model_type {0:?}; known: llama, qwen2, qwen3, qwen3_next, mimo, deepseek_v3, glm4_moe")]
+    #[error("unknown model_type {0:?}; known: llama, qwen2, qwen3, qwen3_moe, qwen3_next, mimo, deepseek_v3, glm4_moe")]
     UnknownModelType(String),
     /// The file is larger than any configuration.
     #[error("{path} is {size} bytes; a configuration file is at most {limit} bytes")]
@@ -79,6 +79,8 @@ pub enum ModelFamily {
     Qwen2,
     /// Qwen3: per-head RMSNorm on q and k.
     Qwen3,
+    /// Qwen3-MoE: Qwen3's attention, softmax-routed experts without a shared expert.
+    Qwen3Moe,
     /// Qwen3-Next: gated attention, q/k norm, MTP as `mtp.*`.
     Qwen3Next,
     /// MiMo: a Qwen2-style base with `model.mtp_layers.*`.
@@ -96,6 +98,7 @@ impl ModelFamily {
             "llama" | "smollm2" => ModelFamily::Llama,
             "qwen2" => ModelFamily::Qwen2,
             "qwen3" => ModelFamily::Qwen3,
+            "qwen3_moe" => ModelFamily::Qwen3Moe,
             "qwen3_next" => ModelFamily::Qwen3Next,
             "mimo" => ModelFamily::Mimo,
             "deepseek_v3" => ModelFamily::DeepseekV3,
@@ -110,6 +113,7 @@ impl ModelFamily {
             ModelFamily::Llama => "llama",
             ModelFamily::Qwen2 => "qwen2",
             ModelFamily::Qwen3 => "qwen3",
+            ModelFamily::Qwen3Moe => "qwen3_moe",
             ModelFamily::Qwen3Next => "qwen3_next",
             ModelFamily::Mimo => "mimo",
             ModelFamily::DeepseekV3 => "deepseek_v3",
@@ -148,6 +152,28 @@ pub struct MoeConfig {
     pub norm_topk_prob: bool,
     /// Scale applied to the routed output.
     pub routed_scaling_factor: f32,
+    /// Groups the routed experts are split into for group-limited routing (`n_group`; 1:
+    /// none).
+    pub n_group: usize,
+    /// Groups kept before the top-k experts are chosen from them (`topk_group`).
+    pub topk_group: usize,
+    /// Leading layers whose MLP is dense (`first_k_dense_replace`, DeepSeek-V3 / GLM).
+    pub first_k_dense_replace: usize,
+    /// Every `decoder_sparse_step`-th layer routes (Qwen3-MoE; 1: every layer).
+    pub decoder_sparse_step: usize,
+    /// Layers whose MLP is dense whatever the rules above say (`mlp_only_layers`, Qwen3-MoE).
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether layer `layer`'s MLP routes to experts (else it is a dense SwiGLU of
+    /// `intermediate_size`): not one of the first `first_k_dense_replace`, not listed in
+    /// `mlp_only_layers`, and `layer + 1` a multiple of `decoder_sparse_step`.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        layer >= self.first_k_dense_replace
+            && !self.mlp_only_layers.contains(&layer)
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
+    }
 }
 
 /// The sizes and switches of a target model.
@@ -183,7 +209,8 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Whether q/k/v projections carry biases.
     pub attention_bias: bool,
-    /// Whether q and k get a per-head RMSNorm (Qwen3, Qwen3-Next).
+    /// Whether q and k get a per-head RMSNorm (Qwen3, Qwen3-MoE, Qwen3-Next; GLM-4.5 with
+    /// `use_qk_norm`).
     pub qk_norm: bool,
     /// MTP modules shipped in the checkpoint (`num_nextn_predict_layers`), 0 when none.
     pub num_nextn_predict_layers: usize,
@@ -237,6 +264,24 @@ impl Keys<'_> {
                 .as_f64()
                 .map(|x| Some(x as f32))
                 .ok_or_else(|| Self::bad(key, format!("expected a number, found {v}"))),
+        }
+    }
+
+    fn usize_list(&self, key: &str) -> Result<Vec<usize>, ConfigError> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .map(|n| n as usize)
+                        .ok_or_else(|| Self::bad(key, format!("expected layer indices, found {v}")))
+                })
+                .collect(),
+            Some(v) => Err(Self::bad(
+                key,
+                format!("expected a list of layer indices, found {v}"),
+            )),
         }
     }
 
@@ -352,7 +397,10 @@ impl ModelConfig {
             None => hidden_size / num_attention_heads,
         };
         let moe = match family {
-            ModelFamily::DeepseekV3 | ModelFamily::Glm4Moe | ModelFamily::Qwen3Next => {
+            ModelFamily::DeepseekV3
+            | ModelFamily::Glm4Moe
+            | ModelFamily::Qwen3Moe
+            | ModelFamily::Qwen3Next => {
                 let experts = k
                     .opt_usize("n_routed_experts")?
                     .or(k.opt_usize("num_experts")?);
@@ -364,8 +412,16 @@ impl ModelConfig {
                         num_shared_experts: k.opt_usize("n_shared_experts")?.unwrap_or(
                             usize::from(k.opt_usize("shared_expert_intermediate_size")?.is_some()),
                         ),
-                        norm_topk_prob: k.opt_bool("norm_topk_prob")?.unwrap_or(true),
+                        // Qwen3-MoE's configuration class defaults to unnormalised weights.
+                        norm_topk_prob: k
+                            .opt_bool("norm_topk_prob")?
+                            .unwrap_or(family != ModelFamily::Qwen3Moe),
                         routed_scaling_factor: k.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
+                        n_group: k.opt_usize("n_group")?.unwrap_or(1),
+                        topk_group: k.opt_usize("topk_group")?.unwrap_or(1),
+                        first_k_dense_replace: k.opt_usize("first_k_dense_replace")?.unwrap_or(0),
+                        decoder_sparse_step: k.opt_usize("decoder_sparse_step")?.unwrap_or(1),
+                        mlp_only_layers: k.usize_list("mlp_only_layers")?,
                     }),
                     _ => None,
                 }
@@ -419,7 +475,11 @@ impl ModelConfig {
             attention_bias: k
                 .opt_bool("attention_bias")?
                 .unwrap_or(matches!(family, ModelFamily::Qwen2 | ModelFamily::Mimo)),
-            qk_norm: matches!(family, ModelFamily::Qwen3 | ModelFamily::Qwen3Next),
+            qk_norm: match family {
+                ModelFamily::Qwen3 | ModelFamily::Qwen3Moe | ModelFamily::Qwen3Next => true,
+                ModelFamily::Glm4Moe => k.opt_bool("use_qk_norm")?.unwrap_or(false),
+                _ => false,
+            },
             num_nextn_predict_layers: k
                 .opt_usize("num_nextn_predict_layers")?
                 .or(k.opt_usize("mtp_num_hidden_layers")?)

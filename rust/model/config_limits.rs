@@ -100,6 +100,36 @@ impl ModelConfig {
             if !m.routed_scaling_factor.is_finite() {
                 return bad("routed_scaling_factor", "must be finite".into());
             }
+            if m.n_group == 0 || !m.num_experts.is_multiple_of(m.n_group) {
+                return bad(
+                    "n_group",
+                    format!(
+                        "is {}, which does not divide the {} routed experts",
+                        m.n_group, m.num_experts
+                    ),
+                );
+            }
+            if m.topk_group == 0 || m.topk_group > m.n_group {
+                return bad(
+                    "topk_group",
+                    format!("is {}, not in 1..={} (n_group)", m.topk_group, m.n_group),
+                );
+            }
+            let kept = m.topk_group * (m.num_experts / m.n_group);
+            if kept < m.experts_per_token {
+                return bad(
+                    "topk_group",
+                    format!(
+                        "keeps {} groups of {} experts, fewer than num_experts_per_tok {}",
+                        m.topk_group,
+                        m.num_experts / m.n_group,
+                        m.experts_per_token
+                    ),
+                );
+            }
+            if m.decoder_sparse_step == 0 {
+                return bad("decoder_sparse_step", "must be greater than zero".into());
+            }
         }
         let positive = [
             ("rms_norm_eps", self.rms_norm_eps),

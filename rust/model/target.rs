@@ -1,5 +1,6 @@
-//! `TargetModel`: a Llama-family decoder (Llama, SmolLM2, Qwen2/2.5/3, MiMo's base) with a
-//! paged KV cache, serving prefill and verification for many sequences in one forward.
+//! `TargetModel`: a Llama-family decoder (Llama, SmolLM2, Qwen2/2.5/3, MiMo's base, and the
+//! GQA mixture-of-experts families GLM-4.5 and Qwen3-MoE) with a paged KV cache, serving
+//! prefill and verification for many sequences in one forward.
 //!
 //! Invariants:
 //! - Every device buffer the model uses (weights, KV caches, scratch, outputs) is owned by
@@ -173,13 +174,6 @@ impl TargetModel {
         opts: LoadOptions,
     ) -> crate::Result<Self> {
         config.validate()?;
-        if config.moe.is_some() {
-            return Err(ModelError::invalid(
-                "TargetModel",
-                "mixture-of-experts MLPs are not supported",
-            )
-            .into());
-        }
         let max_seq_len = opts
             .max_seq_len
             .unwrap_or(config.max_position_embeddings.min(4096));

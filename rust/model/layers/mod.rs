@@ -323,15 +323,16 @@ fn layer(
 
     // MLP: the dense SwiGLU, or the shared experts and then the routed ones.
     rms_norm(sc.normed, io.hidden, w.ffn_norm.ptr, rows, hidden)?;
-    let mlp = w.mlp.always_run();
-    let gate_up = [(&mlp.gate, sc.gate), (&mlp.up, sc.up)].map(|(weight, out)| Projection {
-        weight,
-        bias: None,
-        out,
-    });
-    project_bf16(gpu, sc.normed, rows, stream, &gate_up)?;
-    let n = rows * mlp.width();
-    elementwise(ElementwiseOp::SiluMul, sc.gate, sc.gate, sc.up, n)?;
+    if let Some(mlp) = w.mlp.always_run() {
+        let gate_up = [(&mlp.gate, sc.gate), (&mlp.up, sc.up)].map(|(weight, out)| Projection {
+            weight,
+            bias: None,
+            out,
+        });
+        project_bf16(gpu, sc.normed, rows, stream, &gate_up)?;
+        let n = rows * mlp.width();
+        elementwise(ElementwiseOp::SiluMul, sc.gate, sc.gate, sc.up, n)?;
+    }
     match (&w.mlp, &sc.moe) {
         (Mlp::Dense(m), _) => {
             m.down
@@ -347,9 +348,12 @@ fn layer(
         (Mlp::Experts(moe), Some(ms)) => {
             // The routed experts read the same normed input, so the shared experts' output
             // goes to the accumulator rather than over it.
-            moe.shared
-                .down
-                .forward(gpu, ms.acc, bf16, sc.gate, None, rows, stream)?;
+            match &moe.shared {
+                Some(shared) => shared
+                    .down
+                    .forward(gpu, ms.acc, bf16, sc.gate, None, rows, stream)?,
+                None => gpu.memset(ms.acc, 0, rows * hidden * 2, stream)?,
+            }
             moe.forward(gpu, sc, ms, rows, hidden, stream)?;
             elementwise(
                 ElementwiseOp::Add,

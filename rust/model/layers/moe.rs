@@ -1,19 +1,20 @@
-//! The routed mixture-of-experts MLP (GLM-4.5+/DeepSeek-V3 and Qwen3-Next layers), with
-//! its shared experts.
+//! The routed mixture-of-experts MLP (GLM-4.5+/DeepSeek-V3, Qwen3-MoE and Qwen3-Next
+//! layers), with its shared experts where the family has them.
 //!
 //! Routing runs on the host from the router's f32 logits (one small download per forward):
 //! - `Sigmoid` (DeepSeek-V3 / GLM, "noaux_tc"): `s = sigmoid(logits)`; experts are chosen by
 //!   `s + e_score_correction_bias`, first keeping the `topk_group` best of `n_group` groups
 //!   (a group scores the sum of its two best), then the top `k`; the weights are the chosen
 //!   `s`, divided by their sum when `norm_topk_prob`, times `routed_scaling_factor`.
-//! - `Softmax` (Qwen3-Next): `p = softmax(logits)`, top `k`, renormalised when
+//! - `Softmax` (Qwen3-MoE, Qwen3-Next): `p = softmax(logits)`, top `k`, renormalised when
 //!   `norm_topk_prob`.
 //!
-//! The output is `shared(x) [* sigmoid(shared_expert_gate(x))] + sum_e w_e * expert_e(x)`,
+//! The output is `shared(x) [* sigmoid(shared_expert_gate(x))] + sum_e w_e * expert_e(x)`
+//! (without the first term where there is no shared expert, as in Qwen3-MoE),
 //! accumulated in BF16 in the order: shared, then experts by descending weight (ties: lower
 //! index). A weight multiplies an expert's output as a BF16 scalar through a 1x1 `linear`,
 //! so no kernel beyond the typed set is needed. The layer computes the shared experts'
-//! output into the accumulator; [`MoeMlp::forward`] does the rest.
+//! output into the accumulator (or zeroes it); [`MoeMlp::forward`] does the rest.
 
 use super::load::load_dense;
 use super::names::LayerNames;
@@ -53,8 +54,8 @@ impl MoeScoring {
 /// A routed MoE MLP with its shared experts.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeMlp {
-    /// The shared expert(s), run on every row.
-    pub shared: SwiGlu,
+    /// The shared expert(s), run on every row; `None` in families without one (Qwen3-MoE).
+    pub shared: Option<SwiGlu>,
     /// Router `[num_experts, hidden]`.
     pub router: DenseWeight,
     /// DeepSeek/GLM's `e_score_correction_bias`, used for choosing only.
@@ -150,14 +151,15 @@ impl MoeMlp {
     }
 
     /// Loads the routed part of the MoE MLP under `names` (router `mlp.gate`, experts
-    /// `mlp.experts.{e}.*`, Qwen3-Next's `mlp.shared_expert_gate`), around `shared`.
+    /// `mlp.experts.{e}.*`, Qwen3-Next's `mlp.shared_expert_gate`), around `shared`, with
+    /// the config's group-limited routing.
     pub fn load(
         allocs: &DeviceAllocations,
         src: &dyn TensorSource,
         config: &ModelConfig,
         names: &LayerNames,
         scoring: MoeScoring,
-        shared: SwiGlu,
+        shared: Option<SwiGlu>,
     ) -> crate::Result<MoeMlp> {
         let router_name = format!("{}.weight", names.hf("mlp.gate"));
         let r = src.require(&router_name)?;
@@ -210,8 +212,8 @@ impl MoeMlp {
             top_k: moe.experts_per_token,
             norm_topk_prob: moe.norm_topk_prob,
             routed_scaling_factor: moe.routed_scaling_factor,
-            n_group: 1,
-            topk_group: 1,
+            n_group: moe.n_group,
+            topk_group: moe.topk_group,
         })
     }
 

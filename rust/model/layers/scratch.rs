@@ -69,7 +69,8 @@ pub fn layer_slots(s: &ScratchShape) -> Vec<SlotSpec> {
 /// one layer's scratch, and the logits and token rows.
 pub fn arena_slots(config: &ModelConfig) -> Vec<SlotSpec> {
     let mlp_width = config.moe.as_ref().map_or(config.intermediate_size, |m| {
-        m.expert_intermediate_size.max(config.intermediate_size)
+        let shared = m.expert_intermediate_size * m.num_shared_experts.max(1);
+        shared.max(config.intermediate_size)
     });
     let layer = ScratchShape {
         hidden: config.hidden_size,
@@ -77,7 +78,7 @@ pub fn arena_slots(config: &ModelConfig) -> Vec<SlotSpec> {
         kv_size: config.kv_size(),
         mlp_width,
         gated_attention: false,
-        experts: 0,
+        experts: config.moe.as_ref().map_or(0, |m| m.num_experts),
     };
     let mut slots = vec![
         slot("hidden", Dtype::Bf16, config.hidden_size),

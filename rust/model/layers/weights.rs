@@ -94,11 +94,11 @@ pub enum Mlp {
 }
 
 impl Mlp {
-    /// The SwiGLU that every row runs: the dense MLP or the shared expert(s).
-    pub fn always_run(&self) -> &SwiGlu {
+    /// The SwiGLU that every row runs: the dense MLP or the shared expert(s), if any.
+    pub fn always_run(&self) -> Option<&SwiGlu> {
         match self {
-            Mlp::Dense(m) => m,
-            Mlp::Experts(moe) => &moe.shared,
+            Mlp::Dense(m) => Some(m),
+            Mlp::Experts(moe) => moe.shared.as_ref(),
         }
     }
 
@@ -106,7 +106,11 @@ impl Mlp {
     pub fn max_width(&self) -> usize {
         match self {
             Mlp::Dense(m) => m.width(),
-            Mlp::Experts(moe) => moe.shared.width().max(moe.expert_width()),
+            Mlp::Experts(moe) => moe
+                .shared
+                .as_ref()
+                .map_or(0, SwiGlu::width)
+                .max(moe.expert_width()),
         }
     }
 }
@@ -176,18 +180,23 @@ impl LayerWeights {
         }
     }
 
-    /// The attention projections and the always-run MLP's, with their Hugging Face names.
-    pub fn projections(&self) -> [(&'static str, &Linear); 7] {
-        let m = self.mlp.always_run();
-        [
+    /// The attention projections and the always-run MLP's (when there is one), with their
+    /// Hugging Face names.
+    pub fn projections(&self) -> Vec<(&'static str, &Linear)> {
+        let mut all = vec![
             ("self_attn.q_proj", &self.q),
             ("self_attn.k_proj", &self.k),
             ("self_attn.v_proj", &self.v),
             ("self_attn.o_proj", &self.o),
-            ("mlp.gate_proj", &m.gate),
-            ("mlp.up_proj", &m.up),
-            ("mlp.down_proj", &m.down),
-        ]
+        ];
+        if let Some(m) = self.mlp.always_run() {
+            all.extend([
+                ("mlp.gate_proj", &m.gate),
+                ("mlp.up_proj", &m.up),
+                ("mlp.down_proj", &m.down),
+            ]);
+        }
+        all
     }
 
     /// Every projection, routed experts included, to re-store.
@@ -199,7 +208,9 @@ impl LayerWeights {
                 let MoeMlp {
                     shared, experts, ..
                 } = &mut **moe;
-                all.extend([&mut shared.gate, &mut shared.up, &mut shared.down]);
+                if let Some(shared) = shared {
+                    all.extend([&mut shared.gate, &mut shared.up, &mut shared.down]);
+                }
                 for x in experts.iter_mut() {
                     all.extend([&mut x.gate, &mut x.up, &mut x.down]);
                 }
@@ -305,11 +316,24 @@ impl LayerWeights {
                     )
                     .into());
                 }
-                let shared = scoring.shared_expert_prefix();
-                let width = mlp_width(src, names, shared, options)?;
+                let prefix = scoring.shared_expert_prefix();
                 let parts = ["gate_proj", "up_proj", "down_proj"]
-                    .map(|p| names.hf(&format!("{shared}.{p}")));
-                let shared = SwiGlu::load(allocs, src, parts, width, h)?;
+                    .map(|p| names.hf(&format!("{prefix}.{p}")));
+                // A config that declares shared experts requires them; one that does not
+                // (Qwen3-MoE, or a head's config that leaves the count out) takes what the
+                // checkpoint holds.
+                let declared = config
+                    .moe
+                    .as_ref()
+                    .is_some_and(|m| m.num_shared_experts > 0);
+                let present = src.tensor(&format!("{}.weight", parts[0]))?.is_some();
+                let shared = match declared || present {
+                    true => {
+                        let width = mlp_width(src, names, prefix, options)?;
+                        Some(SwiGlu::load(allocs, src, parts, width, h)?)
+                    }
+                    false => None,
+                };
                 Mlp::Experts(Box::new(MoeMlp::load(
                     allocs, src, config, names, scoring, shared,
                 )?))
@@ -384,7 +408,9 @@ impl LayerWeights {
         match &self.mlp {
             Mlp::Dense(m) => m.check(h, ""),
             Mlp::Experts(moe) => {
-                moe.shared.check(h, "the shared expert's ")?;
+                if let Some(shared) = &moe.shared {
+                    shared.check(h, "the shared expert's ")?;
+                }
                 moe.check(h)
             }
         }

@@ -1,0 +1,479 @@
+//! Mixture-of-experts targets (GLM-4.5's `glm4_moe`, Qwen3-MoE's `qwen3_moe`) against an
+//! independent numpy forward written from the published equations
+//! (`tests/python/moe_target_reference.py`), which also writes each tiny random BF16
+//! checkpoint; plus speculative greedy decoding on them and the ledger after the drop.
+//!
+//! Bound: every logit within `max|logit| / 64` of the reference (both round every
+//! activation to BF16; what differs is summation order, which moves a BF16 value by one
+//! step, 2^-8 relative, here and there), for a prefill and for decode steps through the
+//! paged KV cache. The reference's routing margins are checked first, so numerical noise
+//! cannot flip an expert choice and the bound holds for what it says. It needs `python3`
+//! with numpy (set `PYTHON` to choose the interpreter).
+
+#[allow(dead_code)]
+#[path = "../benches/common/default_model.rs"]
+mod default_model;
+#[allow(unused_imports)]
+mod model_util;
+
+use default_model::python;
+use model_util::temp_dir;
+use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
+use specdraft::engine::{DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
+use specdraft::model::{ForwardContext, LoadOptions, TargetModel};
+use specdraft::speculative::{DraftProposer, PromptLookup, ProposerError, ProposerState};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+const TOKENS: [u32; 24] = [
+    1, 5, 17, 33, 4, 90, 12, 12, 7, 64, 5, 17, 33, 3, 22, 45, 8, 8, 61, 70, 9, 95, 40, 11,
+];
+/// Rows prefilled at once; the rest are decoded one token a forward.
+const PREFILL: usize = 13;
+
+struct Reference {
+    logits: Vec<Vec<f32>>,
+    min_margin: f64,
+    sparse_layers: Vec<usize>,
+}
+
+/// Writes `family`'s checkpoint with `seed` into `dir` and returns the reference's logits.
+fn reference(family: &str, dir: &Path, seed: u64) -> Reference {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_target_reference.py");
+    let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
+    let out = Command::new(python())
+        .arg(&script)
+        .args([
+            family,
+            dir.to_str().unwrap(),
+            &seed.to_string(),
+            &ids.join(","),
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python(), script.display()));
+    assert!(
+        out.status.success(),
+        "the reference failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let logits = v["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect();
+    Reference {
+        logits,
+        min_margin: v["min_margin"].as_f64().unwrap(),
+        sparse_layers: v["sparse_layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect(),
+    }
+}
+
+fn opts() -> LoadOptions {
+    LoadOptions {
+        max_rows: 32,
+        max_seq_len: Some(64),
+        kv_blocks: Some(16),
+    }
+}
+
+/// Logits of every token: a prefill of `PREFILL` rows, then one decode step a token.
+fn prefill_then_decode(model: &TargetModel) -> Vec<Vec<f32>> {
+    let v = model.config().vocab_size;
+    let mut seq = model.new_sequence();
+    let mut rows = Vec::new();
+    let mut run = |toks: &[u32], rows: &mut Vec<Vec<f32>>| {
+        let out = model.forward(&mut [&mut seq], &[toks]).unwrap();
+        let all: Vec<f32> = model.gpu().download(out.logits, out.rows * v).unwrap();
+        rows.extend(all.chunks(v).map(<[f32]>::to_vec));
+    };
+    run(&TOKENS[..PREFILL], &mut rows);
+    for t in &TOKENS[PREFILL..] {
+        run(std::slice::from_ref(t), &mut rows);
+    }
+    model.free_sequence(&mut seq).unwrap();
+    rows
+}
+
+fn check_family(family: &str, seed: u64, margin: f64, sparse: &[usize]) {
+    let dir = temp_dir(&format!("moe_{family}"));
+    let want = reference(family, &dir, seed);
+    assert!(
+        want.min_margin > margin,
+        "the fixture routes a row within {} of a tie; choose another seed",
+        want.min_margin
+    );
+    assert_eq!(want.sparse_layers, sparse);
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = TargetModel::load(&dir, gpu.clone(), opts()).unwrap();
+    let layers = &model.weights().layers;
+    let routed: Vec<usize> = (0..layers.len())
+        .filter(|&i| layers[i].moe().is_some())
+        .collect();
+    assert_eq!(routed, sparse, "the layers that route");
+    let got = prefill_then_decode(&model);
+    assert_eq!(got.len(), TOKENS.len());
+    let scale = want
+        .logits
+        .iter()
+        .flatten()
+        .fold(0f32, |m, x| m.max(x.abs()));
+    let mut worst = 0f32;
+    for (pos, (g, w)) in got.iter().zip(&want.logits).enumerate() {
+        let d = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        worst = worst.max(d);
+        assert!(
+            d <= scale / 64.0,
+            "{family}: position {pos} ({}) differs from the reference by {d} (bound {})",
+            if pos < PREFILL { "prefill" } else { "decode" },
+            scale / 64.0
+        );
+    }
+    println!("{family}: worst logit difference {worst} of max |logit| {scale}");
+    drop(model);
+    assert_eq!(gpu.ledger().live_count(), 0, "the ledger after the drop");
+}
+
+#[test]
+fn glm4_moe_target_matches_the_numpy_reference() {
+    // Layer 0 is dense (first_k_dense_replace = 1).
+    check_family("glm4_moe", 12, 0.005, &[1, 2]);
+}
+
+#[test]
+fn qwen3_moe_target_matches_the_numpy_reference() {
+    // Layer 1 is dense (mlp_only_layers = [1]).
+    check_family("qwen3_moe", 56, 0.02, &[0, 2]);
+}
+
+/// Drafts the continuation it was given for each prompt (the target's plain greedy
+/// output), so every draft is accepted when verification agrees with plain decoding, and
+/// verify forwards carry several rows a sequence.
+struct Replay {
+    runs: Vec<Vec<u32>>,
+}
+
+#[derive(Default)]
+struct ReplayState {
+    run: Vec<u32>,
+}
+specdraft::impl_proposer_state!(ReplayState);
+
+fn replay_state<'a>(s: &'a mut dyn ProposerState) -> specdraft::Result<&'a mut ReplayState> {
+    s.as_any_mut().downcast_mut::<ReplayState>().ok_or_else(|| {
+        ProposerError::WrongState {
+            method: "Replay",
+            expected: "ReplayState",
+        }
+        .into()
+    })
+}
+
+impl DraftProposer for Replay {
+    fn alloc_state(&self, _gpu: &dyn GpuBackend) -> specdraft::Result<Box<dyn ProposerState>> {
+        Ok(Box::new(ReplayState::default()))
+    }
+    fn prefill_drafter(
+        &self,
+        prompt: &[u32],
+        _h: DevicePtr,
+        state: &mut dyn ProposerState,
+        _ctx: &ForwardContext<'_>,
+        _stream: u64,
+    ) -> specdraft::Result<usize> {
+        let run = self.runs.iter().find(|r| r.starts_with(prompt));
+        replay_state(state)?.run = run.cloned().unwrap_or_default();
+        Ok(0)
+    }
+    fn propose(
+        &self,
+        _last: u32,
+        _h: DevicePtr,
+        position: usize,
+        n: usize,
+        state: &mut dyn ProposerState,
+        _ctx: &ForwardContext<'_>,
+        _stream: u64,
+        _d: Option<DevicePtr>,
+        _mask: Option<&[i32]>,
+        _stack: Option<DevicePtr>,
+    ) -> specdraft::Result<Vec<u32>> {
+        let run = &replay_state(state)?.run;
+        let from = (position + 1).min(run.len());
+        Ok(run[from..(from + n).min(run.len())].to_vec())
+    }
+    fn after_verify(
+        &self,
+        _accepted: usize,
+        _state: &mut dyn ProposerState,
+        _stream: u64,
+    ) -> specdraft::Result<()> {
+        Ok(())
+    }
+}
+
+fn engine_prompts() -> Vec<Vec<u32>> {
+    vec![
+        TOKENS[..10].to_vec(),
+        vec![11, 12, 13, 11, 12, 13, 11, 12],
+        vec![3, 22, 45, 8, 8, 61],
+    ]
+}
+
+/// Greedy outputs and `(drafted, accepted)` over every request.
+fn generate(
+    model: &Arc<TargetModel>,
+    p: Option<Arc<dyn DraftProposer>>,
+) -> (Vec<Vec<u32>>, u64, u64) {
+    // The whole draft budget every step, so that verification is always several rows.
+    let engine = SpecEngine::new(model.clone(), p, 4)
+        .unwrap()
+        .with_draft_policy(DraftPolicyKind::Fixed);
+    let reqs = engine_prompts()
+        .iter()
+        .map(|p| {
+            GenerateRequest::new(p.clone(), 16)
+                .ignore_eos()
+                .with_sampling(SamplingParams::greedy())
+        })
+        .collect();
+    let out = engine.generate(reqs);
+    let tokens = out
+        .results
+        .into_iter()
+        .map(|r| {
+            assert!(r.error.is_none(), "{:?}", r.error);
+            r.tokens
+        })
+        .collect();
+    (tokens, out.metrics.drafted, out.metrics.accepted)
+}
+
+#[test]
+fn speculative_greedy_equals_plain_greedy_on_moe_targets() {
+    for (family, seed) in [("glm4_moe", 12), ("qwen3_moe", 56)] {
+        let dir = temp_dir(&format!("moe_engine_{family}"));
+        reference(family, &dir, seed);
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let model = Arc::new(TargetModel::load(&dir, gpu.clone(), opts()).unwrap());
+        let (plain, _, _) = generate(&model, None);
+        let lookup: Arc<dyn DraftProposer> = Arc::new(PromptLookup::default());
+        assert_eq!(
+            generate(&model, Some(lookup)).0,
+            plain,
+            "{family}: prompt lookup"
+        );
+        let runs = engine_prompts()
+            .into_iter()
+            .zip(&plain)
+            .map(|(p, out)| [p, out.clone()].concat())
+            .collect();
+        let replay: Arc<dyn DraftProposer> = Arc::new(Replay { runs });
+        let (spec, drafted, accepted) = generate(&model, Some(replay));
+        assert_eq!(spec, plain, "{family}: drafts of the plain output");
+        // Verification took several rows a sequence and accepted them all.
+        assert!(
+            drafted >= 24 && accepted == drafted,
+            "{family}: {accepted} of {drafted}"
+        );
+        drop(model);
+        assert_eq!(
+            gpu.ledger().live_count(),
+            0,
+            "{family}: the ledger after the drop"
+        );
+    }
+}
+
+/// Rewrites the safetensors header of `dir/model.safetensors` (the data stays in place, so
+/// an edit must keep every tensor's byte length).
+fn edit_header(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(&mut header);
+    let text = serde_json::to_vec(&header).unwrap();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(&path, out).unwrap();
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+}
+
+/// Loads `dir`; `Err` unless it is refused with every one of `needles` in the message and
+/// nothing left allocated.
+fn check_refusal(dir: &Path, what: &str, needles: &[&str]) -> Result<(), String> {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let err = match TargetModel::load(dir, gpu.clone(), opts()) {
+        Ok(_) => return Err(format!("{what}: {} loaded", dir.display())),
+        Err(e) => e.to_string(),
+    };
+    if gpu.ledger().live_count() != 0 {
+        return Err(format!("{what}: allocations left after refusing ({err})"));
+    }
+    match needles.iter().find(|n| !err.contains(*n)) {
+        Some(n) => Err(format!("{what}: {err:?} does not name {n:?}")),
+        None => Ok(()),
+    }
+}
+
+#[test]
+fn broken_moe_checkpoints_are_refused_by_name() {
+    type Tensors = serde_json::Map<String, serde_json::Value>;
+    type Config = serde_json::Value;
+    let rename = |name: &'static str| {
+        move |h: &mut Tensors| {
+            let t = h.remove(name).expect(name);
+            h.insert(format!("unused.{name}"), t);
+        }
+    };
+    let reshape = |name: &'static str, shape: serde_json::Value| {
+        move |h: &mut Tensors| h[name]["shape"] = shape.clone()
+    };
+    let tensor_cases: Vec<(&str, &str, Box<dyn Fn(&mut Tensors)>, &[&str])> = vec![
+        (
+            "glm4_moe",
+            "missing expert",
+            Box::new(rename("model.layers.2.mlp.experts.5.up_proj.weight")),
+            &["model.layers.2.mlp.experts.5.up_proj.weight", "missing"],
+        ),
+        (
+            "qwen3_moe",
+            "expert of the wrong shape",
+            Box::new(reshape(
+                "model.layers.0.mlp.experts.3.gate_proj.weight",
+                serde_json::json!([64, 32]),
+            )),
+            &[
+                "model.layers.0.mlp.experts.3.gate_proj.weight",
+                "[64, 32]",
+                "[32, 64]",
+            ],
+        ),
+        (
+            "glm4_moe",
+            "missing shared expert",
+            Box::new(rename("model.layers.1.mlp.shared_experts.gate_proj.weight")),
+            &[
+                "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                "missing",
+            ],
+        ),
+        (
+            "qwen3_moe",
+            "router for another expert count",
+            Box::new(reshape(
+                "model.layers.2.mlp.gate.weight",
+                serde_json::json!([4, 128]),
+            )),
+            &["model.layers.2.mlp.gate.weight", "[8, 64]"],
+        ),
+        (
+            "glm4_moe",
+            "missing router",
+            Box::new(rename("model.layers.1.mlp.gate.weight")),
+            &["model.layers.1.mlp.gate.weight", "missing"],
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (i, (family, what, edit, needles)) in tensor_cases.iter().enumerate() {
+        let dir = temp_dir(&format!("moe_broken_tensor_{i}"));
+        reference(family, &dir, 3);
+        edit_header(&dir, |h| edit(h));
+        failures.extend(check_refusal(&dir, what, needles).err());
+    }
+    let config_cases: Vec<(&str, &str, Box<dyn Fn(&mut Config)>, &[&str])> = vec![
+        (
+            "glm4_moe",
+            "top_k above the experts",
+            Box::new(|c| c["num_experts_per_tok"] = serde_json::json!(9)),
+            &["num_experts_per_tok", "is 9", "1..=8"],
+        ),
+        (
+            "glm4_moe",
+            "n_group not dividing the experts",
+            Box::new(|c| c["n_group"] = serde_json::json!(3)),
+            &[
+                "config.json",
+                "n_group",
+                "is 3",
+                "does not divide the 8 routed experts",
+            ],
+        ),
+        (
+            "glm4_moe",
+            "topk_group above n_group",
+            Box::new(|c| c["topk_group"] = serde_json::json!(5)),
+            &["topk_group", "is 5", "1..=4"],
+        ),
+        (
+            "glm4_moe",
+            "kept groups too small for top_k",
+            Box::new(|c| {
+                c["topk_group"] = serde_json::json!(1);
+                c["num_experts_per_tok"] = serde_json::json!(3);
+            }),
+            &["topk_group", "fewer than num_experts_per_tok 3"],
+        ),
+        (
+            "qwen3_moe",
+            "decoder_sparse_step of zero",
+            Box::new(|c| c["decoder_sparse_step"] = serde_json::json!(0)),
+            &["decoder_sparse_step", "greater than zero"],
+        ),
+        (
+            "qwen3_moe",
+            "mlp_only_layers not a list",
+            Box::new(|c| c["mlp_only_layers"] = serde_json::json!("1")),
+            &["mlp_only_layers", "list of layer indices"],
+        ),
+        (
+            "qwen3_moe",
+            "a layer made sparse without experts",
+            Box::new(|c| c["mlp_only_layers"] = serde_json::json!([])),
+            &["model.layers.1.mlp.gate.weight", "missing"],
+        ),
+        (
+            "glm4_moe",
+            "DeepSeek-V3 (MLA attention)",
+            Box::new(|c| c["model_type"] = serde_json::json!("deepseek_v3")),
+            &["deepseek_v3", "multi-head latent attention (MLA)"],
+        ),
+        (
+            "qwen3_moe",
+            "Qwen3-Next (linear attention)",
+            Box::new(|c| c["model_type"] = serde_json::json!("qwen3_next")),
+            &["qwen3_next", "linear-attention (Gated DeltaNet)"],
+        ),
+    ];
+    for (i, (family, what, edit, needles)) in config_cases.iter().enumerate() {
+        let dir = temp_dir(&format!("moe_broken_config_{i}"));
+        reference(family, &dir, 3);
+        edit_config(&dir, |c| edit(c));
+        failures.extend(check_refusal(&dir, what, needles).err());
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

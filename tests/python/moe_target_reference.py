@@ -1,0 +1,297 @@
+"""A tiny random mixture-of-experts target checkpoint, and an independent numpy forward of
+it written from the published equations (Hugging Face's GLM-4.5 and Qwen3-MoE models).
+
+    moe_target_reference.py FAMILY DIR SEED TOKENS
+        Writes DIR/config.json and DIR/model.safetensors (BF16) of a tiny random FAMILY
+        (glm4_moe or qwen3_moe) target, runs the forward over TOKENS (comma-separated ids)
+        and writes DIR/reference.json: ``{"logits": [[...] per position],
+        "min_margin": float, "sparse_layers": [...]}``. ``min_margin`` is the smallest
+        gap, over every routed row and layer, between the last expert (or group) chosen and
+        the first one not chosen: routing is discrete, so a comparison is only meaningful
+        when numerical noise cannot flip a choice.
+
+The equations, per decoder layer (pre-norm):
+    h += o_proj(attention(rope(q_norm?(q_proj x')), rope(k_norm?(k_proj x')), v_proj x'))
+        with x' = rms_norm(h), grouped-query causal attention, RoPE of the rotate-half kind
+        on the first ``partial_rotary_factor * head_dim`` elements of each head;
+    h += mlp(rms_norm(h)), the MLP being a dense SwiGLU ``down(silu(gate x) * up x)`` or
+        routed experts:
+        - GLM-4.5 (sigmoid, "noaux_tc"): s = sigmoid(router x); experts are chosen by
+          s + e_score_correction_bias, among the topk_group best of n_group groups (a group
+          scores the sum of its two best); weights are the chosen s, divided by their sum
+          when norm_topk_prob, times routed_scaling_factor; plus the shared experts.
+        - Qwen3-MoE (softmax): p = softmax(router x), top k, divided by their sum when
+          norm_topk_prob; no shared expert.
+        Dense layers: GLM's first ``first_k_dense_replace``; Qwen3-MoE's ``mlp_only_layers``
+        and those whose ``layer + 1`` is not a multiple of ``decoder_sparse_step``.
+
+Sums run in float64. Where the Rust CPU backend stores an activation in BF16 by design (the
+residual stream, every op's output, the key/value cache, an expert weight as a BF16 scalar),
+this rounds to BF16 too, so that what is left between the two is summation order.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "python" / "specdraft"))
+import quantize as st  # noqa: E402  (its safetensors writer; numpy only)
+
+H, HEADS, KVH, HD, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 96, 96, 3
+EXPERTS, EXPERT_FFN = 8, 32
+
+
+def bf16(x):
+    """Rounds to the nearest BF16 value (ties to even), returned as float64."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+    return b.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def config_of(family: str) -> dict:
+    """The tiny config.json of ``family``, with every MoE key the family reads."""
+    cfg = {
+        "model_type": family,
+        "hidden_size": H,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KVH,
+        "head_dim": HD,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "moe_intermediate_size": EXPERT_FFN,
+    }
+    if family == "glm4_moe":
+        cfg.update(
+            n_routed_experts=EXPERTS,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+            use_qk_norm=False,
+        )
+    elif family == "qwen3_moe":
+        cfg.update(
+            num_experts=EXPERTS,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
+    else:
+        raise SystemExit(f"unknown family {family!r}: glm4_moe or qwen3_moe")
+    return cfg
+
+
+def is_sparse(cfg: dict, layer: int) -> bool:
+    """Whether ``layer`` routes, by the family's rules."""
+    if cfg["model_type"] == "glm4_moe":
+        return layer >= cfg["first_k_dense_replace"]
+    return layer not in cfg["mlp_only_layers"] and (layer + 1) % cfg["decoder_sparse_step"] == 0
+
+
+def write_checkpoint(family: str, folder: Path, seed: int) -> dict:
+    """Writes the random BF16 checkpoint; returns its tensors as float64 arrays."""
+    cfg = config_of(family)
+    rng = np.random.default_rng(seed)
+    t: dict[str, np.ndarray] = {}
+
+    def put(name, shape, scale, base=0.0):
+        t[name] = bf16(base + rng.uniform(-scale, scale, shape))
+
+    def swiglu(prefix, width):
+        s = 1.5 / np.sqrt(H)
+        put(f"{prefix}.gate_proj.weight", [width, H], s)
+        put(f"{prefix}.up_proj.weight", [width, H], s)
+        put(f"{prefix}.down_proj.weight", [H, width], 1.5 / np.sqrt(width))
+
+    put("model.embed_tokens.weight", [VOCAB, H], 1.0)
+    put("model.norm.weight", [H], 0.2, 1.0)
+    put("lm_head.weight", [VOCAB, H], 3 / np.sqrt(H))
+    s = 1.5 / np.sqrt(H)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        put(p + "input_layernorm.weight", [H], 0.2, 1.0)
+        put(p + "post_attention_layernorm.weight", [H], 0.2, 1.0)
+        put(p + "self_attn.q_proj.weight", [HEADS * HD, H], s)
+        put(p + "self_attn.k_proj.weight", [KVH * HD, H], s)
+        put(p + "self_attn.v_proj.weight", [KVH * HD, H], s)
+        put(p + "self_attn.o_proj.weight", [H, HEADS * HD], s)
+        if cfg.get("attention_bias"):
+            put(p + "self_attn.q_proj.bias", [HEADS * HD], 0.3)
+            put(p + "self_attn.k_proj.bias", [KVH * HD], 0.3)
+            put(p + "self_attn.v_proj.bias", [KVH * HD], 0.3)
+        if family == "qwen3_moe":
+            put(p + "self_attn.q_norm.weight", [HD], 0.2, 1.0)
+            put(p + "self_attn.k_norm.weight", [HD], 0.2, 1.0)
+        if not is_sparse(cfg, i):
+            swiglu(p + "mlp", FFN)
+            continue
+        put(p + "mlp.gate.weight", [EXPERTS, H], 4 / np.sqrt(H))
+        if family == "glm4_moe":
+            put(p + "mlp.gate.e_score_correction_bias", [EXPERTS], 0.05)
+            swiglu(p + "mlp.shared_experts", EXPERT_FFN * cfg["n_shared_experts"])
+        for e in range(EXPERTS):
+            swiglu(f"{p}mlp.experts.{e}", EXPERT_FFN)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = {}
+    for name, a in t.items():
+        bits = a.astype(np.float32).view(np.uint32) >> 16
+        raw[name] = ("BF16", list(a.shape), bits.astype("<u2").tobytes())
+    st.write_safetensors(folder / "model.safetensors", raw)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return t
+
+
+def rms_norm(x, w, eps):
+    return bf16(x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w)
+
+
+def linear(x, w, b=None):
+    y = x @ w.T
+    return bf16(y if b is None else y + b)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(t, prefix, x):
+    g = linear(x, t[f"{prefix}.gate_proj.weight"])
+    u = linear(x, t[f"{prefix}.up_proj.weight"])
+    return linear(bf16(silu(g) * u), t[f"{prefix}.down_proj.weight"])
+
+
+class Forward:
+    """The whole model over one token sequence, recording routing margins."""
+
+    def __init__(self, cfg: dict, t: dict):
+        self.cfg, self.t = cfg, t
+        self.margins: list[float] = []
+
+    def rope(self, x, positions):
+        """Rotate-half RoPE on the first rotary_dim elements of each head; x: [n, heads, hd]."""
+        rd = int(round(HD * self.cfg.get("partial_rotary_factor", 1.0)))
+        inv = self.cfg["rope_theta"] ** (-np.arange(0, rd, 2) / rd)
+        ang = positions[:, None] * inv[None, :]
+        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
+        out = x.copy()
+        out[..., : rd // 2] = a * cos - b * sin
+        out[..., rd // 2 : rd] = b * cos + a * sin
+        return bf16(out)
+
+    def attention(self, p, x):
+        t, n, eps = self.t, x.shape[0], self.cfg["rms_norm_eps"]
+        bias = (lambda k: t.get(p + f"self_attn.{k}_proj.bias"))
+        q = linear(x, t[p + "self_attn.q_proj.weight"], bias("q")).reshape(n, HEADS, HD)
+        k = linear(x, t[p + "self_attn.k_proj.weight"], bias("k")).reshape(n, KVH, HD)
+        v = linear(x, t[p + "self_attn.v_proj.weight"], bias("v")).reshape(n, KVH, HD)
+        if p + "self_attn.q_norm.weight" in t:
+            q = rms_norm(q, t[p + "self_attn.q_norm.weight"], eps)
+            k = rms_norm(k, t[p + "self_attn.k_norm.weight"], eps)
+        pos = np.arange(n, dtype=np.float64)
+        q, k = self.rope(q, pos), self.rope(k, pos)
+        out = np.zeros((n, HEADS, HD))
+        group = HEADS // KVH
+        causal = np.tril(np.ones((n, n), bool))
+        for h in range(HEADS):
+            s = q[:, h] @ k[:, h // group].T / np.sqrt(HD)
+            s = np.where(causal, s, -np.inf)
+            w = np.exp(s - s.max(axis=1, keepdims=True))
+            w /= w.sum(axis=1, keepdims=True)
+            out[:, h] = w @ v[:, h // group]
+        return linear(bf16(out.reshape(n, HEADS * HD)), t[p + "self_attn.o_proj.weight"])
+
+    def margin(self, scores, k):
+        """The gap between the k-th best score and the next."""
+        s = np.sort(scores)[::-1]
+        return float(s[k - 1] - s[k]) if k < len(s) else float("inf")
+
+    def route(self, p, logits):
+        """(expert, weight) pairs by descending weight, for one row's router logits."""
+        cfg, k = self.cfg, self.cfg["num_experts_per_tok"]
+        if cfg["model_type"] == "qwen3_moe":
+            prob = np.exp(logits - logits.max())
+            prob /= prob.sum()
+            self.margins.append(self.margin(logits, k))
+            chosen = sorted(range(EXPERTS), key=lambda e: -prob[e])[:k]
+            w = prob[chosen]
+        else:
+            s = 1.0 / (1.0 + np.exp(-logits))
+            choice = s + self.t[p + "mlp.gate.e_score_correction_bias"]
+            groups, keep = cfg["n_group"], cfg["topk_group"]
+            per = EXPERTS // groups
+            gscore = np.array([np.sort(g)[::-1][:2].sum() for g in choice.reshape(groups, per)])
+            self.margins.append(self.margin(gscore, keep))
+            kept = np.argsort(-gscore)[:keep]
+            masked = np.array([c if e // per in kept else -np.inf for e, c in enumerate(choice)])
+            self.margins.append(self.margin(masked, k))
+            chosen = list(np.argsort(-masked)[:k])
+            w = s[chosen]
+        if cfg["norm_topk_prob"]:
+            w = w / w.sum()
+        w = w * cfg.get("routed_scaling_factor", 1.0)
+        order = sorted(range(k), key=lambda i: (-w[i], chosen[i]))
+        return [(int(chosen[i]), float(w[i])) for i in order]
+
+    def moe(self, p, x):
+        t = self.t
+        if p + "mlp.shared_experts.gate_proj.weight" in t:
+            acc = swiglu(t, p + "mlp.shared_experts", x)
+        else:
+            acc = np.zeros_like(x)
+        logits = x @ t[p + "mlp.gate.weight"].T
+        for r in range(x.shape[0]):
+            for e, w in self.route(p, logits[r]):
+                y = swiglu(t, f"{p}mlp.experts.{e}", x[r : r + 1])[0]
+                acc[r] = bf16(acc[r] + bf16(y * bf16(w)))
+        return acc
+
+    def logits(self, tokens):
+        t, eps = self.t, self.cfg["rms_norm_eps"]
+        h = t["model.embed_tokens.weight"][np.asarray(tokens)]
+        for i in range(LAYERS):
+            p = f"model.layers.{i}."
+            h = bf16(h + self.attention(p, rms_norm(h, t[p + "input_layernorm.weight"], eps)))
+            x = rms_norm(h, t[p + "post_attention_layernorm.weight"], eps)
+            mlp = self.moe(p, x) if is_sparse(self.cfg, i) else swiglu(t, p + "mlp", x)
+            h = bf16(h + mlp)
+        return rms_norm(h, t["model.norm.weight"], eps) @ t["lm_head.weight"].T
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 4:
+        print(__doc__, file=sys.stderr)
+        return 2
+    family, folder, seed, tokens = argv[0], Path(argv[1]), int(argv[2]), argv[3]
+    ids = [int(x) for x in tokens.split(",")]
+    t = write_checkpoint(family, folder, seed)
+    cfg = config_of(family)
+    fwd = Forward(cfg, t)
+    logits = fwd.logits(ids)
+    out = {
+        "logits": logits.tolist(),
+        "min_margin": min(fwd.margins, default=1e9),
+        "sparse_layers": [i for i in range(LAYERS) if is_sparse(cfg, i)],
+    }
+    (folder / "reference.json").write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
