@@ -385,10 +385,10 @@ impl TargetModel {
     }
 
     /// Keeps one path of a draft tree's verify forward: cache rows `rows` (increasing, each
-    /// at or after its destination, below the sequence's length) move to rows `start..start
-    /// + rows.len()`, in order, and the sequence is trimmed to `start + rows.len()`. The
-    /// keys and values move unchanged; a node's position was its depth's, which is the row
-    /// it lands on.
+    /// at or after its destination, below the sequence's length) move, in order, to the
+    /// rows from `start` on, and the sequence is trimmed to `start + rows.len()`. The keys
+    /// and values move unchanged; a node's position was its depth's, which is the row it
+    /// lands on.
     pub fn compact(&self, seq: &mut KvSequence, start: usize, rows: &[usize]) -> crate::Result<()> {
         const OP: &str = "TargetModel::compact";
         self.check_owner(seq, OP)?;
