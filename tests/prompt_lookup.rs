@@ -311,3 +311,80 @@ fn passes_the_conformance_check() {
         );
     }
 }
+
+#[test]
+fn a_tree_branches_over_the_earlier_matches_and_follows_the_path_it_is_told() {
+    let ctx = ctx(1000);
+    let p = PromptLookup::new(2, 3).unwrap();
+    assert!(p.grows_trees());
+    // The suffix "33 1 2" never occurred; "1 2" did three times, after a different token
+    // each time (so each match is two tokens long): followed by "5 6", by "8 9" and by
+    // "5 7", newest last. The newest gives propose's chain; the others branch where they
+    // differ from it.
+    let prompt = [3, 1, 2, 5, 6, 4, 1, 2, 8, 9, 0, 1, 2, 5, 7, 33, 1];
+    let pos = prompt.len();
+    let mut s = prefilled(&p, &ctx, &prompt);
+    let chain = propose(&p, &ctx, &mut *s, 2, pos, 4, None);
+    assert_eq!(chain, [5, 7]);
+    p.after_verify(0, &mut *s, 0).unwrap();
+    let tree = p
+        .propose_tree(
+            2,
+            DevicePtr::NULL,
+            pos,
+            4,
+            &mut *s,
+            &ctx,
+            0,
+            None,
+            None,
+            None,
+        )
+        .unwrap();
+    assert_eq!(tree.fault(4, 1000), None);
+    assert_eq!(tree.tokens, [5, 7, 8, 9]);
+    assert_eq!(tree.parents, [None, Some(0), None, Some(2)]);
+    // The third match ("5 6") would need a fifth node: the budget holds.
+    let small = p
+        .propose_tree(
+            2,
+            DevicePtr::NULL,
+            pos,
+            3,
+            &mut *s,
+            &ctx,
+            0,
+            None,
+            None,
+            None,
+        )
+        .unwrap();
+    assert_eq!(small.tokens, [5, 7, 8]);
+    let tree = p
+        .propose_tree(
+            2,
+            DevicePtr::NULL,
+            pos,
+            6,
+            &mut *s,
+            &ctx,
+            0,
+            None,
+            None,
+            None,
+        )
+        .unwrap();
+    assert_eq!(tree.tokens, [5, 7, 8, 9, 6]);
+    assert_eq!(tree.parents, [None, Some(0), None, Some(2), Some(0)]);
+    // A path that is not one is refused; the second branch enters the history.
+    assert!(p.after_verify_tree(&[2, 1], &mut *s, 0).is_err());
+    assert!(p.after_verify(3, &mut *s, 0).is_err());
+    p.after_verify_tree(&[2, 3], &mut *s, 0).unwrap();
+    let hist = s
+        .as_any()
+        .downcast_ref::<specdraft::speculative::PromptLookupState>()
+        .unwrap()
+        .history()
+        .to_vec();
+    assert_eq!(hist[pos..], [2, 8, 9]);
+}

@@ -523,6 +523,14 @@ class DraftProposer:
         The default is the chain of `budget` drafts from `propose`; a Python class that
         defines `propose` gets the chain of its own `propose`.
         """
+    def grows_trees(self) -> bool:
+        """Whether `propose_tree` grows branching trees (default False: its chain); under
+        `SpecEngine(draft_shape="tree")` such a proposer is asked for a tree each greedy step.
+        """
+    def after_verify_tree(self, path: Sequence[int], state: Any, stream: int = 0) -> None:
+        """`after_verify` after a `propose_tree` whose tree branched: `path` lists the accepted
+        nodes, root side first. The default calls `after_verify(len(path), state, stream)`.
+        """
     def catchup_batch(
         self,
         tokens: Sequence[Sequence[int]],
@@ -1184,8 +1192,8 @@ class ServingEngine:
 @final
 class SpecEngine:
     """`SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-    max_batch=256, max_batch_tokens=None, draft_policy="adaptive")`: speculative decoding on
-    a target model with an optional proposer.
+    max_batch=256, max_batch_tokens=None, draft_policy="adaptive", draft_shape="tree")`:
+    speculative decoding on a target model with an optional proposer.
 
     `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
     a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
@@ -1197,7 +1205,10 @@ class SpecEngine:
     `draft_policy` is `"adaptive"` (each step, each sequence is asked for the draft count,
     up to `num_drafts`, that maximises expected tokens per second from its measured
     acceptance and the measured cost of drafting and verifying) or `"fixed"` (always
-    `num_drafts`).
+    `num_drafts`). `draft_shape` is `"tree"` (a proposer that grows trees, such as
+    `PromptLookup`, is asked `propose_tree` with that count as its node budget on greedy steps
+    without a grammar, and one forward verifies every node) or `"chain"` (always `propose`);
+    sampled and grammar-constrained sequences draft chains either way.
     """
 
     def __new__(
@@ -1211,10 +1222,17 @@ class SpecEngine:
         max_batch: int = 256,
         max_batch_tokens: int | None = None,
         draft_policy: str = "adaptive",
+        draft_shape: str = "tree",
     ) -> Self: ...
     @property
     def draft_policy(self) -> str:
         """The rule that picks each step's draft count: "adaptive" or "fixed"."""
+    @property
+    def draft_shape(self) -> str:
+        """What the engine asks its proposer for: "tree" or "chain"."""
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether steps draft trees: the shape is "tree" and the proposer grows them."""
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

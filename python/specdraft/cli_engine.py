@@ -174,6 +174,7 @@ def run_generate(args: argparse.Namespace) -> int:
             num_drafts=args.num_drafts,
             max_batch_tokens=args.max_batch_tokens,
             draft_policy=args.draft_policy,
+            draft_shape=args.draft_shape,
         )
         text = args.prompt
         if not args.no_chat:
@@ -241,6 +242,13 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         choices=["adaptive", "fixed"],
         default="adaptive",
         help="adaptive: each step asks for the drafts that pay; fixed: always --num-drafts",
+    )
+    p.add_argument(
+        "--draft-shape",
+        choices=["tree", "chain"],
+        default="tree",
+        help="tree: a proposer that grows trees drafts one (greedy, no grammar), verified in "
+        "one forward; chain: always a chain",
     )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--regex", help="constrain the output to this regular expression")

@@ -76,6 +76,9 @@ pub(super) struct EngineSequence<K> {
     pub stack: StackRows,
     pub pending: Option<PendingPrefill>,
     pub drafts: Vec<u32>,
+    /// This step's draft tree when the proposer grew one that branches (`drafts` then holds
+    /// its tokens in node order); `None` for a chain.
+    pub tree: Option<crate::speculative::DraftTree>,
     /// Whether `propose` ran this step (so `after_verify` is owed).
     pub proposed: bool,
     /// Position of the first accepted draft of the last verify (for `catchup_batch`).

@@ -22,6 +22,11 @@
 //! `prefill_drafter` (see `stack`). It is proposed per sequence. A proposer that names none
 //! costs nothing: no capture is asked of the target and no buffer is allocated for it.
 //!
+//! Draft trees: under the `Tree` draft shape (the default), a proposer whose `grows_trees()`
+//! is true is asked `propose_tree` instead, per sequence, on greedy steps without a grammar,
+//! with a target that verifies trees; the accepted path's KV is compacted and
+//! `after_verify_tree` replaces `after_verify` when the tree branched (see `step_tree`).
+//!
 //! Block drafters: a proposer whose `block_gamma()` is `Some(γ)` is asked for `γ - 1`
 //! drafts a step (at least 1): γ takes precedence over the `num_drafts` the engine is built
 //! with, which is ignored for it.
@@ -45,8 +50,8 @@ use super::error::Stage;
 use super::guard::PanicGuard;
 use super::sequence::EngineSequence;
 use super::{
-    CarriedKv, Conversation, CostModel, EngineError, GenerateRequest, Generation, GenerationRun,
-    KvPoolStatus, Metrics, Target,
+    CarriedKv, Conversation, CostModel, DraftShape, EngineError, GenerateRequest, Generation,
+    GenerationRun, KvPoolStatus, Metrics, Target,
 };
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::model::ModelLevers;
@@ -98,6 +103,11 @@ pub struct SpecEngine<T: Target> {
     pub(super) draft_policy: DraftPolicy,
     /// The proposer's `target_layer_ids`, read once (empty: no capture).
     pub(super) capture_layers: Arc<[usize]>,
+    /// The draft shape asked for.
+    pub(super) draft_shape: DraftShape,
+    /// Whether steps ask for trees: the shape is `Tree`, the proposer grows them and the
+    /// target verifies them.
+    pub(super) trees: bool,
 }
 
 impl<T: Target> Clone for SpecEngine<T> {
@@ -112,6 +122,8 @@ impl<T: Target> Clone for SpecEngine<T> {
             drafter_pool: self.drafter_pool.clone(),
             draft_policy: self.draft_policy.clone(),
             capture_layers: self.capture_layers.clone(),
+            draft_shape: self.draft_shape,
+            trees: self.trees,
         }
     }
 }
@@ -151,6 +163,7 @@ impl<T: Target> SpecEngine<T> {
                 what: "target_layer_ids",
                 message,
             })?;
+        let trees = proposer.as_ref().is_some_and(|p| p.grows_trees()) && target.supports_trees();
         Ok(SpecEngine {
             target,
             proposer,
@@ -161,7 +174,32 @@ impl<T: Target> SpecEngine<T> {
             drafter_pool: None,
             draft_policy: DraftPolicy::default().for_block_drafter(gamma.is_some()),
             capture_layers: layers.into(),
+            draft_shape: DraftShape::Tree,
+            trees,
         })
+    }
+
+    /// The same engine asking its proposer for drafts of `shape`: `Tree` (the default)
+    /// asks a proposer that grows trees for one each greedy step without a grammar, when the
+    /// target verifies trees; `Chain` always asks `propose`. Sampled and grammar-constrained
+    /// sequences draft chains either way.
+    pub fn with_draft_shape(mut self, shape: DraftShape) -> Self {
+        self.draft_shape = shape;
+        self.trees = shape == DraftShape::Tree
+            && self.proposer.as_ref().is_some_and(|p| p.grows_trees())
+            && self.target.supports_trees();
+        self
+    }
+
+    /// The draft shape asked for (see [`SpecEngine::with_draft_shape`]).
+    pub fn draft_shape(&self) -> DraftShape {
+        self.draft_shape
+    }
+
+    /// Whether steps draft trees: the shape is `Tree`, the proposer grows trees and the
+    /// target verifies them.
+    pub fn drafts_trees(&self) -> bool {
+        self.trees
     }
 
     /// The same engine with `levers`.
@@ -334,6 +372,7 @@ impl<T: Target> SpecEngine<T> {
             stack: Default::default(),
             pending: None,
             drafts: Vec::new(),
+            tree: None,
             proposed: false,
             catchup_pos: 0,
             finish: None,

@@ -7,7 +7,9 @@
 //!   protocol (too many, outside the vocabulary) end the sequence; they are never verified.
 //! - Each sequence's verify input is `[last_token, drafts..]`; the emitted tokens are the
 //!   verdict's (the accepted drafts, then the target's own pick), so greedy output does not
-//!   depend on what was drafted.
+//!   depend on what was drafted. A sequence that drafted a branching tree (see `step_tree`)
+//!   has its nodes as `drafts`, verified in the same forward under the tree mask, and keeps
+//!   its accepted path as if it had drafted that chain.
 //! - After a step the target KV holds every token but the last (rejected rows trimmed), and
 //!   `hidden_rows` row `hidden_row` is the hidden whose logits picked the last token; with
 //!   capture, the last of the `stack` rows is its captured counterpart (see `stack`).
@@ -49,6 +51,7 @@ impl<T: Target> SpecEngine<T> {
         let t_draft = Instant::now();
         for seq in seqs.iter_mut() {
             seq.drafts.clear();
+            seq.tree = None;
             seq.proposed = false;
             if seq.active() && seq.pending.is_some() {
                 if let Err(e) = self.run_drafter_prefill(seq, ctx) {
@@ -66,7 +69,8 @@ impl<T: Target> SpecEngine<T> {
             let mut single = Vec::new();
             let mut batchable = Vec::new();
             for (i, s) in seqs.iter().enumerate().filter(|(i, s)| wants(*i, s)) {
-                if s.grammar.is_some() {
+                // A tree is proposed per sequence: `propose_batch` returns chains.
+                if s.grammar.is_some() || self.asks_tree(s) {
                     single.push(i);
                 } else {
                     batchable.push(i);
@@ -84,7 +88,11 @@ impl<T: Target> SpecEngine<T> {
             }
             single.sort_unstable();
             for i in single {
-                self.propose_one(prop.as_ref(), &mut seqs[i], asked[i], ctx);
+                if self.asks_tree(&seqs[i]) {
+                    self.propose_tree_one(prop.as_ref(), &mut seqs[i], asked[i], ctx);
+                } else {
+                    self.propose_one(prop.as_ref(), &mut seqs[i], asked[i], ctx);
+                }
             }
         }
         total.draft_time += t_draft.elapsed();
@@ -290,6 +298,8 @@ impl<T: Target> SpecEngine<T> {
         for &i in chunk {
             member[i] = true;
         }
+        let trees: Vec<bool> = seqs.iter().map(|s| s.tree.is_some()).collect();
+        let tree_parents = self.tree_parents(chunk, seqs);
         let t = Instant::now();
         let out = {
             let kvs: std::result::Result<Vec<&mut T::KvSequence>, EngineError> = seqs
@@ -300,6 +310,9 @@ impl<T: Target> SpecEngine<T> {
                 .collect();
             let toks: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
             match kvs {
+                Ok(mut kvs) if chunk.iter().any(|&i| trees[i]) => {
+                    self.forward_trees(&tree_parents, &mut kvs, &toks)
+                }
                 Ok(mut kvs) => self.forward_rows_of(&mut kvs, &toks, false),
                 Err(e) => Err(e.into()),
             }
@@ -339,7 +352,12 @@ impl<T: Target> SpecEngine<T> {
             let seq = &mut seqs[i];
             let rows = inputs[k].len();
             seq.metrics.verify_time += forward_time.mul_f64(rows as f64 / rows_total as f64);
-            match self.verify_one(seq, &out, out.row_offsets[k], rows) {
+            let verified = if seq.tree.is_some() {
+                self.verify_tree_one(seq, &out, out.row_offsets[k], rows)
+            } else {
+                self.verify_one(seq, &out, out.row_offsets[k], rows)
+            };
+            match verified {
                 Ok(dt) => proposer_time += dt,
                 Err(e) => seq.fail_at(Stage::Verify, e),
             }

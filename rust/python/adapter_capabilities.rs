@@ -1,4 +1,4 @@
-//! What a proposer is through the adapter: `block_gamma`, `target_layer_ids`, `needs_comm`,
+//! What a proposer is through the adapter: `block_gamma`, `target_layer_ids`, `grows_trees`, `needs_comm`,
 //! and the circuit binding (`circuit_draft`, `set_circuit_draft`).
 //!
 //! Each method runs the Rust path when the Python class does not override it, otherwise
@@ -40,6 +40,29 @@ impl PyProposer {
                 ret_usize_list(&r).map_err(|e| self.bad_return(m, e))
             },
             || self.fallback().target_layer_ids(),
+        )
+    }
+
+    /// A Python `propose_tree` grows trees; a Python `propose` without one drafts chains,
+    /// whatever the class it extends grows.
+    pub(super) fn grows_trees(&self) -> bool {
+        let m = M::GrowsTrees;
+        if !self.python(m) {
+            if self.python(M::ProposeTree) {
+                return true;
+            }
+            if self.python(M::Propose) {
+                return false;
+            }
+            return self.fallback().grows_trees();
+        }
+        self.infallible(
+            m,
+            |py| {
+                let r = self.call(py, m, (), None)?;
+                ret_bool(&r).map_err(|e| self.bad_return(m, e))
+            },
+            || self.fallback().grows_trees(),
         )
     }
 

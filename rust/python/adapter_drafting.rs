@@ -161,6 +161,30 @@ impl PyProposer {
         })
     }
 
+    /// A Python `after_verify` without its own `after_verify_tree` learns the path's length,
+    /// as the protocol's default tells it.
+    pub(super) fn after_verify_tree(
+        &self,
+        path: &[usize],
+        state: &mut dyn ProposerState,
+        stream: u64,
+    ) -> Result<()> {
+        let m = M::AfterVerifyTree;
+        if !self.python(m) {
+            if self.python(M::AfterVerify) {
+                return self.after_verify(path.len(), state, stream);
+            }
+            return with_rust_state(state, m.name(), |s| {
+                self.fallback().after_verify_tree(path, s, stream)
+            });
+        }
+        let st = held(state, m)?;
+        Python::attach(|py| {
+            self.call(py, m, (path.to_vec(), st.obj.bind(py), stream), None)?;
+            Ok(())
+        })
+    }
+
     pub(super) fn propose_batch(
         &self,
         last_tokens: &[u32],

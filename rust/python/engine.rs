@@ -20,7 +20,9 @@ use super::generation::{
 use super::model::PyModelLevers;
 use super::stream::PyGenerationStream;
 use super::target_model::PyTargetModel;
-use crate::engine::{DraftPolicyKind, EngineError, GenerateRequest, Metrics, SpecEngine};
+use crate::engine::{
+    DraftPolicyKind, DraftShape, EngineError, GenerateRequest, Metrics, SpecEngine,
+};
 use crate::model::{ModelLevers, TargetModel};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -28,8 +30,8 @@ use pyo3::types::{PyDict, PyString};
 use std::sync::{Arc, Mutex};
 
 /// `SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
-/// max_batch=256, max_batch_tokens=None, draft_policy="adaptive")`: speculative decoding on
-/// a target model with an optional proposer.
+/// max_batch=256, max_batch_tokens=None, draft_policy="adaptive", draft_shape="tree")`:
+/// speculative decoding on a target model with an optional proposer.
 ///
 /// `tokenizer` defaults to `model.tokenizer`, so text prompts and chat messages work with
 /// a model that carries one; without `levers` they are read from the `SPECDRAFT_*`
@@ -41,7 +43,10 @@ use std::sync::{Arc, Mutex};
 /// `draft_policy` is `"adaptive"` (each step, each sequence is asked for the draft count,
 /// up to `num_drafts`, that maximises expected tokens per second from its measured
 /// acceptance and the measured cost of drafting and verifying) or `"fixed"` (always
-/// `num_drafts`).
+/// `num_drafts`). `draft_shape` is `"tree"` (a proposer that grows trees, such as
+/// `PromptLookup`, is asked `propose_tree` with that count as its node budget on greedy steps
+/// without a grammar, and one forward verifies every node) or `"chain"` (always `propose`);
+/// sampled and grammar-constrained sequences draft chains either way.
 #[pyclass(name = "SpecEngine", module = "specdraft", frozen)]
 pub struct PySpecEngine {
     pub(super) engine: SpecEngine<TargetModel>,
@@ -108,7 +113,7 @@ impl PySpecEngine {
 #[pymethods]
 impl PySpecEngine {
     #[new]
-    #[pyo3(signature = (model, proposer = None, num_drafts = 4, *, tokenizer = None, levers = None, max_batch = 256, max_batch_tokens = None, draft_policy = "adaptive"))]
+    #[pyo3(signature = (model, proposer = None, num_drafts = 4, *, tokenizer = None, levers = None, max_batch = 256, max_batch_tokens = None, draft_policy = "adaptive", draft_shape = "tree"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Bound<'_, PyAny>,
@@ -119,6 +124,7 @@ impl PySpecEngine {
         max_batch: usize,
         max_batch_tokens: Option<usize>,
         draft_policy: &str,
+        draft_shape: &str,
     ) -> PyResult<Self> {
         if max_batch == 0 || max_batch_tokens == Some(0) {
             return Err(super::errors::request_error(
@@ -128,6 +134,11 @@ impl PySpecEngine {
         let policy: DraftPolicyKind = draft_policy
             .parse()
             .map_err(|e: EngineError| to_pyerr(&e.into()))?;
+        let shape = DraftShape::parse(draft_shape).ok_or_else(|| {
+            super::errors::request_error(format!(
+                "draft_shape must be \"tree\" or \"chain\", got {draft_shape:?}"
+            ))
+        })?;
         let model = model.cast::<PyTargetModel>().map_err(|_| {
             PyTypeError::new_err(format!(
                 "model must be a specdraft.TargetModel (from specdraft.load_model), got {}",
@@ -144,7 +155,8 @@ impl PySpecEngine {
             .py()?
             .with_levers(levers)
             .with_max_batch(max_batch)
-            .with_draft_policy(policy);
+            .with_draft_policy(policy)
+            .with_draft_shape(shape);
         if let Some(n) = max_batch_tokens {
             engine = engine.with_max_batch_tokens(n);
         }
@@ -311,6 +323,18 @@ impl PySpecEngine {
     #[getter]
     fn draft_policy(&self) -> &'static str {
         self.engine.draft_policy().as_str()
+    }
+
+    /// What the engine asks its proposer for: "tree" or "chain".
+    #[getter]
+    fn draft_shape(&self) -> &'static str {
+        self.engine.draft_shape().name()
+    }
+
+    /// Whether steps draft trees: the shape is "tree" and the proposer grows them.
+    #[getter]
+    fn drafts_trees(&self) -> bool {
+        self.engine.drafts_trees()
     }
 
     /// The proposer object given at construction, or None.

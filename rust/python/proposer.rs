@@ -229,6 +229,23 @@ impl PyDraftProposer {
         .py()
     }
 
+    /// `after_verify` after a `propose_tree` whose tree branched: `path` lists the accepted
+    /// nodes, root side first. The default calls `after_verify(len(path), state, stream)`.
+    fn after_verify_tree(
+        &self,
+        py: Python<'_>,
+        path: Vec<usize>,
+        state: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let mut st = StateSrc::from_py(state);
+        py.detach(|| {
+            let mut g = st.lock(M::AfterVerifyTree.name())?;
+            self.target().after_verify_tree(&path, g.as_state(), stream)
+        })
+        .py()
+    }
+
     /// `alloc_state` given the sequence's token budget (`2**64 - 1`: unknown).
     fn alloc_state_for(
         &self,
@@ -264,6 +281,12 @@ impl PyDraftProposer {
     /// Rows of the prefill hidden capture this proposer can use (default `max_seq_len`).
     fn prefill_hidden_rows(&self, py: Python<'_>, max_seq_len: usize) -> usize {
         py.detach(|| self.target().prefill_hidden_rows(max_seq_len))
+    }
+
+    /// Whether `propose_tree` grows branching trees (default False: its chain); under
+    /// `SpecEngine(draft_shape="tree")` such a proposer is asked for a tree each greedy step.
+    fn grows_trees(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.target().grows_trees())
     }
 
     /// Whether the proposer's block is sharded across ranks (default False).

@@ -178,14 +178,28 @@ impl DraftTree {
     /// token) the tree's best path matches: the longest root-to-node path whose every
     /// token equals `truth` at its depth. Requires a well-formed tree.
     pub fn accepted_len(&self, truth: &[u32]) -> usize {
-        let (mut at, mut depth) = (None, 0);
-        while let Some(next) = (0..self.len())
-            .find(|&i| self.parents[i] == at && truth.get(depth) == Some(&self.tokens[i]))
-        {
-            at = Some(next);
-            depth += 1;
+        self.accepted_path(truth).len()
+    }
+
+    /// The nodes of that path, root side first (at each depth the first child in node
+    /// order whose token matches). Requires a well-formed tree.
+    pub fn accepted_path(&self, truth: &[u32]) -> Vec<usize> {
+        let mut path: Vec<usize> = Vec::new();
+        while let Some(next) = (0..self.len()).find(|&i| {
+            self.parents[i] == path.last().copied()
+                && truth.get(path.len()) == Some(&self.tokens[i])
+        }) {
+            path.push(next);
         }
-        depth
+        path
+    }
+
+    /// Whether node `i`'s parent is node `i - 1` for every node: the tree is a chain.
+    pub fn is_chain(&self) -> bool {
+        self.parents
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p == i.checked_sub(1))
     }
 }
 

@@ -13,11 +13,17 @@
 //! The history lives in an n-gram index (`index::NgramIndex`) updated as tokens arrive and as a
 //! re-propose takes them back, so a lookup costs the same at any history length.
 //!
+//! As a tree proposer (`propose_tree`) it drafts several matches: the continuations of the
+//! most recent earlier occurrences of that suffix (up to [`TREE_OCCURRENCES`]), each as long
+//! as its own occurrence matches, merged where they share a prefix into one tree rooted at
+//! the last token. The first branch is exactly `propose`'s chain and the others take what
+//! is left of the node budget, so the tree accepts at least what the chain would.
+//!
 //! It allocates no device memory, so its state needs no freeing beyond being dropped.
 
 mod index;
 
-use super::{bitmask_allows, DraftProposer, ProposerError, ProposerState};
+use super::{bitmask_allows, DraftProposer, DraftTree, ProposerError, ProposerState};
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
@@ -30,6 +36,8 @@ pub struct PromptLookupState {
     history: NgramIndex,
     /// The drafts of the last propose, until `after_verify` says how many were kept.
     pub pending: Vec<u32>,
+    /// The parent of each of `pending` when the last propose was a tree (empty for a chain).
+    pending_parents: Vec<Option<usize>>,
 }
 
 impl PromptLookupState {
@@ -58,6 +66,9 @@ pub struct PromptLookup {
 pub const DEFAULT_MIN_NGRAM: usize = 2;
 /// See [`DEFAULT_MIN_NGRAM`].
 pub const DEFAULT_MAX_NGRAM: usize = 4;
+
+/// Earlier occurrences of the matched suffix a tree drafts from, most recent first.
+pub const TREE_OCCURRENCES: usize = 8;
 
 /// Matched tokens counted, at least, for [`match_confidence`].
 pub const CONFIDENCE_MATCH: usize = 8;
@@ -163,6 +174,18 @@ impl PromptLookup {
         let Some((start, n)) = index.longest_match() else {
             return (Vec::new(), 0);
         };
+        Self::continuation(index, start, n, num_drafts, mask)
+    }
+
+    /// The drafts following the occurrence of the history's last `n` tokens at `start`,
+    /// and the tokens it matches (see [`Self::draft_matched`]).
+    fn continuation(
+        index: &NgramIndex,
+        start: usize,
+        n: usize,
+        num_drafts: usize,
+        mask: Option<&[i32]>,
+    ) -> (Vec<u32>, usize) {
         let tokens = index.tokens();
         let len = tokens.len();
         // Count the match back past the n-gram while the tokens before the occurrence and
@@ -182,10 +205,40 @@ impl PromptLookup {
         (drafts, matched)
     }
 
+    /// The tree of the continuations of the history's longest matching suffix (see the
+    /// module docs), at most `budget` nodes.
+    fn draft_tree(index: &NgramIndex, budget: usize, mask: Option<&[i32]>) -> DraftTree {
+        let mut tree = DraftTree::default();
+        let Some((_, n)) = index.longest_match() else {
+            return tree;
+        };
+        for start in index.occurrences(n, TREE_OCCURRENCES) {
+            if tree.len() >= budget {
+                break;
+            }
+            let (branch, _) = Self::continuation(index, start, n, budget, mask);
+            let mut at = None;
+            for t in branch {
+                let child = (0..tree.len()).find(|&i| tree.parents[i] == at && tree.tokens[i] == t);
+                at = match child {
+                    Some(i) => Some(i),
+                    None if tree.len() < budget => {
+                        tree.tokens.push(t);
+                        tree.parents.push(at);
+                        Some(tree.len() - 1)
+                    }
+                    None => break,
+                };
+            }
+        }
+        tree
+    }
+
     fn new_state(&self) -> PromptLookupState {
         PromptLookupState {
             history: NgramIndex::new(self.min_ngram, self.max_ngram),
             pending: Vec::new(),
+            pending_parents: Vec::new(),
         }
     }
 
@@ -208,10 +261,12 @@ impl PromptLookup {
         st.history.push(last_token);
         if num_drafts == 0 {
             st.pending.clear();
+            st.pending_parents.clear();
             return Ok((Vec::new(), 0));
         }
         let (drafts, matched) = Self::draft_matched(&st.history, num_drafts, mask);
         st.pending.clone_from(&drafts);
+        st.pending_parents.clear();
         Ok((drafts, matched))
     }
 }
@@ -262,11 +317,90 @@ impl DraftProposer for PromptLookup {
             }
             .into());
         }
+        if st
+            .pending_parents
+            .iter()
+            .enumerate()
+            .take(num_accepted)
+            .any(|(i, &p)| p != i.checked_sub(1))
+        {
+            return Err(ProposerError::InvalidArgument {
+                method: "after_verify",
+                message: format!(
+                    "{num_accepted} accepted of a tree that branches before them: after_verify_tree names the path"
+                ),
+            }
+            .into());
+        }
+        st.pending_parents.clear();
         for t in std::mem::take(&mut st.pending)
             .into_iter()
             .take(num_accepted)
         {
             st.history.push(t);
+        }
+        Ok(())
+    }
+
+    fn grows_trees(&self) -> bool {
+        true
+    }
+
+    fn propose_tree(
+        &self,
+        last_token: u32,
+        _target_hidden: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        _stream: u64,
+        _draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        _target_hidden_stack: Option<DevicePtr>,
+    ) -> Result<DraftTree> {
+        check_vocab("propose_tree", &[last_token], ctx.config.vocab_size)?;
+        let st = state_of(state, "propose_tree")?;
+        st.history.truncate(position);
+        st.history.push(last_token);
+        let tree = Self::draft_tree(&st.history, budget, grammar_bitmask);
+        st.pending.clone_from(&tree.tokens);
+        st.pending_parents.clone_from(&tree.parents);
+        Ok(tree)
+    }
+
+    fn after_verify_tree(
+        &self,
+        path: &[usize],
+        state: &mut dyn ProposerState,
+        _stream: u64,
+    ) -> Result<()> {
+        let st = state_of(state, "after_verify_tree")?;
+        let n = st.pending.len();
+        let parents = &st.pending_parents;
+        let fault = path.iter().enumerate().find_map(|(k, &i)| {
+            let want = k.checked_sub(1).map(|j| path[j]);
+            if i >= n {
+                Some(format!("node {i} of a tree of {n}"))
+            } else if parents.get(i).copied().unwrap_or(i.checked_sub(1)) != want {
+                Some(format!(
+                    "node {i} is not a child of the path's node before it"
+                ))
+            } else {
+                None
+            }
+        });
+        if let Some(message) = fault {
+            return Err(ProposerError::InvalidArgument {
+                method: "after_verify_tree",
+                message: format!("path {path:?}: {message}"),
+            }
+            .into());
+        }
+        let pending = std::mem::take(&mut st.pending);
+        st.pending_parents.clear();
+        for &i in path {
+            st.history.push(pending[i]);
         }
         Ok(())
     }
@@ -286,6 +420,7 @@ impl DraftProposer for PromptLookup {
             st.history.push(t);
         }
         st.pending.clear();
+        st.pending_parents.clear();
         // Host-side history only: no drafter KV rows are written.
         Ok(0)
     }

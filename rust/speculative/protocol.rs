@@ -24,7 +24,9 @@
 //!   token inside the vocabulary and allowed by the grammar mask when one is given.
 //! - Every `propose` is followed by exactly one `after_verify`, with `num_accepted` at most
 //!   the number of drafts returned, before the next `propose` on the same state (unless the
-//!   sequence ends first, and `free_state` follows instead).
+//!   sequence ends first, and `free_state` follows instead); a `propose_tree` likewise, by
+//!   `after_verify` when its tree is a chain and by `after_verify_tree` with the accepted
+//!   path when it branches.
 //! - `take_drafter_kv` leaves the state as freshly allocated; blocks it hands out are owned
 //!   by the caller until `install_drafter_kv` accepts them or `free_drafter_kv` frees them.
 
@@ -130,6 +132,12 @@ macro_rules! with_protocol_methods {
                 grammar_bitmask: Option<&[i32]>,
                 target_hidden_stack: Option<$crate::backend::DevicePtr>,
             ) -> $crate::Result<$crate::speculative::DraftTree>, fallible;
+            GrowsTrees => fn grows_trees() -> bool, default(false);
+            AfterVerifyTree => fn after_verify_tree(
+                path: &[usize],
+                state: &mut dyn $crate::speculative::ProposerState,
+                stream: u64,
+            ) -> $crate::Result<()>, fallible;
             CatchupBatch => fn catchup_batch(
                 tokens: &[Vec<u32>],
                 hiddens: &[Vec<$crate::backend::DevicePtr>],
@@ -526,6 +534,30 @@ pub trait DraftProposer: Send + Sync {
         Ok(DraftTree::chain(drafts))
     }
 
+    /// Whether [`Self::propose_tree`] grows trees that branch (the default's chain does
+    /// not). The engine reads it once, when it is built: under its `"tree"` draft shape it
+    /// asks such a proposer for a tree per sequence (greedy steps without a grammar) instead
+    /// of grouping it into `propose_batch`, and tells it the accepted path through
+    /// [`Self::after_verify_tree`] when the tree branched.
+    fn grows_trees(&self) -> bool {
+        false
+    }
+
+    /// [`Self::after_verify`] after a `propose_tree` whose tree branched: `path` holds the
+    /// accepted nodes (indices into the tree, root side first, each a child of the one
+    /// before), the ones that entered the sequence. The target's KV already holds them as a
+    /// chain would, right after the last verified token; a drafter with its own KV keeps the
+    /// same path's rows. The default tells [`Self::after_verify`] the path's length, right
+    /// for a proposer whose state does not depend on which nodes were drafted.
+    fn after_verify_tree(
+        &self,
+        path: &[usize],
+        state: &mut dyn ProposerState,
+        stream: u64,
+    ) -> Result<()> {
+        self.after_verify(path.len(), state, stream)
+    }
+
     /// Appends one drafter row per accepted draft of the last verify, for several
     /// sequences; called only with `ModelLevers::mtp_kv_exact` on. Returns the rows written;
     /// the default writes none.
@@ -601,7 +633,7 @@ mod tests {
     fn the_method_list_is_the_trait_in_order() {
         let names: Vec<&str> = ProtocolMethod::NAMES.to_vec();
         assert_eq!(trait_methods(), names);
-        assert_eq!(ProtocolMethod::COUNT, 24);
+        assert_eq!(ProtocolMethod::COUNT, 26);
         assert_eq!(
             ProtocolMethod::ALL[..ProtocolMethod::REQUIRED]
                 .iter()

@@ -246,6 +246,23 @@ impl Checker<'_> {
         seq.pos += accepted + 1;
     }
 
+    /// [`Self::advance`] after a branching tree: `after_verify_tree` with the accepted path.
+    pub(super) fn advance_tree(&mut self, seq: &mut Sequence, path: &[usize]) {
+        let (p, Some(state)) = (self.proposer, seq.state.as_mut()) else {
+            return;
+        };
+        if guarded(&mut self.report, "after_verify_tree", || {
+            p.after_verify_tree(path, &mut **state, 0)
+        })
+        .is_none()
+        {
+            self.end(seq);
+            return;
+        }
+        seq.delivered = seq.pos;
+        seq.pos += path.len() + 1;
+    }
+
     pub(super) fn propose_one(
         &mut self,
         seq: &mut Sequence,

@@ -1,7 +1,8 @@
 //! The tree check: `propose_tree` returns a well-formed tree (each parent before its child,
 //! at most `budget` nodes, tokens inside the vocabulary, probabilities in `[0, 1]`), and
 //! every node obeys the grammar mask when one is given. The simulated verify accepts the
-//! tree's longest path that matches the continuation, and `after_verify` is told its length.
+//! tree's longest path that matches the continuation, and `after_verify` is told its length
+//! (`after_verify_tree` the path itself when the tree branches).
 
 use super::driver::{guarded, Checker, Sequence};
 use crate::speculative::{bitmask_allows, DraftTree};
@@ -42,8 +43,12 @@ pub(super) fn check_trees(checker: &mut Checker<'_>, seq: &mut Sequence, rng: &m
                 );
             }
         }
-        let accepted = tree.accepted_len(&seq.truth[seq.pos + 1..]);
-        checker.advance(seq, accepted);
+        let path = tree.accepted_path(&seq.truth[seq.pos + 1..]);
+        if tree.is_chain() {
+            checker.advance(seq, path.len());
+        } else {
+            checker.advance_tree(seq, &path);
+        }
     }
 }
 

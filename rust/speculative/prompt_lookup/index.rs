@@ -111,6 +111,29 @@ impl NgramIndex {
         None
     }
 
+    /// The starts of the earlier occurrences of the history's last `n` tokens (`min_ngram
+    /// <= n <= max_ngram`, `n` below the history's length) that are followed by at least one
+    /// token, most recent first, at most `limit` of them.
+    pub(crate) fn occurrences(&self, n: usize, limit: usize) -> Vec<usize> {
+        let len = self.tokens.len();
+        let mut hash = None;
+        for_each_hash(&self.tokens, len, n, n, |_, h| hash = Some(h));
+        let (Some(hash), true) = (hash, (self.min_ngram..=self.max_ngram).contains(&n)) else {
+            return Vec::new();
+        };
+        let suffix = &self.tokens[len - n..];
+        let slot = n - self.min_ngram;
+        let mut found = Vec::new();
+        let mut f = self.heads[slot].get(&hash).copied().unwrap_or(NONE);
+        while f != NONE && found.len() < limit {
+            if &self.tokens[f - n..f] == suffix {
+                found.push(f - n);
+            }
+            f = self.prev[f * self.widths() + slot];
+        }
+        found
+    }
+
     /// The longest suffix of the history (`max_ngram` down to `min_ngram` tokens) that
     /// occurred earlier, as `(start of its most recent earlier occurrence, n)`.
     pub(crate) fn longest_match(&self) -> Option<(usize, usize)> {
