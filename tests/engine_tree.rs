@@ -16,7 +16,7 @@ use specdraft::engine::testing::decode_hidden;
 use specdraft::engine::{
     DraftPolicyKind, DraftShape, GenerateRequest, SamplingParams, SpecEngine, Target,
 };
-use specdraft::model::{ForwardContext, LoadOptions, TargetModel};
+use specdraft::model::{ForwardContext, LoadOptions, LogitRows, TargetModel};
 use specdraft::speculative::{DraftProposer, DraftTree, PromptLookup, ProposerState};
 use specdraft::Result;
 use std::collections::HashMap;
@@ -41,12 +41,19 @@ struct SecondBranch {
     check_hidden: bool,
     /// The hiddens that were not that row.
     wrong_hidden: Mutex<Vec<String>>,
+    /// Target layers to capture, and for each prompt the rows a plain forward of its whole
+    /// greedy text gives (BF16 bits: the final hiddens, then the captured layers' rows), to
+    /// check each propose's `target_hidden` and `target_hidden_stack` against.
+    capture: Option<(Vec<usize>, HashMap<Vec<u32>, (Vec<u16>, Vec<u16>)>)>,
 }
 
 #[derive(Default)]
 struct Seen {
     full: Vec<u32>,
     bad: bool,
+    prompt: Vec<u32>,
+    /// The position of the last propose (the last prompt row's after the prefill).
+    last: usize,
 }
 specdraft::impl_proposer_state!(Seen);
 
@@ -68,6 +75,7 @@ impl SecondBranch {
             paths: Mutex::new(Vec::new()),
             check_hidden: false,
             wrong_hidden: Mutex::new(Vec::new()),
+            capture: None,
         }
     }
 
@@ -105,6 +113,8 @@ impl DraftProposer for SecondBranch {
     ) -> Result<usize> {
         let st = seen(state);
         st.full = self.truth.get(prompt).cloned().unwrap_or_default();
+        st.prompt = prompt.to_vec();
+        st.last = prompt.len() - 1;
         st.bad = self.bad_tree_for.is_some() && prompt.first() == self.bad_tree_for.as_ref();
         Ok(0)
     }
@@ -129,6 +139,9 @@ impl DraftProposer for SecondBranch {
     fn grows_trees(&self) -> bool {
         true
     }
+    fn target_layer_ids(&self) -> Vec<usize> {
+        self.capture.as_ref().map_or(Vec::new(), |(l, _)| l.clone())
+    }
     fn propose_tree(
         &self,
         _last: u32,
@@ -140,19 +153,37 @@ impl DraftProposer for SecondBranch {
         _stream: u64,
         _d: Option<DevicePtr>,
         _mask: Option<&[i32]>,
-        _stack: Option<DevicePtr>,
+        stack: Option<DevicePtr>,
     ) -> Result<DraftTree> {
         let st = seen(state);
+        let hidden = ctx.config.hidden_size;
+        let mut wrong = self.wrong_hidden.lock().unwrap();
         if self.check_hidden {
-            let row = ctx.gpu.download_bf16(h, ctx.config.hidden_size)?;
+            let row = ctx.gpu.download_bf16(h, hidden)?;
             let want = (st.full[position - 1], position - 1);
             if decode_hidden(&row) != want {
-                self.wrong_hidden.lock().unwrap().push(format!(
+                wrong.push(format!(
                     "at {position}: {:?}, want {want:?}",
                     decode_hidden(&row)
                 ));
             }
         }
+        if let Some((layers, reference)) = &self.capture {
+            // The rows of the tokens since the last propose: positions `last..position`.
+            let (hiddens, stacks) = &reference[&st.prompt];
+            let (sw, k) = (layers.len() * hidden, position - st.last);
+            let row = ctx.gpu.download::<u16>(h, hidden)?;
+            if row[..] != hiddens[(position - 1) * hidden..position * hidden] {
+                wrong.push(format!("target_hidden at {position}"));
+            }
+            let rows = ctx
+                .gpu
+                .download::<u16>(stack.expect("rows captured"), k * sw)?;
+            if rows[..] != stacks[(position - k) * sw..position * sw] {
+                wrong.push(format!("{k} stack rows at {position}"));
+            }
+        }
+        st.last = position;
         Ok(self.tree(st, position, budget))
     }
     fn after_verify_tree(
@@ -380,6 +411,47 @@ fn a_compacted_path_holds_the_kv_and_logits_of_a_plain_forward_of_it() {
     );
     model.free_sequence(&mut a).unwrap();
     model.free_sequence(&mut b).unwrap();
+    drop(model);
+    assert_eq!(
+        gpu.ledger().live_count(),
+        0,
+        "{:?}",
+        gpu.ledger().live_report()
+    );
+}
+
+#[test]
+fn the_hidden_and_captured_rows_follow_the_accepted_path_on_the_real_model() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(specdraft::backend::CpuBackend::new());
+    let model = load(&gpu, "capture");
+    let prompts = model_prompts();
+    let base = plain(&model, &prompts);
+    let layers = vec![0, 1];
+    let mut reference = HashMap::new();
+    let h = model.config().hidden_size;
+    for (p, b) in prompts.iter().zip(&base) {
+        let full = [&p[..], &b[..]].concat();
+        let mut s = model.new_sequence();
+        let out = model
+            .forward_capturing(&mut [&mut s], &[&full], LogitRows::All, &layers)
+            .unwrap();
+        let n = full.len();
+        let hiddens = gpu.download::<u16>(out.hiddens, n * h).unwrap();
+        let stacks = gpu
+            .download::<u16>(out.hidden_stack.unwrap(), n * layers.len() * h)
+            .unwrap();
+        model.free_sequence(&mut s).unwrap();
+        reference.insert(p.clone(), (hiddens, stacks));
+    }
+    let mut tree = SecondBranch::new(&prompts, &base, 96);
+    tree.capture = Some((layers, reference));
+    let tree = Arc::new(tree);
+    let (out, accepted, errors) = run(&model, Some(tree.clone()), DraftShape::Tree, &prompts);
+    assert!(errors.iter().all(Option::is_none), "{errors:?}");
+    assert_eq!(out, base);
+    assert!(accepted >= 3 * 3, "tree accepted {accepted}");
+    let wrong = tree.wrong_hidden.lock().unwrap();
+    assert!(wrong.is_empty(), "rows off the accepted path: {wrong:?}");
     drop(model);
     assert_eq!(
         gpu.ledger().live_count(),
