@@ -40,6 +40,11 @@ struct Reference {
 
 /// Writes `family`'s checkpoint with `seed` into `dir` and returns the reference's logits.
 fn reference(family: &str, dir: &Path, seed: u64) -> Reference {
+    reference_with_gguf(family, dir, seed, None)
+}
+
+/// [`reference`], also writing the same weights to the GGUF file `gguf`.
+fn reference_with_gguf(family: &str, dir: &Path, seed: u64, gguf: Option<&Path>) -> Reference {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_target_reference.py");
     let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
     let out = Command::new(python())
@@ -50,6 +55,7 @@ fn reference(family: &str, dir: &Path, seed: u64) -> Reference {
             &seed.to_string(),
             &ids.join(","),
         ])
+        .args(gguf.map(|g| g.to_str().unwrap()))
         .output()
         .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python(), script.display()));
     assert!(
@@ -125,6 +131,24 @@ fn check_family(family: &str, seed: u64, margin: f64, sparse: &[usize]) {
         .filter(|&i| layers[i].moe().is_some())
         .collect();
     assert_eq!(routed, sparse, "the layers that route");
+    // A decode step reads every dense weight, the router and top_k experts of a routed
+    // layer (BF16: two bytes a weight), not the other experts.
+    let (h, q, kv, ffn, e_ffn, experts) = (64, 64, 32, 96, 32, 8);
+    let glm = family == "glm4_moe";
+    let top_k = if glm { 2 } else { 3 };
+    let attention = 2 * h * q + 2 * h * kv + 2 * h + if glm { q + 2 * kv } else { 2 * 16 };
+    let routed_layer = experts * h + top_k * 3 * h * e_ffn + if glm { 3 * h * e_ffn } else { 0 };
+    let want_bytes = 2
+        * (sparse.len() * routed_layer
+            + (3 - sparse.len()) * 3 * h * ffn
+            + 3 * attention
+            + h
+            + 96 * h);
+    assert_eq!(
+        model.weight_bytes_per_token(),
+        want_bytes,
+        "weight bytes a token"
+    );
     let got = prefill_then_decode(&model);
     assert_eq!(got.len(), TOKENS.len());
     let scale = want
@@ -173,7 +197,7 @@ struct ReplayState {
 }
 specdraft::impl_proposer_state!(ReplayState);
 
-fn replay_state<'a>(s: &'a mut dyn ProposerState) -> specdraft::Result<&'a mut ReplayState> {
+fn replay_state(s: &mut dyn ProposerState) -> specdraft::Result<&mut ReplayState> {
     s.as_any_mut().downcast_mut::<ReplayState>().ok_or_else(|| {
         ProposerError::WrongState {
             method: "Replay",
@@ -340,6 +364,15 @@ fn check_refusal(dir: &Path, what: &str, needles: &[&str]) -> Result<(), String>
     }
 }
 
+/// A broken checkpoint: its family, what is broken, the edit that breaks it, and what the
+/// refusal must name.
+type Case<T> = (
+    &'static str,
+    &'static str,
+    Box<dyn Fn(&mut T)>,
+    &'static [&'static str],
+);
+
 #[test]
 fn broken_moe_checkpoints_are_refused_by_name() {
     type Tensors = serde_json::Map<String, serde_json::Value>;
@@ -353,7 +386,7 @@ fn broken_moe_checkpoints_are_refused_by_name() {
     let reshape = |name: &'static str, shape: serde_json::Value| {
         move |h: &mut Tensors| h[name]["shape"] = shape.clone()
     };
-    let tensor_cases: Vec<(&str, &str, Box<dyn Fn(&mut Tensors)>, &[&str])> = vec![
+    let tensor_cases: Vec<Case<Tensors>> = vec![
         (
             "glm4_moe",
             "missing expert",
@@ -405,7 +438,7 @@ fn broken_moe_checkpoints_are_refused_by_name() {
         edit_header(&dir, |h| edit(h));
         failures.extend(check_refusal(&dir, what, needles).err());
     }
-    let config_cases: Vec<(&str, &str, Box<dyn Fn(&mut Config)>, &[&str])> = vec![
+    let config_cases: Vec<Case<Config>> = vec![
         (
             "glm4_moe",
             "top_k above the experts",
@@ -476,4 +509,48 @@ fn broken_moe_checkpoints_are_refused_by_name() {
         failures.extend(check_refusal(&dir, what, needles).err());
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn gguf_and_safetensors_of_the_same_weights_give_the_same_logits() {
+    for (family, seed) in [("glm4_moe", 12), ("qwen3_moe", 56)] {
+        let dir = temp_dir(&format!("moe_gguf_{family}"));
+        let gguf = temp_dir(&format!("moe_gguf_file_{family}")).join("model.gguf");
+        reference_with_gguf(family, &dir, seed, Some(&gguf));
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let from_st = TargetModel::load(&dir, gpu.clone(), opts()).unwrap();
+        let from_gguf = TargetModel::load(&gguf, gpu.clone(), opts()).unwrap();
+        let (a, b) = (from_st.config(), from_gguf.config());
+        assert_eq!(a.moe, b.moe, "{family}: the MoE config from GGUF metadata");
+        assert_eq!(
+            (
+                a.family,
+                a.num_hidden_layers,
+                a.partial_rotary_factor,
+                a.qk_norm,
+                a.attention_bias
+            ),
+            (
+                b.family,
+                b.num_hidden_layers,
+                b.partial_rotary_factor,
+                b.qk_norm,
+                b.attention_bias
+            ),
+            "{family}"
+        );
+        // F32 tensors holding BF16 values load to the same BF16 weights: the same logits,
+        // bit for bit.
+        assert_eq!(
+            prefill_then_decode(&from_gguf),
+            prefill_then_decode(&from_st),
+            "{family}: GGUF and safetensors logits"
+        );
+        drop((from_st, from_gguf));
+        assert_eq!(
+            gpu.ledger().live_count(),
+            0,
+            "{family}: the ledger after the drop"
+        );
+    }
 }

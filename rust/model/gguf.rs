@@ -1,5 +1,7 @@
 //! GGUF files: the header, the metadata key/values, the tensor infos and the aligned data,
-//! memory-mapped; and the `ModelConfig` a Llama-family GGUF describes.
+//! memory-mapped; and the `ModelConfig` a Llama-family or GQA mixture-of-experts
+//! (`qwen3moe`, `glm4moe`) GGUF describes, whose stacked expert tensors it serves one expert
+//! at a time.
 //!
 //! Written here rather than taken from a crate: the format is small (a few hundred lines of
 //! spec), and the crates that read it either belong to a whole inference framework or stop
@@ -15,7 +17,7 @@
 //! and tensor names are unique; shapes are reported outermost first (GGUF stores dims
 //! innermost first).
 
-use super::config::{ModelFamily, RopeScaling};
+use super::config::{ModelFamily, MoeConfig, RopeScaling};
 use super::file_bytes::FileBytes;
 use super::gguf_reader::{Reader, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES};
 use super::tensors::{RawTensor, TensorSource, TensorType};
@@ -330,11 +332,13 @@ impl GgufFile {
             "llama" => ModelFamily::Llama,
             "qwen2" => ModelFamily::Qwen2,
             "qwen3" => ModelFamily::Qwen3,
+            "qwen3moe" => ModelFamily::Qwen3Moe,
+            "glm4moe" => ModelFamily::Glm4Moe,
             other => {
                 return Err(self
                     .meta_err(
                         "general.architecture",
-                        &format!("is {other:?}; supported: llama, qwen2, qwen3"),
+                        &format!("is {other:?}; supported: llama, qwen2, qwen3, qwen3moe, glm4moe"),
                     )
                     .into())
             }
@@ -392,11 +396,17 @@ impl GgufFile {
                 )
             })?),
         };
+        // glm4moe counts its MTP (nextn) layers in block_count; the main model has the rest.
+        let nextn = self.meta_usize(&key("nextn_predict_layers"))?.unwrap_or(0);
+        let num_hidden_layers = need("block_count")?.checked_sub(nextn).ok_or_else(|| {
+            self.meta_err(&key("nextn_predict_layers"), "is more than block_count")
+        })?;
+        let moe = self.moe_config(&arch, num_hidden_layers)?;
         let config = ModelConfig {
             family,
             hidden_size,
             intermediate_size: need("feed_forward_length")?,
-            num_hidden_layers: need("block_count")?,
+            num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
@@ -411,12 +421,79 @@ impl GgufFile {
             tie_word_embeddings: !self.tensors.contains_key("output.weight"),
             attention_bias: self.tensors.contains_key("blk.0.attn_q.bias"),
             qk_norm: self.tensors.contains_key("blk.0.attn_q_norm.weight"),
-            num_nextn_predict_layers: 0,
-            moe: None,
+            num_nextn_predict_layers: nextn,
+            moe,
             eos_token_ids: eos.map(|e| vec![e]).unwrap_or_default(),
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// The MoE sizes of a `qwen3moe` / `glm4moe` file (`None` for the dense architectures):
+    /// llama.cpp's `expert_*` keys, `leading_dense_block_count` for GLM's dense first
+    /// layers, and for Qwen3-MoE every layer without a router (`ffn_gate_inp`) dense.
+    fn moe_config(&self, arch: &str, layers: usize) -> Result<Option<MoeConfig>, ModelError> {
+        if !matches!(arch, "qwen3moe" | "glm4moe") {
+            return Ok(None);
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let need = |k: &str| -> Result<usize, ModelError> {
+            self.meta_usize(&key(k))?
+                .ok_or_else(|| self.meta_err(&key(k), "is missing"))
+        };
+        let glm = arch == "glm4moe";
+        let first_k_dense_replace = match glm {
+            true => self
+                .meta_usize(&key("leading_dense_block_count"))?
+                .unwrap_or(0),
+            false => 0,
+        };
+        let mlp_only_layers = match glm {
+            true => Vec::new(),
+            false => (0..layers)
+                .filter(|i| {
+                    !self
+                        .tensors
+                        .contains_key(&format!("blk.{i}.ffn_gate_inp.weight"))
+                })
+                .collect(),
+        };
+        // llama.cpp's qwen3moe always renormalises the chosen weights.
+        let norm_topk_prob = match self.metadata.get(&key("expert_weights_norm")) {
+            Some(GgufValue::Bool(b)) => *b,
+            Some(v) => {
+                return Err(self.meta_err(
+                    &key("expert_weights_norm"),
+                    &format!("is {v:?}, not a bool"),
+                ))
+            }
+            None => true,
+        };
+        if glm {
+            // llama.cpp's gating function 2 is sigmoid, GLM's scoring; 1 (softmax) is not.
+            let gating = self.meta_usize(&key("expert_gating_func"))?.unwrap_or(2);
+            if gating != 2 {
+                return Err(self.meta_err(
+                    &key("expert_gating_func"),
+                    &format!("is {gating}; glm4moe routes with sigmoid scores (2)"),
+                ));
+            }
+        }
+        Ok(Some(MoeConfig {
+            num_experts: need("expert_count")?,
+            experts_per_token: need("expert_used_count")?,
+            expert_intermediate_size: need("expert_feed_forward_length")?,
+            num_shared_experts: self.meta_usize(&key("expert_shared_count"))?.unwrap_or(0),
+            norm_topk_prob,
+            routed_scaling_factor: self.meta_f32(&key("expert_weights_scale"))?.unwrap_or(1.0),
+            n_group: self.meta_usize(&key("expert_group_count"))?.unwrap_or(1),
+            topk_group: self
+                .meta_usize(&key("expert_group_used_count"))?
+                .unwrap_or(1),
+            first_k_dense_replace,
+            decoder_sparse_step: 1,
+            mlp_only_layers,
+        }))
     }
 }
 
@@ -430,10 +507,62 @@ impl TensorSource for GgufFile {
     }
 
     fn tensor(&self, name: &str) -> Result<Option<RawTensor<'_>>, ModelError> {
-        Ok(self.tensors.get(name).map(|t| RawTensor {
+        if let Some(t) = self.tensors.get(name) {
+            return Ok(Some(RawTensor {
+                dtype: t.dtype.clone(),
+                shape: t.shape.clone(),
+                data: &self.bytes[t.start..t.end],
+            }));
+        }
+        // llama.cpp's glm4moe names the norm before the MLP `post_attention_norm`.
+        if let Some(layer) = name.strip_suffix(".ffn_norm.weight") {
+            if self.architecture() == Some("glm4moe") {
+                return self.tensor(&format!("{layer}.post_attention_norm.weight"));
+            }
+        }
+        self.expert_slice(name)
+    }
+}
+
+impl GgufFile {
+    /// Expert `e` of a stacked expert tensor, asked for as `{base}_exps.{e}.weight`: the
+    /// `e`-th outermost slice of `{base}_exps.weight` (`[experts, rows, cols]`), whose
+    /// bytes are contiguous in any format since a row holds whole blocks. `None` when the
+    /// name is not of that form, the stacked tensor is absent or `e` is past its experts.
+    fn expert_slice(&self, name: &str) -> Result<Option<RawTensor<'_>>, ModelError> {
+        let Some((base, e)) = name
+            .strip_suffix(".weight")
+            .and_then(|n| n.rsplit_once('.'))
+            .filter(|(base, _)| base.ends_with("_exps"))
+        else {
+            return Ok(None);
+        };
+        let (Ok(e), Some(t)) = (
+            e.parse::<usize>(),
+            self.tensors.get(&format!("{base}.weight")),
+        ) else {
+            return Ok(None);
+        };
+        let [experts, rows, cols] = t.shape[..] else {
+            return Err(ModelError::Format {
+                path: self.path.clone(),
+                format: "GGUF",
+                message: format!(
+                    "{base}.weight holds stacked experts, so it must be [experts, rows, cols]; it is {:?}",
+                    t.shape
+                ),
+            });
+        };
+        if e >= experts {
+            return Ok(None);
+        }
+        // The open checked that the whole tensor holds exactly its bytes.
+        let per = (t.end - t.start) / experts;
+        let start = t.start + e * per;
+        Ok(Some(RawTensor {
             dtype: t.dtype.clone(),
-            shape: t.shape.clone(),
-            data: &self.bytes[t.start..t.end],
+            shape: vec![rows, cols],
+            data: &self.bytes[start..start + per],
         }))
     }
 }

@@ -1,14 +1,16 @@
 """A tiny random mixture-of-experts target checkpoint, and an independent numpy forward of
 it written from the published equations (Hugging Face's GLM-4.5 and Qwen3-MoE models).
 
-    moe_target_reference.py FAMILY DIR SEED TOKENS
+    moe_target_reference.py FAMILY DIR SEED TOKENS [GGUF]
         Writes DIR/config.json and DIR/model.safetensors (BF16) of a tiny random FAMILY
         (glm4_moe or qwen3_moe) target, runs the forward over TOKENS (comma-separated ids)
         and writes DIR/reference.json: ``{"logits": [[...] per position],
         "min_margin": float, "sparse_layers": [...]}``. ``min_margin`` is the smallest
         gap, over every routed row and layer, between the last expert (or group) chosen and
-        the first one not chosen: routing is discrete, so a comparison is only meaningful
-        when numerical noise cannot flip a choice.
+        the first one not chosen (in router logits for softmax routing, in biased sigmoid
+        scores for sigmoid routing): routing is discrete, so a comparison is only
+        meaningful when numerical noise cannot flip a choice. With GGUF, also writes the
+        same weights to that GGUF file (needs the ``gguf`` package).
 
 The equations, per decoder layer (pre-norm):
     h += o_proj(attention(rope(q_norm?(q_proj x')), rope(k_norm?(k_proj x')), v_proj x'))
@@ -157,6 +159,76 @@ def write_checkpoint(family: str, folder: Path, seed: int) -> dict:
     return t
 
 
+def write_gguf(cfg: dict, t: dict, path: Path) -> None:
+    """The same weights as a GGUF file with llama.cpp's ``qwen3moe`` / ``glm4moe`` names and
+    keys (F32 tensors, which hold the BF16 values exactly): stacked ``ffn_*_exps`` experts,
+    ``ffn_gate_inp``, ``ffn_*_shexp``, ``exp_probs_b.bias``; GLM's pre-MLP norm is
+    ``post_attention_norm``."""
+    import gguf
+
+    glm = cfg["model_type"] == "glm4_moe"
+    arch = "glm4moe" if glm else "qwen3moe"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KVH)
+    w.add_key_length(HD)
+    w.add_value_length(HD)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_dimension_count(int(round(HD * cfg.get("partial_rotary_factor", 1.0))))
+    w.add_vocab_size(VOCAB)
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(EXPERT_FFN)
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    if glm:
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+
+    def put(name, a):
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+
+    put("token_embd.weight", t["model.embed_tokens.weight"])
+    put("output_norm.weight", t["model.norm.weight"])
+    put("output.weight", t["lm_head.weight"])
+    ffn_norm = "post_attention_norm.weight" if glm else "ffn_norm.weight"
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": ffn_norm,
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    }
+    for proj, g in [("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")]:
+        names[f"self_attn.{proj}_proj.weight"] = f"{g}.weight"
+        names[f"self_attn.{proj}_proj.bias"] = f"{g}.bias"
+    for proj in ["gate", "up", "down"]:
+        names[f"mlp.{proj}_proj.weight"] = f"ffn_{proj}.weight"
+        names[f"mlp.shared_experts.{proj}_proj.weight"] = f"ffn_{proj}_shexp.weight"
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for hf, g in names.items():
+            if p + hf in t:
+                put(f"blk.{i}.{g}", t[p + hf])
+        if is_sparse(cfg, i):
+            for proj in ["gate", "up", "down"]:
+                stack = [t[f"{p}mlp.experts.{e}.{proj}_proj.weight"] for e in range(EXPERTS)]
+                put(f"blk.{i}.ffn_{proj}_exps.weight", np.stack(stack))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def rms_norm(x, w, eps):
     return bf16(x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w)
 
@@ -197,7 +269,10 @@ class Forward:
 
     def attention(self, p, x):
         t, n, eps = self.t, x.shape[0], self.cfg["rms_norm_eps"]
-        bias = (lambda k: t.get(p + f"self_attn.{k}_proj.bias"))
+
+        def bias(k):
+            return t.get(p + f"self_attn.{k}_proj.bias")
+
         q = linear(x, t[p + "self_attn.q_proj.weight"], bias("q")).reshape(n, HEADS, HD)
         k = linear(x, t[p + "self_attn.k_proj.weight"], bias("k")).reshape(n, KVH, HD)
         v = linear(x, t[p + "self_attn.v_proj.weight"], bias("v")).reshape(n, KVH, HD)
@@ -275,13 +350,15 @@ class Forward:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 4:
+    if len(argv) not in (4, 5):
         print(__doc__, file=sys.stderr)
         return 2
     family, folder, seed, tokens = argv[0], Path(argv[1]), int(argv[2]), argv[3]
     ids = [int(x) for x in tokens.split(",")]
     t = write_checkpoint(family, folder, seed)
     cfg = config_of(family)
+    if len(argv) == 5:
+        write_gguf(cfg, t, Path(argv[4]))
     fwd = Forward(cfg, t)
     logits = fwd.logits(ids)
     out = {

@@ -151,7 +151,8 @@ impl MoeMlp {
     }
 
     /// Loads the routed part of the MoE MLP under `names` (router `mlp.gate`, experts
-    /// `mlp.experts.{e}.*`, Qwen3-Next's `mlp.shared_expert_gate`), around `shared`, with
+    /// `mlp.experts.{e}.*`, Qwen3-Next's `mlp.shared_expert_gate`, or their GGUF names: see
+    /// [`LayerNames::moe`]), around `shared`, with
     /// the config's group-limited routing.
     pub fn load(
         allocs: &DeviceAllocations,
@@ -161,7 +162,7 @@ impl MoeMlp {
         scoring: MoeScoring,
         shared: Option<SwiGlu>,
     ) -> crate::Result<MoeMlp> {
-        let router_name = format!("{}.weight", names.hf("mlp.gate"));
+        let router_name = format!("{}.weight", names.moe("mlp.gate"));
         let r = src.require(&router_name)?;
         let h = config.hidden_size;
         let num_experts = r.shape.first().copied().unwrap_or(0);
@@ -181,7 +182,7 @@ impl MoeMlp {
         }
         let width = moe.expert_intermediate_size;
         let router = load_dense(allocs, src, &router_name, &[num_experts, h])?;
-        let bias_name = names.hf("mlp.gate.e_score_correction_bias");
+        let bias_name = names.moe("mlp.gate.e_score_correction_bias");
         let correction_bias = match src.tensor(&bias_name)? {
             Some(_) => Some(
                 src.read_bf16(&bias_name, &[num_experts])?
@@ -194,10 +195,10 @@ impl MoeMlp {
         let mut experts = Vec::with_capacity(num_experts);
         for e in 0..num_experts {
             let parts = ["gate_proj", "up_proj", "down_proj"]
-                .map(|p| names.hf(&format!("mlp.experts.{e}.{p}")));
+                .map(|p| names.moe(&format!("mlp.experts.{e}.{p}")));
             experts.push(SwiGlu::load(allocs, src, parts, width, h)?);
         }
-        let gate_name = format!("{}.weight", names.hf("mlp.shared_expert_gate"));
+        let gate_name = format!("{}.weight", names.moe("mlp.shared_expert_gate"));
         let shared_gate = match src.tensor(&gate_name)? {
             Some(_) => Some(load_dense(allocs, src, &gate_name, &[1, h])?),
             None => None,

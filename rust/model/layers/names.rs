@@ -114,8 +114,40 @@ impl LayerNames {
     }
 
     /// A name under the prefix given in Hugging Face's spelling (`"mlp.gate"`), for the
-    /// parts only Hugging Face checkpoints have (routed experts).
+    /// parts only Hugging Face checkpoints have.
     pub fn hf(&self, suffix: &str) -> String {
         format!("{}{suffix}", self.prefix)
+    }
+
+    /// A routed-MoE part given in Hugging Face's spelling (`"mlp.gate"`,
+    /// `"mlp.experts.3.up_proj"`, `"mlp.shared_experts.down_proj"`), in this scheme. In GGUF,
+    /// llama.cpp's names: `ffn_gate_inp`, `exp_probs_b.bias`, `ffn_{gate,up,down}_shexp`,
+    /// `ffn_gate_inp_shexp`, and expert `e` of the stacked `ffn_{gate,up,down}_exps` as
+    /// `ffn_{..}_exps.{e}` (which [`super::super::GgufFile`] serves as a slice).
+    pub fn moe(&self, suffix: &str) -> String {
+        if self.scheme == NameScheme::HuggingFace {
+            return self.hf(suffix);
+        }
+        let short = |p: &str| match p {
+            "gate_proj" => "gate",
+            "up_proj" => "up",
+            _ => "down",
+        };
+        let gguf = match suffix {
+            "mlp.gate" => "ffn_gate_inp".to_string(),
+            "mlp.gate.e_score_correction_bias" => "exp_probs_b.bias".to_string(),
+            "mlp.shared_expert_gate" => "ffn_gate_inp_shexp".to_string(),
+            _ => {
+                let parts: Vec<&str> = suffix.split('.').collect();
+                match parts.as_slice() {
+                    ["mlp", "shared_experts" | "shared_expert", p] => {
+                        format!("ffn_{}_shexp", short(p))
+                    }
+                    ["mlp", "experts", e, p] => format!("ffn_{}_exps.{e}", short(p)),
+                    _ => suffix.to_string(),
+                }
+            }
+        };
+        format!("{}{gguf}", self.prefix)
     }
 }

@@ -12,7 +12,7 @@
 
 use super::load::{load_dense, load_linear, load_norm};
 use super::moe::{MoeMlp, MoeScoring};
-use super::names::{LayerNames, NameScheme, Part};
+use super::names::{LayerNames, Part};
 use super::LayerShape;
 use crate::model::tensors::TensorSource;
 use crate::model::{DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelError};
@@ -309,16 +309,9 @@ impl LayerWeights {
                 Mlp::Dense(SwiGlu::load(allocs, src, parts, width, h)?)
             }
             Some(scoring) => {
-                if names.scheme != NameScheme::HuggingFace {
-                    return Err(ModelError::invalid(
-                        "LayerWeights::load",
-                        "routed experts are read from Hugging Face checkpoints only",
-                    )
-                    .into());
-                }
                 let prefix = scoring.shared_expert_prefix();
                 let parts = ["gate_proj", "up_proj", "down_proj"]
-                    .map(|p| names.hf(&format!("{prefix}.{p}")));
+                    .map(|p| names.moe(&format!("{prefix}.{p}")));
                 // A config that declares shared experts requires them; one that does not
                 // (Qwen3-MoE, or a head's config that leaves the count out) takes what the
                 // checkpoint holds.
@@ -428,9 +421,9 @@ fn mlp_width(
     if let Some(w) = options.mlp_width {
         return Ok(w);
     }
-    let name = match names.scheme {
-        NameScheme::HuggingFace => format!("{}.weight", names.hf(&format!("{mlp}.gate_proj"))),
-        NameScheme::Gguf => format!("{}.weight", names.part(Part::Gate)),
+    let name = match mlp {
+        "mlp" => format!("{}.weight", names.part(Part::Gate)),
+        shared => format!("{}.weight", names.moe(&format!("{shared}.gate_proj"))),
     };
     match src.tensor(&name)? {
         Some(t) if t.shape.len() == 2 => Ok(t.shape[0]),
