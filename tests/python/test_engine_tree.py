@@ -2,7 +2,8 @@
 branch is the target's continuation is accepted through that branch (its chain accepts
 nothing), its ``after_verify_tree`` is told that path, and the output is plain greedy output;
 ``draft_shape`` is checked and reported; on SmolLM2 (slow) prompt lookup's trees give plain
-greedy output on open and grounded prompts, trees and chains alike."""
+greedy output on open and grounded prompts, trees and chains alike, and so does that second
+branch, whose accepted rows move in the KV at every step."""
 
 from __future__ import annotations
 
@@ -165,3 +166,13 @@ def test_prompt_lookup_trees_give_plain_greedy_output_on_smollm2() -> None:
         assert _tokens(results) == base, shape
         # Copying the passage: lookup drafts are accepted.
         assert results[0].metrics["mean_acceptance_length"] > 1.5, results[0].metrics
+    # Every accepted path runs down a second branch, so its KV rows move at every step.
+    ids = [tok.encode(c) for c in chats]
+    truth = {tuple(p): p + b for p, b in zip(ids, base, strict=True)}
+    tree = SecondBranch(truth)
+    engine = specdraft.SpecEngine(model, tree, num_drafts=4, draft_policy="fixed")
+    results = engine.generate(ids, max_tokens=48)
+    assert _tokens(results) == base
+    assert all(r.metrics["mean_acceptance_length"] > 3.0 for r in results), [
+        r.metrics for r in results
+    ]
