@@ -20,7 +20,7 @@ use default_model::python;
 use model_util::temp_dir;
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
-use specdraft::model::{ForwardContext, LoadOptions, TargetModel};
+use specdraft::model::{ForwardContext, GgufFile, LoadOptions, TargetModel, TensorSource};
 use specdraft::speculative::{DraftProposer, PromptLookup, ProposerError, ProposerState};
 use std::path::Path;
 use std::process::Command;
@@ -43,8 +43,14 @@ fn reference(family: &str, dir: &Path, seed: u64) -> Reference {
     reference_with_gguf(family, dir, seed, None)
 }
 
-/// [`reference`], also writing the same weights to the GGUF file `gguf`.
-fn reference_with_gguf(family: &str, dir: &Path, seed: u64, gguf: Option<&Path>) -> Reference {
+/// [`reference`], also writing the same weights to the GGUF file `gguf.0`, its stacked
+/// experts in the format `gguf.1` (`f32` or `q8_0`).
+fn reference_with_gguf(
+    family: &str,
+    dir: &Path,
+    seed: u64,
+    gguf: Option<(&Path, &str)>,
+) -> Reference {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_target_reference.py");
     let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
     let out = Command::new(python())
@@ -55,7 +61,8 @@ fn reference_with_gguf(family: &str, dir: &Path, seed: u64, gguf: Option<&Path>)
             &seed.to_string(),
             &ids.join(","),
         ])
-        .args(gguf.map(|g| g.to_str().unwrap()))
+        .args(gguf.map(|(g, _)| g.to_str().unwrap()))
+        .args(gguf.map(|(_, experts)| experts))
         .output()
         .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python(), script.display()));
     assert!(
@@ -516,7 +523,7 @@ fn gguf_and_safetensors_of_the_same_weights_give_the_same_logits() {
     for (family, seed) in [("glm4_moe", 12), ("qwen3_moe", 56)] {
         let dir = temp_dir(&format!("moe_gguf_{family}"));
         let gguf = temp_dir(&format!("moe_gguf_file_{family}")).join("model.gguf");
-        reference_with_gguf(family, &dir, seed, Some(&gguf));
+        reference_with_gguf(family, &dir, seed, Some((&gguf, "f32")));
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
         let from_st = TargetModel::load(&dir, gpu.clone(), opts()).unwrap();
         let from_gguf = TargetModel::load(&gguf, gpu.clone(), opts()).unwrap();
@@ -547,6 +554,43 @@ fn gguf_and_safetensors_of_the_same_weights_give_the_same_logits() {
             "{family}: GGUF and safetensors logits"
         );
         drop((from_st, from_gguf));
+        assert_eq!(
+            gpu.ledger().live_count(),
+            0,
+            "{family}: the ledger after the drop"
+        );
+    }
+}
+
+#[test]
+fn a_block_format_gguf_serves_each_expert_as_its_own_blocks() {
+    for (family, seed, sparse) in [("glm4_moe", 12, [1, 2]), ("qwen3_moe", 56, [0, 2])] {
+        let dir = temp_dir(&format!("moe_q8_{family}"));
+        let gguf = temp_dir(&format!("moe_q8_file_{family}")).join("model.gguf");
+        reference_with_gguf(family, &dir, seed, Some((&gguf, "q8_0")));
+        let file = GgufFile::open(&gguf).unwrap();
+        for layer in sparse {
+            for proj in ["gate", "up", "down"] {
+                let name = format!("blk.{layer}.ffn_{proj}_exps.3.weight");
+                let got = file.require(&name).unwrap();
+                // Expert 3 quantized on its own by the writer.
+                let want = file.require(&format!("check.{name}")).unwrap();
+                assert_eq!(got.dtype, want.dtype, "{name}");
+                assert_eq!(got.shape, want.shape, "{name}");
+                assert!(
+                    got.data == want.data,
+                    "{name}: the slice is not expert 3's blocks"
+                );
+                let past = format!("blk.{layer}.ffn_{proj}_exps.8.weight");
+                assert!(file.tensor(&past).unwrap().is_none(), "{past} exists");
+            }
+        }
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let model = TargetModel::load(&gguf, gpu.clone(), opts()).unwrap();
+        let moe = model.weights().layers[2].moe().unwrap();
+        assert!(moe.experts.iter().all(|x| x.up.format_name() == "q8_0"));
+        assert_eq!(prefill_then_decode(&model).len(), TOKENS.len());
+        drop(model);
         assert_eq!(
             gpu.ledger().live_count(),
             0,

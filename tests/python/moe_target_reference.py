@@ -1,7 +1,7 @@
 """A tiny random mixture-of-experts target checkpoint, and an independent numpy forward of
 it written from the published equations (Hugging Face's GLM-4.5 and Qwen3-MoE models).
 
-    moe_target_reference.py FAMILY DIR SEED TOKENS [GGUF]
+    moe_target_reference.py FAMILY DIR SEED TOKENS [GGUF [EXPERTS]]
         Writes DIR/config.json and DIR/model.safetensors (BF16) of a tiny random FAMILY
         (glm4_moe or qwen3_moe) target, runs the forward over TOKENS (comma-separated ids)
         and writes DIR/reference.json: ``{"logits": [[...] per position],
@@ -10,7 +10,8 @@ it written from the published equations (Hugging Face's GLM-4.5 and Qwen3-MoE mo
         the first one not chosen (in router logits for softmax routing, in biased sigmoid
         scores for sigmoid routing): routing is discrete, so a comparison is only
         meaningful when numerical noise cannot flip a choice. With GGUF, also writes the
-        same weights to that GGUF file (needs the ``gguf`` package).
+        same weights to that GGUF file (needs the ``gguf`` package), the stacked experts as
+        EXPERTS (``f32``, the default, or ``q8_0``).
 
 The equations, per decoder layer (pre-norm):
     h += o_proj(attention(rope(q_norm?(q_proj x')), rope(k_norm?(k_proj x')), v_proj x'))
@@ -159,12 +160,14 @@ def write_checkpoint(family: str, folder: Path, seed: int) -> dict:
     return t
 
 
-def write_gguf(cfg: dict, t: dict, path: Path) -> None:
+def write_gguf(cfg: dict, t: dict, path: Path, experts: str = "f32") -> None:
     """The same weights as a GGUF file with llama.cpp's ``qwen3moe`` / ``glm4moe`` names and
     keys (F32 tensors, which hold the BF16 values exactly): stacked ``ffn_*_exps`` experts,
     ``ffn_gate_inp``, ``ffn_*_shexp``, ``exp_probs_b.bias``; GLM's pre-MLP norm is
-    ``post_attention_norm``."""
+    ``post_attention_norm``. With ``experts="q8_0"`` the stacked experts are Q8_0 blocks,
+    and ``check.blk.{i}.ffn_{gate,up,down}_exps.3.weight`` holds expert 3 quantized alone."""
     import gguf
+    from gguf.quants import quantize
 
     glm = cfg["model_type"] == "glm4_moe"
     arch = "glm4moe" if glm else "qwen3moe"
@@ -222,7 +225,14 @@ def write_gguf(cfg: dict, t: dict, path: Path) -> None:
         if is_sparse(cfg, i):
             for proj in ["gate", "up", "down"]:
                 stack = [t[f"{p}mlp.experts.{e}.{proj}_proj.weight"] for e in range(EXPERTS)]
-                put(f"blk.{i}.ffn_{proj}_exps.weight", np.stack(stack))
+                name = f"blk.{i}.ffn_{proj}_exps"
+                if experts == "f32":
+                    put(f"{name}.weight", np.stack(stack))
+                    continue
+                q8 = gguf.GGMLQuantizationType.Q8_0
+                both = [(f"{name}.weight", np.stack(stack)), (f"check.{name}.3.weight", stack[3])]
+                for n, a in both:
+                    w.add_tensor(n, quantize(a.astype(np.float32), q8), raw_dtype=q8)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -350,15 +360,15 @@ class Forward:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (4, 5):
+    if len(argv) not in (4, 5, 6):
         print(__doc__, file=sys.stderr)
         return 2
     family, folder, seed, tokens = argv[0], Path(argv[1]), int(argv[2]), argv[3]
     ids = [int(x) for x in tokens.split(",")]
     t = write_checkpoint(family, folder, seed)
     cfg = config_of(family)
-    if len(argv) == 5:
-        write_gguf(cfg, t, Path(argv[4]))
+    if len(argv) >= 5:
+        write_gguf(cfg, t, Path(argv[4]), *argv[5:])
     fwd = Forward(cfg, t)
     logits = fwd.logits(ids)
     out = {
