@@ -20,7 +20,7 @@ use default_model::python;
 use model_util::temp_dir;
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
-use specdraft::model::{ForwardContext, GgufFile, LoadOptions, TargetModel, TensorSource};
+use specdraft::model::{ForwardContext, GgufFile, Linear, LoadOptions, TargetModel, TensorSource};
 use specdraft::speculative::{DraftProposer, PromptLookup, ProposerError, ProposerState};
 use std::path::Path;
 use std::process::Command;
@@ -122,24 +122,9 @@ fn prefill_then_decode(model: &TargetModel) -> Vec<Vec<f32>> {
     rows
 }
 
-fn check_family(family: &str, seed: u64, margin: f64, sparse: &[usize]) {
-    let dir = temp_dir(&format!("moe_{family}"));
-    let want = reference(family, &dir, seed);
-    assert!(
-        want.min_margin > margin,
-        "the fixture routes a row within {} of a tie; choose another seed",
-        want.min_margin
-    );
-    assert_eq!(want.sparse_layers, sparse);
-    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let model = TargetModel::load(&dir, gpu.clone(), opts()).unwrap();
-    let layers = &model.weights().layers;
-    let routed: Vec<usize> = (0..layers.len())
-        .filter(|&i| layers[i].moe().is_some())
-        .collect();
-    assert_eq!(routed, sparse, "the layers that route");
-    // A decode step reads every dense weight, the router and top_k experts of a routed
-    // layer (BF16: two bytes a weight), not the other experts.
+/// A decode step reads every dense weight, the router and top_k experts of a routed layer
+/// (BF16: two bytes a weight), not the other experts.
+fn check_weight_bytes(model: &TargetModel, family: &str, sparse: &[usize]) {
     let (h, q, kv, ffn, e_ffn, experts) = (64, 64, 32, 96, 32, 8);
     let glm = family == "glm4_moe";
     let top_k = if glm { 2 } else { 3 };
@@ -156,6 +141,39 @@ fn check_family(family: &str, seed: u64, margin: f64, sparse: &[usize]) {
         want_bytes,
         "weight bytes a token"
     );
+}
+
+/// Checks `family` (`glm4_moe` or `qwen3_moe`, with `+fp8` for FP8 projections) against the
+/// reference.
+fn check_family(family: &str, seed: u64, margin: f64, sparse: &[usize]) {
+    let dir = temp_dir(&format!("moe_{}", family.replace('+', "_")));
+    let want = reference(family, &dir, seed);
+    assert!(
+        want.min_margin > margin,
+        "the fixture routes a row within {} of a tie; choose another seed",
+        want.min_margin
+    );
+    assert_eq!(want.sparse_layers, sparse);
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = TargetModel::load(&dir, gpu.clone(), opts()).unwrap();
+    let layers = &model.weights().layers;
+    let routed: Vec<usize> = (0..layers.len())
+        .filter(|&i| layers[i].moe().is_some())
+        .collect();
+    assert_eq!(routed, sparse, "the layers that route");
+    if family.ends_with("+fp8") {
+        let fp8 = |l: &Linear| l.format_name() == "fp8";
+        for i in sparse {
+            let moe = layers[*i].moe().unwrap();
+            assert!(moe
+                .experts
+                .iter()
+                .all(|x| fp8(&x.gate) && fp8(&x.up) && fp8(&x.down)));
+            assert!(layers[*i].projections().iter().all(|(_, l)| fp8(l)));
+        }
+    } else {
+        check_weight_bytes(&model, family, sparse);
+    }
     let got = prefill_then_decode(&model);
     assert_eq!(got.len(), TOKENS.len());
     let scale = want
@@ -183,6 +201,13 @@ fn check_family(family: &str, seed: u64, margin: f64, sparse: &[usize]) {
 fn glm4_moe_target_matches_the_numpy_reference() {
     // Layer 0 is dense (first_k_dense_replace = 1).
     check_family("glm4_moe", 12, 0.005, &[1, 2]);
+}
+
+#[test]
+fn fp8_moe_targets_match_the_numpy_reference_of_their_dequantized_weights() {
+    // Qwen3's FP8 checkpoints keep weight_scale_inv per 128 x 128 block, as written here.
+    check_family("qwen3_moe+fp8", 56, 0.02, &[0, 2]);
+    check_family("glm4_moe+fp8", 12, 0.005, &[1, 2]);
 }
 
 #[test]

@@ -3,7 +3,8 @@ it written from the published equations (Hugging Face's GLM-4.5 and Qwen3-MoE mo
 
     moe_target_reference.py FAMILY DIR SEED TOKENS [GGUF [EXPERTS]]
         Writes DIR/config.json and DIR/model.safetensors (BF16) of a tiny random FAMILY
-        (glm4_moe or qwen3_moe) target, runs the forward over TOKENS (comma-separated ids)
+        (glm4_moe or qwen3_moe; with a ``+fp8`` suffix, its projections FP8 in 128 x 128
+        blocks with ``weight_scale_inv``) target, runs the forward over TOKENS (comma-separated ids)
         and writes DIR/reference.json: ``{"logits": [[...] per position],
         "min_margin": float, "sparse_layers": [...]}``. ``min_margin`` is the smallest
         gap, over every routed row and layer, between the last expert (or group) chosen and
@@ -107,8 +108,29 @@ def is_sparse(cfg: dict, layer: int) -> bool:
     return layer not in cfg["mlp_only_layers"] and (layer + 1) % cfg["decoder_sparse_step"] == 0
 
 
-def write_checkpoint(family: str, folder: Path, seed: int) -> dict:
-    """Writes the random BF16 checkpoint; returns its tensors as float64 arrays."""
+def fp8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """E4M3 codes and f32 ``weight_scale_inv`` (one per 128 x 128 block, amax / 448) of
+    ``w``, as DeepSeek-V3 and Qwen3's FP8 checkpoints store a projection."""
+    import ml_dtypes
+
+    rows, cols = w.shape
+    grid = (-(-rows // 128), -(-cols // 128))
+    scale = np.zeros(grid, np.float32)
+    codes = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            scale[i, j] = max(np.abs(block).max(), 1e-12) / 448.0
+            q = (block / scale[i, j]).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+            codes[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = q
+    return codes, scale
+
+
+def write_checkpoint(family: str, folder: Path, seed: int, fp8: bool = False) -> dict:
+    """Writes the random BF16 checkpoint; returns its tensors as float64 arrays. With
+    ``fp8`` every ``*_proj`` matrix is stored as E4M3 blocks with ``weight_scale_inv``
+    (the router, embedding, head and norms stay BF16), and the returned tensors are the
+    dequantized values the model computes with."""
     cfg = config_of(family)
     rng = np.random.default_rng(seed)
     t: dict[str, np.ndarray] = {}
@@ -153,9 +175,28 @@ def write_checkpoint(family: str, folder: Path, seed: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     raw = {}
     for name, a in t.items():
+        if fp8 and name.endswith("_proj.weight"):
+            codes, scale = fp8_blocks(a)
+            raw[name] = ("F8_E4M3", list(a.shape), codes.tobytes())
+            scale_name = name.replace(".weight", ".weight_scale_inv")
+            raw[scale_name] = ("F32", list(scale.shape), scale.astype("<f4").tobytes())
+            t[name] = (
+                codes.astype(np.float64)
+                * np.repeat(np.repeat(scale.astype(np.float64), 128, 0), 128, 1)[
+                    : a.shape[0], : a.shape[1]
+                ]
+            )
+            continue
         bits = a.astype(np.float32).view(np.uint32) >> 16
         raw[name] = ("BF16", list(a.shape), bits.astype("<u2").tobytes())
     st.write_safetensors(folder / "model.safetensors", raw)
+    if fp8:
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+        }
     (folder / "config.json").write_text(json.dumps(cfg))
     return t
 
@@ -364,8 +405,9 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     family, folder, seed, tokens = argv[0], Path(argv[1]), int(argv[2]), argv[3]
+    family, fp8 = family.removesuffix("+fp8"), family.endswith("+fp8")
     ids = [int(x) for x in tokens.split(",")]
-    t = write_checkpoint(family, folder, seed)
+    t = write_checkpoint(family, folder, seed, fp8)
     cfg = config_of(family)
     if len(argv) >= 5:
         write_gguf(cfg, t, Path(argv[4]), *argv[5:])
