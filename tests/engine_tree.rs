@@ -325,7 +325,7 @@ fn greedy_with_trees_equals_plain_greedy_on_the_real_model() {
     assert!(errors.iter().all(Option::is_none), "{errors:?}");
     assert_eq!(out, base, "greedy output with trees differs from plain");
     assert!(accepted >= 3 * 3, "tree accepted {accepted}");
-    let lookup: Arc<dyn DraftProposer> = Arc::new(PromptLookup::default());
+    let lookup: Arc<dyn DraftProposer> = Arc::new(PromptLookup::default().with_trees(true));
     let (out, _, errors) = run(&model, Some(lookup), DraftShape::Tree, &prompts);
     assert!(errors.iter().all(Option::is_none), "{errors:?}");
     assert_eq!(

@@ -315,7 +315,8 @@ fn passes_the_conformance_check() {
 #[test]
 fn a_tree_branches_over_the_earlier_matches_and_follows_the_path_it_is_told() {
     let ctx = ctx(1000);
-    let p = PromptLookup::new(2, 3).unwrap();
+    assert!(!PromptLookup::default().grows_trees());
+    let p = PromptLookup::new(2, 3).unwrap().with_trees(true);
     assert!(p.grows_trees());
     // The suffix "33 1 2" never occurred; "1 2" did three times, after a different token
     // each time (so each match is two tokens long): followed by "5 6", by "8 9" and by

@@ -131,8 +131,10 @@ def test_draft_shape_is_checked_and_a_chain_proposer_grows_no_tree(model_path, g
     model = _load(model_path, gpu)
     with pytest.raises(specdraft.RequestError, match="draft_shape"):
         specdraft.SpecEngine(model, specdraft.PromptLookup(), draft_shape="bush")
-    assert specdraft.PromptLookup().grows_trees()
-    assert specdraft.SpecEngine(model, specdraft.PromptLookup()).drafts_trees
+    assert not specdraft.PromptLookup().grows_trees()
+    assert not specdraft.SpecEngine(model, specdraft.PromptLookup()).drafts_trees
+    assert specdraft.PromptLookup(trees=True).grows_trees()
+    assert specdraft.SpecEngine(model, specdraft.PromptLookup(trees=True)).drafts_trees
     # A Python proposer with its own propose and no propose_tree drafts chains.
     from ngram_proposer import PyLookup
 
@@ -160,7 +162,7 @@ def test_prompt_lookup_trees_give_plain_greedy_output_on_smollm2() -> None:
     base = _tokens(specdraft.SpecEngine(model).generate(chats, max_tokens=48))
     for shape in ("tree", "chain"):
         engine = specdraft.SpecEngine(
-            model, specdraft.PromptLookup(), num_drafts=4, draft_shape=shape
+            model, specdraft.PromptLookup(trees=True), num_drafts=4, draft_shape=shape
         )
         results = engine.generate(chats, max_tokens=48)
         assert _tokens(results) == base, shape
