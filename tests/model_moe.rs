@@ -623,3 +623,36 @@ fn a_block_format_gguf_serves_each_expert_as_its_own_blocks() {
         );
     }
 }
+
+#[test]
+fn broken_moe_gguf_files_are_refused_by_name() {
+    let cases: [(&str, &str, &[&str]); 3] = [
+        (
+            "flat_experts",
+            "stacked experts of the wrong rank",
+            &[
+                "blk.1.ffn_up_exps.weight",
+                "[experts, rows, cols]",
+                "[256, 64]",
+            ],
+        ),
+        (
+            "softmax_gating",
+            "softmax gating in a glm4moe file",
+            &["glm4moe.expert_gating_func", "is 1", "sigmoid"],
+        ),
+        (
+            "no_expert_count",
+            "no expert count",
+            &["glm4moe.expert_count", "missing"],
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (variant, what, needles) in cases {
+        let dir = temp_dir(&format!("moe_broken_gguf_{variant}"));
+        let gguf = dir.join("model.gguf");
+        reference_with_gguf("glm4_moe", &dir.join("hf"), 3, Some((&gguf, variant)));
+        failures.extend(check_refusal(&gguf, what, needles).err());
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -12,7 +12,9 @@ it written from the published equations (Hugging Face's GLM-4.5 and Qwen3-MoE mo
         scores for sigmoid routing): routing is discrete, so a comparison is only
         meaningful when numerical noise cannot flip a choice. With GGUF, also writes the
         same weights to that GGUF file (needs the ``gguf`` package), the stacked experts as
-        EXPERTS (``f32``, the default, or ``q8_0``).
+        EXPERTS (``f32``, the default, or ``q8_0``), or broken on purpose: ``flat_experts``
+        (``ffn_up_exps`` as a 2-D matrix), ``softmax_gating`` (a glm4moe file whose
+        ``expert_gating_func`` is softmax), ``no_expert_count``.
 
 The equations, per decoder layer (pre-norm):
     h += o_proj(attention(rope(q_norm?(q_proj x')), rope(k_norm?(k_proj x')), v_proj x'))
@@ -206,7 +208,8 @@ def write_gguf(cfg: dict, t: dict, path: Path, experts: str = "f32") -> None:
     keys (F32 tensors, which hold the BF16 values exactly): stacked ``ffn_*_exps`` experts,
     ``ffn_gate_inp``, ``ffn_*_shexp``, ``exp_probs_b.bias``; GLM's pre-MLP norm is
     ``post_attention_norm``. With ``experts="q8_0"`` the stacked experts are Q8_0 blocks,
-    and ``check.blk.{i}.ffn_{gate,up,down}_exps.3.weight`` holds expert 3 quantized alone."""
+    and ``check.blk.{i}.ffn_{gate,up,down}_exps.3.weight`` holds expert 3 quantized alone.
+    The other values of ``experts`` break the file as ``main``'s usage says."""
     import gguf
     from gguf.quants import quantize
 
@@ -225,7 +228,8 @@ def write_gguf(cfg: dict, t: dict, path: Path, experts: str = "f32") -> None:
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_rope_dimension_count(int(round(HD * cfg.get("partial_rotary_factor", 1.0))))
     w.add_vocab_size(VOCAB)
-    w.add_expert_count(EXPERTS)
+    if experts != "no_expert_count":
+        w.add_expert_count(EXPERTS)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(EXPERT_FFN)
     w.add_expert_weights_norm(cfg["norm_topk_prob"])
@@ -233,7 +237,8 @@ def write_gguf(cfg: dict, t: dict, path: Path, experts: str = "f32") -> None:
         w.add_expert_shared_count(cfg["n_shared_experts"])
         w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        gating = gguf.ExpertGatingFuncType
+        w.add_expert_gating_func(gating.SOFTMAX if experts == "softmax_gating" else gating.SIGMOID)
         w.add_expert_group_count(cfg["n_group"])
         w.add_expert_group_used_count(cfg["topk_group"])
 
@@ -267,7 +272,10 @@ def write_gguf(cfg: dict, t: dict, path: Path, experts: str = "f32") -> None:
             for proj in ["gate", "up", "down"]:
                 stack = [t[f"{p}mlp.experts.{e}.{proj}_proj.weight"] for e in range(EXPERTS)]
                 name = f"blk.{i}.ffn_{proj}_exps"
-                if experts == "f32":
+                if experts == "flat_experts" and proj == "up":
+                    put(f"{name}.weight", np.concatenate(stack))
+                    continue
+                if experts != "q8_0":
                     put(f"{name}.weight", np.stack(stack))
                     continue
                 q8 = gguf.GGMLQuantizationType.Q8_0
