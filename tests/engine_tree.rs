@@ -44,8 +44,11 @@ struct SecondBranch {
     /// Target layers to capture, and for each prompt the rows a plain forward of its whole
     /// greedy text gives (BF16 bits: the final hiddens, then the captured layers' rows), to
     /// check each propose's `target_hidden` and `target_hidden_stack` against.
-    capture: Option<(Vec<usize>, HashMap<Vec<u32>, (Vec<u16>, Vec<u16>)>)>,
+    capture: Option<(Vec<usize>, ReferenceRows)>,
 }
+
+/// Each prompt's reference rows as BF16 bits: the final hiddens, then the captured layers'.
+type ReferenceRows = HashMap<Vec<u32>, (Vec<u16>, Vec<u16>)>;
 
 #[derive(Default)]
 struct Seen {
