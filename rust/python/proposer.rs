@@ -231,6 +231,7 @@ impl PyDraftProposer {
 
     /// `after_verify` after a `propose_tree` whose tree branched: `path` lists the accepted
     /// nodes, root side first. The default calls `after_verify(len(path), state, stream)`.
+    #[pyo3(signature = (path, state, stream = 0))]
     fn after_verify_tree(
         &self,
         py: Python<'_>,
