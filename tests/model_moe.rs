@@ -13,15 +13,17 @@
 #[allow(dead_code)]
 #[path = "../benches/common/default_model.rs"]
 mod default_model;
+mod hybrid_common;
 #[allow(unused_imports)]
 mod model_util;
 
 use default_model::python;
+use hybrid_common::Scripted;
 use model_util::temp_dir;
-use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
+use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
-use specdraft::model::{ForwardContext, GgufFile, Linear, LoadOptions, TargetModel, TensorSource};
-use specdraft::speculative::{DraftProposer, PromptLookup, ProposerError, ProposerState};
+use specdraft::model::{GgufFile, Linear, LoadOptions, TargetModel, TensorSource};
+use specdraft::speculative::{DraftProposer, PromptLookup};
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
@@ -216,72 +218,6 @@ fn qwen3_moe_target_matches_the_numpy_reference() {
     check_family("qwen3_moe", 56, 0.02, &[0, 2]);
 }
 
-/// Drafts the continuation it was given for each prompt (the target's plain greedy
-/// output), so every draft is accepted when verification agrees with plain decoding, and
-/// verify forwards carry several rows a sequence.
-struct Replay {
-    runs: Vec<Vec<u32>>,
-}
-
-#[derive(Default)]
-struct ReplayState {
-    run: Vec<u32>,
-}
-specdraft::impl_proposer_state!(ReplayState);
-
-fn replay_state(s: &mut dyn ProposerState) -> specdraft::Result<&mut ReplayState> {
-    s.as_any_mut().downcast_mut::<ReplayState>().ok_or_else(|| {
-        ProposerError::WrongState {
-            method: "Replay",
-            expected: "ReplayState",
-        }
-        .into()
-    })
-}
-
-impl DraftProposer for Replay {
-    fn alloc_state(&self, _gpu: &dyn GpuBackend) -> specdraft::Result<Box<dyn ProposerState>> {
-        Ok(Box::new(ReplayState::default()))
-    }
-    fn prefill_drafter(
-        &self,
-        prompt: &[u32],
-        _h: DevicePtr,
-        state: &mut dyn ProposerState,
-        _ctx: &ForwardContext<'_>,
-        _stream: u64,
-    ) -> specdraft::Result<usize> {
-        let run = self.runs.iter().find(|r| r.starts_with(prompt));
-        replay_state(state)?.run = run.cloned().unwrap_or_default();
-        Ok(0)
-    }
-    fn propose(
-        &self,
-        _last: u32,
-        _h: DevicePtr,
-        position: usize,
-        n: usize,
-        state: &mut dyn ProposerState,
-        _ctx: &ForwardContext<'_>,
-        _stream: u64,
-        _d: Option<DevicePtr>,
-        _mask: Option<&[i32]>,
-        _stack: Option<DevicePtr>,
-    ) -> specdraft::Result<Vec<u32>> {
-        let run = &replay_state(state)?.run;
-        let from = (position + 1).min(run.len());
-        Ok(run[from..(from + n).min(run.len())].to_vec())
-    }
-    fn after_verify(
-        &self,
-        _accepted: usize,
-        _state: &mut dyn ProposerState,
-        _stream: u64,
-    ) -> specdraft::Result<()> {
-        Ok(())
-    }
-}
-
 fn engine_prompts() -> Vec<Vec<u32>> {
     vec![
         TOKENS[..10].to_vec(),
@@ -338,7 +274,13 @@ fn speculative_greedy_equals_plain_greedy_on_moe_targets() {
             .zip(&plain)
             .map(|(p, out)| [p, out.clone()].concat())
             .collect();
-        let replay: Arc<dyn DraftProposer> = Arc::new(Replay { runs });
+        // Every draft it is asked for, from the plain output: all accepted when
+        // verification agrees with plain decoding, several verify rows a sequence.
+        let replay: Arc<dyn DraftProposer> = Arc::new(Scripted {
+            fulls: runs,
+            plan: |_| Some((usize::MAX, usize::MAX)),
+            vocab: model.config().vocab_size as u32,
+        });
         let (spec, drafted, accepted) = generate(&model, Some(replay));
         assert_eq!(spec, plain, "{family}: drafts of the plain output");
         // Verification took several rows a sequence and accepted them all.

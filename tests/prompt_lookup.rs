@@ -9,7 +9,7 @@ use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
 use specdraft::speculative::conformance::{check_proposer, CheckOptions};
 use specdraft::speculative::{
-    bitmask_words, match_confidence, DraftProposer, PromptLookup, ProposerState,
+    bitmask_words, match_confidence, DraftProposer, DraftTree, PromptLookup, ProposerState,
 };
 use std::sync::Arc;
 
@@ -47,6 +47,30 @@ fn propose(
 ) -> Vec<u32> {
     p.propose(last, DevicePtr::NULL, pos, n, s, ctx, 0, None, mask, None)
         .unwrap()
+}
+
+/// `propose_tree` of at most `budget` nodes after `last` at `pos`, without a mask.
+fn propose_tree(
+    p: &PromptLookup,
+    ctx: &ForwardContext<'_>,
+    s: &mut dyn ProposerState,
+    last: u32,
+    pos: usize,
+    budget: usize,
+) -> DraftTree {
+    p.propose_tree(
+        last,
+        DevicePtr::NULL,
+        pos,
+        budget,
+        s,
+        ctx,
+        0,
+        None,
+        None,
+        None,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -328,53 +352,14 @@ fn a_tree_branches_over_the_earlier_matches_and_follows_the_path_it_is_told() {
     let chain = propose(&p, &ctx, &mut *s, 2, pos, 4, None);
     assert_eq!(chain, [5, 7]);
     p.after_verify(0, &mut *s, 0).unwrap();
-    let tree = p
-        .propose_tree(
-            2,
-            DevicePtr::NULL,
-            pos,
-            4,
-            &mut *s,
-            &ctx,
-            0,
-            None,
-            None,
-            None,
-        )
-        .unwrap();
+    let tree = propose_tree(&p, &ctx, &mut *s, 2, pos, 4);
     assert_eq!(tree.fault(4, 1000), None);
     assert_eq!(tree.tokens, [5, 7, 8, 9]);
     assert_eq!(tree.parents, [None, Some(0), None, Some(2)]);
     // The third match ("5 6") would need a fifth node: the budget holds.
-    let small = p
-        .propose_tree(
-            2,
-            DevicePtr::NULL,
-            pos,
-            3,
-            &mut *s,
-            &ctx,
-            0,
-            None,
-            None,
-            None,
-        )
-        .unwrap();
+    let small = propose_tree(&p, &ctx, &mut *s, 2, pos, 3);
     assert_eq!(small.tokens, [5, 7, 8]);
-    let tree = p
-        .propose_tree(
-            2,
-            DevicePtr::NULL,
-            pos,
-            6,
-            &mut *s,
-            &ctx,
-            0,
-            None,
-            None,
-            None,
-        )
-        .unwrap();
+    let tree = propose_tree(&p, &ctx, &mut *s, 2, pos, 6);
     assert_eq!(tree.tokens, [5, 7, 8, 9, 6]);
     assert_eq!(tree.parents, [None, Some(0), None, Some(2), Some(0)]);
     // A path that is not one is refused; the second branch enters the history.
