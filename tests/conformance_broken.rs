@@ -1,6 +1,9 @@
 //! `check_proposer` reports each kind of broken proposer with the right check and a fix,
 //! and never panics, whatever the proposer does.
 
+mod conformance_common;
+
+use conformance_common::assert_reported;
 use specdraft::backend::{DevicePtr, GpuBackend, GpuBackendExt};
 use specdraft::model::ForwardContext;
 use specdraft::speculative::conformance::{check_proposer, CheckOptions, ConformanceReport};
@@ -198,18 +201,6 @@ fn check(flaw: Flaw) -> ConformanceReport {
             ..CheckOptions::default()
         },
     )
-}
-
-fn assert_reported(report: &ConformanceReport, check: &str, words: &str) {
-    let hit = report
-        .violations
-        .iter()
-        .find(|v| v.check == check && v.message.contains(words));
-    assert!(
-        hit.is_some(),
-        "expected [{check}] mentioning {words:?}, got:\n{report}"
-    );
-    assert!(!hit.unwrap().fix.is_empty());
 }
 
 #[test]

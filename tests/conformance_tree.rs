@@ -1,6 +1,9 @@
 //! `propose_tree`: its default is `propose`'s chain, a proposer's own tree passes
 //! `check_proposer`, and `check_proposer` names each way a tree can be malformed.
 
+mod conformance_common;
+
+use conformance_common::assert_reported;
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
@@ -144,18 +147,6 @@ fn check(shape: Shape) -> ConformanceReport {
             ..CheckOptions::default()
         },
     )
-}
-
-fn assert_reported(report: &ConformanceReport, check: &str, words: &str) {
-    let hit = report
-        .violations
-        .iter()
-        .find(|v| v.check == check && v.message.contains(words));
-    assert!(
-        hit.is_some(),
-        "expected [{check}] mentioning {words:?}, got:\n{report}"
-    );
-    assert!(!hit.unwrap().fix.is_empty());
 }
 
 #[test]
