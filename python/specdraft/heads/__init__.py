@@ -77,9 +77,8 @@ def default_head_for(model_file: str | Path, kind: str = "mtp") -> str:
     if kind not in HEAD_KINDS:
         raise ValueError(f"no draft head kind {kind!r}; kinds: {', '.join(HEAD_KINDS)}")
     wanted = Path(model_file).name
-    for name in shipped_heads():
-        config = _config(name)
-        if config.get("specdraft_target", {}).get("file") == wanted and _kind_of(config) == kind:
+    for name, config in _heads_for(wanted).items():
+        if _kind_of(config) == kind:
             return name
     raise ValueError(
         f"no shipped {kind} draft head was trained for {wanted}; shipped: "
@@ -110,11 +109,7 @@ def best_head_for(model_file: str | Path) -> str:
     kind listed first in :data:`HEAD_KINDS`.
     """
     wanted = Path(model_file).name
-    found = [
-        name
-        for name in shipped_heads()
-        if _config(name).get("specdraft_target", {}).get("file") == wanted
-    ]
+    found = _heads_for(wanted)
     if not found:
         raise ValueError(
             f"no shipped draft head was trained for {wanted}; shipped: "
@@ -123,9 +118,23 @@ def best_head_for(model_file: str | Path) -> str:
 
     def rank(name: str) -> tuple[float, int]:
         acceptance = measured_acceptance(name)
-        return (-1.0 if acceptance is None else acceptance, -HEAD_KINDS.index(head_kind(name)))
+        kind = _kind_of(found[name])
+        return (-1.0 if acceptance is None else acceptance, -HEAD_KINDS.index(kind))
 
     return max(found, key=rank)
+
+
+def _heads_for(model_file_name: str) -> dict[str, dict[str, Any]]:
+    """The shipped heads trained for the model file named ``model_file_name``.
+
+    Each maps to its ``config.json``, in name order.
+    """
+    heads = {name: _config(name) for name in shipped_heads()}
+    return {
+        name: config
+        for name, config in heads.items()
+        if config.get("specdraft_target", {}).get("file") == model_file_name
+    }
 
 
 def _target_file(name: str) -> str:
