@@ -55,6 +55,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import specdraft
@@ -126,12 +127,21 @@ def shipped_head_for(model: Any, model_name: str | None, kind: str = "mtp") -> A
     its embedding (and, but for an EAGLE-3 head, its LM head).
     """
     from specdraft.heads import default_head_for, load_draft_head
+
+    path = _model_file_for_head(model, model_name, kind)
+    return load_draft_head(default_head_for(path, kind), model)
+
+
+def _model_file_for_head(model: Any, model_name: str | None, proposer: str) -> Path:  # noqa: ANN401
+    """The model file a shipped head is looked up by: ``model_name``, default smollm2.
+
+    A head drafts beside a loaded ``model``, so there must be one.
+    """
     from specdraft.models import resolve_model
 
     if model is None:
-        raise ValueError(f"--proposer {kind!r} drafts beside a loaded target model")
-    path = resolve_model(model_name or "smollm2")
-    return load_draft_head(default_head_for(path, kind), model)
+        raise ValueError(f"--proposer {proposer!r} drafts beside a loaded target model")
+    return resolve_model(model_name or "smollm2")
 
 
 def hybrid_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
@@ -143,11 +153,9 @@ def hybrid_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
     exactly on the tokens retrieval drafted (it is told the target's layer count).
     """
     from specdraft.heads import best_head_for, load_draft_head
-    from specdraft.models import resolve_model
 
-    if model is None:
-        raise ValueError("--proposer 'hybrid' drafts beside a loaded target model")
-    head = load_draft_head(best_head_for(resolve_model(model_name or "smollm2")), model)
+    path = _model_file_for_head(model, model_name, "hybrid")
+    head = load_draft_head(best_head_for(path), model)
     return specdraft.Hybrid(
         [specdraft.SuffixDecoding(), head], target_layers=model.config.num_hidden_layers
     )
