@@ -267,12 +267,15 @@ fn every_third(pos: usize) -> Option<(usize, usize)> {
 /// to find a drafter row for every earlier position.
 fn mtp_member_against_reference(target_layers: Option<usize>, kv_exact: bool) -> Vec<bool> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(specdraft::backend::CpuBackend::new());
-    let model = load(&gpu, "exact");
+    // Tests run in parallel threads: each call writes and maps its own files, so no test
+    // rewrites a file another one has mapped.
+    let tag = format!("exact_{target_layers:?}_{kv_exact}");
+    let model = load(&gpu, &tag);
     let levers = ModelLevers {
         mtp_kv_exact: kv_exact,
         ..ModelLevers::default()
     };
-    let mtp = head(&model, "exact", &levers);
+    let mtp = head(&model, &tag, &levers);
     let fulls = fulls(&model);
     let logged = Arc::new(Logged {
         inner: mtp.clone(),
