@@ -302,3 +302,52 @@ fn cancelling_mtp_drafted_requests_returns_both_kv_pools() {
         .all(|u| u.finish == Some(FinishReason::Cancelled)));
     assert_eq!(run.tracked(), 0);
 }
+
+#[test]
+fn a_first_token_is_handed_over_before_the_batch_decodes() {
+    let prompts = workload();
+    let expect = solo(&prompts[..2], 12);
+    let gpu = cpu();
+    let target = pooled(&gpu, 64);
+    let engine =
+        SpecEngine::new(target.clone(), Some(Arc::new(PromptLookup::default())), 4).unwrap();
+    let mut run = engine.serve();
+    let mut seen = Seen::default();
+    let first = run.submit(GenerateRequest::new(prompts[0].clone(), 12).ignore_eos());
+    // The first request decodes for a while before the second arrives.
+    for _ in 0..3 {
+        run.step();
+        seen.poll(&mut run);
+    }
+    let decoded = seen.tokens[&first].len();
+    assert!(decoded > 1, "the first request is decoding");
+    let second = run.submit(GenerateRequest::new(prompts[1].clone(), 12).ignore_eos());
+    assert!(run.step(), "the run has work");
+    seen.poll(&mut run);
+    assert_eq!(
+        seen.tokens[&second],
+        expect[1][..1],
+        "the step that prefilled the second request handed over its first token alone"
+    );
+    assert_eq!(
+        seen.tokens[&first].len(),
+        decoded,
+        "no decode step ran before the first token was handed over"
+    );
+    run.step();
+    seen.poll(&mut run);
+    assert!(
+        seen.tokens[&second].len() > 1 && seen.tokens[&first].len() > decoded,
+        "the next step decodes both"
+    );
+    while run.step() {
+        seen.poll(&mut run);
+    }
+    seen.poll(&mut run);
+    assert_eq!(seen.tokens[&first], expect[0]);
+    assert_eq!(seen.tokens[&second], expect[1]);
+    let m = seen.ends[&second].2.as_ref().unwrap();
+    assert_eq!(m.first_tokens, 1);
+    let (total, free) = target.kv_blocks().unwrap();
+    assert_eq!(free, total);
+}

@@ -3,11 +3,13 @@
 //! leaving between steps (continuous batching), preempted newest first when the pool runs
 //! dry, and prefilled in chunks of at most `max_batch_tokens` rows.
 //!
-//! One [`GenerationRun::step`] is one scheduler iteration: admit from the queue, plan the
-//! iteration's rows (preempting until every running sequence's needed rows fit, then
-//! sharing the blocks left over as room for drafts), run one prefill forward over the
-//! prefilling sequences' next chunks, run one decode step over the others, and release
-//! the sequences that finished.
+//! One scheduler iteration admits from the queue, plans the iteration's rows (preempting
+//! until every running sequence's needed rows fit, then sharing the blocks left over as
+//! room for drafts), runs one prefill forward over the prefilling sequences' next chunks,
+//! runs one decode step over the others, and releases the sequences that finished. When the
+//! prefill forward emits a request's first token, [`GenerationRun::step`] returns there and
+//! the next call runs the iteration's decode step: a poll in between hands the first token
+//! over without waiting for a decode step of the whole batch (time to first token).
 //!
 //! Invariants:
 //! - Admission is first come, first served: the queue's head waits until it fits, and later
@@ -19,6 +21,9 @@
 //!   it recomputes its KV when readmitted, and its output is what it would have been.
 //! - Forwards never ask the pool for more blocks than it has free: the plan counts every
 //!   row of the iteration's prefill and verify forwards before they run.
+//! - Nothing is admitted or planned between a deferred decode step and the prefill forward
+//!   of its iteration, so the plan's row grants still hold when it runs (a cancel in
+//!   between only frees blocks).
 //! - Whatever stops a run (its end, or dropping it half-way, as an abandoned stream does),
 //!   every sequence's resources are released exactly once.
 
@@ -68,6 +73,8 @@ pub struct GenerationRun<T: Target> {
     /// The id the next [`GenerationRun::submit`] gives (ids of the call's own requests are
     /// their indices).
     next_id: usize,
+    /// Whether the next step runs the decode step of an iteration whose prefill forward ran.
+    decode_pending: bool,
 }
 
 impl<T: Target> GenerationRun<T> {
@@ -107,6 +114,7 @@ impl<T: Target> GenerationRun<T> {
             started: Instant::now(),
             want_carry,
             next_id: n,
+            decode_pending: false,
         };
         for i in 0..n {
             if run.seqs[i].live() {
@@ -134,19 +142,32 @@ impl<T: Target> GenerationRun<T> {
         self.running.len()
     }
 
-    /// One scheduler iteration (see the module documentation). Returns false, doing
-    /// nothing, once every request has ended.
+    /// One scheduler iteration, or its first half when its prefill forward emitted a first
+    /// token (the next call then runs the decode step; see the module documentation).
+    /// Returns false, doing nothing, once every request has ended.
     pub fn step(&mut self) -> bool {
         if self.is_done() {
+            self.decode_pending = false;
             return false;
         }
-        self.admit();
-        let work = self.plan();
-        if !work.is_empty() {
-            let dt = self
-                .engine
-                .prefill_forward(&work, &mut self.seqs, &self.ctx);
-            self.total.prefill_time += dt;
+        if !std::mem::take(&mut self.decode_pending) {
+            self.admit();
+            let work = self.plan();
+            if !work.is_empty() {
+                let silent: Vec<usize> = work
+                    .iter()
+                    .map(|w| w.0)
+                    .filter(|&i| self.seqs[i].generated() == 0)
+                    .collect();
+                let dt = self
+                    .engine
+                    .prefill_forward(&work, &mut self.seqs, &self.ctx);
+                self.total.prefill_time += dt;
+                if silent.iter().any(|&i| self.seqs[i].generated() > 0) {
+                    self.decode_pending = true;
+                    return true;
+                }
+            }
         }
         if self.running.iter().any(|&i| self.seqs[i].active()) {
             self.engine.step(&mut self.seqs, &self.ctx, &mut self.total);
