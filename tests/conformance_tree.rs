@@ -9,7 +9,7 @@ use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
 use specdraft::speculative::conformance::{check_proposer, CheckOptions, ConformanceReport};
 use specdraft::speculative::{
-    bitmask_allows, DraftProposer, DraftTree, PromptLookup, ProposerState,
+    bitmask_allows, DraftProposer, DraftTree, PromptLookup, ProposerState, SuffixDecoding,
 };
 use specdraft::Result;
 use std::sync::Arc;
@@ -154,6 +154,32 @@ fn a_real_tree_passes_and_is_checked() {
     let report = check(Shape::Good);
     assert!(report.is_ok(), "{report}");
     assert!(report.checks_run.iter().any(|c| c == "propose_tree"));
+}
+
+#[test]
+fn the_built_in_tree_proposers_pass_every_check() {
+    let proposers: [(&str, Box<dyn DraftProposer>); 2] = [
+        (
+            "prompt lookup trees",
+            Box::new(PromptLookup::default().with_trees(true)),
+        ),
+        (
+            "suffix trees",
+            Box::new(SuffixDecoding::default().with_trees(true)),
+        ),
+    ];
+    for (label, p) in proposers {
+        assert!(p.grows_trees(), "{label}");
+        let report = check_proposer(
+            &*p,
+            &CheckOptions {
+                label: label.into(),
+                ..CheckOptions::default()
+            },
+        );
+        assert!(report.is_ok(), "{report}");
+        assert!(report.checks_run.iter().any(|c| c == "propose_tree"));
+    }
 }
 
 #[test]

@@ -594,7 +594,9 @@ class PromptLookup(DraftProposer):
 @disjoint_base
 class SuffixDecoding(DraftProposer):
     """Drafting from suffix trees over the prompt, the output so far and the outputs of earlier
-    sequences on this proposer (host-only, no device memory).
+    sequences on this proposer (host-only, no device memory). With `trees=True` it grows
+    draft trees (`grows_trees()`): the continuations of its match most likely to be reached,
+    best first, which the engine verifies under `draft_shape="tree"`.
     """
 
     def __new__(
@@ -603,6 +605,8 @@ class SuffixDecoding(DraftProposer):
         min_token_prob: float = ...,
         max_spec_factor: float = ...,
         max_tree_nodes: int = ...,
+        *,
+        trees: bool = ...,
     ) -> Self: ...
     @property
     def max_depth(self) -> int:
@@ -616,6 +620,9 @@ class SuffixDecoding(DraftProposer):
     @property
     def max_tree_nodes(self) -> int:
         """The shared tree's bound, in nodes and in stored output tokens."""
+    @property
+    def trees(self) -> bool:
+        """Whether it grows draft trees (`grows_trees()`), as built with `trees=True`."""
     def shared_tree(self) -> dict[str, int]:
         """What the shared tree of earlier outputs holds: outputs, tokens, nodes, bytes."""
     def remember_output(self, output: Sequence[int]) -> None:

@@ -77,7 +77,9 @@ impl PyPromptLookup {
 }
 
 /// Drafting from suffix trees over the prompt, the output so far and the outputs of earlier
-/// sequences on this proposer (host-only, no device memory).
+/// sequences on this proposer (host-only, no device memory). With `trees=True` it grows
+/// draft trees (`grows_trees()`): the continuations of its match most likely to be reached,
+/// best first, which the engine verifies under `draft_shape="tree"`.
 #[pyclass(name = "SuffixDecoding", module = "specdraft", extends = PyDraftProposer, subclass, frozen)]
 pub struct PySuffixDecoding {
     inner: Arc<SuffixDecoding>,
@@ -86,12 +88,13 @@ pub struct PySuffixDecoding {
 #[pymethods]
 impl PySuffixDecoding {
     #[new]
-    #[pyo3(signature = (max_depth = suffix::DEFAULT_MAX_DEPTH, min_token_prob = suffix::DEFAULT_MIN_TOKEN_PROB, max_spec_factor = suffix::DEFAULT_MAX_SPEC_FACTOR, max_tree_nodes = suffix::DEFAULT_MAX_TREE_NODES))]
+    #[pyo3(signature = (max_depth = suffix::DEFAULT_MAX_DEPTH, min_token_prob = suffix::DEFAULT_MIN_TOKEN_PROB, max_spec_factor = suffix::DEFAULT_MAX_SPEC_FACTOR, max_tree_nodes = suffix::DEFAULT_MAX_TREE_NODES, *, trees = false))]
     fn new(
         max_depth: usize,
         min_token_prob: f32,
         max_spec_factor: f32,
         max_tree_nodes: usize,
+        trees: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         let inner = Arc::new(
             SuffixDecoding::new(SuffixDecodingOptions {
@@ -100,7 +103,8 @@ impl PySuffixDecoding {
                 max_spec_factor,
                 max_tree_nodes,
             })
-            .py()?,
+            .py()?
+            .with_trees(trees),
         );
         Ok(
             PyClassInitializer::from(PyDraftProposer::holding(inner.clone(), "SuffixDecoding"))
@@ -132,6 +136,12 @@ impl PySuffixDecoding {
         self.inner.options().max_tree_nodes
     }
 
+    /// Whether it grows draft trees (`grows_trees()`), as built with `trees=True`.
+    #[getter]
+    fn trees(&self) -> bool {
+        self.inner.trees()
+    }
+
     /// What the shared tree of earlier outputs holds: outputs, tokens, nodes, bytes.
     fn shared_tree(&self) -> PyResult<HashMap<&'static str, usize>> {
         let s = self.inner.shared_tree().py()?;
@@ -151,8 +161,12 @@ impl PySuffixDecoding {
     fn __repr__(&self) -> String {
         let o = self.inner.options();
         format!(
-            "SuffixDecoding(max_depth={}, min_token_prob={}, max_spec_factor={}, max_tree_nodes={})",
-            o.max_depth, o.min_token_prob, o.max_spec_factor, o.max_tree_nodes
+            "SuffixDecoding(max_depth={}, min_token_prob={}, max_spec_factor={}, max_tree_nodes={}{})",
+            o.max_depth,
+            o.min_token_prob,
+            o.max_spec_factor,
+            o.max_tree_nodes,
+            if self.inner.trees() { ", trees=True" } else { "" }
         )
     }
 }

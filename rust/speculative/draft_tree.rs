@@ -194,6 +194,24 @@ impl DraftTree {
         path
     }
 
+    /// Why `path` is not a root-side-first path of nodes of the tree of `len` nodes whose
+    /// parents are `parents` (empty for a chain), as `after_verify_tree` must be given; `None`
+    /// when it is one.
+    pub fn path_fault(parents: &[Option<usize>], len: usize, path: &[usize]) -> Option<String> {
+        path.iter().enumerate().find_map(|(k, &i)| {
+            let want = k.checked_sub(1).map(|j| path[j]);
+            if i >= len {
+                Some(format!("node {i} of a tree of {len}"))
+            } else if parents.get(i).copied().unwrap_or(i.checked_sub(1)) != want {
+                Some(format!(
+                    "node {i} is not a child of the path's node before it"
+                ))
+            } else {
+                None
+            }
+        })
+    }
+
     /// Whether node `i`'s parent is node `i - 1` for every node: the tree is a chain.
     pub fn is_chain(&self) -> bool {
         self.parents

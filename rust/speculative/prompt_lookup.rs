@@ -399,20 +399,7 @@ impl DraftProposer for PromptLookup {
         _stream: u64,
     ) -> Result<()> {
         let st = state_of(state, "after_verify_tree")?;
-        let n = st.pending.len();
-        let parents = &st.pending_parents;
-        let fault = path.iter().enumerate().find_map(|(k, &i)| {
-            let want = k.checked_sub(1).map(|j| path[j]);
-            if i >= n {
-                Some(format!("node {i} of a tree of {n}"))
-            } else if parents.get(i).copied().unwrap_or(i.checked_sub(1)) != want {
-                Some(format!(
-                    "node {i} is not a child of the path's node before it"
-                ))
-            } else {
-                None
-            }
-        });
+        let fault = DraftTree::path_fault(&st.pending_parents, st.pending.len(), path);
         if let Some(message) = fault {
             return Err(ProposerError::InvalidArgument {
                 method: "after_verify_tree",

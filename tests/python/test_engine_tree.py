@@ -1,9 +1,9 @@
 """Draft trees through ``specdraft.SpecEngine`` (greedy): a Python proposer's tree whose second
 branch is the target's continuation is accepted through that branch (its chain accepts
 nothing), its ``after_verify_tree`` is told that path, and the output is plain greedy output;
-``draft_shape`` is checked and reported; on SmolLM2 (slow) prompt lookup's trees give plain
-greedy output on open and grounded prompts, trees and chains alike, and so does that second
-branch, whose accepted rows move in the KV at every step."""
+``draft_shape`` is checked and reported; on SmolLM2 (slow) prompt lookup's and suffix
+decoding's trees give plain greedy output on open and grounded prompts, trees and chains alike,
+and so does that second branch, whose accepted rows move in the KV at every step."""
 
 from __future__ import annotations
 
@@ -135,6 +135,10 @@ def test_draft_shape_is_checked_and_a_chain_proposer_grows_no_tree(model_path, g
     assert not specdraft.SpecEngine(model, specdraft.PromptLookup()).drafts_trees
     assert specdraft.PromptLookup(trees=True).grows_trees()
     assert specdraft.SpecEngine(model, specdraft.PromptLookup(trees=True)).drafts_trees
+    assert not specdraft.SuffixDecoding().grows_trees()
+    suffix = specdraft.SuffixDecoding(trees=True)
+    assert suffix.trees and suffix.grows_trees() and "trees=True" in repr(suffix)
+    assert specdraft.SpecEngine(model, suffix).drafts_trees
     # A Python proposer with its own propose and no propose_tree drafts chains.
     from ngram_proposer import PyLookup
 
@@ -143,7 +147,7 @@ def test_draft_shape_is_checked_and_a_chain_proposer_grows_no_tree(model_path, g
 
 
 @pytest.mark.slow
-def test_prompt_lookup_trees_give_plain_greedy_output_on_smollm2() -> None:
+def test_lookup_and_suffix_trees_give_plain_greedy_output_on_smollm2() -> None:
     from specdraft.models import fetch_default_model
 
     model = specdraft.load_model(fetch_default_model(), max_rows=64, max_seq_len=512, kv_blocks=64)
@@ -161,13 +165,18 @@ def test_prompt_lookup_trees_give_plain_greedy_output_on_smollm2() -> None:
     ]
     base = _tokens(specdraft.SpecEngine(model).generate(chats, max_tokens=48))
     for shape in ("tree", "chain"):
-        engine = specdraft.SpecEngine(
-            model, specdraft.PromptLookup(trees=True), num_drafts=4, draft_shape=shape
-        )
-        results = engine.generate(chats, max_tokens=48)
-        assert _tokens(results) == base, shape
-        # Copying the passage: lookup drafts are accepted.
-        assert results[0].metrics["mean_acceptance_length"] > 1.5, results[0].metrics
+        for proposer in (
+            specdraft.PromptLookup(trees=True),
+            specdraft.SuffixDecoding(trees=True),
+        ):
+            engine = specdraft.SpecEngine(model, proposer, num_drafts=4, draft_shape=shape)
+            results = engine.generate(chats, max_tokens=48)
+            assert _tokens(results) == base, (shape, proposer)
+            # Copying the passage: the drafts are accepted.
+            assert results[0].metrics["mean_acceptance_length"] > 1.5, (
+                proposer,
+                results[0].metrics,
+            )
     # Every accepted path runs down a second branch, so its KV rows move at every step.
     ids = [tok.encode(c) for c in chats]
     truth = {tuple(p): p + b for p, b in zip(ids, base, strict=True)}

@@ -67,17 +67,34 @@ fn follow(trie: &mut SuffixTrie, node: u32, match_len: usize, limits: &ChainLimi
 
 /// The best chain over every suffix of the match at `cursor` (`cursor` and its links).
 pub(crate) fn best_chain(trie: &mut SuffixTrie, cursor: Cursor, limits: &ChainLimits) -> Chain {
-    let mut best = Chain::default();
+    best_over_matches(trie, cursor, limits, usize::MAX, follow, |c| c.score)
+}
+
+/// The best of `draft(trie, node, match_len, limits)` over every suffix of the match at
+/// `cursor`, longest first, by `score`; the default draft when none scores above 0.
+///
+/// A draft must score at most `min(drafts_allowed(match_len), cap)`: a chain's score is at
+/// most its length, and a tree's at most its depth (the nodes of one depth are disjoint
+/// continuations, so their probabilities of being reached sum to at most 1). Shorter
+/// matches allow no deeper drafts, so once that bound cannot beat the best, the search
+/// stops.
+pub(crate) fn best_over_matches<D: Default>(
+    trie: &mut SuffixTrie,
+    cursor: Cursor,
+    limits: &ChainLimits,
+    cap: usize,
+    mut draft: impl FnMut(&mut SuffixTrie, u32, usize, &ChainLimits) -> D,
+    score: impl Fn(&D) -> f64,
+) -> D {
+    let mut best = D::default();
     let (mut node, mut depth) = (cursor.node, cursor.depth);
     while node != ROOT && depth > 0 {
-        // A chain scores at most its length, and shorter matches allow no longer chains:
-        // once that cannot beat the best, nothing shorter can.
-        if drafts_allowed(depth, limits) as f64 <= best.score {
+        if drafts_allowed(depth, limits).min(cap) as f64 <= score(&best) {
             break;
         }
-        let chain = follow(trie, node, depth, limits);
-        if chain.score > best.score {
-            best = chain;
+        let d = draft(trie, node, depth, limits);
+        if score(&d) > score(&best) {
+            best = d;
         }
         node = trie.link(node);
         depth -= 1;

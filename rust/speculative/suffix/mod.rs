@@ -6,11 +6,13 @@
 //! of the match follows the most frequent continuation while its empirical probability
 //! stays at or above `min_token_prob`, with at most `max_spec_factor` drafts per matched
 //! token; the chain with the highest expected accepted count wins (the shared tree only when
-//! strictly better than the sequence's own). It drafts a chain, not a tree: the engine
-//! verifies chains.
+//! strictly better than the sequence's own). Built `with_trees`, it grows a tree instead
+//! (`propose_tree`): the continuations most likely to be reached, best first, so a less
+//! frequent continuation is verified beside the most frequent one.
 //!
-//! One file per job: `trie` (the counted suffix trie), `draft` (choosing a chain), `shared`
-//! (the bounded store of finished outputs), `proposer` (the `DraftProposer` methods).
+//! One file per job: `trie` (the counted suffix trie), `draft` (choosing a chain), `tree`
+//! (choosing a tree), `shared` (the bounded store of finished outputs), `options` (the
+//! knobs and their ranges), `proposer` (the `DraftProposer` methods).
 //!
 //! Invariants: drafts depend only on the sequence's history and on the outputs of sequences
 //! already freed, so a re-propose from the same point and `propose_batch` give what
@@ -21,12 +23,15 @@
 //! memory is allocated.
 
 mod draft;
+mod options;
 mod proposer;
 mod shared;
+mod tree;
 mod trie;
 
-pub use proposer::{
-    SuffixDecoding, SuffixDecodingOptions, SuffixState, DEFAULT_MAX_DEPTH, DEFAULT_MAX_SPEC_FACTOR,
-    DEFAULT_MAX_TREE_NODES, DEFAULT_MIN_TOKEN_PROB,
+pub use options::{
+    SuffixDecodingOptions, DEFAULT_MAX_DEPTH, DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MAX_TREE_NODES,
+    DEFAULT_MIN_TOKEN_PROB,
 };
+pub use proposer::{SuffixDecoding, SuffixState};
 pub use shared::SharedTreeStats;

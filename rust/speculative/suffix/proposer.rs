@@ -1,55 +1,16 @@
 //! `SuffixDecoding` and its per-sequence state: the `DraftProposer` methods.
 
 use super::draft::{best_chain, Chain, ChainLimits};
+use super::options::{invalid, SuffixDecodingOptions};
 use super::shared::{SharedOutputs, SharedTreeStats};
+use super::tree::{best_tree, TreeDraft};
 use super::trie::{Cursor, SuffixTrie, MAX_NODES};
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
-use crate::speculative::{bitmask_allows, DraftProposer, ProposerError, ProposerState};
+use crate::speculative::{bitmask_allows, DraftProposer, DraftTree, ProposerError, ProposerState};
 use crate::Result;
 use std::sync::{Mutex, MutexGuard};
-
-/// Strings of up to 24 tokens: vLLM's default tree depth for suffix decoding. The depth
-/// bounds the matched suffix plus the drafts after it, and this trie spends up to one node
-/// per stored token and depth, so a deeper tree costs memory for matches rarely that long:
-/// over 65536 tokens that never repeat, a sequence's own tree holds 1.55M nodes, 90 MB
-/// (`cargo bench --bench protocol`); text that repeats costs far less.
-pub const DEFAULT_MAX_DEPTH: usize = 24;
-/// Stop a chain before a draft reached with probability under 0.1 (vLLM's default).
-pub const DEFAULT_MIN_TOKEN_PROB: f32 = 0.1;
-/// A match of `L` tokens drafts at most `L` tokens (vLLM's default factor).
-pub const DEFAULT_MAX_SPEC_FACTOR: f32 = 1.0;
-/// About a million nodes in the shared tree: about 60 MB at the 58 bytes a node that
-/// `cargo bench --bench protocol` measures, or some 50,000 output tokens of text that
-/// repeats little.
-pub const DEFAULT_MAX_TREE_NODES: usize = 1 << 20;
-
-/// The knobs of [`SuffixDecoding`].
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SuffixDecodingOptions {
-    /// Longest string the trees keep (2..=4096): the matched suffix plus its drafts.
-    pub max_depth: usize,
-    /// A draft is proposed only while the estimated probability of reaching it (the product
-    /// of its continuation frequencies so far) is at least this (0..=1).
-    pub min_token_prob: f32,
-    /// A match of `L` tokens drafts at most `floor(L * max_spec_factor)` tokens (>= 0).
-    pub max_spec_factor: f32,
-    /// The shared tree's bound, in nodes and in stored output tokens; the oldest outputs are
-    /// evicted beyond it. 0 keeps no outputs (each sequence drafts from its own history).
-    pub max_tree_nodes: usize,
-}
-
-impl Default for SuffixDecodingOptions {
-    fn default() -> Self {
-        SuffixDecodingOptions {
-            max_depth: DEFAULT_MAX_DEPTH,
-            min_token_prob: DEFAULT_MIN_TOKEN_PROB,
-            max_spec_factor: DEFAULT_MAX_SPEC_FACTOR,
-            max_tree_nodes: DEFAULT_MAX_TREE_NODES,
-        }
-    }
-}
 
 /// Drafting from suffix trees over the sequence's own prompt and output and over the
 /// outputs of earlier sequences (see the module documentation).
@@ -57,6 +18,7 @@ impl Default for SuffixDecodingOptions {
 pub struct SuffixDecoding {
     options: SuffixDecodingOptions,
     shared: Mutex<SharedOutputs>,
+    trees: bool,
 }
 
 impl Default for SuffixDecoding {
@@ -68,6 +30,7 @@ impl Default for SuffixDecoding {
                 options.max_tree_nodes,
             )),
             options,
+            trees: false,
         }
     }
 }
@@ -83,6 +46,8 @@ pub struct SuffixState {
     /// search.
     cursors: Vec<Cursor>,
     pending: Vec<u32>,
+    /// The parents of the last propose's tree; empty when it drafted a chain.
+    pending_parents: Vec<Option<usize>>,
 }
 
 crate::impl_proposer_state!(SuffixState);
@@ -136,6 +101,7 @@ impl SuffixState {
         self.trie.clear();
         self.cursors.clear();
         self.pending.clear();
+        self.pending_parents.clear();
     }
 }
 
@@ -155,50 +121,29 @@ fn state_of<'s>(
         })
 }
 
-fn invalid(method: &'static str, message: String) -> ProposerError {
-    ProposerError::InvalidArgument { method, message }
-}
-
 impl SuffixDecoding {
     /// A proposer with `options`, checked: each out-of-range option is an error naming it.
     pub fn new(options: SuffixDecodingOptions) -> std::result::Result<Self, ProposerError> {
-        const M: &str = "SuffixDecoding::new";
         let o = options;
-        if !(2..=4096).contains(&o.max_depth) {
-            return Err(invalid(
-                M,
-                format!("max_depth must be in 2..=4096, got {}", o.max_depth),
-            ));
-        }
-        if !(0.0..=1.0).contains(&o.min_token_prob) {
-            return Err(invalid(
-                M,
-                format!("min_token_prob must be in [0, 1], got {}", o.min_token_prob),
-            ));
-        }
-        if !(o.max_spec_factor.is_finite() && o.max_spec_factor >= 0.0) {
-            return Err(invalid(
-                M,
-                format!(
-                    "max_spec_factor must be finite and >= 0, got {}",
-                    o.max_spec_factor
-                ),
-            ));
-        }
-        let most = MAX_NODES - o.max_depth;
-        if o.max_tree_nodes > most {
-            return Err(invalid(
-                M,
-                format!(
-                    "max_tree_nodes must be at most {most}, got {}",
-                    o.max_tree_nodes
-                ),
-            ));
-        }
+        o.check()?;
         Ok(SuffixDecoding {
             shared: Mutex::new(SharedOutputs::new(o.max_depth, o.max_tree_nodes)),
             options,
+            trees: false,
         })
+    }
+
+    /// The same proposer, telling the engine (`grows_trees`) that it drafts trees when `on`:
+    /// the continuations of its matched suffix most likely to be reached, best first, as
+    /// SuffixDecoding's speculation trees (see `tree`).
+    pub fn with_trees(mut self, on: bool) -> Self {
+        self.trees = on;
+        self
+    }
+
+    /// Whether it tells the engine it grows trees (see [`SuffixDecoding::with_trees`]).
+    pub fn trees(&self) -> bool {
+        self.trees
     }
 
     /// The options it was built with.
@@ -266,7 +211,77 @@ impl SuffixDecoding {
             trie: SuffixTrie::new(self.options.max_depth),
             cursors: Vec::new(),
             pending: Vec::new(),
+            pending_parents: Vec::new(),
         }
+    }
+
+    /// Records `last_token` at `position` (the propose's first job) and forgets what was
+    /// pending.
+    fn record<'s>(
+        &self,
+        method: &'static str,
+        last_token: u32,
+        position: usize,
+        state: &'s mut dyn ProposerState,
+        vocab_size: usize,
+    ) -> Result<&'s mut SuffixState> {
+        if last_token as usize >= vocab_size {
+            return Err(ProposerError::TokenOutOfVocab {
+                method,
+                token: u64::from(last_token),
+                vocab_size,
+            }
+            .into());
+        }
+        let st = state_of(state, method)?;
+        // `position` is where `last_token` sits: anything at or after it is a leftover of an
+        // earlier propose from this point.
+        st.truncate(position);
+        self.check_room(method, st.tokens.len() + 1)?;
+        st.push(last_token);
+        st.pending.clear();
+        st.pending_parents.clear();
+        Ok(st)
+    }
+
+    /// Records `last_token` at `position` and drafts a tree of at most `budget` nodes from
+    /// the better of the sequence's own trie and the shared one (the shared one only when
+    /// strictly better); every node's token is inside the vocabulary and allowed by `mask`.
+    fn propose_tree_one(
+        &self,
+        last_token: u32,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        vocab_size: usize,
+        mask: Option<&[i32]>,
+    ) -> Result<DraftTree> {
+        let mut shared = self.lock("propose_tree")?;
+        let st = self.record("propose_tree", last_token, position, state, vocab_size)?;
+        // Outputs stored by a sequence of another model may hold ids beyond this vocabulary.
+        let keep = |t: u32| (t as usize) < vocab_size && mask.is_none_or(|m| bitmask_allows(m, t));
+        let limits = self.limits(budget);
+        let cursor = st.cursor();
+        let own = best_tree(&mut st.trie, cursor, &limits, budget, &keep);
+        let theirs = if shared.trie.live_nodes() == 0 {
+            TreeDraft::default()
+        } else {
+            let tail = st.tokens.len().saturating_sub(self.options.max_depth - 1);
+            let at = shared.trie.longest_suffix(&st.tokens[tail..]);
+            best_tree(&mut shared.trie, at, &limits, budget, &keep)
+        };
+        let tree = if theirs.score > own.score {
+            theirs
+        } else {
+            own
+        };
+        st.pending.clone_from(&tree.tokens);
+        st.pending_parents.clone_from(&tree.parents);
+        Ok(DraftTree {
+            tokens: tree.tokens,
+            parents: tree.parents,
+            probs: Some(tree.step_probs.iter().map(|&p| p as f32).collect()),
+        })
     }
 
     /// Records `last_token` at `position` and drafts from the better of the sequence's own
@@ -283,21 +298,7 @@ impl SuffixDecoding {
         mask: Option<&[i32]>,
         shared: &mut SharedOutputs,
     ) -> Result<(Vec<u32>, Vec<f32>)> {
-        if last_token as usize >= vocab_size {
-            return Err(ProposerError::TokenOutOfVocab {
-                method: "propose",
-                token: u64::from(last_token),
-                vocab_size,
-            }
-            .into());
-        }
-        let st = state_of(state, "propose")?;
-        // `position` is where `last_token` sits: anything at or after it is a leftover of an
-        // earlier propose from this point.
-        st.truncate(position);
-        self.check_room("propose", st.tokens.len() + 1)?;
-        st.push(last_token);
-        st.pending.clear();
+        let st = self.record("propose", last_token, position, state, vocab_size)?;
         if num_drafts == 0 {
             return Ok((Vec::new(), Vec::new()));
         }
@@ -384,6 +385,52 @@ impl DraftProposer for SuffixDecoding {
             .take(num_accepted)
         {
             st.push(t);
+        }
+        Ok(())
+    }
+
+    fn grows_trees(&self) -> bool {
+        self.trees
+    }
+
+    fn propose_tree(
+        &self,
+        last_token: u32,
+        _target_hidden: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        _stream: u64,
+        _draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        _target_hidden_stack: Option<DevicePtr>,
+    ) -> Result<DraftTree> {
+        self.propose_tree_one(
+            last_token,
+            position,
+            budget,
+            state,
+            ctx.config.vocab_size,
+            grammar_bitmask,
+        )
+    }
+
+    fn after_verify_tree(
+        &self,
+        path: &[usize],
+        state: &mut dyn ProposerState,
+        _stream: u64,
+    ) -> Result<()> {
+        let st = state_of(state, "after_verify_tree")?;
+        if let Some(message) = DraftTree::path_fault(&st.pending_parents, st.pending.len(), path) {
+            return Err(invalid("after_verify_tree", format!("path {path:?}: {message}")).into());
+        }
+        self.check_room("after_verify_tree", st.tokens.len() + path.len())?;
+        let pending = std::mem::take(&mut st.pending);
+        st.pending_parents.clear();
+        for &i in path {
+            st.push(pending[i]);
         }
         Ok(())
     }

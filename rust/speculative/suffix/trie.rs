@@ -165,6 +165,14 @@ impl SuffixTrie {
         Some(self.nodes[n].best).filter(|&b| b != NONE)
     }
 
+    /// The children of `node`, in no particular order.
+    pub(crate) fn children(&self, node: u32) -> impl Iterator<Item = u32> + '_ {
+        let first = self.nodes[node as usize].first_child;
+        std::iter::successors(Some(first).filter(|&c| c != NONE), move |&c| {
+            Some(self.nodes[c as usize].next_sibling).filter(|&n| n != NONE)
+        })
+    }
+
     /// Whether child `a` ranks above child `b`: more frequent, or as frequent with a
     /// smaller token.
     fn beats(&self, a: u32, b: u32) -> bool {
