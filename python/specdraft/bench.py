@@ -62,6 +62,7 @@ import specdraft
 from specdraft.measure import BASELINE, Pass, Run, bench_rows, figures, turn_order
 
 __all__ = [
+    "ON_REQUEST",
     "PROPOSERS",
     "SCHEDULES",
     "RandomDrafter",
@@ -173,6 +174,13 @@ PROPOSERS: dict[str, Callable[[Any, str | None], Any]] = {
     "eagle3": lambda model, model_name: shipped_head_for(model, model_name, "eagle3"),
     "dflash": lambda model, model_name: shipped_head_for(model, model_name, "dflash"),
     "hybrid": hybrid_for,
+}
+
+#: Proposers ``specdraft bench`` runs only when named (``--proposer suffix-tree``): the tree
+#: forms of the retrieval proposers, to compare with their chains in one command.
+ON_REQUEST: dict[str, Callable[[Any, str | None], Any]] = {
+    "prompt-lookup-tree": lambda model, model_name: specdraft.PromptLookup(trees=True),
+    "suffix-tree": lambda model, model_name: specdraft.SuffixDecoding(trees=True),
 }
 
 
@@ -368,7 +376,12 @@ def run_model_bench(args: argparse.Namespace) -> int:
             return specdraft.SpecEngine(model, None, max_batch=width)
         proposer = unused.pop(name) if name in unused else make_proposer(name, model, args.model)
         return specdraft.SpecEngine(
-            model, proposer, num_drafts=args.num_drafts, max_batch=width, draft_policy=policy
+            model,
+            proposer,
+            num_drafts=args.num_drafts,
+            max_batch=width,
+            draft_policy=policy,
+            draft_shape=args.draft_shape,
         )
 
     runs: list[Run] = []
@@ -422,6 +435,7 @@ def run_model_bench(args: argparse.Namespace) -> int:
             "repeat": args.repeat,
             "trials": args.trials,
             "draft_policies": policies,
+            "draft_shape": args.draft_shape,
             "control": args.control,
             "results": rows,
         }
@@ -466,9 +480,9 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help=(
-            f"one of {', '.join(n for n in PROPOSERS if n != BASELINE)}, or module:Class, "
-            "which imports and runs that module (repeatable, or a comma list; default: all "
-            "of them)"
+            f"one of {', '.join(n for n in PROPOSERS if n != BASELINE)} (the default rows), "
+            f"{', '.join(ON_REQUEST)}, or module:Class, which imports and runs that module "
+            "(repeatable, or a comma list)"
         ),
     )
     p.add_argument("--prompts", type=int, default=None, help="use the first N built-in prompts")
@@ -502,6 +516,13 @@ def add_model_bench_args(p: argparse.ArgumentParser) -> None:
         "--draft-policy",
         default="adaptive",
         help="adaptive, fixed, or both as a comma list (each proposer runs under each)",
+    )
+    p.add_argument(
+        "--draft-shape",
+        choices=["tree", "chain"],
+        default="tree",
+        help="tree: a proposer that grows trees drafts them (as --proposer suffix-tree "
+        "does); chain: every proposer drafts chains",
     )
     p.add_argument(
         "--control",

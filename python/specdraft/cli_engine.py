@@ -57,12 +57,12 @@ _ALIASES = {
 
 def proposer_key(name: str) -> str | None:
     """The :data:`specdraft.bench.PROPOSERS` entry or shipped head ``name`` means, or None."""
-    from specdraft.bench import PROPOSERS
+    from specdraft.bench import ON_REQUEST, PROPOSERS
     from specdraft.heads import shipped_heads
 
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
-    return key if key in PROPOSERS or key in shipped_heads() else None
+    return key if key in PROPOSERS or key in ON_REQUEST or key in shipped_heads() else None
 
 
 def make_proposer(
@@ -75,24 +75,26 @@ def make_proposer(
     A name of :data:`specdraft.bench.PROPOSERS` (``prompt-lookup``, ``suffix``, ``random``,
     ``mtp``, ``eagle3``, ``dflash``: the shipped draft head of that kind trained for
     ``model_name``'s file, ``hybrid``: suffix decoding then the best shipped head; ``none``
-    or ``baseline`` is plain decoding), the name of a shipped head (``smollm2-mtp``), or
+    or ``baseline`` is plain decoding) or of :data:`specdraft.bench.ON_REQUEST`
+    (``prompt-lookup-tree``, ``suffix-tree``), the name of a shipped head (``smollm2-mtp``), or
     ``module:Class`` (built with no arguments). A draft head is loaded beside ``model``,
     sharing its embedding.
     """
     import specdraft
-    from specdraft.bench import PROPOSERS
+    from specdraft.bench import ON_REQUEST, PROPOSERS
     from specdraft.heads import load_draft_head, shipped_heads
 
     key = proposer_key(name)
-    if key in PROPOSERS:
-        return PROPOSERS[key](model, model_name)
+    builders = {**PROPOSERS, **ON_REQUEST}
+    if key in builders:
+        return builders[key](model, model_name)
     if key is not None:
         if model is None:
             raise ValueError(f"--proposer {name!r} drafts beside a loaded target model")
         return load_draft_head(key, model)
     if ":" not in name:
         raise ValueError(
-            f"--proposer {name!r}: expected one of {', '.join(PROPOSERS)}, a shipped head "
+            f"--proposer {name!r}: expected one of {', '.join(builders)}, a shipped head "
             f"({', '.join(shipped_heads())}), 'none' or 'module:Class'"
         )
     module_name, _, attr = name.partition(":")
@@ -222,8 +224,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         "--proposer",
         default="prompt-lookup",
         help="prompt-lookup, suffix, random, mtp, eagle3, dflash (the model's shipped draft "
-        "head of that kind), hybrid (suffix, then the best shipped head), none or module:Class "
-        "(imports and runs it)",
+        "head of that kind), hybrid (suffix, then the best shipped head), prompt-lookup-tree, "
+        "suffix-tree (drafting trees), none or module:Class (imports and runs it)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -99,6 +99,36 @@ def test_bench_rows_cover_every_proposer_width_policy_and_pass(tiny, capsys) -> 
     assert "pass 2/2, batch 2" in err
 
 
+def test_tree_proposers_run_when_named_under_the_shape_asked(tiny, capsys, monkeypatch) -> None:
+    from specdraft.cli_engine import make_proposer
+
+    assert make_proposer("suffix-tree").grows_trees()
+    assert make_proposer("prompt-lookup-tree").grows_trees()
+    assert not make_proposer("suffix").grows_trees()
+    shapes: list[str] = []
+    engine = specdraft.SpecEngine
+
+    def recording(*args: object, **kwargs: object) -> object:
+        shapes.append(str(kwargs.get("draft_shape")))
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(specdraft, "SpecEngine", recording)
+    base = [*_common(tiny), "--prompts", "2", "--max-tokens", "6", "--json"]
+    for shape in ("tree", "chain"):
+        shapes.clear()
+        code, out, err = _bench(
+            capsys, *base, "--proposer", "suffix-tree,prompt-lookup-tree", "--draft-shape", shape
+        )
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["draft_shape"] == shape
+        rows = {r["proposer"]: r for r in report["results"]}
+        assert set(rows) == {"baseline", "suffix-tree", "prompt-lookup-tree"}
+        assert all(r["identical_to_baseline"] for n, r in rows.items() if n != "baseline")
+        # Both proposer engines were built under the shape asked; the baseline's takes none.
+        assert shapes.count(shape) == 2, shapes
+
+
 def test_a_proposer_added_to_the_table_gets_its_rows(tiny, capsys, monkeypatch) -> None:
     from specdraft import bench
 
