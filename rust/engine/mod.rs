@@ -38,6 +38,7 @@ mod target;
 pub mod testing;
 mod verify;
 mod verify_tree;
+mod verify_tree_sampled;
 
 pub use conversation::{CarriedKv, Conversation};
 pub use cost_fit::CostFit;
@@ -53,3 +54,4 @@ pub use step_tree::DraftShape;
 pub use target::{KvPoolStatus, Target, TargetOutput};
 pub use verify::{argmax, sample_from, target_probs, verify, SamplingParams, Verdict};
 pub use verify_tree::{verify_tree_greedy, TreeVerdict};
+pub use verify_tree_sampled::verify_tree_sampled;

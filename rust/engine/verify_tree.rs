@@ -24,14 +24,57 @@ use crate::Result;
 pub struct TreeVerdict {
     /// The accepted nodes, from a child of the last verified token down.
     pub path: Vec<usize>,
-    /// The path's tokens, then the target's own pick after it.
+    /// The path's tokens, then the target's own pick after it (unless the grammar allowed
+    /// no token there).
     pub tokens: Vec<u32>,
+    /// The grammar allowed no token after the emitted ones: the sequence cannot go on.
+    pub grammar_exhausted: bool,
 }
 
 /// Verifies `tree` greedily against `rows` (row 0 for the last verified token, then one
 /// per node, so `rows.len() == tree.len() + 1`, all of one vocabulary). `tree` must be well
 /// formed (see [`DraftTree::fault`]).
 pub fn verify_tree_greedy(rows: &[&[f32]], tree: &DraftTree) -> Result<TreeVerdict> {
+    check_tree_rows(rows, tree)?;
+    let picks: Vec<Option<u32>> = rows.iter().map(|r| argmax(r, None)).collect();
+    // depth[i]: the longest accepted path below node i, itself included, and its next node.
+    // Children come after their parents, so one pass from the last node up fills them.
+    let mut depth = vec![0usize; tree.len()];
+    let mut next: Vec<Option<usize>> = vec![None; tree.len()];
+    // The same for the last verified token (index `tree.len()` here).
+    let (mut root_depth, mut root_next) = (0usize, None);
+    for i in (0..tree.len()).rev() {
+        depth[i] += 1;
+        let mine = depth[i];
+        let (parent_depth, parent_next, pick) = match tree.parents[i] {
+            Some(p) => (&mut depth[p], &mut next[p], picks[1 + p]),
+            None => (&mut root_depth, &mut root_next, picks[0]),
+        };
+        // Visiting siblings from the last, `>=` leaves the first of equal depths.
+        if pick == Some(tree.tokens[i]) && mine >= *parent_depth {
+            *parent_depth = mine;
+            *parent_next = Some(i);
+        }
+    }
+    let mut verdict = TreeVerdict {
+        path: Vec::new(),
+        tokens: Vec::new(),
+        grammar_exhausted: false,
+    };
+    let mut at = root_next;
+    while let Some(i) = at {
+        verdict.path.push(i);
+        verdict.tokens.push(tree.tokens[i]);
+        at = next[i];
+    }
+    let last_row = verdict.path.last().map_or(0, |&i| 1 + i);
+    verdict.tokens.extend(picks[last_row]);
+    Ok(verdict)
+}
+
+/// Checks that `rows` fit `tree` (one row for the last verified token, then one per node,
+/// all of one vocabulary) and that `tree` is well formed over that vocabulary.
+pub(super) fn check_tree_rows(rows: &[&[f32]], tree: &DraftTree) -> Result<()> {
     let invalid = |message: String| -> crate::Error {
         EngineError::InvalidArgument {
             what: "verify_tree rows",
@@ -56,39 +99,7 @@ pub fn verify_tree_greedy(rows: &[&[f32]], tree: &DraftTree) -> Result<TreeVerdi
     if let Some(fault) = tree.fault(tree.len(), vocab) {
         return Err(invalid(format!("a tree with {fault}")));
     }
-    let picks: Vec<Option<u32>> = rows.iter().map(|r| argmax(r, None)).collect();
-    // depth[i]: the longest accepted path below node i, itself included, and its next node.
-    // Children come after their parents, so one pass from the last node up fills them.
-    let mut depth = vec![0usize; tree.len()];
-    let mut next: Vec<Option<usize>> = vec![None; tree.len()];
-    // The same for the last verified token (index `tree.len()` here).
-    let (mut root_depth, mut root_next) = (0usize, None);
-    for i in (0..tree.len()).rev() {
-        depth[i] += 1;
-        let mine = depth[i];
-        let (parent_depth, parent_next, pick) = match tree.parents[i] {
-            Some(p) => (&mut depth[p], &mut next[p], picks[1 + p]),
-            None => (&mut root_depth, &mut root_next, picks[0]),
-        };
-        // Visiting siblings from the last, `>=` leaves the first of equal depths.
-        if pick == Some(tree.tokens[i]) && mine >= *parent_depth {
-            *parent_depth = mine;
-            *parent_next = Some(i);
-        }
-    }
-    let mut verdict = TreeVerdict {
-        path: Vec::new(),
-        tokens: Vec::new(),
-    };
-    let mut at = root_next;
-    while let Some(i) = at {
-        verdict.path.push(i);
-        verdict.tokens.push(tree.tokens[i]);
-        at = next[i];
-    }
-    let last_row = verdict.path.last().map_or(0, |&i| 1 + i);
-    verdict.tokens.extend(picks[last_row]);
-    Ok(verdict)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -140,7 +151,11 @@ mod tests {
         let last_row = best.last().map_or(0, |&i| 1 + i);
         let mut tokens: Vec<u32> = best.iter().map(|&i| tree.tokens[i]).collect();
         tokens.push(pick(&rows[last_row]));
-        TreeVerdict { path: best, tokens }
+        TreeVerdict {
+            path: best,
+            tokens,
+            grammar_exhausted: false,
+        }
     }
 
     #[test]
