@@ -525,7 +525,7 @@ class DraftProposer:
         """
     def grows_trees(self) -> bool:
         """Whether `propose_tree` grows branching trees (default False: its chain); under
-        `SpecEngine(draft_shape="tree")` such a proposer is asked for a tree each greedy step.
+        `SpecEngine(draft_shape="tree")` such a proposer is asked for a tree each step.
         """
     def after_verify_tree(self, path: Sequence[int], state: Any, stream: int = 0) -> None:
         """`after_verify` after a `propose_tree` whose tree branched: `path` lists the accepted
@@ -1218,9 +1218,10 @@ class SpecEngine:
     up to `num_drafts`, that maximises expected tokens per second from its measured
     acceptance and the measured cost of drafting and verifying) or `"fixed"` (always
     `num_drafts`). `draft_shape` is `"tree"` (a proposer that grows trees, such as
-    `PromptLookup`, is asked `propose_tree` with that count as its node budget on greedy steps
-    without a grammar, and one forward verifies every node) or `"chain"` (always `propose`);
-    sampled and grammar-constrained sequences draft chains either way.
+    `PromptLookup`, is asked `propose_tree` with that count as its node budget, and one
+    forward verifies every node: greedily, or by lossless rejection sampling over the tree
+    when sampling, under the grammar's masks when there is one) or `"chain"` (always
+    `propose`).
     """
 
     def __new__(

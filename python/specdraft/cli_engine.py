@@ -249,7 +249,7 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         "--draft-shape",
         choices=["tree", "chain"],
         default="tree",
-        help="tree: a proposer that grows trees drafts one (greedy, no grammar), verified in "
+        help="tree: a proposer that grows trees drafts one (greedy or sampled), verified in "
         "one forward; chain: always a chain",
     )
     g = p.add_mutually_exclusive_group()

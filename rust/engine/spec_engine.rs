@@ -180,9 +180,8 @@ impl<T: Target> SpecEngine<T> {
     }
 
     /// The same engine asking its proposer for drafts of `shape`: `Tree` (the default)
-    /// asks a proposer that grows trees for one each greedy step without a grammar, when the
-    /// target verifies trees; `Chain` always asks `propose`. Sampled and grammar-constrained
-    /// sequences draft chains either way.
+    /// asks a proposer that grows trees for one each step, when the target verifies trees,
+    /// greedy or sampled, with a grammar or without; `Chain` always asks `propose`.
     pub fn with_draft_shape(mut self, shape: DraftShape) -> Self {
         self.draft_shape = shape;
         self.trees = shape == DraftShape::Tree

@@ -70,7 +70,7 @@ impl<T: Target> SpecEngine<T> {
             let mut batchable = Vec::new();
             for (i, s) in seqs.iter().enumerate().filter(|(i, s)| wants(*i, s)) {
                 // A tree is proposed per sequence: `propose_batch` returns chains.
-                if s.grammar.is_some() || self.asks_tree(s) {
+                if s.grammar.is_some() || self.trees {
                     single.push(i);
                 } else {
                     batchable.push(i);
@@ -88,7 +88,7 @@ impl<T: Target> SpecEngine<T> {
             }
             single.sort_unstable();
             for i in single {
-                if self.asks_tree(&seqs[i]) {
+                if self.trees {
                     self.propose_tree_one(prop.as_ref(), &mut seqs[i], asked[i], ctx);
                 } else {
                     self.propose_one(prop.as_ref(), &mut seqs[i], asked[i], ctx);

@@ -1,12 +1,14 @@
 //! Draft trees in the decode step: asking a proposer for a tree, the verify forward with
-//! the tree mask, greedy acceptance of one path, and compacting that path.
+//! the tree mask, acceptance of one path, and compacting that path.
 //!
 //! When the engine drafts trees ([`DraftShape::Tree`], a target that takes them), a
-//! sequence that proposes on its own (not in a `propose_batch` group), decodes greedily and
-//! has no grammar is asked `propose_tree` with its draft count as the node budget (a tree
-//! gets the rows a chain would). Sampling and grammars keep asking `propose` for a chain:
-//! lossless sampling over trees is not built yet, and grammar masks are checked along a
-//! chain only.
+//! sequence that proposes on its own (not in a `propose_batch` group) is asked
+//! `propose_tree` with its draft count as the node budget (a tree gets the rows a chain
+//! would), and the grammar's mask for the next position when it has one. Greedy sequences
+//! without a grammar verify their tree with [`verify_tree_greedy`] (the longest accepted
+//! path); sampled ones, and greedy ones under a grammar, walk it with
+//! [`verify_tree_sampled`] (lossless recursive rejection sampling, the sequence's own
+//! random stream, the grammar advanced along the walked path).
 //!
 //! Invariants:
 //! - A tree that is a chain (node `i`'s parent node `i - 1`) is verified as one, exactly as
@@ -18,22 +20,29 @@
 //!   in order, the other nodes dropped), hidden row `k` the row whose logits picked the
 //!   path's token `k` (row `a` the one that picked the emitted bonus token), and `drafts`
 //!   the path's tokens, so `after_verify`, the catch-up and the next propose see exactly
-//!   what they would after a chain that drafted that path.
+//!   what they would after a chain that drafted that path, whichever verifier chose it.
+//! - A grammar that allows nothing after the emitted tokens ends the sequence
+//!   ([`FinishReason::Grammar`]), as after a chain.
 
 use super::error::Stage;
+use super::sequence::grammar_of;
 use super::sequence::EngineSequence;
-use super::{verify_tree_greedy, EngineError, SpecEngine, Target, TargetOutput, TreeVerdict};
+use super::{
+    verify_tree_greedy, verify_tree_sampled, EngineError, FinishReason, SpecEngine, Target,
+    TargetOutput, TreeVerdict,
+};
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
-use crate::speculative::{DraftProposer, DraftTree};
+use crate::speculative::{bitmask_words, DraftProposer, DraftTree};
 use crate::Result;
 use std::time::{Duration, Instant};
 
 /// What shape of drafts the engine asks of a proposer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DraftShape {
-    /// `propose_tree` where the step allows it (greedy, no grammar, a target that verifies
-    /// trees); a proposer that grows no tree returns its chain, verified as before.
+    /// `propose_tree` where the step allows it (a target that verifies trees, a sequence
+    /// proposing on its own); a proposer that grows no tree returns its chain, verified as
+    /// before.
     #[default]
     Tree,
     /// `propose` always: one chain per sequence.
@@ -60,11 +69,6 @@ impl DraftShape {
 }
 
 impl<T: Target> SpecEngine<T> {
-    /// Whether `seq` is asked for a tree this step.
-    pub(super) fn asks_tree(&self, seq: &EngineSequence<T::KvSequence>) -> bool {
-        self.trees && seq.sampling.is_greedy() && seq.grammar.is_none()
-    }
-
     /// `propose_tree` for `seq` with a budget of `budget` nodes; its tree (or chain) becomes
     /// the sequence's drafts.
     pub(super) fn propose_tree_one(
@@ -75,6 +79,14 @@ impl<T: Target> SpecEngine<T> {
         ctx: &ForwardContext<'_>,
     ) {
         let hidden = seq.hidden_rows.offset(seq.hidden_row * self.row_bytes());
+        let mut mask = None;
+        if let Some(g) = seq.grammar.as_deref_mut() {
+            let mut words = vec![0i32; bitmask_words(ctx.config.vocab_size)];
+            if let Err(e) = g.fill_mask(&mut words) {
+                return seq.fail_at(Stage::GrammarMask, e);
+            }
+            mask = Some(words);
+        }
         let (last, pos) = (seq.last_token(), seq.last_pos());
         let stack = seq.stack.for_propose();
         let Some(state) = seq.state.as_deref_mut() else {
@@ -90,7 +102,7 @@ impl<T: Target> SpecEngine<T> {
             ctx,
             DEFAULT_STREAM,
             None,
-            None,
+            mask.as_deref(),
             stack,
         );
         seq.metrics.draft_time += t.elapsed();
@@ -182,7 +194,17 @@ impl<T: Target> SpecEngine<T> {
         }
         let stack_base = self.keep_stack_rows(seq, out, offset, rows)?;
         let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();
-        let verdict = verify_tree_greedy(&row_refs, &tree)?;
+        let verdict = if seq.sampling.is_greedy() && seq.grammar.is_none() {
+            verify_tree_greedy(&row_refs, &tree)?
+        } else {
+            verify_tree_sampled(
+                &row_refs,
+                &tree,
+                &seq.sampling,
+                &mut seq.rng,
+                grammar_of(&mut seq.grammar),
+            )?
+        };
         seq.metrics.verify_time += t.elapsed();
         self.apply_tree(seq, &tree, verdict, stack_base)
     }
@@ -229,6 +251,9 @@ impl<T: Target> SpecEngine<T> {
         seq.catchup_pos = last_pos + 1;
         seq.metrics
             .record_step(tree.len(), verdict.path.len(), kept);
+        if verdict.grammar_exhausted && seq.active() {
+            seq.finish = Some(FinishReason::Grammar);
+        }
         seq.hidden_row = a;
         seq.stack.len = stack_base + a + 1;
         Ok(proposer_time)

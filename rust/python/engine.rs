@@ -44,9 +44,10 @@ use std::sync::{Arc, Mutex};
 /// up to `num_drafts`, that maximises expected tokens per second from its measured
 /// acceptance and the measured cost of drafting and verifying) or `"fixed"` (always
 /// `num_drafts`). `draft_shape` is `"tree"` (a proposer that grows trees, such as
-/// `PromptLookup`, is asked `propose_tree` with that count as its node budget on greedy steps
-/// without a grammar, and one forward verifies every node) or `"chain"` (always `propose`);
-/// sampled and grammar-constrained sequences draft chains either way.
+/// `PromptLookup`, is asked `propose_tree` with that count as its node budget, and one
+/// forward verifies every node: greedily, or by lossless rejection sampling over the tree
+/// when sampling, under the grammar's masks when there is one) or `"chain"` (always
+/// `propose`).
 #[pyclass(name = "SpecEngine", module = "specdraft", frozen)]
 pub struct PySpecEngine {
     pub(super) engine: SpecEngine<TargetModel>,

@@ -285,7 +285,7 @@ impl PyDraftProposer {
     }
 
     /// Whether `propose_tree` grows branching trees (default False: its chain); under
-    /// `SpecEngine(draft_shape="tree")` such a proposer is asked for a tree each greedy step.
+    /// `SpecEngine(draft_shape="tree")` such a proposer is asked for a tree each step.
     fn grows_trees(&self, py: Python<'_>) -> bool {
         py.detach(|| self.target().grows_trees())
     }
