@@ -2,7 +2,8 @@
 //! steps verify random trees (with and without node probabilities) follow the table
 //! target's conditional distributions token by token; a grammar's every emitted token is
 //! one it allowed, sampled or greedy, and greedy output under a grammar equals plain
-//! masked greedy decoding; nothing leaks.
+//! masked greedy decoding; a tree that is a chain samples bit for bit as the chain does;
+//! nothing leaks.
 //!
 //! Expected distributions come from the table target's logits and `stats::reference` (the
 //! definitions, pinned in `engine_verify.rs`), never from the engine's sampler.
@@ -10,7 +11,7 @@
 mod engine_common;
 mod stats;
 
-use engine_common::{cpu, prompts, table};
+use engine_common::{cpu, prompts, table, Oracle};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{DevicePtr, GpuBackend};
@@ -202,6 +203,91 @@ fn sampled_generations_with_random_trees_follow_the_conditional_distributions() 
         "{:?}",
         gpu.ledger().live_report()
     );
+}
+
+/// The oracle's drafts, from a proposer that says it grows trees but keeps the protocol's
+/// default `propose_tree` (its chain).
+struct ChainOnly(Oracle);
+
+impl DraftProposer for ChainOnly {
+    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
+        self.0.alloc_state(gpu)
+    }
+    fn prefill_drafter(
+        &self,
+        prompt: &[u32],
+        h: DevicePtr,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> Result<usize> {
+        self.0.prefill_drafter(prompt, h, state, ctx, stream)
+    }
+    fn propose(
+        &self,
+        last: u32,
+        h: DevicePtr,
+        position: usize,
+        n: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        d: Option<DevicePtr>,
+        mask: Option<&[i32]>,
+        stack: Option<DevicePtr>,
+    ) -> Result<Vec<u32>> {
+        self.0
+            .propose(last, h, position, n, state, ctx, stream, d, mask, stack)
+    }
+    fn after_verify(&self, a: usize, state: &mut dyn ProposerState, stream: u64) -> Result<()> {
+        self.0.after_verify(a, state, stream)
+    }
+    fn grows_trees(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_tree_that_is_a_chain_samples_exactly_as_the_chain_does() {
+    let gpu = cpu();
+    let target = table(&gpu);
+    let proposer: Arc<dyn DraftProposer> = Arc::new(ChainOnly(Oracle {
+        target: target.clone(),
+        fail: None,
+    }));
+    let run = |shape: DraftShape| {
+        let engine = SpecEngine::new(target.clone(), Some(proposer.clone()), 4)
+            .unwrap()
+            .with_draft_policy(DraftPolicyKind::Fixed)
+            .with_draft_shape(shape);
+        assert_eq!(engine.drafts_trees(), shape == DraftShape::Tree);
+        let requests = prompts()
+            .iter()
+            .flat_map(|p| {
+                (0..8).map(|seed| {
+                    GenerateRequest::new(p.clone(), 24)
+                        .ignore_eos()
+                        .with_sampling(SamplingParams::sampled(0.5, seed))
+                })
+            })
+            .collect();
+        let g = engine.generate(requests);
+        let accepted = g.metrics.accepted;
+        let tokens: Vec<Vec<u32>> = g
+            .results
+            .into_iter()
+            .map(|r| {
+                assert!(r.error.is_none(), "{:?}", r.error);
+                r.tokens
+            })
+            .collect();
+        (tokens, accepted)
+    };
+    let (tree, accepted) = run(DraftShape::Tree);
+    assert_eq!(tree, run(DraftShape::Chain).0, "seeded outputs differ");
+    assert!(accepted > 100, "{accepted} drafts accepted");
+    drop((proposer, target));
+    assert_eq!(gpu.ledger().live_count(), 0);
 }
 
 /// Allows, at step k, the tokens t with (t + k) % 3 == 0; fails on a token it did not allow.
