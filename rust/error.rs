@@ -1,6 +1,6 @@
 //! The crate-wide error: every layer's own error folded into one enum.
 //!
-//! Each layer has its own `thiserror` enum ([`BackendError`], [`MemoryError`],
+//! Each layer has its own `thiserror` enum ([`BackendError`], [`DistributedError`], [`MemoryError`],
 //! [`ConfigError`], [`ModelError`], [`ProposerError`], [`EngineError`]); `?` converts any
 //! of them into [`Error`], which is the `Result` type the `DraftProposer` protocol uses.
 //! Each variant is transparent: its message is the layer's own, and an error that wraps
@@ -9,6 +9,7 @@
 use thiserror::Error as ThisError;
 
 pub use crate::backend::BackendError;
+pub use crate::distributed::DistributedError;
 pub use crate::engine::EngineError;
 pub use crate::memory::MemoryError;
 pub use crate::model::ConfigError;
@@ -23,6 +24,9 @@ pub enum Error {
     /// Device memory, copies, streams or kernels failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// A collective or the command channel between ranks failed.
+    #[error(transparent)]
+    Distributed(#[from] DistributedError),
     /// The KV block pool or the forward scratch failed.
     #[error(transparent)]
     Memory(#[from] MemoryError),

@@ -6,6 +6,8 @@
 //! 1. [`backend`]: the `GpuBackend` trait, `DevicePtr`, the allocation ledger, the typed
 //!    kernel ops with their shared argument checks, the CPU reference backend (and the CUDA
 //!    backend with feature `cuda`).
+//!    [`distributed`] (uses nothing else): the `Communicator` between the ranks of a
+//!    multi-rank serve (all-reduce, broadcast, barrier, rank 0's commands to its workers).
 //! 2. [`memory`] (uses `backend`): the paged KV `BlockAllocator` and `BufferArena`, scratch
 //!    sized from a slot list it is given; it knows devices, not models.
 //! 3. [`model`] (uses `memory`, `backend`): `ModelConfig`, `ModelLevers`, `ForwardContext`,
@@ -22,6 +24,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod distributed;
 pub mod engine;
 pub mod error;
 pub mod memory;

@@ -8,13 +8,9 @@ use crate::memory::BufferArena;
 use crate::model::{ModelConfig, ModelLevers};
 use std::sync::Arc;
 
-/// A communicator for proposers whose block is sharded across ranks (`needs_comm`).
-pub trait Communicator: Send + Sync {
-    /// This process's rank.
-    fn rank(&self) -> usize;
-    /// Number of ranks.
-    fn world_size(&self) -> usize;
-}
+/// The communicator a forward is given when its block is sharded across ranks
+/// (`needs_comm`).
+pub use crate::distributed::Communicator;
 
 /// The backend, shared scratch, configuration and levers of one forward.
 #[derive(Clone)]

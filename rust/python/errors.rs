@@ -11,6 +11,7 @@
 //! error is always turned into an exception.
 
 use crate::backend::BackendError as RustBackendError;
+use crate::distributed::DistributedError;
 use crate::engine::EngineError;
 use crate::memory::MemoryError;
 use crate::model::ModelError;
@@ -132,6 +133,17 @@ fn backend_class(e: &RustBackendError) -> Class {
     }
 }
 
+fn distributed_class(e: &DistributedError) -> Class {
+    match e {
+        // A rank that died or hung is the backend failing, as a device would.
+        DistributedError::Timeout { .. }
+        | DistributedError::Broken { .. }
+        | DistributedError::Mpi { .. }
+        | DistributedError::BadCommand { .. } => Class::Backend,
+        DistributedError::InvalidArgument { .. } => Class::Request,
+    }
+}
+
 fn memory_class(e: &MemoryError) -> Class {
     match e {
         MemoryError::Backend(b) => backend_class(b),
@@ -182,6 +194,7 @@ fn engine_class(e: &EngineError) -> Class {
 fn class_of(e: &Error) -> Class {
     match e {
         Error::Backend(b) => backend_class(b),
+        Error::Distributed(d) => distributed_class(d),
         Error::Memory(m) => memory_class(m),
         Error::Config(_) => Class::Config,
         Error::Model(m) => model_class(m),

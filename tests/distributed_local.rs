@@ -1,0 +1,192 @@
+//! The `Communicator` contract on one process: `LocalCommunicator` is rank 0 of 1 whose
+//! collectives are the identity, BF16 sums round once, and commands survive their byte form
+//! while bad bytes are refused by name.
+
+use half::bf16;
+use specdraft::distributed::{Command, Communicator, DistributedError, LocalCommunicator};
+
+/// Rank 0 of a world whose other ranks hold `others`: the f32 sum adds them in.
+struct WithOthers {
+    others: Vec<Vec<f32>>,
+}
+
+impl Communicator for WithOthers {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        self.others.len() + 1
+    }
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<(), DistributedError> {
+        for other in &self.others {
+            for (v, o) in buf.iter_mut().zip(other) {
+                *v += o;
+            }
+        }
+        Ok(())
+    }
+    fn broadcast_bytes(&self, _root: usize, _buf: &mut Vec<u8>) -> Result<(), DistributedError> {
+        Ok(())
+    }
+    fn barrier(&self) -> Result<(), DistributedError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn local_is_rank_0_of_1_and_its_collectives_are_the_identity() {
+    let comm = LocalCommunicator;
+    assert_eq!((comm.rank(), comm.size()), (0, 1));
+    let mut f = vec![1.5f32, -2.25, 1e-30, 3.0e38];
+    comm.all_reduce_sum_f32(&mut f).unwrap();
+    assert_eq!(f, vec![1.5f32, -2.25, 1e-30, 3.0e38]);
+    let mut h: Vec<bf16> = [0.1f32, -7.0, 65280.0].map(bf16::from_f32).to_vec();
+    let before = h.clone();
+    comm.all_reduce_sum_bf16(&mut h).unwrap();
+    assert_eq!(h, before);
+    let mut bytes = vec![9u8, 8, 7];
+    comm.broadcast_bytes(0, &mut bytes).unwrap();
+    assert_eq!(bytes, vec![9, 8, 7]);
+    comm.barrier().unwrap();
+    comm.send_command(&Command::Shutdown).unwrap();
+}
+
+#[test]
+fn local_refuses_a_root_outside_the_world_and_receiving_on_rank_0() {
+    let comm = LocalCommunicator;
+    let err = comm.broadcast_bytes(1, &mut Vec::new()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DistributedError::InvalidArgument {
+                op: "broadcast_bytes",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("root 1 is not a rank"), "{err}");
+    let err = comm.recv_command().unwrap_err();
+    assert!(
+        err.to_string().starts_with("rank 0 of 1: recv_command"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bf16_sums_are_taken_in_f32_and_rounded_once_to_nearest() {
+    // BF16 steps by 2^-7 in [1, 2). Element 0: 1 + 2^-8 + 2^-8 = 1 + 2^-7 exactly, while
+    // rounding each partial sum would give 1 (1 + 2^-8 is a tie, to even: 1). Element 1:
+    // 1 + 3 * 2^-9 lies 3/4 of a step above 1, so nearest is 1 + 2^-7 (truncating gives 1).
+    let comm = WithOthers {
+        others: vec![
+            vec![2f32.powi(-8), 3.0 * 2f32.powi(-9)],
+            vec![2f32.powi(-8), 0.0],
+        ],
+    };
+    let mut buf = vec![bf16::ONE, bf16::ONE];
+    comm.all_reduce_sum_bf16(&mut buf).unwrap();
+    assert_eq!(buf, vec![bf16::from_f32(1.0078125); 2]);
+    assert_eq!(bf16::from_f32(1.0078125).to_f32(), 1.0078125);
+}
+
+fn every_command() -> Vec<Command> {
+    vec![
+        Command::Prefill {
+            seq: 7,
+            tokens: vec![1, 2, 49151, u32::MAX],
+        },
+        Command::Prefill {
+            seq: 0,
+            tokens: vec![],
+        },
+        Command::Verify {
+            seq: u64::MAX,
+            tokens: vec![5, 6, 7],
+        },
+        Command::MtpPropose {
+            seq: 3,
+            num_drafts: 4,
+        },
+        Command::Free { seq: 12 },
+        Command::Shutdown,
+    ]
+}
+
+#[test]
+fn every_command_decodes_to_itself() {
+    for cmd in every_command() {
+        let bytes = cmd.encode();
+        assert_eq!(Command::decode(&bytes, 1).unwrap(), cmd, "{bytes:?}");
+    }
+    // The byte form is fixed: a worker built from another commit reads the same bytes.
+    assert_eq!(
+        Command::MtpPropose {
+            seq: 3,
+            num_drafts: 4
+        }
+        .encode(),
+        vec![3, 3, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0]
+    );
+    assert_eq!(Command::Shutdown.encode(), vec![5]);
+}
+
+#[test]
+fn bad_command_bytes_are_refused_by_name() {
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (vec![], "empty: no tag byte"),
+        (vec![42], "unknown command tag 42"),
+        (vec![4, 1, 2, 3], "truncated sequence id"),
+        (vec![3, 0, 0, 0, 0, 0, 0, 0, 0, 4], "truncated draft count"),
+        (
+            vec![1, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0],
+            "2 tokens need 8 bytes after the count, 4 are there",
+        ),
+        (vec![5, 0], "1 trailing bytes after a shutdown command"),
+    ];
+    for (bytes, reason) in cases {
+        let err = Command::decode(&bytes, 2).unwrap_err();
+        assert_eq!(
+            err,
+            DistributedError::BadCommand {
+                rank: 2,
+                len: bytes.len(),
+                reason: reason.into()
+            },
+            "{bytes:?}"
+        );
+        assert!(
+            err.to_string().starts_with("rank 2: bad command bytes"),
+            "{err}"
+        );
+    }
+    // Every prefix of a valid command is refused, never read as another command.
+    for cmd in every_command() {
+        let bytes = cmd.encode();
+        for cut in 0..bytes.len() {
+            assert!(
+                Command::decode(&bytes[..cut], 1).is_err(),
+                "{cmd:?} cut at {cut}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_distributed_error_is_a_crate_error_with_the_same_message() {
+    let err = DistributedError::Timeout {
+        rank: 0,
+        size: 2,
+        op: "all_reduce_sum_f32",
+        timeout_s: 3.0,
+        missing: "rank 1".into(),
+    };
+    let crate_err: specdraft::Error = err.clone().into();
+    assert_eq!(crate_err.to_string(), err.to_string());
+    assert!(
+        err.to_string().starts_with(
+            "rank 0 of 2: all_reduce_sum_f32 timed out after 3.0 s waiting for rank 1"
+        ),
+        "{err}"
+    );
+}
