@@ -98,6 +98,34 @@ fn reads_every_family() {
 }
 
 #[test]
+fn keys_left_out_take_the_familys_transformers_default() {
+    // Each family's config with the rotary fraction and the norm epsilon left out.
+    let strip = |json: &str| -> String {
+        let mut v: serde_json::Value = serde_json::from_str(json).unwrap();
+        let o = v.as_object_mut().unwrap();
+        o.remove("partial_rotary_factor");
+        o.remove("rms_norm_eps");
+        v.to_string()
+    };
+    let qwen3_next = QWEN3.replace(r#""model_type":"qwen3""#, r#""model_type":"qwen3_next""#);
+    for (json, rotary, eps) in [
+        (GLM4_MOE, 0.5, 1e-5),
+        (qwen3_next.as_str(), 0.25, 1e-6),
+        (DEEPSEEK_V3, 1.0, 1e-6),
+        (SMOLLM2, 1.0, 1e-6),
+        (QWEN3, 1.0, 1e-6),
+    ] {
+        let c = ModelConfig::from_json_str(&strip(json)).unwrap();
+        assert_eq!(
+            (c.partial_rotary_factor, c.rms_norm_eps),
+            (rotary, eps),
+            "{:?}",
+            c.family
+        );
+    }
+}
+
+#[test]
 fn missing_and_bad_keys_are_named() {
     let without = SMOLLM2.replace(r#""num_hidden_layers":30,"#, "");
     match ModelConfig::from_json_str(&without) {

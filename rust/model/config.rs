@@ -107,6 +107,24 @@ impl ModelFamily {
         })
     }
 
+    /// `partial_rotary_factor` when the config leaves it out: the family's default in
+    /// `transformers` (GLM-4.5 rotates half of each head, Qwen3-Next a quarter).
+    pub fn default_partial_rotary_factor(self) -> f32 {
+        match self {
+            ModelFamily::Glm4Moe => 0.5,
+            ModelFamily::Qwen3Next => 0.25,
+            _ => 1.0,
+        }
+    }
+
+    /// `rms_norm_eps` when the config leaves it out: the family's default in `transformers`.
+    pub fn default_rms_norm_eps(self) -> f32 {
+        match self {
+            ModelFamily::Glm4Moe => 1e-5,
+            _ => 1e-6,
+        }
+    }
+
     /// The HF `model_type` of this family.
     pub fn model_type(self) -> &'static str {
         match self {
@@ -466,10 +484,14 @@ impl ModelConfig {
             num_key_value_heads,
             head_dim,
             vocab_size: k.usize("vocab_size")?,
-            rms_norm_eps: k.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+            rms_norm_eps: k
+                .opt_f32("rms_norm_eps")?
+                .unwrap_or(family.default_rms_norm_eps()),
             rope_theta: k.opt_f32("rope_theta")?.unwrap_or(10_000.0),
             rope_scaling,
-            partial_rotary_factor: k.opt_f32("partial_rotary_factor")?.unwrap_or(1.0),
+            partial_rotary_factor: k
+                .opt_f32("partial_rotary_factor")?
+                .unwrap_or(family.default_partial_rotary_factor()),
             max_position_embeddings: k.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings: k.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             attention_bias: k

@@ -219,9 +219,8 @@ pub fn write_checkpoint_with(dir: &Path, layout: &str, seed: u64, moe: bool) -> 
         "tie_word_embeddings": false,
         "num_nextn_predict_layers": 1,
     });
-    if zc {
-        config["partial_rotary_factor"] = serde_json::json!(0.25);
-    }
+    // Stated for every layout: the families' defaults differ (GLM-4.5's is 0.5).
+    config["partial_rotary_factor"] = serde_json::json!(if zc { 0.25 } else { 1.0 });
     if moe && zc {
         config["num_experts"] = serde_json::json!(QWEN_EXPERTS);
         config["num_experts_per_tok"] = serde_json::json!(2);
