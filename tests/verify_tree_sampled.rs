@@ -177,6 +177,32 @@ fn walk_many(
     out
 }
 
+/// Checks the walks' first tokens, first pairs and later tokens within a walk against
+/// sampling from `logits`, each fit with at least the degrees of freedom in `min_df`.
+fn check_tallies(
+    what: &str,
+    logits: &mut dyn FnMut(&[u32]) -> Vec<f32>,
+    s: &SamplingParams,
+    o: &Tallies,
+    min_df: [usize; 3],
+) {
+    check(
+        &format!("{what}: first"),
+        &fit(logits, s, &o.first),
+        min_df[0],
+    );
+    check(
+        &format!("{what}: first two"),
+        &fit(logits, s, &o.second),
+        min_df[1],
+    );
+    check(
+        &format!("{what}: later tokens within a walk"),
+        &fit(logits, s, &o.within),
+        min_df[2],
+    );
+}
+
 fn no_grammar() -> Option<Box<dyn GrammarMatcher>> {
     None
 }
@@ -193,21 +219,7 @@ fn emitted_tokens_follow_the_target_at_every_depth_of_the_tree() {
             let o = walk_many(&t, &s, &mut no_grammar, &logits_for);
             let mut logits = |c: &[u32]| logits_for(c);
             let what = format!("{name}, {s:?}");
-            check(
-                &format!("{what}: first"),
-                &fit(&mut logits, &s, &o.first),
-                2,
-            );
-            check(
-                &format!("{what}: first two"),
-                &fit(&mut logits, &s, &o.second),
-                6,
-            );
-            check(
-                &format!("{what}: later tokens within a walk"),
-                &fit(&mut logits, &s, &o.within),
-                2,
-            );
+            check_tallies(&what, &mut logits, &s, &o, [2, 6, 2]);
             // One-hot rejection sampling accepts a child of the root with probability
             // p(x), each distinct token once.
             let p0 = reference(&logits_for(&[]), &s);
@@ -283,22 +295,7 @@ fn under_a_grammar_emitted_tokens_follow_the_masked_target() {
     for s in settings() {
         let o = walk_many(&t, &s, &mut grammar, &masked_logits_for);
         let mut logits = |c: &[u32]| masked_logits_for(c);
-        let what = format!("grammar, {s:?}");
-        check(
-            &format!("{what}: first"),
-            &fit(&mut logits, &s, &o.first),
-            1,
-        );
-        check(
-            &format!("{what}: first two"),
-            &fit(&mut logits, &s, &o.second),
-            3,
-        );
-        check(
-            &format!("{what}: within a walk"),
-            &fit(&mut logits, &s, &o.within),
-            1,
-        );
+        check_tallies(&format!("grammar, {s:?}"), &mut logits, &s, &o, [1, 3, 1]);
         assert!(o.within.values().flatten().sum::<u64>() > TRIALS / 4);
     }
 }
