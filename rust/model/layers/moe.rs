@@ -4,15 +4,18 @@
 //! Routing runs on the host from the router's f32 logits (one small download per forward):
 //! - `Sigmoid` (DeepSeek-V3 / GLM, "noaux_tc"): `s = sigmoid(logits)`; experts are chosen by
 //!   `s + e_score_correction_bias`, first keeping the `topk_group` best of `n_group` groups
-//!   (a group scores the sum of its two best), then the top `k`; the weights are the chosen
-//!   `s`, divided by their sum when `norm_topk_prob`, times `routed_scaling_factor`.
+//!   (a group scores the sum of its two best; the other groups' experts score -inf, as in
+//!   DeepSeek-V3's reference inference and vLLM, where `transformers` fills 0, which differs
+//!   only when a kept expert's biased score is negative), then the top `k`; the weights are
+//!   the chosen `s`, divided by their sum when `norm_topk_prob`, times
+//!   `routed_scaling_factor`.
 //! - `Softmax` (Qwen3-MoE, Qwen3-Next): `p = softmax(logits)`, top `k`, renormalised when
 //!   `norm_topk_prob`.
 //!
 //! The output is `shared(x) [* sigmoid(shared_expert_gate(x))] + sum_e w_e * expert_e(x)`
 //! (without the first term where there is no shared expert, as in Qwen3-MoE),
-//! accumulated in BF16 in the order: shared, then experts by descending weight (ties: lower
-//! index). A weight multiplies an expert's output as a BF16 scalar through a 1x1 `linear`,
+//! accumulated in BF16 in the order: shared, then the experts in the order they were
+//! chosen (by descending choice score, `p` or the biased `s`; ties: lower index). A weight multiplies an expert's output as a BF16 scalar through a 1x1 `linear`,
 //! so no kernel beyond the typed set is needed. The layer computes the shared experts'
 //! output into the accumulator (or zeroes it); [`MoeMlp::forward`] does the rest.
 
@@ -92,7 +95,8 @@ impl MoeMlp {
             + self.shared_gate.as_ref().map_or(0, DenseWeight::nbytes)
     }
 
-    /// `(expert, weight)` for one row's router logits, by descending weight.
+    /// `(expert, weight)` for one row's router logits, by descending choice score (the
+    /// softmax `p`, or the biased sigmoid score: not always the weight's order).
     pub fn route(&self, logits: &[f32]) -> Vec<(usize, f32)> {
         let n = logits.len();
         let k = self.top_k.min(n);
