@@ -1316,3 +1316,53 @@ class SpecEngine:
         """The tokenizer text goes through (the model's own unless one was given), or None."""
     def conversation(self) -> Conversation:
         """A multi-turn chat on this engine that carries the drafter's KV between turns."""
+
+@final
+class Communicator:
+    """The ranks of a multi-rank serve: rank and size, sum all-reduce, broadcast, barrier, and
+    rank 0's commands to its workers.
+
+    `specdraft.distributed.init()` makes one over MPI (under `mpiexec`);
+    `Communicator.local()` is rank 0 of 1, whose collectives are the identity. A collective
+    that some rank does not join within `timeout` seconds raises `BackendError` naming the
+    ranks, and the communicator refuses every later call.
+    """
+
+    @staticmethod
+    def local() -> Communicator:
+        """Rank 0 of a world of one: every collective is the identity."""
+    @staticmethod
+    def _from_mpi(
+        comm: Any, mpi: Any, timeout: float, command_timeout: float | None = None
+    ) -> Communicator:
+        """The communicator over an mpi4py communicator `comm` (`mpi` is the `mpi4py.MPI`
+        module); `specdraft.distributed.init()` calls this.
+        """
+    @property
+    def rank(self) -> int:
+        """The rank of this process, `0..size`."""
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+    @property
+    def timeout(self) -> float | None:
+        """Seconds a collective waits for the other ranks (`None` for the local communicator,
+        whose collectives never wait).
+        """
+    def all_reduce(self, array: npt.ArrayLike, dtype: str | None = None) -> npt.NDArray[Any]:
+        """The element-wise sum of every rank's `array`, as a new array of its shape.
+
+        float32 arrays sum in f32. With `dtype="bf16"`, `array` holds bf16 bit patterns as
+        uint16: they are summed in f32 and rounded to bf16 once.
+        """
+    def broadcast(self, data: bytes | None = None, root: int = 0) -> bytes:
+        """`root`'s `data` on every rank (other ranks' `data` is ignored and may be `None`)."""
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+    def send_command(self, command: dict[str, Any]) -> None:
+        """Rank 0 sends `command` to every worker: a dict with `"kind"` (`"prefill"`,
+        `"verify"`, `"mtp_propose"`, `"free"` or `"shutdown"`) and its fields (`"seq"`;
+        `"tokens"` for prefill and verify; `"num_drafts"` for mtp_propose).
+        """
+    def recv_command(self) -> dict[str, Any]:
+        """A worker's next command from rank 0, as the dict `send_command` was given."""

@@ -7,9 +7,10 @@
 //! `dyn DraftProposer`, its methods in the `adapter_*` files by group), [`rust_proposers`],
 //! [`mtp`] (the MTP draft head), [`eagle3`] (the EAGLE-3 draft head), [`dflash`] (the DFlash
 //! draft head), [`hybrid`] (a proposer made of proposers), [`conformance`],
-//! [`target_model`], the engine ([`engine`], [`drafter_pool`], [`conversation`], [`generation`],
-//! [`grammar`], [`serving`]), and [`testing`] (hooks for tests and the protocol benchmark,
-//! reached through `specdraft.testing`).
+//! [`distributed`] (the ranks' communicator, over mpi4py), [`target_model`], the engine
+//! ([`engine`], [`drafter_pool`], [`conversation`], [`generation`], [`grammar`],
+//! [`serving`]), and [`testing`] (hooks for tests and the protocol benchmark, reached
+//! through `specdraft.testing`).
 //!
 //! Invariants: nothing here panics across the boundary (every failure is an exception);
 //! Rust work that may call back into Python runs with the interpreter released; no thread
@@ -30,6 +31,7 @@ mod convert;
 mod cuda_backend;
 mod device_ptr;
 mod dflash;
+mod distributed;
 mod draft_tree;
 mod drafter_pool;
 mod eagle3;
@@ -86,6 +88,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mtp::quantize_nvfp4, m)?)?;
     engine::register(m)?;
     m.add_class::<serving::PyServingEngine>()?;
+    m.add_class::<distributed::PyCommunicator>()?;
     m.add(
         "PROTOCOL_METHODS",
         crate::speculative::ProtocolMethod::NAMES.to_vec(),

@@ -1,0 +1,107 @@
+"""One rank of the two-rank communicator tests, run under ``mpiexec -n 2``.
+
+``python mpi_ranks.py SCENARIO OUTDIR``: each rank writes what it saw to
+``OUTDIR/rank<r>.json``; the test (tests/python/test_distributed.py) checks it against
+values computed from :func:`inputs`, never from the communicator.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HIDDEN = 576
+BROADCAST_BYTES = 70_000
+HANG_TIMEOUT_S = 3.0
+
+COMMANDS: list[dict] = [
+    {"kind": "prefill", "seq": 1, "tokens": [5, 6, 7, 49151]},
+    {"kind": "mtp_propose", "seq": 1, "num_drafts": 3},
+    {"kind": "verify", "seq": 1, "tokens": [8, 9, 10, 11]},
+    {"kind": "mtp_propose", "seq": 1, "num_drafts": 2},
+    {"kind": "free", "seq": 1},
+    {"kind": "shutdown"},
+]
+
+
+def inputs(rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s float32 row and its bf16 row (bit patterns in uint16)."""
+    rng = np.random.default_rng(1000 + rank)
+    f32 = rng.standard_normal(HIDDEN).astype(np.float32) * np.float32(10.0**rank)
+    bf16_bits = (rng.standard_normal(HIDDEN).astype(np.float32).view(np.uint32) >> 16).astype(
+        np.uint16
+    )
+    return f32, bf16_bits
+
+
+def broadcast_payload() -> bytes:
+    """What rank 0 broadcasts."""
+    return np.random.default_rng(7).integers(0, 256, BROADCAST_BYTES, dtype=np.uint8).tobytes()
+
+
+def collectives(out: dict) -> None:
+    """All-reduce, broadcast both ways, barrier and the command channel."""
+    import specdraft.distributed as dist
+
+    comm = dist.init(timeout=30.0)
+    rank = comm.rank
+    out["rank"], out["size"] = rank, comm.size
+    f32, bf16_bits = inputs(rank)
+    out["f32"] = comm.all_reduce(f32.reshape(24, 24)).reshape(-1).tolist()
+    out["f32_shape"] = list(comm.all_reduce(f32.reshape(24, 24)).shape)
+    out["bf16"] = comm.all_reduce(bf16_bits, dtype="bf16").tolist()
+    payload = broadcast_payload() if rank == 0 else None
+    out["from_0"] = comm.broadcast(payload, root=0).hex()
+    out["from_1"] = comm.broadcast(b"rank one says hi" if rank == 1 else None, root=1).decode()
+    comm.barrier()
+    if rank == 0:
+        for cmd in COMMANDS:
+            comm.send_command(cmd)
+        out["commands"] = []
+    else:
+        got = []
+        while not got or got[-1]["kind"] != "shutdown":
+            got.append(comm.recv_command())
+        out["commands"] = got
+    comm.barrier()
+
+
+def hang(out: dict) -> None:
+    """Rank 1 never joins: rank 0's all-reduce must fail in time, naming rank 1."""
+    import specdraft
+    import specdraft.distributed as dist
+
+    comm = dist.init(timeout=HANG_TIMEOUT_S)
+    out["rank"] = comm.rank
+    if comm.rank == 1:
+        # Stay alive past rank 0's timeout without joining anything: a hung worker.
+        time.sleep(HANG_TIMEOUT_S + 2.0)
+        return
+    start = time.monotonic()
+    try:
+        comm.all_reduce(np.ones(HIDDEN, np.float32))
+        out["error"] = None
+    except specdraft.BackendError as e:
+        out["error"] = str(e)
+    out["elapsed_s"] = time.monotonic() - start
+    try:
+        comm.barrier()
+        out["after"] = None
+    except specdraft.BackendError as e:
+        out["after"] = str(e)
+
+
+def main() -> None:
+    """Runs the scenario named on the command line and writes this rank's findings."""
+    scenario, outdir = sys.argv[1], Path(sys.argv[2])
+    out: dict = {}
+    {"collectives": collectives, "hang": hang}[scenario](out)
+    (outdir / f"rank{out['rank']}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

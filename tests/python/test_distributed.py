@@ -1,0 +1,198 @@
+"""The communicator: one process (`Communicator.local()`), and two ranks under `mpiexec -n 2`.
+
+The two-rank tests run `tests/python/mpi_ranks.py` under a hard timeout, kill every process of
+the run if it overruns, and check that none is left. Without
+`mpiexec` they skip, unless SPECDRAFT_REQUIRE_MPI=1 (as CI sets), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import specdraft
+from specdraft.distributed import Communicator
+
+sys.path.insert(0, str(Path(__file__).parent))
+import mpi_ranks  # noqa: E402
+
+RANKS_SCRIPT = Path(__file__).with_name("mpi_ranks.py")
+RUN_TIMEOUT_S = 120
+MARKER_VAR = "SPECDRAFT_MPI_TEST_RUN"
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 to bf16 bit patterns, round to nearest even (finite inputs)."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def find_mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def run_ranks(scenario: str, outdir: Path) -> subprocess.CompletedProcess:
+    mpiexec = find_mpiexec()
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        mpiexec = None
+    if mpiexec is None:
+        reason = "mpiexec or mpi4py not installed (pip install 'specdraft[distributed]')"
+        if os.environ.get("SPECDRAFT_REQUIRE_MPI") == "1":
+            pytest.fail(f"SPECDRAFT_REQUIRE_MPI=1 but {reason}")
+        pytest.skip(reason)
+    # hydra puts its proxies and the ranks in sessions of their own, so they are found by
+    # a marker in their environment (which mpiexec hands down), not by process group.
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER_VAR: marker}
+    proc = subprocess.Popen(
+        [mpiexec, "-n", "2", sys.executable, str(RANKS_SCRIPT), scenario, str(outdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_marked(marker)
+        proc.communicate()
+        pytest.fail(
+            f"mpiexec -n 2 {scenario} ran past {RUN_TIMEOUT_S} s; its processes were killed"
+        )
+    finally:
+        assert_none_left(marker)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def marked(marker: str) -> list[int]:
+    """Live processes whose environment carries `marker` (mpiexec, its proxies, the ranks)."""
+    tag = f"{MARKER_VAR}={marker}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if tag in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_marked(marker: str) -> None:
+    for pid in marked(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def assert_none_left(marker: str) -> None:
+    """No process of the run is left (a moment is allowed for exits to finish)."""
+    deadline = time.monotonic() + 10
+    while (left := marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        kill_marked(marker)
+        pytest.fail(f"processes {left} of the mpiexec run were left running")
+
+
+def read_ranks(outdir: Path, run: subprocess.CompletedProcess) -> list[dict]:
+    files = [outdir / f"rank{r}.json" for r in range(2)]
+    missing = [f.name for f in files if not f.exists()]
+    assert not missing, f"{missing} not written; rc={run.returncode}\n{run.stdout}\n{run.stderr}"
+    return [json.loads(f.read_text()) for f in files]
+
+
+def test_two_ranks_all_reduce_broadcast_and_commands(tmp_path: Path) -> None:
+    run = run_ranks("collectives", tmp_path)
+    assert run.returncode == 0, run.stderr
+    ranks = read_ranks(tmp_path, run)
+    (f0, h0), (f1, h1) = mpi_ranks.inputs(0), mpi_ranks.inputs(1)
+    want_f32 = (f0 + f1).tolist()
+    want_bf16 = bf16_round(bf16_to_f32(h0) + bf16_to_f32(h1)).tolist()
+    payload = mpi_ranks.broadcast_payload().hex()
+    for rank, got in enumerate(ranks):
+        assert (got["rank"], got["size"]) == (rank, 2)
+        assert got["f32"] == want_f32, f"rank {rank}: f32 all-reduce is not the sum"
+        assert got["f32_shape"] == [24, 24]
+        assert got["bf16"] == want_bf16, f"rank {rank}: bf16 all-reduce is not the sum"
+        assert got["from_0"] == payload
+        assert got["from_1"] == "rank one says hi"
+    assert ranks[1]["commands"] == mpi_ranks.COMMANDS
+
+
+def test_a_rank_that_never_joins_fails_the_other_within_the_timeout(tmp_path: Path) -> None:
+    run = run_ranks("hang", tmp_path)
+    rank0 = read_ranks(tmp_path, run)[0]
+    assert rank0["error"] is not None, "the all-reduce returned though rank 1 never joined"
+    assert rank0["error"].startswith(
+        "rank 0 of 2: all_reduce_sum_f32 timed out after 3.0 s waiting for rank 1"
+    ), rank0["error"]
+    assert mpi_ranks.HANG_TIMEOUT_S <= rank0["elapsed_s"] < mpi_ranks.HANG_TIMEOUT_S + 2.0
+    assert rank0["after"].startswith("rank 0: barrier refused: the communicator is unusable")
+
+
+def test_local_communicator_is_rank_0_of_1_with_identity_collectives() -> None:
+    comm = Communicator.local()
+    assert (comm.rank, comm.size, comm.timeout) == (0, 1, None)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5
+    got = comm.all_reduce(x)
+    assert got.dtype == np.float32 and got.shape == (3, 4)
+    np.testing.assert_array_equal(got, x)
+    bits = np.array([0x3F80, 0xC0E0, 0x0001], np.uint16)
+    np.testing.assert_array_equal(comm.all_reduce(bits, dtype="bf16"), bits)
+    assert comm.broadcast(b"abc") == b"abc"
+    comm.barrier()
+    comm.send_command({"kind": "shutdown"})
+
+
+def test_local_communicator_refuses_bad_arguments_by_name() -> None:
+    comm = Communicator.local()
+    with pytest.raises(TypeError, match="expected a float32 array, got dtype float64"):
+        comm.all_reduce(np.zeros(3))
+    with pytest.raises(TypeError, match="uint16 array, got dtype float32"):
+        comm.all_reduce(np.zeros(3, np.float32), dtype="bf16")
+    with pytest.raises(ValueError, match="rank 0 is the root and must pass data"):
+        comm.broadcast(None)
+    with pytest.raises(specdraft.RequestError, match="root 1 is not a rank"):
+        comm.broadcast(b"x", root=1)
+    with pytest.raises(specdraft.RequestError, match="rank 0 of 1: recv_command"):
+        comm.recv_command()
+    with pytest.raises(ValueError, match='unknown kind "jump"'):
+        comm.send_command({"kind": "jump"})
+    with pytest.raises(ValueError, match='"free": unexpected key "tokens"'):
+        comm.send_command({"kind": "free", "seq": 1, "tokens": [1]})
+    with pytest.raises(ValueError, match='"verify": missing "tokens"'):
+        comm.send_command({"kind": "verify", "seq": 1})
+
+
+def test_init_without_mpi4py_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['mpi4py'] = None\n"
+        "import specdraft.distributed as d\n"
+        "try:\n    d.init()\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "pip install 'specdraft[distributed]'" in out.stdout, out.stdout + out.stderr
