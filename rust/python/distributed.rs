@@ -8,6 +8,10 @@
 //! Polling spins for the first millisecond (a small collective completes in microseconds),
 //! then sleeps with the interpreter released, backing off to 1 ms a poll.
 //!
+//! Calls from several threads run one collective at a time (a broadcast's length and bytes
+//! are never split by another thread's call); every rank must still make them in the same
+//! order.
+//!
 //! A timed-out collective cannot be cancelled (MPI has no cancel for collectives) and may
 //! still write into its buffer later, so its buffer and request are kept alive for the
 //! process's life, and every later call on the communicator is refused
@@ -20,7 +24,7 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 /// How long polling spins before it starts sleeping between polls.
@@ -44,6 +48,8 @@ pub(crate) struct MpiCommunicator {
     broken: Mutex<Option<String>>,
     /// The buffers and requests of timed-out collectives, which MPI may still write.
     in_flight: Mutex<Vec<Py<PyAny>>>,
+    /// Held through each collective, so two threads never interleave the parts of theirs.
+    turn: Mutex<()>,
 }
 
 impl MpiCommunicator {
@@ -65,6 +71,29 @@ impl MpiCommunicator {
             command_timeout,
             broken: Mutex::new(None),
             in_flight: Mutex::new(Vec::new()),
+            turn: Mutex::new(()),
+        })
+    }
+
+    /// Runs `f`, one collective, attached and holding the turn, unless the communicator is
+    /// broken. The turn is polled, sleeping detached, so no thread blocks on it attached.
+    fn collective<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(Python<'_>) -> Result<T, DistributedError>,
+    ) -> Result<T, DistributedError> {
+        Python::attach(|py| {
+            let _turn = loop {
+                match self.turn.try_lock() {
+                    Ok(turn) => break turn,
+                    Err(TryLockError::Poisoned(p)) => break p.into_inner(),
+                    Err(TryLockError::WouldBlock) => {
+                        py.detach(|| std::thread::sleep(Duration::from_micros(50)))
+                    }
+                }
+            };
+            self.check_usable(op)?;
+            f(py)
         })
     }
 
@@ -161,8 +190,7 @@ impl MpiCommunicator {
         first_timeout: Option<Duration>,
     ) -> Result<(), DistributedError> {
         crate::distributed::check_root(self, root, op)?;
-        self.check_usable(op)?;
-        Python::attach(|py| {
+        self.collective(op, |py| {
             let len = PyArray1::from_slice(py, &[buf.len() as u64]);
             self.bcast(py, len.as_any(), root, op, first_timeout)?;
             let n = len.readonly().as_slice().map(|s| s[0]).unwrap_or(0) as usize;
@@ -195,8 +223,7 @@ impl Communicator for MpiCommunicator {
 
     fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<(), DistributedError> {
         const OP: &str = "all_reduce_sum_f32";
-        self.check_usable(OP)?;
-        Python::attach(|py| {
+        self.collective(OP, |py| {
             let arr = PyArray1::from_slice(py, buf);
             let request = self
                 .comm
@@ -219,8 +246,7 @@ impl Communicator for MpiCommunicator {
 
     fn barrier(&self) -> Result<(), DistributedError> {
         const OP: &str = "barrier";
-        self.check_usable(OP)?;
-        Python::attach(|py| {
+        self.collective(OP, |py| {
             let request = self
                 .comm
                 .bind(py)
