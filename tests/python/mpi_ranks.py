@@ -95,11 +95,30 @@ def hang(out: dict) -> None:
         out["after"] = str(e)
 
 
+def idle_rank_0(out: dict) -> None:
+    """Rank 0 never sends a command: rank 1's recv_command must fail after command_timeout."""
+    import specdraft
+    import specdraft.distributed as dist
+
+    comm = dist.init(timeout=30.0, command_timeout=HANG_TIMEOUT_S)
+    out["rank"] = comm.rank
+    if comm.rank == 0:
+        time.sleep(HANG_TIMEOUT_S + 2.0)
+        return
+    start = time.monotonic()
+    try:
+        out["command"] = comm.recv_command()
+        out["error"] = None
+    except specdraft.BackendError as e:
+        out["error"] = str(e)
+    out["elapsed_s"] = time.monotonic() - start
+
+
 def main() -> None:
     """Runs the scenario named on the command line and writes this rank's findings."""
     scenario, outdir = sys.argv[1], Path(sys.argv[2])
     out: dict = {}
-    {"collectives": collectives, "hang": hang}[scenario](out)
+    {"collectives": collectives, "hang": hang, "idle_rank_0": idle_rank_0}[scenario](out)
     (outdir / f"rank{out['rank']}.json").write_text(json.dumps(out))
 
 

@@ -152,6 +152,16 @@ def test_a_rank_that_never_joins_fails_the_other_within_the_timeout(tmp_path: Pa
     assert rank0["after"].startswith("rank 0: barrier refused: the communicator is unusable")
 
 
+def test_a_worker_waits_for_a_command_no_longer_than_its_command_timeout(tmp_path: Path) -> None:
+    run = run_ranks("idle_rank_0", tmp_path)
+    rank1 = read_ranks(tmp_path, run)[1]
+    assert rank1["error"] is not None, f"recv_command returned {rank1.get('command')}"
+    assert rank1["error"].startswith(
+        "rank 1 of 2: recv_command timed out after 3.0 s waiting for rank 0"
+    ), rank1["error"]
+    assert mpi_ranks.HANG_TIMEOUT_S <= rank1["elapsed_s"] < mpi_ranks.HANG_TIMEOUT_S + 2.0
+
+
 def test_local_communicator_is_rank_0_of_1_with_identity_collectives() -> None:
     comm = Communicator.local()
     assert (comm.rank, comm.size, comm.timeout) == (0, 1, None)
