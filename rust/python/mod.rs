@@ -2,15 +2,15 @@
 //!
 //! One file per job: [`errors`] (exception hierarchy), [`device_ptr`], [`backend`] (device
 //! memory as numpy arrays) and [`cuda_backend`] (its CUDA subclass, present in every build),
-//! [`allocator`] (KV blocks), [`model`] (config, levers, forward context views), [`state`]
-//! and [`proposer`] (the `DraftProposer` base class), [`adapter`] (a Python proposer behind
-//! `dyn DraftProposer`, its methods in the `adapter_*` files by group), [`rust_proposers`],
-//! [`mtp`] (the MTP draft head), [`eagle3`] (the EAGLE-3 draft head), [`dflash`] (the DFlash
-//! draft head), [`hybrid`] (a proposer made of proposers), [`conformance`],
-//! [`distributed`] (the ranks' communicator, over mpi4py), [`target_model`], the engine
-//! ([`engine`], [`drafter_pool`], [`conversation`], [`generation`], [`grammar`],
-//! [`serving`]), and [`testing`] (hooks for tests and the protocol benchmark, reached
-//! through `specdraft.testing`).
+//! [`allocator`] (KV blocks), [`model`] (config, levers, forward context views), [`state`] and
+//! [`proposer`] (the `DraftProposer` base class), [`adapter`] (a Python proposer behind `dyn
+//! DraftProposer`, its methods in the `adapter_*` files by group), [`rust_proposers`], [`mtp`]
+//! (the MTP draft head), [`eagle3`] (the EAGLE-3 draft head), [`dflash`] (the DFlash draft
+//! head), [`hybrid`] (a proposer made of proposers), [`conformance`], [`distributed`] (the
+//! ranks' communicator) and [`distributed_mpi`] (its MPI form, over mpi4py), [`target_model`],
+//! the engine ([`engine`], [`drafter_pool`], [`conversation`], [`generation`], [`grammar`],
+//! [`serving`]), and [`testing`] (hooks for tests and the protocol benchmark, reached through
+//! `specdraft.testing`).
 //!
 //! Invariants: nothing here panics across the boundary (every failure is an exception);
 //! Rust work that may call back into Python runs with the interpreter released; no thread
@@ -32,6 +32,7 @@ mod cuda_backend;
 mod device_ptr;
 mod dflash;
 mod distributed;
+mod distributed_mpi;
 mod draft_tree;
 mod drafter_pool;
 mod eagle3;
