@@ -64,6 +64,7 @@ pub enum DistributedError {
 }
 
 /// The ranks other than `rank` in a world of `size`, as a timeout message names them.
+#[cfg(feature = "python")]
 pub(crate) fn other_ranks(rank: usize, size: usize) -> String {
     let others: Vec<String> = (0..size)
         .filter(|&r| r != rank)

@@ -22,6 +22,7 @@ mod error;
 mod local;
 
 pub use command::Command;
+#[cfg(feature = "python")]
 pub(crate) use error::other_ranks;
 pub use error::DistributedError;
 pub use local::LocalCommunicator;

@@ -224,6 +224,20 @@ pub struct Verdict {
     pub grammar_exhausted: bool,
 }
 
+/// The mask `grammar` allows at its position, written into `mask` (cleared first); `None`
+/// without a grammar.
+pub(super) fn grammar_mask<'m>(
+    grammar: Option<&mut (dyn GrammarMatcher + '_)>,
+    mask: &'m mut [i32],
+) -> Result<Option<&'m [i32]>> {
+    let Some(g) = grammar else {
+        return Ok(None);
+    };
+    mask.fill(0);
+    g.fill_mask(mask)?;
+    Ok(Some(mask))
+}
+
 /// Verifies `drafts` against `rows` (one f32 logits row per input token: the row of the
 /// last verified token, then one per draft, so `rows.len() == drafts.len() + 1`).
 ///
@@ -273,14 +287,7 @@ pub fn verify(
             }
             .into());
         }
-        let row_mask = match grammar.as_deref_mut() {
-            Some(g) => {
-                mask.fill(0);
-                g.fill_mask(&mut mask)?;
-                Some(mask.as_slice())
-            }
-            None => None,
-        };
+        let row_mask = grammar_mask(grammar.as_deref_mut(), &mut mask)?;
         let draft = drafts.get(j).copied();
         let (token, accepted) = if params.is_greedy() {
             let Some(pick) = argmax(row, row_mask) else {

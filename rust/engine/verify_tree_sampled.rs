@@ -38,6 +38,7 @@
 //!   of equal siblings would need the grammar forked per branch); the emitted tokens are
 //!   exactly plain masked greedy decoding, and `rng` is not drawn.
 
+use super::verify::grammar_mask;
 use super::verify_tree::check_tree_rows;
 use super::{argmax, sample_from, target_probs, GrammarMatcher, SamplingParams, TreeVerdict};
 use crate::speculative::{bitmask_words, DraftTree};
@@ -70,14 +71,7 @@ pub fn verify_tree_sampled(
     let mut at = n;
     loop {
         let row = rows[if at == n { 0 } else { 1 + at }];
-        let row_mask = match grammar.as_deref_mut() {
-            Some(g) => {
-                mask.fill(0);
-                g.fill_mask(&mut mask)?;
-                Some(mask.as_slice())
-            }
-            None => None,
-        };
+        let row_mask = grammar_mask(grammar.as_deref_mut(), &mut mask)?;
         let kids = &children[at];
         let step = if params.is_greedy() {
             argmax(row, row_mask).map(|pick| {
