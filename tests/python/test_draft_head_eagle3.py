@@ -15,7 +15,7 @@ import specdraft
 from specdraft.heads import best_head_for, default_head_for, draft_head_path, head_kind
 from specdraft.models import fetch_default_model
 from specdraft.quantize import read_safetensors
-from test_draft_heads import NEW_TOKENS, PROMPTS
+from test_draft_heads import engine_acceptance
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -52,21 +52,9 @@ def test_the_shipped_head_drafts_above_its_floor_without_changing_the_output(mod
     head = specdraft.load_draft_head(HEAD, model)
     assert type(head).__name__ == "Eagle3Head"
     assert head.shares_target and head.projection_format == "q8_0"
-    tok = model.tokenizer
     plain_engine = specdraft.SpecEngine(model, None)
     engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS, draft_policy="fixed")
-    accepted = steps = 0
-    per_prompt = []
-    for text in PROMPTS:
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-        (plain,) = plain_engine.generate([prompt], max_tokens=NEW_TOKENS)
-        (spec,) = engine.generate([prompt], max_tokens=NEW_TOKENS)
-        assert spec.error is None, spec.error
-        assert list(spec.tokens) == list(plain.tokens), text
-        m = spec.metrics
-        accepted += sum(m["accepted_at"])
-        steps += m["verify_steps"]
-        per_prompt.append((sum(m["accepted_at"]), m["verify_steps"]))
-    assert 1.0 + accepted / steps >= ACCEPTANCE_FLOOR, per_prompt
+    acceptance, per_prompt = engine_acceptance(model, plain_engine, engine)
+    assert acceptance >= ACCEPTANCE_FLOOR, per_prompt
     del engine, plain_engine, head, model
     assert gpu.live_allocs == 0

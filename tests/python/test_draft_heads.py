@@ -58,6 +58,27 @@ def _prompt(model, text: str = PROMPT) -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
+def engine_acceptance(
+    model: specdraft.TargetModel, plain_engine: specdraft.SpecEngine, engine: specdraft.SpecEngine
+) -> tuple[float, list[tuple[int, int]]]:
+    """``engine``'s mean acceptance length over :data:`PROMPTS`, each drafted alone (one
+    prompt a call), and each prompt's (accepted drafts, verify steps); asserts that every
+    output equals ``plain_engine``'s."""
+    accepted = steps = 0
+    per_prompt = []
+    for text in PROMPTS:
+        prompt = _prompt(model, text)
+        (plain,) = plain_engine.generate([prompt], max_tokens=NEW_TOKENS)
+        (spec,) = engine.generate([prompt], max_tokens=NEW_TOKENS)
+        assert spec.error is None, spec.error
+        assert list(spec.tokens) == list(plain.tokens), text
+        m = spec.metrics
+        accepted += sum(m["accepted_at"])
+        steps += m["verify_steps"]
+        per_prompt.append((sum(m["accepted_at"]), m["verify_steps"]))
+    return 1.0 + accepted / steps, per_prompt
+
+
 def test_the_shipped_head_is_found_by_name_and_by_its_target(model_path):
     assert HEAD in shipped_heads()
     folder = draft_head_path(HEAD)
@@ -118,19 +139,8 @@ def test_the_shipped_head_drafts_above_its_floor_without_changing_the_output(mod
     assert all("proj" not in tag for _, _, tag in gpu.live_report() if tag in own)
     plain_engine = specdraft.SpecEngine(model, None)
     engine = specdraft.SpecEngine(model, head, num_drafts=DRAFTS, draft_policy="fixed")
-    accepted = steps = 0
-    per_prompt = []
-    for text in PROMPTS:
-        # One prompt a call: each is drafted alone, as the measurement above was.
-        prompt = _prompt(model, text)
-        (plain,) = plain_engine.generate([prompt], max_tokens=NEW_TOKENS)
-        (spec,) = engine.generate([prompt], max_tokens=NEW_TOKENS)
-        assert list(spec.tokens) == list(plain.tokens), text
-        m = spec.metrics
-        accepted += sum(m["accepted_at"])
-        steps += m["verify_steps"]
-        per_prompt.append((sum(m["accepted_at"]), m["verify_steps"]))
-    assert 1.0 + accepted / steps >= ACCEPTANCE_FLOOR, per_prompt
+    acceptance, per_prompt = engine_acceptance(model, plain_engine, engine)
+    assert acceptance >= ACCEPTANCE_FLOOR, per_prompt
     del engine, plain_engine, head, model
 
 
