@@ -1038,11 +1038,16 @@ def load_model(
     max_seq_len: int | None = None,
     kv_blocks: int | None = None,
     weights: str | None = None,
+    comm: Communicator | None = None,
 ) -> TargetModel:
     """Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
     (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
     defaults to a new `CpuBackend`. `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
-    a safetensors checkpoint's matrices at load; `None` keeps what the file has.
+    a safetensors checkpoint's matrices at load; `None` keeps what the file has. `comm`
+    (from `specdraft.distributed.init()`) loads this rank's share of a multi-rank model:
+    each MoE layer's routed experts are split evenly across the ranks (a count the ranks do
+    not divide is refused), everything else is replicated. On rank 0, `SpecEngine` then
+    announces each forward to the workers, which serve it with `SpecEngine.run_worker()`.
     """
 
 def gguf_metadata(path: str | PathLike[str], keys: Sequence[str] | None = None) -> dict[str, Any]:
@@ -1246,6 +1251,23 @@ class SpecEngine:
     @property
     def drafts_trees(self) -> bool:
         """Whether steps draft trees: the shape is "tree" and the proposer grows them."""
+    def run_worker(self) -> dict[str, Any]:
+        """On a worker (rank > 0) of a model loaded with `load_model(..., comm=comm)`: runs
+        every forward rank 0 announces (prefills, verifies, trims, frees) on this rank's
+        shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
+        "failed", "last_error", "leftover_sequences"}`. Raises `RequestError` on a model
+        loaded on one rank, and `BackendError` if the ranks fall out of step (a rank died or
+        hung past the communicator's timeout).
+        """
+    def close(self) -> None:
+        """On rank 0 of a multi-rank model, tells the workers to leave `run_worker()` (once;
+        later calls do nothing). On one rank or on a worker it does nothing. Call it when
+        done with the engine; `with SpecEngine(...) as engine:` calls it on exit.
+        """
+    def __enter__(self) -> Self:
+        """The engine itself, for a `with` block that ends in `close()`."""
+    def __exit__(self, *args: object) -> bool:
+        """Calls `close()`; exceptions propagate."""
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

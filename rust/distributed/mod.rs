@@ -21,7 +21,7 @@ mod command;
 mod error;
 mod local;
 
-pub use command::Command;
+pub use command::{Command, SeqTokens};
 #[cfg(feature = "python")]
 pub(crate) use error::other_ranks;
 pub use error::DistributedError;

@@ -3,12 +3,12 @@
 
 use super::distributed_mpi::MpiCommunicator;
 use super::errors::IntoPyResult;
-use crate::distributed::{Command, Communicator, LocalCommunicator};
+use crate::distributed::{Command, Communicator, LocalCommunicator, SeqTokens};
 use half::bf16;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +23,13 @@ use std::time::Duration;
 pub struct PyCommunicator {
     inner: Arc<dyn Communicator>,
     timeout: Option<f64>,
+}
+
+impl PyCommunicator {
+    /// The shared communicator.
+    pub(super) fn arc(&self) -> Arc<dyn Communicator> {
+        self.inner.clone()
+    }
 }
 
 fn seconds(arg: &str, s: f64) -> PyResult<Duration> {
@@ -192,13 +199,16 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
         .ok_or_else(|| PyValueError::new_err("command: missing \"kind\""))?
         .extract()?;
     let allowed: &[&str] = match kind.as_str() {
-        "prefill" | "verify" => &["kind", "seq", "tokens"],
+        "prefill" => &["kind", "batch", "layers"],
+        "verify" => &["kind", "batch", "layers", "trees"],
         "mtp_propose" => &["kind", "seq", "num_drafts"],
+        "trim" => &["kind", "seq", "len"],
+        "compact" => &["kind", "seq", "start", "rows"],
         "free" => &["kind", "seq"],
         "shutdown" => &["kind"],
         other => {
             return Err(PyValueError::new_err(format!(
-                "command: unknown kind {other:?}; expected prefill, verify, mtp_propose, free or shutdown"
+                "command: unknown kind {other:?}; expected prefill, verify, mtp_propose, trim, compact, free or shutdown"
             )))
         }
     };
@@ -214,18 +224,51 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
         d.get_item(name)?
             .ok_or_else(|| PyValueError::new_err(format!("command {kind:?}: missing {name:?}")))
     };
+    // `layers` and `trees` may be left out: no capture, every sequence a chain.
+    let optional = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> { d.get_item(name) };
+    let batch = || -> PyResult<Vec<SeqTokens>> {
+        let items: Vec<Bound<'_, PyDict>> = field("batch")?.extract()?;
+        items
+            .iter()
+            .map(|item| {
+                let get = |name: &str| {
+                    item.get_item(name)?.ok_or_else(|| {
+                        PyValueError::new_err(format!(
+                            "command {kind:?}: a batch entry has no {name:?}"
+                        ))
+                    })
+                };
+                Ok(SeqTokens {
+                    seq: get("seq")?.extract()?,
+                    tokens: get("tokens")?.extract()?,
+                })
+            })
+            .collect()
+    };
+    let layers =
+        || -> PyResult<Vec<u32>> { optional("layers")?.map_or(Ok(Vec::new()), |v| v.extract()) };
     Ok(match kind.as_str() {
         "prefill" => Command::Prefill {
-            seq: field("seq")?.extract()?,
-            tokens: field("tokens")?.extract()?,
+            batch: batch()?,
+            layers: layers()?,
         },
         "verify" => Command::Verify {
-            seq: field("seq")?.extract()?,
-            tokens: field("tokens")?.extract()?,
+            batch: batch()?,
+            layers: layers()?,
+            trees: optional("trees")?.map_or(Ok(Vec::new()), |v| v.extract())?,
         },
         "mtp_propose" => Command::MtpPropose {
             seq: field("seq")?.extract()?,
             num_drafts: field("num_drafts")?.extract()?,
+        },
+        "trim" => Command::Trim {
+            seq: field("seq")?.extract()?,
+            len: field("len")?.extract()?,
+        },
+        "compact" => Command::Compact {
+            seq: field("seq")?.extract()?,
+            start: field("start")?.extract()?,
+            rows: field("rows")?.extract()?,
         },
         "free" => Command::Free {
             seq: field("seq")?.extract()?,
@@ -237,14 +280,42 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
 fn command_to_dict<'py>(py: Python<'py>, cmd: &Command) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("kind", cmd.kind())?;
+    let batch_list = |batch: &[SeqTokens]| -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for s in batch {
+            let item = PyDict::new(py);
+            item.set_item("seq", s.seq)?;
+            item.set_item("tokens", s.tokens.clone())?;
+            list.append(item)?;
+        }
+        Ok(list)
+    };
     match cmd {
-        Command::Prefill { seq, tokens } | Command::Verify { seq, tokens } => {
-            d.set_item("seq", seq)?;
-            d.set_item("tokens", tokens.clone())?;
+        Command::Prefill { batch, layers } => {
+            d.set_item("batch", batch_list(batch)?)?;
+            d.set_item("layers", layers.clone())?;
+        }
+        Command::Verify {
+            batch,
+            layers,
+            trees,
+        } => {
+            d.set_item("batch", batch_list(batch)?)?;
+            d.set_item("layers", layers.clone())?;
+            d.set_item("trees", trees.clone())?;
         }
         Command::MtpPropose { seq, num_drafts } => {
             d.set_item("seq", seq)?;
             d.set_item("num_drafts", num_drafts)?;
+        }
+        Command::Trim { seq, len } => {
+            d.set_item("seq", seq)?;
+            d.set_item("len", len)?;
+        }
+        Command::Compact { seq, start, rows } => {
+            d.set_item("seq", seq)?;
+            d.set_item("start", start)?;
+            d.set_item("rows", rows.clone())?;
         }
         Command::Free { seq } => d.set_item("seq", seq)?,
         Command::Shutdown => {}

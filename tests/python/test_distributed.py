@@ -46,7 +46,7 @@ def find_mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
-def run_ranks(scenario: str, outdir: Path) -> subprocess.CompletedProcess:
+def run_ranks(scenario: str, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
     mpiexec = find_mpiexec()
     try:
         import mpi4py  # noqa: F401
@@ -62,7 +62,7 @@ def run_ranks(scenario: str, outdir: Path) -> subprocess.CompletedProcess:
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER_VAR: marker}
     proc = subprocess.Popen(
-        [mpiexec, "-n", "2", sys.executable, str(RANKS_SCRIPT), scenario, str(outdir)],
+        [mpiexec, "-n", "2", sys.executable, str(RANKS_SCRIPT), scenario, str(outdir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -141,6 +141,52 @@ def test_two_ranks_all_reduce_broadcast_and_commands(tmp_path: Path) -> None:
     assert ranks[1]["commands"] == mpi_ranks.COMMANDS
 
 
+def moe_checkpoint(family: str, seed: int, where: Path) -> Path:
+    """A tiny random MoE checkpoint (8 routed experts) written by the numpy reference."""
+    script = Path(__file__).with_name("moe_target_reference.py")
+    subprocess.run(
+        [sys.executable, str(script), family, str(where), str(seed), "1,2,3"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return where
+
+
+def routed_expert_bytes(checkpoint: Path) -> int:
+    """BF16 bytes of every routed expert, read from the safetensors header."""
+    raw = (checkpoint / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    return sum(
+        2 * int(np.prod(t["shape"])) for name, t in header.items() if ".mlp.experts." in name
+    )
+
+
+@pytest.mark.parametrize(("family", "seed"), [("glm4_moe", 12), ("qwen3_moe", 56)])
+def test_two_ranks_serve_the_same_tokens_as_one_with_half_the_experts_each(
+    tmp_path: Path, family: str, seed: int
+) -> None:
+    checkpoint = moe_checkpoint(family, seed, tmp_path / "ckpt")
+    run = run_ranks("engine", tmp_path, str(checkpoint))
+    assert run.returncode == 0, run.stderr
+    ranks = read_ranks(tmp_path, run)
+    gpu = specdraft.CpuBackend()
+    model = specdraft.load_model(checkpoint, gpu=gpu, **mpi_ranks.ENGINE_LOAD)
+    one_rank_bytes = gpu.live_bytes
+    want = mpi_ranks.engine_outputs(model)
+    assert ranks[0]["greedy"] == want["greedy"], "greedy: two ranks against one"
+    assert ranks[0]["sampled"] == want["sampled"], "sampled, same seed: two ranks against one"
+    half = routed_expert_bytes(checkpoint) // 2
+    for rank, got in enumerate(ranks):
+        assert one_rank_bytes - got["weight_bytes"] == half, f"rank {rank}: not half the experts"
+        assert got["live_after"] == 0, f"rank {rank}: allocations left after the model"
+    report = ranks[1]["report"]
+    assert report["failed"] == 0, report["last_error"]
+    assert report["leftover_sequences"] == 0, "the worker kept sequences rank 0 freed"
+    assert report["commands"] > 2 * 3 * 2, report
+
+
 def test_a_rank_that_never_joins_fails_the_other_within_the_timeout(tmp_path: Path) -> None:
     run = run_ranks("hang", tmp_path)
     rank0 = read_ranks(tmp_path, run)[0]
@@ -192,8 +238,10 @@ def test_local_communicator_refuses_bad_arguments_by_name() -> None:
         comm.send_command({"kind": "jump"})
     with pytest.raises(ValueError, match='"free": unexpected key "tokens"'):
         comm.send_command({"kind": "free", "seq": 1, "tokens": [1]})
-    with pytest.raises(ValueError, match='"verify": missing "tokens"'):
-        comm.send_command({"kind": "verify", "seq": 1})
+    with pytest.raises(ValueError, match='"verify": missing "batch"'):
+        comm.send_command({"kind": "verify", "layers": []})
+    with pytest.raises(ValueError, match='"prefill": a batch entry has no "tokens"'):
+        comm.send_command({"kind": "prefill", "batch": [{"seq": 1}]})
 
 
 def test_init_without_mpi4py_names_the_extra() -> None:
