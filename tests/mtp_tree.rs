@@ -97,13 +97,26 @@ fn the_reference_chain_writes_proposes_rows() {
     f.finish();
 }
 
+/// The `k` most probable ids of `logits` under a softmax, highest first (ties to the lower
+/// id), with their probabilities.
+fn top(logits: &[f32], k: usize) -> Vec<(u32, f64)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    let mut ids: Vec<usize> = (0..logits.len()).collect();
+    ids.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    ids.into_iter()
+        .take(k)
+        .map(|i| (i as u32, (logits[i] as f64 - max).exp() / z))
+        .collect()
+}
+
 #[test]
 fn a_tree_is_grown_best_first_from_the_heads_top_choices() {
     let f = fixture("tree_shape", ModelLevers::default());
     let head = f.head();
-    let (mut t, mut c) = (f.state(), f.state());
+    let (mut t, mut r) = (f.state(), f.state());
     f.prefill(&mut *t, 10);
-    f.prefill(&mut *c, 10);
+    f.prefill(&mut *r, 10);
     let budget = 9;
     let tree = propose_tree(&f, &mut *t, 10, budget);
     assert_eq!(tree.fault(budget, VOCAB), None);
@@ -113,37 +126,60 @@ fn a_tree_is_grown_best_first_from_the_heads_top_choices() {
         .probs
         .clone()
         .expect("the head gives each node's probability");
+    // Each node run (all but the last) offers its top children, which the head's chain
+    // rows over the node's path give: the reference candidates, keyed by parent.
+    let mut offered: Vec<(Option<usize>, u32, f64)> = Vec::new();
+    let parents_run = std::iter::once(None).chain((0..budget - 1).map(Some));
+    for parent in parents_run {
+        let path = parent.map_or(Vec::new(), |n| path_to(&tree, n));
+        let tokens: Vec<u32> = path.iter().map(|&n| tree.tokens[n]).collect();
+        let reach: f64 = path.iter().map(|&n| f64::from(probs[n])).product();
+        let logits = head
+            .write_chain_rows(
+                f.gpu.as_ref(),
+                &mut *r,
+                f.tokens[10],
+                f.hidden(9),
+                10,
+                &tokens,
+                0,
+            )
+            .unwrap();
+        let want = top(&logits, TREE_TOP_K);
+        let kids: Vec<usize> = (0..budget).filter(|&i| tree.parents[i] == parent).collect();
+        // A node's children are the first of its top choices, in order.
+        for (k, &c) in kids.iter().enumerate() {
+            assert_eq!(tree.tokens[c], want[k].0, "child {k} of {parent:?}");
+            let p = f64::from(probs[c]);
+            assert!(
+                (p - want[k].1).abs() <= 1e-5 * want[k].1,
+                "{p} vs {}",
+                want[k].1
+            );
+        }
+        offered.extend(
+            want.iter()
+                .skip(kids.len())
+                .map(|&(t, p)| (parent, t, reach * p)),
+        );
+    }
+    // Best first: no candidate left out is more probable than a node taken.
+    let reach = |n: usize| -> f64 {
+        path_to(&tree, n)
+            .iter()
+            .map(|&m| f64::from(probs[m]))
+            .product()
+    };
+    let worst_taken = (0..budget).map(reach).fold(f64::INFINITY, f64::min);
+    for (parent, token, p) in offered {
+        assert!(
+            p <= worst_taken * (1.0 + 1e-5),
+            "{token} under {parent:?} ({p}) beats a node taken ({worst_taken})"
+        );
+    }
     assert!(probs.iter().all(|&p| p > 0.0 && p <= 1.0), "{probs:?}");
-    // Path probabilities never grow from parent to child and come out best first.
-    let reach: Vec<f64> = (0..tree.len())
-        .map(|i| {
-            path_to(&tree, i)
-                .iter()
-                .map(|&n| f64::from(probs[n]))
-                .product()
-        })
-        .collect();
-    assert!(
-        reach.windows(2).all(|w| w[0] >= w[1] * (1.0 - 1e-6)),
-        "{reach:?}"
-    );
-    for i in 0..tree.len() {
-        let siblings = (0..tree.len()).filter(|&j| tree.parents[j] == tree.parents[i]);
-        assert!(siblings.count() <= TREE_TOP_K);
-    }
-    // The first child at each depth is the head's argmax: the chain `propose` drafts.
-    let chain = f.propose(&mut *c, 10, 3);
-    let mut node = None;
-    for (depth, &want) in chain.iter().enumerate() {
-        let Some(first) = (0..tree.len()).find(|&i| tree.parents[i] == node) else {
-            break;
-        };
-        assert_eq!(tree.tokens[first], want, "depth {depth}");
-        node = Some(first);
-    }
-    head.after_verify(0, &mut *c, 0).unwrap();
     // A state freed with its tree unverified gives every block back (checked by finish).
-    for mut s in [t, c] {
+    for mut s in [t, r] {
         head.free_state(f.gpu.as_ref(), &mut *s).unwrap();
     }
     f.finish();
