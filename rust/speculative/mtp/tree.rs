@@ -229,7 +229,7 @@ impl MtpHead {
             let at = hidden_buf.offset(hidden_rows * row_bytes);
             gpu.copy_dtod(at, self.spec.chain_hidden(sc, 0), row_bytes, stream)?;
             let logits = gpu.download::<f32>(sc.logits, self.spec.draft_vocab)?;
-            for (d, prob) in top_children(&logits, TREE_TOP_K, &allowed) {
+            for (d, prob) in top_children(&logits, TREE_TOP_K, allowed) {
                 heap.push(Candidate {
                     reach: reach * prob,
                     prob,
