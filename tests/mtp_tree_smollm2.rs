@@ -1,9 +1,10 @@
-//! The shipped `smollm2-mtp` head drafting trees on the real default model
-//! (SmolLM2-135M-Instruct, Q4_1): greedy output with trees equals plain greedy output and
-//! the chain's, and the acceptance length and speed of trees against chains at the same
-//! verify rows (the tree's node budget is the chain's draft count) are printed.
+//! The shipped `smollm2-mtp` and `smollm2-eagle3` heads drafting trees on the real default
+//! model (SmolLM2-135M-Instruct, Q4_1, the heads' projections in Q8_0 as on the CPU by
+//! default): greedy output with trees equals plain greedy output and the chain's, and the
+//! acceptance length and speed of trees against chains at the same verify rows (the tree's
+//! node budget is the chain's draft count) are printed.
 //!
-//! Slow (the 135M model on the CPU backend, four prompts three times), so ignored by
+//! Slow (the 135M model on the CPU backend, four prompts thirteen times), so ignored by
 //! default: `cargo test --release --test mtp_tree_smollm2 -- --ignored --nocapture`. The
 //! model file is found as `tests/model_smollm2.rs` finds it.
 
@@ -12,7 +13,7 @@ use specdraft::engine::{
     DraftPolicyKind, DraftShape, GenerateRequest, Metrics, SamplingParams, SpecEngine,
 };
 use specdraft::model::{LoadOptions, ModelLevers, TargetModel};
-use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization};
+use specdraft::speculative::{DraftProposer, Eagle3Head, MtpHead, MtpQuantization};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -54,11 +55,10 @@ fn prompts() -> Vec<Vec<u32>> {
 
 fn run(
     model: &Arc<TargetModel>,
-    head: Option<Arc<MtpHead>>,
+    proposer: Option<Arc<dyn DraftProposer>>,
     shape: DraftShape,
     drafts: usize,
 ) -> (Vec<Vec<u32>>, Metrics, f64) {
-    let proposer = head.map(|h| h as Arc<dyn DraftProposer>);
     let engine = SpecEngine::new(model.clone(), proposer, drafts)
         .unwrap()
         .with_draft_policy(DraftPolicyKind::Fixed)
@@ -95,45 +95,78 @@ fn smollm2_mtp_trees_keep_greedy_output_and_accept_longer_paths() {
         kv_blocks: Some(64),
     };
     let model = Arc::new(TargetModel::load(&path, gpu.clone(), opts).unwrap());
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/specdraft/heads/smollm2-mtp");
-    let head = Arc::new(
+    let heads = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/specdraft/heads");
+    let q8 = MtpQuantization::parse("q8_0").unwrap();
+    let levers = ModelLevers::default();
+    let mtp = Arc::new(
         MtpHead::from_checkpoint_for_target(
-            &dir,
+            heads.join("smollm2-mtp"),
             model.clone(),
-            MtpQuantization::parse("q8_0").unwrap(),
+            q8,
             0,
             256,
             64,
-            &ModelLevers::default(),
+            &levers,
+        )
+        .unwrap(),
+    );
+    let eagle3 = Arc::new(
+        Eagle3Head::from_checkpoint_for_target_quantized(
+            heads.join("smollm2-eagle3"),
+            model.clone(),
+            q8,
+            256,
+            64,
+            &levers,
         )
         .unwrap(),
     );
     let (base, _, plain_tok_s) = run(&model, None, DraftShape::Chain, 0);
     println!("plain: {plain_tok_s:.1} tok/s");
-    for drafts in [3, 5, 8] {
-        head.set_grow_trees(false);
-        let (chain, c, chain_tok_s) = run(&model, Some(head.clone()), DraftShape::Chain, drafts);
-        head.set_grow_trees(true);
-        let (tree, t, tree_tok_s) = run(&model, Some(head.clone()), DraftShape::Tree, drafts);
-        assert_eq!(
-            chain, base,
-            "{drafts} drafts: chain output differs from plain"
-        );
-        assert_eq!(
-            tree, base,
-            "{drafts} drafts: tree output differs from plain"
-        );
-        let (ca, ta) = (c.mean_acceptance_length(), t.mean_acceptance_length());
-        println!(
-            "{drafts} rows: chain acceptance {ca:.3} ({} steps) {chain_tok_s:.1} tok/s; \
-             tree acceptance {ta:.3} ({} steps) {tree_tok_s:.1} tok/s; ratio {:.3}",
-            c.verify_steps,
-            t.verify_steps,
-            ta / ca
-        );
-        assert!(t.accepted > 0, "{drafts} drafts: no tree node accepted");
+    type Switch = Box<dyn Fn(bool)>;
+    let (m, e) = (mtp.clone(), eagle3.clone());
+    let cases: [(&str, Arc<dyn DraftProposer>, Switch); 2] = [
+        (
+            "smollm2-mtp",
+            mtp.clone(),
+            Box::new(move |on| m.set_grow_trees(on)),
+        ),
+        (
+            "smollm2-eagle3",
+            eagle3.clone(),
+            Box::new(move |on| e.set_grow_trees(on)),
+        ),
+    ];
+    for (name, head, grow) in cases {
+        for drafts in [3, 5, 8] {
+            grow(false);
+            let (chain, c, chain_tok_s) =
+                run(&model, Some(head.clone()), DraftShape::Chain, drafts);
+            grow(true);
+            let (tree, t, tree_tok_s) = run(&model, Some(head.clone()), DraftShape::Tree, drafts);
+            assert_eq!(
+                chain, base,
+                "{name}, {drafts} drafts: chain output differs from plain"
+            );
+            assert_eq!(
+                tree, base,
+                "{name}, {drafts} drafts: tree output differs from plain"
+            );
+            let (ca, ta) = (c.mean_acceptance_length(), t.mean_acceptance_length());
+            println!(
+                "{name}, {drafts} rows: chain acceptance {ca:.3} ({} steps) {chain_tok_s:.1} tok/s; \
+                 tree acceptance {ta:.3} ({} steps) {tree_tok_s:.1} tok/s; ratio {:.3}",
+                c.verify_steps,
+                t.verify_steps,
+                ta / ca
+            );
+            assert!(
+                t.accepted > 0,
+                "{name}, {drafts} drafts: no tree node accepted"
+            );
+        }
     }
-    drop(head);
+    drop((mtp, eagle3));
     drop(model);
     assert_eq!(
         gpu.ledger().live_count(),
