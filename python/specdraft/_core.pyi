@@ -729,6 +729,11 @@ class MtpHead(DraftProposer):
         """The checkpoint layout: `"deepseek_v3"`, `"mimo"` or `"qwen3_next"`."""
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
         """Row `row` of the f32 logits of the head's latest forward."""
+    def set_grow_trees(self, on: bool) -> None:
+        """Turns tree growth on or off (off by default): on, `grows_trees()` is true and an
+        engine under `draft_shape="tree"` asks the head for an EAGLE-2 tree per sequence
+        (best first by path probability, the top 4 children of each node run).
+        """
 
 @disjoint_base
 class Eagle3Head(DraftProposer):
@@ -812,6 +817,8 @@ class Eagle3Head(DraftProposer):
         """The storage of the head's own LM head (`"bf16"`, `"q8_0"`, ...)."""
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
         """Row `row` of the f32 logits (over the draft vocabulary) of the head's latest forward."""
+    def set_grow_trees(self, on: bool) -> None:
+        """Turns tree growth on or off (off by default), as `MtpHead.set_grow_trees` does."""
 
 @disjoint_base
 class Hybrid(DraftProposer):
