@@ -4,7 +4,7 @@
 
 use half::bf16;
 use specdraft::distributed::{
-    Command, Communicator, DistributedError, LocalCommunicator, SeqTokens,
+    Command, Communicator, Counted, DistributedError, LocalCommunicator, SeqTokens,
 };
 
 /// Rank 0 of a world whose other ranks hold `others`: the f32 sum adds them in.
@@ -214,4 +214,51 @@ fn a_distributed_error_is_a_crate_error_with_the_same_message() {
         ),
         "{err}"
     );
+}
+
+#[test]
+fn counted_forwards_every_call_and_counts_calls_and_payload_bytes() {
+    let comm = Counted::new(Box::new(LocalCommunicator));
+    let mut f = vec![1.5f32, -2.0, 3.0];
+    comm.all_reduce_sum_f32(&mut f).unwrap();
+    assert_eq!(
+        f,
+        vec![1.5, -2.0, 3.0],
+        "the inner call's result comes back"
+    );
+    let mut h = vec![bf16::ONE; 5];
+    comm.all_reduce_sum_bf16(&mut h).unwrap();
+    let mut bytes = b"twelve bytes".to_vec();
+    comm.broadcast_bytes(0, &mut bytes).unwrap();
+    comm.broadcast_bytes(0, &mut bytes).unwrap();
+    comm.barrier().unwrap();
+    let cmd = Command::Free { seq: 9 };
+    comm.send_command(&cmd).unwrap();
+    // An error still counts, and comes back unchanged.
+    let err = comm.recv_command().unwrap_err();
+    assert!(matches!(
+        err,
+        DistributedError::InvalidArgument {
+            op: "recv_command",
+            ..
+        }
+    ));
+    let costs = comm.costs();
+    let got: Vec<(&str, u64, u64)> = costs
+        .iter()
+        .map(|(op, c)| (*op, c.calls, c.bytes))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("all_reduce_bf16", 1, 10),
+            ("all_reduce_f32", 1, 12),
+            ("barrier", 1, 0),
+            ("broadcast", 2, 24),
+            ("recv_command", 1, 0),
+            ("send_command", 1, cmd.encode().len() as u64),
+        ]
+    );
+    comm.reset();
+    assert!(comm.costs().is_empty());
 }

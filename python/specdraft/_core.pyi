@@ -731,8 +731,7 @@ class MtpHead(DraftProposer):
         """Row `row` of the f32 logits of the head's latest forward."""
     def set_grow_trees(self, on: bool) -> None:
         """Turns tree growth on or off (off by default): on, `grows_trees()` is true and an
-        engine under `draft_shape="tree"` asks the head for an EAGLE-2 tree per sequence
-        (best first by path probability, the top 4 children of each node run).
+        engine under `draft_shape="tree"` asks the head for an EAGLE-2 tree per sequence.
         """
 
 @disjoint_base
@@ -1388,10 +1387,21 @@ class Communicator:
         """`root`'s `data` on every rank (other ranks' `data` is ignored and may be `None`)."""
     def barrier(self) -> None:
         """Returns once every rank has called it."""
+    def costs(self) -> dict[str, dict[str, float]]:
+        """What the calls on this communicator cost so far, by operation (`"all_reduce_f32"`,
+        `"all_reduce_bf16"`, `"broadcast"`, `"barrier"`, `"send_command"`,
+        `"recv_command"`): `{"calls", "bytes", "seconds"}`, bytes being the payload this
+        rank passed in or received. Counts every call since `init()` or `reset_costs()`.
+        """
+    def reset_costs(self) -> None:
+        """Forgets the costs counted so far."""
     def send_command(self, command: dict[str, Any]) -> None:
-        """Rank 0 sends `command` to every worker: a dict with `"kind"` (`"prefill"`,
-        `"verify"`, `"mtp_propose"`, `"free"` or `"shutdown"`) and its fields (`"seq"`;
-        `"tokens"` for prefill and verify; `"num_drafts"` for mtp_propose).
+        """Rank 0 sends `command` to every worker: a dict with `"kind"` and its fields:
+        `"prefill"` and `"verify"` take `"batch"` (a list of `{"seq", "tokens"}`) and
+        optionally `"layers"` (capture layers), a verify also `"trees"` (per sequence a
+        parent list or None); `"mtp_propose"` takes `"seq"` and `"num_drafts"`; `"trim"`
+        `"seq"` and `"len"`; `"compact"` `"seq"`, `"start"` and `"rows"`; `"free"` `"seq"`;
+        `"shutdown"` nothing.
         """
     def recv_command(self) -> dict[str, Any]:
         """A worker's next command from rank 0, as the dict `send_command` was given."""

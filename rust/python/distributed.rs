@@ -3,7 +3,7 @@
 
 use super::distributed_mpi::MpiCommunicator;
 use super::errors::IntoPyResult;
-use crate::distributed::{Command, Communicator, LocalCommunicator, SeqTokens};
+use crate::distributed::{Command, Communicator, Counted, LocalCommunicator, SeqTokens};
 use half::bf16;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -21,14 +21,14 @@ use std::time::Duration;
 /// ranks, and the communicator refuses every later call.
 #[pyclass(name = "Communicator", module = "specdraft._core", frozen)]
 pub struct PyCommunicator {
-    inner: Arc<dyn Communicator>,
+    inner: Arc<Counted<dyn Communicator>>,
     timeout: Option<f64>,
 }
 
 impl PyCommunicator {
     /// The shared communicator.
     pub(super) fn arc(&self) -> Arc<dyn Communicator> {
-        self.inner.clone()
+        self.inner.clone() as Arc<dyn Communicator>
     }
 }
 
@@ -49,7 +49,7 @@ impl PyCommunicator {
     #[staticmethod]
     fn local() -> Self {
         PyCommunicator {
-            inner: Arc::new(LocalCommunicator),
+            inner: Arc::new(Counted::new(Box::new(LocalCommunicator))),
             timeout: None,
         }
     }
@@ -69,7 +69,9 @@ impl PyCommunicator {
             .map(|c| seconds("command_timeout", c))
             .transpose()?;
         Ok(PyCommunicator {
-            inner: Arc::new(MpiCommunicator::new(comm, mpi, t, ct)?),
+            inner: Arc::new(Counted::new(Box::new(MpiCommunicator::new(
+                comm, mpi, t, ct,
+            )?))),
             timeout: Some(timeout),
         })
     }
@@ -170,9 +172,33 @@ impl PyCommunicator {
         self.inner.barrier().py()
     }
 
-    /// Rank 0 sends `command` to every worker: a dict with `"kind"` (`"prefill"`,
-    /// `"verify"`, `"mtp_propose"`, `"free"` or `"shutdown"`) and its fields (`"seq"`;
-    /// `"tokens"` for prefill and verify; `"num_drafts"` for mtp_propose).
+    /// What the calls on this communicator cost so far, by operation (`"all_reduce_f32"`,
+    /// `"all_reduce_bf16"`, `"broadcast"`, `"barrier"`, `"send_command"`,
+    /// `"recv_command"`): `{"calls", "bytes", "seconds"}`, bytes being the payload this
+    /// rank passed in or received. Counts every call since `init()` or `reset_costs()`.
+    fn costs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (op, c) in self.inner.costs() {
+            let d = PyDict::new(py);
+            d.set_item("calls", c.calls)?;
+            d.set_item("bytes", c.bytes)?;
+            d.set_item("seconds", c.time.as_secs_f64())?;
+            out.set_item(op, d)?;
+        }
+        Ok(out)
+    }
+
+    /// Forgets the costs counted so far.
+    fn reset_costs(&self) {
+        self.inner.reset();
+    }
+
+    /// Rank 0 sends `command` to every worker: a dict with `"kind"` and its fields:
+    /// `"prefill"` and `"verify"` take `"batch"` (a list of `{"seq", "tokens"}`) and
+    /// optionally `"layers"` (capture layers), a verify also `"trees"` (per sequence a
+    /// parent list or None); `"mtp_propose"` takes `"seq"` and `"num_drafts"`; `"trim"`
+    /// `"seq"` and `"len"`; `"compact"` `"seq"`, `"start"` and `"rows"`; `"free"` `"seq"`;
+    /// `"shutdown"` nothing.
     fn send_command(&self, command: &Bound<'_, PyDict>) -> PyResult<()> {
         let cmd = command_from_dict(command)?;
         self.inner.send_command(&cmd).py()

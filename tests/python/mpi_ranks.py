@@ -84,6 +84,7 @@ def collectives(out: dict) -> None:
             got.append(comm.recv_command())
         out["commands"] = got
     comm.barrier()
+    out["costs"] = comm.costs()
 
 
 def hang(out: dict) -> None:
@@ -165,6 +166,37 @@ def engine(out: dict) -> None:
     out["live_after"] = gpu.live_allocs
 
 
+def killed_worker(out: dict) -> None:
+    """Rank 1 is killed (SIGKILL) after loading while rank 0 generates: mpiexec ends the job.
+
+    Rank 0 records an error if its generate ever returns (it must not: the job ends)."""
+    import os
+    import signal
+
+    import specdraft
+    import specdraft.distributed as dist
+
+    comm = dist.init(timeout=HANG_TIMEOUT_S)
+    out["rank"] = comm.rank
+    model = specdraft.load_model(sys.argv[3], comm=comm, **ENGINE_LOAD)
+    out["loaded"] = True
+    if comm.rank == 0:
+        # What rank 0 has so far, in case the job is ended under it.
+        (Path(sys.argv[2]) / "rank0.json").write_text(json.dumps(out))
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    engine = specdraft.SpecEngine(model, draft_policy="fixed")
+    try:
+        results = engine.generate(ENGINE_PROMPTS[:1], max_tokens=4, ignore_eos=True)
+        out["error"] = results[0].error and str(results[0].error)
+        out["error_type"] = type(results[0].error).__name__
+    except specdraft.BackendError as e:
+        out["error"], out["error_type"] = str(e), "BackendError (raised)"
+    out["elapsed_s"] = time.monotonic() - start
+
+
 def main() -> None:
     """Runs the scenario named on the command line and writes this rank's findings."""
     scenario, outdir = sys.argv[1], Path(sys.argv[2])
@@ -174,6 +206,7 @@ def main() -> None:
         "hang": hang,
         "idle_rank_0": idle_rank_0,
         "engine": engine,
+        "killed_worker": killed_worker,
     }
     scenarios[scenario](out)
     (outdir / f"rank{out['rank']}.json").write_text(json.dumps(out))
