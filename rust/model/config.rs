@@ -194,6 +194,47 @@ impl MoeConfig {
     }
 }
 
+/// Multi-head latent attention sizes (DeepSeek-V3's `q_lora_rank`, `kv_lora_rank`,
+/// `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`).
+///
+/// Each head's query is `qk_nope_head_dim` elements without RoPE then `qk_rope_head_dim`
+/// with it; a token's keys and values are all derived from one latent row of
+/// `kv_lora_rank` elements plus one `qk_rope_head_dim` RoPE key shared by every head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaConfig {
+    /// Width of the query's low-rank bottleneck (`q_a_proj`); `None`: a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Width of the compressed key/value latent (`kv_a_proj_with_mqa`'s first part).
+    pub kv_lora_rank: usize,
+    /// Elements of each head's query and key that RoPE leaves alone.
+    pub qk_nope_head_dim: usize,
+    /// Elements of each head's query (and of the shared key) that RoPE rotates.
+    pub qk_rope_head_dim: usize,
+    /// Elements of each head's value.
+    pub v_head_dim: usize,
+    /// RoPE pairs adjacent elements (`rope_interleave`, true unless the config says false,
+    /// as in `transformers`' DeepSeek-V3 and DeepSeek's own inference code).
+    pub rope_interleave: bool,
+}
+
+impl MlaConfig {
+    /// Elements of one token's cached latent: `kv_lora_rank + qk_rope_head_dim`.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// Elements of one head's query: `qk_nope_head_dim + qk_rope_head_dim`.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// The attention's score scale, `1 / sqrt(qk_head_dim)` (YaRN's extra factor is not
+    /// applied: YaRN scaling is refused where the RoPE frequencies are made).
+    pub fn softmax_scale(&self) -> f32 {
+        1.0 / (self.qk_head_dim() as f32).sqrt()
+    }
+}
+
 /// The sizes and switches of a target model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -234,6 +275,8 @@ pub struct ModelConfig {
     pub num_nextn_predict_layers: usize,
     /// Mixture-of-experts sizes, when the MLPs route.
     pub moe: Option<MoeConfig>,
+    /// Multi-head latent attention sizes, when attention is MLA (DeepSeek-V3).
+    pub mla: Option<MlaConfig>,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,
 }
@@ -410,9 +453,26 @@ impl ModelConfig {
         let num_key_value_heads = k
             .opt_usize("num_key_value_heads")?
             .unwrap_or(num_attention_heads);
-        let head_dim = match k.opt_usize("head_dim")? {
-            Some(d) => d,
-            None => hidden_size / num_attention_heads,
+        let mla = match family {
+            ModelFamily::DeepseekV3 => match k.opt_usize("kv_lora_rank")? {
+                Some(kv_lora_rank) => Some(MlaConfig {
+                    q_lora_rank: k.opt_usize("q_lora_rank")?,
+                    kv_lora_rank,
+                    qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
+                    qk_rope_head_dim: k.usize("qk_rope_head_dim")?,
+                    v_head_dim: k.usize("v_head_dim")?,
+                    rope_interleave: k.opt_bool("rope_interleave")?.unwrap_or(true),
+                }),
+                None => None,
+            },
+            _ => None,
+        };
+        // Under MLA, `transformers` sets head_dim to the rotated width, which is what RoPE's
+        // frequencies are computed over.
+        let head_dim = match (k.opt_usize("head_dim")?, &mla) {
+            (Some(d), _) => d,
+            (None, Some(m)) => m.qk_rope_head_dim,
+            (None, None) => hidden_size / num_attention_heads,
         };
         let moe = match family {
             ModelFamily::DeepseekV3
@@ -507,6 +567,7 @@ impl ModelConfig {
                 .or(k.opt_usize("mtp_num_hidden_layers")?)
                 .unwrap_or(0),
             moe,
+            mla,
             eos_token_ids: k.token_ids("eos_token_id")?,
         };
         config.validate()?;
@@ -534,6 +595,7 @@ impl ModelConfig {
             qk_norm: false,
             num_nextn_predict_layers: 0,
             moe: None,
+            mla: None,
             eos_token_ids: Vec::new(),
         }
     }
@@ -546,5 +608,23 @@ impl ModelConfig {
     /// Width of the key (and of the value) projection's output.
     pub fn kv_size(&self) -> usize {
         self.num_key_value_heads * self.head_dim
+    }
+
+    /// `(heads, head_dim)` of a row of each of a layer's two KV caches (key and value):
+    /// `(num_key_value_heads, head_dim)`, or under MLA `(1, latent_width / 2)`, the first
+    /// half of each token's latent row in the key cache and the second in the value cache,
+    /// so one token holds exactly one latent row and the cache ops move it whole.
+    pub fn kv_cache_row(&self) -> (usize, usize) {
+        match &self.mla {
+            Some(m) => (1, m.latent_width() / 2),
+            None => (self.num_key_value_heads, self.head_dim),
+        }
+    }
+
+    /// Elements of a row of each of a layer's two KV caches (see
+    /// [`ModelConfig::kv_cache_row`]).
+    pub fn kv_cache_width(&self) -> usize {
+        let (heads, dim) = self.kv_cache_row();
+        heads * dim
     }
 }

@@ -423,6 +423,7 @@ impl GgufFile {
             qk_norm: self.tensors.contains_key("blk.0.attn_q_norm.weight"),
             num_nextn_predict_layers: nextn,
             moe,
+            mla: None,
             eos_token_ids: eos.map(|e| vec![e]).unwrap_or_default(),
         };
         config.validate()?;

@@ -42,8 +42,12 @@ pub fn rope_inv_freq(config: &ModelConfig) -> Result<Vec<f32>, ConfigError> {
     Ok(freqs.into_iter().map(|f| f as f32).collect())
 }
 
-/// Elements of each head RoPE rotates (even).
+/// Elements of each head RoPE rotates (even): under multi-head latent attention,
+/// `qk_rope_head_dim`.
 pub fn rotary_dim(config: &ModelConfig) -> usize {
+    if let Some(m) = &config.mla {
+        return m.qk_rope_head_dim;
+    }
     let d = (config.head_dim as f32 * config.partial_rotary_factor).round() as usize;
     (d / 2 * 2).clamp(2, config.head_dim)
 }
