@@ -328,3 +328,116 @@ fn speculative_greedy_equals_plain_greedy_on_deepseek_v3() {
     drop(model);
     assert_eq!(gpu.ledger().live_count(), 0, "the ledger after the drop");
 }
+
+/// Rewrites the safetensors header of `dir/model.safetensors` (the data stays in place, so
+/// an edit must keep every tensor's byte length).
+fn edit_header(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(&mut header);
+    let text = serde_json::to_vec(&header).unwrap();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(&path, out).unwrap();
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+}
+
+/// Loads `dir`; `Err` unless it is refused with every one of `needles` in the message and
+/// nothing left allocated.
+fn check_refusal(dir: &Path, what: &str, needles: &[&str]) -> Result<(), String> {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let err = match TargetModel::load(dir, gpu.clone(), opts()) {
+        Ok(_) => return Err(format!("{what}: {} loaded", dir.display())),
+        Err(e) => e.to_string(),
+    };
+    if gpu.ledger().live_count() != 0 {
+        return Err(format!("{what}: allocations left after refusing ({err})"));
+    }
+    match needles.iter().find(|n| !err.contains(*n)) {
+        Some(n) => Err(format!("{what}: {err:?} does not name {n:?}")),
+        None => Ok(()),
+    }
+}
+
+type Edit<T> = Box<dyn Fn(&mut T)>;
+
+#[test]
+fn broken_deepseek_v3_checkpoints_are_refused_by_name() {
+    type Tensors = serde_json::Map<String, serde_json::Value>;
+    let rename = |name: &'static str| -> Edit<Tensors> {
+        Box::new(move |h: &mut Tensors| {
+            let t = h.remove(name).expect(name);
+            h.insert(format!("unused.{name}"), t);
+        })
+    };
+    let tensor_cases: Vec<(&str, Edit<Tensors>, &[&str])> = vec![
+        (
+            "kv_b_proj for another head split",
+            Box::new(|h: &mut Tensors| {
+                h["model.layers.1.self_attn.kv_b_proj.weight"]["shape"] =
+                    serde_json::json!([32, 112])
+            }),
+            &[
+                "model.layers.1.self_attn.kv_b_proj.weight",
+                "[112, 32]",
+                "[32, 112]",
+            ],
+        ),
+        (
+            "missing kv_a_layernorm",
+            rename("model.layers.2.self_attn.kv_a_layernorm.weight"),
+            &["model.layers.2.self_attn.kv_a_layernorm.weight", "missing"],
+        ),
+        (
+            "missing q_b_proj",
+            rename("model.layers.0.self_attn.q_b_proj.weight"),
+            &["model.layers.0.self_attn.q_b_proj.weight", "missing"],
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (i, (what, edit, needles)) in tensor_cases.iter().enumerate() {
+        let dir = temp_dir(&format!("mla_broken_tensor_{i}"));
+        reference("q_lora", &dir, 3);
+        edit_header(&dir, |h| edit(h));
+        failures.extend(check_refusal(&dir, what, needles).err());
+    }
+    let config_cases: Vec<(&str, Edit<serde_json::Value>, &[&str])> = vec![
+        (
+            "no latent attention sizes",
+            Box::new(|c| {
+                c.as_object_mut().unwrap().remove("kv_lora_rank");
+            }),
+            &[
+                "deepseek_v3",
+                "multi-head latent attention (MLA)",
+                "kv_lora_rank",
+            ],
+        ),
+        (
+            "YaRN RoPE scaling",
+            Box::new(|c| {
+                c["rope_scaling"] = serde_json::json!({"type": "yarn", "factor": 40.0,
+                    "original_max_position_embeddings": 4096})
+            }),
+            &["rope_scaling", "yarn"],
+        ),
+    ];
+    for (i, (what, edit, needles)) in config_cases.iter().enumerate() {
+        let dir = temp_dir(&format!("mla_broken_config_{i}"));
+        reference("q_lora", &dir, 3);
+        edit_config(&dir, |c| edit(c));
+        failures.extend(check_refusal(&dir, what, needles).err());
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
