@@ -153,6 +153,36 @@ pub struct RopeScaling {
     pub high_freq_factor: Option<f32>,
     /// `original_max_position_embeddings`.
     pub original_max_position_embeddings: Option<usize>,
+    /// YaRN's keys, as the config gives them (none for the other kinds).
+    pub yarn: YarnParams,
+}
+
+/// YaRN's keys of `rope_scaling`, each `None` where the config leaves it out (`transformers`'
+/// defaults then apply: `beta_fast` 32, `beta_slow` 1, no `mscale`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct YarnParams {
+    /// Rotations per original context above which a frequency is kept (`beta_fast`).
+    pub beta_fast: Option<f32>,
+    /// Rotations per original context below which a frequency is divided by the factor
+    /// (`beta_slow`).
+    pub beta_slow: Option<f32>,
+    /// `mscale`: the numerator of the cos/sin scale.
+    pub mscale: Option<f32>,
+    /// `mscale_all_dim`: the denominator of the cos/sin scale, and (DeepSeek-V3) what the
+    /// attention's score scale is multiplied by, squared.
+    pub mscale_all_dim: Option<f32>,
+    /// `attention_factor`: the cos/sin scale given outright.
+    pub attention_factor: Option<f32>,
+}
+
+/// YaRN's magnitude scale for a context `factor` (`0.1 * mscale * ln(factor) + 1`, 1 for a
+/// factor of at most 1), as `transformers` and DeepSeek define it.
+pub fn yarn_mscale(factor: f32, mscale: f32) -> f32 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
 }
 
 /// Mixture-of-experts sizes, for the families whose MLPs route.
@@ -228,8 +258,8 @@ impl MlaConfig {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
 
-    /// The attention's score scale, `1 / sqrt(qk_head_dim)` (YaRN's extra factor is not
-    /// applied: YaRN scaling is refused where the RoPE frequencies are made).
+    /// The attention's score scale before any RoPE scaling, `1 / sqrt(qk_head_dim)` (see
+    /// [`ModelConfig::mla_softmax_scale`]).
     pub fn softmax_scale(&self) -> f32 {
         1.0 / (self.qk_head_dim() as f32).sqrt()
     }
@@ -526,6 +556,13 @@ impl ModelConfig {
                     high_freq_factor: rk.opt_f32("high_freq_factor")?,
                     original_max_position_embeddings: rk
                         .opt_usize("original_max_position_embeddings")?,
+                    yarn: YarnParams {
+                        beta_fast: rk.opt_f32("beta_fast")?,
+                        beta_slow: rk.opt_f32("beta_slow")?,
+                        mscale: rk.opt_f32("mscale")?,
+                        mscale_all_dim: rk.opt_f32("mscale_all_dim")?,
+                        attention_factor: rk.opt_f32("attention_factor")?,
+                    },
                 })
             }
             Some(v) => {
@@ -608,6 +645,21 @@ impl ModelConfig {
     /// Width of the key (and of the value) projection's output.
     pub fn kv_size(&self) -> usize {
         self.num_key_value_heads * self.head_dim
+    }
+
+    /// The MLA score scale: `1 / sqrt(qk_head_dim)`, times `yarn_mscale(factor,
+    /// mscale_all_dim)^2` when `rope_scaling` gives a non-zero `mscale_all_dim` (as
+    /// `transformers`' DeepSeek-V3 does); `None` without MLA.
+    pub fn mla_softmax_scale(&self) -> Option<f32> {
+        let m = self.mla.as_ref()?;
+        let mscale = match &self.rope_scaling {
+            Some(rs) => match rs.yarn.mscale_all_dim {
+                Some(all) if all != 0.0 => yarn_mscale(rs.factor, all),
+                _ => 1.0,
+            },
+            None => 1.0,
+        };
+        Some(m.softmax_scale() * mscale * mscale)
     }
 
     /// `(heads, head_dim)` of a row of each of a layer's two KV caches (key and value):

@@ -385,6 +385,7 @@ impl GgufFile {
                 high_freq_factor: None,
                 original_max_position_embeddings: self
                     .meta_usize(&key("rope.scaling.original_context_length"))?,
+                yarn: Default::default(),
             }),
         };
         let eos = match self.meta_usize("tokenizer.ggml.eos_token_id")? {

@@ -31,7 +31,8 @@ mod weights;
 
 pub use capture::check_layer_ids;
 pub use config::{
-    ConfigError, MlaConfig, ModelConfig, ModelFamily, MoeConfig, RopeScaling, MAX_CONFIG_BYTES,
+    yarn_mscale, ConfigError, MlaConfig, ModelConfig, ModelFamily, MoeConfig, RopeScaling,
+    YarnParams, MAX_CONFIG_BYTES,
 };
 pub use config_limits::LIMITS;
 pub use context::{Communicator, ForwardContext};

@@ -5,7 +5,9 @@ and DeepSeek-V3's MoE).
 
     mla_target_reference.py VARIANT DIR SEED TOKENS
         VARIANT is ``q_lora`` (the query through ``q_a_proj`` / ``q_a_layernorm`` /
-        ``q_b_proj``) or ``plain_q`` (``q_lora_rank: null``, one ``q_proj``). Writes
+        ``q_b_proj``), ``plain_q`` (``q_lora_rank: null``, one ``q_proj``) or ``yarn``
+        (``q_lora`` with YaRN RoPE scaling, its ``mscale`` equal to ``mscale_all_dim`` as in
+        DeepSeek-V3, so the score scale grows by ``mscale(factor, mscale_all_dim)^2``). Writes
         DIR/config.json and DIR/model.safetensors (BF16), runs the forward over TOKENS
         (comma-separated ids) and writes DIR/reference.json: ``{"logits": [[...] per
         position], "min_margin": float, "sparse_layers": [...], "latents": [[[...] per
@@ -19,14 +21,19 @@ The attention, per layer (pre-norm, x = rms_norm(h)):
     per head [k_nope | v] = kv_b_proj(c_kv);  k = [k_nope | k_pe] (k_pe shared by the heads);
     q_pe, k_pe rotated the ``transformers`` way with ``rope_interleave``: de-interleave
     (even elements, then odd), then rotate-half;
-    softmax(q . k / sqrt(qk_nope_head_dim + qk_rope_head_dim)) causal, times v; o_proj.
+    softmax(q . k / sqrt(qk_nope_head_dim + qk_rope_head_dim)) causal (the scale times
+    mscale(factor, mscale_all_dim)^2 under YaRN, whose frequencies are ``transformers``'),
+    times v; o_proj.
 The MLP: layer 0 a dense SwiGLU (first_k_dense_replace = 1), the others s = sigmoid(router
 x), experts chosen by s + e_score_correction_bias among the topk_group best of n_group groups
 (a group scoring the sum of its two best), weights the chosen s over their sum times
 routed_scaling_factor, plus the shared expert.
 
-Activations are rounded to BF16 where ``transformers`` computes in BF16 (every projection's
-output, every norm's, RoPE's, attention's); sums run in float64.
+Sums run in float64. Where the Rust CPU backend stores an activation in BF16 by design (every
+projection's output, every norm's, RoPE's, attention's, the cached latent), this rounds to
+BF16 too, so that what is left between the two is summation order; the per-head keys and
+values ``kv_b_proj`` makes, which ``transformers`` rounds to BF16 but the absorbed form never
+forms, stay unrounded (rounding them alone moves these logits by up to 0.09).
 """
 
 from __future__ import annotations
@@ -50,9 +57,9 @@ Q_LORA, KV_LORA, NOPE, ROPE, VDIM = 24, 32, 16, 8, 12
 
 def config_of(variant: str) -> dict:
     """The tiny config.json of ``variant``."""
-    if variant not in ("q_lora", "plain_q"):
-        raise SystemExit(f"unknown variant {variant!r}: q_lora or plain_q")
-    return {
+    if variant not in ("q_lora", "plain_q", "yarn"):
+        raise SystemExit(f"unknown variant {variant!r}: q_lora, plain_q or yarn")
+    cfg = {
         "model_type": "deepseek_v3",
         "hidden_size": H,
         "intermediate_size": FFN,
@@ -64,7 +71,7 @@ def config_of(variant: str) -> dict:
         "rope_theta": 10000.0,
         "max_position_embeddings": 256,
         "tie_word_embeddings": False,
-        "q_lora_rank": Q_LORA if variant == "q_lora" else None,
+        "q_lora_rank": None if variant == "plain_q" else Q_LORA,
         "kv_lora_rank": KV_LORA,
         "qk_nope_head_dim": NOPE,
         "qk_rope_head_dim": ROPE,
@@ -81,6 +88,53 @@ def config_of(variant: str) -> dict:
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
     }
+    if variant == "yarn":
+        cfg["rope_scaling"] = {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.8,
+            "mscale_all_dim": 0.8,
+        }
+    return cfg
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * np.log(factor) + 1.0
+
+
+def inv_freq(cfg: dict) -> np.ndarray:
+    """RoPE's inverse frequencies over the ROPE rotated elements; with YaRN, as
+    ``transformers``' ``_compute_yarn_parameters`` blends them."""
+    base = cfg["rope_theta"]
+    pos_freqs = base ** (np.arange(0, ROPE, 2) / ROPE)
+    rs = cfg.get("rope_scaling")
+    if not rs:
+        return 1.0 / pos_freqs
+    factor, old = rs["factor"], rs["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return ROPE * np.log(old / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low = max(np.floor(correction_dim(rs["beta_fast"])), 0)
+    high = min(np.ceil(correction_dim(rs["beta_slow"])), ROPE - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(ROPE // 2) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+
+
+def softmax_scale(cfg: dict) -> float:
+    """DeepSeek-V3's score scale: 1 / sqrt(qk_head_dim), times mscale(factor,
+    mscale_all_dim) squared under YaRN."""
+    scale = 1 / np.sqrt(NOPE + ROPE)
+    rs = cfg.get("rope_scaling")
+    if rs and rs.get("mscale_all_dim"):
+        scale *= yarn_mscale(rs["factor"], rs["mscale_all_dim"]) ** 2
+    return scale
 
 
 def write_checkpoint(variant: str, folder: Path, seed: int) -> dict:
@@ -133,9 +187,8 @@ def write_checkpoint(variant: str, folder: Path, seed: int) -> dict:
     return t
 
 
-def rope_angles(positions):
+def rope_angles(positions, inv):
     """cos and sin, ``[n, ROPE]``, as ``transformers`` builds them (each frequency twice)."""
-    inv = 10000.0 ** (-np.arange(0, ROPE, 2) / ROPE)
     ang = positions[:, None] * inv[None, :]
     ang = np.concatenate([ang, ang], axis=-1)
     return np.cos(ang), np.sin(ang)
@@ -150,10 +203,9 @@ def rope_hf_interleave(x, cos, sin):
     return bf16(x * cos[:, None, :] + rotated * sin[:, None, :])
 
 
-def rope_in_place(x, positions):
+def rope_in_place(x, positions, inv):
     """DeepSeek's own ``apply_rotary_emb``: pairs (2i, 2i + 1) as complex numbers, rotated
     in place; x ``[n, ROPE]``."""
-    inv = 10000.0 ** (-np.arange(0, ROPE, 2) / ROPE)
     z = (x[:, 0::2] + 1j * x[:, 1::2]) * np.exp(1j * positions[:, None] * inv[None, :])
     out = np.empty_like(x)
     out[:, 0::2], out[:, 1::2] = z.real, z.imag
@@ -180,19 +232,22 @@ class Forward:
         ckv = linear(x, t[a + "kv_a_proj_with_mqa.weight"])
         c_kv, k_pe = ckv[:, :KV_LORA], ckv[:, KV_LORA:]
         c_kv = rms_norm(c_kv, t[a + "kv_a_layernorm.weight"], eps)
-        kv = linear(c_kv, t[a + "kv_b_proj.weight"]).reshape(n, HEADS, NOPE + VDIM)
+        # Per-head keys and values are never stored (the absorbed form never forms them),
+        # so they stay unrounded here.
+        kv = (c_kv @ t[a + "kv_b_proj.weight"].T).reshape(n, HEADS, NOPE + VDIM)
         k_nope, v = kv[..., :NOPE], kv[..., NOPE:]
         pos = np.arange(n, dtype=np.float64)
-        cos, sin = rope_angles(pos)
+        inv = inv_freq(self.cfg)
+        cos, sin = rope_angles(pos, inv)
         q_pe = rope_hf_interleave(q_pe, cos, sin)
         k_pe_rot = rope_hf_interleave(k_pe[:, None, :], cos, sin)
-        self.latents.append(np.concatenate([c_kv, rope_in_place(k_pe, pos)], axis=-1).tolist())
+        self.latents.append(np.concatenate([c_kv, rope_in_place(k_pe, pos, inv)], axis=-1).tolist())
         k = np.concatenate([k_nope, np.repeat(k_pe_rot, HEADS, axis=1)], axis=-1)
         q = np.concatenate([q_nope, q_pe], axis=-1)
         causal = np.tril(np.ones((n, n), bool))
         out = np.zeros((n, HEADS, VDIM))
         for h in range(HEADS):
-            s = q[:, h] @ k[:, h].T / np.sqrt(NOPE + ROPE)
+            s = q[:, h] @ k[:, h].T * softmax_scale(self.cfg)
             s = np.where(causal, s, -np.inf)
             w = np.exp(s - s.max(axis=1, keepdims=True))
             w /= w.sum(axis=1, keepdims=True)

@@ -13,8 +13,9 @@
 //!   says `rope_interleave: false`;
 //! - head `h`'s key is `[kv_b_k[h] c_kv | k_rope]` and its value `kv_b_v[h] c_kv`, where
 //!   `kv_b_proj`'s rows are per head `qk_nope_head_dim` key rows then `v_head_dim` value rows;
-//!   scores are scaled by `1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`; the heads' outputs
-//!   go through `o_proj`.
+//!   scores are scaled by `1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)` (times YaRN's
+//!   `mscale(factor, mscale_all_dim)^2` where `rope_scaling` has one); the heads' outputs go
+//!   through `o_proj`.
 //!
 //! The paged cache holds, per token, only the latent row `[c_kv | k_rope]` (normed, rotated),
 //! its first half in the layer's key cache and its second in the value cache (see
@@ -133,7 +134,7 @@ pub(super) fn load(
 pub(super) fn attention(
     gpu: &dyn GpuBackend,
     shape: &LayerShape,
-    m: &MlaConfig,
+    (m, scale): (&MlaConfig, f32),
     w: &LayerWeights,
     parts: &MlaParts,
     cache: &LayerCache,
@@ -285,7 +286,7 @@ pub(super) fn attention(
         v_dim: vd,
         block_size: cache.block_size,
         max_blocks_per_seq: io.max_blocks_per_seq,
-        scale: m.softmax_scale(),
+        scale,
         stream,
     })?;
     w.o.forward(gpu, normed, bf16, ms.out, None, rows, stream)?;

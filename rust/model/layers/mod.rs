@@ -50,9 +50,10 @@ pub struct LayerShape {
     pub rotary_dim: usize,
     /// The RMSNorm epsilon.
     pub eps: f32,
-    /// Multi-head latent attention's sizes, for a layer whose attention is MLA (then
+    /// Multi-head latent attention's sizes and score scale
+    /// ([`ModelConfig::mla_softmax_scale`]), for a layer whose attention is MLA (then
     /// `kv_heads` and `head_dim` are not read by the attention).
-    pub mla: Option<MlaConfig>,
+    pub mla: Option<(MlaConfig, f32)>,
 }
 
 impl LayerShape {
@@ -65,7 +66,7 @@ impl LayerShape {
             head_dim: config.head_dim,
             rotary_dim: rotary_dim(config),
             eps: config.rms_norm_eps,
-            mla: config.mla,
+            mla: config.mla.zip(config.mla_softmax_scale()),
         }
     }
 }
@@ -224,8 +225,19 @@ fn layer(
     };
     let go_on = match (&w.mla, shape.mla, sc.mla) {
         (None, _, _) => gqa_attention(gpu, shape, w, cache, io, sc, attn_in, depth, row_parent)?,
-        (Some(parts), Some(m), Some(ms)) => mla::attention(
-            gpu, shape, &m, w, parts, cache, io, &ms, attn_in, sc.normed, depth, row_parent,
+        (Some(parts), Some((m, scale)), Some(ms)) => mla::attention(
+            gpu,
+            shape,
+            (&m, scale),
+            w,
+            parts,
+            cache,
+            io,
+            &ms,
+            attn_in,
+            sc.normed,
+            depth,
+            row_parent,
         )?,
         (Some(_), _, _) => {
             return Err(ModelError::invalid(
