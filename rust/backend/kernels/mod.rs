@@ -81,15 +81,6 @@ pub trait Kernels {
     fn copy_rows(&self, args: CopyRowsArgs) -> Result<(), BackendError>;
     /// Rows copied between slots of a paged cache, in order ([`KvCopyArgs`]).
     fn kv_copy(&self, args: KvCopyArgs) -> Result<(), BackendError>;
-    /// Multi-head latent attention over a paged latent cache ([`MlaAttentionArgs`]). A
-    /// backend without the kernel refuses it by name.
-    fn mla_attention(&self, args: MlaAttentionArgs) -> Result<(), BackendError> {
-        let _ = args;
-        Err(BackendError::InvalidArgument {
-            op: "mla_attention",
-            message:
-                "this backend has no multi-head latent attention kernel (the CPU backend has one)"
-                    .into(),
-        })
-    }
+    /// Multi-head latent attention over a paged latent cache ([`MlaAttentionArgs`]).
+    fn mla_attention(&self, args: MlaAttentionArgs) -> Result<(), BackendError>;
 }
