@@ -131,7 +131,7 @@ fn bf16_bits_to_f32(bits: &[u16]) -> Vec<f32> {
         .collect()
 }
 
-/// Checks `variant` (`q_lora`, `plain_q` or `yarn`) against the reference.
+/// Checks `variant` (`q_lora`, `plain_q`, `yarn` or `fp8`) against the reference.
 fn check_variant(variant: &str, seed: u64) {
     let dir = temp_dir(&format!("mla_{variant}"));
     let want = reference(variant, &dir, seed);
@@ -145,6 +145,26 @@ fn check_variant(variant: &str, seed: u64) {
     let model = TargetModel::load(&dir, gpu.clone(), opts()).unwrap();
     let layers = &model.weights().layers;
     assert!(layers.iter().all(|l| l.mla.is_some()), "every layer is MLA");
+    if variant == "fp8" {
+        for l in layers {
+            let formats: Vec<(&str, &str)> = l
+                .projections()
+                .iter()
+                .map(|(n, p)| (*n, p.format_name()))
+                .collect();
+            let want = |n: &str| {
+                if n == "self_attn.kv_b_proj" {
+                    "bf16"
+                } else {
+                    "fp8"
+                }
+            };
+            assert!(
+                formats.iter().all(|(n, f)| *f == want(n)),
+                "projection formats {formats:?}"
+            );
+        }
+    }
     let routed: Vec<usize> = (0..layers.len())
         .filter(|&i| layers[i].moe().is_some())
         .collect();
@@ -209,6 +229,13 @@ fn deepseek_v3_target_matches_the_numpy_reference() {
 #[test]
 fn deepseek_v3_without_a_query_bottleneck_matches_the_numpy_reference() {
     check_variant("plain_q", 8);
+}
+
+#[test]
+fn fp8_deepseek_v3_matches_the_numpy_reference_of_its_dequantized_weights() {
+    // DeepSeek-V3 ships its projections as E4M3 with weight_scale_inv per 128 x 128 block;
+    // kv_b_proj, which the latent attention reads per head, is dequantized at load.
+    check_variant("fp8", 24);
 }
 
 #[test]

@@ -7,7 +7,10 @@ and DeepSeek-V3's MoE).
         VARIANT is ``q_lora`` (the query through ``q_a_proj`` / ``q_a_layernorm`` /
         ``q_b_proj``), ``plain_q`` (``q_lora_rank: null``, one ``q_proj``) or ``yarn``
         (``q_lora`` with YaRN RoPE scaling, its ``mscale`` equal to ``mscale_all_dim`` as in
-        DeepSeek-V3, so the score scale grows by ``mscale(factor, mscale_all_dim)^2``). Writes
+        DeepSeek-V3, so the score scale grows by ``mscale(factor, mscale_all_dim)^2``) or
+        ``fp8`` (``q_lora`` with every ``*_proj`` stored as E4M3 with ``weight_scale_inv``
+        per 128 x 128 block, as DeepSeek-V3 ships; the forward uses the dequantized
+        values). Writes
         DIR/config.json and DIR/model.safetensors (BF16), runs the forward over TOKENS
         (comma-separated ids) and writes DIR/reference.json: ``{"logits": [[...] per
         position], "min_margin": float, "sparse_layers": [...], "latents": [[[...] per
@@ -48,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "python" / "specdraft"))
 import quantize as st  # noqa: E402  (its safetensors writer; numpy only)
-from moe_target_reference import bf16, linear, rms_norm, swiglu  # noqa: E402
+from moe_target_reference import bf16, fp8_blocks, linear, rms_norm, swiglu  # noqa: E402
 
 H, HEADS, FFN, VOCAB, LAYERS = 64, 4, 96, 96, 3
 EXPERTS, EXPERT_FFN = 8, 32
@@ -57,8 +60,8 @@ Q_LORA, KV_LORA, NOPE, ROPE, VDIM = 24, 32, 16, 8, 12
 
 def config_of(variant: str) -> dict:
     """The tiny config.json of ``variant``."""
-    if variant not in ("q_lora", "plain_q", "yarn"):
-        raise SystemExit(f"unknown variant {variant!r}: q_lora, plain_q or yarn")
+    if variant not in ("q_lora", "plain_q", "yarn", "fp8"):
+        raise SystemExit(f"unknown variant {variant!r}: q_lora, plain_q, yarn or fp8")
     cfg = {
         "model_type": "deepseek_v3",
         "hidden_size": H,
@@ -88,6 +91,13 @@ def config_of(variant: str) -> dict:
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
     }
+    if variant == "fp8":
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+        }
     if variant == "yarn":
         cfg["rope_scaling"] = {
             "type": "yarn",
@@ -180,6 +190,17 @@ def write_checkpoint(variant: str, folder: Path, seed: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     raw = {}
     for name, a in t.items():
+        if variant == "fp8" and "_proj" in name and name.endswith(".weight"):
+            codes, scale = fp8_blocks(a)
+            raw[name] = ("F8_E4M3", list(a.shape), codes.tobytes())
+            scale_name = name.replace(".weight", ".weight_scale_inv")
+            raw[scale_name] = ("F32", list(scale.shape), scale.astype("<f4").tobytes())
+            # One block each at these sizes: the values the model computes with. kv_b_proj
+            # is dequantized to BF16 at load (the latent attention reads it in BF16).
+            t[name] = codes.astype(np.float64) * float(scale[0, 0])
+            if name.endswith("kv_b_proj.weight"):
+                t[name] = bf16(t[name])
+            continue
         bits = a.astype(np.float32).view(np.uint32) >> 16
         raw[name] = ("BF16", list(a.shape), bits.astype("<u2").tobytes())
     st.write_safetensors(folder / "model.safetensors", raw)

@@ -25,7 +25,8 @@
 //!
 //! Invariant: an MLA layer's [`LayerWeights`] holds `q` = `q_b_proj` (or `q_proj`), `k` =
 //! `kv_a_proj_with_mqa`, `v` = `kv_b_proj` (BF16, which the attention kernel reads
-//! directly), `o` = `o_proj`, and an [`MlaParts`] with the rest; no biases, q/k norm or gate.
+//! directly; an FP8 one is dequantized at load), `o` = `o_proj`, and an [`MlaParts`] with
+//! the rest; no biases, q/k norm or gate.
 
 use super::load::{load_dense, load_linear};
 use super::names::{LayerNames, NameScheme};
@@ -33,11 +34,12 @@ use super::project::{project_bf16, Projection};
 use super::weights::LayerWeights;
 use super::{LayerCache, LayerDepth, LayerIo, LayerShape};
 use crate::backend::{
-    CopyRowsArgs, DevicePtr, Dtype, GpuBackend, KvWriteArgs, MlaAttentionArgs, RmsNormArgs,
-    RopeArgs, RopeStyle,
+    fp8_e4m3_to_f32, CopyRowsArgs, DevicePtr, Dtype, GpuBackend, KvWriteArgs, MlaAttentionArgs,
+    RmsNormArgs, RopeArgs, RopeStyle, FP8_BLOCK,
 };
-use crate::model::tensors::TensorSource;
+use crate::model::tensors::{TensorSource, TensorType};
 use crate::model::{DenseWeight, DeviceAllocations, Linear, MlaConfig, ModelConfig, ModelError};
+use half::bf16;
 
 /// The weights an MLA layer has besides `q`, `k`, `v` and `o` (see the module docs).
 #[derive(Clone, Debug, PartialEq)]
@@ -112,19 +114,59 @@ pub(super) fn load(
     // The attention kernel reads kv_b's rows per head, so it is kept in BF16 whatever the
     // checkpoint stores it in.
     let kv_b_name = format!("{}.weight", attn("kv_b_proj"));
-    let kv_b = src.read_bf16(&kv_b_name, &[heads * (nope + vd), rank])?;
-    let v = Linear::Dense(DenseWeight::upload(
-        allocs,
-        &kv_b_name,
-        &[heads * (nope + vd), rank],
-        &kv_b,
-    )?);
+    let kv_b_shape = [heads * (nope + vd), rank];
+    let kv_b = read_bf16_dequantized(src, &attn("kv_b_proj"), &kv_b_shape)?;
+    let v = Linear::Dense(DenseWeight::upload(allocs, &kv_b_name, &kv_b_shape, &kv_b)?);
     let o = lin("o_proj", h, heads * vd)?;
     let parts = MlaParts {
         q_a,
         kv_a_norm: norm("kv_a_layernorm", rank)?,
     };
     Ok((q, k, v, o, parts))
+}
+
+/// `{base}.weight` of `shape` as BF16: converted as [`TensorSource::read_bf16`] does, or,
+/// for FP8 E4M3 with DeepSeek-V3's f32 `{base}.weight_scale_inv` per 128 x 128 block, each
+/// code times its block's scale.
+fn read_bf16_dequantized(
+    src: &dyn TensorSource,
+    base: &str,
+    shape: &[usize; 2],
+) -> crate::Result<Vec<bf16>> {
+    let name = format!("{base}.weight");
+    let w = src.require(&name)?;
+    if w.dtype != TensorType::F8E4M3 {
+        return Ok(src.read_bf16(&name, shape)?);
+    }
+    let [rows, cols] = *shape;
+    let scale_name = format!("{base}.weight_scale_inv");
+    let s = src.require(&scale_name)?;
+    let grid = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
+    let checks = [
+        (&name, &w, TensorType::F8E4M3, shape.to_vec()),
+        (&scale_name, &s, TensorType::F32, grid.to_vec()),
+    ];
+    for (n, t, dtype, want) in checks {
+        if t.shape != want || t.dtype != dtype || dtype.nbytes(t.numel()) != Some(t.data.len()) {
+            return Err(ModelError::ShapeMismatch {
+                path: src.path().to_string(),
+                tensor: format!("{n} ({}, expected {})", t.dtype.name(), dtype.name()),
+                expected: want,
+                found: t.shape.clone(),
+            }
+            .into());
+        }
+    }
+    let scale = |i: usize, j: usize| {
+        let at = 4 * ((i / FP8_BLOCK) * grid[1] + j / FP8_BLOCK);
+        f32::from_le_bytes([s.data[at], s.data[at + 1], s.data[at + 2], s.data[at + 3]])
+    };
+    Ok((0..rows * cols)
+        .map(|k| {
+            let (i, j) = (k / cols, k % cols);
+            bf16::from_f32(fp8_e4m3_to_f32(w.data[k]) * scale(i, j))
+        })
+        .collect())
 }
 
 /// The attention half of an MLA layer: from `attn_in` (the normed input) to `o_proj`'s
