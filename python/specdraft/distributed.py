@@ -12,14 +12,33 @@ communicator refuses every later call (the ranks are out of step for good).
 
 from __future__ import annotations
 
+import os
+
 from specdraft._core import Communicator
 
-__all__ = ["Communicator", "init", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Communicator", "init", "launched_ranks", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 """Seconds a collective waits for the other ranks before it raises."""
 
 _INSTALL_HINT = "pip install 'specdraft[distributed]'"
+
+# The world size each launcher puts in its ranks' environment: MPICH's and Intel MPI's hydra
+# (PMI_SIZE), Open MPI (OMPI_COMM_WORLD_SIZE), Slurm's srun (SLURM_NTASKS with a PMI).
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def launched_ranks() -> int:
+    """Ranks this process was launched among by ``mpiexec`` (1 when run on its own).
+
+    Read from the launcher's environment, so it costs nothing and imports no MPI: the
+    command line calls :func:`init` only when this is above 1.
+    """
+    for name in _SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def init(timeout: float = DEFAULT_TIMEOUT_S, command_timeout: float | None = None) -> Communicator:

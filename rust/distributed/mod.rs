@@ -18,10 +18,12 @@
 //!   does not depend on how many ranks add into it before rounding.
 
 mod command;
+mod counted;
 mod error;
 mod local;
 
-pub use command::Command;
+pub use command::{Command, SeqTokens};
+pub use counted::{Counted, OpCost};
 #[cfg(feature = "python")]
 pub(crate) use error::other_ranks;
 pub use error::DistributedError;

@@ -11,6 +11,7 @@
 //!
 //! [`Kernels`]: crate::backend::Kernels
 
+mod expert_shard;
 mod load;
 mod mla;
 mod moe;
@@ -20,6 +21,7 @@ mod rope;
 mod scratch;
 mod weights;
 
+pub use expert_shard::ExpertShard;
 pub use load::{keeps_block_formats, load_dense, load_linear, load_norm};
 pub use mla::{MlaParts, MlaScratch};
 pub use moe::{MoeMlp, MoeScoring};
