@@ -45,11 +45,20 @@ fn opts() -> LoadOptions {
 /// Writes `family`'s tiny checkpoint with `seed` into a fresh folder of its own (`test`
 /// names it: tests run in parallel, and one must never rewrite a file another has mapped).
 fn checkpoint(test: &str, family: &str, seed: u64) -> PathBuf {
+    checkpoint_with_gguf(test, family, seed, None)
+}
+
+/// [`checkpoint`], also writing the same weights to `dir/model.gguf` with its stacked
+/// experts in the block format `gguf` (`f32` or `q8_0`).
+fn checkpoint_with_gguf(test: &str, family: &str, seed: u64, gguf: Option<&str>) -> PathBuf {
     let dir = temp_dir(&format!("ranks_{test}_{family}"));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_target_reference.py");
+    let gguf_path = dir.join("model.gguf");
     let out = Command::new(python())
         .arg(&script)
         .args([family, dir.to_str().unwrap(), &seed.to_string(), "1,2,3"])
+        .args(gguf.map(|_| gguf_path.to_str().unwrap()))
+        .args(gguf)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
     assert!(
@@ -227,6 +236,23 @@ fn two_ranks_match_one_rank_on_glm4_moe() {
 #[test]
 fn two_ranks_match_one_rank_on_qwen3_moe() {
     check_family("qwen3_moe", 56);
+}
+
+#[test]
+fn two_ranks_match_one_rank_on_a_gguf_with_q8_0_experts() {
+    let dir = checkpoint_with_gguf("gguf", "glm4_moe", 12, Some("q8_0"));
+    let gguf = dir.join("model.gguf");
+    let (want, one_rank_bytes) = one_rank(&gguf);
+    let got = two_ranks(&gguf);
+    assert_eq!(got.outputs, want, "GGUF: two ranks against one");
+    // Each rank holds less than the whole model: its half of the stacked Q8_0 experts.
+    assert!(
+        got.bytes.iter().all(|&b| b < one_rank_bytes),
+        "{:?} vs {one_rank_bytes}",
+        got.bytes
+    );
+    assert_eq!(got.bytes[0], got.bytes[1], "both ranks hold the same share");
+    assert_eq!((got.report.failed, got.report.leftover_sequences), (0, 0));
 }
 
 #[test]

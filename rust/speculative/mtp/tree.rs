@@ -39,7 +39,6 @@ use super::head::MtpHead;
 use super::state::{DrafterKv, MtpState, DRAFTER_BLOCK_SIZE};
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::speculative::DraftTree;
-use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
 /// Children offered per node run. The target's next token is the SmolLM2 head's first
@@ -91,27 +90,7 @@ struct Candidate {
     order: usize,
 }
 
-impl PartialEq for Candidate {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Candidate {}
-
-impl PartialOrd for Candidate {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Candidate {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.reach
-            .total_cmp(&other.reach)
-            .then_with(|| other.order.cmp(&self.order))
-    }
-}
+crate::speculative::draft_tree::order_by_reach!(Candidate);
 
 /// The `k` highest logits among the ids `allowed` keeps, highest first (ties to the lower
 /// id, as the argmax kernel picks), each with its softmax probability over every id.
