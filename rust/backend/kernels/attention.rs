@@ -248,6 +248,122 @@ pub(super) fn parent_fault(
     })
 }
 
+/// The per-row lists and the block table a paged attention op reads, checked and read back
+/// (shared by `paged_attention` and `mla_attention`, so both refuse the same faults with the
+/// same words): the ranges of the lists, their values, the sequences the table covers, and
+/// the highest block it names.
+pub(super) struct PagedRows<R> {
+    /// `row_seq`, `row_ctx_len`, `block_table` and `row_parent` (when given), for `apart`.
+    pub operands: Vec<Operand<'static>>,
+    pub seq_range: R,
+    pub len_range: R,
+    pub table_range: R,
+    pub parent_range: Option<R>,
+    pub row_seq: Vec<u32>,
+    pub row_ctx_len: Vec<u32>,
+    pub row_parent: Option<Vec<u32>>,
+    pub block_table: Vec<u32>,
+    pub num_seqs: usize,
+    pub max_block: usize,
+}
+
+/// Where a paged attention op's row lists and block table are.
+pub(super) struct PagedRowArgs {
+    pub rows: usize,
+    pub row_seq: DevicePtr,
+    pub row_ctx_len: DevicePtr,
+    pub row_parent: Option<DevicePtr>,
+    pub block_table: DevicePtr,
+    pub max_blocks_per_seq: usize,
+    pub block_size: usize,
+    pub stream: u64,
+}
+
+/// The names of `op`'s row-list operands, as its messages give them.
+fn row_names(op: &'static str) -> [&'static str; 4] {
+    match op {
+        "mla_attention" => [
+            "mla_attention row_seq",
+            "mla_attention row_ctx_len",
+            "mla_attention row_parent",
+            "mla_attention block_table",
+        ],
+        _ => [
+            "paged_attention row_seq",
+            "paged_attention row_ctx_len",
+            "paged_attention row_parent",
+            "paged_attention block_table",
+        ],
+    }
+}
+
+/// Checks and reads `a`'s row lists and block table for `op`: each list inside one live
+/// allocation, every parent an earlier row of its sequence with a shorter context, and no
+/// row attending to more rows than its block table holds.
+pub(super) fn paged_rows<M: CheckedMemory + ?Sized>(
+    op: &'static str,
+    mem: &M,
+    a: PagedRowArgs,
+) -> Result<PagedRows<M::Range>, BackendError> {
+    let [seq_name, len_name, parent_name, table_name] = row_names(op);
+    let index = |ptr, n, what| -> Result<(Operand<'static>, M::Range, Vec<u32>), BackendError> {
+        let operand = Operand::new(op, ptr, n, Dtype::U32, what)?;
+        let range = operand.check(mem)?;
+        let values = mem.read_u32(&range, ptr, n, a.stream)?;
+        Ok((operand, range, values))
+    };
+    let (seq_op, seq_range, row_seq) = index(a.row_seq, a.rows, seq_name)?;
+    let (len_op, len_range, row_ctx_len) = index(a.row_ctx_len, a.rows, len_name)?;
+    let parents = match a.row_parent {
+        Some(ptr) => Some(index(ptr, a.rows, parent_name)?),
+        None => None,
+    };
+    if let Some(fault) = parents
+        .as_ref()
+        .and_then(|(_, _, p)| parent_fault(p, &row_seq, &row_ctx_len))
+    {
+        return Err(invalid(op, fault));
+    }
+    let num_seqs = row_seq.iter().map(|&s| s as usize + 1).max().unwrap_or(0);
+    let (table_op, table_range, block_table) = index(
+        a.block_table,
+        count(op, &[num_seqs, a.max_blocks_per_seq])?,
+        table_name,
+    )?;
+    let capacity = a.max_blocks_per_seq.saturating_mul(a.block_size);
+    if let Some((r, len)) = row_ctx_len
+        .iter()
+        .enumerate()
+        .find(|(_, &l)| l as usize > capacity)
+    {
+        return Err(invalid(
+            op,
+            format!("row {r} attends to {len} rows, more than its block table holds"),
+        ));
+    }
+    let mut operands = vec![seq_op, len_op, table_op];
+    let (parent_range, row_parent) = match parents {
+        Some((o, r, v)) => {
+            operands.push(o);
+            (Some(r), Some(v))
+        }
+        None => (None, None),
+    };
+    Ok(PagedRows {
+        operands,
+        seq_range,
+        len_range,
+        table_range,
+        parent_range,
+        row_seq,
+        row_ctx_len,
+        row_parent,
+        max_block: block_table.iter().copied().max().unwrap_or(0) as usize,
+        block_table,
+        num_seqs,
+    })
+}
+
 impl PagedAttentionArgs {
     /// The `row_parent` of a row that attends to its whole context.
     pub const NO_PARENT: u32 = u32::MAX;
@@ -269,35 +385,22 @@ impl PagedAttentionArgs {
                 ),
             ));
         }
-        let index =
-            |ptr, n, what| -> Result<(Operand<'static>, M::Range, Vec<u32>), BackendError> {
-                let operand = Operand::new(op, ptr, n, Dtype::U32, what)?;
-                let range = operand.check(mem)?;
-                let values = mem.read_u32(&range, ptr, n, self.stream)?;
-                Ok((operand, range, values))
-            };
-        let (seq_op, seq_range, row_seq) = index(self.row_seq, rows, "paged_attention row_seq")?;
-        let (len_op, len_range, row_ctx_len) =
-            index(self.row_ctx_len, rows, "paged_attention row_ctx_len")?;
-        let parents = match self.row_parent {
-            Some(ptr) => Some(index(ptr, rows, "paged_attention row_parent")?),
-            None => None,
-        };
-        if let Some(fault) = parents
-            .as_ref()
-            .and_then(|(_, _, p)| parent_fault(p, &row_seq, &row_ctx_len))
-        {
-            return Err(invalid(op, fault));
-        }
-        let num_seqs = row_seq.iter().map(|&s| s as usize + 1).max().unwrap_or(0);
-        let (table_op, table_range, block_table) = index(
-            self.block_table,
-            count(op, &[num_seqs, mbps])?,
-            "paged_attention block_table",
+        let paged = paged_rows(
+            op,
+            mem,
+            PagedRowArgs {
+                rows,
+                row_seq: self.row_seq,
+                row_ctx_len: self.row_ctx_len,
+                row_parent: self.row_parent,
+                block_table: self.block_table,
+                max_blocks_per_seq: mbps,
+                block_size,
+                stream: self.stream,
+            },
         )?;
         let width = count(op, &[kv_heads, hd])?;
-        let max_block = block_table.iter().copied().max().unwrap_or(0) as usize;
-        let cache_n = count(op, &[max_block + 1, block_size, width])?;
+        let cache_n = count(op, &[paged.max_block + 1, block_size, width])?;
         let q_n = count(op, &[rows, heads, hd])?;
         let q = Operand::new(op, self.q, q_n, Dtype::Bf16, "paged_attention q")?;
         let k_cache = Operand::new(
@@ -315,31 +418,16 @@ impl PagedAttentionArgs {
             "paged_attention v_cache",
         )?;
         let (q_range, k_range, v_range) = (q.check(mem)?, k_cache.check(mem)?, v_cache.check(mem)?);
-        let capacity = mbps.saturating_mul(block_size);
-        if let Some((r, len)) = row_ctx_len
-            .iter()
-            .enumerate()
-            .find(|(_, &l)| l as usize > capacity)
-        {
-            return Err(invalid(
-                op,
-                format!("row {r} attends to {len} rows, more than its block table holds"),
-            ));
-        }
         let out = Operand::new(op, self.out, q_n, Dtype::Bf16, "paged_attention out")?;
-        let (parent_op, parent_range, row_parent) = match parents {
-            Some((o, r, v)) => (Some(o), Some(r), Some(v)),
-            None => (None, None, None),
-        };
         let args = PagedAttentionArgs {
             out: out.check(mem)?,
             q: q_range,
             k_cache: k_range,
             v_cache: v_range,
-            block_table: table_range,
-            row_seq: seq_range,
-            row_ctx_len: len_range,
-            row_parent: parent_range,
+            block_table: paged.table_range,
+            row_seq: paged.seq_range,
+            row_ctx_len: paged.len_range,
+            row_parent: paged.parent_range,
             rows,
             heads,
             kv_heads,
@@ -349,19 +437,16 @@ impl PagedAttentionArgs {
             scale: self.scale,
             stream: self.stream,
         };
-        for input in [q, k_cache, v_cache, table_op, seq_op, len_op]
-            .into_iter()
-            .chain(parent_op)
-        {
+        for input in [q, k_cache, v_cache].into_iter().chain(paged.operands) {
             apart(op, out, input)?;
         }
         Ok(CheckedAttention {
             args,
-            row_seq,
-            row_ctx_len,
-            row_parent,
-            block_table,
-            num_seqs,
+            row_seq: paged.row_seq,
+            row_ctx_len: paged.row_ctx_len,
+            row_parent: paged.row_parent,
+            block_table: paged.block_table,
+            num_seqs: paged.num_seqs,
         })
     }
 }

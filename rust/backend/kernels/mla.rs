@@ -13,7 +13,7 @@
 //! `row_seq`, `row_ctx_len`, `row_parent` and block table (causality in the lengths, the same
 //! tree mask), so the target's batching and tree verification hold for MLA layers unchanged.
 
-use super::attention::parent_fault;
+use super::attention::{paged_rows, PagedRowArgs};
 use super::check::{apart, count, invalid, CheckedMemory, Operand};
 use super::PagedAttentionArgs;
 use crate::backend::{BackendError, DevicePtr, Dtype};
@@ -112,34 +112,22 @@ impl MlaAttentionArgs {
                 ),
             ));
         }
-        let index =
-            |ptr, n, what| -> Result<(Operand<'static>, M::Range, Vec<u32>), BackendError> {
-                let operand = Operand::new(op, ptr, n, Dtype::U32, what)?;
-                let range = operand.check(mem)?;
-                let values = mem.read_u32(&range, ptr, n, self.stream)?;
-                Ok((operand, range, values))
-            };
-        let (seq_op, seq_range, row_seq) = index(self.row_seq, rows, "mla_attention row_seq")?;
-        let (len_op, len_range, row_ctx_len) =
-            index(self.row_ctx_len, rows, "mla_attention row_ctx_len")?;
-        let parents = match self.row_parent {
-            Some(ptr) => Some(index(ptr, rows, "mla_attention row_parent")?),
-            None => None,
-        };
-        if let Some(fault) = parents
-            .as_ref()
-            .and_then(|(_, _, p)| parent_fault(p, &row_seq, &row_ctx_len))
-        {
-            return Err(invalid(op, fault));
-        }
-        let num_seqs = row_seq.iter().map(|&s| s as usize + 1).max().unwrap_or(0);
         let mbps = self.max_blocks_per_seq;
-        let (table_op, table_range, block_table) = index(
-            self.block_table,
-            count(op, &[num_seqs, mbps])?,
-            "mla_attention block_table",
+        let paged = paged_rows(
+            op,
+            mem,
+            PagedRowArgs {
+                rows,
+                row_seq: self.row_seq,
+                row_ctx_len: self.row_ctx_len,
+                row_parent: self.row_parent,
+                block_table: self.block_table,
+                max_blocks_per_seq: mbps,
+                block_size: self.block_size,
+                stream: self.stream,
+            },
         )?;
-        let max_block = block_table.iter().copied().max().unwrap_or(0) as usize;
+        let max_block = paged.max_block;
         let cache_n = count(op, &[max_block + 1, self.block_size, latent / 2])?;
         let q_n = count(op, &[rows, heads, nope + rope])?;
         let kv_b_n = count(op, &[heads, nope + vd, rank])?;
@@ -161,33 +149,18 @@ impl MlaAttentionArgs {
         )?;
         let (q_range, kv_b_range) = (q.check(mem)?, kv_b.check(mem)?);
         let (lo_range, hi_range) = (lo.check(mem)?, hi.check(mem)?);
-        let capacity = mbps.saturating_mul(self.block_size);
-        if let Some((r, len)) = row_ctx_len
-            .iter()
-            .enumerate()
-            .find(|(_, &l)| l as usize > capacity)
-        {
-            return Err(invalid(
-                op,
-                format!("row {r} attends to {len} rows, more than its block table holds"),
-            ));
-        }
         let out_n = count(op, &[rows, heads, vd])?;
         let out = Operand::new(op, self.out, out_n, Dtype::Bf16, "mla_attention out")?;
-        let (parent_op, parent_range, row_parent) = match parents {
-            Some((o, r, v)) => (Some(o), Some(r), Some(v)),
-            None => (None, None, None),
-        };
         let args = MlaAttentionArgs {
             out: out.check(mem)?,
             q: q_range,
             kv_b: kv_b_range,
             lo_cache: lo_range,
             hi_cache: hi_range,
-            block_table: table_range,
-            row_seq: seq_range,
-            row_ctx_len: len_range,
-            row_parent: parent_range,
+            block_table: paged.table_range,
+            row_seq: paged.seq_range,
+            row_ctx_len: paged.len_range,
+            row_parent: paged.parent_range,
             rows,
             heads,
             kv_lora_rank: rank,
@@ -199,18 +172,15 @@ impl MlaAttentionArgs {
             scale: self.scale,
             stream: self.stream,
         };
-        for input in [q, kv_b, lo, hi, table_op, seq_op, len_op]
-            .into_iter()
-            .chain(parent_op)
-        {
+        for input in [q, kv_b, lo, hi].into_iter().chain(paged.operands) {
             apart(op, out, input)?;
         }
         Ok(CheckedMla {
             args,
-            row_seq,
-            row_ctx_len,
-            row_parent,
-            block_table,
+            row_seq: paged.row_seq,
+            row_ctx_len: paged.row_ctx_len,
+            row_parent: paged.row_parent,
+            block_table: paged.block_table,
         })
     }
 }
