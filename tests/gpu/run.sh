@@ -7,10 +7,11 @@
 #                  with MtpHead (dense and MoE), MtpHead's logits and drafts against the
 #                  CPU's, and the ledger at zero after each
 #   nccl_comm      the NCCL communicator: every collective against numpy's sums through a
-#                  communicator of one rank, a rank that never joins timing out, and two
-#                  ranks on two GPUs where there are two (NCCL refuses two ranks on one
-#                  GPU); libnccl from $SPECDRAFT_NCCL_LIB (the file or its folder), the
-#                  system, or the nvidia-nccl-cu12 wheel of python3 there
+#                  communicator of one rank and through two ranks (two processes; on one
+#                  GPU both on it, each rank its own host to NCCL, which otherwise refuses
+#                  two ranks on one GPU), and a rank that never joins timing out; libnccl
+#                  from $SPECDRAFT_NCCL_LIB (the file or its folder), the system, or the
+#                  nvidia-nccl-cu12 wheel of python3 there
 #   cuda_kernels   the kernel benchmark
 #   model_decode   decode speed of a random model with SmolLM2's shape, on the CPU (the
 #                  baseline, same command) and on the GPU
@@ -171,10 +172,9 @@ else
         mkdir -p "$OUT_DIR/nccl-lib" && ln -sf "$(readlink -f "$NCCL_LIB")" "$OUT_DIR/nccl-lib/libnccl.so"
         NCCL_ENV=(env "LD_LIBRARY_PATH=$OUT_DIR/nccl-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
     fi
-    # The child test is rank 1 of the two-rank test, which starts it; two ranks need two GPUs.
-    NCCL_SKIP=(--skip gpu_two_ranks_child)
-    [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ] || NCCL_SKIP=(--skip gpu_two_ranks)
-    run_step nccl_comm 60 "${NCCL_ENV[@]}" "$BUNDLE/nccl_comm" --include-ignored --test-threads 1 "${NCCL_SKIP[@]}"
+    # The child test is each rank of the two-rank test, which starts it.
+    run_step nccl_comm 90 "${NCCL_ENV[@]}" "$BUNDLE/nccl_comm" --include-ignored --test-threads 1 \
+        --skip gpu_two_ranks_child
 fi
 SPECDRAFT_BENCH_JSON="$OUT_DIR/cuda_kernels.json" run_step cuda_kernels 60 "$BUNDLE/cuda_kernels"
 
