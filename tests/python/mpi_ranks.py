@@ -43,11 +43,11 @@ def broadcast_payload() -> bytes:
     return np.random.default_rng(7).integers(0, 256, BROADCAST_BYTES, dtype=np.uint8).tobytes()
 
 
-def collectives(out: dict) -> None:
+def collectives(out: dict, backend: str = "mpi") -> None:
     """All-reduce, broadcast both ways, barrier and the command channel."""
     import specdraft.distributed as dist
 
-    comm = dist.init(timeout=30.0)
+    comm = dist.init(timeout=30.0, backend=backend)
     rank = comm.rank
     out["rank"], out["size"] = rank, comm.size
     f32, bf16_bits = inputs(rank)
@@ -114,11 +114,25 @@ def idle_rank_0(out: dict) -> None:
     out["elapsed_s"] = time.monotonic() - start
 
 
+def nccl(out: dict) -> None:
+    """The collectives over NCCL, or the error ``init(backend="nccl")`` raised on this rank."""
+    import specdraft
+    from mpi4py import MPI
+
+    out["rank"] = MPI.COMM_WORLD.Get_rank()
+    try:
+        collectives(out, backend="nccl")
+        out["error"] = None
+    except specdraft.BackendUnavailableError as e:
+        out["error"] = str(e)
+
+
 def main() -> None:
     """Runs the scenario named on the command line and writes this rank's findings."""
     scenario, outdir = sys.argv[1], Path(sys.argv[2])
     out: dict = {}
-    {"collectives": collectives, "hang": hang, "idle_rank_0": idle_rank_0}[scenario](out)
+    scenarios = {"collectives": collectives, "hang": hang, "idle_rank_0": idle_rank_0, "nccl": nccl}
+    scenarios[scenario](out)
     (outdir / f"rank{out['rank']}.json").write_text(json.dumps(out))
 
 
