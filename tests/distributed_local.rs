@@ -3,7 +3,9 @@
 //! while bad bytes are refused by name.
 
 use half::bf16;
-use specdraft::distributed::{Command, Communicator, DistributedError, LocalCommunicator};
+use specdraft::distributed::{
+    Command, Communicator, Counted, DistributedError, LocalCommunicator, SeqTokens,
+};
 
 /// Rank 0 of a world whose other ranks hold `others`: the f32 sum adds them in.
 struct WithOthers {
@@ -91,22 +93,35 @@ fn bf16_sums_are_taken_in_f32_and_rounded_once_to_nearest() {
 }
 
 fn every_command() -> Vec<Command> {
+    let seq = |seq: u64, tokens: Vec<u32>| SeqTokens { seq, tokens };
     vec![
         Command::Prefill {
-            seq: 7,
-            tokens: vec![1, 2, 49151, u32::MAX],
+            batch: vec![seq(7, vec![1, 2, 49151, u32::MAX]), seq(8, vec![3])],
+            layers: vec![2, 0],
         },
         Command::Prefill {
-            seq: 0,
-            tokens: vec![],
+            batch: vec![seq(0, vec![])],
+            layers: vec![],
         },
         Command::Verify {
-            seq: u64::MAX,
-            tokens: vec![5, 6, 7],
+            batch: vec![seq(u64::MAX, vec![5, 6, 7])],
+            layers: vec![],
+            trees: vec![],
+        },
+        Command::Verify {
+            batch: vec![seq(1, vec![5, 6, 7]), seq(2, vec![9, 9])],
+            layers: vec![1],
+            trees: vec![Some(vec![0, 0]), None],
         },
         Command::MtpPropose {
             seq: 3,
             num_drafts: 4,
+        },
+        Command::Trim { seq: 4, len: 17 },
+        Command::Compact {
+            seq: 5,
+            start: 9,
+            rows: vec![10, 12],
         },
         Command::Free { seq: 12 },
         Command::Shutdown,
@@ -139,8 +154,18 @@ fn bad_command_bytes_are_refused_by_name() {
         (vec![4, 1, 2, 3], "truncated sequence id"),
         (vec![3, 0, 0, 0, 0, 0, 0, 0, 0, 4], "truncated draft count"),
         (
-            vec![1, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0],
-            "2 tokens need 8 bytes after the count, 4 are there",
+            vec![
+                1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0,
+            ],
+            "2 tokens need at least 8 bytes, 4 are left",
+        ),
+        (
+            vec![1, 255, 255, 255, 255],
+            "4294967295 sequences need at least 51539607540 bytes, 0 are left",
+        ),
+        (
+            vec![2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 7],
+            "tree flag 7 is not 0 or 1",
         ),
         (vec![5, 0], "1 trailing bytes after a shutdown command"),
     ];
@@ -189,4 +214,51 @@ fn a_distributed_error_is_a_crate_error_with_the_same_message() {
         ),
         "{err}"
     );
+}
+
+#[test]
+fn counted_forwards_every_call_and_counts_calls_and_payload_bytes() {
+    let comm = Counted::new(Box::new(LocalCommunicator));
+    let mut f = vec![1.5f32, -2.0, 3.0];
+    comm.all_reduce_sum_f32(&mut f).unwrap();
+    assert_eq!(
+        f,
+        vec![1.5, -2.0, 3.0],
+        "the inner call's result comes back"
+    );
+    let mut h = vec![bf16::ONE; 5];
+    comm.all_reduce_sum_bf16(&mut h).unwrap();
+    let mut bytes = b"twelve bytes".to_vec();
+    comm.broadcast_bytes(0, &mut bytes).unwrap();
+    comm.broadcast_bytes(0, &mut bytes).unwrap();
+    comm.barrier().unwrap();
+    let cmd = Command::Free { seq: 9 };
+    comm.send_command(&cmd).unwrap();
+    // An error still counts, and comes back unchanged.
+    let err = comm.recv_command().unwrap_err();
+    assert!(matches!(
+        err,
+        DistributedError::InvalidArgument {
+            op: "recv_command",
+            ..
+        }
+    ));
+    let costs = comm.costs();
+    let got: Vec<(&str, u64, u64)> = costs
+        .iter()
+        .map(|(op, c)| (*op, c.calls, c.bytes))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("all_reduce_bf16", 1, 10),
+            ("all_reduce_f32", 1, 12),
+            ("barrier", 1, 0),
+            ("broadcast", 2, 24),
+            ("recv_command", 1, 0),
+            ("send_command", 1, cmd.encode().len() as u64),
+        ]
+    );
+    comm.reset();
+    assert!(comm.costs().is_empty());
 }

@@ -1,7 +1,8 @@
 //! The engine driving the real `MtpHead` (a tiny random DeepSeek-V3-layout checkpoint) on a
 //! table target with the same hidden size: greedy output equals plain greedy output with and
 //! without `mtp_kv_exact`, batched equals alone, carried drafter KV across chat turns gives
-//! the same drafts as a drafter rebuilt from scratch, and nothing leaks.
+//! the same drafts as a drafter rebuilt from scratch, draft trees keep the greedy output,
+//! and nothing leaks.
 
 mod engine_common;
 mod mtp_common;
@@ -360,4 +361,39 @@ fn deferred_drafter_rows_change_no_draft_and_no_token_in_the_engine() {
     assert_eq!(total, free, "drafter KV blocks still held");
     drop(head);
     assert_eq!(gpu.ledger().live_count(), 0);
+}
+
+#[test]
+fn mtp_trees_in_the_engine_keep_greedy_output_and_free_everything() {
+    for exact in [false, true] {
+        let levers = ModelLevers {
+            mtp_kv_exact: exact,
+            ..ModelLevers::default()
+        };
+        let (gpu, target, head) = setup(&format!("trees_{exact}"), levers);
+        head.set_grow_trees(true);
+        let plain = SpecEngine::new(target.clone(), None, 0).unwrap();
+        let base = tokens(plain.generate(engine_common::requests(&prompts(), 24)));
+        let engine = SpecEngine::new(
+            target.clone(),
+            Some(head.clone() as Arc<dyn DraftProposer>),
+            5,
+        )
+        .unwrap()
+        .with_levers(levers)
+        .with_draft_policy(specdraft::engine::DraftPolicyKind::Fixed);
+        assert!(engine.drafts_trees(), "the head grows trees when asked");
+        let g = engine.generate(engine_common::requests(&prompts(), 24));
+        assert!(g.metrics.drafted > 0);
+        assert_eq!(tokens(g), base, "mtp_kv_exact {exact}");
+        let s = engine.generate(vec![GenerateRequest::new(prompts()[0].clone(), 12)
+            .with_sampling(SamplingParams::sampled(1.0, 3))]);
+        assert!(s.results[0].error.is_none(), "{:?}", s.results[0].error);
+        assert_eq!(target.live_sequences(), 0);
+        drop((engine, plain, target));
+        let (total, free) = head.kv_blocks();
+        assert_eq!(total, free, "drafter KV blocks still held");
+        drop(head);
+        assert_eq!(gpu.ledger().live_count(), 0);
+    }
 }

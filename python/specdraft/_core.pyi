@@ -729,6 +729,10 @@ class MtpHead(DraftProposer):
         """The checkpoint layout: `"deepseek_v3"`, `"mimo"` or `"qwen3_next"`."""
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
         """Row `row` of the f32 logits of the head's latest forward."""
+    def set_grow_trees(self, on: bool) -> None:
+        """Turns tree growth on or off (off by default): on, `grows_trees()` is true and an
+        engine under `draft_shape="tree"` asks the head for an EAGLE-2 tree per sequence.
+        """
 
 @disjoint_base
 class Eagle3Head(DraftProposer):
@@ -812,6 +816,8 @@ class Eagle3Head(DraftProposer):
         """The storage of the head's own LM head (`"bf16"`, `"q8_0"`, ...)."""
     def last_logits(self, gpu: Backend, row: int = 0) -> npt.NDArray[np.float32]:
         """Row `row` of the f32 logits (over the draft vocabulary) of the head's latest forward."""
+    def set_grow_trees(self, on: bool) -> None:
+        """Turns tree growth on or off (off by default), as `MtpHead.set_grow_trees` does."""
 
 @disjoint_base
 class Hybrid(DraftProposer):
@@ -1038,11 +1044,16 @@ def load_model(
     max_seq_len: int | None = None,
     kv_blocks: int | None = None,
     weights: str | None = None,
+    comm: Communicator | None = None,
 ) -> TargetModel:
     """Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
     (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
     defaults to a new `CpuBackend`. `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
-    a safetensors checkpoint's matrices at load; `None` keeps what the file has.
+    a safetensors checkpoint's matrices at load; `None` keeps what the file has. `comm`
+    (from `specdraft.distributed.init()`) loads this rank's share of a multi-rank model:
+    each MoE layer's routed experts are split evenly across the ranks (a count the ranks do
+    not divide is refused), everything else is replicated. On rank 0, `SpecEngine` then
+    announces each forward to the workers, which serve it with `SpecEngine.run_worker()`.
     """
 
 def gguf_metadata(path: str | PathLike[str], keys: Sequence[str] | None = None) -> dict[str, Any]:
@@ -1246,6 +1257,23 @@ class SpecEngine:
     @property
     def drafts_trees(self) -> bool:
         """Whether steps draft trees: the shape is "tree" and the proposer grows them."""
+    def run_worker(self) -> dict[str, Any]:
+        """On a worker (rank > 0) of a model loaded with `load_model(..., comm=comm)`: runs
+        every forward rank 0 announces (prefills, verifies, trims, frees) on this rank's
+        shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
+        "failed", "last_error", "leftover_sequences"}`. Raises `RequestError` on a model
+        loaded on one rank, and `BackendError` if the ranks fall out of step (a rank died or
+        hung past the communicator's timeout).
+        """
+    def close(self) -> None:
+        """On rank 0 of a multi-rank model, tells the workers to leave `run_worker()` (once;
+        later calls do nothing). On one rank or on a worker it does nothing. Call it when
+        done with the engine; `with SpecEngine(...) as engine:` calls it on exit.
+        """
+    def __enter__(self) -> Self:
+        """The engine itself, for a `with` block that ends in `close()`."""
+    def __exit__(self, *args: object) -> bool:
+        """Calls `close()`; exceptions propagate."""
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
@@ -1323,9 +1351,9 @@ class Communicator:
     rank 0's commands to its workers.
 
     `specdraft.distributed.init()` makes one over MPI (under `mpiexec`), or over NCCL with
-    `backend="nccl"`; `Communicator.local()` is rank 0 of 1, whose collectives are the identity. A collective
-    that some rank does not join within `timeout` seconds raises `BackendError` naming the
-    ranks, and the communicator refuses every later call.
+    `backend="nccl"`; `Communicator.local()` is rank 0 of 1, whose collectives are the
+    identity. A collective that some rank does not join within `timeout` seconds raises
+    `BackendError` naming the ranks, and the communicator refuses every later call.
     """
 
     @staticmethod
@@ -1377,10 +1405,21 @@ class Communicator:
         """`root`'s `data` on every rank (other ranks' `data` is ignored and may be `None`)."""
     def barrier(self) -> None:
         """Returns once every rank has called it."""
+    def costs(self) -> dict[str, dict[str, float]]:
+        """What the calls on this communicator cost so far, by operation (`"all_reduce_f32"`,
+        `"all_reduce_bf16"`, `"broadcast"`, `"barrier"`, `"send_command"`,
+        `"recv_command"`): `{"calls", "bytes", "seconds"}`, bytes being the payload this
+        rank passed in or received. Counts every call since `init()` or `reset_costs()`.
+        """
+    def reset_costs(self) -> None:
+        """Forgets the costs counted so far."""
     def send_command(self, command: dict[str, Any]) -> None:
-        """Rank 0 sends `command` to every worker: a dict with `"kind"` (`"prefill"`,
-        `"verify"`, `"mtp_propose"`, `"free"` or `"shutdown"`) and its fields (`"seq"`;
-        `"tokens"` for prefill and verify; `"num_drafts"` for mtp_propose).
+        """Rank 0 sends `command` to every worker: a dict with `"kind"` and its fields:
+        `"prefill"` and `"verify"` take `"batch"` (a list of `{"seq", "tokens"}`) and
+        optionally `"layers"` (capture layers), a verify also `"trees"` (per sequence a
+        parent list or None); `"mtp_propose"` takes `"seq"` and `"num_drafts"`; `"trim"`
+        `"seq"` and `"len"`; `"compact"` `"seq"`, `"start"` and `"rows"`; `"free"` `"seq"`;
+        `"shutdown"` nothing.
         """
     def recv_command(self) -> dict[str, Any]:
         """A worker's next command from rank 0, as the dict `send_command` was given."""

@@ -176,11 +176,26 @@ PROPOSERS: dict[str, Callable[[Any, str | None], Any]] = {
     "hybrid": hybrid_for,
 }
 
+
+def tree_head_for(kind: str) -> Callable[[Any, str | None], Any]:
+    """A builder of the shipped head of ``kind`` (``mtp`` or ``eagle3``) growing draft trees."""
+
+    def build(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
+        head = shipped_head_for(model, model_name, kind)
+        head.set_grow_trees(True)
+        return head
+
+    return build
+
+
 #: Proposers ``specdraft bench`` runs only when named (``--proposer suffix-tree``): the tree
-#: forms of the retrieval proposers, to compare with their chains in one command.
+#: forms of the retrieval proposers and of the learned heads, to compare with their chains
+#: in one command.
 ON_REQUEST: dict[str, Callable[[Any, str | None], Any]] = {
     "prompt-lookup-tree": lambda model, model_name: specdraft.PromptLookup(trees=True),
     "suffix-tree": lambda model, model_name: specdraft.SuffixDecoding(trees=True),
+    "mtp-tree": tree_head_for("mtp"),
+    "eagle3-tree": tree_head_for("eagle3"),
 }
 
 

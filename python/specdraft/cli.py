@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     from specdraft import SpecdraftError
+    from specdraft.cli_engine import finish_ranks
 
     # The one place a refused input becomes a message: a malformed model file, a bad value
     # or a missing file is one line naming the command and what was wrong, not a traceback.
@@ -96,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SpecdraftError, ValueError, OSError) as e:
         print(f"specdraft {args.command}: {one_line(e)}", file=sys.stderr)
         return 2
+    finally:
+        # Under mpiexec, rank 0 releases the workers whether the command worked or not.
+        finish_ranks()
     return status
 
 

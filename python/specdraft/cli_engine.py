@@ -18,6 +18,7 @@ __all__ = [
     "add_generate",
     "add_model_args",
     "add_model_bench_args",
+    "finish_ranks",
     "load_for_bench",
     "make_proposer",
     "proposer_key",
@@ -76,7 +77,8 @@ def make_proposer(
     ``mtp``, ``eagle3``, ``dflash``: the shipped draft head of that kind trained for
     ``model_name``'s file, ``hybrid``: suffix decoding then the best shipped head; ``none``
     or ``baseline`` is plain decoding) or of :data:`specdraft.bench.ON_REQUEST`
-    (``prompt-lookup-tree``, ``suffix-tree``), the name of a shipped head (``smollm2-mtp``), or
+    (``prompt-lookup-tree``, ``suffix-tree``, ``mtp-tree``, ``eagle3-tree``), the name of a
+    shipped head (``smollm2-mtp``), or
     ``module:Class`` (built with no arguments). A draft head is loaded beside ``model``,
     sharing its embedding.
     """
@@ -121,18 +123,62 @@ def load_for_bench(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:
 
     gpu = _backend(args.device)
     path = resolve_model(args.model)
-    _progress(f"loading {path} on {type(gpu).__name__} ...")
+    comm = _ranks_comm()
+    if comm is None or comm.rank == 0:
+        ranks = "" if comm is None else f" (rank 0 of {comm.size})"
+        _progress(f"loading {path} on {type(gpu).__name__}{ranks} ...")
     # The pool holds `sequences` full-length sequences (16-row blocks).
     kv_blocks = max(sequences, 1) * math.ceil(args.max_seq_len / 16) + 1
     model = specdraft.load_model(
-        path, gpu=gpu, max_seq_len=args.max_seq_len, kv_blocks=kv_blocks, weights=args.weights
+        path,
+        gpu=gpu,
+        max_seq_len=args.max_seq_len,
+        kv_blocks=kv_blocks,
+        weights=args.weights,
+        comm=comm,
     )
+    if comm is not None:
+        _serve_or_lead(comm, model)
     if model.tokenizer is None:
         raise ValueError(f"{path} carries no tokenizer specdraft can read")
     name = type(gpu).__name__
     if isinstance(gpu, specdraft.CpuBackend):
         name += f" ({gpu.instruction_set})"
     return model, name
+
+
+# Rank 0's model of a run under mpiexec, whose workers `finish_ranks` releases.
+_LEADING: list[Any] = []
+
+
+def _ranks_comm() -> Any:  # noqa: ANN401 - a specdraft.distributed.Communicator
+    """The communicator when the command runs under ``mpiexec`` with several ranks."""
+    import specdraft.distributed
+
+    if specdraft.distributed.launched_ranks() <= 1:
+        return None
+    # A worker that hears nothing for 10 minutes gives up: rank 0 died before its first
+    # command (a refused argument, a failed load) rather than idling, as a command line never does.
+    return specdraft.distributed.init(command_timeout=600.0)
+
+
+def _serve_or_lead(comm: Any, model: Any) -> None:  # noqa: ANN401
+    """A worker serves rank 0 until it is done, then exits; rank 0 goes on, remembered."""
+    import specdraft
+
+    if comm.rank == 0:
+        _LEADING.append(model)
+        return
+    specdraft.SpecEngine(model).run_worker()
+    raise SystemExit(0)
+
+
+def finish_ranks() -> None:
+    """On rank 0 of a run under ``mpiexec``: tells the workers the command is done."""
+    import specdraft
+
+    while _LEADING:
+        specdraft.SpecEngine(_LEADING.pop()).close()
 
 
 def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -225,7 +271,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         default="prompt-lookup",
         help="prompt-lookup, suffix, random, mtp, eagle3, dflash (the model's shipped draft "
         "head of that kind), hybrid (suffix, then the best shipped head), prompt-lookup-tree, "
-        "suffix-tree (drafting trees), none or module:Class (imports and runs it)",
+        "suffix-tree, mtp-tree, eagle3-tree (drafting trees), none or module:Class (imports and "
+        "runs it)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -29,13 +29,30 @@ from pathlib import Path
 
 from specdraft._core import Communicator
 
-__all__ = ["Communicator", "init", "nccl_library_dir", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Communicator", "init", "launched_ranks", "nccl_library_dir", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 """Seconds a collective waits for the other ranks before it raises."""
 
 _INSTALL_HINT = "pip install 'specdraft[distributed]'"
 _NCCL_WHEEL = "nvidia-nccl-cu12"
+
+# The world size each launcher puts in its ranks' environment: MPICH's and Intel MPI's hydra
+# (PMI_SIZE), Open MPI (OMPI_COMM_WORLD_SIZE), Slurm's srun (SLURM_NTASKS with a PMI).
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def launched_ranks() -> int:
+    """Ranks this process was launched among by ``mpiexec`` (1 when run on its own).
+
+    Read from the launcher's environment, so it costs nothing and imports no MPI: the
+    command line calls :func:`init` only when this is above 1.
+    """
+    for name in _SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def nccl_library_dir() -> str:

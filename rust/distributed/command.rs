@@ -1,29 +1,45 @@
 //! The commands rank 0 sends its workers, and their byte form on the broadcast channel.
 //!
 //! Layout: one tag byte, then the variant's fields in order, little-endian (`u64` sequence
-//! ids, `u32` counts and token ids, a token list as its `u32` length then its ids). A
+//! ids and lengths, `u32` counts, token ids and rows; a list as its `u32` length then its
+//! items; a batch as its length then each sequence's id and token list; an optional tree
+//! as a 0/1 flag then its parent list). A
 //! decode consumes exactly every byte or fails naming what was wrong: a worker that
 //! misreads a command would run a different forward from rank 0, so nothing is guessed.
 
 use super::error::DistributedError;
 
+/// One sequence's new tokens in a batched forward.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqTokens {
+    /// The sequence (rank 0's id for it).
+    pub seq: u64,
+    /// The tokens appended to it.
+    pub tokens: Vec<u32>,
+}
+
 /// One step rank 0 asks every worker to run with it, so all ranks join the same
-/// collectives in the same order.
+/// collectives in the same order and keep the same KV.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Command {
-    /// The target's prefill of `tokens` for sequence `seq`.
+    /// The target's prefill forward over `batch` (logits for each sequence's last row
+    /// only), capturing `layers`.
     Prefill {
-        /// The sequence.
-        seq: u64,
-        /// The prompt tokens to prefill.
-        tokens: Vec<u32>,
+        /// Each sequence's tokens, in the forward's order.
+        batch: Vec<SeqTokens>,
+        /// Decoder layers whose hiddens the forward captures.
+        layers: Vec<u32>,
     },
-    /// The target's verify forward over `tokens` (the last token then the drafts).
+    /// The target's verify forward over `batch` (logits for every row), capturing `layers`;
+    /// `trees[i] = Some(parents)` makes sequence `i`'s rows a draft tree (empty `trees`:
+    /// every sequence a chain).
     Verify {
-        /// The sequence.
-        seq: u64,
-        /// The tokens the forward runs over.
-        tokens: Vec<u32>,
+        /// Each sequence's tokens, in the forward's order.
+        batch: Vec<SeqTokens>,
+        /// Decoder layers whose hiddens the forward captures.
+        layers: Vec<u32>,
+        /// Per sequence, the tree's parent list, or `None` for a chain.
+        trees: Vec<Option<Vec<u32>>>,
     },
     /// One propose of a proposer whose block is sharded (the seed's `EP_CMD_MTP_PROPOSE`).
     MtpPropose {
@@ -31,6 +47,23 @@ pub enum Command {
         seq: u64,
         /// Draft tokens asked for.
         num_drafts: u32,
+    },
+    /// Sequence `seq` keeps its first `len` tokens (rejected drafts dropped).
+    Trim {
+        /// The sequence.
+        seq: u64,
+        /// Tokens kept.
+        len: u64,
+    },
+    /// Sequence `seq`'s KV rows `rows` move to `start..` and the rest is dropped (a draft
+    /// tree's accepted path).
+    Compact {
+        /// The sequence.
+        seq: u64,
+        /// First row the path moves to.
+        start: u64,
+        /// The path's rows, increasing.
+        rows: Vec<u32>,
     },
     /// Sequence `seq` ended or was preempted: free its KV and state.
     Free {
@@ -46,6 +79,8 @@ const TAG_VERIFY: u8 = 2;
 const TAG_MTP_PROPOSE: u8 = 3;
 const TAG_FREE: u8 = 4;
 const TAG_SHUTDOWN: u8 = 5;
+const TAG_TRIM: u8 = 6;
+const TAG_COMPACT: u8 = 7;
 
 impl Command {
     /// The command's name, as messages and the Python dict form use it.
@@ -54,6 +89,8 @@ impl Command {
             Command::Prefill { .. } => "prefill",
             Command::Verify { .. } => "verify",
             Command::MtpPropose { .. } => "mtp_propose",
+            Command::Trim { .. } => "trim",
+            Command::Compact { .. } => "compact",
             Command::Free { .. } => "free",
             Command::Shutdown => "shutdown",
         }
@@ -61,34 +98,55 @@ impl Command {
 
     /// The byte form sent over the broadcast channel.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::new();
+        let mut w = Writer(Vec::new());
         match self {
-            Command::Prefill { seq, tokens } | Command::Verify { seq, tokens } => {
-                let tag = if matches!(self, Command::Prefill { .. }) {
-                    TAG_PREFILL
-                } else {
-                    TAG_VERIFY
-                };
-                out.push(tag);
-                out.extend_from_slice(&seq.to_le_bytes());
-                // A token list longer than u32::MAX ids cannot exist in a context window.
-                out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
-                for t in tokens {
-                    out.extend_from_slice(&t.to_le_bytes());
+            Command::Prefill { batch, layers } => {
+                w.u8(TAG_PREFILL);
+                w.batch(batch);
+                w.list(layers);
+            }
+            Command::Verify {
+                batch,
+                layers,
+                trees,
+            } => {
+                w.u8(TAG_VERIFY);
+                w.batch(batch);
+                w.list(layers);
+                w.len(trees.len());
+                for tree in trees {
+                    match tree {
+                        None => w.u8(0),
+                        Some(parents) => {
+                            w.u8(1);
+                            w.list(parents);
+                        }
+                    }
                 }
             }
             Command::MtpPropose { seq, num_drafts } => {
-                out.push(TAG_MTP_PROPOSE);
-                out.extend_from_slice(&seq.to_le_bytes());
-                out.extend_from_slice(&num_drafts.to_le_bytes());
+                w.u8(TAG_MTP_PROPOSE);
+                w.u64(*seq);
+                w.u32(*num_drafts);
+            }
+            Command::Trim { seq, len } => {
+                w.u8(TAG_TRIM);
+                w.u64(*seq);
+                w.u64(*len);
+            }
+            Command::Compact { seq, start, rows } => {
+                w.u8(TAG_COMPACT);
+                w.u64(*seq);
+                w.u64(*start);
+                w.list(rows);
             }
             Command::Free { seq } => {
-                out.push(TAG_FREE);
-                out.extend_from_slice(&seq.to_le_bytes());
+                w.u8(TAG_FREE);
+                w.u64(*seq);
             }
-            Command::Shutdown => out.push(TAG_SHUTDOWN),
+            Command::Shutdown => w.u8(TAG_SHUTDOWN),
         }
-        out
+        w.0
     }
 
     /// The command `bytes` encode; `rank` is the decoding rank, named in the error.
@@ -101,30 +159,44 @@ impl Command {
         let mut r = Reader { bytes, at: 0 };
         let tag = r.u8().ok_or_else(|| bad("empty: no tag byte".into()))?;
         let cmd = match tag {
-            TAG_PREFILL | TAG_VERIFY => {
-                let seq = r.u64().ok_or_else(|| bad("truncated sequence id".into()))?;
-                let n = r.u32().ok_or_else(|| bad("truncated token count".into()))? as usize;
-                if r.left() != n.saturating_mul(4) {
-                    return Err(bad(format!(
-                        "{n} tokens need {} bytes after the count, {} are there",
-                        n.saturating_mul(4),
-                        r.left()
-                    )));
+            TAG_PREFILL => Command::Prefill {
+                batch: r.batch().map_err(bad)?,
+                layers: r.list("layer").map_err(bad)?,
+            },
+            TAG_VERIFY => {
+                let batch = r.batch().map_err(bad)?;
+                let layers = r.list("layer").map_err(bad)?;
+                let n = r.count("tree", 1).map_err(bad)?;
+                let mut trees = Vec::with_capacity(n);
+                for _ in 0..n {
+                    trees.push(match r.u8() {
+                        Some(0) => None,
+                        Some(1) => Some(r.list("parent").map_err(bad)?),
+                        Some(other) => return Err(bad(format!("tree flag {other} is not 0 or 1"))),
+                        None => return Err(bad("truncated tree flag".into())),
+                    });
                 }
-                let tokens = (0..n).filter_map(|_| r.u32()).collect();
-                if tag == TAG_PREFILL {
-                    Command::Prefill { seq, tokens }
-                } else {
-                    Command::Verify { seq, tokens }
+                Command::Verify {
+                    batch,
+                    layers,
+                    trees,
                 }
             }
-            TAG_MTP_PROPOSE => {
-                let seq = r.u64().ok_or_else(|| bad("truncated sequence id".into()))?;
-                let num_drafts = r.u32().ok_or_else(|| bad("truncated draft count".into()))?;
-                Command::MtpPropose { seq, num_drafts }
-            }
+            TAG_MTP_PROPOSE => Command::MtpPropose {
+                seq: r.seq().map_err(bad)?,
+                num_drafts: r.u32().ok_or_else(|| bad("truncated draft count".into()))?,
+            },
+            TAG_TRIM => Command::Trim {
+                seq: r.seq().map_err(bad)?,
+                len: r.u64().ok_or_else(|| bad("truncated length".into()))?,
+            },
+            TAG_COMPACT => Command::Compact {
+                seq: r.seq().map_err(bad)?,
+                start: r.u64().ok_or_else(|| bad("truncated start row".into()))?,
+                rows: r.list("row").map_err(bad)?,
+            },
             TAG_FREE => Command::Free {
-                seq: r.u64().ok_or_else(|| bad("truncated sequence id".into()))?,
+                seq: r.seq().map_err(bad)?,
             },
             TAG_SHUTDOWN => Command::Shutdown,
             other => return Err(bad(format!("unknown command tag {other}"))),
@@ -137,6 +209,37 @@ impl Command {
             )));
         }
         Ok(cmd)
+    }
+}
+
+/// Appends little-endian fields.
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    /// A count: no list in a command can pass u32::MAX items (a context window is far
+    /// shorter).
+    fn len(&mut self, n: usize) {
+        self.u32(n as u32);
+    }
+    fn list(&mut self, items: &[u32]) {
+        self.len(items.len());
+        items.iter().for_each(|&v| self.u32(v));
+    }
+    fn batch(&mut self, batch: &[SeqTokens]) {
+        self.len(batch.len());
+        for s in batch {
+            self.u64(s.seq);
+            self.list(&s.tokens);
+        }
     }
 }
 
@@ -164,5 +267,40 @@ impl Reader<'_> {
     }
     fn left(&self) -> usize {
         self.bytes.len() - self.at
+    }
+    fn seq(&mut self) -> Result<u64, String> {
+        self.u64()
+            .ok_or_else(|| "truncated sequence id".to_string())
+    }
+    /// A count of items of at least `item_bytes` each, refused when the bytes left cannot
+    /// hold them (so a corrupt count never reserves memory).
+    fn count(&mut self, what: &str, item_bytes: usize) -> Result<usize, String> {
+        let n = self
+            .u32()
+            .ok_or_else(|| format!("truncated {what} count"))? as usize;
+        if n.saturating_mul(item_bytes) > self.left() {
+            return Err(format!(
+                "{n} {what}s need at least {} bytes, {} are left",
+                n.saturating_mul(item_bytes),
+                self.left()
+            ));
+        }
+        Ok(n)
+    }
+    fn list(&mut self, what: &str) -> Result<Vec<u32>, String> {
+        let n = self.count(what, 4)?;
+        Ok((0..n).filter_map(|_| self.u32()).collect())
+    }
+    fn batch(&mut self) -> Result<Vec<SeqTokens>, String> {
+        let n = self.count("sequence", 12)?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let seq = self.seq()?;
+            out.push(SeqTokens {
+                seq,
+                tokens: self.list("token")?,
+            });
+        }
+        Ok(out)
     }
 }

@@ -20,6 +20,7 @@
 //!   does not depend on how many ranks add into it before rounding.
 
 mod command;
+mod counted;
 mod error;
 mod local;
 #[cfg(feature = "cuda")]
@@ -27,7 +28,8 @@ mod nccl;
 #[cfg(feature = "cuda")]
 mod nccl_library;
 
-pub use command::Command;
+pub use command::{Command, SeqTokens};
+pub use counted::{Counted, OpCost};
 #[cfg(any(feature = "python", feature = "cuda"))]
 pub(crate) use error::other_ranks;
 pub use error::DistributedError;

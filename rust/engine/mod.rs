@@ -26,6 +26,7 @@ mod guard;
 mod metrics;
 mod model_target;
 mod prefill;
+pub mod ranks;
 mod request;
 mod scheduler;
 mod sequence;

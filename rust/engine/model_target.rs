@@ -1,7 +1,12 @@
 //! The [`Target`] adapter for the real [`TargetModel`]: every method forwards to the model.
+//! On rank 0 of a multi-rank model, each call that runs a collective forward or changes a
+//! sequence's KV first sends the workers its command ([`super::ranks`]), so every rank runs
+//! the same forwards and keeps the same KV.
 
+use super::ranks::{announce, batch_of};
 use super::{KvPoolStatus, Target, TargetOutput};
 use crate::backend::GpuBackend;
+use crate::distributed::Command;
 use crate::memory::BufferArena;
 use crate::model::{
     check_layer_ids, ForwardOutput, KvSequence, LogitRows, ModelConfig, TargetModel,
@@ -33,6 +38,11 @@ impl Target for TargetModel {
     }
 
     fn forward(&self, seqs: &mut [&mut KvSequence], tokens: &[&[u32]]) -> Result<TargetOutput> {
+        announce(self, || Command::Verify {
+            batch: batch_of(seqs, tokens),
+            layers: Vec::new(),
+            trees: Vec::new(),
+        })?;
         convert(TargetModel::forward_with(
             self,
             seqs,
@@ -46,6 +56,10 @@ impl Target for TargetModel {
         seqs: &mut [&mut KvSequence],
         tokens: &[&[u32]],
     ) -> Result<TargetOutput> {
+        announce(self, || Command::Prefill {
+            batch: batch_of(seqs, tokens),
+            layers: Vec::new(),
+        })?;
         // A prefill reads one logits row per sequence: skip the LM head on the others.
         convert(TargetModel::forward_with(
             self,
@@ -66,6 +80,18 @@ impl Target for TargetModel {
         last_logits_only: bool,
         layers: &[usize],
     ) -> Result<TargetOutput> {
+        let layer_ids = || layers.iter().map(|&l| l as u32).collect();
+        announce(self, || match last_logits_only {
+            true => Command::Prefill {
+                batch: batch_of(seqs, tokens),
+                layers: layer_ids(),
+            },
+            false => Command::Verify {
+                batch: batch_of(seqs, tokens),
+                layers: layer_ids(),
+                trees: Vec::new(),
+            },
+        })?;
         let rows = if last_logits_only {
             LogitRows::LastPerSequence
         } else {
@@ -87,20 +113,38 @@ impl Target for TargetModel {
         trees: &[Option<&[usize]>],
         layers: &[usize],
     ) -> Result<TargetOutput> {
+        announce(self, || Command::Verify {
+            batch: batch_of(seqs, tokens),
+            layers: layers.iter().map(|&l| l as u32).collect(),
+            trees: trees
+                .iter()
+                .map(|t| t.map(|parents| parents.iter().map(|&p| p as u32).collect()))
+                .collect(),
+        })?;
         convert(TargetModel::forward_tree(
             self, seqs, tokens, trees, layers,
         )?)
     }
 
     fn compact(&self, seq: &mut KvSequence, start: usize, rows: &[usize]) -> Result<()> {
+        announce(self, || Command::Compact {
+            seq: seq.id(),
+            start: start as u64,
+            rows: rows.iter().map(|&r| r as u32).collect(),
+        })?;
         TargetModel::compact(self, seq, start, rows)
     }
 
     fn trim(&self, seq: &mut KvSequence, new_len: usize) -> Result<()> {
+        announce(self, || Command::Trim {
+            seq: seq.id(),
+            len: new_len as u64,
+        })?;
         TargetModel::trim(self, seq, new_len)
     }
 
     fn free_sequence(&self, seq: &mut KvSequence) -> Result<()> {
+        announce(self, || Command::Free { seq: seq.id() })?;
         TargetModel::free_sequence(self, seq)
     }
 

@@ -6,7 +6,9 @@
 //! shape it implies (`[out, in]` projections); every device buffer it points to is owned
 //! by the [`DeviceAllocations`] it was loaded into.
 
-use super::layers::{load_dense, load_linear, LayerOptions, LayerWeights, MoeMlp, MoeScoring};
+use super::layers::{
+    load_dense, load_linear, ExpertShard, LayerOptions, LayerWeights, MoeMlp, MoeScoring,
+};
 pub use super::layers::{NameScheme, Part};
 use super::tensors::TensorSource;
 use super::weights::{DenseWeight, DeviceAllocations, Linear};
@@ -26,12 +28,14 @@ pub struct DecoderWeights {
 }
 
 impl DecoderWeights {
-    /// Loads and checks every tensor `config` implies.
+    /// Loads and checks every tensor `config` implies; with an `expert_shard`, only this
+    /// rank's routed experts of each MoE layer.
     pub fn load(
         allocs: &DeviceAllocations,
         src: &dyn TensorSource,
         config: &ModelConfig,
         scheme: NameScheme,
+        expert_shard: Option<&ExpertShard>,
     ) -> crate::Result<Self> {
         refuse_unsupported(src, config)?;
         let h = config.hidden_size;
@@ -45,6 +49,7 @@ impl DecoderWeights {
             zero_centered_norms: false,
             experts: None,
             mlp_width: Some(config.intermediate_size),
+            expert_shard: None,
         };
         let options = |layer: usize| match &config.moe {
             Some(m) if m.is_sparse(layer) => LayerOptions {
@@ -53,9 +58,10 @@ impl DecoderWeights {
                 // without them the width is never read.
                 mlp_width: (m.num_shared_experts > 0)
                     .then(|| m.expert_intermediate_size * m.num_shared_experts),
-                ..dense
+                expert_shard: expert_shard.cloned(),
+                ..dense.clone()
             },
-            _ => dense,
+            _ => dense.clone(),
         };
         let layers = (0..config.num_hidden_layers)
             .map(|i| LayerWeights::load(allocs, src, config, &scheme.layer(i), &options(i)))

@@ -12,6 +12,8 @@ pub struct KvSequence {
     pub(super) blocks: Vec<u32>,
     pub(super) len: usize,
     pub(super) model_id: u64,
+    /// Unique among the model's sequences: rank 0 names the sequence by it to its workers.
+    pub(super) id: u64,
 }
 
 impl KvSequence {
@@ -23,6 +25,11 @@ impl KvSequence {
     /// Whether no row is cached.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The sequence's id, unique among those of the model that created it.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The block ids, in row order.

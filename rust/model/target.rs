@@ -24,8 +24,8 @@ use super::decoder_weights::{DecoderWeights, NameScheme};
 use super::gguf::GgufFile;
 use super::hf_checkpoint::SafetensorsCheckpoint;
 use super::layers::{
-    arena_slots, decoder_layer, decoder_layer_tree, rope_inv_freq, LayerCache, LayerDepth, LayerIo,
-    LayerScratch, LayerShape,
+    arena_slots, decoder_layer, decoder_layer_tree, rope_inv_freq, ExpertShard, LayerCache,
+    LayerDepth, LayerIo, LayerScratch, LayerShape,
 };
 use super::quantized_source::QuantizedSource;
 pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
@@ -75,6 +75,10 @@ struct Scratch {
 /// A loaded Llama-family target model.
 pub struct TargetModel {
     id: u64,
+    /// The id the next [`KvSequence`] gets (what rank 0 names it by to its workers).
+    next_seq: AtomicU64,
+    /// This rank's routed experts, on a multi-rank load.
+    expert_shard: Option<ExpertShard>,
     gpu: Arc<dyn GpuBackend>,
     config: Arc<ModelConfig>,
     weights: DecoderWeights,
@@ -117,6 +121,18 @@ impl TargetModel {
         opts: LoadOptions,
         weights: Option<BlockFormat>,
     ) -> crate::Result<Self> {
+        Self::load_sharded(path, gpu, opts, weights, None)
+    }
+
+    /// [`TargetModel::load_with_weights`] holding only `expert_shard`'s routed experts of
+    /// each MoE layer (see [`ExpertShard`]); `None` holds them all.
+    pub fn load_sharded(
+        path: impl AsRef<Path>,
+        gpu: Arc<dyn GpuBackend>,
+        opts: LoadOptions,
+        weights: Option<BlockFormat>,
+        expert_shard: Option<ExpertShard>,
+    ) -> crate::Result<Self> {
         let path = path.as_ref();
         if path.is_dir() {
             let (config, src) = SafetensorsCheckpoint::open_with_config(path)?;
@@ -127,13 +143,14 @@ impl TargetModel {
                 Some(q) => q,
                 None => &src,
             };
-            Self::from_source(
+            Self::from_source_sharded(
                 gpu,
                 config,
                 src,
                 NameScheme::HuggingFace,
                 RopeStyle::Half,
                 opts,
+                expert_shard,
             )
         } else if path.is_file() {
             if let Some(format) = weights {
@@ -154,7 +171,15 @@ impl TargetModel {
                 Some("llama") => RopeStyle::Interleaved,
                 _ => RopeStyle::Half,
             };
-            Self::from_source(gpu, config, &src, NameScheme::Gguf, style, opts)
+            Self::from_source_sharded(
+                gpu,
+                config,
+                &src,
+                NameScheme::Gguf,
+                style,
+                opts,
+                expert_shard,
+            )
         } else {
             Err(ModelError::Io {
                 path: path.display().to_string(),
@@ -173,6 +198,20 @@ impl TargetModel {
         rope_style: RopeStyle,
         opts: LoadOptions,
     ) -> crate::Result<Self> {
+        Self::from_source_sharded(gpu, config, src, scheme, rope_style, opts, None)
+    }
+
+    /// [`TargetModel::from_source`] holding only `expert_shard`'s routed experts of each MoE
+    /// layer (every rank of the shard's communicator loads its own; see [`ExpertShard`]).
+    pub fn from_source_sharded(
+        gpu: Arc<dyn GpuBackend>,
+        config: ModelConfig,
+        src: &dyn TensorSource,
+        scheme: NameScheme,
+        rope_style: RopeStyle,
+        opts: LoadOptions,
+        expert_shard: Option<ExpertShard>,
+    ) -> crate::Result<Self> {
         config.validate()?;
         let max_seq_len = opts
             .max_seq_len
@@ -188,7 +227,7 @@ impl TargetModel {
         let kv_blocks = opts.kv_blocks.unwrap_or(2 * max_blocks_per_seq);
         let inv = rope_inv_freq(&config)?;
         let allocs = DeviceAllocations::new(gpu.clone());
-        let weights = DecoderWeights::load(&allocs, src, &config, scheme)?;
+        let weights = DecoderWeights::load(&allocs, src, &config, scheme, expert_shard.as_ref())?;
         let arena = BufferArena::new(gpu.as_ref(), "arena", &arena_slots(&config), opts.max_rows)?;
         // The model frees the arena's buffers with everything else, so that dropping the
         // model leaves nothing live even while a ForwardContext still holds the Arc.
@@ -211,6 +250,8 @@ impl TargetModel {
         let meta_len = 6 * opts.max_rows + opts.max_rows * max_blocks_per_seq;
         Ok(TargetModel {
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            next_seq: AtomicU64::new(1),
+            expert_shard,
             inv_freq: allocs.upload(&inv, "rope_inv_freq")?,
             logits: allocs.alloc(opts.max_rows * config.vocab_size * 4, "target_logits")?,
             hiddens: allocs.alloc(opts.max_rows * config.hidden_size * 2, "target_hiddens")?,
@@ -280,12 +321,19 @@ impl TargetModel {
         self.weights.bytes_per_token()
     }
 
+    /// This rank's routed experts and the ranks the model spans, on a multi-rank load;
+    /// `None` on one rank.
+    pub fn expert_shard(&self) -> Option<&ExpertShard> {
+        self.expert_shard.as_ref()
+    }
+
     /// An empty sequence, holding no blocks.
     pub fn new_sequence(&self) -> KvSequence {
         KvSequence {
             blocks: Vec::new(),
             len: 0,
             model_id: self.id,
+            id: self.next_seq.fetch_add(1, Ordering::Relaxed),
         }
     }
 

@@ -9,12 +9,12 @@ use super::errors::IntoPyResult;
 use crate::distributed::DistributedError;
 #[cfg(feature = "cuda")]
 use crate::distributed::NcclCommunicator;
-use crate::distributed::{Command, Communicator, LocalCommunicator};
+use crate::distributed::{Command, Communicator, Counted, LocalCommunicator, SeqTokens};
 use half::bf16;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,13 +22,20 @@ use std::time::Duration;
 /// rank 0's commands to its workers.
 ///
 /// `specdraft.distributed.init()` makes one over MPI (under `mpiexec`), or over NCCL with
-/// `backend="nccl"`; `Communicator.local()` is rank 0 of 1, whose collectives are the identity. A collective
-/// that some rank does not join within `timeout` seconds raises `BackendError` naming the
-/// ranks, and the communicator refuses every later call.
+/// `backend="nccl"`; `Communicator.local()` is rank 0 of 1, whose collectives are the
+/// identity. A collective that some rank does not join within `timeout` seconds raises
+/// `BackendError` naming the ranks, and the communicator refuses every later call.
 #[pyclass(name = "Communicator", module = "specdraft._core", frozen)]
 pub struct PyCommunicator {
-    inner: Arc<dyn Communicator>,
+    inner: Arc<Counted<dyn Communicator>>,
     timeout: Option<f64>,
+}
+
+impl PyCommunicator {
+    /// The shared communicator.
+    pub(super) fn arc(&self) -> Arc<dyn Communicator> {
+        self.inner.clone() as Arc<dyn Communicator>
+    }
 }
 
 /// The error of NCCL calls in a build without feature `cuda`.
@@ -59,7 +66,7 @@ impl PyCommunicator {
     #[staticmethod]
     fn local() -> Self {
         PyCommunicator {
-            inner: Arc::new(LocalCommunicator),
+            inner: Arc::new(Counted::new(Box::new(LocalCommunicator))),
             timeout: None,
         }
     }
@@ -79,7 +86,9 @@ impl PyCommunicator {
             .map(|c| seconds("command_timeout", c))
             .transpose()?;
         Ok(PyCommunicator {
-            inner: Arc::new(MpiCommunicator::new(comm, mpi, t, ct)?),
+            inner: Arc::new(Counted::new(Box::new(MpiCommunicator::new(
+                comm, mpi, t, ct,
+            )?))),
             timeout: Some(timeout),
         })
     }
@@ -125,7 +134,7 @@ impl PyCommunicator {
                 .detach(|| NcclCommunicator::new(rank, size, &unique_id, device, t, ct))
                 .py()?;
             Ok(PyCommunicator {
-                inner: Arc::new(comm),
+                inner: Arc::new(Counted::new(Box::new(comm))),
                 timeout: Some(timeout),
             })
         }
@@ -232,9 +241,33 @@ impl PyCommunicator {
         self.inner.barrier().py()
     }
 
-    /// Rank 0 sends `command` to every worker: a dict with `"kind"` (`"prefill"`,
-    /// `"verify"`, `"mtp_propose"`, `"free"` or `"shutdown"`) and its fields (`"seq"`;
-    /// `"tokens"` for prefill and verify; `"num_drafts"` for mtp_propose).
+    /// What the calls on this communicator cost so far, by operation (`"all_reduce_f32"`,
+    /// `"all_reduce_bf16"`, `"broadcast"`, `"barrier"`, `"send_command"`,
+    /// `"recv_command"`): `{"calls", "bytes", "seconds"}`, bytes being the payload this
+    /// rank passed in or received. Counts every call since `init()` or `reset_costs()`.
+    fn costs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (op, c) in self.inner.costs() {
+            let d = PyDict::new(py);
+            d.set_item("calls", c.calls)?;
+            d.set_item("bytes", c.bytes)?;
+            d.set_item("seconds", c.time.as_secs_f64())?;
+            out.set_item(op, d)?;
+        }
+        Ok(out)
+    }
+
+    /// Forgets the costs counted so far.
+    fn reset_costs(&self) {
+        self.inner.reset();
+    }
+
+    /// Rank 0 sends `command` to every worker: a dict with `"kind"` and its fields:
+    /// `"prefill"` and `"verify"` take `"batch"` (a list of `{"seq", "tokens"}`) and
+    /// optionally `"layers"` (capture layers), a verify also `"trees"` (per sequence a
+    /// parent list or None); `"mtp_propose"` takes `"seq"` and `"num_drafts"`; `"trim"`
+    /// `"seq"` and `"len"`; `"compact"` `"seq"`, `"start"` and `"rows"`; `"free"` `"seq"`;
+    /// `"shutdown"` nothing.
     fn send_command(&self, command: &Bound<'_, PyDict>) -> PyResult<()> {
         let cmd = command_from_dict(command)?;
         self.inner.send_command(&cmd).py()
@@ -261,13 +294,16 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
         .ok_or_else(|| PyValueError::new_err("command: missing \"kind\""))?
         .extract()?;
     let allowed: &[&str] = match kind.as_str() {
-        "prefill" | "verify" => &["kind", "seq", "tokens"],
+        "prefill" => &["kind", "batch", "layers"],
+        "verify" => &["kind", "batch", "layers", "trees"],
         "mtp_propose" => &["kind", "seq", "num_drafts"],
+        "trim" => &["kind", "seq", "len"],
+        "compact" => &["kind", "seq", "start", "rows"],
         "free" => &["kind", "seq"],
         "shutdown" => &["kind"],
         other => {
             return Err(PyValueError::new_err(format!(
-                "command: unknown kind {other:?}; expected prefill, verify, mtp_propose, free or shutdown"
+                "command: unknown kind {other:?}; expected prefill, verify, mtp_propose, trim, compact, free or shutdown"
             )))
         }
     };
@@ -283,18 +319,51 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
         d.get_item(name)?
             .ok_or_else(|| PyValueError::new_err(format!("command {kind:?}: missing {name:?}")))
     };
+    // `layers` and `trees` may be left out: no capture, every sequence a chain.
+    let optional = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> { d.get_item(name) };
+    let batch = || -> PyResult<Vec<SeqTokens>> {
+        let items: Vec<Bound<'_, PyDict>> = field("batch")?.extract()?;
+        items
+            .iter()
+            .map(|item| {
+                let get = |name: &str| {
+                    item.get_item(name)?.ok_or_else(|| {
+                        PyValueError::new_err(format!(
+                            "command {kind:?}: a batch entry has no {name:?}"
+                        ))
+                    })
+                };
+                Ok(SeqTokens {
+                    seq: get("seq")?.extract()?,
+                    tokens: get("tokens")?.extract()?,
+                })
+            })
+            .collect()
+    };
+    let layers =
+        || -> PyResult<Vec<u32>> { optional("layers")?.map_or(Ok(Vec::new()), |v| v.extract()) };
     Ok(match kind.as_str() {
         "prefill" => Command::Prefill {
-            seq: field("seq")?.extract()?,
-            tokens: field("tokens")?.extract()?,
+            batch: batch()?,
+            layers: layers()?,
         },
         "verify" => Command::Verify {
-            seq: field("seq")?.extract()?,
-            tokens: field("tokens")?.extract()?,
+            batch: batch()?,
+            layers: layers()?,
+            trees: optional("trees")?.map_or(Ok(Vec::new()), |v| v.extract())?,
         },
         "mtp_propose" => Command::MtpPropose {
             seq: field("seq")?.extract()?,
             num_drafts: field("num_drafts")?.extract()?,
+        },
+        "trim" => Command::Trim {
+            seq: field("seq")?.extract()?,
+            len: field("len")?.extract()?,
+        },
+        "compact" => Command::Compact {
+            seq: field("seq")?.extract()?,
+            start: field("start")?.extract()?,
+            rows: field("rows")?.extract()?,
         },
         "free" => Command::Free {
             seq: field("seq")?.extract()?,
@@ -306,14 +375,42 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
 fn command_to_dict<'py>(py: Python<'py>, cmd: &Command) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("kind", cmd.kind())?;
+    let batch_list = |batch: &[SeqTokens]| -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for s in batch {
+            let item = PyDict::new(py);
+            item.set_item("seq", s.seq)?;
+            item.set_item("tokens", s.tokens.clone())?;
+            list.append(item)?;
+        }
+        Ok(list)
+    };
     match cmd {
-        Command::Prefill { seq, tokens } | Command::Verify { seq, tokens } => {
-            d.set_item("seq", seq)?;
-            d.set_item("tokens", tokens.clone())?;
+        Command::Prefill { batch, layers } => {
+            d.set_item("batch", batch_list(batch)?)?;
+            d.set_item("layers", layers.clone())?;
+        }
+        Command::Verify {
+            batch,
+            layers,
+            trees,
+        } => {
+            d.set_item("batch", batch_list(batch)?)?;
+            d.set_item("layers", layers.clone())?;
+            d.set_item("trees", trees.clone())?;
         }
         Command::MtpPropose { seq, num_drafts } => {
             d.set_item("seq", seq)?;
             d.set_item("num_drafts", num_drafts)?;
+        }
+        Command::Trim { seq, len } => {
+            d.set_item("seq", seq)?;
+            d.set_item("len", len)?;
+        }
+        Command::Compact { seq, start, rows } => {
+            d.set_item("seq", seq)?;
+            d.set_item("start", start)?;
+            d.set_item("rows", rows.clone())?;
         }
         Command::Free { seq } => d.set_item("seq", seq)?,
         Command::Shutdown => {}

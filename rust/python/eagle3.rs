@@ -207,6 +207,11 @@ impl PyEagle3Head {
         Ok(PyArray1::from_vec(py, v))
     }
 
+    /// Turns tree growth on or off (off by default), as `MtpHead.set_grow_trees` does.
+    fn set_grow_trees(&self, on: bool) {
+        self.head.set_grow_trees(on);
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Eagle3Head(format={:?}, draft_vocab_size={}, aux_layer_ids={:?})",

@@ -27,6 +27,7 @@ use crate::model::{ModelLevers, TargetModel};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 /// `SpecEngine(model, proposer=None, num_drafts=4, *, tokenizer=None, levers=None,
@@ -54,6 +55,8 @@ pub struct PySpecEngine {
     pub(super) tokenizer: Option<Py<PyAny>>,
     proposer: Option<Py<PyAny>>,
     last_metrics: Mutex<Option<Metrics>>,
+    /// Whether `close` has told the workers to stop.
+    closed: AtomicBool,
 }
 
 impl PySpecEngine {
@@ -174,7 +177,37 @@ impl PySpecEngine {
             tokenizer,
             proposer: proposer.map(|p| p.clone().unbind()),
             last_metrics: Mutex::new(None),
+            closed: AtomicBool::new(false),
         })
+    }
+
+    /// On a worker (rank > 0) of a model loaded with `load_model(..., comm=comm)`: runs
+    /// every forward rank 0 announces (prefills, verifies, trims, frees) on this rank's
+    /// shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
+    /// "failed", "last_error", "leftover_sequences"}`. Raises `RequestError` on a model
+    /// loaded on one rank, and `BackendError` if the ranks fall out of step (a rank died or
+    /// hung past the communicator's timeout).
+    fn run_worker<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        super::ranks::serve(py, self.engine.target().clone())
+    }
+
+    /// On rank 0 of a multi-rank model, tells the workers to leave `run_worker()` (once;
+    /// later calls do nothing). On one rank or on a worker it does nothing. Call it when
+    /// done with the engine; `with SpecEngine(...) as engine:` calls it on exit.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        super::ranks::close(py, self.engine.target(), &self.closed)
+    }
+
+    /// The engine itself, for a `with` block that ends in `close()`.
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Calls `close()`; exceptions propagate.
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
     }
 
     /// One completion per prompt (a string, or a list of token ids), all stepping

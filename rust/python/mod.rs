@@ -44,6 +44,7 @@ mod hybrid;
 mod model;
 mod mtp;
 mod proposer;
+mod ranks;
 mod rust_proposers;
 mod serving;
 mod state;

@@ -179,6 +179,12 @@ impl PyMtpHead {
         Ok(PyArray1::from_vec(py, v))
     }
 
+    /// Turns tree growth on or off (off by default): on, `grows_trees()` is true and an
+    /// engine under `draft_shape="tree"` asks the head for an EAGLE-2 tree per sequence.
+    fn set_grow_trees(&self, on: bool) {
+        self.head.set_grow_trees(on);
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "MtpHead(layout={:?}, draft_vocab_size={})",

@@ -9,11 +9,13 @@
 //! on first use and raises `ConfigError` for unknown names.
 
 use super::backend::{backend_arg, backend_from_arc};
+use super::distributed::PyCommunicator;
 use super::errors::{request_error, IntoPyResult, SpecdraftError};
 use super::generation::run_exclusive;
 use super::model::PyModelConfig;
 use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use crate::engine::{GenerateRequest, SpecEngine};
+use crate::model::layers::ExpertShard;
 use crate::model::{
     parse_weights_format, GgufFile, GgufValue, LoadOptions, LogitRows, TargetModel,
 };
@@ -203,9 +205,14 @@ impl PyTargetModel {
 /// Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
 /// (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
 /// defaults to a new `CpuBackend`. `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
-/// a safetensors checkpoint's matrices at load; `None` keeps what the file has.
+/// a safetensors checkpoint's matrices at load; `None` keeps what the file has. `comm`
+/// (from `specdraft.distributed.init()`) loads this rank's share of a multi-rank model:
+/// each MoE layer's routed experts are split evenly across the ranks (a count the ranks do
+/// not divide is refused), everything else is replicated. On rank 0, `SpecEngine` then
+/// announces each forward to the workers, which serve it with `SpecEngine.run_worker()`.
 #[pyfunction]
-#[pyo3(signature = (path_or_name, gpu = None, max_rows = 512, max_seq_len = None, kv_blocks = None, weights = None))]
+#[pyo3(signature = (path_or_name, gpu = None, max_rows = 512, max_seq_len = None, kv_blocks = None, weights = None, comm = None))]
+#[allow(clippy::too_many_arguments)]
 pub fn load_model(
     py: Python<'_>,
     path_or_name: &Bound<'_, PyAny>,
@@ -214,7 +221,10 @@ pub fn load_model(
     max_seq_len: Option<usize>,
     kv_blocks: Option<usize>,
     weights: Option<&str>,
+    comm: Option<PyRef<'_, PyCommunicator>>,
 ) -> PyResult<PyTargetModel> {
+    // One rank of several holds only its share of each MoE layer's routed experts.
+    let shard = comm.and_then(|c| ExpertShard::new(c.arc()));
     let weights = weights
         .map(parse_weights_format)
         .transpose()
@@ -240,7 +250,7 @@ pub fn load_model(
         .import("specdraft.tokenizer")?
         .call_method1("_tokenizer_or_none", (&resolved,))?;
     let model = py
-        .detach(move || TargetModel::load_with_weights(&path, gpu, opts, weights))
+        .detach(move || TargetModel::load_sharded(&path, gpu, opts, weights, shard))
         .py()?;
     Ok(PyTargetModel {
         inner: Arc::new(model),

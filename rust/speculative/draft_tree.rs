@@ -221,6 +221,36 @@ impl DraftTree {
     }
 }
 
+/// Orders a best-first tree builder's candidate node, for its `BinaryHeap`: by `reach`
+/// (the probability of reaching the node, greatest first), then by `order` (the one offered
+/// first comes out first), so growth is deterministic. The type needs those two fields.
+macro_rules! order_by_reach {
+    ($ty:ty) => {
+        impl PartialEq for $ty {
+            fn eq(&self, other: &Self) -> bool {
+                self.cmp(other) == ::std::cmp::Ordering::Equal
+            }
+        }
+
+        impl Eq for $ty {}
+
+        impl PartialOrd for $ty {
+            fn partial_cmp(&self, other: &Self) -> Option<::std::cmp::Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+
+        impl Ord for $ty {
+            fn cmp(&self, other: &Self) -> ::std::cmp::Ordering {
+                self.reach
+                    .total_cmp(&other.reach)
+                    .then_with(|| other.order.cmp(&self.order))
+            }
+        }
+    };
+}
+pub(crate) use order_by_reach;
+
 #[cfg(test)]
 mod tests {
     use super::{DraftTree, TreeFault};

@@ -1,6 +1,6 @@
 """One rank of the two-rank communicator tests, run under ``mpiexec -n 2``.
 
-``python mpi_ranks.py SCENARIO OUTDIR``: each rank writes what it saw to
+``python mpi_ranks.py SCENARIO OUTDIR [CHECKPOINT]``: each rank writes what it saw to
 ``OUTDIR/rank<r>.json``; the test (tests/python/test_distributed.py) checks it against
 values computed from :func:`inputs`, never from the communicator.
 """
@@ -19,13 +19,29 @@ BROADCAST_BYTES = 70_000
 HANG_TIMEOUT_S = 3.0
 
 COMMANDS: list[dict] = [
-    {"kind": "prefill", "seq": 1, "tokens": [5, 6, 7, 49151]},
+    {"kind": "prefill", "batch": [{"seq": 1, "tokens": [5, 6, 7, 49151]}], "layers": [1]},
     {"kind": "mtp_propose", "seq": 1, "num_drafts": 3},
-    {"kind": "verify", "seq": 1, "tokens": [8, 9, 10, 11]},
+    {
+        "kind": "verify",
+        "batch": [{"seq": 1, "tokens": [8, 9, 10, 11]}, {"seq": 2, "tokens": [4]}],
+        "layers": [],
+        "trees": [[0, 0, 1], None],
+    },
+    {"kind": "trim", "seq": 1, "len": 6},
+    {"kind": "compact", "seq": 2, "start": 3, "rows": [4, 6]},
     {"kind": "mtp_propose", "seq": 1, "num_drafts": 2},
     {"kind": "free", "seq": 1},
     {"kind": "shutdown"},
 ]
+
+# The engine scenario: prompts, output length and sampling seed.
+ENGINE_PROMPTS: list[list[int]] = [
+    [1, 5, 17, 33, 4, 90, 12, 12, 7, 64],
+    [11, 12, 13, 11, 12, 13, 11, 12],
+    [3, 22, 45, 8, 8, 61],
+]
+ENGINE_TOKENS = 14
+ENGINE_LOAD = {"max_rows": 32, "max_seq_len": 64, "kv_blocks": 16}
 
 
 def inputs(rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,6 +84,7 @@ def collectives(out: dict, backend: str = "mpi") -> None:
             got.append(comm.recv_command())
         out["commands"] = got
     comm.barrier()
+    out["costs"] = comm.costs()
 
 
 def hang(out: dict) -> None:
@@ -127,11 +144,84 @@ def nccl(out: dict) -> None:
         out["error"] = str(e)
 
 
+def engine_outputs(model: object) -> dict:
+    """Greedy and seeded sampled outputs of :data:`ENGINE_PROMPTS` with prompt-lookup drafts;
+    the test runs the same on one rank."""
+    import specdraft
+
+    engine = specdraft.SpecEngine(
+        model, specdraft.PromptLookup(), 4, draft_policy="fixed", max_batch=2
+    )
+    with engine:
+        greedy = engine.generate(ENGINE_PROMPTS, max_tokens=ENGINE_TOKENS, ignore_eos=True)
+        sampled = engine.generate(
+            ENGINE_PROMPTS, max_tokens=ENGINE_TOKENS, temperature=0.9, seed=7, ignore_eos=True
+        )
+    return {"greedy": [r.tokens for r in greedy], "sampled": [r.tokens for r in sampled]}
+
+
+def engine(out: dict) -> None:
+    """Both ranks load their half of the routed experts of the checkpoint in argv[3]; rank 0
+    generates, rank 1 serves it with run_worker()."""
+    import specdraft
+    import specdraft.distributed as dist
+
+    comm = dist.init(timeout=60.0)
+    out["rank"] = comm.rank
+    gpu = specdraft.CpuBackend()
+    model = specdraft.load_model(sys.argv[3], gpu=gpu, comm=comm, **ENGINE_LOAD)
+    out["weight_bytes"] = gpu.live_bytes
+    if comm.rank == 0:
+        out.update(engine_outputs(model))
+    else:
+        out["report"] = specdraft.SpecEngine(model).run_worker()
+    del model
+    out["live_after"] = gpu.live_allocs
+
+
+def killed_worker(out: dict) -> None:
+    """Rank 1 is killed (SIGKILL) after loading while rank 0 generates: mpiexec ends the job.
+
+    Rank 0 records an error if its generate ever returns (it must not: the job ends)."""
+    import os
+    import signal
+
+    import specdraft
+    import specdraft.distributed as dist
+
+    comm = dist.init(timeout=HANG_TIMEOUT_S)
+    out["rank"] = comm.rank
+    model = specdraft.load_model(sys.argv[3], comm=comm, **ENGINE_LOAD)
+    out["loaded"] = True
+    if comm.rank == 0:
+        # What rank 0 has so far, in case the job is ended under it.
+        (Path(sys.argv[2]) / "rank0.json").write_text(json.dumps(out))
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    engine = specdraft.SpecEngine(model, draft_policy="fixed")
+    try:
+        results = engine.generate(ENGINE_PROMPTS[:1], max_tokens=4, ignore_eos=True)
+        out["error"] = results[0].error and str(results[0].error)
+        out["error_type"] = type(results[0].error).__name__
+    except specdraft.BackendError as e:
+        out["error"], out["error_type"] = str(e), "BackendError (raised)"
+    out["elapsed_s"] = time.monotonic() - start
+
+
 def main() -> None:
     """Runs the scenario named on the command line and writes this rank's findings."""
     scenario, outdir = sys.argv[1], Path(sys.argv[2])
     out: dict = {}
-    scenarios = {"collectives": collectives, "hang": hang, "idle_rank_0": idle_rank_0, "nccl": nccl}
+    scenarios = {
+        "collectives": collectives,
+        "hang": hang,
+        "idle_rank_0": idle_rank_0,
+        "engine": engine,
+        "killed_worker": killed_worker,
+        "nccl": nccl,
+    }
     scenarios[scenario](out)
     (outdir / f"rank{out['rank']}.json").write_text(json.dumps(out))
 

@@ -596,3 +596,25 @@ def test_the_bench_flags_a_row_whose_output_differs_from_plain_decoding(
         ("prompt-lookup", "2"): "NO",
         ("suffix", "2"): "yes",
     }, out
+
+
+def test_head_tree_proposers_are_the_shipped_heads_growing_trees(monkeypatch) -> None:
+    import specdraft.bench as bench
+
+    class Head:
+        grows: bool | None = None
+
+        def set_grow_trees(self, on: bool) -> None:
+            self.grows = on
+
+    kinds: list[str] = []
+
+    def shipped(model: object, model_name: str | None, kind: str = "mtp") -> Head:
+        kinds.append(kind)
+        return Head()
+
+    monkeypatch.setattr(bench, "shipped_head_for", shipped)
+    for name in ("mtp-tree", "eagle3-tree"):
+        head = bench.ON_REQUEST[name](object(), None)
+        assert head.grows is True, name
+    assert kinds == ["mtp", "eagle3"]

@@ -46,7 +46,16 @@ def find_mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
-def run_ranks(scenario: str, outdir: Path) -> subprocess.CompletedProcess:
+def run_ranks(
+    scenario: str, outdir: Path, *extra: str, mpiexec_flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``mpi_ranks.py SCENARIO OUTDIR EXTRA...`` on two ranks."""
+    argv = [sys.executable, str(RANKS_SCRIPT), scenario, str(outdir), *extra]
+    return run_two(argv, mpiexec_flags)
+
+
+def run_two(argv: list[str], mpiexec_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``argv`` under ``mpiexec -n 2``, bounded in time, with no process left after it."""
     mpiexec = find_mpiexec()
     try:
         import mpi4py  # noqa: F401
@@ -62,7 +71,7 @@ def run_ranks(scenario: str, outdir: Path) -> subprocess.CompletedProcess:
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER_VAR: marker}
     proc = subprocess.Popen(
-        [mpiexec, "-n", "2", sys.executable, str(RANKS_SCRIPT), scenario, str(outdir)],
+        [mpiexec, *mpiexec_flags, "-n", "2", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -74,9 +83,7 @@ def run_ranks(scenario: str, outdir: Path) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         kill_marked(marker)
         proc.communicate()
-        pytest.fail(
-            f"mpiexec -n 2 {scenario} ran past {RUN_TIMEOUT_S} s; its processes were killed"
-        )
+        pytest.fail(f"mpiexec -n 2 {argv} ran past {RUN_TIMEOUT_S} s; its processes were killed")
     finally:
         assert_none_left(marker)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
@@ -139,6 +146,109 @@ def test_two_ranks_all_reduce_broadcast_and_commands(tmp_path: Path) -> None:
         assert got["from_0"] == payload
         assert got["from_1"] == "rank one says hi"
     assert ranks[1]["commands"] == mpi_ranks.COMMANDS
+    # Every call was counted with its payload: two f32 all-reduces of 576 values, one bf16,
+    # two broadcasts (rank 0's payload and rank 1's greeting), two barriers, and the
+    # commands on each side.
+    for rank, got in enumerate(ranks):
+        costs = got["costs"]
+        calls = {op: c["calls"] for op, c in costs.items()}
+        command_op = "send_command" if rank == 0 else "recv_command"
+        assert calls == {
+            "all_reduce_f32": 2,
+            "all_reduce_bf16": 1,
+            "broadcast": 2,
+            "barrier": 2,
+            command_op: len(mpi_ranks.COMMANDS),
+        }, f"rank {rank}: {calls}"
+        assert costs["all_reduce_f32"]["bytes"] == 2 * 4 * mpi_ranks.HIDDEN
+        assert costs["all_reduce_bf16"]["bytes"] == 2 * mpi_ranks.HIDDEN
+        assert costs["broadcast"]["bytes"] == mpi_ranks.BROADCAST_BYTES + len("rank one says hi")
+        assert all(c["seconds"] > 0 for c in costs.values()), costs
+
+
+def moe_checkpoint(family: str, seed: int, where: Path) -> Path:
+    """A tiny random MoE checkpoint (8 routed experts) written by the numpy reference."""
+    script = Path(__file__).with_name("moe_target_reference.py")
+    subprocess.run(
+        [sys.executable, str(script), family, str(where), str(seed), "1,2,3"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return where
+
+
+def routed_expert_bytes(checkpoint: Path) -> int:
+    """BF16 bytes of every routed expert, read from the safetensors header."""
+    raw = (checkpoint / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    return sum(
+        2 * int(np.prod(t["shape"])) for name, t in header.items() if ".mlp.experts." in name
+    )
+
+
+@pytest.mark.parametrize(("family", "seed"), [("glm4_moe", 12), ("qwen3_moe", 56)])
+def test_two_ranks_serve_the_same_tokens_as_one_with_half_the_experts_each(
+    tmp_path: Path, family: str, seed: int
+) -> None:
+    checkpoint = moe_checkpoint(family, seed, tmp_path / "ckpt")
+    run = run_ranks("engine", tmp_path, str(checkpoint))
+    assert run.returncode == 0, run.stderr
+    ranks = read_ranks(tmp_path, run)
+    gpu = specdraft.CpuBackend()
+    model = specdraft.load_model(checkpoint, gpu=gpu, **mpi_ranks.ENGINE_LOAD)
+    one_rank_bytes = gpu.live_bytes
+    want = mpi_ranks.engine_outputs(model)
+    assert ranks[0]["greedy"] == want["greedy"], "greedy: two ranks against one"
+    assert ranks[0]["sampled"] == want["sampled"], "sampled, same seed: two ranks against one"
+    half = routed_expert_bytes(checkpoint) // 2
+    for rank, got in enumerate(ranks):
+        assert one_rank_bytes - got["weight_bytes"] == half, f"rank {rank}: not half the experts"
+        assert got["live_after"] == 0, f"rank {rank}: allocations left after the model"
+    report = ranks[1]["report"]
+    assert report["failed"] == 0, report["last_error"]
+    assert report["leftover_sequences"] == 0, "the worker kept sequences rank 0 freed"
+    assert report["commands"] > 2 * 3 * 2, report
+
+
+def word_tokenizer(checkpoint: Path, vocab: int) -> None:
+    """A whitespace word-level tokenizer with ids ``w0 .. w{vocab-1}``, for the command line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(checkpoint / "tokenizer.json"))
+
+
+def test_the_command_line_under_mpiexec_generates_what_one_rank_does(tmp_path: Path) -> None:
+    checkpoint = moe_checkpoint("qwen3_moe", 56, tmp_path / "ckpt")
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    word_tokenizer(checkpoint, vocab)
+    argv = [sys.executable, "-m", "specdraft.cli", "generate", "--model", str(checkpoint)]
+    argv += ["--prompt", "w1 w5 w17 w33 w4 w1 w5", "--no-chat", "--max-tokens", "12"]
+    argv += ["--device", "cpu", "--max-seq-len", "64", "--proposer", "prompt-lookup"]
+    alone = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert alone.returncode == 0, alone.stderr
+    assert len(alone.stdout.split()) >= 6, alone.stdout
+    two = run_two(argv)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout == alone.stdout, "two ranks printed other text than one"
+    assert "rank 0 of 2" in two.stderr, two.stderr
+
+
+def test_a_killed_worker_ends_the_whole_job_leaving_nothing(tmp_path: Path) -> None:
+    # MPICH's mpiexec ends every rank when one is killed (even with -disable-auto-cleanup,
+    # rank 0 is ended at its next communication), so rank 0 never hangs on a dead worker.
+    checkpoint = moe_checkpoint("glm4_moe", 12, tmp_path / "ckpt")
+    start = time.monotonic()
+    run = run_ranks("killed_worker", tmp_path, str(checkpoint))
+    # run_ranks has checked that no process of the job is left.
+    assert run.returncode != 0
+    assert "Killed (signal 9)" in run.stdout + run.stderr
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["loaded"] and "error" not in rank0, rank0
+    assert time.monotonic() - start < RUN_TIMEOUT_S / 2
 
 
 def test_a_rank_that_never_joins_fails_the_other_within_the_timeout(tmp_path: Path) -> None:
@@ -192,8 +302,10 @@ def test_local_communicator_refuses_bad_arguments_by_name() -> None:
         comm.send_command({"kind": "jump"})
     with pytest.raises(ValueError, match='"free": unexpected key "tokens"'):
         comm.send_command({"kind": "free", "seq": 1, "tokens": [1]})
-    with pytest.raises(ValueError, match='"verify": missing "tokens"'):
-        comm.send_command({"kind": "verify", "seq": 1})
+    with pytest.raises(ValueError, match='"verify": missing "batch"'):
+        comm.send_command({"kind": "verify", "layers": []})
+    with pytest.raises(ValueError, match='"prefill": a batch entry has no "tokens"'):
+        comm.send_command({"kind": "prefill", "batch": [{"seq": 1}]})
 
 
 def test_init_without_mpi4py_names_the_extra() -> None:

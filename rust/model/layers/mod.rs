@@ -11,6 +11,7 @@
 //!
 //! [`Kernels`]: crate::backend::Kernels
 
+mod expert_shard;
 mod load;
 mod moe;
 mod names;
@@ -19,6 +20,7 @@ mod rope;
 mod scratch;
 mod weights;
 
+pub use expert_shard::ExpertShard;
 pub use load::{keeps_block_formats, load_dense, load_linear, load_norm};
 pub use moe::{MoeMlp, MoeScoring};
 pub use names::{LayerNames, NameScheme, Part};

@@ -19,6 +19,7 @@
 //! so no kernel beyond the typed set is needed. The layer computes the shared experts'
 //! output into the accumulator (or zeroes it); [`MoeMlp::forward`] does the rest.
 
+use super::expert_shard::ExpertShard;
 use super::load::load_dense;
 use super::names::LayerNames;
 use super::project::{project_bf16, Projection};
@@ -63,8 +64,13 @@ pub struct MoeMlp {
     pub router: DenseWeight,
     /// DeepSeek/GLM's `e_score_correction_bias`, used for choosing only.
     pub correction_bias: Option<Vec<f32>>,
-    /// The routed experts, in router order.
+    /// The routed experts this rank holds, in router order: experts
+    /// `first_expert..first_expert + experts.len()` (all of them on one rank).
     pub experts: Vec<SwiGlu>,
+    /// Router index of `experts[0]`.
+    pub first_expert: usize,
+    /// The expert-parallel group the routed outputs are exchanged over; `None` on one rank.
+    pub shard: Option<ExpertShard>,
     /// Qwen3-Next's `shared_expert_gate` `[1, hidden]`.
     pub shared_gate: Option<DenseWeight>,
     /// How router logits become expert scores.
@@ -82,6 +88,11 @@ pub struct MoeMlp {
 }
 
 impl MoeMlp {
+    /// Routed experts in the whole layer (the router's rows), on every rank.
+    pub fn num_experts(&self) -> usize {
+        self.router.shape.first().copied().unwrap_or(0)
+    }
+
     /// Width of one routed expert's MLP.
     pub fn expert_width(&self) -> usize {
         self.experts.first().map_or(0, SwiGlu::width)
@@ -157,7 +168,9 @@ impl MoeMlp {
     /// Loads the routed part of the MoE MLP under `names` (router `mlp.gate`, experts
     /// `mlp.experts.{e}.*`, Qwen3-Next's `mlp.shared_expert_gate`, or their GGUF names: see
     /// [`LayerNames::moe`]), around `shared`, with
-    /// the config's group-limited routing.
+    /// the config's group-limited routing. With a `shard`, only this rank's experts are
+    /// loaded; an expert count the ranks do not divide is refused.
+    #[allow(clippy::too_many_arguments)]
     pub fn load(
         allocs: &DeviceAllocations,
         src: &dyn TensorSource,
@@ -165,6 +178,7 @@ impl MoeMlp {
         names: &LayerNames,
         scoring: MoeScoring,
         shared: Option<SwiGlu>,
+        shard: Option<&ExpertShard>,
     ) -> crate::Result<MoeMlp> {
         let router_name = format!("{}.weight", names.moe("mlp.gate"));
         let r = src.require(&router_name)?;
@@ -196,8 +210,16 @@ impl MoeMlp {
             ),
             None => None,
         };
-        let mut experts = Vec::with_capacity(num_experts);
-        for e in 0..num_experts {
+        let local = match shard {
+            Some(s) => s.range(num_experts).map_err(|message| ModelError::Format {
+                path: src.path().to_string(),
+                format: "checkpoint",
+                message: format!("{router_name}: {message}"),
+            })?,
+            None => 0..num_experts,
+        };
+        let mut experts = Vec::with_capacity(local.len());
+        for e in local.clone() {
             let parts = ["gate_proj", "up_proj", "down_proj"]
                 .map(|p| names.moe(&format!("mlp.experts.{e}.{p}")));
             experts.push(SwiGlu::load(allocs, src, parts, width, h)?);
@@ -212,6 +234,8 @@ impl MoeMlp {
             router,
             correction_bias,
             experts,
+            first_expert: local.start,
+            shard: shard.cloned(),
             shared_gate,
             scoring,
             top_k: moe.experts_per_token,
@@ -224,8 +248,15 @@ impl MoeMlp {
 
     /// `Err(message)` unless the router and every routed expert fit `hidden` and `top_k`.
     pub(super) fn check(&self, hidden: usize) -> Result<(), String> {
-        let e = self.experts.len();
-        if e == 0 || self.router.shape != [e, hidden] || self.top_k == 0 || self.top_k > e {
+        let e = self.num_experts();
+        let held = self.first_expert + self.experts.len();
+        if self.experts.is_empty() || held > e {
+            return Err(format!(
+                "experts {}..{held} are held of a router for {e}",
+                self.first_expert
+            ));
+        }
+        if self.router.shape != [e, hidden] || self.top_k == 0 || self.top_k > e {
             return Err(format!(
                 "the MoE router is {:?} for {e} experts (top-{}); expected [{e}, {hidden}] and 1 <= top_k <= {e}",
                 self.router.shape, self.top_k
@@ -258,35 +289,15 @@ impl MoeMlp {
         stream: u64,
     ) -> crate::Result<()> {
         let row_bytes = hidden * 2;
-        let e = self.experts.len();
+        let e = self.num_experts();
         let scale_into_acc = |row: usize, src: DevicePtr, w: f32, add: bool| -> crate::Result<()> {
-            gpu.write(ms.weight, &[bf16::from_f32(w)], stream)?;
-            // [hidden, 1] x [1, 1]^T: a BF16 scalar times a vector.
-            gpu.linear(LinearArgs {
-                out: ms.scaled,
-                out_dtype: Dtype::Bf16,
-                x: src,
-                weight: LinearWeight::Bf16 { weight: ms.weight },
-                bias: None,
-                rows: hidden,
-                in_features: 1,
-                out_features: 1,
-                stream,
-            })?;
+            self.scale(gpu, ms, src, w, hidden, stream)?;
             let acc = ms.acc.offset(row * row_bytes);
             if add {
-                gpu.elementwise(ElementwiseArgs {
-                    op: ElementwiseOp::Add,
-                    out: acc,
-                    a: acc,
-                    b: ms.scaled,
-                    n: hidden,
-                    stream,
-                })?;
+                add_into(gpu, acc, ms.scaled, hidden, stream)
             } else {
-                gpu.copy_dtod(acc, ms.scaled, row_bytes, stream)?;
+                Ok(gpu.copy_dtod(acc, ms.scaled, row_bytes, stream)?)
             }
-            Ok(())
         };
         if let Some(g) = &self.shared_gate {
             gpu.linear(LinearArgs {
@@ -320,31 +331,126 @@ impl MoeMlp {
             stream,
         })?;
         let logits: Vec<f32> = gpu.download(ms.router_logits, rows * e)?;
-        let width = self.expert_width();
-        for r in 0..rows {
-            let input = sc.normed.offset(r * row_bytes);
-            for (idx, w) in self.route(&logits[r * e..(r + 1) * e]) {
-                let x = &self.experts[idx];
-                let gate_up =
-                    [(&x.gate, sc.gate), (&x.up, sc.up)].map(|(weight, out)| Projection {
-                        weight,
-                        bias: None,
-                        out,
-                    });
-                project_bf16(gpu, input, 1, stream, &gate_up)?;
-                gpu.elementwise(ElementwiseArgs {
-                    op: ElementwiseOp::SiluMul,
-                    out: sc.gate,
-                    a: sc.gate,
-                    b: sc.up,
-                    n: width,
-                    stream,
-                })?;
-                x.down
-                    .forward(gpu, ms.expert_out, Dtype::Bf16, sc.gate, None, 1, stream)?;
-                scale_into_acc(r, ms.expert_out, w, true)?;
+        let routes: Vec<Vec<(usize, f32)>> = (0..rows)
+            .map(|r| self.route(&logits[r * e..(r + 1) * e]))
+            .collect();
+        let Some(shard) = &self.shard else {
+            for (r, chosen) in routes.iter().enumerate() {
+                for &(idx, w) in chosen {
+                    self.run_expert(gpu, sc, ms, idx, r, hidden, stream)?;
+                    scale_into_acc(r, ms.expert_out, w, true)?;
+                }
+            }
+            return Ok(());
+        };
+        // Each rank fills the slots of the choices its experts answer; the all-reduce then
+        // hands every rank every slot exactly (see `expert_shard`), and all accumulate them
+        // in choice order as one rank does.
+        let k = self.top_k;
+        let mut slots = vec![bf16::ZERO; rows * k * hidden];
+        for (r, chosen) in routes.iter().enumerate() {
+            for (j, &(idx, w)) in chosen.iter().enumerate() {
+                if !self.holds(idx) {
+                    continue;
+                }
+                self.run_expert(gpu, sc, ms, idx, r, hidden, stream)?;
+                self.scale(gpu, ms, ms.expert_out, w, hidden, stream)?;
+                let slot = (r * k + j) * hidden;
+                let scaled: Vec<bf16> = gpu.download(ms.scaled, hidden)?;
+                slots[slot..slot + hidden].copy_from_slice(&scaled);
+            }
+        }
+        shard.comm().all_reduce_sum_bf16(&mut slots)?;
+        for (r, chosen) in routes.iter().enumerate() {
+            for j in 0..chosen.len() {
+                let slot = (r * k + j) * hidden;
+                gpu.write(ms.scaled, &slots[slot..slot + hidden], stream)?;
+                add_into(gpu, ms.acc.offset(r * row_bytes), ms.scaled, hidden, stream)?;
             }
         }
         Ok(())
     }
+
+    /// Whether this rank holds router expert `idx`.
+    fn holds(&self, idx: usize) -> bool {
+        (self.first_expert..self.first_expert + self.experts.len()).contains(&idx)
+    }
+
+    /// `ms.expert_out = expert_idx(sc.normed[row])`; `idx` is a router index this rank holds.
+    #[allow(clippy::too_many_arguments)]
+    fn run_expert(
+        &self,
+        gpu: &dyn GpuBackend,
+        sc: &LayerScratch,
+        ms: &MoeScratch,
+        idx: usize,
+        row: usize,
+        hidden: usize,
+        stream: u64,
+    ) -> crate::Result<()> {
+        let x = &self.experts[idx - self.first_expert];
+        let input = sc.normed.offset(row * hidden * 2);
+        let gate_up = [(&x.gate, sc.gate), (&x.up, sc.up)].map(|(weight, out)| Projection {
+            weight,
+            bias: None,
+            out,
+        });
+        project_bf16(gpu, input, 1, stream, &gate_up)?;
+        gpu.elementwise(ElementwiseArgs {
+            op: ElementwiseOp::SiluMul,
+            out: sc.gate,
+            a: sc.gate,
+            b: sc.up,
+            n: self.expert_width(),
+            stream,
+        })?;
+        x.down
+            .forward(gpu, ms.expert_out, Dtype::Bf16, sc.gate, None, 1, stream)?;
+        Ok(())
+    }
+
+    /// `ms.scaled = bf16(w) * src` over `hidden` values.
+    fn scale(
+        &self,
+        gpu: &dyn GpuBackend,
+        ms: &MoeScratch,
+        src: DevicePtr,
+        w: f32,
+        hidden: usize,
+        stream: u64,
+    ) -> crate::Result<()> {
+        gpu.write(ms.weight, &[bf16::from_f32(w)], stream)?;
+        // [hidden, 1] x [1, 1]^T: a BF16 scalar times a vector.
+        gpu.linear(LinearArgs {
+            out: ms.scaled,
+            out_dtype: Dtype::Bf16,
+            x: src,
+            weight: LinearWeight::Bf16 { weight: ms.weight },
+            bias: None,
+            rows: hidden,
+            in_features: 1,
+            out_features: 1,
+            stream,
+        })?;
+        Ok(())
+    }
+}
+
+/// `acc += b` over `n` BF16 values.
+fn add_into(
+    gpu: &dyn GpuBackend,
+    acc: DevicePtr,
+    b: DevicePtr,
+    n: usize,
+    stream: u64,
+) -> crate::Result<()> {
+    gpu.elementwise(ElementwiseArgs {
+        op: ElementwiseOp::Add,
+        out: acc,
+        a: acc,
+        b,
+        n,
+        stream,
+    })?;
+    Ok(())
 }

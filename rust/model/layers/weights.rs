@@ -10,6 +10,7 @@
 //! implies, the MLP's three projections agree on one width, and every norm is a plain
 //! RMSNorm weight (zero-centred ones were stored with the 1 added).
 
+use super::expert_shard::ExpertShard;
 use super::load::{load_dense, load_linear, load_norm};
 use super::moe::{MoeMlp, MoeScoring};
 use super::names::{LayerNames, Part};
@@ -116,7 +117,7 @@ impl Mlp {
 }
 
 /// What kind of layer a checkpoint holds; [`LayerWeights::load`] loads exactly this.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LayerOptions {
     /// q/k/v projections carry biases.
     pub attention_bias: bool,
@@ -131,6 +132,8 @@ pub struct LayerOptions {
     /// Width of the dense MLP (or of the shared experts); `None` takes it from the
     /// checkpoint's `gate_proj`.
     pub mlp_width: Option<usize>,
+    /// The routed experts this rank holds, on a multi-rank load; `None`: all of them.
+    pub expert_shard: Option<ExpertShard>,
 }
 
 /// One decoder layer's weights.
@@ -328,7 +331,13 @@ impl LayerWeights {
                     false => None,
                 };
                 Mlp::Experts(Box::new(MoeMlp::load(
-                    allocs, src, config, names, scoring, shared,
+                    allocs,
+                    src,
+                    config,
+                    names,
+                    scoring,
+                    shared,
+                    options.expert_shard.as_ref(),
                 )?))
             }
         };

@@ -53,6 +53,7 @@ pub(crate) fn load_weights(
         zero_centered_norms: false,
         experts: None,
         mlp_width: None,
+        expert_shard: None,
     };
     let fc = load_linear(allocs, src, "fc", h, taps * h)?;
     let hidden_norm = load_norm(allocs, src, "hidden_norm.weight", h, false)?;

@@ -286,6 +286,13 @@ impl Eagle3Head {
         self.head.shares_target()
     }
 
+    /// Turns tree growth on or off (off by default): on, `grows_trees()` is true and an
+    /// engine under the `"tree"` draft shape asks the head for an EAGLE-2 tree per
+    /// sequence (see the MTP head's `set_grow_trees`).
+    pub fn set_grow_trees(&self, on: bool) {
+        self.head.set_grow_trees(on);
+    }
+
     /// Blocks in the drafter KV pool, and how many are free.
     pub fn kv_blocks(&self) -> (usize, usize) {
         self.head.kv_blocks()

@@ -160,6 +160,7 @@ pub(super) fn load_weights(
         zero_centered_norms: false,
         experts: None,
         mlp_width: None,
+        expert_shard: None,
     };
     let names = LayerNames::hugging_face(prefix.to_string());
     let fc = load_linear(allocs, src, "fc", h, n_aux * cfg.target_hidden_size)?;

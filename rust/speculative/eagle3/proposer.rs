@@ -14,6 +14,8 @@
 //!   `after_verify` it is the position the verified propose drafted from; after
 //!   `catchup_drafter` it is the last position it wrote; after `take_drafter_kv` nothing is
 //!   consumed, as in a fresh state.
+//! - `propose_tree` grows the MTP head's tree from the same captured row `propose` reads,
+//!   and `after_verify_tree` settles it as `after_verify` does a chain.
 //! - accepted drafts keep the KV rows written when they were drafted (`mtp_kv_exact` does not
 //!   apply: `catchup_batch` writes nothing), and `propose_batch` is unsupported (`Ok(None)`),
 //!   since it carries no captured rows.
@@ -23,7 +25,7 @@ use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
 use crate::speculative::mtp::bad;
-use crate::speculative::{DraftProposer, MtpState, ProposerError, ProposerState};
+use crate::speculative::{DraftProposer, DraftTree, MtpState, ProposerError, ProposerState};
 
 /// Per-sequence state of an [`Eagle3Head`]: the MTP head's state, and where the captured
 /// rows stand.
@@ -152,6 +154,56 @@ impl DraftProposer for Eagle3Head {
         let st = self.state(state, "after_verify")?;
         self.head
             .after_verify(num_accepted, &mut st.inner, stream)?;
+        if let Some(p) = st.proposed_at.take() {
+            st.consumed = Some(p);
+        }
+        Ok(())
+    }
+
+    fn propose_tree(
+        &self,
+        last_token: u32,
+        _target_hidden: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        target_hidden_stack: Option<DevicePtr>,
+    ) -> crate::Result<DraftTree> {
+        let stack = target_hidden_stack.ok_or_else(|| needs_capture("propose_tree"))?;
+        let st = self.state(state, "propose_tree")?;
+        let row = self.last_stack_row(st, stack, position)?;
+        let tree = self.head.propose_tree(
+            last_token,
+            row,
+            position,
+            budget,
+            &mut st.inner,
+            ctx,
+            stream,
+            draft_embed_target,
+            grammar_bitmask,
+            None,
+        )?;
+        st.proposed_at = Some(position);
+        Ok(tree)
+    }
+
+    fn grows_trees(&self) -> bool {
+        self.head.grows_trees()
+    }
+
+    fn after_verify_tree(
+        &self,
+        path: &[usize],
+        state: &mut dyn ProposerState,
+        stream: u64,
+    ) -> crate::Result<()> {
+        let st = self.state(state, "after_verify_tree")?;
+        self.head.after_verify_tree(path, &mut st.inner, stream)?;
         if let Some(p) = st.proposed_at.take() {
             st.consumed = Some(p);
         }

@@ -106,7 +106,7 @@ impl Scratch {
             kv_size: spec.config.kv_size(),
             mlp_width: layer.mlp.max_width(),
             gated_attention: layer.gated_attention,
-            experts: layer.moe().map_or(0, |m| m.experts.len()),
+            experts: layer.moe().map_or(0, |m| m.num_experts()),
         });
         slots.extend(Self::head_slots(
             h,

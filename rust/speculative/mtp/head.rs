@@ -55,6 +55,9 @@ pub struct MtpHead {
     /// Whether a propose of no drafts defers its row's KV write to the sequence's next
     /// drafting propose (on by default; off writes it at once).
     pub(crate) defer_rows: std::sync::atomic::AtomicBool,
+    /// Whether `grows_trees()` answers true, so an engine asks `propose_tree` (off by
+    /// default: a tree is proposed per sequence, never in a `propose_batch`).
+    pub(crate) grow_trees: std::sync::atomic::AtomicBool,
 }
 
 fn invalid(message: String) -> crate::Error {
@@ -383,6 +386,7 @@ impl MtpHead {
             target: None,
             runner: RwLock::new(None),
             defer_rows: std::sync::atomic::AtomicBool::new(true),
+            grow_trees: std::sync::atomic::AtomicBool::new(false),
         })
     }
 

@@ -6,7 +6,8 @@
 //! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations
 //! around the model layer's decoder layer), `head` (construction), `quantization` (how projections are stored), `weight_checks`
 //! (shape checks and in-place row views), `draft` (the draft loop),
-//! `proposer` (the `DraftProposer` methods), `checkpoint` (loading from a checkpoint folder),
+//! `proposer` (the `DraftProposer` methods), `tree` (dynamic draft trees and their
+//! compaction), `inspect` (views of the drafter KV for tests), `checkpoint` (loading from a checkpoint folder),
 //! `shared` (loading a head beside its target, sharing the target's embedding and LM head)
 //! and `circuit` (the circuit binding and the reference runner).
 //!
@@ -26,11 +27,13 @@ mod draft;
 mod forward;
 pub mod fp8;
 mod head;
+mod inspect;
 pub mod nvfp4;
 mod proposer;
 mod quantization;
 mod shared;
 mod state;
+mod tree;
 mod weight_checks;
 pub mod weights;
 
@@ -41,6 +44,7 @@ pub use head::{MtpHead, MTP_CHUNK_ROWS, MTP_MAX_BATCH};
 pub use nvfp4::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Host};
 pub use quantization::MtpQuantization;
 pub use state::{MtpState, DRAFTER_BLOCK_SIZE};
+pub use tree::TREE_TOP_K;
 pub use weights::{find_layout, MtpLayout, MtpWeights};
 
 use crate::speculative::ProposerError;

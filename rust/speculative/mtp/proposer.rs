@@ -7,6 +7,8 @@
 //! A propose of 0 drafts (a step the draft policy skips) writes the verified token's row
 //! alone, so the head's KV has a row for every position whatever the policy chose.
 //! `take_drafter_kv` leaves a fresh state; `install_drafter_kv` is its inverse.
+//! `propose_tree` grows a dynamic tree (see `tree`); `after_verify_tree`, and `after_verify`
+//! after a tree that came out a chain, keep the accepted path's rows.
 //!
 //! Invariants:
 //! - After `after_verify(k)` the rows end at the last verified position: the verified
@@ -25,6 +27,7 @@ use super::state::MtpState;
 use crate::backend::{DevicePtr, EmbeddingArgs, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
+use crate::speculative::DraftTree;
 use crate::speculative::{DraftBinding, DraftProposer, DraftRunner, ProposerState};
 use std::sync::Arc;
 
@@ -106,6 +109,11 @@ impl DraftProposer for MtpHead {
         _stream: u64,
     ) -> crate::Result<()> {
         let st = self.state_mut(state, "after_verify")?;
+        if let Some(tree) = st.tree.take() {
+            // A tree that came out a chain: its first nodes are the accepted path.
+            let path: Vec<usize> = (0..num_accepted).collect();
+            return self.keep_tree_path(st, tree, &path);
+        }
         if num_accepted > st.last_drafts.len() {
             return Err(bad(
                 "after_verify",
@@ -124,6 +132,81 @@ impl DraftProposer for MtpHead {
         let rows = st.logical_rows() - st.pending + keep;
         st.pending = 0;
         st.truncate(&self.kv, rows)
+    }
+
+    fn propose_tree(
+        &self,
+        last_token: u32,
+        target_hidden: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        target_hidden_stack: Option<DevicePtr>,
+    ) -> crate::Result<DraftTree> {
+        // A circuit runner drafts chains, and the deferred draft embedding names one last
+        // draft: both keep `propose`'s chain, as does a budget of no drafts.
+        if budget == 0 || draft_embed_target.is_some() || self.runner().is_some() {
+            let drafts = self.propose(
+                last_token,
+                target_hidden,
+                position,
+                budget,
+                state,
+                ctx,
+                stream,
+                draft_embed_target,
+                grammar_bitmask,
+                target_hidden_stack,
+            )?;
+            return Ok(DraftTree::chain(drafts));
+        }
+        let gpu = ctx.gpu.as_ref();
+        let st = self.state_mut(state, "propose_tree")?;
+        self.check_token("propose_tree", last_token)?;
+        if position == 0 {
+            return Err(bad(
+                "propose_tree",
+                "position must be at least 1: the hidden paired with last_token is computed at position - 1".into(),
+            ));
+        }
+        if let Some(m) = grammar_bitmask {
+            self.check_mask(m)?;
+        }
+        st.settle_before(&self.kv, position)?;
+        st.last_drafts.clear();
+        self.flush_deferred(gpu, &mut [&mut *st], stream)?;
+        self.grow_tree(
+            gpu,
+            st,
+            last_token,
+            target_hidden,
+            position,
+            budget,
+            grammar_bitmask,
+            stream,
+        )
+    }
+
+    fn grows_trees(&self) -> bool {
+        self.grow_trees.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn after_verify_tree(
+        &self,
+        path: &[usize],
+        state: &mut dyn ProposerState,
+        stream: u64,
+    ) -> crate::Result<()> {
+        let st = self.state_mut(state, "after_verify_tree")?;
+        match st.tree.take() {
+            Some(tree) => self.keep_tree_path(st, tree, path),
+            // The chain of a runner or of no budget: a path of its first nodes.
+            None => self.after_verify(path.len(), state, stream),
+        }
     }
 
     fn prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
@@ -155,6 +238,7 @@ impl DraftProposer for MtpHead {
         state: &mut dyn ProposerState,
     ) -> Option<(Vec<u32>, usize, Option<usize>)> {
         let st = self.state_mut(state, "take_drafter_kv").ok()?;
+        st.drop_tree(&self.kv).ok()?;
         if st.rows() == 0 {
             return None;
         }
@@ -192,6 +276,7 @@ impl DraftProposer for MtpHead {
         stream: u64,
     ) -> crate::Result<usize> {
         let st = self.state_mut(state, "catchup_drafter")?;
+        st.drop_tree(&self.kv)?;
         self.flush_deferred(ctx.gpu.as_ref(), &mut [&mut *st], stream)?;
         if row_base > st.rows() {
             return Err(bad(
@@ -343,9 +428,13 @@ impl DraftProposer for MtpHead {
         let blocks = st.clear(&self.kv);
         let table = gpu.free(st.table);
         let deferred = st.deferred_hidden.take().map_or(Ok(()), |b| gpu.free(b));
+        let tree_hidden = st.tree_hidden.take().map_or(Ok(()), |(b, _)| gpu.free(b));
+        let tree_table = st.tree_table.take().map_or(Ok(()), |b| gpu.free(b));
         blocks?;
         table?;
         deferred?;
+        tree_hidden?;
+        tree_table?;
         Ok(())
     }
 

@@ -17,7 +17,11 @@
 //!   after every written row: the logical rows are `pair_keys` then `deferred`, and a
 //!   deferred row at position `p` has pair key `p - 1` like a written one. Their target
 //!   hiddens live in `deferred_hidden` (row `j` for `deferred[j]`), which `free_state` frees.
+//! - A draft tree waiting for its verify (`tree`) owns blocks of the pool besides `blocks`;
+//!   settling before a propose, `clear` and `drop_tree` return them. Its buffers
+//!   (`tree_hidden`, `tree_table`) live until `free_state`.
 
+use super::tree::PendingTree;
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
 use crate::speculative::ProposerError;
@@ -59,6 +63,13 @@ pub struct MtpState {
     /// Device BF16 `[DEFERRED_ROWS, hidden]`: the target hiddens of `deferred`, allocated at
     /// the first deferral.
     pub(crate) deferred_hidden: Option<DevicePtr>,
+    /// The latest `propose_tree`'s nodes and their blocks, until the verify settles them.
+    pub(crate) tree: Option<PendingTree>,
+    /// Device BF16 `[rows, hidden]` (with its row count): the output hidden of each row a
+    /// tree's growth ran, allocated at the first tree.
+    pub(crate) tree_hidden: Option<(DevicePtr, usize)>,
+    /// Device u32 `[capacity_blocks]`: the block table of the tree node being run.
+    pub(crate) tree_table: Option<DevicePtr>,
 }
 
 crate::impl_proposer_state!(MtpState);
@@ -148,6 +159,9 @@ impl MtpState {
             freed: false,
             deferred: Vec::new(),
             deferred_hidden: None,
+            tree: None,
+            tree_hidden: None,
+            tree_table: None,
         })
     }
 
@@ -211,6 +225,7 @@ impl MtpState {
     /// Rolls back rows of a propose that was never verified, and rows at or after the
     /// sequence position `position` (they belong to a future being re-drafted).
     pub(crate) fn settle_before(&mut self, kv: &DrafterKv, position: usize) -> crate::Result<()> {
+        self.drop_tree(kv)?;
         let mut rows = self.logical_rows() - self.pending;
         match position.checked_sub(1) {
             None => rows = 0,
@@ -226,6 +241,7 @@ impl MtpState {
 
     /// Releases every block to `kv` and clears the bookkeeping (the device table stays).
     pub(crate) fn clear(&mut self, kv: &DrafterKv) -> crate::Result<()> {
+        let tree = self.drop_tree(kv);
         let blocks = std::mem::take(&mut self.blocks);
         self.synced = 0;
         self.pair_keys.clear();
@@ -233,7 +249,13 @@ impl MtpState {
         self.last_drafts.clear();
         self.deferred.clear();
         kv.allocator.free(&blocks)?;
-        Ok(())
+        tree
+    }
+
+    /// Returns the blocks of a tree no verify settled to `kv` (its rows were never
+    /// accepted).
+    pub(crate) fn drop_tree(&mut self, kv: &DrafterKv) -> crate::Result<()> {
+        self.tree.take().map_or(Ok(()), |t| t.release(kv))
     }
 
     /// Forgets the blocks without releasing them (they were moved out), and drops deferred

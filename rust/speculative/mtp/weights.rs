@@ -199,6 +199,7 @@ impl MtpWeights {
                 (true, MtpLayout::Qwen3Next) => Some(MoeScoring::Softmax),
             },
             mlp_width: None,
+            expert_shard: None,
         };
         let names = LayerNames::hugging_face(layer);
         Ok(MtpWeights {

@@ -16,7 +16,6 @@
 
 use super::draft::{best_over_matches, drafts_allowed, ChainLimits};
 use super::trie::{Cursor, SuffixTrie};
-use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
 /// A draft tree and what it is worth.
@@ -42,27 +41,7 @@ struct Candidate {
     order: usize,
 }
 
-impl PartialEq for Candidate {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Candidate {}
-
-impl PartialOrd for Candidate {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Candidate {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.reach
-            .total_cmp(&other.reach)
-            .then_with(|| other.order.cmp(&self.order))
-    }
-}
+crate::speculative::draft_tree::order_by_reach!(Candidate);
 
 /// The best tree of at most `budget` nodes over every suffix of the match at `cursor`.
 pub(crate) fn best_tree(

@@ -1,0 +1,126 @@
+//! `Eagle3Head` drafting trees beside a tiny seeded target (four Llama layers, CPU
+//! backend), with a reduced draft vocabulary: the conformance checker accepts its trees
+//! (settled through `after_verify_tree`, the captured rows read where a chain reads them),
+//! greedy output through the engine with trees equals plain greedy output, and nothing
+//! leaks.
+
+mod drafter_fixtures;
+#[allow(unused_imports)] // the helpers re-export a GGUF writer this test does not use
+mod model_util;
+
+use model_util::{write_hf, Tiny};
+use specdraft::backend::{CpuBackend, GpuBackend};
+use specdraft::engine::{DraftPolicyKind, DraftShape, GenerateRequest, SpecEngine};
+use specdraft::model::{LoadOptions, ModelLevers, TargetModel};
+use specdraft::speculative::conformance::{check_proposer_on, CheckOptions};
+use specdraft::speculative::{DraftProposer, Eagle3Head};
+use std::sync::Arc;
+
+fn tiny() -> Tiny {
+    Tiny {
+        layers: 4,
+        ..Tiny::default()
+    }
+}
+
+fn target(gpu: &Arc<dyn GpuBackend>, tag: &str) -> Arc<TargetModel> {
+    let t = tiny();
+    let dir = model_util::temp_dir(&format!("eagle3_tree_{tag}"));
+    write_hf(&dir, &t, &t.tensors(23));
+    let opts = LoadOptions {
+        max_rows: 64,
+        max_seq_len: Some(128),
+        kv_blocks: Some(64),
+    };
+    Arc::new(TargetModel::load(&dir, gpu.clone(), opts).unwrap())
+}
+
+fn head(model: &Arc<TargetModel>, tag: &str) -> Arc<Eagle3Head> {
+    // Every other target id, so draft ids map to other target ids.
+    let vocab: Vec<u32> = (0..tiny().vocab as u32 / 2).map(|i| 2 * i + 1).collect();
+    let dir = drafter_fixtures::write_eagle3(tag, &tiny(), &[1, 2, 3], &vocab);
+    let levers = ModelLevers::default();
+    let head = Eagle3Head::from_checkpoint_for_target(&dir, model.clone(), 128, 64, &levers);
+    Arc::new(head.unwrap())
+}
+
+#[test]
+fn eagle3_trees_pass_the_conformance_check() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = target(&gpu, "conformance");
+    let head = head(&model, "tree_conformance");
+    head.set_grow_trees(true);
+    assert!(head.grows_trees());
+    let options = CheckOptions {
+        label: "Eagle3Head trees".into(),
+        vocab_size: tiny().vocab,
+        hidden_size: tiny().hidden,
+        num_drafts: 6,
+        steps: 10,
+        ..CheckOptions::default()
+    };
+    let report = check_proposer_on(&*head, gpu.clone(), &options);
+    assert!(report.is_ok(), "{report}");
+    for check in ["propose_tree", "after_verify_tree"] {
+        assert!(
+            report.checks_run.iter().any(|c| c == check),
+            "{check} not run: {:?}",
+            report.checks_run
+        );
+    }
+    assert_eq!(head.kv_blocks().0, head.kv_blocks().1, "blocks left taken");
+}
+
+#[test]
+fn eagle3_trees_in_the_engine_keep_greedy_output_and_free_everything() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = target(&gpu, "engine");
+    let head = head(&model, "tree_engine");
+    head.set_grow_trees(true);
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![1, 5, 17, 33, 4, 90, 12, 12, 7, 64, 5, 17, 33],
+        vec![3, 22, 45, 8, 8, 61, 70, 9, 95, 40],
+    ];
+    let requests = || -> Vec<GenerateRequest> {
+        prompts
+            .iter()
+            .map(|p| GenerateRequest::new(p.clone(), 24).ignore_eos())
+            .collect()
+    };
+    let tokens = |g: specdraft::engine::Generation| -> Vec<Vec<u32>> {
+        g.results
+            .into_iter()
+            .map(|r| {
+                assert!(r.error.is_none(), "{:?}", r.error);
+                r.tokens
+            })
+            .collect()
+    };
+    let plain = SpecEngine::new(model.clone(), None, 0).unwrap();
+    let base = tokens(plain.generate(requests()));
+    let engine = SpecEngine::new(
+        model.clone(),
+        Some(head.clone() as Arc<dyn DraftProposer>),
+        5,
+    )
+    .unwrap()
+    .with_draft_policy(DraftPolicyKind::Fixed)
+    .with_draft_shape(DraftShape::Tree);
+    assert!(engine.drafts_trees(), "the head grows trees when asked");
+    let g = engine.generate(requests());
+    assert!(g.metrics.drafted > 0);
+    assert_eq!(
+        tokens(g),
+        base,
+        "greedy output with trees differs from plain"
+    );
+    drop((engine, plain));
+    assert_eq!(head.kv_blocks().0, head.kv_blocks().1, "blocks left taken");
+    drop((head, model));
+    assert_eq!(
+        gpu.ledger().live_count(),
+        0,
+        "{:?}",
+        gpu.ledger().live_report()
+    );
+}
