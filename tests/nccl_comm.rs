@@ -185,10 +185,7 @@ fn check_collectives(comm: &NcclCommunicator) -> Result<(), String> {
         }
     }
     comm.barrier().map_err(|e| e.to_string())?;
-    let cmd = Command::Verify {
-        seq: 7,
-        tokens: vec![1, 2, 3],
-    };
+    let cmd = Command::Trim { seq: 7, len: 300 };
     if rank == 0 {
         comm.send_command(&cmd).map_err(|e| e.to_string())?;
     } else {
@@ -293,7 +290,7 @@ fn gpu_two_ranks_sum_like_numpy() {
         .collect();
     // Each rank's collectives time out after TIMEOUT; this bounds the whole run past that.
     let deadline = Instant::now() + TIMEOUT * 3;
-    let mut status = vec![None, None];
+    let mut status = [None, None];
     while status.iter().any(Option::is_none) && Instant::now() < deadline {
         for (rank, child) in children.iter_mut().enumerate() {
             if status[rank].is_none() {

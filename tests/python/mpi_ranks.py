@@ -140,8 +140,9 @@ def nccl(out: dict) -> None:
     try:
         collectives(out, backend="nccl")
         out["error"] = None
-    except specdraft.BackendUnavailableError as e:
-        out["error"] = str(e)
+    except (specdraft.BackendUnavailableError, specdraft.BackendError) as e:
+        # A rank whose GPU is missing fails; one waiting for it in NCCL's start-up times out.
+        out["error"], out["error_type"] = str(e), type(e).__name__
 
 
 def engine_outputs(model: object) -> dict:

@@ -76,9 +76,13 @@ def test_two_ranks_over_nccl_sum_or_both_fail_clearly(tmp_path: Path) -> None:
     run = run_ranks("nccl", tmp_path)
     ranks = read_ranks(tmp_path, run)
     if ranks[0]["error"] is not None or ranks[1]["error"] is not None:
+        # Without libnccl or a GPU every rank says what is missing; with one GPU, rank 1
+        # finds no second device and rank 0 times out waiting for it in NCCL's start-up.
+        assert any(got["error"] and clear_unavailable(got["error"]) for got in ranks), ranks
         for rank, got in enumerate(ranks):
-            assert got["error"] is not None, f"rank {rank} started NCCL though rank 0 did not"
-            assert clear_unavailable(got["error"]), f"rank {rank}: {got['error']}"
+            assert got["error"] is not None, f"rank {rank} started NCCL though another did not"
+            waited = got["error_type"] == "BackendError" and "timed out" in got["error"]
+            assert clear_unavailable(got["error"]) or waited, f"rank {rank}: {got['error']}"
         return
     # A machine with libnccl and two GPUs: the sums are numpy's.
     (f0, h0), (f1, h1) = mpi_ranks.inputs(0), mpi_ranks.inputs(1)
