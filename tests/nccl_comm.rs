@@ -267,6 +267,11 @@ fn gpu_two_ranks_child() {
 #[test]
 #[ignore = "needs a CUDA GPU and libnccl; tests/gpu/run.sh runs it"]
 fn gpu_two_ranks_sum_like_numpy() {
+    // SAFETY: only tries to open the library (cudarc panics on any call without it).
+    assert!(
+        unsafe { cudarc::driver::sys::is_culib_present() },
+        "this test needs a CUDA GPU (tests/gpu/run.sh runs it on one): no libcuda"
+    );
     let devices = cudarc::driver::CudaContext::device_count().expect("a CUDA driver");
     assert!(devices >= 1, "no CUDA device");
     let id = NcclCommunicator::unique_id().expect("libnccl");
