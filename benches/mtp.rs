@@ -114,6 +114,7 @@ fn bench(shape: &Shape, quant: MtpQuantization, memcpy: f64, quick: bool) {
             gated_attention: false,
             ffn_norm: norm("ffn_norm"),
             mlp: Mlp::Dense(SwiGlu { gate, up, down }),
+            mla: None,
         },
         final_norm: norm("final_norm"),
     };

@@ -21,7 +21,8 @@
 use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
     ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GpuBackend, GroupedLinearArgs, Kernels,
-    KvCopyArgs, KvWriteArgs, LinearArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, RmsNormArgs,
+    RopeArgs, SoftmaxArgs,
 };
 use specdraft::engine::{GenerateRequest, KvPoolStatus, SpecEngine, Target, TargetOutput};
 use specdraft::memory::BufferArena;
@@ -122,6 +123,9 @@ impl Kernels for TimedBackend {
     }
     fn kv_copy(&self, a: KvCopyArgs) -> Result<(), BackendError> {
         self.timed("kv compaction", || self.inner.kv_copy(a))
+    }
+    fn mla_attention(&self, a: MlaAttentionArgs) -> Result<(), BackendError> {
+        self.timed("latent attention", || self.inner.mla_attention(a))
     }
 }
 

@@ -125,6 +125,14 @@ fn gpu_ops_match_reference() {
     );
     check(&g, k::paged_attention(&g, &[5, 33], 5, 4, 2, 128, 8, 82));
     check(&g, k::paged_attention_tree(&g, 85));
+    check(
+        &g,
+        k::mla_attention(&g, &[1, 17, 300], 3, (3, 10, 6, 4, 5, 4), 91),
+    );
+    check(
+        &g,
+        k::mla_attention(&g, &[33, 200], 4, (16, 512, 128, 64, 128, 16), 92),
+    );
     check(&g, k::argmax(&g, 3, 49152, false, 91));
     check(&g, k::argmax(&g, 3, 49152, true, 92));
     check(&g, k::softmax(&g, 3, 49152, 0.7, false, 101));

@@ -114,9 +114,42 @@ fn every_command() -> Vec<Command> {
             trees: vec![Some(vec![0, 0]), None],
         },
         Command::MtpPropose {
-            seq: 3,
+            state: 3,
+            last_token: 49151,
+            position: 17,
             num_drafts: 4,
+            hidden: vec![1, 2, 3, 4],
+            grammar: Some(vec![-1, 0, i32::MIN]),
         },
+        Command::MtpPropose {
+            state: u64::MAX,
+            last_token: 0,
+            position: 0,
+            num_drafts: 0,
+            hidden: vec![],
+            grammar: None,
+        },
+        Command::ProposerAlloc {
+            state: 8,
+            budget: u64::MAX,
+        },
+        Command::ProposerPrefill {
+            state: 8,
+            tokens: vec![1, 2],
+            hidden: vec![9; 7],
+        },
+        Command::ProposerAfterVerify {
+            state: 8,
+            accepted: 2,
+        },
+        Command::ProposerCatchup {
+            state: 8,
+            tokens: vec![4],
+            hidden: vec![0, 255],
+            row_base: 3,
+            pos_base: 11,
+        },
+        Command::ProposerFree { state: 8 },
         Command::Trim { seq: 4, len: 17 },
         Command::Compact {
             seq: 5,
@@ -137,11 +170,23 @@ fn every_command_decodes_to_itself() {
     // The byte form is fixed: a worker built from another commit reads the same bytes.
     assert_eq!(
         Command::MtpPropose {
-            seq: 3,
-            num_drafts: 4
+            state: 3,
+            last_token: 9,
+            position: 2,
+            num_drafts: 4,
+            hidden: vec![0xab],
+            grammar: None,
         }
         .encode(),
-        vec![3, 3, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0]
+        [
+            vec![3],
+            3u64.to_le_bytes().to_vec(),
+            9u32.to_le_bytes().to_vec(),
+            2u64.to_le_bytes().to_vec(),
+            4u32.to_le_bytes().to_vec(),
+            vec![1, 0, 0, 0, 0xab, 0],
+        ]
+        .concat()
     );
     assert_eq!(Command::Shutdown.encode(), vec![5]);
 }
@@ -152,7 +197,20 @@ fn bad_command_bytes_are_refused_by_name() {
         (vec![], "empty: no tag byte"),
         (vec![42], "unknown command tag 42"),
         (vec![4, 1, 2, 3], "truncated sequence id"),
-        (vec![3, 0, 0, 0, 0, 0, 0, 0, 0, 4], "truncated draft count"),
+        (vec![3, 0, 0, 0, 0, 0, 0, 0, 0, 4], "truncated last token"),
+        (
+            [
+                vec![3],
+                vec![0; 8],
+                vec![0; 4],
+                vec![0; 8],
+                vec![0; 4],
+                vec![0; 4],
+                vec![2],
+            ]
+            .concat(),
+            "grammar flag 2 is not 0 or 1",
+        ),
         (
             vec![
                 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0,

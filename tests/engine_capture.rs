@@ -16,7 +16,8 @@ use model_util::*;
 use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
     ElementwiseArgs, EmbeddingArgs, GpuBackend, GpuBackendExt, GroupedLinearArgs, Kernels,
-    KvCopyArgs, KvWriteArgs, LinearArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, RmsNormArgs,
+    RopeArgs, SoftmaxArgs,
 };
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
@@ -635,6 +636,9 @@ impl Kernels for Counting {
     }
     fn kv_copy(&self, a: KvCopyArgs) -> std::result::Result<(), BackendError> {
         self.inner.kv_copy(a)
+    }
+    fn mla_attention(&self, a: MlaAttentionArgs) -> std::result::Result<(), BackendError> {
+        self.inner.mla_attention(a)
     }
 }
 

@@ -14,6 +14,7 @@
 mod default_model;
 #[allow(unused_imports)]
 mod model_util;
+mod mtp_common;
 mod ranks_common;
 
 use default_model::python;
@@ -21,11 +22,11 @@ use model_util::temp_dir;
 use ranks_common::thread_group;
 use specdraft::backend::{CpuBackend, GpuBackend};
 use specdraft::distributed::Communicator;
-use specdraft::engine::ranks::{run_worker, shutdown_workers, WorkerReport};
+use specdraft::engine::ranks::{run_worker, run_worker_with, shutdown_workers, WorkerReport};
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
 use specdraft::model::layers::ExpertShard;
-use specdraft::model::{LoadOptions, TargetModel};
-use specdraft::speculative::{DraftProposer, PromptLookup};
+use specdraft::model::{LoadOptions, ModelLevers, TargetModel};
+use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization, PromptLookup};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -288,4 +289,134 @@ fn run_worker_is_refused_on_a_model_loaded_on_one_rank() {
     let model = TargetModel::load(&dir, gpu, opts()).unwrap();
     let err = run_worker(&model).unwrap_err().to_string();
     assert!(err.contains("one rank"), "{err}");
+}
+
+/// A GLM-4.5 MTP head (8 routed experts, top-2, shared experts) for the tiny GLM target:
+/// `mtp_common`'s checkpoint with the target's vocabulary.
+fn glm_head_dir(test: &str) -> PathBuf {
+    let dir = mtp_common::scratch_dir(&format!("ranks_head_{test}_{}", std::process::id()));
+    mtp_common::write_checkpoint_with(&dir, "glm4_moe", 5, true);
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["vocab_size"] = serde_json::json!(96);
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir
+}
+
+fn head_for(model: &Arc<TargetModel>, dir: &Path) -> Arc<MtpHead> {
+    let levers = ModelLevers::default();
+    let head = MtpHead::from_checkpoint_for_target(
+        dir,
+        model.clone(),
+        MtpQuantization::Bf16,
+        0,
+        64,
+        16,
+        &levers,
+    )
+    .unwrap();
+    Arc::new(head)
+}
+
+/// Greedy and sampled outputs of [`prompts`] with the MTP head drafting 3 a step.
+fn generate_with_head(model: &Arc<TargetModel>, head: Arc<MtpHead>) -> Vec<Vec<Vec<u32>>> {
+    let engine = SpecEngine::new(model.clone(), Some(head as Arc<dyn DraftProposer>), 3)
+        .unwrap()
+        .with_draft_policy(DraftPolicyKind::Fixed)
+        .with_max_batch(2);
+    [false, true]
+        .map(|sampled| {
+            let reqs = prompts()
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let sampling = match sampled {
+                        true => SamplingParams::sampled(0.9, 3 + i as u64),
+                        false => SamplingParams::greedy(),
+                    };
+                    GenerateRequest::new(p, 12)
+                        .ignore_eos()
+                        .with_sampling(sampling)
+                })
+                .collect();
+            let out = engine.generate(reqs);
+            assert!(out.metrics.drafted > 0, "the head drafted nothing");
+            out.results
+                .into_iter()
+                .map(|r| {
+                    assert!(r.error.is_none(), "{:?}", r.error);
+                    r.tokens
+                })
+                .collect()
+        })
+        .to_vec()
+}
+
+#[test]
+fn a_sharded_mtp_head_drafts_on_two_ranks_what_it_drafts_on_one() {
+    let dir = checkpoint("mtp", "glm4_moe", 12);
+    let head_dir = glm_head_dir("mtp");
+    // One rank: the whole target and the whole head.
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = Arc::new(TargetModel::load(&dir, gpu.clone(), opts()).unwrap());
+    let head = head_for(&model, &head_dir);
+    assert!(
+        !head.needs_comm(),
+        "a head on one rank needs no communicator"
+    );
+    let want = generate_with_head(&model, head);
+    drop(model);
+    assert_eq!(gpu.ledger().live_count(), 0);
+
+    let comms = thread_group(2, Duration::from_secs(60));
+    let load = |comm: &Arc<dyn Communicator>| {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let shard = ExpertShard::new(comm.clone());
+        let model = TargetModel::load_sharded(&dir, gpu.clone(), opts(), None, shard).unwrap();
+        let model = Arc::new(model);
+        let head = head_for(&model, &head_dir);
+        (gpu, model, head)
+    };
+    let worker_comm = comms[1].clone();
+    let (got, report) = std::thread::scope(|scope| {
+        let worker = scope.spawn(|| {
+            let (gpu, model, head) = load(&worker_comm);
+            assert!(head.needs_comm(), "rank 1's head holds half its experts");
+            let report =
+                run_worker_with(&model, Some(head.as_ref()), ModelLevers::default()).unwrap();
+            drop(head);
+            drop(model);
+            assert_eq!(
+                gpu.ledger().live_count(),
+                0,
+                "rank 1: the ledger after the drop"
+            );
+            report
+        });
+        let (gpu, model, head) = load(&comms[0]);
+        assert!(head.needs_comm(), "rank 0's head holds half its experts");
+        let got = generate_with_head(&model, head);
+        shutdown_workers(&model).unwrap();
+        drop(model);
+        assert_eq!(
+            gpu.ledger().live_count(),
+            0,
+            "rank 0: the ledger after the drop"
+        );
+        (got, worker.join().unwrap())
+    });
+    assert_eq!(
+        got[0], want[0],
+        "greedy with the MTP head: two ranks against one"
+    );
+    assert_eq!(
+        got[1], want[1],
+        "sampled with the MTP head: two ranks against one"
+    );
+    assert_eq!(report.failed, 0, "{:?}", report.last_error);
+    assert_eq!(
+        report.leftover_sequences, 0,
+        "the worker kept sequences or states rank 0 freed"
+    );
 }

@@ -148,6 +148,20 @@ fn paged_attention_matches_reference() {
 }
 
 #[test]
+fn mla_attention_matches_reference() {
+    let dut = EmuBackend::new();
+    // Odd sizes across block boundaries, and DeepSeek-V3's latent sizes.
+    check(
+        &dut,
+        k::mla_attention(&dut, &[1, 17, 40], 3, (3, 10, 6, 4, 5, 4), 91),
+    );
+    check(
+        &dut,
+        k::mla_attention(&dut, &[33], 2, (2, 512, 128, 64, 128, 16), 92),
+    );
+}
+
+#[test]
 fn paged_attention_under_a_tree_mask_matches_reference() {
     let dut = EmuBackend::new();
     check(&dut, k::paged_attention_tree(&dut, 85));

@@ -169,3 +169,73 @@ fn missing_and_bad_keys_are_named() {
     let err = ModelConfig::from_file("/nonexistent/config.json").unwrap_err();
     assert!(matches!(err, ConfigError::Io { .. }));
 }
+
+#[test]
+fn deepseek_v3_reads_its_latent_attention_sizes() {
+    // DeepSeek-V3's published attention sizes, on the config above.
+    let mla_keys = r#""q_lora_rank":1536,"kv_lora_rank":512,"qk_nope_head_dim":128,
+ "qk_rope_head_dim":64,"v_head_dim":128,"#;
+    let json = DEEPSEEK_V3.replacen('{', &format!("{{{mla_keys}"), 1);
+    let c = ModelConfig::from_json_str(&json).unwrap();
+    let m = c.mla.unwrap();
+    assert_eq!(
+        (
+            m.q_lora_rank,
+            m.kv_lora_rank,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim
+        ),
+        (Some(1536), 512, 128, 64, 128)
+    );
+    assert!(m.rope_interleave, "transformers' default rope_interleave");
+    // RoPE's frequencies cover the rotated width, as transformers' head_dim does.
+    assert_eq!(c.head_dim, 64, "head_dim under MLA");
+    assert_eq!((m.latent_width(), m.qk_head_dim()), (576, 192));
+    assert_eq!(m.softmax_scale(), 1.0 / 192f32.sqrt());
+    // One latent row a token: half in each of the layer's two caches.
+    assert_eq!(
+        (c.kv_cache_row(), c.kv_cache_width()),
+        ((1, 288), 288),
+        "an MLA cache row"
+    );
+    // Without the bottleneck, and with rotate-half RoPE asked for.
+    let plain = json
+        .replace(r#""q_lora_rank":1536"#, r#""q_lora_rank":null"#)
+        .replacen('{', r#"{"rope_interleave":false,"#, 1);
+    let m = ModelConfig::from_json_str(&plain).unwrap().mla.unwrap();
+    assert_eq!((m.q_lora_rank, m.rope_interleave), (None, false));
+    // A GQA config's caches are its KV heads.
+    let c = ModelConfig::from_json_str(QWEN3).unwrap();
+    assert_eq!((c.kv_cache_row(), c.kv_cache_width()), ((8, 128), 1024));
+    // Impossible sizes are named.
+    for (edit, needles) in [
+        (
+            (r#""v_head_dim":128"#, r#""v_head_dim":0"#),
+            ["v_head_dim", "greater than zero"],
+        ),
+        (
+            (r#""kv_lora_rank":512"#, r#""kv_lora_rank":511"#),
+            ["kv_lora_rank", "511 is odd"],
+        ),
+        (
+            (r#""qk_rope_head_dim":64"#, r#""qk_rope_head_dim":63"#),
+            ["qk_rope_head_dim", "63 is odd"],
+        ),
+        (
+            (r#""q_lora_rank":1536"#, r#""q_lora_rank":0"#),
+            ["q_lora_rank", "is 0, not in 1..=65536"],
+        ),
+        (
+            (r#""qk_nope_head_dim":128,"#, ""),
+            ["qk_nope_head_dim", "missing"],
+        ),
+    ] {
+        let err = ModelConfig::from_json_str(&json.replace(edit.0, edit.1))
+            .unwrap_err()
+            .to_string();
+        for n in needles {
+            assert!(err.contains(n), "{err:?} does not name {n:?}");
+        }
+    }
+}

@@ -78,7 +78,8 @@ impl Parts {
         main_kv_blocks: usize,
     ) -> specdraft::Result<MtpHead> {
         let layout = find_layout(&self.src, &self.config).unwrap();
-        let weights = MtpWeights::load(&self.allocs, &self.src, &self.config, layout, 0).unwrap();
+        let weights =
+            MtpWeights::load(&self.allocs, &self.src, &self.config, layout, 0, None).unwrap();
         let all: Vec<usize> = (0..VOCAB).collect();
         let t = trimmed.map(|(rows, n)| (self.lm_head(rows, "lm_head_t"), n));
         MtpHead::new(

@@ -1259,8 +1259,9 @@ class SpecEngine:
         """Whether steps draft trees: the shape is "tree" and the proposer grows them."""
     def run_worker(self) -> dict[str, Any]:
         """On a worker (rank > 0) of a model loaded with `load_model(..., comm=comm)`: runs
-        every forward rank 0 announces (prefills, verifies, trims, frees) on this rank's
-        shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
+        every forward rank 0 announces (prefills, verifies, trims, frees, and the calls of a
+        draft head whose experts are split, which this engine's proposer then runs) on this
+        rank's shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
         "failed", "last_error", "leftover_sequences"}`. Raises `RequestError` on a model
         loaded on one rank, and `BackendError` if the ranks fall out of step (a rank died or
         hung past the communicator's timeout).
@@ -1417,9 +1418,13 @@ class Communicator:
         """Rank 0 sends `command` to every worker: a dict with `"kind"` and its fields:
         `"prefill"` and `"verify"` take `"batch"` (a list of `{"seq", "tokens"}`) and
         optionally `"layers"` (capture layers), a verify also `"trees"` (per sequence a
-        parent list or None); `"mtp_propose"` takes `"seq"` and `"num_drafts"`; `"trim"`
-        `"seq"` and `"len"`; `"compact"` `"seq"`, `"start"` and `"rows"`; `"free"` `"seq"`;
-        `"shutdown"` nothing.
+        parent list or None); `"trim"` `"seq"` and `"len"`; `"compact"` `"seq"`, `"start"`
+        and `"rows"`; `"free"` `"seq"`; `"shutdown"` nothing. A sharded proposer's calls
+        name its `"state"`: `"mtp_propose"` (`"last_token"`, `"position"`, `"num_drafts"`,
+        `"hidden"` bytes, optional `"grammar"`), `"proposer_alloc"` (`"budget"`),
+        `"proposer_prefill"` (`"tokens"`, `"hidden"`), `"proposer_after_verify"`
+        (`"accepted"`), `"proposer_catchup"` (`"tokens"`, `"hidden"`, `"row_base"`,
+        `"pos_base"`) and `"proposer_free"`.
         """
     def recv_command(self) -> dict[str, Any]:
         """A worker's next command from rank 0, as the dict `send_command` was given."""

@@ -41,12 +41,62 @@ pub enum Command {
         /// Per sequence, the tree's parent list, or `None` for a chain.
         trees: Vec<Option<Vec<u32>>>,
     },
-    /// One propose of a proposer whose block is sharded (the seed's `EP_CMD_MTP_PROPOSE`).
+    /// One propose of a proposer whose block is sharded (the seed's `EP_CMD_MTP_PROPOSE`),
+    /// with everything the call reads.
     MtpPropose {
-        /// The sequence.
-        seq: u64,
+        /// The proposer state (rank 0's id for it).
+        state: u64,
+        /// The last verified token.
+        last_token: u32,
+        /// Its position.
+        position: u64,
         /// Draft tokens asked for.
         num_drafts: u32,
+        /// The target's hidden row for the last token (BF16 bytes).
+        hidden: Vec<u8>,
+        /// The grammar's mask for the first draft, when there is one.
+        grammar: Option<Vec<i32>>,
+    },
+    /// A sharded proposer allocates state `state` for a sequence of `budget` tokens.
+    ProposerAlloc {
+        /// The new state's id.
+        state: u64,
+        /// Tokens the sequence may reach (`u64::MAX`: unbounded).
+        budget: u64,
+    },
+    /// A sharded proposer's `prefill_drafter` over the prompt.
+    ProposerPrefill {
+        /// The state.
+        state: u64,
+        /// The prompt's tokens.
+        tokens: Vec<u32>,
+        /// The target's hidden rows paired with them (BF16 bytes).
+        hidden: Vec<u8>,
+    },
+    /// A sharded proposer's `after_verify`.
+    ProposerAfterVerify {
+        /// The state.
+        state: u64,
+        /// Drafts accepted.
+        accepted: u32,
+    },
+    /// A sharded proposer's `catchup_drafter`.
+    ProposerCatchup {
+        /// The state.
+        state: u64,
+        /// The tokens caught up.
+        tokens: Vec<u32>,
+        /// The hidden rows paired with them (BF16 bytes).
+        hidden: Vec<u8>,
+        /// The drafter row the rows start at.
+        row_base: u64,
+        /// The position of the first token.
+        pos_base: u64,
+    },
+    /// A sharded proposer frees state `state`.
+    ProposerFree {
+        /// The state.
+        state: u64,
     },
     /// Sequence `seq` keeps its first `len` tokens (rejected drafts dropped).
     Trim {
@@ -81,6 +131,11 @@ const TAG_FREE: u8 = 4;
 const TAG_SHUTDOWN: u8 = 5;
 const TAG_TRIM: u8 = 6;
 const TAG_COMPACT: u8 = 7;
+const TAG_PROPOSER_ALLOC: u8 = 8;
+const TAG_PROPOSER_PREFILL: u8 = 9;
+const TAG_PROPOSER_AFTER_VERIFY: u8 = 10;
+const TAG_PROPOSER_CATCHUP: u8 = 11;
+const TAG_PROPOSER_FREE: u8 = 12;
 
 impl Command {
     /// The command's name, as messages and the Python dict form use it.
@@ -89,6 +144,11 @@ impl Command {
             Command::Prefill { .. } => "prefill",
             Command::Verify { .. } => "verify",
             Command::MtpPropose { .. } => "mtp_propose",
+            Command::ProposerAlloc { .. } => "proposer_alloc",
+            Command::ProposerPrefill { .. } => "proposer_prefill",
+            Command::ProposerAfterVerify { .. } => "proposer_after_verify",
+            Command::ProposerCatchup { .. } => "proposer_catchup",
+            Command::ProposerFree { .. } => "proposer_free",
             Command::Trim { .. } => "trim",
             Command::Compact { .. } => "compact",
             Command::Free { .. } => "free",
@@ -124,10 +184,66 @@ impl Command {
                     }
                 }
             }
-            Command::MtpPropose { seq, num_drafts } => {
+            Command::MtpPropose {
+                state,
+                last_token,
+                position,
+                num_drafts,
+                hidden,
+                grammar,
+            } => {
                 w.u8(TAG_MTP_PROPOSE);
-                w.u64(*seq);
+                w.u64(*state);
+                w.u32(*last_token);
+                w.u64(*position);
                 w.u32(*num_drafts);
+                w.bytes(hidden);
+                match grammar {
+                    None => w.u8(0),
+                    Some(mask) => {
+                        w.u8(1);
+                        w.len(mask.len());
+                        mask.iter().for_each(|&m| w.u32(m as u32));
+                    }
+                }
+            }
+            Command::ProposerAlloc { state, budget } => {
+                w.u8(TAG_PROPOSER_ALLOC);
+                w.u64(*state);
+                w.u64(*budget);
+            }
+            Command::ProposerPrefill {
+                state,
+                tokens,
+                hidden,
+            } => {
+                w.u8(TAG_PROPOSER_PREFILL);
+                w.u64(*state);
+                w.list(tokens);
+                w.bytes(hidden);
+            }
+            Command::ProposerAfterVerify { state, accepted } => {
+                w.u8(TAG_PROPOSER_AFTER_VERIFY);
+                w.u64(*state);
+                w.u32(*accepted);
+            }
+            Command::ProposerCatchup {
+                state,
+                tokens,
+                hidden,
+                row_base,
+                pos_base,
+            } => {
+                w.u8(TAG_PROPOSER_CATCHUP);
+                w.u64(*state);
+                w.list(tokens);
+                w.bytes(hidden);
+                w.u64(*row_base);
+                w.u64(*pos_base);
+            }
+            Command::ProposerFree { state } => {
+                w.u8(TAG_PROPOSER_FREE);
+                w.u64(*state);
             }
             Command::Trim { seq, len } => {
                 w.u8(TAG_TRIM);
@@ -183,8 +299,50 @@ impl Command {
                 }
             }
             TAG_MTP_PROPOSE => Command::MtpPropose {
-                seq: r.seq().map_err(bad)?,
+                state: r.seq().map_err(bad)?,
+                last_token: r.u32().ok_or_else(|| bad("truncated last token".into()))?,
+                position: r.u64().ok_or_else(|| bad("truncated position".into()))?,
                 num_drafts: r.u32().ok_or_else(|| bad("truncated draft count".into()))?,
+                hidden: r.bytes("hidden").map_err(bad)?,
+                grammar: match r.u8() {
+                    Some(0) => None,
+                    Some(1) => Some(
+                        r.list("mask word")
+                            .map_err(bad)?
+                            .into_iter()
+                            .map(|m| m as i32)
+                            .collect(),
+                    ),
+                    Some(other) => return Err(bad(format!("grammar flag {other} is not 0 or 1"))),
+                    None => return Err(bad("truncated grammar flag".into())),
+                },
+            },
+            TAG_PROPOSER_ALLOC => Command::ProposerAlloc {
+                state: r.seq().map_err(bad)?,
+                budget: r.u64().ok_or_else(|| bad("truncated budget".into()))?,
+            },
+            TAG_PROPOSER_PREFILL => Command::ProposerPrefill {
+                state: r.seq().map_err(bad)?,
+                tokens: r.list("token").map_err(bad)?,
+                hidden: r.bytes("hidden").map_err(bad)?,
+            },
+            TAG_PROPOSER_AFTER_VERIFY => Command::ProposerAfterVerify {
+                state: r.seq().map_err(bad)?,
+                accepted: r
+                    .u32()
+                    .ok_or_else(|| bad("truncated accepted count".into()))?,
+            },
+            TAG_PROPOSER_CATCHUP => Command::ProposerCatchup {
+                state: r.seq().map_err(bad)?,
+                tokens: r.list("token").map_err(bad)?,
+                hidden: r.bytes("hidden").map_err(bad)?,
+                row_base: r.u64().ok_or_else(|| bad("truncated row base".into()))?,
+                pos_base: r
+                    .u64()
+                    .ok_or_else(|| bad("truncated position base".into()))?,
+            },
+            TAG_PROPOSER_FREE => Command::ProposerFree {
+                state: r.seq().map_err(bad)?,
             },
             TAG_TRIM => Command::Trim {
                 seq: r.seq().map_err(bad)?,
@@ -233,6 +391,10 @@ impl Writer {
     fn list(&mut self, items: &[u32]) {
         self.len(items.len());
         items.iter().for_each(|&v| self.u32(v));
+    }
+    fn bytes(&mut self, bytes: &[u8]) {
+        self.len(bytes.len());
+        self.0.extend_from_slice(bytes);
     }
     fn batch(&mut self, batch: &[SeqTokens]) {
         self.len(batch.len());
@@ -290,6 +452,12 @@ impl Reader<'_> {
     fn list(&mut self, what: &str) -> Result<Vec<u32>, String> {
         let n = self.count(what, 4)?;
         Ok((0..n).filter_map(|_| self.u32()).collect())
+    }
+    fn bytes(&mut self, what: &str) -> Result<Vec<u8>, String> {
+        let n = self.count(what, 1)?;
+        let out = self.bytes[self.at..self.at + n].to_vec();
+        self.at += n;
+        Ok(out)
     }
     fn batch(&mut self) -> Result<Vec<SeqTokens>, String> {
         let n = self.count("sequence", 12)?;

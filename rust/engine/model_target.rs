@@ -152,6 +152,11 @@ impl Target for TargetModel {
         TargetModel::buffers(self)
     }
 
+    fn leader_comm(&self) -> Option<Arc<dyn crate::distributed::Communicator>> {
+        let comm = self.expert_shard()?.comm_arc();
+        (comm.rank() == 0).then(|| comm.clone())
+    }
+
     fn kv_pool(&self) -> Option<KvPoolStatus> {
         let pool = TargetModel::kv_pool(self);
         Some(KvPoolStatus {

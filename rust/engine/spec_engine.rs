@@ -48,6 +48,7 @@
 use super::draft_policy::{DraftPolicy, DraftPolicyKind};
 use super::error::Stage;
 use super::guard::PanicGuard;
+use super::ranks::proposer::AnnouncedProposer;
 use super::sequence::EngineSequence;
 use super::{
     CarriedKv, Conversation, CostModel, DraftShape, EngineError, GenerateRequest, Generation,
@@ -141,6 +142,14 @@ impl<T: Target> SpecEngine<T> {
         proposer: Option<Arc<dyn DraftProposer>>,
         num_drafts: usize,
     ) -> Result<Self> {
+        // On rank 0 of several, a proposer sharded across the ranks has each of its forwards
+        // announced, so the workers run it too (see `ranks`).
+        let proposer = proposer.map(|p| match target.leader_comm() {
+            Some(comm) if p.needs_comm() => {
+                Arc::new(AnnouncedProposer { inner: p, comm }) as Arc<dyn DraftProposer>
+            }
+            _ => p,
+        });
         // Every call into the proposer goes through the guard, so a panic in it ends only
         // the sequence the call was for.
         let proposer = proposer.map(|p| Arc::new(PanicGuard(p)) as Arc<dyn DraftProposer>);

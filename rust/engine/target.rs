@@ -186,6 +186,12 @@ pub trait Target: Send + Sync {
     /// The shared forward scratch; its `max_rows` bounds the rows of one forward
     /// (0 or `usize::MAX`: unbounded).
     fn buffers(&self) -> &Arc<BufferArena>;
+    /// On rank 0 of a target that spans several ranks, the communicator it announces its
+    /// forwards on, which the engine also gives a proposer that `needs_comm` (see
+    /// [`super::ranks`]); `None` elsewhere (the default).
+    fn leader_comm(&self) -> Option<Arc<dyn crate::distributed::Communicator>> {
+        None
+    }
     /// The paged KV pool sequences take their blocks from, or `None` when the target's KV
     /// is not bounded by one (the default).
     fn kv_pool(&self) -> Option<KvPoolStatus> {

@@ -153,6 +153,36 @@ pub struct RopeScaling {
     pub high_freq_factor: Option<f32>,
     /// `original_max_position_embeddings`.
     pub original_max_position_embeddings: Option<usize>,
+    /// YaRN's keys, as the config gives them (none for the other kinds).
+    pub yarn: YarnParams,
+}
+
+/// YaRN's keys of `rope_scaling`, each `None` where the config leaves it out (`transformers`'
+/// defaults then apply: `beta_fast` 32, `beta_slow` 1, no `mscale`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct YarnParams {
+    /// Rotations per original context above which a frequency is kept (`beta_fast`).
+    pub beta_fast: Option<f32>,
+    /// Rotations per original context below which a frequency is divided by the factor
+    /// (`beta_slow`).
+    pub beta_slow: Option<f32>,
+    /// `mscale`: the numerator of the cos/sin scale.
+    pub mscale: Option<f32>,
+    /// `mscale_all_dim`: the denominator of the cos/sin scale, and (DeepSeek-V3) what the
+    /// attention's score scale is multiplied by, squared.
+    pub mscale_all_dim: Option<f32>,
+    /// `attention_factor`: the cos/sin scale given outright.
+    pub attention_factor: Option<f32>,
+}
+
+/// YaRN's magnitude scale for a context `factor` (`0.1 * mscale * ln(factor) + 1`, 1 for a
+/// factor of at most 1), as `transformers` and DeepSeek define it.
+pub fn yarn_mscale(factor: f32, mscale: f32) -> f32 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
 }
 
 /// Mixture-of-experts sizes, for the families whose MLPs route.
@@ -191,6 +221,47 @@ impl MoeConfig {
         layer >= self.first_k_dense_replace
             && !self.mlp_only_layers.contains(&layer)
             && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
+    }
+}
+
+/// Multi-head latent attention sizes (DeepSeek-V3's `q_lora_rank`, `kv_lora_rank`,
+/// `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`).
+///
+/// Each head's query is `qk_nope_head_dim` elements without RoPE then `qk_rope_head_dim`
+/// with it; a token's keys and values are all derived from one latent row of
+/// `kv_lora_rank` elements plus one `qk_rope_head_dim` RoPE key shared by every head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaConfig {
+    /// Width of the query's low-rank bottleneck (`q_a_proj`); `None`: a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Width of the compressed key/value latent (`kv_a_proj_with_mqa`'s first part).
+    pub kv_lora_rank: usize,
+    /// Elements of each head's query and key that RoPE leaves alone.
+    pub qk_nope_head_dim: usize,
+    /// Elements of each head's query (and of the shared key) that RoPE rotates.
+    pub qk_rope_head_dim: usize,
+    /// Elements of each head's value.
+    pub v_head_dim: usize,
+    /// RoPE pairs adjacent elements (`rope_interleave`, true unless the config says false,
+    /// as in `transformers`' DeepSeek-V3 and DeepSeek's own inference code).
+    pub rope_interleave: bool,
+}
+
+impl MlaConfig {
+    /// Elements of one token's cached latent: `kv_lora_rank + qk_rope_head_dim`.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// Elements of one head's query: `qk_nope_head_dim + qk_rope_head_dim`.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// The attention's score scale before any RoPE scaling, `1 / sqrt(qk_head_dim)` (see
+    /// [`ModelConfig::mla_softmax_scale`]).
+    pub fn softmax_scale(&self) -> f32 {
+        1.0 / (self.qk_head_dim() as f32).sqrt()
     }
 }
 
@@ -234,6 +305,8 @@ pub struct ModelConfig {
     pub num_nextn_predict_layers: usize,
     /// Mixture-of-experts sizes, when the MLPs route.
     pub moe: Option<MoeConfig>,
+    /// Multi-head latent attention sizes, when attention is MLA (DeepSeek-V3).
+    pub mla: Option<MlaConfig>,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,
 }
@@ -410,9 +483,26 @@ impl ModelConfig {
         let num_key_value_heads = k
             .opt_usize("num_key_value_heads")?
             .unwrap_or(num_attention_heads);
-        let head_dim = match k.opt_usize("head_dim")? {
-            Some(d) => d,
-            None => hidden_size / num_attention_heads,
+        let mla = match family {
+            ModelFamily::DeepseekV3 => match k.opt_usize("kv_lora_rank")? {
+                Some(kv_lora_rank) => Some(MlaConfig {
+                    q_lora_rank: k.opt_usize("q_lora_rank")?,
+                    kv_lora_rank,
+                    qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
+                    qk_rope_head_dim: k.usize("qk_rope_head_dim")?,
+                    v_head_dim: k.usize("v_head_dim")?,
+                    rope_interleave: k.opt_bool("rope_interleave")?.unwrap_or(true),
+                }),
+                None => None,
+            },
+            _ => None,
+        };
+        // Under MLA, `transformers` sets head_dim to the rotated width, which is what RoPE's
+        // frequencies are computed over.
+        let head_dim = match (k.opt_usize("head_dim")?, &mla) {
+            (Some(d), _) => d,
+            (None, Some(m)) => m.qk_rope_head_dim,
+            (None, None) => hidden_size / num_attention_heads,
         };
         let moe = match family {
             ModelFamily::DeepseekV3
@@ -466,6 +556,13 @@ impl ModelConfig {
                     high_freq_factor: rk.opt_f32("high_freq_factor")?,
                     original_max_position_embeddings: rk
                         .opt_usize("original_max_position_embeddings")?,
+                    yarn: YarnParams {
+                        beta_fast: rk.opt_f32("beta_fast")?,
+                        beta_slow: rk.opt_f32("beta_slow")?,
+                        mscale: rk.opt_f32("mscale")?,
+                        mscale_all_dim: rk.opt_f32("mscale_all_dim")?,
+                        attention_factor: rk.opt_f32("attention_factor")?,
+                    },
                 })
             }
             Some(v) => {
@@ -507,6 +604,7 @@ impl ModelConfig {
                 .or(k.opt_usize("mtp_num_hidden_layers")?)
                 .unwrap_or(0),
             moe,
+            mla,
             eos_token_ids: k.token_ids("eos_token_id")?,
         };
         config.validate()?;
@@ -534,6 +632,7 @@ impl ModelConfig {
             qk_norm: false,
             num_nextn_predict_layers: 0,
             moe: None,
+            mla: None,
             eos_token_ids: Vec::new(),
         }
     }
@@ -546,5 +645,38 @@ impl ModelConfig {
     /// Width of the key (and of the value) projection's output.
     pub fn kv_size(&self) -> usize {
         self.num_key_value_heads * self.head_dim
+    }
+
+    /// The MLA score scale: `1 / sqrt(qk_head_dim)`, times `yarn_mscale(factor,
+    /// mscale_all_dim)^2` when `rope_scaling` gives a non-zero `mscale_all_dim` (as
+    /// `transformers`' DeepSeek-V3 does); `None` without MLA.
+    pub fn mla_softmax_scale(&self) -> Option<f32> {
+        let m = self.mla.as_ref()?;
+        let mscale = match &self.rope_scaling {
+            Some(rs) => match rs.yarn.mscale_all_dim {
+                Some(all) if all != 0.0 => yarn_mscale(rs.factor, all),
+                _ => 1.0,
+            },
+            None => 1.0,
+        };
+        Some(m.softmax_scale() * mscale * mscale)
+    }
+
+    /// `(heads, head_dim)` of a row of each of a layer's two KV caches (key and value):
+    /// `(num_key_value_heads, head_dim)`, or under MLA `(1, latent_width / 2)`, the first
+    /// half of each token's latent row in the key cache and the second in the value cache,
+    /// so one token holds exactly one latent row and the cache ops move it whole.
+    pub fn kv_cache_row(&self) -> (usize, usize) {
+        match &self.mla {
+            Some(m) => (1, m.latent_width() / 2),
+            None => (self.num_key_value_heads, self.head_dim),
+        }
+    }
+
+    /// Elements of a row of each of a layer's two KV caches (see
+    /// [`ModelConfig::kv_cache_row`]).
+    pub fn kv_cache_width(&self) -> usize {
+        let (heads, dim) = self.kv_cache_row();
+        heads * dim
     }
 }

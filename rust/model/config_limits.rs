@@ -29,6 +29,9 @@ pub const LIMITS: [(&str, usize); 11] = [
     ("moe_intermediate_size", 1 << 22),
 ];
 
+/// The largest multi-head latent attention size accepted (DeepSeek-V3's largest is 1,536).
+const MLA_LIMIT: usize = 1 << 16;
+
 impl ModelConfig {
     /// Checks the invariants every consumer relies on: sizes non-zero and within [`LIMITS`],
     /// heads dividing evenly, positive finite scalars.
@@ -61,6 +64,36 @@ impl ModelConfig {
         {
             if v == 0 {
                 return bad(key, "must be greater than zero".into());
+            }
+        }
+        if let Some(m) = &self.mla {
+            let sizes = [
+                ("q_lora_rank", m.q_lora_rank.unwrap_or(1)),
+                ("kv_lora_rank", m.kv_lora_rank),
+                ("qk_nope_head_dim", m.qk_nope_head_dim),
+                ("qk_rope_head_dim", m.qk_rope_head_dim),
+                ("v_head_dim", m.v_head_dim),
+            ];
+            for (key, v) in sizes {
+                if v == 0 || v > MLA_LIMIT {
+                    return bad(key, format!("is {v}, not in 1..={MLA_LIMIT}"));
+                }
+            }
+            if !m.qk_rope_head_dim.is_multiple_of(2) {
+                return bad(
+                    "qk_rope_head_dim",
+                    format!("{} is odd; RoPE rotates pairs", m.qk_rope_head_dim),
+                );
+            }
+            // The latent row is cached as two halves (see `kv_cache_row`).
+            if !m.kv_lora_rank.is_multiple_of(2) {
+                return bad(
+                    "kv_lora_rank",
+                    format!(
+                        "{} is odd; the cached latent row (kv_lora_rank + qk_rope_head_dim) must split in two halves",
+                        m.kv_lora_rank
+                    ),
+                );
             }
         }
         if !self

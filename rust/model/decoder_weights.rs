@@ -1,5 +1,6 @@
 //! The Llama-family decoder's weights: the embedding, the decoder layers (dense, or routed
-//! experts where a MoE config says a layer is sparse), the final norm and the LM head,
+//! experts where a MoE config says a layer is sparse; grouped-query or, where the config
+//! has MLA sizes, multi-head latent attention), the final norm and the LM head,
 //! loaded with every shape the config implies checked.
 //!
 //! Invariants: a loaded [`DecoderWeights`] has every tensor the config implies, with the
@@ -125,9 +126,9 @@ fn moe_scoring(config: &ModelConfig) -> MoeScoring {
 /// their MoE MLPs would load.
 fn refuse_unsupported(src: &dyn TensorSource, config: &ModelConfig) -> crate::Result<()> {
     let missing = match config.family {
-        ModelFamily::DeepseekV3 => {
-            "DeepSeek-V3 attention is multi-head latent attention (MLA), which target models \
-             do not run yet (GQA MoE targets do: glm4_moe, qwen3_moe)"
+        ModelFamily::DeepseekV3 if config.mla.is_none() => {
+            "DeepSeek-V3 attention is multi-head latent attention (MLA), whose sizes the \
+             config must give (kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)"
         }
         ModelFamily::Qwen3Next => {
             "Qwen3-Next's linear-attention (Gated DeltaNet) and gated-attention layers are not \

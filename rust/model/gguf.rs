@@ -385,6 +385,7 @@ impl GgufFile {
                 high_freq_factor: None,
                 original_max_position_embeddings: self
                     .meta_usize(&key("rope.scaling.original_context_length"))?,
+                yarn: Default::default(),
             }),
         };
         let eos = match self.meta_usize("tokenizer.ggml.eos_token_id")? {
@@ -423,6 +424,7 @@ impl GgufFile {
             qk_norm: self.tensors.contains_key("blk.0.attn_q_norm.weight"),
             num_nextn_predict_layers: nextn,
             moe,
+            mla: None,
             eos_token_ids: eos.map(|e| vec![e]).unwrap_or_default(),
         };
         config.validate()?;

@@ -30,7 +30,10 @@ pub mod tensors;
 mod weights;
 
 pub use capture::check_layer_ids;
-pub use config::{ConfigError, ModelConfig, ModelFamily, MoeConfig, RopeScaling, MAX_CONFIG_BYTES};
+pub use config::{
+    yarn_mscale, ConfigError, MlaConfig, ModelConfig, ModelFamily, MoeConfig, RopeScaling,
+    YarnParams, MAX_CONFIG_BYTES,
+};
 pub use config_limits::LIMITS;
 pub use context::{Communicator, ForwardContext};
 pub use decoder_weights::{DecoderWeights, NameScheme};

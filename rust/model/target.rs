@@ -1,6 +1,8 @@
-//! `TargetModel`: a Llama-family decoder (Llama, SmolLM2, Qwen2/2.5/3, MiMo's base, and the
-//! GQA mixture-of-experts families GLM-4.5 and Qwen3-MoE) with a paged KV cache, serving
-//! prefill and verification for many sequences in one forward.
+//! `TargetModel`: a Llama-family decoder (Llama, SmolLM2, Qwen2/2.5/3, MiMo's base, the
+//! GQA mixture-of-experts families GLM-4.5 and Qwen3-MoE, and DeepSeek-V3 with multi-head
+//! latent attention) with a paged KV cache, serving prefill and verification for many
+//! sequences in one forward. An MLA layer's cache holds one latent row a token (see
+//! [`ModelConfig::kv_cache_row`]).
 //!
 //! Invariants:
 //! - Every device buffer the model uses (weights, KV caches, scratch, outputs) is owned by
@@ -236,7 +238,8 @@ impl TargetModel {
         }
         let scratch_slots = LayerScratch::from_arena(&arena)?;
         let num_slots = kv_blocks * BLOCK_SIZE;
-        let cache_bytes = num_slots * config.kv_size() * Dtype::Bf16.size();
+        // Under MLA a row of the two caches is half of a token's latent (`kv_cache_row`).
+        let cache_bytes = num_slots * config.kv_cache_width() * Dtype::Bf16.size();
         let mut caches = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
             caches.push(LayerCache {
@@ -470,7 +473,7 @@ impl TargetModel {
             let words: Vec<u32> = src.into_iter().chain(dst).collect();
             self.gpu
                 .copy_htod(self.meta, bytemuck::cast_slice(&words), DEFAULT_STREAM)?;
-            let c = &self.config;
+            let (kv_heads, head_dim) = self.config.kv_cache_row();
             for cache in &self.caches {
                 self.gpu.kv_copy(KvCopyArgs {
                     k_cache: cache.k,
@@ -478,8 +481,8 @@ impl TargetModel {
                     src: self.meta,
                     dst: self.meta.offset(n * 4),
                     copies: n,
-                    kv_heads: c.num_key_value_heads,
-                    head_dim: c.head_dim,
+                    kv_heads,
+                    head_dim,
                     num_slots: cache.num_slots,
                     stream: DEFAULT_STREAM,
                 })?;
@@ -490,7 +493,8 @@ impl TargetModel {
 
     /// The keys and values `seq` holds at decoder layer `layer`: BF16 bits `[len, kv_heads *
     /// head_dim]` each, cache row `j` at row `j` (read through the block table), for tests
-    /// and debugging.
+    /// and debugging. Under MLA, the two halves of each token's latent row `[c_kv | k_rope]`
+    /// (see [`ModelConfig::kv_cache_row`]).
     pub fn read_kv(&self, seq: &KvSequence, layer: usize) -> crate::Result<(Vec<u16>, Vec<u16>)> {
         const OP: &str = "TargetModel::read_kv";
         self.check_owner(seq, OP)?;
@@ -499,7 +503,7 @@ impl TargetModel {
                 ModelError::invalid(OP, format!("layer {layer} of {}", self.caches.len())).into(),
             );
         };
-        let width = self.config.kv_size();
+        let width = self.config.kv_cache_width();
         let row_bytes = width * Dtype::Bf16.size();
         let mut out = (
             Vec::with_capacity(seq.len * width),

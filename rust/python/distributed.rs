@@ -265,9 +265,13 @@ impl PyCommunicator {
     /// Rank 0 sends `command` to every worker: a dict with `"kind"` and its fields:
     /// `"prefill"` and `"verify"` take `"batch"` (a list of `{"seq", "tokens"}`) and
     /// optionally `"layers"` (capture layers), a verify also `"trees"` (per sequence a
-    /// parent list or None); `"mtp_propose"` takes `"seq"` and `"num_drafts"`; `"trim"`
-    /// `"seq"` and `"len"`; `"compact"` `"seq"`, `"start"` and `"rows"`; `"free"` `"seq"`;
-    /// `"shutdown"` nothing.
+    /// parent list or None); `"trim"` `"seq"` and `"len"`; `"compact"` `"seq"`, `"start"`
+    /// and `"rows"`; `"free"` `"seq"`; `"shutdown"` nothing. A sharded proposer's calls
+    /// name its `"state"`: `"mtp_propose"` (`"last_token"`, `"position"`, `"num_drafts"`,
+    /// `"hidden"` bytes, optional `"grammar"`), `"proposer_alloc"` (`"budget"`),
+    /// `"proposer_prefill"` (`"tokens"`, `"hidden"`), `"proposer_after_verify"`
+    /// (`"accepted"`), `"proposer_catchup"` (`"tokens"`, `"hidden"`, `"row_base"`,
+    /// `"pos_base"`) and `"proposer_free"`.
     fn send_command(&self, command: &Bound<'_, PyDict>) -> PyResult<()> {
         let cmd = command_from_dict(command)?;
         self.inner.send_command(&cmd).py()
@@ -296,14 +300,27 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
     let allowed: &[&str] = match kind.as_str() {
         "prefill" => &["kind", "batch", "layers"],
         "verify" => &["kind", "batch", "layers", "trees"],
-        "mtp_propose" => &["kind", "seq", "num_drafts"],
+        "mtp_propose" => &[
+            "kind",
+            "state",
+            "last_token",
+            "position",
+            "num_drafts",
+            "hidden",
+            "grammar",
+        ],
+        "proposer_alloc" => &["kind", "state", "budget"],
+        "proposer_prefill" => &["kind", "state", "tokens", "hidden"],
+        "proposer_after_verify" => &["kind", "state", "accepted"],
+        "proposer_catchup" => &["kind", "state", "tokens", "hidden", "row_base", "pos_base"],
+        "proposer_free" => &["kind", "state"],
         "trim" => &["kind", "seq", "len"],
         "compact" => &["kind", "seq", "start", "rows"],
         "free" => &["kind", "seq"],
         "shutdown" => &["kind"],
         other => {
             return Err(PyValueError::new_err(format!(
-                "command: unknown kind {other:?}; expected prefill, verify, mtp_propose, trim, compact, free or shutdown"
+                "command: unknown kind {other:?}; expected prefill, verify, mtp_propose, trim, compact, free, shutdown or a proposer_* call"
             )))
         }
     };
@@ -353,8 +370,35 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
             trees: optional("trees")?.map_or(Ok(Vec::new()), |v| v.extract())?,
         },
         "mtp_propose" => Command::MtpPropose {
-            seq: field("seq")?.extract()?,
+            state: field("state")?.extract()?,
+            last_token: field("last_token")?.extract()?,
+            position: field("position")?.extract()?,
             num_drafts: field("num_drafts")?.extract()?,
+            hidden: field("hidden")?.extract()?,
+            grammar: optional("grammar")?.map_or(Ok(None), |v| v.extract())?,
+        },
+        "proposer_alloc" => Command::ProposerAlloc {
+            state: field("state")?.extract()?,
+            budget: field("budget")?.extract()?,
+        },
+        "proposer_prefill" => Command::ProposerPrefill {
+            state: field("state")?.extract()?,
+            tokens: field("tokens")?.extract()?,
+            hidden: field("hidden")?.extract()?,
+        },
+        "proposer_after_verify" => Command::ProposerAfterVerify {
+            state: field("state")?.extract()?,
+            accepted: field("accepted")?.extract()?,
+        },
+        "proposer_catchup" => Command::ProposerCatchup {
+            state: field("state")?.extract()?,
+            tokens: field("tokens")?.extract()?,
+            hidden: field("hidden")?.extract()?,
+            row_base: field("row_base")?.extract()?,
+            pos_base: field("pos_base")?.extract()?,
+        },
+        "proposer_free" => Command::ProposerFree {
+            state: field("state")?.extract()?,
         },
         "trim" => Command::Trim {
             seq: field("seq")?.extract()?,
@@ -399,10 +443,52 @@ fn command_to_dict<'py>(py: Python<'py>, cmd: &Command) -> PyResult<Bound<'py, P
             d.set_item("layers", layers.clone())?;
             d.set_item("trees", trees.clone())?;
         }
-        Command::MtpPropose { seq, num_drafts } => {
-            d.set_item("seq", seq)?;
+        Command::MtpPropose {
+            state,
+            last_token,
+            position,
+            num_drafts,
+            hidden,
+            grammar,
+        } => {
+            d.set_item("state", state)?;
+            d.set_item("last_token", last_token)?;
+            d.set_item("position", position)?;
             d.set_item("num_drafts", num_drafts)?;
+            d.set_item("hidden", PyBytes::new(py, hidden))?;
+            d.set_item("grammar", grammar.clone())?;
         }
+        Command::ProposerAlloc { state, budget } => {
+            d.set_item("state", state)?;
+            d.set_item("budget", budget)?;
+        }
+        Command::ProposerPrefill {
+            state,
+            tokens,
+            hidden,
+        } => {
+            d.set_item("state", state)?;
+            d.set_item("tokens", tokens.clone())?;
+            d.set_item("hidden", PyBytes::new(py, hidden))?;
+        }
+        Command::ProposerAfterVerify { state, accepted } => {
+            d.set_item("state", state)?;
+            d.set_item("accepted", accepted)?;
+        }
+        Command::ProposerCatchup {
+            state,
+            tokens,
+            hidden,
+            row_base,
+            pos_base,
+        } => {
+            d.set_item("state", state)?;
+            d.set_item("tokens", tokens.clone())?;
+            d.set_item("hidden", PyBytes::new(py, hidden))?;
+            d.set_item("row_base", row_base)?;
+            d.set_item("pos_base", pos_base)?;
+        }
+        Command::ProposerFree { state } => d.set_item("state", state)?,
         Command::Trim { seq, len } => {
             d.set_item("seq", seq)?;
             d.set_item("len", len)?;

@@ -182,13 +182,19 @@ impl PySpecEngine {
     }
 
     /// On a worker (rank > 0) of a model loaded with `load_model(..., comm=comm)`: runs
-    /// every forward rank 0 announces (prefills, verifies, trims, frees) on this rank's
-    /// shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
+    /// every forward rank 0 announces (prefills, verifies, trims, frees, and the calls of a
+    /// draft head whose experts are split, which this engine's proposer then runs) on this
+    /// rank's shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
     /// "failed", "last_error", "leftover_sequences"}`. Raises `RequestError` on a model
     /// loaded on one rank, and `BackendError` if the ranks fall out of step (a rank died or
     /// hung past the communicator's timeout).
     fn run_worker<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        super::ranks::serve(py, self.engine.target().clone())
+        super::ranks::serve(
+            py,
+            self.engine.target().clone(),
+            self.engine.proposer().cloned(),
+            self.engine.levers(),
+        )
     }
 
     /// On rank 0 of a multi-rank model, tells the workers to leave `run_worker()` (once;

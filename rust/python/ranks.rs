@@ -2,17 +2,26 @@
 //! `SpecEngine.run_worker()` and `SpecEngine.close()`.
 
 use super::errors::IntoPyResult;
-use crate::engine::ranks::{run_worker, shutdown_workers};
-use crate::model::TargetModel;
+use crate::engine::ranks::{run_worker_with, shutdown_workers};
+use crate::model::{ModelLevers, TargetModel};
+use crate::speculative::DraftProposer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Serves rank 0 until it shuts the workers down, with the interpreter released, and
-/// returns the worker's report as a dict.
-pub(super) fn serve<'py>(py: Python<'py>, model: Arc<TargetModel>) -> PyResult<Bound<'py, PyDict>> {
-    let report = py.detach(move || run_worker(&model)).py()?;
+/// returns the worker's report as a dict. `proposer` runs rank 0's announced proposer
+/// calls (a head whose experts are split across the ranks) under `levers`.
+pub(super) fn serve<'py>(
+    py: Python<'py>,
+    model: Arc<TargetModel>,
+    proposer: Option<Arc<dyn DraftProposer>>,
+    levers: ModelLevers,
+) -> PyResult<Bound<'py, PyDict>> {
+    let report = py
+        .detach(move || run_worker_with(&model, proposer.as_deref(), levers))
+        .py()?;
     let d = PyDict::new(py);
     d.set_item("commands", report.commands)?;
     d.set_item("failed", report.failed)?;

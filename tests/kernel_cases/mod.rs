@@ -22,7 +22,8 @@ use rand::{Rng, SeedableRng};
 use specdraft::backend::{
     ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr, Dtype, ElementwiseArgs,
     ElementwiseOp, EmbeddingArgs, GpuBackend, GpuBackendExt, KvCopyArgs, KvWriteArgs, LinearArgs,
-    LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
+    LinearWeight, MlaAttentionArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle,
+    SoftmaxArgs,
 };
 use std::cell::RefCell;
 
@@ -576,6 +577,89 @@ pub fn paged_attention(
         b.download_bf16(o, rows * heads * head_dim)
     })?;
     close("paged_attention", &got, &want, BF16_RTOL, 2e-3)
+}
+
+/// The sizes of one latent attention case: `(heads, kv_lora_rank, nope_dim, rope_dim,
+/// v_dim, block_size)`.
+pub type MlaShape = (usize, usize, usize, usize, usize, usize);
+
+/// A latent attention batch: causal rows of sequences with `ctx` cached rows (the last
+/// `queries` positions of each), then a draft tree's verify rows (a prefix of 9, the root
+/// and five nodes: two children of the root, a grandchild, a great-grandchild), blocks
+/// scattered through the cache, under the tree mask.
+pub fn mla_attention(
+    dut: &dyn GpuBackend,
+    ctx: &[usize],
+    queries: usize,
+    shape: MlaShape,
+    seed: u64,
+) -> Result<(), String> {
+    let (heads, rank, nope, rope, v_dim, block_size) = shape;
+    let none = PagedAttentionArgs::NO_PARENT;
+    let (mut row_seq, mut row_len, mut row_parent) = (Vec::new(), Vec::new(), Vec::new());
+    for (s, &c) in ctx.iter().enumerate() {
+        for q in 0..queries.min(c) {
+            row_seq.push(s as u32);
+            row_len.push((c - queries.min(c) + q + 1) as u32);
+            row_parent.push(none);
+        }
+    }
+    let tree_seq = ctx.len() as u32;
+    let root = row_seq.len() as u32;
+    for (i, parent) in [none, 0, 0, 1, 3, 4].into_iter().enumerate() {
+        row_seq.push(tree_seq);
+        row_len.push(10 + i as u32);
+        row_parent.push(if parent == none { none } else { root + parent });
+    }
+    let all_ctx: Vec<usize> = ctx.iter().copied().chain([15]).collect();
+    let max_blocks = all_ctx
+        .iter()
+        .map(|c| c.div_ceil(block_size))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let num_blocks = all_ctx.len() * max_blocks + 3;
+    let mut r = rng(seed);
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, r.random_range(0..=i));
+    }
+    let table: Vec<u32> = ids[..all_ctx.len() * max_blocks].to_vec();
+    let rows = row_seq.len();
+    let half = (rank + rope) / 2;
+    let w = 1.0 / (rank as f32).sqrt();
+    let q = uniform(seed + 1, rows * heads * (nope + rope), -1.0, 1.0);
+    let kv_b = uniform(seed + 2, heads * (nope + v_dim) * rank, -w, w);
+    let lo = uniform(seed + 3, num_blocks * block_size * half, -2.0, 2.0);
+    let hi = uniform(seed + 4, num_blocks * block_size * half, -2.0, 2.0);
+    let n_out = rows * heads * v_dim;
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let o = s.out(Dtype::Bf16, n_out)?;
+        b.mla_attention(MlaAttentionArgs {
+            out: o,
+            q: s.bf16(&q)?,
+            kv_b: s.bf16(&kv_b)?,
+            lo_cache: s.bf16(&lo)?,
+            hi_cache: s.bf16(&hi)?,
+            block_table: s.u32(&table)?,
+            row_seq: s.u32(&row_seq)?,
+            row_ctx_len: s.u32(&row_len)?,
+            row_parent: Some(s.u32(&row_parent)?),
+            rows,
+            heads,
+            kv_lora_rank: rank,
+            nope_dim: nope,
+            rope_dim: rope,
+            v_dim,
+            block_size,
+            max_blocks_per_seq: max_blocks,
+            scale: 1.0 / ((nope + rope) as f32).sqrt(),
+            stream: 0,
+        })?;
+        b.download_bf16(o, n_out)
+    })?;
+    close("mla_attention", &got, &want, BF16_RTOL, 2e-3)
 }
 
 /// A verify forward of draft trees under the tree mask: sequence `s` of `trees` has

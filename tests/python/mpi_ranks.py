@@ -20,7 +20,17 @@ HANG_TIMEOUT_S = 3.0
 
 COMMANDS: list[dict] = [
     {"kind": "prefill", "batch": [{"seq": 1, "tokens": [5, 6, 7, 49151]}], "layers": [1]},
-    {"kind": "mtp_propose", "seq": 1, "num_drafts": 3},
+    {"kind": "proposer_alloc", "state": 77, "budget": 2**64 - 1},
+    {"kind": "proposer_prefill", "state": 77, "tokens": [5, 6, 7], "hidden": bytes(range(12))},
+    {
+        "kind": "mtp_propose",
+        "state": 77,
+        "last_token": 7,
+        "position": 3,
+        "num_drafts": 3,
+        "hidden": b"\x01\x02\x03\x04",
+        "grammar": [-1, 5],
+    },
     {
         "kind": "verify",
         "batch": [{"seq": 1, "tokens": [8, 9, 10, 11]}, {"seq": 2, "tokens": [4]}],
@@ -29,7 +39,25 @@ COMMANDS: list[dict] = [
     },
     {"kind": "trim", "seq": 1, "len": 6},
     {"kind": "compact", "seq": 2, "start": 3, "rows": [4, 6]},
-    {"kind": "mtp_propose", "seq": 1, "num_drafts": 2},
+    {"kind": "proposer_after_verify", "state": 77, "accepted": 2},
+    {
+        "kind": "proposer_catchup",
+        "state": 77,
+        "tokens": [9],
+        "hidden": b"\xff\x00",
+        "row_base": 4,
+        "pos_base": 5,
+    },
+    {
+        "kind": "mtp_propose",
+        "state": 77,
+        "last_token": 1,
+        "position": 6,
+        "num_drafts": 0,
+        "hidden": b"",
+        "grammar": None,
+    },
+    {"kind": "proposer_free", "state": 77},
     {"kind": "free", "seq": 1},
     {"kind": "shutdown"},
 ]

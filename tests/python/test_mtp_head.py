@@ -270,8 +270,8 @@ def test_a_head_with_latent_attention_is_refused_naming_it(tmp_path, gpu):
 
 
 def test_a_deepseek_v3_target_is_refused_naming_latent_attention(tmp_path, gpu):
-    """The README says DeepSeek-V3 targets, whose attention is MLA, cannot be loaded yet:
-    the refusal names MLA, not the mixture of experts, which loads."""
+    """A DeepSeek-V3 target config without its latent attention sizes (kv_lora_rank, ...)
+    is refused naming MLA, not the mixture of experts, which loads."""
     folder = write_checkpoint(tmp_path / "moe", "deepseek_v3")
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)

@@ -18,8 +18,8 @@ use super::linear::{Nvfp4Rows, WeightRows};
 use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, EmbeddingArgs, GroupedLinearArgs, Kernels,
-    KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs, RopeArgs,
-    SoftmaxArgs,
+    KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, MlaAttentionArgs, PagedAttentionArgs,
+    RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use crate::backend::quant::{PackedView, QuantError};
 use crate::backend::BackendError;
@@ -279,6 +279,13 @@ impl Kernels for CpuBackend {
                 cache.copy_within(s..s + width, d);
             }
         }
+        Ok(())
+    }
+
+    fn mla_attention(&self, args: MlaAttentionArgs) -> Result<(), BackendError> {
+        let c = args.validate(self)?;
+        // SAFETY: validated for this call.
+        unsafe { super::mla::mla_attention(&c) };
         Ok(())
     }
 }

@@ -24,6 +24,7 @@ mod fp8;
 mod grouped;
 mod kernels;
 mod linear;
+mod mla;
 mod rope_angles;
 mod shared_out;
 

@@ -1,10 +1,13 @@
-//! Host side of the position and cache kernels (RoPE, KV write and copy, paged attention): the
+//! Host side of the position and cache kernels (RoPE, KV write and copy, paged and latent
+//! attention): the
 //! arguments' shared `validate`, the limits of these kernels, then one launch. Split from
 //! `ops.rs` only to keep files short; the invariants are those of `ops.rs`.
 
 use super::launch::*;
 use crate::backend::kernels::check::{count, invalid};
-use crate::backend::kernels::{KvCopyArgs, KvWriteArgs, PagedAttentionArgs, RopeArgs, RopeStyle};
+use crate::backend::kernels::{
+    KvCopyArgs, KvWriteArgs, MlaAttentionArgs, PagedAttentionArgs, RopeArgs, RopeStyle,
+};
 use crate::backend::BackendError;
 
 pub(super) fn rope<L: KernelLauncher>(b: &L, args: RopeArgs) -> Result<(), BackendError> {
@@ -110,4 +113,55 @@ pub(super) fn paged_attention<L: KernelLauncher>(
         block: (ATTN_WARPS * 32, 1, 1),
     };
     b.launch("sd_paged_attention", shape, &l.args, a.stream)
+}
+
+pub(super) fn mla_attention<L: KernelLauncher>(
+    b: &L,
+    args: MlaAttentionArgs,
+) -> Result<(), BackendError> {
+    let op = "mla_attention";
+    let checked = args.validate(b)?;
+    let a = &checked.args;
+    let latent = a.kv_lora_rank + a.rope_dim;
+    if a.kv_lora_rank > MLA_MAX_RANK || latent > MLA_MAX_LATENT {
+        return Err(invalid(
+            op,
+            format!(
+                "kv_lora_rank {} and latent row {latent} exceed the CUDA kernel's {MLA_MAX_RANK} and {MLA_MAX_LATENT}",
+                a.kv_lora_rank
+            ),
+        ));
+    }
+    let num_seqs = checked.row_seq.iter().map(|&s| s as usize + 1).max();
+    let mut l = LaunchArgs::new(op);
+    l.ptr(&a.out)
+        .ptr(&a.q)
+        .ptr(&a.kv_b)
+        .ptr(&a.lo_cache)
+        .ptr(&a.hi_cache);
+    // An empty batch reads no table; the kernel gets the null pointer.
+    l.opt_ptr(num_seqs.map(|_| &a.block_table));
+    l.ptr(&a.row_seq).ptr(&a.row_ctx_len);
+    // No tree mask: the kernel gets the null pointer.
+    l.opt_ptr(a.row_parent.as_ref());
+    l.int("heads", a.heads)?
+        .int("kv_lora_rank", a.kv_lora_rank)?
+        .int("nope_dim", a.nope_dim)?
+        .int("rope_dim", a.rope_dim)?
+        .int("v_dim", a.v_dim)?
+        .int("block_size", a.block_size)?
+        .int("max_blocks_per_seq", a.max_blocks_per_seq)?
+        .float(a.scale);
+    if a.rows == 0 || a.heads == 0 {
+        return Ok(());
+    }
+    let shape = Shape {
+        grid: (
+            grid_dim(op, "heads", a.heads)?,
+            grid_dim(op, "rows", a.rows)?,
+            1,
+        ),
+        block: (MLA_WARPS * 32, 1, 1),
+    };
+    b.launch("sd_mla_attention", shape, &l.args, a.stream)
 }

@@ -11,7 +11,7 @@ use crate::backend::kernels::CheckedMemory;
 use crate::backend::{BackendError, DevicePtr, GpuBackend, HostView};
 
 /// Names of every kernel entry point in the fatbin (`cuda/*.cu`).
-pub const KERNEL_NAMES: [&str; 15] = [
+pub const KERNEL_NAMES: [&str; 16] = [
     "sd_embedding",
     "sd_rms_norm",
     "sd_add",
@@ -27,6 +27,7 @@ pub const KERNEL_NAMES: [&str; 15] = [
     "sd_softmax",
     "sd_copy_rows",
     "sd_kv_copy",
+    "sd_mla_attention",
 ];
 
 /// Threads per block of the row-per-block kernels (whole warps, as the reductions need).
@@ -42,6 +43,12 @@ pub(super) const LINEAR_ROWS: usize = 4;
 pub(super) const ATTN_WARPS: u32 = 4;
 /// Largest head the attention kernel holds in registers (`SD_ATTN_MAX_DIM`).
 pub(crate) const ATTN_MAX_HEAD_DIM: usize = 256;
+/// Warps per block of latent attention (`SD_MLA_WARPS`).
+pub(super) const MLA_WARPS: u32 = 4;
+/// Largest `kv_lora_rank` the latent attention kernel holds (`SD_MLA_MAX_RANK`).
+pub(crate) const MLA_MAX_RANK: usize = 512;
+/// Largest latent row (`kv_lora_rank + rope_dim`) it holds in registers (`SD_MLA_MAX_LATENT`).
+pub(crate) const MLA_MAX_LATENT: usize = 640;
 /// Most blocks of one element-wise launch; the kernels stride over the rest.
 pub(super) const MAX_ELEMENT_BLOCKS: usize = 65_535;
 

@@ -16,8 +16,8 @@ use super::attention;
 use super::launch::*;
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs,
-    Kernels, KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs, RmsNormArgs,
-    RopeArgs, SoftmaxArgs,
+    Kernels, KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, MlaAttentionArgs,
+    PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use crate::backend::{BackendError, Dtype};
 
@@ -138,6 +138,10 @@ impl<L: KernelLauncher> Kernels for L {
 
     fn paged_attention(&self, args: PagedAttentionArgs) -> Result<(), BackendError> {
         attention::paged_attention(self, args)
+    }
+
+    fn mla_attention(&self, args: MlaAttentionArgs) -> Result<(), BackendError> {
+        attention::mla_attention(self, args)
     }
 
     fn argmax(&self, args: ArgmaxArgs) -> Result<(), BackendError> {

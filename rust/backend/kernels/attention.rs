@@ -223,7 +223,11 @@ pub struct CheckedAttention<R> {
 }
 
 /// The first row whose parent breaks the mask's contract, with what is wrong.
-fn parent_fault(row_parent: &[u32], row_seq: &[u32], row_ctx_len: &[u32]) -> Option<String> {
+pub(super) fn parent_fault(
+    row_parent: &[u32],
+    row_seq: &[u32],
+    row_ctx_len: &[u32],
+) -> Option<String> {
     row_parent.iter().enumerate().find_map(|(r, &p)| {
         let p = (p != PagedAttentionArgs::NO_PARENT).then_some(p as usize)?;
         if p >= r {

@@ -26,6 +26,7 @@ pub(crate) mod check;
 mod copy_rows;
 mod kv_copy;
 mod linear;
+mod mla;
 
 pub use attention::{CheckedAttention, CheckedKvWrite, KvWriteArgs, PagedAttentionArgs, RopeArgs};
 pub use basic::{
@@ -39,6 +40,7 @@ pub use linear::{
     GroupedLinearArgs, LinearArgs, LinearPart, LinearWeight, FP8_BLOCK, MAX_LINEAR_PARTS,
     NVFP4_BLOCK,
 };
+pub use mla::{attended_rows, CheckedMla, MlaAttentionArgs};
 
 use super::BackendError;
 
@@ -79,4 +81,6 @@ pub trait Kernels {
     fn copy_rows(&self, args: CopyRowsArgs) -> Result<(), BackendError>;
     /// Rows copied between slots of a paged cache, in order ([`KvCopyArgs`]).
     fn kv_copy(&self, args: KvCopyArgs) -> Result<(), BackendError>;
+    /// Multi-head latent attention over a paged latent cache ([`MlaAttentionArgs`]).
+    fn mla_attention(&self, args: MlaAttentionArgs) -> Result<(), BackendError>;
 }

@@ -13,6 +13,7 @@
 
 mod expert_shard;
 mod load;
+mod mla;
 mod moe;
 mod names;
 mod project;
@@ -22,6 +23,7 @@ mod weights;
 
 pub use expert_shard::ExpertShard;
 pub use load::{keeps_block_formats, load_dense, load_linear, load_norm};
+pub use mla::{MlaParts, MlaScratch};
 pub use moe::{MoeMlp, MoeScoring};
 pub use names::{LayerNames, NameScheme, Part};
 pub use project::{project_bf16, Projection};
@@ -29,7 +31,7 @@ pub use rope::{rope_inv_freq, rotary_dim};
 pub use scratch::{arena_slots, layer_slots, GatedScratch, LayerScratch, MoeScratch, ScratchShape};
 pub use weights::{LayerOptions, LayerWeights, Mlp, QkNorm, SwiGlu};
 
-use super::{ModelConfig, ModelError};
+use super::{MlaConfig, ModelConfig, ModelError};
 use crate::backend::{
     DevicePtr, Dtype, ElementwiseArgs, ElementwiseOp, GpuBackend, KvWriteArgs, PagedAttentionArgs,
     RmsNormArgs, RopeArgs, RopeStyle,
@@ -50,6 +52,10 @@ pub struct LayerShape {
     pub rotary_dim: usize,
     /// The RMSNorm epsilon.
     pub eps: f32,
+    /// Multi-head latent attention's sizes and score scale
+    /// ([`ModelConfig::mla_softmax_scale`]), for a layer whose attention is MLA (then
+    /// `kv_heads` and `head_dim` are not read by the attention).
+    pub mla: Option<(MlaConfig, f32)>,
 }
 
 impl LayerShape {
@@ -62,6 +68,7 @@ impl LayerShape {
             head_dim: config.head_dim,
             rotary_dim: rotary_dim(config),
             eps: config.rms_norm_eps,
+            mla: config.mla.zip(config.mla_softmax_scale()),
         }
     }
 }
@@ -186,14 +193,7 @@ fn layer(
     row_parent: Option<DevicePtr>,
 ) -> crate::Result<()> {
     let (rows, stream) = (io.rows, io.stream);
-    let LayerShape {
-        hidden,
-        heads,
-        kv_heads,
-        head_dim,
-        rotary_dim,
-        eps,
-    } = *shape;
+    let LayerShape { hidden, eps, .. } = *shape;
     let rms_norm = |out, x, weight: DevicePtr, rows, dim| {
         gpu.rms_norm(RmsNormArgs {
             out,
@@ -225,96 +225,33 @@ fn layer(
             sc.normed
         }
     };
-    let gated = match (w.gated_attention, sc.gated) {
-        (false, _) => None,
-        (true, Some(g)) => Some(g),
-        (true, None) => {
+    let go_on = match (&w.mla, shape.mla, sc.mla) {
+        (None, _, _) => gqa_attention(gpu, shape, w, cache, io, sc, attn_in, depth, row_parent)?,
+        (Some(parts), Some((m, scale)), Some(ms)) => mla::attention(
+            gpu,
+            shape,
+            (&m, scale),
+            w,
+            parts,
+            cache,
+            io,
+            &ms,
+            attn_in,
+            sc.normed,
+            depth,
+            row_parent,
+        )?,
+        (Some(_), _, _) => {
             return Err(ModelError::invalid(
                 "decoder_layer",
-                "gated attention needs the q_full and q_gate scratch slots",
+                "an MLA layer needs the MLA sizes in its shape and the mla_* scratch slots",
             )
             .into())
         }
     };
-    let q_out = gated.map_or(sc.q, |g| g.q_full);
-    let qkv = [
-        (&w.q, w.q_bias.as_ref(), q_out),
-        (&w.k, w.k_bias.as_ref(), sc.k),
-        (&w.v, w.v_bias.as_ref(), sc.v),
-    ]
-    .map(|(weight, bias, out)| Projection { weight, bias, out });
-    project_bf16(gpu, attn_in, rows, stream, &qkv)?;
-    if let Some(g) = gated {
-        // Per head, q_proj's rows are [query (head_dim), gate (head_dim)].
-        let head_bytes = head_dim * bf16.size();
-        for i in 0..rows * heads {
-            let from = g.q_full.offset(2 * i * head_bytes);
-            gpu.copy_dtod(sc.q.offset(i * head_bytes), from, head_bytes, stream)?;
-            let from = g.q_full.offset((2 * i + 1) * head_bytes);
-            gpu.copy_dtod(g.q_gate.offset(i * head_bytes), from, head_bytes, stream)?;
-        }
-    }
-    if let Some(n) = &w.qk_norm {
-        rms_norm(sc.q, sc.q, n.q.ptr, rows * heads, head_dim)?;
-        rms_norm(sc.k, sc.k, n.k.ptr, rows * kv_heads, head_dim)?;
-    }
-    for (x, heads) in [(sc.q, heads), (sc.k, kv_heads)] {
-        gpu.rope(RopeArgs {
-            x,
-            positions: io.positions,
-            inv_freq: io.inv_freq,
-            rows,
-            heads,
-            head_dim,
-            rotary_dim,
-            style: io.rope_style,
-            stream,
-        })?;
-    }
-    gpu.kv_write(KvWriteArgs {
-        k_cache: cache.k,
-        v_cache: cache.v,
-        k: sc.k,
-        v: sc.v,
-        slots: io.slots,
-        rows,
-        kv_heads,
-        head_dim,
-        num_slots: cache.num_slots,
-        stream,
-    })?;
-    if depth == LayerDepth::KvOnly {
+    if !go_on {
         return Ok(());
     }
-    gpu.paged_attention(PagedAttentionArgs {
-        out: sc.attn_out,
-        q: sc.q,
-        k_cache: cache.k,
-        v_cache: cache.v,
-        block_table: io.block_table,
-        row_seq: io.row_seq,
-        row_ctx_len: io.row_ctx_len,
-        row_parent,
-        rows,
-        heads,
-        kv_heads,
-        head_dim,
-        block_size: cache.block_size,
-        max_blocks_per_seq: io.max_blocks_per_seq,
-        scale: 1.0 / (head_dim as f32).sqrt(),
-        stream,
-    })?;
-    if let Some(g) = gated {
-        let n = rows * heads * head_dim;
-        elementwise(
-            ElementwiseOp::SigmoidMul,
-            sc.attn_out,
-            g.q_gate,
-            sc.attn_out,
-            n,
-        )?;
-    }
-    w.o.forward(gpu, sc.normed, bf16, sc.attn_out, None, rows, stream)?;
     elementwise(
         ElementwiseOp::Add,
         io.hidden,
@@ -374,4 +311,143 @@ fn layer(
         }
     }
     Ok(())
+}
+
+/// The attention half of a grouped-query layer: from `attn_in` to `o_proj`'s output in
+/// `sc.normed`, writing the rows' keys and values to `cache` on the way. `Ok(false)` when
+/// `depth` stops after the cache write.
+#[allow(clippy::too_many_arguments)]
+fn gqa_attention(
+    gpu: &dyn GpuBackend,
+    shape: &LayerShape,
+    w: &LayerWeights,
+    cache: &LayerCache,
+    io: &LayerIo,
+    sc: &LayerScratch,
+    attn_in: DevicePtr,
+    depth: LayerDepth,
+    row_parent: Option<DevicePtr>,
+) -> crate::Result<bool> {
+    let (rows, stream) = (io.rows, io.stream);
+    let LayerShape {
+        heads,
+        kv_heads,
+        head_dim,
+        rotary_dim,
+        eps,
+        ..
+    } = *shape;
+    let rms_norm = |out, x, weight: DevicePtr, rows, dim| {
+        gpu.rms_norm(RmsNormArgs {
+            out,
+            x,
+            weight,
+            rows,
+            dim,
+            eps,
+            stream,
+        })
+    };
+    let elementwise = |op, out, a, b, n| {
+        gpu.elementwise(ElementwiseArgs {
+            op,
+            out,
+            a,
+            b,
+            n,
+            stream,
+        })
+    };
+    let bf16 = Dtype::Bf16;
+    let gated = match (w.gated_attention, sc.gated) {
+        (false, _) => None,
+        (true, Some(g)) => Some(g),
+        (true, None) => {
+            return Err(ModelError::invalid(
+                "decoder_layer",
+                "gated attention needs the q_full and q_gate scratch slots",
+            )
+            .into())
+        }
+    };
+    let q_out = gated.map_or(sc.q, |g| g.q_full);
+    let qkv = [
+        (&w.q, w.q_bias.as_ref(), q_out),
+        (&w.k, w.k_bias.as_ref(), sc.k),
+        (&w.v, w.v_bias.as_ref(), sc.v),
+    ]
+    .map(|(weight, bias, out)| Projection { weight, bias, out });
+    project_bf16(gpu, attn_in, rows, stream, &qkv)?;
+    if let Some(g) = gated {
+        // Per head, q_proj's rows are [query (head_dim), gate (head_dim)].
+        let head_bytes = head_dim * bf16.size();
+        for i in 0..rows * heads {
+            let from = g.q_full.offset(2 * i * head_bytes);
+            gpu.copy_dtod(sc.q.offset(i * head_bytes), from, head_bytes, stream)?;
+            let from = g.q_full.offset((2 * i + 1) * head_bytes);
+            gpu.copy_dtod(g.q_gate.offset(i * head_bytes), from, head_bytes, stream)?;
+        }
+    }
+    if let Some(n) = &w.qk_norm {
+        rms_norm(sc.q, sc.q, n.q.ptr, rows * heads, head_dim)?;
+        rms_norm(sc.k, sc.k, n.k.ptr, rows * kv_heads, head_dim)?;
+    }
+    for (x, heads) in [(sc.q, heads), (sc.k, kv_heads)] {
+        gpu.rope(RopeArgs {
+            x,
+            positions: io.positions,
+            inv_freq: io.inv_freq,
+            rows,
+            heads,
+            head_dim,
+            rotary_dim,
+            style: io.rope_style,
+            stream,
+        })?;
+    }
+    gpu.kv_write(KvWriteArgs {
+        k_cache: cache.k,
+        v_cache: cache.v,
+        k: sc.k,
+        v: sc.v,
+        slots: io.slots,
+        rows,
+        kv_heads,
+        head_dim,
+        num_slots: cache.num_slots,
+        stream,
+    })?;
+    if depth == LayerDepth::KvOnly {
+        return Ok(false);
+    }
+    gpu.paged_attention(PagedAttentionArgs {
+        out: sc.attn_out,
+        q: sc.q,
+        k_cache: cache.k,
+        v_cache: cache.v,
+        block_table: io.block_table,
+        row_seq: io.row_seq,
+        row_ctx_len: io.row_ctx_len,
+        row_parent,
+        rows,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size: cache.block_size,
+        max_blocks_per_seq: io.max_blocks_per_seq,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        stream,
+    })?;
+    if let Some(g) = gated {
+        let n = rows * heads * head_dim;
+        elementwise(
+            ElementwiseOp::SigmoidMul,
+            sc.attn_out,
+            g.q_gate,
+            sc.attn_out,
+            n,
+        )?;
+    }
+    w.o.forward(gpu, sc.normed, bf16, sc.attn_out, None, rows, stream)?;
+    Ok(true)
 }

@@ -5,9 +5,10 @@
 //! Invariant: an arena made from [`layer_slots`] for a layer holds every buffer
 //! [`super::decoder_layer`] touches for that layer, for up to the arena's `max_rows` rows.
 
+use super::mla::MlaScratch;
 use crate::backend::{DevicePtr, Dtype};
 use crate::memory::{BufferArena, MemoryError, SlotSpec};
-use crate::model::ModelConfig;
+use crate::model::{MlaConfig, ModelConfig};
 
 /// What sizes a layer's scratch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +25,8 @@ pub struct ScratchShape {
     pub gated_attention: bool,
     /// Routed experts (0: a dense MLP).
     pub experts: usize,
+    /// Multi-head latent attention's sizes and heads, when attention is MLA.
+    pub mla: Option<(MlaConfig, usize)>,
 }
 
 const fn slot(name: &'static str, dtype: Dtype, row_elems: usize) -> SlotSpec {
@@ -62,6 +65,20 @@ pub fn layer_slots(s: &ScratchShape) -> Vec<SlotSpec> {
             slot("moe_gate_logit", Bf16, 1),
         ]);
     }
+    if let Some((m, heads)) = &s.mla {
+        let half = m.latent_width() / 2;
+        slots.extend([
+            slot("mla_q_a", Bf16, m.q_lora_rank.unwrap_or(1)),
+            slot("mla_q", Bf16, heads * m.qk_head_dim()),
+            slot("mla_q_rope", Bf16, heads * m.qk_rope_head_dim),
+            slot("mla_kv", Bf16, m.latent_width()),
+            slot("mla_c_kv", Bf16, m.kv_lora_rank),
+            slot("mla_k_rope", Bf16, m.qk_rope_head_dim),
+            slot("mla_lo", Bf16, half),
+            slot("mla_hi", Bf16, half),
+            slot("mla_out", Bf16, heads * m.v_head_dim),
+        ]);
+    }
     slots
 }
 
@@ -79,6 +96,7 @@ pub fn arena_slots(config: &ModelConfig) -> Vec<SlotSpec> {
         mlp_width,
         gated_attention: false,
         experts: config.moe.as_ref().map_or(0, |m| m.num_experts),
+        mla: config.mla.map(|m| (m, config.num_attention_heads)),
     };
     let mut slots = vec![
         slot("hidden", Dtype::Bf16, config.hidden_size),
@@ -140,6 +158,8 @@ pub struct LayerScratch {
     pub gated: Option<GatedScratch>,
     /// Present when the arena has the routed-experts slots.
     pub moe: Option<MoeScratch>,
+    /// Present when the arena has the multi-head latent attention slots.
+    pub mla: Option<MlaScratch>,
 }
 
 impl LayerScratch {
@@ -164,6 +184,20 @@ impl LayerScratch {
             }),
             Err(_) => None,
         };
+        let mla = match arena.slot("mla_q") {
+            Ok(_) => Some(MlaScratch {
+                q_a: at("mla_q_a")?,
+                q: at("mla_q")?,
+                q_rope: at("mla_q_rope")?,
+                kv: at("mla_kv")?,
+                c_kv: at("mla_c_kv")?,
+                k_rope: at("mla_k_rope")?,
+                lo: at("mla_lo")?,
+                hi: at("mla_hi")?,
+                out: at("mla_out")?,
+            }),
+            Err(_) => None,
+        };
         Ok(LayerScratch {
             normed: at("normed")?,
             q: at("q")?,
@@ -174,6 +208,7 @@ impl LayerScratch {
             up: at("up")?,
             gated,
             moe,
+            mla,
         })
     }
 }

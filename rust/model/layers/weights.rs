@@ -12,6 +12,7 @@
 
 use super::expert_shard::ExpertShard;
 use super::load::{load_dense, load_linear, load_norm};
+use super::mla::{self, MlaParts};
 use super::moe::{MoeMlp, MoeScoring};
 use super::names::{LayerNames, Part};
 use super::LayerShape;
@@ -164,6 +165,10 @@ pub struct LayerWeights {
     pub ffn_norm: DenseWeight,
     /// The MLP, dense or routed.
     pub mlp: Mlp,
+    /// Multi-head latent attention's other weights, when attention is MLA; `q`, `k`, `v`
+    /// and `o` are then `q_b_proj` (or `q_proj`), `kv_a_proj_with_mqa`, `kv_b_proj` and
+    /// `o_proj` (see [`super::mla`]).
+    pub mla: Option<Box<MlaParts>>,
 }
 
 impl LayerWeights {
@@ -186,12 +191,31 @@ impl LayerWeights {
     /// The attention projections and the always-run MLP's (when there is one), with their
     /// Hugging Face names.
     pub fn projections(&self) -> Vec<(&'static str, &Linear)> {
-        let mut all = vec![
-            ("self_attn.q_proj", &self.q),
-            ("self_attn.k_proj", &self.k),
-            ("self_attn.v_proj", &self.v),
-            ("self_attn.o_proj", &self.o),
-        ];
+        let mut all = match &self.mla {
+            None => vec![
+                ("self_attn.q_proj", &self.q),
+                ("self_attn.k_proj", &self.k),
+                ("self_attn.v_proj", &self.v),
+                ("self_attn.o_proj", &self.o),
+            ],
+            Some(parts) => {
+                let mut all = Vec::new();
+                let q = match &parts.q_a {
+                    Some((q_a, _)) => {
+                        all.push(("self_attn.q_a_proj", q_a));
+                        "self_attn.q_b_proj"
+                    }
+                    None => "self_attn.q_proj",
+                };
+                all.extend([
+                    (q, &self.q),
+                    ("self_attn.kv_a_proj_with_mqa", &self.k),
+                    ("self_attn.kv_b_proj", &self.v),
+                    ("self_attn.o_proj", &self.o),
+                ]);
+                all
+            }
+        };
         if let Some(m) = self.mlp.always_run() {
             all.extend([
                 ("mlp.gate_proj", &m.gate),
@@ -202,9 +226,19 @@ impl LayerWeights {
         all
     }
 
-    /// Every projection, routed experts included, to re-store.
+    /// Every projection, routed experts included, to re-store; under MLA not `kv_b_proj`,
+    /// which the attention kernel reads in BF16.
     pub fn projections_mut(&mut self) -> Vec<&mut Linear> {
-        let mut all: Vec<&mut Linear> = vec![&mut self.q, &mut self.k, &mut self.v, &mut self.o];
+        let mut all: Vec<&mut Linear> = match &mut self.mla {
+            None => vec![&mut self.q, &mut self.k, &mut self.v, &mut self.o],
+            Some(parts) => {
+                let mut all = vec![&mut self.q, &mut self.k, &mut self.o];
+                if let Some((q_a, _)) = &mut parts.q_a {
+                    all.push(q_a);
+                }
+                all
+            }
+        };
         match &mut self.mlp {
             Mlp::Dense(m) => all.extend([&mut m.gate, &mut m.up, &mut m.down]),
             Mlp::Experts(moe) => {
@@ -232,6 +266,10 @@ impl LayerWeights {
         );
         if let Some(n) = &self.qk_norm {
             v.extend([&n.q, &n.k]);
+        }
+        if let Some(parts) = &self.mla {
+            v.push(&parts.kv_a_norm);
+            v.extend(parts.q_a.as_ref().map(|(_, norm)| norm));
         }
         v
     }
@@ -280,18 +318,24 @@ impl LayerWeights {
         let norm =
             |p: Part, len: usize| load_norm(allocs, src, &format!("{}.weight", n(p)), len, zc);
         let bias = |p: Part, len: usize| -> crate::Result<Option<DenseWeight>> {
-            options
-                .attention_bias
+            (options.attention_bias && config.mla.is_none())
                 .then(|| load_dense(allocs, src, &format!("{}.bias", n(p)), &[len]))
                 .transpose()
         };
         let attn_norm = norm(Part::AttnNorm, h)?;
-        let (q, k, v, o) = (
-            lin(Part::Q, q_rows, attn_in)?,
-            lin(Part::K, kvs, attn_in)?,
-            lin(Part::V, kvs, attn_in)?,
-            lin(Part::O, h, qs)?,
-        );
+        let (q, k, v, o, mla) = match &config.mla {
+            Some(m) => {
+                let (q, k, v, o, parts) = mla::load(allocs, src, config, m, names)?;
+                (q, k, v, o, Some(Box::new(parts)))
+            }
+            None => (
+                lin(Part::Q, q_rows, attn_in)?,
+                lin(Part::K, kvs, attn_in)?,
+                lin(Part::V, kvs, attn_in)?,
+                lin(Part::O, h, qs)?,
+                None,
+            ),
+        };
         let (q_bias, k_bias, v_bias) = (
             bias(Part::Q, q_rows)?,
             bias(Part::K, kvs)?,
@@ -354,6 +398,7 @@ impl LayerWeights {
             gated_attention: options.gated_attention,
             ffn_norm,
             mlp,
+            mla,
         })
     }
 
@@ -383,7 +428,13 @@ impl LayerWeights {
             ("v_proj", self.v.dims(), (kvh * hd, attn_in)),
             ("o_proj", self.o.dims(), (h, heads * hd)),
         ];
-        for (name, found, want) in expect {
+        // An MLA layer's attention shapes come from its MLA sizes, checked at load.
+        let expect = if self.mla.is_some() {
+            &[][..]
+        } else {
+            &expect[..]
+        };
+        for &(name, found, want) in expect {
             if found != want {
                 return Err(format!(
                     "{name} is [{}, {}], expected [{}, {}] for hidden_size {h}, {heads} heads, {kvh} KV heads, head_dim {hd}",

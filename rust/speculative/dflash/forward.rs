@@ -68,6 +68,7 @@ impl Scratch {
             mlp_width,
             gated_attention: false,
             experts: 0,
+            mla: None,
         });
         let slot = |name, dtype, row_elems| SlotSpec {
             name,

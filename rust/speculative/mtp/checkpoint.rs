@@ -67,7 +67,7 @@ impl MtpHead {
     ) -> crate::Result<Self> {
         let layout = find_layout(src, config)?;
         let allocs = DeviceAllocations::new(gpu.clone());
-        let mut weights = MtpWeights::load(&allocs, src, config, layout, 0)?;
+        let mut weights = MtpWeights::load(&allocs, src, config, layout, 0, None)?;
         if let Some(moe) = weights.layer.moe_mut() {
             (moe.n_group, moe.topk_group) = moe_groups;
         }

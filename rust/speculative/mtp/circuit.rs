@@ -262,6 +262,7 @@ fn spec_from_binding(b: &DraftBinding, max_blocks_per_seq: usize) -> crate::Resu
             up: linear("layer.mlp.up_proj")?,
             down: linear("layer.mlp.down_proj")?,
         }),
+        mla: None,
     };
     let ffn = layer.mlp.max_width();
     let weights = MtpWeights {

@@ -107,6 +107,7 @@ impl Scratch {
             mlp_width: layer.mlp.max_width(),
             gated_attention: layer.gated_attention,
             experts: layer.moe().map_or(0, |m| m.num_experts()),
+            mla: None,
         });
         slots.extend(Self::head_slots(
             h,

@@ -214,7 +214,13 @@ impl DraftProposer for MtpHead {
     }
 
     fn needs_comm(&self) -> bool {
-        false
+        // True when the head's routed experts are split across ranks: its forward then
+        // meets the other ranks in an all-reduce.
+        self.spec
+            .weights
+            .layer
+            .moe()
+            .is_some_and(|m| m.shard.is_some())
     }
 
     fn prefill_uses_shared_buffers(&self) -> bool {

@@ -31,7 +31,8 @@ impl MtpHead {
     /// (the LM head is the tied embedding when the target has no separate one). Drafts come
     /// from the LM head's first `mtp_vocab_size` rows; 0 takes `mtp_vocab_size` from the
     /// head's `config.json`, or every row when it names none. Everything the head allocates
-    /// is freed on drop.
+    /// is freed on drop. On one rank of a multi-rank target (loaded with an expert shard)
+    /// the head holds this rank's share of its routed experts too, and `needs_comm` is true.
     pub fn from_checkpoint_for_target(
         dir: impl AsRef<Path>,
         target: Arc<TargetModel>,
@@ -52,7 +53,9 @@ impl MtpHead {
         let gpu = target.gpu().clone();
         let allocs = DeviceAllocations::new(gpu.clone());
         let layout = find_layout(&src, &config)?;
-        let mut weights = MtpWeights::load(&allocs, &src, &config, layout, 0)?;
+        // On one rank of several the head's routed experts are split as the target's are.
+        let shard = target.expert_shard();
+        let mut weights = MtpWeights::load(&allocs, &src, &config, layout, 0, shard)?;
         if let Some(moe) = weights.layer.moe_mut() {
             (moe.n_group, moe.topk_group) = moe_groups(&config_path, &config)?;
         }

@@ -23,7 +23,9 @@
 //! are stored as `1 + w`, so every norm here is a plain RMSNorm weight.
 
 pub(crate) use crate::model::layers::load_norm;
-use crate::model::layers::{load_linear, LayerNames, LayerOptions, LayerWeights, MoeScoring};
+use crate::model::layers::{
+    load_linear, ExpertShard, LayerNames, LayerOptions, LayerWeights, MoeScoring,
+};
 use crate::model::tensors::TensorSource;
 use crate::model::{DenseWeight, DeviceAllocations, Linear, ModelConfig, ModelError};
 
@@ -163,13 +165,15 @@ impl MtpWeights {
             + self.layer.nbytes()
     }
 
-    /// Loads module `index` of `layout` from `src`, checking every shape against `config`.
+    /// Loads module `index` of `layout` from `src`, checking every shape against `config`;
+    /// with an `expert_shard`, only this rank's routed experts of a MoE layer.
     pub fn load(
         allocs: &DeviceAllocations,
         src: &dyn TensorSource,
         config: &ModelConfig,
         layout: MtpLayout,
         index: usize,
+        expert_shard: Option<&ExpertShard>,
     ) -> crate::Result<Self> {
         if layout == MtpLayout::Eagle3 {
             return Err(ModelError::Format {
@@ -199,7 +203,7 @@ impl MtpWeights {
                 (true, MtpLayout::Qwen3Next) => Some(MoeScoring::Softmax),
             },
             mlp_width: None,
-            expert_shard: None,
+            expert_shard: expert_shard.cloned(),
         };
         let names = LayerNames::hugging_face(layer);
         Ok(MtpWeights {

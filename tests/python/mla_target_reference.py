@@ -1,0 +1,345 @@
+"""A tiny random DeepSeek-V3 target checkpoint (multi-head latent attention, a dense first
+layer, then sigmoid group-routed experts with a shared expert), and an independent numpy
+forward of it written from the published equations (Hugging Face's ``DeepseekV3Attention``
+and DeepSeek-V3's MoE).
+
+    mla_target_reference.py VARIANT DIR SEED TOKENS
+        VARIANT is ``q_lora`` (the query through ``q_a_proj`` / ``q_a_layernorm`` /
+        ``q_b_proj``), ``plain_q`` (``q_lora_rank: null``, one ``q_proj``) or ``yarn``
+        (``q_lora`` with YaRN RoPE scaling, its ``mscale`` equal to ``mscale_all_dim`` as in
+        DeepSeek-V3, so the score scale grows by ``mscale(factor, mscale_all_dim)^2``) or
+        ``fp8`` (``q_lora`` with every ``*_proj`` stored as E4M3 with ``weight_scale_inv``
+        per 128 x 128 block, as DeepSeek-V3 ships; the forward uses the dequantized
+        values). Writes
+        DIR/config.json and DIR/model.safetensors (BF16), runs the forward over TOKENS
+        (comma-separated ids) and writes DIR/reference.json: ``{"logits": [[...] per
+        position], "min_margin": float, "sparse_layers": [...], "latents": [[[...] per
+        position] per layer]}``. ``latents`` is what DeepSeek-V3's absorbed inference caches
+        per token: ``[kv_a_layernorm(c_kv) | rope(k_pe)]``, RoPE rotating adjacent pairs in
+        place. ``min_margin`` is as in ``moe_target_reference.py``.
+
+The attention, per layer (pre-norm, x = rms_norm(h)):
+    q = q_b(rms_norm(q_a(x), q_a_layernorm))  (or q_proj(x)), per head [q_nope | q_pe];
+    [c_kv | k_pe] = kv_a_proj_with_mqa(x);  c_kv = rms_norm(c_kv, kv_a_layernorm);
+    per head [k_nope | v] = kv_b_proj(c_kv);  k = [k_nope | k_pe] (k_pe shared by the heads);
+    q_pe, k_pe rotated the ``transformers`` way with ``rope_interleave``: de-interleave
+    (even elements, then odd), then rotate-half;
+    softmax(q . k / sqrt(qk_nope_head_dim + qk_rope_head_dim)) causal (the scale times
+    mscale(factor, mscale_all_dim)^2 under YaRN, whose frequencies are ``transformers``'),
+    times v; o_proj.
+The MLP: layer 0 a dense SwiGLU (first_k_dense_replace = 1), the others s = sigmoid(router
+x), experts chosen by s + e_score_correction_bias among the topk_group best of n_group groups
+(a group scoring the sum of its two best), weights the chosen s over their sum times
+routed_scaling_factor, plus the shared expert.
+
+Sums run in float64. Where the Rust CPU backend stores an activation in BF16 by design (every
+projection's output, every norm's, RoPE's, attention's, the cached latent), this rounds to
+BF16 too, so that what is left between the two is summation order; the per-head keys and
+values ``kv_b_proj`` makes, which ``transformers`` rounds to BF16 but the absorbed form never
+forms, stay unrounded (rounding them alone moves these logits by up to 0.09).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "python" / "specdraft"))
+import quantize as st  # noqa: E402  (its safetensors writer; numpy only)
+from moe_target_reference import bf16, fp8_blocks, linear, rms_norm, swiglu  # noqa: E402
+
+H, HEADS, FFN, VOCAB, LAYERS = 64, 4, 96, 96, 3
+EXPERTS, EXPERT_FFN = 8, 32
+Q_LORA, KV_LORA, NOPE, ROPE, VDIM = 24, 32, 16, 8, 12
+
+
+def config_of(variant: str) -> dict:
+    """The tiny config.json of ``variant``."""
+    if variant not in ("q_lora", "plain_q", "yarn", "fp8"):
+        raise SystemExit(f"unknown variant {variant!r}: q_lora, plain_q, yarn or fp8")
+    cfg = {
+        "model_type": "deepseek_v3",
+        "hidden_size": H,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "q_lora_rank": None if variant == "plain_q" else Q_LORA,
+        "kv_lora_rank": KV_LORA,
+        "qk_nope_head_dim": NOPE,
+        "qk_rope_head_dim": ROPE,
+        "v_head_dim": VDIM,
+        "n_routed_experts": EXPERTS,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": EXPERT_FFN,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+    }
+    if variant == "fp8":
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+        }
+    if variant == "yarn":
+        cfg["rope_scaling"] = {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.8,
+            "mscale_all_dim": 0.8,
+        }
+    return cfg
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * np.log(factor) + 1.0
+
+
+def inv_freq(cfg: dict) -> np.ndarray:
+    """RoPE's inverse frequencies over the ROPE rotated elements; with YaRN, as
+    ``transformers``' ``_compute_yarn_parameters`` blends them."""
+    base = cfg["rope_theta"]
+    pos_freqs = base ** (np.arange(0, ROPE, 2) / ROPE)
+    rs = cfg.get("rope_scaling")
+    if not rs:
+        return 1.0 / pos_freqs
+    factor, old = rs["factor"], rs["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return ROPE * np.log(old / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low = max(np.floor(correction_dim(rs["beta_fast"])), 0)
+    high = min(np.ceil(correction_dim(rs["beta_slow"])), ROPE - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(ROPE // 2) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+
+
+def softmax_scale(cfg: dict) -> float:
+    """DeepSeek-V3's score scale: 1 / sqrt(qk_head_dim), times mscale(factor,
+    mscale_all_dim) squared under YaRN."""
+    scale = 1 / np.sqrt(NOPE + ROPE)
+    rs = cfg.get("rope_scaling")
+    if rs and rs.get("mscale_all_dim"):
+        scale *= yarn_mscale(rs["factor"], rs["mscale_all_dim"]) ** 2
+    return scale
+
+
+def write_checkpoint(variant: str, folder: Path, seed: int) -> dict:
+    """Writes the random BF16 checkpoint; returns its tensors as float64 arrays."""
+    cfg = config_of(variant)
+    rng = np.random.default_rng(seed)
+    t: dict[str, np.ndarray] = {}
+
+    def put(name, shape, scale, base=0.0):
+        t[name] = bf16(base + rng.uniform(-scale, scale, shape))
+
+    def mlp(prefix, width):
+        put(f"{prefix}.gate_proj.weight", [width, H], 1.5 / np.sqrt(H))
+        put(f"{prefix}.up_proj.weight", [width, H], 1.5 / np.sqrt(H))
+        put(f"{prefix}.down_proj.weight", [H, width], 1.5 / np.sqrt(width))
+
+    put("model.embed_tokens.weight", [VOCAB, H], 1.0)
+    put("model.norm.weight", [H], 0.2, 1.0)
+    put("lm_head.weight", [VOCAB, H], 3 / np.sqrt(H))
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        put(p + "input_layernorm.weight", [H], 0.2, 1.0)
+        put(p + "post_attention_layernorm.weight", [H], 0.2, 1.0)
+        if cfg["q_lora_rank"]:
+            put(a + "q_a_proj.weight", [Q_LORA, H], 1.5 / np.sqrt(H))
+            put(a + "q_a_layernorm.weight", [Q_LORA], 0.2, 1.0)
+            put(a + "q_b_proj.weight", [HEADS * (NOPE + ROPE), Q_LORA], 2.0 / np.sqrt(Q_LORA))
+        else:
+            put(a + "q_proj.weight", [HEADS * (NOPE + ROPE), H], 2.0 / np.sqrt(H))
+        put(a + "kv_a_proj_with_mqa.weight", [KV_LORA + ROPE, H], 2.0 / np.sqrt(H))
+        put(a + "kv_a_layernorm.weight", [KV_LORA], 0.2, 1.0)
+        put(a + "kv_b_proj.weight", [HEADS * (NOPE + VDIM), KV_LORA], 2.0 / np.sqrt(KV_LORA))
+        put(a + "o_proj.weight", [H, HEADS * VDIM], 1.5 / np.sqrt(HEADS * VDIM))
+        if i < cfg["first_k_dense_replace"]:
+            mlp(p + "mlp", FFN)
+            continue
+        put(p + "mlp.gate.weight", [EXPERTS, H], 4 / np.sqrt(H))
+        put(p + "mlp.gate.e_score_correction_bias", [EXPERTS], 0.05)
+        mlp(p + "mlp.shared_experts", EXPERT_FFN * cfg["n_shared_experts"])
+        for e in range(EXPERTS):
+            mlp(f"{p}mlp.experts.{e}", EXPERT_FFN)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = {}
+    for name, a in t.items():
+        if variant == "fp8" and "_proj" in name and name.endswith(".weight"):
+            codes, scale = fp8_blocks(a)
+            raw[name] = ("F8_E4M3", list(a.shape), codes.tobytes())
+            scale_name = name.replace(".weight", ".weight_scale_inv")
+            raw[scale_name] = ("F32", list(scale.shape), scale.astype("<f4").tobytes())
+            # One block each at these sizes: the values the model computes with. kv_b_proj
+            # is dequantized to BF16 at load (the latent attention reads it in BF16).
+            t[name] = codes.astype(np.float64) * float(scale[0, 0])
+            if name.endswith("kv_b_proj.weight"):
+                t[name] = bf16(t[name])
+            continue
+        bits = a.astype(np.float32).view(np.uint32) >> 16
+        raw[name] = ("BF16", list(a.shape), bits.astype("<u2").tobytes())
+    st.write_safetensors(folder / "model.safetensors", raw)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return t
+
+
+def rope_angles(positions, inv):
+    """cos and sin, ``[n, ROPE]``, as ``transformers`` builds them (each frequency twice)."""
+    ang = positions[:, None] * inv[None, :]
+    ang = np.concatenate([ang, ang], axis=-1)
+    return np.cos(ang), np.sin(ang)
+
+
+def rope_hf_interleave(x, cos, sin):
+    """``apply_rotary_pos_emb_interleave`` on x ``[n, heads, ROPE]``: de-interleave, then
+    rotate-half."""
+    x = np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    half = ROPE // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return bf16(x * cos[:, None, :] + rotated * sin[:, None, :])
+
+
+def rope_in_place(x, positions, inv):
+    """DeepSeek's own ``apply_rotary_emb``: pairs (2i, 2i + 1) as complex numbers, rotated
+    in place; x ``[n, ROPE]``."""
+    z = (x[:, 0::2] + 1j * x[:, 1::2]) * np.exp(1j * positions[:, None] * inv[None, :])
+    out = np.empty_like(x)
+    out[:, 0::2], out[:, 1::2] = z.real, z.imag
+    return bf16(out)
+
+
+class Forward:
+    """The whole model over one token sequence, recording routing margins and latents."""
+
+    def __init__(self, cfg: dict, t: dict):
+        self.cfg, self.t = cfg, t
+        self.margins: list[float] = []
+        self.latents: list[list[list[float]]] = []
+
+    def attention(self, a, x):
+        t, n, eps = self.t, x.shape[0], self.cfg["rms_norm_eps"]
+        if self.cfg["q_lora_rank"]:
+            qa = rms_norm(linear(x, t[a + "q_a_proj.weight"]), t[a + "q_a_layernorm.weight"], eps)
+            q = linear(qa, t[a + "q_b_proj.weight"])
+        else:
+            q = linear(x, t[a + "q_proj.weight"])
+        q = q.reshape(n, HEADS, NOPE + ROPE)
+        q_nope, q_pe = q[..., :NOPE], q[..., NOPE:]
+        ckv = linear(x, t[a + "kv_a_proj_with_mqa.weight"])
+        c_kv, k_pe = ckv[:, :KV_LORA], ckv[:, KV_LORA:]
+        c_kv = rms_norm(c_kv, t[a + "kv_a_layernorm.weight"], eps)
+        # Per-head keys and values are never stored (the absorbed form never forms them),
+        # so they stay unrounded here.
+        kv = (c_kv @ t[a + "kv_b_proj.weight"].T).reshape(n, HEADS, NOPE + VDIM)
+        k_nope, v = kv[..., :NOPE], kv[..., NOPE:]
+        pos = np.arange(n, dtype=np.float64)
+        inv = inv_freq(self.cfg)
+        cos, sin = rope_angles(pos, inv)
+        q_pe = rope_hf_interleave(q_pe, cos, sin)
+        k_pe_rot = rope_hf_interleave(k_pe[:, None, :], cos, sin)
+        self.latents.append(np.concatenate([c_kv, rope_in_place(k_pe, pos, inv)], axis=-1).tolist())
+        k = np.concatenate([k_nope, np.repeat(k_pe_rot, HEADS, axis=1)], axis=-1)
+        q = np.concatenate([q_nope, q_pe], axis=-1)
+        causal = np.tril(np.ones((n, n), bool))
+        out = np.zeros((n, HEADS, VDIM))
+        for h in range(HEADS):
+            s = q[:, h] @ k[:, h].T * softmax_scale(self.cfg)
+            s = np.where(causal, s, -np.inf)
+            w = np.exp(s - s.max(axis=1, keepdims=True))
+            w /= w.sum(axis=1, keepdims=True)
+            out[:, h] = w @ v[:, h]
+        return linear(bf16(out.reshape(n, HEADS * VDIM)), t[a + "o_proj.weight"])
+
+    def margin(self, scores, k):
+        """The gap between the k-th best score and the next."""
+        s = np.sort(scores)[::-1]
+        return float(s[k - 1] - s[k]) if k < len(s) else float("inf")
+
+    def route(self, p, logits):
+        """(expert, weight) pairs by descending weight, for one row's router logits."""
+        cfg, k = self.cfg, self.cfg["num_experts_per_tok"]
+        s = 1.0 / (1.0 + np.exp(-logits))
+        choice = s + self.t[p + "mlp.gate.e_score_correction_bias"]
+        groups, keep = cfg["n_group"], cfg["topk_group"]
+        per = EXPERTS // groups
+        gscore = np.array([np.sort(g)[::-1][:2].sum() for g in choice.reshape(groups, per)])
+        self.margins.append(self.margin(gscore, keep))
+        kept = np.argsort(-gscore)[:keep]
+        masked = np.array([c if e // per in kept else -np.inf for e, c in enumerate(choice)])
+        self.margins.append(self.margin(masked, k))
+        chosen = list(np.argsort(-masked)[:k])
+        w = s[chosen]
+        w = w / w.sum() * cfg["routed_scaling_factor"]
+        order = sorted(range(k), key=lambda i: (-w[i], chosen[i]))
+        return [(int(chosen[i]), float(w[i])) for i in order]
+
+    def moe(self, p, x):
+        t = self.t
+        acc = swiglu(t, p + "mlp.shared_experts", x)
+        logits = x @ t[p + "mlp.gate.weight"].T
+        for r in range(x.shape[0]):
+            for e, w in self.route(p, logits[r]):
+                y = swiglu(t, f"{p}mlp.experts.{e}", x[r : r + 1])[0]
+                acc[r] = bf16(acc[r] + bf16(y * bf16(w)))
+        return acc
+
+    def logits(self, tokens):
+        t, eps = self.t, self.cfg["rms_norm_eps"]
+        h = t["model.embed_tokens.weight"][np.asarray(tokens)]
+        for i in range(LAYERS):
+            p = f"model.layers.{i}."
+            x = rms_norm(h, t[p + "input_layernorm.weight"], eps)
+            h = bf16(h + self.attention(p + "self_attn.", x))
+            x = rms_norm(h, t[p + "post_attention_layernorm.weight"], eps)
+            dense = i < self.cfg["first_k_dense_replace"]
+            h = bf16(h + (swiglu(t, p + "mlp", x) if dense else self.moe(p, x)))
+        return rms_norm(h, t["model.norm.weight"], eps) @ t["lm_head.weight"].T
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 4:
+        print(__doc__, file=sys.stderr)
+        return 2
+    variant, folder, seed, tokens = argv[0], Path(argv[1]), int(argv[2]), argv[3]
+    ids = [int(x) for x in tokens.split(",")]
+    t = write_checkpoint(variant, folder, seed)
+    cfg = config_of(variant)
+    fwd = Forward(cfg, t)
+    logits = fwd.logits(ids)
+    out = {
+        "logits": logits.tolist(),
+        "min_margin": min(fwd.margins, default=1e9),
+        "sparse_layers": [i for i in range(LAYERS) if i >= cfg["first_k_dense_replace"]],
+        "latents": fwd.latents,
+    }
+    (folder / "reference.json").write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
