@@ -1,11 +1,12 @@
 //! Expert parallelism and the rank-0/worker protocol, with two ranks as threads of this
 //! process (`ranks_common::thread_group`): each rank loads its half of the routed experts
-//! of a tiny GLM-4.5 or Qwen3-MoE checkpoint (written by
-//! `tests/python/moe_target_reference.py`, which needs `python3` with numpy); rank 0 runs
-//! the engine and rank 1 `run_worker`.
+//! of a tiny GLM-4.5, Qwen3-MoE or DeepSeek-V3 (latent attention) checkpoint (written by
+//! `tests/python/moe_target_reference.py` or `mla_target_reference.py`, which need `python3`
+//! with numpy); rank 0 runs the engine and rank 1 `run_worker`, or `run_worker_with` and
+//! its share of a GLM-4.5 MTP head.
 //!
 //! What it proves: two ranks give token-identical output to one rank, greedy and sampled,
-//! with and without drafts; each rank holds exactly half the experts' bytes; the worker
+//! with and without drafts, with the MTP head's experts split too; each rank holds exactly half the experts' bytes; the worker
 //! frees every sequence rank 0 frees, and ends cleanly at the shutdown; a checkpoint whose
 //! expert count the ranks do not divide is refused at load.
 
@@ -53,11 +54,18 @@ fn checkpoint(test: &str, family: &str, seed: u64) -> PathBuf {
 /// experts in the block format `gguf` (`f32` or `q8_0`).
 fn checkpoint_with_gguf(test: &str, family: &str, seed: u64, gguf: Option<&str>) -> PathBuf {
     let dir = temp_dir(&format!("ranks_{test}_{family}"));
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_target_reference.py");
+    // DeepSeek-V3 (MLA attention, its "q_lora" variant) has a reference of its own.
+    let (script, arg) = match family {
+        "deepseek_v3" => ("mla_target_reference.py", "q_lora"),
+        _ => ("moe_target_reference.py", family),
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python")
+        .join(script);
     let gguf_path = dir.join("model.gguf");
     let out = Command::new(python())
         .arg(&script)
-        .args([family, dir.to_str().unwrap(), &seed.to_string(), "1,2,3"])
+        .args([arg, dir.to_str().unwrap(), &seed.to_string(), "1,2,3"])
         .args(gguf.map(|_| gguf_path.to_str().unwrap()))
         .args(gguf)
         .output()
@@ -237,6 +245,11 @@ fn two_ranks_match_one_rank_on_glm4_moe() {
 #[test]
 fn two_ranks_match_one_rank_on_qwen3_moe() {
     check_family("qwen3_moe", 56);
+}
+
+#[test]
+fn two_ranks_match_one_rank_on_deepseek_v3_with_latent_attention() {
+    check_family("deepseek_v3", 6);
 }
 
 #[test]

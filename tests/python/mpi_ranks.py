@@ -72,6 +72,11 @@ ENGINE_TOKENS = 14
 ENGINE_LOAD = {"max_rows": 32, "max_seq_len": 64, "kv_blocks": 16}
 
 
+def jsonable(command: dict) -> dict:
+    """``command`` with its bytes values as hex strings, as the rank's JSON report holds it."""
+    return {k: v.hex() if isinstance(v, bytes) else v for k, v in command.items()}
+
+
 def inputs(rank: int) -> tuple[np.ndarray, np.ndarray]:
     """Rank ``rank``'s float32 row and its bf16 row (bit patterns in uint16)."""
     rng = np.random.default_rng(1000 + rank)
@@ -110,7 +115,7 @@ def collectives(out: dict, backend: str = "mpi") -> None:
         got = []
         while not got or got[-1]["kind"] != "shutdown":
             got.append(comm.recv_command())
-        out["commands"] = got
+        out["commands"] = [jsonable(c) for c in got]
     comm.barrier()
     out["costs"] = comm.costs()
 

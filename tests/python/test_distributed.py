@@ -145,7 +145,7 @@ def test_two_ranks_all_reduce_broadcast_and_commands(tmp_path: Path) -> None:
         assert got["bf16"] == want_bf16, f"rank {rank}: bf16 all-reduce is not the sum"
         assert got["from_0"] == payload
         assert got["from_1"] == "rank one says hi"
-    assert ranks[1]["commands"] == mpi_ranks.COMMANDS
+    assert ranks[1]["commands"] == [mpi_ranks.jsonable(c) for c in mpi_ranks.COMMANDS]
     # Every call was counted with its payload: two f32 all-reduces of 576 values, one bf16,
     # two broadcasts (rank 0's payload and rank 1's greeting), two barriers, and the
     # commands on each side.
