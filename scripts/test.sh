@@ -43,13 +43,13 @@ cargo test
 
 step "CUDA backend: builds and fails cleanly without a GPU; kernels checked under CPU emulation"
 # The GPU tests in these files are ignored here (they need a device; tests/gpu/run.sh runs them).
-cargo test --features cuda --test cuda_backend --test model_cuda --test engine_cuda
+cargo test --features cuda --test cuda_backend --test model_cuda --test engine_cuda --test nccl_comm
 cargo test --features cuda-emu --test kernels_emulated --test model_emulated --test mtp_emulated
 cargo test --features cuda-emu --lib backend::cuda
 
 step "GPU check bundle builds (the test profile compiled above; run on a GPU by tests/gpu/run.sh)"
 bash tests/gpu/run.sh bundle --dev
-for t in cuda_backend model_cuda engine_cuda; do
+for t in cuda_backend model_cuda engine_cuda nccl_comm; do
     n=$(target/gpu-bundle-dev/$t --ignored --list | grep -c ': test$')
     [ "$n" -gt 0 ] || { echo "$t: no GPU tests in the bundle" >&2; exit 1; }
 done

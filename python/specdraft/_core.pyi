@@ -1351,10 +1351,10 @@ class Communicator:
     """The ranks of a multi-rank serve: rank and size, sum all-reduce, broadcast, barrier, and
     rank 0's commands to its workers.
 
-    `specdraft.distributed.init()` makes one over MPI (under `mpiexec`);
-    `Communicator.local()` is rank 0 of 1, whose collectives are the identity. A collective
-    that some rank does not join within `timeout` seconds raises `BackendError` naming the
-    ranks, and the communicator refuses every later call.
+    `specdraft.distributed.init()` makes one over MPI (under `mpiexec`), or over NCCL with
+    `backend="nccl"`; `Communicator.local()` is rank 0 of 1, whose collectives are the
+    identity. A collective that some rank does not join within `timeout` seconds raises
+    `BackendError` naming the ranks, and the communicator refuses every later call.
     """
 
     @staticmethod
@@ -1366,6 +1366,24 @@ class Communicator:
     ) -> Communicator:
         """The communicator over an mpi4py communicator `comm` (`mpi` is the `mpi4py.MPI`
         module); `specdraft.distributed.init()` calls this.
+        """
+    @staticmethod
+    def _nccl_unique_id() -> bytes:
+        """A new NCCL unique id (128 bytes), made on rank 0 and sent to every rank;
+        `specdraft.distributed.init(backend="nccl")` calls this. Raises
+        `BackendUnavailableError` without libnccl or in a build without CUDA.
+        """
+    @staticmethod
+    def _from_nccl(
+        rank: int,
+        size: int,
+        unique_id: bytes,
+        device: int,
+        timeout: float,
+        command_timeout: float | None = None,
+    ) -> Communicator:
+        """Rank `rank` of `size` over NCCL on GPU `device`, joining the ranks given the same
+        `unique_id`; `specdraft.distributed.init(backend="nccl")` calls this.
         """
     @property
     def rank(self) -> int:

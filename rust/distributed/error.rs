@@ -39,6 +39,26 @@ pub enum DistributedError {
         /// What MPI (or mpi4py) said.
         message: String,
     },
+    /// NCCL returned an error, at once or later through the communicator's asynchronous
+    /// error; the communicator was aborted and refuses later calls.
+    #[error("rank {rank}: {op} failed in NCCL: {message}")]
+    Nccl {
+        /// The rank whose call failed.
+        rank: usize,
+        /// The call that failed.
+        op: &'static str,
+        /// What NCCL (or the CUDA driver under it) said.
+        message: String,
+    },
+    /// The transport cannot start on this machine or build (no libnccl, no CUDA driver or
+    /// device, a build without CUDA); the message says what to install.
+    #[error("rank {rank}: {message}")]
+    Unavailable {
+        /// The rank that tried to start it.
+        rank: usize,
+        /// What is missing and how to get it.
+        message: String,
+    },
     /// Bytes received on the command channel that are not a command.
     #[error("rank {rank}: bad command bytes ({len} bytes): {reason}")]
     BadCommand {
@@ -64,7 +84,7 @@ pub enum DistributedError {
 }
 
 /// The ranks other than `rank` in a world of `size`, as a timeout message names them.
-#[cfg(feature = "python")]
+#[cfg(any(feature = "python", feature = "cuda"))]
 pub(crate) fn other_ranks(rank: usize, size: usize) -> String {
     let others: Vec<String> = (0..size)
         .filter(|&r| r != rank)

@@ -1,9 +1,11 @@
 //! The `Communicator`: what ranks of a multi-rank serve exchange (rank and size, sum
 //! all-reduce, broadcast, barrier, and the command channel from rank 0 to the workers).
 //!
-//! Implementations: [`LocalCommunicator`] (rank 0 of 1, every collective the identity) and,
+//! Implementations: [`LocalCommunicator`] (rank 0 of 1, every collective the identity);
 //! with feature `python`, an MPI communicator that calls mpi4py under the interpreter lock
-//! (`specdraft.distributed.init()`). MPI is reached through mpi4py rather than the Rust
+//! (`specdraft.distributed.init()`); with feature `cuda`, [`NcclCommunicator`] over NCCL
+//! through cudarc (`specdraft.distributed.init(backend="nccl")`, whose NCCL unique id
+//! travels over MPI). MPI is reached through mpi4py rather than the Rust
 //! `mpi` crate because that crate needs bindgen, libclang and an MPI installation when the
 //! crate is compiled, which would make every build of specdraft depend on MPI; through
 //! mpi4py, MPI (the `mpich` wheel) is needed only where ranks actually run.
@@ -21,13 +23,21 @@ mod command;
 mod counted;
 mod error;
 mod local;
+#[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(feature = "cuda")]
+mod nccl_library;
 
 pub use command::{Command, SeqTokens};
 pub use counted::{Counted, OpCost};
-#[cfg(feature = "python")]
+#[cfg(any(feature = "python", feature = "cuda"))]
 pub(crate) use error::other_ranks;
 pub use error::DistributedError;
 pub use local::LocalCommunicator;
+#[cfg(feature = "cuda")]
+pub use nccl::{NcclCommunicator, NCCL_UNIQUE_ID_BYTES};
+#[cfg(feature = "cuda")]
+pub use nccl_library::NCCL_WHEEL;
 
 use half::bf16;
 

@@ -2,7 +2,13 @@
 //! `distributed_mpi`, or the local one), and rank 0's commands as dicts.
 
 use super::distributed_mpi::MpiCommunicator;
+#[cfg(not(feature = "cuda"))]
+use super::errors::to_pyerr;
 use super::errors::IntoPyResult;
+#[cfg(not(feature = "cuda"))]
+use crate::distributed::DistributedError;
+#[cfg(feature = "cuda")]
+use crate::distributed::NcclCommunicator;
 use crate::distributed::{Command, Communicator, Counted, LocalCommunicator, SeqTokens};
 use half::bf16;
 use numpy::{PyArray1, PyArrayMethods};
@@ -15,10 +21,10 @@ use std::time::Duration;
 /// The ranks of a multi-rank serve: rank and size, sum all-reduce, broadcast, barrier, and
 /// rank 0's commands to its workers.
 ///
-/// `specdraft.distributed.init()` makes one over MPI (under `mpiexec`);
-/// `Communicator.local()` is rank 0 of 1, whose collectives are the identity. A collective
-/// that some rank does not join within `timeout` seconds raises `BackendError` naming the
-/// ranks, and the communicator refuses every later call.
+/// `specdraft.distributed.init()` makes one over MPI (under `mpiexec`), or over NCCL with
+/// `backend="nccl"`; `Communicator.local()` is rank 0 of 1, whose collectives are the
+/// identity. A collective that some rank does not join within `timeout` seconds raises
+/// `BackendError` naming the ranks, and the communicator refuses every later call.
 #[pyclass(name = "Communicator", module = "specdraft._core", frozen)]
 pub struct PyCommunicator {
     inner: Arc<Counted<dyn Communicator>>,
@@ -30,6 +36,17 @@ impl PyCommunicator {
     pub(super) fn arc(&self) -> Arc<dyn Communicator> {
         self.inner.clone() as Arc<dyn Communicator>
     }
+}
+
+/// The error of NCCL calls in a build without feature `cuda`.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_build(rank: usize) -> PyErr {
+    to_pyerr(&crate::Error::from(DistributedError::Unavailable {
+        rank,
+        message: "NCCL needs specdraft built with CUDA (the `cuda` feature: \
+                  `maturin develop --release --features python,cuda`); this build has none"
+            .into(),
+    }))
 }
 
 fn seconds(arg: &str, s: f64) -> PyResult<Duration> {
@@ -74,6 +91,58 @@ impl PyCommunicator {
             )?))),
             timeout: Some(timeout),
         })
+    }
+
+    /// A new NCCL unique id (128 bytes), made on rank 0 and sent to every rank;
+    /// `specdraft.distributed.init(backend="nccl")` calls this. Raises
+    /// `BackendUnavailableError` without libnccl or in a build without CUDA.
+    #[staticmethod]
+    fn _nccl_unique_id(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
+        #[cfg(feature = "cuda")]
+        {
+            let id = NcclCommunicator::unique_id().py()?;
+            Ok(PyBytes::new(py, &id))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = py;
+            Err(no_cuda_build(0))
+        }
+    }
+
+    /// Rank `rank` of `size` over NCCL on GPU `device`, joining the ranks given the same
+    /// `unique_id`; `specdraft.distributed.init(backend="nccl")` calls this.
+    #[staticmethod]
+    #[pyo3(signature = (rank, size, unique_id, device, timeout, command_timeout=None))]
+    fn _from_nccl(
+        py: Python<'_>,
+        rank: usize,
+        size: usize,
+        unique_id: Vec<u8>,
+        device: usize,
+        timeout: f64,
+        command_timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let t = seconds("timeout", timeout)?;
+        let ct = command_timeout
+            .map(|c| seconds("command_timeout", c))
+            .transpose()?;
+        #[cfg(feature = "cuda")]
+        {
+            // The start-up waits for the other ranks: let other threads run meanwhile.
+            let comm = py
+                .detach(|| NcclCommunicator::new(rank, size, &unique_id, device, t, ct))
+                .py()?;
+            Ok(PyCommunicator {
+                inner: Arc::new(Counted::new(Box::new(comm))),
+                timeout: Some(timeout),
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (py, size, unique_id, device, t, ct);
+            Err(no_cuda_build(rank))
+        }
     }
 
     /// The rank of this process, `0..size`.

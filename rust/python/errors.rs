@@ -139,8 +139,10 @@ fn distributed_class(e: &DistributedError) -> Class {
         DistributedError::Timeout { .. }
         | DistributedError::Broken { .. }
         | DistributedError::Mpi { .. }
+        | DistributedError::Nccl { .. }
         | DistributedError::BadCommand { .. } => Class::Backend,
         DistributedError::InvalidArgument { .. } => Class::Request,
+        DistributedError::Unavailable { .. } => Class::BackendUnavailable,
     }
 }
 

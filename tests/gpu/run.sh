@@ -6,6 +6,12 @@
 #   engine_cuda    greedy speculative == plain on CUDA with PromptLookup (target model) and
 #                  with MtpHead (dense and MoE), MtpHead's logits and drafts against the
 #                  CPU's, and the ledger at zero after each
+#   nccl_comm      the NCCL communicator: every collective against numpy's sums through a
+#                  communicator of one rank and through two ranks (two processes; on one
+#                  GPU both on it, each rank its own host to NCCL, which otherwise refuses
+#                  two ranks on one GPU), and a rank that never joins timing out; libnccl
+#                  from $SPECDRAFT_NCCL_LIB (the file or its folder), the system, or the
+#                  nvidia-nccl-cu12 wheel of python3 there
 #   cuda_kernels   the kernel benchmark
 #   model_decode   decode speed of a random model with SmolLM2's shape, on the CPU (the
 #                  baseline, same command) and on the GPU
@@ -27,7 +33,7 @@
 # on a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-PROGRAMS="cuda_backend model_cuda engine_cuda cuda_kernels model_decode"
+PROGRAMS="cuda_backend model_cuda engine_cuda nccl_comm cuda_kernels model_decode"
 OUT_DIR="${OUT:-target/gpu-out}"
 BUDGET_S=470
 
@@ -44,7 +50,7 @@ build_bundle() {
     mkdir -p "$bundle"
     local json
     json=$(cargo test "${profile[@]}" --features cuda --test cuda_backend --test model_cuda \
-        --test engine_cuda --bench cuda_kernels --bench model_decode --no-run \
+        --test engine_cuda --test nccl_comm --bench cuda_kernels --bench model_decode --no-run \
         --message-format=json) || return 1
     # One executable per target: copy each under its target's name.
     printf '%s\n' "$json" | python3 -c '
@@ -140,6 +146,36 @@ else
     run_step model_cuda 90 "$BUNDLE/model_cuda" --ignored --skip smollm2
 fi
 run_step engine_cuda 150 "$BUNDLE/engine_cuda" --ignored --test-threads 1
+
+# NCCL: cudarc loads it as libnccl.so, the wheel names it libnccl.so.2: a link bridges them.
+nccl_lib() {
+    local f=""
+    if [ -n "${SPECDRAFT_NCCL_LIB:-}" ]; then
+        f="$SPECDRAFT_NCCL_LIB"; [ -d "$f" ] && f="$f/libnccl.so.2"
+    elif ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+        echo system; return
+    else
+        f=$(python3 -c 'import importlib.util as u, pathlib as p
+s = u.find_spec("nvidia.nccl")
+print(next((str(q) for r in (s.submodule_search_locations if s else []) for q in [p.Path(r) / "lib" / "libnccl.so.2"] if q.is_file()), ""))' 2>/dev/null)
+    fi
+    [ -n "$f" ] && [ -f "$f" ] && echo "$f"
+}
+NCCL_LIB=$(nccl_lib)
+if [ -z "$NCCL_LIB" ]; then
+    echo "== nccl_comm: no libnccl (pip install nvidia-nccl-cu12 there, or set SPECDRAFT_NCCL_LIB)"
+    STEPS="$STEPS nccl_comm"
+    STATUS[nccl_comm]="skipped (no libnccl)"; PASSED[nccl_comm]=0; FAILED[nccl_comm]=0; IGNORED[nccl_comm]=0
+else
+    NCCL_ENV=()
+    if [ "$NCCL_LIB" != system ]; then
+        mkdir -p "$OUT_DIR/nccl-lib" && ln -sf "$(readlink -f "$NCCL_LIB")" "$OUT_DIR/nccl-lib/libnccl.so"
+        NCCL_ENV=(env "LD_LIBRARY_PATH=$OUT_DIR/nccl-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+    fi
+    # The child test is each rank of the two-rank test, which starts it.
+    run_step nccl_comm 90 "${NCCL_ENV[@]}" "$BUNDLE/nccl_comm" --include-ignored --test-threads 1 \
+        --skip gpu_two_ranks_child
+fi
 SPECDRAFT_BENCH_JSON="$OUT_DIR/cuda_kernels.json" run_step cuda_kernels 60 "$BUNDLE/cuda_kernels"
 
 # Decode: a random model of SmolLM2's shape (no network here), CPU baseline then GPU.
@@ -199,7 +235,7 @@ cat "$OUT_DIR/gpu_summary.json"
 
 for name in $STEPS; do
     case "$name:${STATUS[$name]}" in
-        *:passed | "python_cuda:skipped (python package not installed)") ;;
+        *:passed | "python_cuda:skipped (python package not installed)" | "nccl_comm:skipped (no libnccl)") ;;
         *) exit 1 ;;
     esac
 done

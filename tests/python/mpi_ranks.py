@@ -92,11 +92,11 @@ def broadcast_payload() -> bytes:
     return np.random.default_rng(7).integers(0, 256, BROADCAST_BYTES, dtype=np.uint8).tobytes()
 
 
-def collectives(out: dict) -> None:
+def collectives(out: dict, backend: str = "mpi") -> None:
     """All-reduce, broadcast both ways, barrier and the command channel."""
     import specdraft.distributed as dist
 
-    comm = dist.init(timeout=30.0)
+    comm = dist.init(timeout=30.0, backend=backend)
     rank = comm.rank
     out["rank"], out["size"] = rank, comm.size
     f32, bf16_bits = inputs(rank)
@@ -162,6 +162,20 @@ def idle_rank_0(out: dict) -> None:
     except specdraft.BackendError as e:
         out["error"] = str(e)
     out["elapsed_s"] = time.monotonic() - start
+
+
+def nccl(out: dict) -> None:
+    """The collectives over NCCL, or the error ``init(backend="nccl")`` raised on this rank."""
+    import specdraft
+    from mpi4py import MPI
+
+    out["rank"] = MPI.COMM_WORLD.Get_rank()
+    try:
+        collectives(out, backend="nccl")
+        out["error"] = None
+    except (specdraft.BackendUnavailableError, specdraft.BackendError) as e:
+        # A rank whose GPU is missing fails; one waiting for it in NCCL's start-up times out.
+        out["error"], out["error_type"] = str(e), type(e).__name__
 
 
 def engine_outputs(model: object) -> dict:
@@ -240,6 +254,7 @@ def main() -> None:
         "idle_rank_0": idle_rank_0,
         "engine": engine,
         "killed_worker": killed_worker,
+        "nccl": nccl,
     }
     scenarios[scenario](out)
     (outdir / f"rank{out['rank']}.json").write_text(json.dumps(out))
