@@ -237,6 +237,24 @@ def test_the_command_line_under_mpiexec_generates_what_one_rank_does(tmp_path: P
     assert "rank 0 of 2" in two.stderr, two.stderr
 
 
+def test_the_bench_under_mpiexec_runs_every_proposer_on_the_ranks(tmp_path: Path) -> None:
+    checkpoint = moe_checkpoint("qwen3_moe", 56, tmp_path / "ckpt")
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    word_tokenizer(checkpoint, vocab)
+    argv = [sys.executable, "-m", "specdraft.cli", "bench", "--model", str(checkpoint)]
+    argv += ["--device", "cpu", "--max-seq-len", "256", "--max-tokens", "8", "--prompts", "2"]
+    argv += ["--proposer", "prompt-lookup", "--json"]
+    run = run_two(argv)
+    assert run.returncode == 0, run.stderr
+    assert "rank 0 of 2" in run.stderr, run.stderr
+    # Only rank 0 prints the figures: stdout is exactly one JSON document.
+    report = json.loads(run.stdout)
+    rows = {r["proposer"]: r for r in report["results"]}
+    assert set(rows) == {"baseline", "prompt-lookup"}, rows
+    assert all(r["errors"] == [] and r["tokens"] == 16 for r in rows.values()), rows
+    assert rows["prompt-lookup"]["identical_to_baseline"] is True
+
+
 def test_a_killed_worker_ends_the_whole_job_leaving_nothing(tmp_path: Path) -> None:
     # MPICH's mpiexec ends every rank when one is killed (even with -disable-auto-cleanup,
     # rank 0 is ended at its next communication), so rank 0 never hangs on a dead worker.
