@@ -181,6 +181,52 @@ pub fn decoder_layer_with_input(
 
 /// The layer itself, with an optional tree mask for its attention.
 #[allow(clippy::too_many_arguments)]
+/// The norm and element-wise ops of one layer's forward, on its stream with its epsilon.
+struct LayerOps<'a> {
+    gpu: &'a dyn GpuBackend,
+    eps: f32,
+    stream: u64,
+}
+
+impl LayerOps<'_> {
+    fn rms_norm(
+        &self,
+        out: DevicePtr,
+        x: DevicePtr,
+        weight: DevicePtr,
+        rows: usize,
+        dim: usize,
+    ) -> Result<(), crate::backend::BackendError> {
+        self.gpu.rms_norm(RmsNormArgs {
+            out,
+            x,
+            weight,
+            rows,
+            dim,
+            eps: self.eps,
+            stream: self.stream,
+        })
+    }
+
+    fn elementwise(
+        &self,
+        op: ElementwiseOp,
+        out: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        n: usize,
+    ) -> Result<(), crate::backend::BackendError> {
+        self.gpu.elementwise(ElementwiseArgs {
+            op,
+            out,
+            a,
+            b,
+            n,
+            stream: self.stream,
+        })
+    }
+}
+
 fn layer(
     gpu: &dyn GpuBackend,
     shape: &LayerShape,
@@ -194,34 +240,14 @@ fn layer(
 ) -> crate::Result<()> {
     let (rows, stream) = (io.rows, io.stream);
     let LayerShape { hidden, eps, .. } = *shape;
-    let rms_norm = |out, x, weight: DevicePtr, rows, dim| {
-        gpu.rms_norm(RmsNormArgs {
-            out,
-            x,
-            weight,
-            rows,
-            dim,
-            eps,
-            stream,
-        })
-    };
-    let elementwise = |op, out, a, b, n| {
-        gpu.elementwise(ElementwiseArgs {
-            op,
-            out,
-            a,
-            b,
-            n,
-            stream,
-        })
-    };
+    let ops = LayerOps { gpu, eps, stream };
     let bf16 = Dtype::Bf16;
 
     // Attention.
     let attn_in = match attn_input {
         Some(x) => x,
         None => {
-            rms_norm(sc.normed, io.hidden, w.attn_norm.ptr, rows, hidden)?;
+            ops.rms_norm(sc.normed, io.hidden, w.attn_norm.ptr, rows, hidden)?;
             sc.normed
         }
     };
@@ -252,7 +278,7 @@ fn layer(
     if !go_on {
         return Ok(());
     }
-    elementwise(
+    ops.elementwise(
         ElementwiseOp::Add,
         io.hidden,
         io.hidden,
@@ -261,7 +287,7 @@ fn layer(
     )?;
 
     // MLP: the dense SwiGLU, or the shared experts and then the routed ones.
-    rms_norm(sc.normed, io.hidden, w.ffn_norm.ptr, rows, hidden)?;
+    ops.rms_norm(sc.normed, io.hidden, w.ffn_norm.ptr, rows, hidden)?;
     if let Some(mlp) = w.mlp.always_run() {
         let gate_up = [(&mlp.gate, sc.gate), (&mlp.up, sc.up)].map(|(weight, out)| Projection {
             weight,
@@ -270,13 +296,13 @@ fn layer(
         });
         project_bf16(gpu, sc.normed, rows, stream, &gate_up)?;
         let n = rows * mlp.width();
-        elementwise(ElementwiseOp::SiluMul, sc.gate, sc.gate, sc.up, n)?;
+        ops.elementwise(ElementwiseOp::SiluMul, sc.gate, sc.gate, sc.up, n)?;
     }
     match (&w.mlp, &sc.moe) {
         (Mlp::Dense(m), _) => {
             m.down
                 .forward(gpu, sc.normed, bf16, sc.gate, None, rows, stream)?;
-            elementwise(
+            ops.elementwise(
                 ElementwiseOp::Add,
                 io.hidden,
                 io.hidden,
@@ -294,7 +320,7 @@ fn layer(
                 None => gpu.memset(ms.acc, 0, rows * hidden * 2, stream)?,
             }
             moe.forward(gpu, sc, ms, rows, hidden, stream)?;
-            elementwise(
+            ops.elementwise(
                 ElementwiseOp::Add,
                 io.hidden,
                 io.hidden,
@@ -337,27 +363,7 @@ fn gqa_attention(
         eps,
         ..
     } = *shape;
-    let rms_norm = |out, x, weight: DevicePtr, rows, dim| {
-        gpu.rms_norm(RmsNormArgs {
-            out,
-            x,
-            weight,
-            rows,
-            dim,
-            eps,
-            stream,
-        })
-    };
-    let elementwise = |op, out, a, b, n| {
-        gpu.elementwise(ElementwiseArgs {
-            op,
-            out,
-            a,
-            b,
-            n,
-            stream,
-        })
-    };
+    let ops = LayerOps { gpu, eps, stream };
     let bf16 = Dtype::Bf16;
     let gated = match (w.gated_attention, sc.gated) {
         (false, _) => None,
@@ -389,8 +395,8 @@ fn gqa_attention(
         }
     }
     if let Some(n) = &w.qk_norm {
-        rms_norm(sc.q, sc.q, n.q.ptr, rows * heads, head_dim)?;
-        rms_norm(sc.k, sc.k, n.k.ptr, rows * kv_heads, head_dim)?;
+        ops.rms_norm(sc.q, sc.q, n.q.ptr, rows * heads, head_dim)?;
+        ops.rms_norm(sc.k, sc.k, n.k.ptr, rows * kv_heads, head_dim)?;
     }
     for (x, heads) in [(sc.q, heads), (sc.k, kv_heads)] {
         gpu.rope(RopeArgs {
@@ -440,7 +446,7 @@ fn gqa_attention(
     })?;
     if let Some(g) = gated {
         let n = rows * heads * head_dim;
-        elementwise(
+        ops.elementwise(
             ElementwiseOp::SigmoidMul,
             sc.attn_out,
             g.q_gate,
