@@ -179,8 +179,6 @@ pub fn decoder_layer_with_input(
     layer(gpu, shape, w, cache, io, sc, depth, attn_input, None)
 }
 
-/// The layer itself, with an optional tree mask for its attention.
-#[allow(clippy::too_many_arguments)]
 /// The norm and element-wise ops of one layer's forward, on its stream with its epsilon.
 struct LayerOps<'a> {
     gpu: &'a dyn GpuBackend,
@@ -227,6 +225,8 @@ impl LayerOps<'_> {
     }
 }
 
+/// The layer itself, with an optional tree mask for its attention.
+#[allow(clippy::too_many_arguments)]
 fn layer(
     gpu: &dyn GpuBackend,
     shape: &LayerShape,
