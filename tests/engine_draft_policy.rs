@@ -1,7 +1,8 @@
 //! The adaptive draft policy: it turns a drafter that is never right down to (nearly) no
-//! drafts, keeps asking a drafter that is always right for all it may, asks for none when
-//! verify rows cost more than they can win, recovers a sequence whose text turns
-//! predictable, is reproducible under a fixed cost model, and never changes greedy output.
+//! drafts, keeps asking a drafter that is always right for all it may (for trees as for
+//! chains), asks for none when verify rows cost more than they can win, recovers a
+//! sequence whose text turns predictable, is reproducible under a fixed cost model, and
+//! never changes greedy output.
 
 mod engine_common;
 
@@ -14,7 +15,7 @@ use specdraft::engine::{
     CostCurve, CostCurves, DraftPolicyKind, FixedCost, GenerateRequest, SpecEngine,
 };
 use specdraft::model::ForwardContext;
-use specdraft::speculative::{DraftProposer, PromptLookup, ProposerState};
+use specdraft::speculative::{DraftProposer, DraftTree, PromptLookup, ProposerState};
 use specdraft::Result;
 use std::sync::{Arc, Mutex};
 
@@ -163,6 +164,132 @@ fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
     let hist = &g.results[0].metrics.draft_lengths;
     assert_eq!(hist[NUM_DRAFTS] as usize, full);
     // Greedy output is the target's own.
+    let prompts: Vec<Vec<u32>> = vec![request(10, 1).prompt, request(20, 1).prompt];
+    let want = baseline(&target, &prompts, 80);
+    assert_eq!(g.results[0].tokens, want[0]);
+    assert_eq!(g.results[1].tokens, want[1]);
+}
+
+/// Grows trees from [`Mixed`]'s choice of prompts and logs every ask as `(first prompt
+/// token, position, node budget)`: for an oracle prompt the target's continuation with a
+/// wrong sibling beside its first token (nodes: the first token, the sibling, then the rest
+/// of the continuation under the first, so the accepted path is every node but the
+/// sibling), for the others random tokens, all children of the last verified token.
+struct TreeMixed(Arc<Mixed>);
+
+impl DraftProposer for TreeMixed {
+    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
+        self.0.alloc_state(gpu)
+    }
+    fn prefill_drafter(
+        &self,
+        prompt: &[u32],
+        h: DevicePtr,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> Result<usize> {
+        self.0.prefill_drafter(prompt, h, state, ctx, stream)
+    }
+    fn propose(
+        &self,
+        last: u32,
+        h: DevicePtr,
+        position: usize,
+        n: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        d: Option<DevicePtr>,
+        mask: Option<&[i32]>,
+        stack: Option<DevicePtr>,
+    ) -> Result<Vec<u32>> {
+        self.0
+            .propose(last, h, position, n, state, ctx, stream, d, mask, stack)
+    }
+    fn after_verify(&self, a: usize, state: &mut dyn ProposerState, stream: u64) -> Result<()> {
+        self.0.after_verify(a, state, stream)
+    }
+    fn grows_trees(&self) -> bool {
+        true
+    }
+    fn propose_tree(
+        &self,
+        last: u32,
+        h: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        d: Option<DevicePtr>,
+        mask: Option<&[i32]>,
+        stack: Option<DevicePtr>,
+    ) -> Result<DraftTree> {
+        let first = state
+            .as_any_mut()
+            .downcast_mut::<History>()
+            .and_then(|s| s.tokens.first().copied())
+            .unwrap_or(0);
+        let chain_len = if budget >= 2 { budget - 1 } else { budget };
+        let chain = self.0.oracle.propose(
+            last, h, position, chain_len, state, ctx, stream, d, mask, stack,
+        )?;
+        self.0.asks.lock().unwrap().push((first, position, budget));
+        if !(self.0.is_oracle)(first, position) {
+            let mut rng = SmallRng::seed_from_u64(position as u64 * 7919 + u64::from(first));
+            return Ok(DraftTree {
+                tokens: (0..budget).map(|_| rng.random_range(0..VOCAB)).collect(),
+                parents: vec![None; budget],
+                probs: None,
+            });
+        }
+        let mut tree = DraftTree::chain(chain);
+        if budget >= 2 {
+            let sibling = (tree.tokens[0] + 1) % VOCAB;
+            tree.tokens.insert(1, sibling);
+            tree.parents = (0..budget)
+                .map(|i| match i {
+                    0 | 1 => None,
+                    2 => Some(0),
+                    _ => Some(i - 1),
+                })
+                .collect();
+        }
+        Ok(tree)
+    }
+}
+
+#[test]
+fn random_trees_are_turned_down_and_oracle_trees_kept_in_one_batch() {
+    let gpu = cpu();
+    let target = table(&gpu);
+    let mixed = Mixed::new(&target, |first, _| first == 10);
+    let trees = Arc::new(TreeMixed(mixed.clone()));
+    let engine = engine(&target, trees, linear_cost(0.75, 0.25, 0.01));
+    assert!(engine.drafts_trees());
+    let g = engine.generate(vec![request(10, 80), request(20, 80)]);
+    for r in &g.results {
+        assert!(r.error.is_none(), "{:?}", r.error);
+    }
+    // The random trees: a few steps to learn, then only occasional one-node probes.
+    let random = mixed.asks_of(20);
+    let later = &random[6..];
+    let drafting = later.iter().filter(|a| a.1 > 0).count();
+    assert!(later.len() > 40, "{} steps", later.len());
+    assert!(
+        drafting * 8 <= later.len() && later.iter().all(|a| a.1 <= 1),
+        "random trees still asked for after learning: {later:?}"
+    );
+    // The oracle's trees (3 tokens for 4 nodes, 1 for 1) get the whole node budget once
+    // their first verdicts are in (the last step's budget is cut by max_tokens).
+    let oracle = mixed.asks_of(10);
+    let settled = &oracle[2..oracle.len() - 1];
+    assert!(
+        settled.iter().all(|a| a.1 == NUM_DRAFTS),
+        "oracle trees not given their budget: {oracle:?}"
+    );
+    assert!(g.results[0].metrics.accepted > 0);
     let prompts: Vec<Vec<u32>> = vec![request(10, 1).prompt, request(20, 1).prompt];
     let want = baseline(&target, &prompts, 80);
     assert_eq!(g.results[0].tokens, want[0]);
