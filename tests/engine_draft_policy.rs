@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use specdraft::backend::{DevicePtr, GpuBackend};
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
-    CostCurve, CostCurves, DraftPolicyKind, FixedCost, GenerateRequest, SpecEngine,
+    CostCurve, CostCurves, DraftPolicyKind, FixedCost, GenerateRequest, Generation, SpecEngine,
 };
 use specdraft::model::ForwardContext;
 use specdraft::speculative::{DraftProposer, DraftTree, PromptLookup, ProposerState};
@@ -123,13 +123,19 @@ fn engine(
         .with_cost_model(cost)
 }
 
-#[test]
-fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
-    let gpu = cpu();
-    let target = table(&gpu);
-    // Prompts starting with 10 get the oracle, with 20 random drafts.
-    let mixed = Mixed::new(&target, |first, _| first == 10);
-    let engine = engine(&target, mixed.clone(), linear_cost(0.75, 0.25, 0.01));
+/// One prompt's asks: `(position, count)`.
+type Asks = Vec<(usize, usize)>;
+
+/// Runs an oracle prompt (10) and a random one (20) in one batch through `proposer`, which
+/// logs its asks in `mixed`, and checks that the random drafts are turned down to
+/// occasional one-draft probes, the oracle is asked for all it may once its first verdicts
+/// are in, and greedy output is the target's own. Returns the generation and the asks.
+fn random_off_and_oracle_on(
+    target: &Arc<TableTarget>,
+    mixed: &Mixed,
+    proposer: Arc<dyn DraftProposer>,
+) -> (Generation, Asks, Asks) {
+    let engine = engine(target, proposer, linear_cost(0.75, 0.25, 0.01));
     assert_eq!(engine.draft_policy(), DraftPolicyKind::Adaptive);
     let g = engine.generate(vec![request(10, 80), request(20, 80)]);
     for r in &g.results {
@@ -145,16 +151,30 @@ fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
         "random drafter still asked after learning: {later:?}"
     );
     let oracle = mixed.asks_of(10);
-    assert!(
-        oracle.iter().all(|a| a.1 > 0),
-        "oracle turned down: {oracle:?}"
-    );
     // Once its first verdicts are in, it is asked for all it may (the last step's budget
     // is cut by max_tokens).
     let settled = &oracle[2..oracle.len() - 1];
     assert!(
         settled.iter().all(|a| a.1 == NUM_DRAFTS),
         "oracle not asked for all: {oracle:?}"
+    );
+    let prompts: Vec<Vec<u32>> = vec![request(10, 1).prompt, request(20, 1).prompt];
+    let want = baseline(target, &prompts, 80);
+    assert_eq!(g.results[0].tokens, want[0]);
+    assert_eq!(g.results[1].tokens, want[1]);
+    (g, oracle, random)
+}
+
+#[test]
+fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
+    let gpu = cpu();
+    let target = table(&gpu);
+    // Prompts starting with 10 get the oracle, with 20 random drafts.
+    let mixed = Mixed::new(&target, |first, _| first == 10);
+    let (g, oracle, random) = random_off_and_oracle_on(&target, &mixed, mixed.clone());
+    assert!(
+        oracle.iter().all(|a| a.1 > 0),
+        "oracle turned down: {oracle:?}"
     );
     let full = oracle.iter().filter(|a| a.1 == NUM_DRAFTS).count();
     // The histogram records every ask, per request.
@@ -163,11 +183,6 @@ fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
     assert_eq!(hist[0] as usize, random.iter().filter(|a| a.1 == 0).count());
     let hist = &g.results[0].metrics.draft_lengths;
     assert_eq!(hist[NUM_DRAFTS] as usize, full);
-    // Greedy output is the target's own.
-    let prompts: Vec<Vec<u32>> = vec![request(10, 1).prompt, request(20, 1).prompt];
-    let want = baseline(&target, &prompts, 80);
-    assert_eq!(g.results[0].tokens, want[0]);
-    assert_eq!(g.results[1].tokens, want[1]);
 }
 
 /// Grows trees from [`Mixed`]'s choice of prompts and logs every ask as `(first prompt
@@ -266,34 +281,10 @@ fn random_trees_are_turned_down_and_oracle_trees_kept_in_one_batch() {
     let target = table(&gpu);
     let mixed = Mixed::new(&target, |first, _| first == 10);
     let trees = Arc::new(TreeMixed(mixed.clone()));
-    let engine = engine(&target, trees, linear_cost(0.75, 0.25, 0.01));
-    assert!(engine.drafts_trees());
-    let g = engine.generate(vec![request(10, 80), request(20, 80)]);
-    for r in &g.results {
-        assert!(r.error.is_none(), "{:?}", r.error);
-    }
-    // The random trees: a few steps to learn, then only occasional one-node probes.
-    let random = mixed.asks_of(20);
-    let later = &random[6..];
-    let drafting = later.iter().filter(|a| a.1 > 0).count();
-    assert!(later.len() > 40, "{} steps", later.len());
-    assert!(
-        drafting * 8 <= later.len() && later.iter().all(|a| a.1 <= 1),
-        "random trees still asked for after learning: {later:?}"
-    );
-    // The oracle's trees (3 tokens for 4 nodes, 1 for 1) get the whole node budget once
-    // their first verdicts are in (the last step's budget is cut by max_tokens).
-    let oracle = mixed.asks_of(10);
-    let settled = &oracle[2..oracle.len() - 1];
-    assert!(
-        settled.iter().all(|a| a.1 == NUM_DRAFTS),
-        "oracle trees not given their budget: {oracle:?}"
-    );
+    assert!(engine(&target, trees.clone(), linear_cost(1.0, 0.1, 0.0)).drafts_trees());
+    // The oracle's trees (3 tokens for 4 nodes, 1 for 1) get the whole node budget.
+    let (g, _, _) = random_off_and_oracle_on(&target, &mixed, trees);
     assert!(g.results[0].metrics.accepted > 0);
-    let prompts: Vec<Vec<u32>> = vec![request(10, 1).prompt, request(20, 1).prompt];
-    let want = baseline(&target, &prompts, 80);
-    assert_eq!(g.results[0].tokens, want[0]);
-    assert_eq!(g.results[1].tokens, want[1]);
 }
 
 #[test]
