@@ -142,11 +142,16 @@ class Backend:
 
 @final
 class CpuBackend(Backend):
-    """`CpuBackend(memory_limit=None)`: the CPU reference backend, host memory behind the
-    backend interface. `memory_limit` caps its live bytes the way a device's memory would.
+    """`CpuBackend(memory_limit=None, threads=None)`: the CPU reference backend, host memory
+    behind the backend interface. `memory_limit` caps its live bytes the way a device's
+    memory would; `threads` (at least 1) sets how many threads its kernels run on, one per
+    core by default.
     """
 
-    def __new__(cls, memory_limit: int | None = None) -> Self: ...
+    def __new__(cls, memory_limit: int | None = None, threads: int | None = None) -> Self: ...
+    @property
+    def threads(self) -> int:
+        """Threads its kernels run on, the calling thread included: one per core by default."""
     @property
     def instruction_set(self) -> str:
         """The instruction set its kernels run on, the fastest this CPU has:
@@ -1048,7 +1053,8 @@ def load_model(
 ) -> TargetModel:
     """Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
     (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
-    defaults to a new `CpuBackend`. `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
+    defaults to a new `CpuBackend` (with `comm`, one whose kernels take this rank's share of
+    the host's cores: cores / the ranks `mpiexec` started on the host). `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
     a safetensors checkpoint's matrices at load; `None` keeps what the file has. `comm`
     (from `specdraft.distributed.init()`) loads this rank's share of a multi-rank model:
     each MoE layer's routed experts are split evenly across the ranks (a count the ranks do

@@ -41,6 +41,21 @@ pub use nccl_library::NCCL_WHEEL;
 
 use half::bf16;
 
+/// The launcher's variables that hold how many ranks run on this host: MPICH's Hydra, then
+/// Open MPI's.
+const LOCAL_SIZE_VARIABLES: [&str; 2] = ["MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"];
+
+/// How many ranks the launcher (`mpiexec`) started on this host, this one included: 1 when
+/// the process was not launched by one (or the launcher does not say).
+pub fn local_rank_count() -> usize {
+    LOCAL_SIZE_VARIABLES
+        .iter()
+        .filter_map(|name| std::env::var(name).ok())
+        .filter_map(|v| v.trim().parse::<usize>().ok())
+        .find(|&n| n > 0)
+        .unwrap_or(1)
+}
+
 /// A group of ranks that run the same forwards and meet in the same collectives.
 pub trait Communicator: Send + Sync {
     /// This process's rank, `0..size()`.

@@ -11,7 +11,7 @@
 
 use super::arrays::{array_bytes, dtype_arg, pod_vec, shape_arg, typed_array};
 use super::device_ptr::{py_ptr, PtrArg, PyDevicePtr};
-use super::errors::{BackendUnavailableError, IntoPyResult};
+use super::errors::{request_error, BackendUnavailableError, IntoPyResult};
 use crate::backend::{BackendError, CpuBackend, Dtype, GpuBackend, DEFAULT_STREAM};
 use half::bf16;
 use numpy::PyArray1;
@@ -54,8 +54,10 @@ pub struct PyBackend {
     pub inner: BackendRef,
 }
 
-/// `CpuBackend(memory_limit=None)`: the CPU reference backend, host memory behind the
-/// backend interface. `memory_limit` caps its live bytes the way a device's memory would.
+/// `CpuBackend(memory_limit=None, threads=None)`: the CPU reference backend, host memory
+/// behind the backend interface. `memory_limit` caps its live bytes the way a device's
+/// memory would; `threads` (at least 1) sets how many threads its kernels run on, one per
+/// core by default.
 #[pyclass(name = "CpuBackend", module = "specdraft", extends = PyBackend, frozen)]
 pub struct PyCpuBackend;
 
@@ -450,16 +452,34 @@ impl PyBackend {
 #[pymethods]
 impl PyCpuBackend {
     #[new]
-    #[pyo3(signature = (memory_limit = None))]
-    fn new(memory_limit: Option<usize>) -> PyClassInitializer<Self> {
+    #[pyo3(signature = (memory_limit = None, threads = None))]
+    fn new(
+        memory_limit: Option<usize>,
+        threads: Option<usize>,
+    ) -> PyResult<PyClassInitializer<Self>> {
         let backend = match memory_limit {
             Some(n) => CpuBackend::with_memory_limit(n),
             None => CpuBackend::new(),
         };
-        PyClassInitializer::from(PyBackend {
+        let backend = match threads {
+            Some(0) => return Err(request_error("threads must be at least 1")),
+            Some(n) => backend.on_threads(n),
+            None => backend,
+        };
+        Ok(PyClassInitializer::from(PyBackend {
             inner: BackendRef::Owned(Arc::new(backend)),
         })
-        .add_subclass(PyCpuBackend)
+        .add_subclass(PyCpuBackend))
+    }
+
+    /// Threads its kernels run on, the calling thread included: one per core by default.
+    #[getter]
+    fn threads(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.as_super()
+            .get()
+            .with_concrete("CpuBackend", "a CPU", |cpu: &CpuBackend| {
+                Ok(cpu.kernel_pool().threads())
+            })
     }
 
     /// The instruction set its kernels run on, the fastest this CPU has:

@@ -14,6 +14,7 @@ use super::errors::{request_error, IntoPyResult, SpecdraftError};
 use super::generation::run_exclusive;
 use super::model::PyModelConfig;
 use crate::backend::{CpuBackend, GpuBackend, GpuBackendExt};
+use crate::distributed::local_rank_count;
 use crate::engine::{GenerateRequest, SpecEngine};
 use crate::model::layers::ExpertShard;
 use crate::model::{
@@ -204,7 +205,8 @@ impl PyTargetModel {
 
 /// Loads a target model from a HF checkpoint folder, a `.gguf` file, or a known name
 /// (`"smollm2"`), with the tokenizer the file carries as `model.tokenizer`. `gpu`
-/// defaults to a new `CpuBackend`. `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
+/// defaults to a new `CpuBackend` (with `comm`, one whose kernels take this rank's share of
+/// the host's cores: cores / the ranks `mpiexec` started on the host). `weights` (`"q8_0"`, `"q4_0"`, `"q4_k"`, ...) quantizes
 /// a safetensors checkpoint's matrices at load; `None` keeps what the file has. `comm`
 /// (from `specdraft.distributed.init()`) loads this rank's share of a multi-rank model:
 /// each MoE layer's routed experts are split evenly across the ranks (a count the ranks do
@@ -223,6 +225,7 @@ pub fn load_model(
     weights: Option<&str>,
     comm: Option<PyRef<'_, PyCommunicator>>,
 ) -> PyResult<PyTargetModel> {
+    let launched = comm.is_some();
     // One rank of several holds only its share of each MoE layer's routed experts.
     let shard = comm.and_then(|c| ExpertShard::new(c.arc()));
     let weights = weights
@@ -236,6 +239,8 @@ pub fn load_model(
     let path: PathBuf = resolved.str()?.to_string().into();
     let gpu: Arc<dyn GpuBackend> = match gpu {
         Some(obj) => backend_arg(obj)?.get().arc()?,
+        // The ranks launched on this host share its cores.
+        None if launched => Arc::new(CpuBackend::sharing_cores(local_rank_count())),
         None => Arc::new(CpuBackend::new()),
     };
     if max_rows == 0 {

@@ -211,6 +211,9 @@ def engine(out: dict) -> None:
         out["report"] = specdraft.SpecEngine(model).run_worker()
     del model
     out["live_after"] = gpu.live_allocs
+    # Without a backend given, each rank's kernels take its share of the host's cores.
+    shared = specdraft.load_model(sys.argv[3], comm=comm, **ENGINE_LOAD)
+    out["default_threads"] = shared.gpu.threads
 
 
 def killed_worker(out: dict) -> None:

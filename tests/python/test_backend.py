@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import specdraft
@@ -203,3 +205,12 @@ def test_cpu_backend_names_the_fastest_instruction_set_the_cpu_has():
     else:
         want = "portable"
     assert specdraft.CpuBackend().instruction_set == want
+
+
+def test_cpu_backend_runs_its_kernels_on_the_threads_asked_for() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert specdraft.CpuBackend().threads == cores
+    assert specdraft.CpuBackend(threads=3).threads == 3
+    assert specdraft.CpuBackend(memory_limit=1 << 20, threads=1).threads == 1
+    with pytest.raises(specdraft.RequestError, match="threads must be at least 1"):
+        specdraft.CpuBackend(threads=0)

@@ -206,6 +206,10 @@ def test_two_ranks_serve_the_same_tokens_as_one_with_half_the_experts_each(
     for rank, got in enumerate(ranks):
         assert one_rank_bytes - got["weight_bytes"] == half, f"rank {rank}: not half the experts"
         assert got["live_after"] == 0, f"rank {rank}: allocations left after the model"
+    # Two ranks on this host: each runs its kernels on half of the cores.
+    cores = len(os.sched_getaffinity(0))
+    assert [r["default_threads"] for r in ranks] == [max(1, cores // 2)] * 2
+    assert specdraft.CpuBackend().threads == cores
     report = ranks[1]["report"]
     assert report["failed"] == 0, report["last_error"]
     assert report["leftover_sequences"] == 0, "the worker kept sequences rank 0 freed"

@@ -212,6 +212,24 @@ impl CpuBackend {
         }
     }
 
+    /// A CPU backend for one of `processes` processes sharing this machine's cores (ranks
+    /// launched together on one host): its kernels run on cores / `processes` threads, at
+    /// least 1, so the processes together run one kernel thread a core. One pool per core
+    /// in every process would put several threads on each core, and the ranks' collectives
+    /// would wait on whichever rank the scheduler left behind.
+    pub fn sharing_cores(processes: usize) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self::with_threads(cores / processes.max(1))
+    }
+
+    /// The same backend with its kernels on `threads` threads (the caller's included).
+    pub fn on_threads(self, threads: usize) -> Self {
+        CpuBackend {
+            threads: Some(threads.max(1)),
+            ..self
+        }
+    }
+
     /// A CPU backend whose kernels run on `pool` (for instance one limited to the portable
     /// instruction set, to compare it with the default).
     pub fn with_kernel_pool(pool: KernelPool) -> Self {
