@@ -131,7 +131,8 @@ def load_for_bench(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:
     kv_blocks = max(sequences, 1) * math.ceil(args.max_seq_len / 16) + 1
     model = specdraft.load_model(
         path,
-        gpu=gpu,
+        # On ranks, load_model's own CPU backend shares the host's cores among them.
+        gpu=None if comm is not None and isinstance(gpu, specdraft.CpuBackend) else gpu,
         max_seq_len=args.max_seq_len,
         kv_blocks=kv_blocks,
         weights=args.weights,
@@ -141,9 +142,10 @@ def load_for_bench(args: argparse.Namespace, sequences: int) -> tuple[Any, str]:
         _serve_or_lead(comm, model)
     if model.tokenizer is None:
         raise ValueError(f"{path} carries no tokenizer specdraft can read")
+    gpu = model.gpu
     name = type(gpu).__name__
     if isinstance(gpu, specdraft.CpuBackend):
-        name += f" ({gpu.instruction_set})"
+        name += f" ({gpu.instruction_set}, {gpu.threads} threads)"
     return model, name
 
 

@@ -66,7 +66,8 @@ def test_bench_rows_cover_every_proposer_width_policy_and_pass(tiny, capsys) -> 
     assert code == 0, err
     report = json.loads(out)
     # The CPU's kernels say which instruction set they ran on.
-    assert report["device"] == f"CpuBackend ({specdraft.CpuBackend().instruction_set})"
+    cpu = specdraft.CpuBackend()
+    assert report["device"] == f"CpuBackend ({cpu.instruction_set}, {cpu.threads} threads)"
     assert (report["batch"], report["repeat"]) == ([1, 2], 2)
     assert report["draft_policies"] == ["adaptive", "fixed"]
     # The tiny model has no shipped draft head: the rows of the heads and the hybrid are left

@@ -257,6 +257,10 @@ def test_the_bench_under_mpiexec_runs_every_proposer_on_the_ranks(tmp_path: Path
     assert set(rows) == {"baseline", "prompt-lookup"}, rows
     assert all(r["errors"] == [] and r["tokens"] == 16 for r in rows.values()), rows
     assert rows["prompt-lookup"]["identical_to_baseline"] is True
+    # Each of the two ranks ran its kernels on half of the host's cores.
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    isa = specdraft.CpuBackend().instruction_set
+    assert report["device"] == f"CpuBackend ({isa}, {threads} threads)"
 
 
 def test_a_killed_worker_ends_the_whole_job_leaving_nothing(tmp_path: Path) -> None:
