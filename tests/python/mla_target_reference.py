@@ -10,13 +10,19 @@ and DeepSeek-V3's MoE).
         DeepSeek-V3, so the score scale grows by ``mscale(factor, mscale_all_dim)^2``) or
         ``fp8`` (``q_lora`` with every ``*_proj`` stored as E4M3 with ``weight_scale_inv``
         per 128 x 128 block, as DeepSeek-V3 ships; the forward uses the dequantized
-        values). Writes
+        values) or ``mtp`` (``q_lora`` plus DeepSeek-V3's own MTP layer,
+        ``model.layers.3.*``: ``enorm``, ``hnorm``, ``eh_proj``, an MLA decoder layer with
+        routed and shared experts, ``shared_head.norm`` and ``shared_head.head``). Writes
         DIR/config.json and DIR/model.safetensors (BF16), runs the forward over TOKENS
         (comma-separated ids) and writes DIR/reference.json: ``{"logits": [[...] per
         position], "min_margin": float, "sparse_layers": [...], "latents": [[[...] per
         position] per layer]}``. ``latents`` is what DeepSeek-V3's absorbed inference caches
         per token: ``[kv_a_layernorm(c_kv) | rope(k_pe)]``, RoPE rotating adjacent pairs in
-        place. ``min_margin`` is as in ``moe_target_reference.py``.
+        place. ``min_margin`` is as in ``moe_target_reference.py``. With ``mtp``, also
+        ``"hiddens"``: the target's hidden at every position before the final norm (BF16
+        values), ``"mtp_logits"``: the MTP layer's logits at positions 1 .. n - 1 (see
+        below), its routing margins counted in ``min_margin``, and ``"mtp_latents"``: its
+        cached latent rows at those positions.
 
 The attention, per layer (pre-norm, x = rms_norm(h)):
     q = q_b(rms_norm(q_a(x), q_a_layernorm))  (or q_proj(x)), per head [q_nope | q_pe];
@@ -31,6 +37,12 @@ The MLP: layer 0 a dense SwiGLU (first_k_dense_replace = 1), the others s = sigm
 x), experts chosen by s + e_score_correction_bias among the topk_group best of n_group groups
 (a group scoring the sum of its two best), weights the chosen s over their sum times
 routed_scaling_factor, plus the shared expert.
+
+The MTP layer (DeepSeek-V3's paper, section 2.2; ``model.layers.{num_hidden_layers}``): its row
+at position p (1 <= p < n) is h = eh_proj([enorm(embed(token_p)) | hnorm(h_target_{p-1})]),
+the embedding first and h_target the main model's hidden before its final norm; then one
+decoder layer as above (latent attention over the MTP rows of positions 1 .. p, RoPE at p;
+routed and shared experts), and logits = shared_head.head(shared_head.norm(h)).
 
 Sums run in float64. Where the Rust CPU backend stores an activation in BF16 by design (every
 projection's output, every norm's, RoPE's, attention's, the cached latent), this rounds to
@@ -60,8 +72,8 @@ Q_LORA, KV_LORA, NOPE, ROPE, VDIM = 24, 32, 16, 8, 12
 
 def config_of(variant: str) -> dict:
     """The tiny config.json of ``variant``."""
-    if variant not in ("q_lora", "plain_q", "yarn", "fp8"):
-        raise SystemExit(f"unknown variant {variant!r}: q_lora, plain_q, yarn or fp8")
+    if variant not in ("q_lora", "plain_q", "yarn", "fp8", "mtp"):
+        raise SystemExit(f"unknown variant {variant!r}: q_lora, plain_q, yarn, fp8 or mtp")
     cfg = {
         "model_type": "deepseek_v3",
         "hidden_size": H,
@@ -91,6 +103,8 @@ def config_of(variant: str) -> dict:
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
     }
+    if variant == "mtp":
+        cfg["num_nextn_predict_layers"] = 1
     if variant == "fp8":
         cfg["quantization_config"] = {
             "quant_method": "fp8",
@@ -164,9 +178,16 @@ def write_checkpoint(variant: str, folder: Path, seed: int) -> dict:
     put("model.embed_tokens.weight", [VOCAB, H], 1.0)
     put("model.norm.weight", [H], 0.2, 1.0)
     put("lm_head.weight", [VOCAB, H], 3 / np.sqrt(H))
-    for i in range(LAYERS):
+    mtp = variant == "mtp"
+    for i in range(LAYERS + mtp):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        if i == LAYERS:
+            # The MTP layer's own parts; its head is the main LM head, as DeepSeek-V3's is.
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                put(f"{p}{norm}.weight", [H], 0.2, 1.0)
+            put(p + "eh_proj.weight", [H, 2 * H], 1.5 / np.sqrt(2 * H))
+            t[p + "shared_head.head.weight"] = t["lm_head.weight"]
         put(p + "input_layernorm.weight", [H], 0.2, 1.0)
         put(p + "post_attention_layernorm.weight", [H], 0.2, 1.0)
         if cfg["q_lora_rank"]:
@@ -241,7 +262,9 @@ class Forward:
         self.margins: list[float] = []
         self.latents: list[list[list[float]]] = []
 
-    def attention(self, a, x):
+    def attention(self, a, x, pos):
+        """The latent attention of the rows ``x`` at RoPE positions ``pos``, each row
+        attending to itself and the rows before it."""
         t, n, eps = self.t, x.shape[0], self.cfg["rms_norm_eps"]
         if self.cfg["q_lora_rank"]:
             qa = rms_norm(linear(x, t[a + "q_a_proj.weight"]), t[a + "q_a_layernorm.weight"], eps)
@@ -257,7 +280,6 @@ class Forward:
         # so they stay unrounded here.
         kv = (c_kv @ t[a + "kv_b_proj.weight"].T).reshape(n, HEADS, NOPE + VDIM)
         k_nope, v = kv[..., :NOPE], kv[..., NOPE:]
-        pos = np.arange(n, dtype=np.float64)
         inv = inv_freq(self.cfg)
         cos, sin = rope_angles(pos, inv)
         q_pe = rope_hf_interleave(q_pe, cos, sin)
@@ -308,17 +330,40 @@ class Forward:
                 acc[r] = bf16(acc[r] + bf16(y * bf16(w)))
         return acc
 
-    def logits(self, tokens):
-        t, eps = self.t, self.cfg["rms_norm_eps"]
-        h = t["model.embed_tokens.weight"][np.asarray(tokens)]
+    def layer(self, i, h, pos):
+        """Decoder layer ``i`` over the residual rows ``h`` at RoPE positions ``pos``."""
+        t, eps, p = self.t, self.cfg["rms_norm_eps"], f"model.layers.{i}."
+        x = rms_norm(h, t[p + "input_layernorm.weight"], eps)
+        h = bf16(h + self.attention(p + "self_attn.", x, pos))
+        x = rms_norm(h, t[p + "post_attention_layernorm.weight"], eps)
+        dense = i < self.cfg["first_k_dense_replace"]
+        return bf16(h + (swiglu(t, p + "mlp", x) if dense else self.moe(p, x)))
+
+    def hiddens(self, tokens):
+        """The main model's hidden at every position, before the final norm."""
+        h = self.t["model.embed_tokens.weight"][np.asarray(tokens)]
+        pos = np.arange(len(tokens), dtype=np.float64)
         for i in range(LAYERS):
-            p = f"model.layers.{i}."
-            x = rms_norm(h, t[p + "input_layernorm.weight"], eps)
-            h = bf16(h + self.attention(p + "self_attn.", x))
-            x = rms_norm(h, t[p + "post_attention_layernorm.weight"], eps)
-            dense = i < self.cfg["first_k_dense_replace"]
-            h = bf16(h + (swiglu(t, p + "mlp", x) if dense else self.moe(p, x)))
-        return rms_norm(h, t["model.norm.weight"], eps) @ t["lm_head.weight"].T
+            h = self.layer(i, h, pos)
+        return h
+
+    def logits(self, hiddens):
+        """The main model's logits from its hiddens."""
+        t, eps = self.t, self.cfg["rms_norm_eps"]
+        return rms_norm(hiddens, t["model.norm.weight"], eps) @ t["lm_head.weight"].T
+
+    def mtp_logits(self, tokens, hiddens):
+        """The MTP layer's logits at positions 1 .. n - 1: the row at p from token p and the
+        main model's hidden at p - 1."""
+        t, eps, p = self.t, self.cfg["rms_norm_eps"], f"model.layers.{LAYERS}."
+        e = rms_norm(
+            t["model.embed_tokens.weight"][np.asarray(tokens[1:])], t[p + "enorm.weight"], eps
+        )
+        g = rms_norm(hiddens[:-1], t[p + "hnorm.weight"], eps)
+        h = linear(np.concatenate([e, g], axis=-1), t[p + "eh_proj.weight"])
+        h = self.layer(LAYERS, h, np.arange(1, len(tokens), dtype=np.float64))
+        normed = rms_norm(h, t[p + "shared_head.norm.weight"], eps)
+        return normed @ t[p + "shared_head.head.weight"].T
 
 
 def main(argv: list[str]) -> int:
@@ -330,13 +375,17 @@ def main(argv: list[str]) -> int:
     t = write_checkpoint(variant, folder, seed)
     cfg = config_of(variant)
     fwd = Forward(cfg, t)
-    logits = fwd.logits(ids)
+    hiddens = fwd.hiddens(ids)
     out = {
-        "logits": logits.tolist(),
-        "min_margin": min(fwd.margins, default=1e9),
+        "logits": fwd.logits(hiddens).tolist(),
         "sparse_layers": [i for i in range(LAYERS) if i >= cfg["first_k_dense_replace"]],
-        "latents": fwd.latents,
+        "latents": list(fwd.latents),
     }
+    if variant == "mtp":
+        out["hiddens"] = hiddens.tolist()
+        out["mtp_logits"] = fwd.mtp_logits(ids, hiddens).tolist()
+        out["mtp_latents"] = fwd.latents[LAYERS]
+    out["min_margin"] = min(fwd.margins, default=1e9)
     (folder / "reference.json").write_text(json.dumps(out))
     return 0
 
