@@ -3,7 +3,7 @@ layer, then sigmoid group-routed experts with a shared expert), and an independe
 forward of it written from the published equations (Hugging Face's ``DeepseekV3Attention``
 and DeepSeek-V3's MoE).
 
-    mla_target_reference.py VARIANT DIR SEED TOKENS
+    mla_target_reference.py VARIANT DIR SEED TOKENS [GGUF [KV_B [EXPERTS]]]
         VARIANT is ``q_lora`` (the query through ``q_a_proj`` / ``q_a_layernorm`` /
         ``q_b_proj``), ``plain_q`` (``q_lora_rank: null``, one ``q_proj``) or ``yarn``
         (``q_lora`` with YaRN RoPE scaling, its ``mscale`` equal to ``mscale_all_dim`` as in
@@ -22,7 +22,11 @@ and DeepSeek-V3's MoE).
         ``"hiddens"``: the target's hidden at every position before the final norm (BF16
         values), ``"mtp_logits"``: the MTP layer's logits at positions 1 .. n - 1 (see
         below), its routing margins counted in ``min_margin``, and ``"mtp_latents"``: its
-        cached latent rows at those positions.
+        cached latent rows at those positions. With GGUF, also writes the same main-model
+        weights to that GGUF file as llama.cpp's ``deepseek2`` (needs the ``gguf`` package):
+        KV_B ``split`` (the default; ``attn_k_b`` / ``attn_v_b`` and the ``*_mla`` keys, as
+        llama.cpp's converter writes today) or ``kv_b`` (one ``attn_kv_b``, as its first
+        conversions did), the stacked experts as EXPERTS (``f32``, the default, or ``q8_0``).
 
 The attention, per layer (pre-norm, x = rms_norm(h)):
     q = q_b(rms_norm(q_a(x), q_a_layernorm))  (or q_proj(x)), per head [q_nope | q_pe];
@@ -229,6 +233,99 @@ def write_checkpoint(variant: str, folder: Path, seed: int) -> dict:
     return t
 
 
+def write_gguf(cfg: dict, t: dict, path: Path, kv_b: str = "split", experts: str = "f32"):
+    """The main model's weights as a ``deepseek2`` GGUF with llama.cpp's names and keys (F32
+    tensors, which hold the BF16 values exactly; the stacked experts Q8_0 blocks with
+    ``experts="q8_0"``). Tensors are stored as Hugging Face lays them out, no rows permuted:
+    llama.cpp rotates adjacent pairs in the RoPE parts, as DeepSeek's code does."""
+    import gguf
+    from gguf.quants import quantize
+
+    if kv_b not in ("split", "kv_b") or experts not in ("f32", "q8_0"):
+        raise SystemExit(f"KV_B {kv_b!r} / EXPERTS {experts!r}: split or kv_b / f32 or q8_0")
+    split = kv_b == "split"
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(LAYERS)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    # The split form caches the latent as one KV head of its width; the first form kept
+    # per-head sizes in these keys.
+    w.add_head_count_kv(1 if split else HEADS)
+    w.add_key_length(KV_LORA + ROPE if split else NOPE + ROPE)
+    w.add_value_length(KV_LORA if split else VDIM)
+    if split:
+        w.add_key_length_mla(NOPE + ROPE)
+        w.add_value_length_mla(VDIM)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_dimension_count(ROPE)
+    w.add_vocab_size(VOCAB)
+    if cfg["q_lora_rank"]:
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(KV_LORA)
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(EXPERT_FFN)
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+
+    def put(name, a):
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+
+    put("token_embd.weight", t["model.embed_tokens.weight"])
+    put("output_norm.weight", t["model.norm.weight"])
+    put("output.weight", t["lm_head.weight"])
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    }
+    for proj in ["gate", "up", "down"]:
+        names[f"mlp.{proj}_proj.weight"] = f"ffn_{proj}.weight"
+        names[f"mlp.shared_experts.{proj}_proj.weight"] = f"ffn_{proj}_shexp.weight"
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for hf, g in names.items():
+            if p + hf in t:
+                put(f"blk.{i}.{g}", t[p + hf])
+        kv = t[p + "self_attn.kv_b_proj.weight"]
+        if split:
+            per_head = kv.reshape(HEADS, NOPE + VDIM, KV_LORA)
+            put(f"blk.{i}.attn_k_b.weight", per_head[:, :NOPE].transpose(0, 2, 1))
+            put(f"blk.{i}.attn_v_b.weight", per_head[:, NOPE:])
+        else:
+            put(f"blk.{i}.attn_kv_b.weight", kv)
+        if i < cfg["first_k_dense_replace"]:
+            continue
+        for proj in ["gate", "up", "down"]:
+            stack = np.stack([t[f"{p}mlp.experts.{e}.{proj}_proj.weight"] for e in range(EXPERTS)])
+            name = f"blk.{i}.ffn_{proj}_exps.weight"
+            if experts == "f32":
+                put(name, stack)
+                continue
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, quantize(stack.astype(np.float32), q8), raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def rope_angles(positions, inv):
     """cos and sin, ``[n, ROPE]``, as ``transformers`` builds them (each frequency twice)."""
     ang = positions[:, None] * inv[None, :]
@@ -367,13 +464,15 @@ class Forward:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 4:
+    if not 4 <= len(argv) <= 7:
         print(__doc__, file=sys.stderr)
         return 2
     variant, folder, seed, tokens = argv[0], Path(argv[1]), int(argv[2]), argv[3]
     ids = [int(x) for x in tokens.split(",")]
     t = write_checkpoint(variant, folder, seed)
     cfg = config_of(variant)
+    if len(argv) >= 5:
+        write_gguf(cfg, t, Path(argv[4]), *argv[5:])
     fwd = Forward(cfg, t)
     hiddens = fwd.hiddens(ids)
     out = {
