@@ -1,7 +1,8 @@
 //! The adaptive draft policy: it turns a drafter that is never right down to (nearly) no
-//! drafts, keeps asking a drafter that is always right for all it may, asks for none when
-//! verify rows cost more than they can win, recovers a sequence whose text turns
-//! predictable, is reproducible under a fixed cost model, and never changes greedy output.
+//! drafts, keeps asking a drafter that is always right for all it may (for trees as for
+//! chains), asks for none when verify rows cost more than they can win, recovers a
+//! sequence whose text turns predictable, is reproducible under a fixed cost model, and
+//! never changes greedy output.
 
 mod engine_common;
 
@@ -11,10 +12,10 @@ use rand::{Rng, SeedableRng};
 use specdraft::backend::{DevicePtr, GpuBackend};
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
-    CostCurve, CostCurves, DraftPolicyKind, FixedCost, GenerateRequest, SpecEngine,
+    CostCurve, CostCurves, DraftPolicyKind, FixedCost, GenerateRequest, Generation, SpecEngine,
 };
 use specdraft::model::ForwardContext;
-use specdraft::speculative::{DraftProposer, PromptLookup, ProposerState};
+use specdraft::speculative::{DraftProposer, DraftTree, PromptLookup, ProposerState};
 use specdraft::Result;
 use std::sync::{Arc, Mutex};
 
@@ -122,13 +123,19 @@ fn engine(
         .with_cost_model(cost)
 }
 
-#[test]
-fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
-    let gpu = cpu();
-    let target = table(&gpu);
-    // Prompts starting with 10 get the oracle, with 20 random drafts.
-    let mixed = Mixed::new(&target, |first, _| first == 10);
-    let engine = engine(&target, mixed.clone(), linear_cost(0.75, 0.25, 0.01));
+/// One prompt's asks: `(position, count)`.
+type Asks = Vec<(usize, usize)>;
+
+/// Runs an oracle prompt (10) and a random one (20) in one batch through `proposer`, which
+/// logs its asks in `mixed`, and checks that the random drafts are turned down to
+/// occasional one-draft probes, the oracle is asked for all it may once its first verdicts
+/// are in, and greedy output is the target's own. Returns the generation and the asks.
+fn random_off_and_oracle_on(
+    target: &Arc<TableTarget>,
+    mixed: &Mixed,
+    proposer: Arc<dyn DraftProposer>,
+) -> (Generation, Asks, Asks) {
+    let engine = engine(target, proposer, linear_cost(0.75, 0.25, 0.01));
     assert_eq!(engine.draft_policy(), DraftPolicyKind::Adaptive);
     let g = engine.generate(vec![request(10, 80), request(20, 80)]);
     for r in &g.results {
@@ -144,16 +151,30 @@ fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
         "random drafter still asked after learning: {later:?}"
     );
     let oracle = mixed.asks_of(10);
-    assert!(
-        oracle.iter().all(|a| a.1 > 0),
-        "oracle turned down: {oracle:?}"
-    );
     // Once its first verdicts are in, it is asked for all it may (the last step's budget
     // is cut by max_tokens).
     let settled = &oracle[2..oracle.len() - 1];
     assert!(
         settled.iter().all(|a| a.1 == NUM_DRAFTS),
         "oracle not asked for all: {oracle:?}"
+    );
+    let prompts: Vec<Vec<u32>> = vec![request(10, 1).prompt, request(20, 1).prompt];
+    let want = baseline(target, &prompts, 80);
+    assert_eq!(g.results[0].tokens, want[0]);
+    assert_eq!(g.results[1].tokens, want[1]);
+    (g, oracle, random)
+}
+
+#[test]
+fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
+    let gpu = cpu();
+    let target = table(&gpu);
+    // Prompts starting with 10 get the oracle, with 20 random drafts.
+    let mixed = Mixed::new(&target, |first, _| first == 10);
+    let (g, oracle, random) = random_off_and_oracle_on(&target, &mixed, mixed.clone());
+    assert!(
+        oracle.iter().all(|a| a.1 > 0),
+        "oracle turned down: {oracle:?}"
     );
     let full = oracle.iter().filter(|a| a.1 == NUM_DRAFTS).count();
     // The histogram records every ask, per request.
@@ -162,11 +183,108 @@ fn random_drafts_are_turned_down_and_oracle_drafts_kept_in_one_batch() {
     assert_eq!(hist[0] as usize, random.iter().filter(|a| a.1 == 0).count());
     let hist = &g.results[0].metrics.draft_lengths;
     assert_eq!(hist[NUM_DRAFTS] as usize, full);
-    // Greedy output is the target's own.
-    let prompts: Vec<Vec<u32>> = vec![request(10, 1).prompt, request(20, 1).prompt];
-    let want = baseline(&target, &prompts, 80);
-    assert_eq!(g.results[0].tokens, want[0]);
-    assert_eq!(g.results[1].tokens, want[1]);
+}
+
+/// Grows trees from [`Mixed`]'s choice of prompts and logs every ask as `(first prompt
+/// token, position, node budget)`: for an oracle prompt the target's continuation with a
+/// wrong sibling beside its first token (nodes: the first token, the sibling, then the rest
+/// of the continuation under the first, so the accepted path is every node but the
+/// sibling), for the others random tokens, all children of the last verified token.
+struct TreeMixed(Arc<Mixed>);
+
+impl DraftProposer for TreeMixed {
+    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
+        self.0.alloc_state(gpu)
+    }
+    fn prefill_drafter(
+        &self,
+        prompt: &[u32],
+        h: DevicePtr,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> Result<usize> {
+        self.0.prefill_drafter(prompt, h, state, ctx, stream)
+    }
+    fn propose(
+        &self,
+        last: u32,
+        h: DevicePtr,
+        position: usize,
+        n: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        d: Option<DevicePtr>,
+        mask: Option<&[i32]>,
+        stack: Option<DevicePtr>,
+    ) -> Result<Vec<u32>> {
+        self.0
+            .propose(last, h, position, n, state, ctx, stream, d, mask, stack)
+    }
+    fn after_verify(&self, a: usize, state: &mut dyn ProposerState, stream: u64) -> Result<()> {
+        self.0.after_verify(a, state, stream)
+    }
+    fn grows_trees(&self) -> bool {
+        true
+    }
+    fn propose_tree(
+        &self,
+        last: u32,
+        h: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        d: Option<DevicePtr>,
+        mask: Option<&[i32]>,
+        stack: Option<DevicePtr>,
+    ) -> Result<DraftTree> {
+        let first = state
+            .as_any_mut()
+            .downcast_mut::<History>()
+            .and_then(|s| s.tokens.first().copied())
+            .unwrap_or(0);
+        let chain_len = if budget >= 2 { budget - 1 } else { budget };
+        let chain = self.0.oracle.propose(
+            last, h, position, chain_len, state, ctx, stream, d, mask, stack,
+        )?;
+        self.0.asks.lock().unwrap().push((first, position, budget));
+        if !(self.0.is_oracle)(first, position) {
+            let mut rng = SmallRng::seed_from_u64(position as u64 * 7919 + u64::from(first));
+            return Ok(DraftTree {
+                tokens: (0..budget).map(|_| rng.random_range(0..VOCAB)).collect(),
+                parents: vec![None; budget],
+                probs: None,
+            });
+        }
+        let mut tree = DraftTree::chain(chain);
+        if budget >= 2 {
+            let sibling = (tree.tokens[0] + 1) % VOCAB;
+            tree.tokens.insert(1, sibling);
+            tree.parents = (0..budget)
+                .map(|i| match i {
+                    0 | 1 => None,
+                    2 => Some(0),
+                    _ => Some(i - 1),
+                })
+                .collect();
+        }
+        Ok(tree)
+    }
+}
+
+#[test]
+fn random_trees_are_turned_down_and_oracle_trees_kept_in_one_batch() {
+    let gpu = cpu();
+    let target = table(&gpu);
+    let mixed = Mixed::new(&target, |first, _| first == 10);
+    let trees = Arc::new(TreeMixed(mixed.clone()));
+    assert!(engine(&target, trees.clone(), linear_cost(1.0, 0.1, 0.0)).drafts_trees());
+    // The oracle's trees (3 tokens for 4 nodes, 1 for 1) get the whole node budget.
+    let (g, _, _) = random_off_and_oracle_on(&target, &mixed, trees);
+    assert!(g.results[0].metrics.accepted > 0);
 }
 
 #[test]

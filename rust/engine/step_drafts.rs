@@ -62,15 +62,16 @@ impl<T: Target> SpecEngine<T> {
                 stats: &seqs[i].draft_stats,
             })
             .collect();
-        let (chosen, min_gain) = self.draft_policy.plan(&candidates, others);
+        let (chosen, min_gain) = self.draft_policy.plan(&candidates, others, self.trees);
         let mut asked = vec![0; seqs.len()];
         for (&i, &k) in drafting.iter().zip(&chosen) {
             let seq = &mut seqs[i];
             asked[i] = k;
             seq.draft_stats.asked = Some(k);
+            seq.draft_stats.tree_path = None;
             seq.draft_stats.min_gain = min_gain;
             seq.draft_stats.draft_mark = seq.metrics.draft_time;
-            seq.draft_stats.probing = k > 0 && self.draft_policy.probe_due(&seq.draft_stats);
+            seq.draft_stats.probe.probing = k > 0 && self.draft_policy.probe_due(&seq.draft_stats);
             seq.metrics.record_draft_length(k);
         }
         asked

@@ -248,6 +248,7 @@ impl<T: Target> SpecEngine<T> {
             r.map_err(|e| EngineError::at(request, Stage::AfterVerify, e))?;
         }
         seq.drafts = path.iter().map(|&i| tree.tokens[i]).collect();
+        seq.draft_stats.tree_path = Some(path.to_vec());
         seq.catchup_pos = last_pos + 1;
         seq.metrics
             .record_step(tree.len(), verdict.path.len(), kept);
