@@ -336,7 +336,7 @@ def engine(out: dict) -> None:
     if comm.rank == 0:
         out.update(engine_outputs(model))
     else:
-        out["report"] = specdraft.SpecEngine(model, head).run_worker()
+        out["report"] = specdraft.SpecEngine(model).run_worker()
     del model
     out["live_after"] = gpu.live_allocs
 
