@@ -3,7 +3,10 @@
 //! from the published equations (`tests/python/mla_target_reference.py`, Hugging Face's
 //! non-absorbed attention), which also writes each tiny random BF16 checkpoint; the latent
 //! cache against what DeepSeek's absorbed inference caches; draft trees and their
-//! compaction on the latent cache; speculative greedy decoding; and the ledger after the drop.
+//! compaction on the latent cache; speculative greedy decoding; the same weights as llama.cpp's
+//! `deepseek2` GGUF (`attn_kv_b` whole or split into `attn_k_b` / `attn_v_b`) giving the
+//! safetensors logits bit for bit, or within 1/32 of the largest with Q8_0 experts; and the
+//! ledger after the drop.
 //!
 //! Bounds: every logit within `max|logit| / 64` of the reference (both round every stored
 //! activation to BF16; what differs is summation order, which moves a BF16 value by one step,
