@@ -3,7 +3,8 @@
 //! of a tiny GLM-4.5, Qwen3-MoE or DeepSeek-V3 (latent attention) checkpoint (written by
 //! `tests/python/moe_target_reference.py` or `mla_target_reference.py`, which need `python3`
 //! with numpy); rank 0 runs the engine and rank 1 `run_worker`, or `run_worker_with` and
-//! its share of a GLM-4.5 MTP head.
+//! its share of an MTP head: a GLM-4.5 one, or DeepSeek-V3's own MTP layer (latent
+//! attention and routed experts) from the target's folder.
 //!
 //! What it proves: two ranks give token-identical output to one rank, greedy and sampled,
 //! with and without drafts, with the MTP head's experts split too; each rank holds exactly half the experts' bytes; the worker
@@ -54,9 +55,11 @@ fn checkpoint(test: &str, family: &str, seed: u64) -> PathBuf {
 /// experts in the block format `gguf` (`f32` or `q8_0`).
 fn checkpoint_with_gguf(test: &str, family: &str, seed: u64, gguf: Option<&str>) -> PathBuf {
     let dir = temp_dir(&format!("ranks_{test}_{family}"));
-    // DeepSeek-V3 (MLA attention, its "q_lora" variant) has a reference of its own.
+    // DeepSeek-V3 (MLA attention, its "q_lora" variant; "mtp" adds its MTP layer) has a
+    // reference of its own.
     let (script, arg) = match family {
         "deepseek_v3" => ("mla_target_reference.py", "q_lora"),
+        "deepseek_v3_mtp" => ("mla_target_reference.py", "mtp"),
         _ => ("moe_target_reference.py", family),
     };
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -369,11 +372,23 @@ fn generate_with_head(model: &Arc<TargetModel>, head: Arc<MtpHead>) -> Vec<Vec<V
 #[test]
 fn a_sharded_mtp_head_drafts_on_two_ranks_what_it_drafts_on_one() {
     let dir = checkpoint("mtp", "glm4_moe", 12);
-    let head_dir = glm_head_dir("mtp");
+    check_sharded_head(&dir, &glm_head_dir("mtp"));
+}
+
+#[test]
+fn deepseek_v3s_own_mtp_layer_sharded_drafts_on_two_ranks_what_it_drafts_on_one() {
+    // Target and MTP layer (latent attention, routed and shared experts) in one folder.
+    let dir = checkpoint("mtp", "deepseek_v3_mtp", 6);
+    check_sharded_head(&dir, &dir);
+}
+
+/// One rank with the whole target and head against two with half the routed experts of
+/// each: greedy and sampled outputs with the head drafting, and the worker's report.
+fn check_sharded_head(dir: &Path, head_dir: &Path) {
     // One rank: the whole target and the whole head.
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let model = Arc::new(TargetModel::load(&dir, gpu.clone(), opts()).unwrap());
-    let head = head_for(&model, &head_dir);
+    let model = Arc::new(TargetModel::load(dir, gpu.clone(), opts()).unwrap());
+    let head = head_for(&model, head_dir);
     assert!(
         !head.needs_comm(),
         "a head on one rank needs no communicator"
@@ -386,9 +401,9 @@ fn a_sharded_mtp_head_drafts_on_two_ranks_what_it_drafts_on_one() {
     let load = |comm: &Arc<dyn Communicator>| {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
         let shard = ExpertShard::new(comm.clone());
-        let model = TargetModel::load_sharded(&dir, gpu.clone(), opts(), None, shard).unwrap();
+        let model = TargetModel::load_sharded(dir, gpu.clone(), opts(), None, shard).unwrap();
         let model = Arc::new(model);
-        let head = head_for(&model, &head_dir);
+        let head = head_for(&model, head_dir);
         (gpu, model, head)
     };
     let worker_comm = comms[1].clone();

@@ -3,7 +3,10 @@
 //! from the published equations (`tests/python/mla_target_reference.py`, Hugging Face's
 //! non-absorbed attention), which also writes each tiny random BF16 checkpoint; the latent
 //! cache against what DeepSeek's absorbed inference caches; draft trees and their
-//! compaction on the latent cache; speculative greedy decoding; and the ledger after the drop.
+//! compaction on the latent cache; speculative greedy decoding; the same weights as llama.cpp's
+//! `deepseek2` GGUF (`attn_kv_b` whole or split into `attn_k_b` / `attn_v_b`) giving the
+//! safetensors logits bit for bit, or within 1/32 of the largest with Q8_0 experts; and the
+//! ledger after the drop.
 //!
 //! Bounds: every logit within `max|logit| / 64` of the reference (both round every stored
 //! activation to BF16; what differs is summation order, which moves a BF16 value by one step,
@@ -60,6 +63,12 @@ fn floats(v: &serde_json::Value) -> Vec<f32> {
 
 /// Writes `variant`'s checkpoint with `seed` into `dir` and returns the reference.
 fn reference(variant: &str, dir: &Path, seed: u64) -> Reference {
+    reference_with_gguf(variant, dir, seed, &[])
+}
+
+/// [`reference`], with the writer's GGUF arguments (`[path, kv_b form, experts format]`,
+/// a prefix of them) after the tokens.
+fn reference_with_gguf(variant: &str, dir: &Path, seed: u64, gguf: &[&str]) -> Reference {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mla_target_reference.py");
     let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
     let out = Command::new(python())
@@ -70,6 +79,7 @@ fn reference(variant: &str, dir: &Path, seed: u64) -> Reference {
             &seed.to_string(),
             &ids.join(","),
         ])
+        .args(gguf)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python(), script.display()));
     assert!(
@@ -357,6 +367,93 @@ fn speculative_greedy_equals_plain_greedy_on_deepseek_v3() {
         "{accepted} of {drafted}"
     );
     drop(model);
+    assert_eq!(gpu.ledger().live_count(), 0, "the ledger after the drop");
+}
+
+#[test]
+fn deepseek2_gguf_and_safetensors_of_the_same_weights_give_the_same_logits() {
+    for (variant, form) in [
+        ("q_lora", "split"),
+        ("q_lora", "kv_b"),
+        ("plain_q", "split"),
+    ] {
+        let what = format!("{variant}, {form}");
+        let dir = temp_dir(&format!("mla_gguf_{variant}_{form}"));
+        let gguf = dir.join("model.gguf");
+        reference_with_gguf(variant, &dir, 6, &[gguf.to_str().unwrap(), form]);
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let from_st = TargetModel::load(&dir, gpu.clone(), opts()).unwrap();
+        let from_gguf = TargetModel::load(&gguf, gpu.clone(), opts()).unwrap();
+        let (a, b) = (from_st.config(), from_gguf.config());
+        assert_eq!(b.mla, a.mla, "{what}: the MLA sizes from GGUF metadata");
+        assert_eq!(b.moe, a.moe, "{what}: the MoE config from GGUF metadata");
+        assert_eq!(
+            (
+                b.family,
+                b.num_hidden_layers,
+                b.head_dim,
+                b.num_key_value_heads
+            ),
+            (
+                a.family,
+                a.num_hidden_layers,
+                a.head_dim,
+                a.num_key_value_heads
+            ),
+            "{what}"
+        );
+        assert_eq!(b.mla_softmax_scale(), a.mla_softmax_scale(), "{what}");
+        // F32 tensors holding BF16 values load to the same BF16 weights (kv_b_proj put back
+        // together from attn_k_b and attn_v_b): the same logits, bit for bit.
+        assert_eq!(
+            prefill_then_decode(&from_gguf).0,
+            prefill_then_decode(&from_st).0,
+            "{what}: GGUF and safetensors logits"
+        );
+        drop((from_st, from_gguf));
+        assert_eq!(
+            gpu.ledger().live_count(),
+            0,
+            "{what}: the ledger after the drop"
+        );
+    }
+}
+
+#[test]
+fn a_deepseek2_gguf_with_q8_0_experts_stays_within_its_bound_of_the_bf16_logits() {
+    let dir = temp_dir("mla_gguf_q8_0");
+    let gguf = dir.join("model.gguf");
+    reference_with_gguf(
+        "q_lora",
+        &dir,
+        6,
+        &[gguf.to_str().unwrap(), "split", "q8_0"],
+    );
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let from_st = TargetModel::load(&dir, gpu.clone(), opts()).unwrap();
+    let from_gguf = TargetModel::load(&gguf, gpu.clone(), opts()).unwrap();
+    let moe = from_gguf.weights().layers[2].moe().unwrap();
+    assert!(moe.experts.iter().all(|x| x.down.format_name() == "q8_0"));
+    let (want, got) = (
+        prefill_then_decode(&from_st).0,
+        prefill_then_decode(&from_gguf).0,
+    );
+    let scale = want.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    let mut worst = 0f32;
+    for (pos, (g, w)) in got.iter().zip(&want).enumerate() {
+        let d = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        worst = worst.max(d);
+        // Q8_0 rounds each weight to 1/254 of its block's largest magnitude (and the
+        // activations the experts read to BF16 as before): measured, the logits move by
+        // 0.074 of a largest 6.16; the bound is 1/32 of the largest.
+        assert!(
+            d <= scale / 32.0,
+            "position {pos}: Q8_0 experts move the logits by {d} (bound {})",
+            scale / 32.0
+        );
+    }
+    println!("Q8_0 experts: worst logit difference {worst} of max |logit| {scale}");
+    drop((from_st, from_gguf));
     assert_eq!(gpu.ledger().live_count(), 0, "the ledger after the drop");
 }
 

@@ -1,7 +1,14 @@
 //! GGUF files: the header, the metadata key/values, the tensor infos and the aligned data,
-//! memory-mapped; and the `ModelConfig` a Llama-family or GQA mixture-of-experts
-//! (`qwen3moe`, `glm4moe`) GGUF describes, whose stacked expert tensors it serves one expert
-//! at a time.
+//! memory-mapped; and the `ModelConfig` a Llama-family, GQA mixture-of-experts (`qwen3moe`,
+//! `glm4moe`) or DeepSeek-V3 (`deepseek2`, latent attention) GGUF describes, whose stacked
+//! expert tensors it serves one expert at a time.
+//!
+//! `deepseek2` files come in two forms, both read: the first conversions keep `attn_kv_b`
+//! whole and give the per-head sizes in `attention.key_length` (`qk_nope + qk_rope`) and
+//! `value_length`; later ones split it into `attn_k_b` (per head `[kv_lora_rank,
+//! qk_nope]`, transposed) and `attn_v_b`, set `key_length` / `value_length` to the latent's
+//! widths and move the per-head sizes to `key_length_mla` / `value_length_mla`. Neither
+//! permutes the query or key rows: RoPE pairs adjacent elements, as DeepSeek's own code does.
 //!
 //! Written here rather than taken from a crate: the format is small (a few hundred lines of
 //! spec), and the crates that read it either belong to a whole inference framework or stop
@@ -17,7 +24,7 @@
 //! and tensor names are unique; shapes are reported outermost first (GGUF stores dims
 //! innermost first).
 
-use super::config::{ModelFamily, MoeConfig, RopeScaling};
+use super::config::{MlaConfig, ModelFamily, MoeConfig, RopeScaling, YarnParams};
 use super::file_bytes::FileBytes;
 use super::gguf_reader::{Reader, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES};
 use super::tensors::{RawTensor, TensorSource, TensorType};
@@ -334,11 +341,14 @@ impl GgufFile {
             "qwen3" => ModelFamily::Qwen3,
             "qwen3moe" => ModelFamily::Qwen3Moe,
             "glm4moe" => ModelFamily::Glm4Moe,
+            "deepseek2" => ModelFamily::DeepseekV3,
             other => {
                 return Err(self
                     .meta_err(
                         "general.architecture",
-                        &format!("is {other:?}; supported: llama, qwen2, qwen3, qwen3moe, glm4moe"),
+                        &format!(
+                            "is {other:?}; supported: llama, qwen2, qwen3, qwen3moe, glm4moe, deepseek2"
+                        ),
                     )
                     .into())
             }
@@ -350,12 +360,22 @@ impl GgufFile {
         };
         let hidden_size = need("embedding_length")?;
         let heads = need("attention.head_count")?;
-        let kv_heads = self
-            .meta_usize(&key("attention.head_count_kv"))?
-            .unwrap_or(heads);
-        let head_dim = self
-            .meta_usize(&key("attention.key_length"))?
-            .unwrap_or(hidden_size / heads.max(1));
+        let mla = self.mla_config(&arch)?;
+        // Under MLA the converter writes one KV head (the latent); the attention reads no
+        // head count or width of its own, so they are set as a Hugging Face config has them:
+        // every head, and the rotated width that RoPE's frequencies are computed over.
+        let kv_heads = match mla {
+            Some(_) => heads,
+            None => self
+                .meta_usize(&key("attention.head_count_kv"))?
+                .unwrap_or(heads),
+        };
+        let head_dim = match &mla {
+            Some(m) => m.qk_rope_head_dim,
+            None => self
+                .meta_usize(&key("attention.key_length"))?
+                .unwrap_or(hidden_size / heads.max(1)),
+        };
         let rotary = self
             .meta_usize(&key("rope.dimension_count"))?
             .unwrap_or(head_dim);
@@ -385,7 +405,7 @@ impl GgufFile {
                 high_freq_factor: None,
                 original_max_position_embeddings: self
                     .meta_usize(&key("rope.scaling.original_context_length"))?,
-                yarn: Default::default(),
+                yarn: self.yarn_params(&arch)?,
             }),
         };
         let eos = match self.meta_usize("tokenizer.ggml.eos_token_id")? {
@@ -424,18 +444,17 @@ impl GgufFile {
             qk_norm: self.tensors.contains_key("blk.0.attn_q_norm.weight"),
             num_nextn_predict_layers: nextn,
             moe,
-            mla: None,
+            mla,
             eos_token_ids: eos.map(|e| vec![e]).unwrap_or_default(),
         };
         config.validate()?;
         Ok(config)
     }
 
-    /// The MoE sizes of a `qwen3moe` / `glm4moe` file (`None` for the dense architectures):
-    /// llama.cpp's `expert_*` keys, `leading_dense_block_count` for GLM's dense first
-    /// layers, and for Qwen3-MoE every layer without a router (`ffn_gate_inp`) dense.
-    fn moe_config(&self, arch: &str, layers: usize) -> Result<Option<MoeConfig>, ModelError> {
-        if !matches!(arch, "qwen3moe" | "glm4moe") {
+    /// The latent attention sizes of a `deepseek2` file (`None` for the other
+    /// architectures), from either form the module docs describe.
+    fn mla_config(&self, arch: &str) -> Result<Option<MlaConfig>, ModelError> {
+        if arch != "deepseek2" {
             return Ok(None);
         }
         let key = |k: &str| format!("{arch}.{k}");
@@ -443,7 +462,62 @@ impl GgufFile {
             self.meta_usize(&key(k))?
                 .ok_or_else(|| self.meta_err(&key(k), "is missing"))
         };
-        let glm = arch == "glm4moe";
+        let rope = need("rope.dimension_count")?;
+        // The split form states the per-head sizes under `_mla`; the first form in the plain
+        // keys.
+        let (k_key, v_key) = match self.meta_usize(&key("attention.key_length_mla"))? {
+            Some(_) => ("attention.key_length_mla", "attention.value_length_mla"),
+            None => ("attention.key_length", "attention.value_length"),
+        };
+        let qk_head_dim = need(k_key)?;
+        let qk_nope_head_dim = qk_head_dim.checked_sub(rope).ok_or_else(|| {
+            self.meta_err(
+                &key(k_key),
+                &format!("is {qk_head_dim}, less than rope.dimension_count {rope}"),
+            )
+        })?;
+        Ok(Some(MlaConfig {
+            q_lora_rank: self.meta_usize(&key("attention.q_lora_rank"))?,
+            kv_lora_rank: need("attention.kv_lora_rank")?,
+            qk_nope_head_dim,
+            qk_rope_head_dim: rope,
+            v_head_dim: need(v_key)?,
+            rope_interleave: true,
+        }))
+    }
+
+    /// YaRN's parameters: `yarn_log_multiplier` is `0.1 * mscale_all_dim` (DeepSeek-V3's
+    /// converter), whose `mscale` equals its `mscale_all_dim`; the betas where the file
+    /// states them.
+    fn yarn_params(&self, arch: &str) -> Result<YarnParams, ModelError> {
+        let key = |k: &str| format!("{arch}.{k}");
+        let all_dim = self
+            .meta_f32(&key("rope.scaling.yarn_log_multiplier"))?
+            .map(|m| m / 0.1);
+        Ok(YarnParams {
+            beta_fast: self.meta_f32(&key("rope.scaling.yarn_beta_fast"))?,
+            beta_slow: self.meta_f32(&key("rope.scaling.yarn_beta_slow"))?,
+            mscale: all_dim,
+            mscale_all_dim: all_dim,
+            attention_factor: None,
+        })
+    }
+
+    /// The MoE sizes of a `qwen3moe` / `glm4moe` / `deepseek2` file (`None` for the dense
+    /// architectures): llama.cpp's `expert_*` keys, `leading_dense_block_count` for GLM's
+    /// and DeepSeek's dense first layers, and for Qwen3-MoE every layer without a router
+    /// (`ffn_gate_inp`) dense.
+    fn moe_config(&self, arch: &str, layers: usize) -> Result<Option<MoeConfig>, ModelError> {
+        if !matches!(arch, "qwen3moe" | "glm4moe" | "deepseek2") {
+            return Ok(None);
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let need = |k: &str| -> Result<usize, ModelError> {
+            self.meta_usize(&key(k))?
+                .ok_or_else(|| self.meta_err(&key(k), "is missing"))
+        };
+        // GLM-4.5 and DeepSeek-V3 route alike: sigmoid scores, leading dense layers.
+        let glm = matches!(arch, "glm4moe" | "deepseek2");
         let first_k_dense_replace = match glm {
             true => self
                 .meta_usize(&key("leading_dense_block_count"))?
@@ -460,7 +534,8 @@ impl GgufFile {
                 })
                 .collect(),
         };
-        // llama.cpp's qwen3moe always renormalises the chosen weights.
+        // llama.cpp's qwen3moe always renormalises the chosen weights; its deepseek2 does
+        // where the file says so (DeepSeek-V3's converter writes the key only when true).
         let norm_topk_prob = match self.metadata.get(&key("expert_weights_norm")) {
             Some(GgufValue::Bool(b)) => *b,
             Some(v) => {
@@ -469,15 +544,23 @@ impl GgufFile {
                     &format!("is {v:?}, not a bool"),
                 ))
             }
-            None => true,
+            None => arch != "deepseek2",
         };
         if glm {
-            // llama.cpp's gating function 2 is sigmoid, GLM's scoring; 1 (softmax) is not.
-            let gating = self.meta_usize(&key("expert_gating_func"))?.unwrap_or(2);
+            // llama.cpp's gating function 2 is sigmoid, GLM's and DeepSeek-V3's scoring; 1
+            // (softmax) is not. A deepseek2 file without the key is a DeepSeek-V2 one, which
+            // llama.cpp routes with softmax.
+            let default = if arch == "deepseek2" { 1 } else { 2 };
+            let gating = self
+                .meta_usize(&key("expert_gating_func"))?
+                .unwrap_or(default);
             if gating != 2 {
                 return Err(self.meta_err(
                     &key("expert_gating_func"),
-                    &format!("is {gating}; glm4moe routes with sigmoid scores (2)"),
+                    &format!(
+                        "is {gating} (or absent); {arch} is read with sigmoid scores (2) only, as \
+                         GLM-4.5 and DeepSeek-V3 route"
+                    ),
                 ));
             }
         }

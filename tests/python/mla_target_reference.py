@@ -3,20 +3,30 @@ layer, then sigmoid group-routed experts with a shared expert), and an independe
 forward of it written from the published equations (Hugging Face's ``DeepseekV3Attention``
 and DeepSeek-V3's MoE).
 
-    mla_target_reference.py VARIANT DIR SEED TOKENS
+    mla_target_reference.py VARIANT DIR SEED TOKENS [GGUF [KV_B [EXPERTS]]]
         VARIANT is ``q_lora`` (the query through ``q_a_proj`` / ``q_a_layernorm`` /
         ``q_b_proj``), ``plain_q`` (``q_lora_rank: null``, one ``q_proj``) or ``yarn``
         (``q_lora`` with YaRN RoPE scaling, its ``mscale`` equal to ``mscale_all_dim`` as in
         DeepSeek-V3, so the score scale grows by ``mscale(factor, mscale_all_dim)^2``) or
         ``fp8`` (``q_lora`` with every ``*_proj`` stored as E4M3 with ``weight_scale_inv``
         per 128 x 128 block, as DeepSeek-V3 ships; the forward uses the dequantized
-        values). Writes
+        values) or ``mtp`` (``q_lora`` plus DeepSeek-V3's own MTP layer,
+        ``model.layers.3.*``: ``enorm``, ``hnorm``, ``eh_proj``, an MLA decoder layer with
+        routed and shared experts, ``shared_head.norm`` and ``shared_head.head``). Writes
         DIR/config.json and DIR/model.safetensors (BF16), runs the forward over TOKENS
         (comma-separated ids) and writes DIR/reference.json: ``{"logits": [[...] per
         position], "min_margin": float, "sparse_layers": [...], "latents": [[[...] per
         position] per layer]}``. ``latents`` is what DeepSeek-V3's absorbed inference caches
         per token: ``[kv_a_layernorm(c_kv) | rope(k_pe)]``, RoPE rotating adjacent pairs in
-        place. ``min_margin`` is as in ``moe_target_reference.py``.
+        place. ``min_margin`` is as in ``moe_target_reference.py``. With ``mtp``, also
+        ``"hiddens"``: the target's hidden at every position before the final norm (BF16
+        values), ``"mtp_logits"``: the MTP layer's logits at positions 1 .. n - 1 (see
+        below), its routing margins counted in ``min_margin``, and ``"mtp_latents"``: its
+        cached latent rows at those positions. With GGUF, also writes the same main-model
+        weights to that GGUF file as llama.cpp's ``deepseek2`` (needs the ``gguf`` package):
+        KV_B ``split`` (the default; ``attn_k_b`` / ``attn_v_b`` and the ``*_mla`` keys, as
+        llama.cpp's converter writes today) or ``kv_b`` (one ``attn_kv_b``, as its first
+        conversions did), the stacked experts as EXPERTS (``f32``, the default, or ``q8_0``).
 
 The attention, per layer (pre-norm, x = rms_norm(h)):
     q = q_b(rms_norm(q_a(x), q_a_layernorm))  (or q_proj(x)), per head [q_nope | q_pe];
@@ -31,6 +41,12 @@ The MLP: layer 0 a dense SwiGLU (first_k_dense_replace = 1), the others s = sigm
 x), experts chosen by s + e_score_correction_bias among the topk_group best of n_group groups
 (a group scoring the sum of its two best), weights the chosen s over their sum times
 routed_scaling_factor, plus the shared expert.
+
+The MTP layer (DeepSeek-V3's paper, section 2.2; ``model.layers.{num_hidden_layers}``): its row
+at position p (1 <= p < n) is h = eh_proj([enorm(embed(token_p)) | hnorm(h_target_{p-1})]),
+the embedding first and h_target the main model's hidden before its final norm; then one
+decoder layer as above (latent attention over the MTP rows of positions 1 .. p, RoPE at p;
+routed and shared experts), and logits = shared_head.head(shared_head.norm(h)).
 
 Sums run in float64. Where the Rust CPU backend stores an activation in BF16 by design (every
 projection's output, every norm's, RoPE's, attention's, the cached latent), this rounds to
@@ -60,8 +76,8 @@ Q_LORA, KV_LORA, NOPE, ROPE, VDIM = 24, 32, 16, 8, 12
 
 def config_of(variant: str) -> dict:
     """The tiny config.json of ``variant``."""
-    if variant not in ("q_lora", "plain_q", "yarn", "fp8"):
-        raise SystemExit(f"unknown variant {variant!r}: q_lora, plain_q, yarn or fp8")
+    if variant not in ("q_lora", "plain_q", "yarn", "fp8", "mtp"):
+        raise SystemExit(f"unknown variant {variant!r}: q_lora, plain_q, yarn, fp8 or mtp")
     cfg = {
         "model_type": "deepseek_v3",
         "hidden_size": H,
@@ -91,6 +107,8 @@ def config_of(variant: str) -> dict:
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
     }
+    if variant == "mtp":
+        cfg["num_nextn_predict_layers"] = 1
     if variant == "fp8":
         cfg["quantization_config"] = {
             "quant_method": "fp8",
@@ -164,9 +182,16 @@ def write_checkpoint(variant: str, folder: Path, seed: int) -> dict:
     put("model.embed_tokens.weight", [VOCAB, H], 1.0)
     put("model.norm.weight", [H], 0.2, 1.0)
     put("lm_head.weight", [VOCAB, H], 3 / np.sqrt(H))
-    for i in range(LAYERS):
+    mtp = variant == "mtp"
+    for i in range(LAYERS + mtp):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        if i == LAYERS:
+            # The MTP layer's own parts; its head is the main LM head, as DeepSeek-V3's is.
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                put(f"{p}{norm}.weight", [H], 0.2, 1.0)
+            put(p + "eh_proj.weight", [H, 2 * H], 1.5 / np.sqrt(2 * H))
+            t[p + "shared_head.head.weight"] = t["lm_head.weight"]
         put(p + "input_layernorm.weight", [H], 0.2, 1.0)
         put(p + "post_attention_layernorm.weight", [H], 0.2, 1.0)
         if cfg["q_lora_rank"]:
@@ -208,6 +233,99 @@ def write_checkpoint(variant: str, folder: Path, seed: int) -> dict:
     return t
 
 
+def write_gguf(cfg: dict, t: dict, path: Path, kv_b: str = "split", experts: str = "f32"):
+    """The main model's weights as a ``deepseek2`` GGUF with llama.cpp's names and keys (F32
+    tensors, which hold the BF16 values exactly; the stacked experts Q8_0 blocks with
+    ``experts="q8_0"``). Tensors are stored as Hugging Face lays them out, no rows permuted:
+    llama.cpp rotates adjacent pairs in the RoPE parts, as DeepSeek's code does."""
+    import gguf
+    from gguf.quants import quantize
+
+    if kv_b not in ("split", "kv_b") or experts not in ("f32", "q8_0"):
+        raise SystemExit(f"KV_B {kv_b!r} / EXPERTS {experts!r}: split or kv_b / f32 or q8_0")
+    split = kv_b == "split"
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(LAYERS)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    # The split form caches the latent as one KV head of its width; the first form kept
+    # per-head sizes in these keys.
+    w.add_head_count_kv(1 if split else HEADS)
+    w.add_key_length(KV_LORA + ROPE if split else NOPE + ROPE)
+    w.add_value_length(KV_LORA if split else VDIM)
+    if split:
+        w.add_key_length_mla(NOPE + ROPE)
+        w.add_value_length_mla(VDIM)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_dimension_count(ROPE)
+    w.add_vocab_size(VOCAB)
+    if cfg["q_lora_rank"]:
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(KV_LORA)
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(EXPERT_FFN)
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+
+    def put(name, a):
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+
+    put("token_embd.weight", t["model.embed_tokens.weight"])
+    put("output_norm.weight", t["model.norm.weight"])
+    put("output.weight", t["lm_head.weight"])
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    }
+    for proj in ["gate", "up", "down"]:
+        names[f"mlp.{proj}_proj.weight"] = f"ffn_{proj}.weight"
+        names[f"mlp.shared_experts.{proj}_proj.weight"] = f"ffn_{proj}_shexp.weight"
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for hf, g in names.items():
+            if p + hf in t:
+                put(f"blk.{i}.{g}", t[p + hf])
+        kv = t[p + "self_attn.kv_b_proj.weight"]
+        if split:
+            per_head = kv.reshape(HEADS, NOPE + VDIM, KV_LORA)
+            put(f"blk.{i}.attn_k_b.weight", per_head[:, :NOPE].transpose(0, 2, 1))
+            put(f"blk.{i}.attn_v_b.weight", per_head[:, NOPE:])
+        else:
+            put(f"blk.{i}.attn_kv_b.weight", kv)
+        if i < cfg["first_k_dense_replace"]:
+            continue
+        for proj in ["gate", "up", "down"]:
+            stack = np.stack([t[f"{p}mlp.experts.{e}.{proj}_proj.weight"] for e in range(EXPERTS)])
+            name = f"blk.{i}.ffn_{proj}_exps.weight"
+            if experts == "f32":
+                put(name, stack)
+                continue
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, quantize(stack.astype(np.float32), q8), raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def rope_angles(positions, inv):
     """cos and sin, ``[n, ROPE]``, as ``transformers`` builds them (each frequency twice)."""
     ang = positions[:, None] * inv[None, :]
@@ -241,7 +359,9 @@ class Forward:
         self.margins: list[float] = []
         self.latents: list[list[list[float]]] = []
 
-    def attention(self, a, x):
+    def attention(self, a, x, pos):
+        """The latent attention of the rows ``x`` at RoPE positions ``pos``, each row
+        attending to itself and the rows before it."""
         t, n, eps = self.t, x.shape[0], self.cfg["rms_norm_eps"]
         if self.cfg["q_lora_rank"]:
             qa = rms_norm(linear(x, t[a + "q_a_proj.weight"]), t[a + "q_a_layernorm.weight"], eps)
@@ -257,7 +377,6 @@ class Forward:
         # so they stay unrounded here.
         kv = (c_kv @ t[a + "kv_b_proj.weight"].T).reshape(n, HEADS, NOPE + VDIM)
         k_nope, v = kv[..., :NOPE], kv[..., NOPE:]
-        pos = np.arange(n, dtype=np.float64)
         inv = inv_freq(self.cfg)
         cos, sin = rope_angles(pos, inv)
         q_pe = rope_hf_interleave(q_pe, cos, sin)
@@ -308,35 +427,64 @@ class Forward:
                 acc[r] = bf16(acc[r] + bf16(y * bf16(w)))
         return acc
 
-    def logits(self, tokens):
-        t, eps = self.t, self.cfg["rms_norm_eps"]
-        h = t["model.embed_tokens.weight"][np.asarray(tokens)]
+    def layer(self, i, h, pos):
+        """Decoder layer ``i`` over the residual rows ``h`` at RoPE positions ``pos``."""
+        t, eps, p = self.t, self.cfg["rms_norm_eps"], f"model.layers.{i}."
+        x = rms_norm(h, t[p + "input_layernorm.weight"], eps)
+        h = bf16(h + self.attention(p + "self_attn.", x, pos))
+        x = rms_norm(h, t[p + "post_attention_layernorm.weight"], eps)
+        dense = i < self.cfg["first_k_dense_replace"]
+        return bf16(h + (swiglu(t, p + "mlp", x) if dense else self.moe(p, x)))
+
+    def hiddens(self, tokens):
+        """The main model's hidden at every position, before the final norm."""
+        h = self.t["model.embed_tokens.weight"][np.asarray(tokens)]
+        pos = np.arange(len(tokens), dtype=np.float64)
         for i in range(LAYERS):
-            p = f"model.layers.{i}."
-            x = rms_norm(h, t[p + "input_layernorm.weight"], eps)
-            h = bf16(h + self.attention(p + "self_attn.", x))
-            x = rms_norm(h, t[p + "post_attention_layernorm.weight"], eps)
-            dense = i < self.cfg["first_k_dense_replace"]
-            h = bf16(h + (swiglu(t, p + "mlp", x) if dense else self.moe(p, x)))
-        return rms_norm(h, t["model.norm.weight"], eps) @ t["lm_head.weight"].T
+            h = self.layer(i, h, pos)
+        return h
+
+    def logits(self, hiddens):
+        """The main model's logits from its hiddens."""
+        t, eps = self.t, self.cfg["rms_norm_eps"]
+        return rms_norm(hiddens, t["model.norm.weight"], eps) @ t["lm_head.weight"].T
+
+    def mtp_logits(self, tokens, hiddens):
+        """The MTP layer's logits at positions 1 .. n - 1: the row at p from token p and the
+        main model's hidden at p - 1."""
+        t, eps, p = self.t, self.cfg["rms_norm_eps"], f"model.layers.{LAYERS}."
+        e = rms_norm(
+            t["model.embed_tokens.weight"][np.asarray(tokens[1:])], t[p + "enorm.weight"], eps
+        )
+        g = rms_norm(hiddens[:-1], t[p + "hnorm.weight"], eps)
+        h = linear(np.concatenate([e, g], axis=-1), t[p + "eh_proj.weight"])
+        h = self.layer(LAYERS, h, np.arange(1, len(tokens), dtype=np.float64))
+        normed = rms_norm(h, t[p + "shared_head.norm.weight"], eps)
+        return normed @ t[p + "shared_head.head.weight"].T
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 4:
+    if not 4 <= len(argv) <= 7:
         print(__doc__, file=sys.stderr)
         return 2
     variant, folder, seed, tokens = argv[0], Path(argv[1]), int(argv[2]), argv[3]
     ids = [int(x) for x in tokens.split(",")]
     t = write_checkpoint(variant, folder, seed)
     cfg = config_of(variant)
+    if len(argv) >= 5:
+        write_gguf(cfg, t, Path(argv[4]), *argv[5:])
     fwd = Forward(cfg, t)
-    logits = fwd.logits(ids)
+    hiddens = fwd.hiddens(ids)
     out = {
-        "logits": logits.tolist(),
-        "min_margin": min(fwd.margins, default=1e9),
+        "logits": fwd.logits(hiddens).tolist(),
         "sparse_layers": [i for i in range(LAYERS) if i >= cfg["first_k_dense_replace"]],
-        "latents": fwd.latents,
+        "latents": list(fwd.latents),
     }
+    if variant == "mtp":
+        out["hiddens"] = hiddens.tolist()
+        out["mtp_logits"] = fwd.mtp_logits(ids, hiddens).tolist()
+        out["mtp_latents"] = fwd.latents[LAYERS]
+    out["min_margin"] = min(fwd.margins, default=1e9)
     (folder / "reference.json").write_text(json.dumps(out))
     return 0
 

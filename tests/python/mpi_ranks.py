@@ -194,6 +194,134 @@ def engine_outputs(model: object) -> dict:
     return {"greedy": [r.tokens for r in greedy], "sampled": [r.tokens for r in sampled]}
 
 
+# The MTP head of the head scenario: GLM-4.5's layout (8 routed experts in 2 groups of which
+# 1 is kept, top-2, one shared expert) for the tiny GLM target of moe_target_reference.py.
+HEAD_LAYER, HEAD_EXPERTS, HEAD_EXPERT_FFN = 3, 8, 32
+HEAD_DRAFTS = 3
+
+
+def write_glm_head(folder: Path, seed: int) -> Path:
+    """A tiny random GLM-4.5 MTP head (``model.layers.3.*``: enorm, hnorm, eh_proj, one
+    decoder layer with routed and shared experts, shared_head) for the 96-token, 64-wide
+    GLM target; only the head's own weights, the rest is the target's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python" / "specdraft"))
+    import quantize as st  # its safetensors writer; numpy only
+
+    h, heads, kvh, hd, vocab = 64, 4, 2, 16, 96
+    rng = np.random.default_rng(seed)
+    raw: dict[str, tuple[str, list[int], bytes]] = {}
+
+    def put(name: str, shape: list[int], scale: float, base: float = 0.0) -> None:
+        x = (base + rng.uniform(-scale, scale, shape)).astype(np.float32)
+        bits = x.view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        raw[name] = ("BF16", list(shape), bits.astype("<u2").tobytes())
+
+    def swiglu(prefix: str, width: int) -> None:
+        put(f"{prefix}.gate_proj.weight", [width, h], 1.5 / np.sqrt(h))
+        put(f"{prefix}.up_proj.weight", [width, h], 1.5 / np.sqrt(h))
+        put(f"{prefix}.down_proj.weight", [h, width], 1.5 / np.sqrt(width))
+
+    p = f"model.layers.{HEAD_LAYER}."
+    for norm in (
+        "enorm",
+        "hnorm",
+        "shared_head.norm",
+        "input_layernorm",
+        "post_attention_layernorm",
+    ):
+        put(f"{p}{norm}.weight", [h], 0.2, 1.0)
+    put(f"{p}eh_proj.weight", [h, 2 * h], 1 / np.sqrt(2 * h))
+    put(f"{p}shared_head.head.weight", [vocab, h], 3 / np.sqrt(h))
+    s = 1.5 / np.sqrt(h)
+    put(f"{p}self_attn.q_proj.weight", [heads * hd, h], s)
+    put(f"{p}self_attn.k_proj.weight", [kvh * hd, h], s)
+    put(f"{p}self_attn.v_proj.weight", [kvh * hd, h], s)
+    put(f"{p}self_attn.o_proj.weight", [h, heads * hd], s)
+    put(f"{p}mlp.gate.weight", [HEAD_EXPERTS, h], 2 / np.sqrt(h))
+    put(f"{p}mlp.gate.e_score_correction_bias", [HEAD_EXPERTS], 0.1)
+    swiglu(f"{p}mlp.shared_experts", HEAD_EXPERT_FFN)
+    for e in range(HEAD_EXPERTS):
+        swiglu(f"{p}mlp.experts.{e}", HEAD_EXPERT_FFN)
+    folder.mkdir(parents=True, exist_ok=True)
+    st.write_safetensors(folder / "model.safetensors", raw)
+    cfg = {
+        "model_type": "glm4_moe",
+        "hidden_size": h,
+        "intermediate_size": 96,
+        "num_hidden_layers": HEAD_LAYER,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kvh,
+        "head_dim": hd,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+        "partial_rotary_factor": 0.5,
+        "n_routed_experts": HEAD_EXPERTS,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": HEAD_EXPERT_FFN,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "n_group": 2,
+        "topk_group": 1,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def load_head(model: object, gpu: object, folder: str | Path) -> object:
+    """The MTP head in ``folder`` beside ``model``: on a sharded model, this rank's share of
+    its routed experts."""
+    import specdraft
+
+    load = ENGINE_LOAD
+    return specdraft.MtpHead.from_checkpoint(
+        folder, gpu, target=model, max_seq_len=load["max_seq_len"], main_kv_blocks=load["kv_blocks"]
+    )
+
+
+def head_outputs(model: object, head: object) -> dict:
+    """Greedy and seeded sampled outputs of :data:`ENGINE_PROMPTS` with the MTP head drafting
+    :data:`HEAD_DRAFTS` a step, and how many it drafted; the test runs the same on one rank."""
+    import specdraft
+
+    engine = specdraft.SpecEngine(model, head, HEAD_DRAFTS, draft_policy="fixed", max_batch=2)
+    out: dict = {"drafted": []}
+    with engine:
+        for name, sampling in (("greedy", {}), ("sampled", {"temperature": 0.9, "seed": 7})):
+            results = engine.generate(
+                ENGINE_PROMPTS, max_tokens=ENGINE_TOKENS, ignore_eos=True, **sampling
+            )
+            assert all(r.error is None for r in results), [str(r.error) for r in results]
+            out[name] = [r.tokens for r in results]
+            out["drafted"].append(sum(r.metrics["drafted"] for r in results))
+    return out
+
+
+def engine_mtp(out: dict) -> None:
+    """As :func:`engine`, with the MTP head in argv[4] drafting beside each rank's half of the
+    target: rank 0 generates with it, rank 1 serves its calls with run_worker()."""
+    import specdraft
+    import specdraft.distributed as dist
+
+    comm = dist.init(timeout=60.0)
+    out["rank"] = comm.rank
+    gpu = specdraft.CpuBackend()
+    model = specdraft.load_model(sys.argv[3], gpu=gpu, comm=comm, **ENGINE_LOAD)
+    head = load_head(model, gpu, sys.argv[4])
+    out["needs_comm"] = head.needs_comm()
+    if comm.rank == 0:
+        out.update(head_outputs(model, head))
+    else:
+        out["report"] = specdraft.SpecEngine(model, head).run_worker()
+    del head, model
+    out["live_after"] = gpu.live_allocs
+
+
 def engine(out: dict) -> None:
     """Both ranks load their half of the routed experts of the checkpoint in argv[3]; rank 0
     generates, rank 1 serves it with run_worker()."""
@@ -256,6 +384,7 @@ def main() -> None:
         "hang": hang,
         "idle_rank_0": idle_rank_0,
         "engine": engine,
+        "engine_mtp": engine_mtp,
         "killed_worker": killed_worker,
         "nccl": nccl,
     }

@@ -344,3 +344,28 @@ def test_init_without_mpi4py_names_the_extra() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert "pip install 'specdraft[distributed]'" in out.stdout, out.stdout + out.stderr
+
+
+def test_two_ranks_with_a_sharded_mtp_head_draft_and_serve_what_one_rank_does(
+    tmp_path: Path,
+) -> None:
+    checkpoint = moe_checkpoint("glm4_moe", 12, tmp_path / "ckpt")
+    head_dir = mpi_ranks.write_glm_head(tmp_path / "head", 5)
+    run = run_ranks("engine_mtp", tmp_path, str(checkpoint), str(head_dir))
+    assert run.returncode == 0, run.stderr
+    ranks = read_ranks(tmp_path, run)
+    gpu = specdraft.CpuBackend()
+    model = specdraft.load_model(checkpoint, gpu=gpu, **mpi_ranks.ENGINE_LOAD)
+    head = mpi_ranks.load_head(model, gpu, head_dir)
+    assert not head.needs_comm(), "a head beside a one-rank target needs no communicator"
+    want = mpi_ranks.head_outputs(model, head)
+    assert all(n > 0 for n in want["drafted"]), want["drafted"]
+    assert ranks[0]["greedy"] == want["greedy"], "greedy with the head: two ranks against one"
+    assert ranks[0]["sampled"] == want["sampled"], "sampled, same seed: two ranks against one"
+    assert ranks[0]["drafted"] == want["drafted"], "the sharded head drafted other counts"
+    for rank, got in enumerate(ranks):
+        assert got["needs_comm"], f"rank {rank}: its head holds half the experts"
+        assert got["live_after"] == 0, f"rank {rank}: allocations left after the model"
+    report = ranks[1]["report"]
+    assert report["failed"] == 0, report["last_error"]
+    assert report["leftover_sequences"] == 0, "the worker kept sequences or states rank 0 freed"

@@ -253,7 +253,8 @@ def test_quant_names_a_block_format_and_a_bad_name_lists_the_known(tmp_path, gpu
 
 
 def test_a_head_with_latent_attention_is_refused_naming_it(tmp_path, gpu):
-    """DeepSeek-V3's own MTP layers use MLA, which the README says is refused at load."""
+    """A layer with MLA tensors under a config without the MLA sizes (kv_lora_rank, ...) is
+    refused naming MLA: it cannot be read as the attention its tensors describe."""
     folder = write_checkpoint(tmp_path / "mla", "deepseek_v3")
     path = folder / "model.safetensors"
     tensors = dict(read_safetensors(path))

@@ -23,6 +23,12 @@
 //! ([`MlaAttentionArgs`]), prefill and decode alike. The cache never holds per-head keys
 //! or values.
 //!
+//! Read from Hugging Face safetensors or from llama.cpp's `deepseek2` GGUF, whose names are
+//! `attn_q_a`, `attn_q_a_norm`, `attn_q_b` (or `attn_q`), `attn_kv_a_mqa`, `attn_kv_a_norm`,
+//! `attn_output`, and `attn_kv_b` whole or split into `attn_k_b` (per head `[kv_lora_rank,
+//! qk_nope_head_dim]`, the key rows transposed) and `attn_v_b` (per head `[v_head_dim,
+//! kv_lora_rank]`), which are put back together as `kv_b_proj`'s rows.
+//!
 //! Invariant: an MLA layer's [`LayerWeights`] holds `q` = `q_b_proj` (or `q_proj`), `k` =
 //! `kv_a_proj_with_mqa`, `v` = `kv_b_proj` (BF16, which the attention kernel reads
 //! directly; an FP8 one is dequantized at load), `o` = `o_proj`, and an [`MlaParts`] with
@@ -83,16 +89,6 @@ pub(super) fn load(
     m: &MlaConfig,
     names: &LayerNames,
 ) -> crate::Result<(Linear, Linear, Linear, Linear, MlaParts)> {
-    if names.scheme != NameScheme::HuggingFace {
-        return Err(ModelError::Format {
-            path: src.path().to_string(),
-            format: "GGUF",
-            message: "multi-head latent attention (deepseek2's attn_kv_a_mqa, attn_kv_b) is read \
-                      from Hugging Face safetensors checkpoints only"
-                .into(),
-        }
-        .into());
-    }
     let (h, heads) = (config.hidden_size, config.num_attention_heads);
     let (rank, nope, rope, vd) = (
         m.kv_lora_rank,
@@ -100,7 +96,10 @@ pub(super) fn load(
         m.qk_rope_head_dim,
         m.v_head_dim,
     );
-    let attn = |part: &str| names.hf(&format!("self_attn.{part}"));
+    let attn = |part: &str| match names.scheme {
+        NameScheme::HuggingFace => names.hf(&format!("self_attn.{part}")),
+        NameScheme::Gguf => format!("{}{}", names.prefix, gguf_name(part)),
+    };
     let lin = |part: &str, o, i| load_linear(allocs, src, &attn(part), o, i);
     let norm = |part: &str, len| load_dense(allocs, src, &format!("{}.weight", attn(part)), &[len]);
     let (q_a, q) = match m.q_lora_rank {
@@ -115,7 +114,11 @@ pub(super) fn load(
     // checkpoint stores it in.
     let kv_b_name = format!("{}.weight", attn("kv_b_proj"));
     let kv_b_shape = [heads * (nope + vd), rank];
-    let kv_b = read_bf16_dequantized(src, &attn("kv_b_proj"), &kv_b_shape)?;
+    let split = format!("{}attn_k_b.weight", names.prefix);
+    let kv_b = match names.scheme == NameScheme::Gguf && src.tensor(&split)?.is_some() {
+        true => join_split_kv_b(src, &names.prefix, m, heads)?,
+        false => read_bf16_dequantized(src, &attn("kv_b_proj"), &kv_b_shape)?,
+    };
     let v = Linear::Dense(DenseWeight::upload(allocs, &kv_b_name, &kv_b_shape, &kv_b)?);
     let o = lin("o_proj", h, heads * vd)?;
     let parts = MlaParts {
@@ -123,6 +126,44 @@ pub(super) fn load(
         kv_a_norm: norm("kv_a_layernorm", rank)?,
     };
     Ok((q, k, v, o, parts))
+}
+
+/// llama.cpp's `deepseek2` name of a Hugging Face MLA part.
+fn gguf_name(hf: &str) -> &str {
+    match hf {
+        "q_a_proj" => "attn_q_a",
+        "q_a_layernorm" => "attn_q_a_norm",
+        "q_b_proj" => "attn_q_b",
+        "q_proj" => "attn_q",
+        "kv_a_proj_with_mqa" => "attn_kv_a_mqa",
+        "kv_a_layernorm" => "attn_kv_a_norm",
+        "kv_b_proj" => "attn_kv_b",
+        "o_proj" => "attn_output",
+        other => other,
+    }
+}
+
+/// `kv_b_proj` (`[heads * (nope + v_head_dim), kv_lora_rank]`, per head its key rows then
+/// its value rows) from a GGUF's `attn_k_b` (`[heads, kv_lora_rank, nope]`: each head's key
+/// rows transposed) and `attn_v_b` (`[heads, v_head_dim, kv_lora_rank]`).
+fn join_split_kv_b(
+    src: &dyn TensorSource,
+    prefix: &str,
+    m: &MlaConfig,
+    heads: usize,
+) -> crate::Result<Vec<bf16>> {
+    let (rank, nope, vd) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
+    let k_b = src.read_bf16(&format!("{prefix}attn_k_b.weight"), &[heads, rank, nope])?;
+    let v_b = src.read_bf16(&format!("{prefix}attn_v_b.weight"), &[heads, vd, rank])?;
+    let mut kv_b = Vec::with_capacity(heads * (nope + vd) * rank);
+    for h in 0..heads {
+        let k = &k_b[h * rank * nope..(h + 1) * rank * nope];
+        for i in 0..nope {
+            kv_b.extend((0..rank).map(|c| k[c * nope + i]));
+        }
+        kv_b.extend_from_slice(&v_b[h * vd * rank..(h + 1) * vd * rank]);
+    }
+    Ok(kv_b)
 }
 
 /// `{base}.weight` of `shape` as BF16: converted as [`TensorSource::read_bf16`] does, or,

@@ -12,9 +12,9 @@
 //! shape `[out, in]` with their f32 scales per 128 x 128 block (`weight_scale_inv`,
 //! `[ceil(out / 128), ceil(in / 128)]`) in `block_scale` and no `global_scale`.
 //!
-//! A head with a routed MoE MLP, and an EAGLE-3 head, have no binding yet (`circuit_draft`
-//! returns `None` and a runner is ignored), since the slots above do not describe experts
-//! or EAGLE-3's fusion.
+//! A head with a routed MoE MLP or multi-head latent attention, and an EAGLE-3 head, have no
+//! binding yet (`circuit_draft` returns `None` and a runner is ignored), since the slots
+//! above do not describe experts, MLA's extra weights and latent cache, or EAGLE-3's fusion.
 //!
 //! The reference runner rebuilds the head's forward from nothing but those slots, so a
 //! binding that leaves anything out fails to draft, and one that is complete drafts exactly
@@ -84,10 +84,11 @@ fn linear_slot(name: &str, w: &Linear) -> WeightSlot {
 }
 
 impl MtpHead {
-    /// Whether the head has a binding: its slots describe neither routed experts nor
-    /// EAGLE-3's fusion.
+    /// Whether the head has a binding: its slots describe neither routed experts, latent
+    /// attention nor EAGLE-3's fusion.
     pub(crate) fn has_binding(&self) -> bool {
-        self.spec.weights.layer.moe().is_none() && self.spec.eagle3.is_none()
+        let layer = &self.spec.weights.layer;
+        layer.moe().is_none() && layer.mla.is_none() && self.spec.eagle3.is_none()
     }
 
     /// The binding of this head under `levers` (the sizes come from the head itself; `config`

@@ -107,7 +107,10 @@ impl Scratch {
             mlp_width: layer.mlp.max_width(),
             gated_attention: layer.gated_attention,
             experts: layer.moe().map_or(0, |m| m.num_experts()),
-            mla: None,
+            mla: spec
+                .config
+                .mla
+                .map(|m| (m, spec.config.num_attention_heads)),
         });
         slots.extend(Self::head_slots(
             h,

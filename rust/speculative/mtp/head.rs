@@ -272,7 +272,6 @@ impl MtpHead {
     ) -> crate::Result<Self> {
         config.validate()?;
         let (h, vocab) = (config.hidden_size, config.vocab_size);
-        let (kvh, hd) = (config.num_key_value_heads, config.head_dim);
         if (weights.layout == MtpLayout::Eagle3) != eagle3.is_some() {
             return Err(invalid(
                 "EAGLE-3 weights are drafted by Eagle3Head, and only those".into(),
@@ -344,7 +343,9 @@ impl MtpHead {
         }
         let max_blocks_per_seq = (max_seq_len + DRAFT_SLACK_ROWS).div_ceil(DRAFTER_BLOCK_SIZE);
         let num_blocks = (max_blocks_per_seq * MTP_MAX_BATCH).min(main_kv_blocks);
-        let cache_len = num_blocks * DRAFTER_BLOCK_SIZE * kvh * hd;
+        // A row holds what a target layer's cache row does: its keys and values, or under
+        // MLA half the token's latent in each cache.
+        let cache_len = num_blocks * DRAFTER_BLOCK_SIZE * config.kv_cache_width();
         let kv = DrafterKv {
             allocator: BlockAllocator::new(num_blocks, DRAFTER_BLOCK_SIZE)?,
             k: owned.alloc(Dtype::Bf16, cache_len, "mtp:k_cache")?,

@@ -29,7 +29,7 @@ impl MtpHead {
                 format!("row {row} of a state of {} rows", st.rows()),
             )
         })?;
-        let n = self.spec.config.kv_size();
+        let n = self.spec.config.kv_cache_width();
         let at = |cache: DevicePtr| cache.offset(slot as usize * n * Dtype::Bf16.size());
         let mut out = gpu.download::<u16>(at(self.kv.k), n)?;
         out.extend(gpu.download::<u16>(at(self.kv.v), n)?);

@@ -32,7 +32,7 @@ pub const DRAFTER_BLOCK_SIZE: usize = 16;
 /// The head's drafter KV pool: the allocator and the caches it indexes.
 pub(crate) struct DrafterKv {
     pub allocator: BlockAllocator,
-    /// BF16 `[num_blocks * 16, kv_heads, head_dim]`.
+    /// BF16 `[num_blocks * 16, kv_cache_width]` (see `ModelConfig::kv_cache_row`).
     pub k: DevicePtr,
     pub v: DevicePtr,
     pub num_blocks: usize,

@@ -301,7 +301,7 @@ impl MtpHead {
             Some(p) => tree.blocks[p].as_deref().unwrap_or_default(),
             None => st.blocks.get(b0..).unwrap_or_default(),
         };
-        let kv_bytes = self.spec.config.kv_size() * Dtype::Bf16.size();
+        let kv_bytes = self.spec.config.kv_cache_width() * Dtype::Bf16.size();
         let mut left = row - b0 * DRAFTER_BLOCK_SIZE;
         for (&from, &to) in source.iter().zip(&blocks) {
             let n = left.min(DRAFTER_BLOCK_SIZE);

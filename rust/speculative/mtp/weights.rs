@@ -17,7 +17,8 @@
 //! prefix itself (DeepSeek, MiMo) or at `mtp.layers.0.` (Qwen3-Next), with Hugging Face's
 //! part names. Which options it has is read from the checkpoint: q/k/v biases and q/k norms
 //! when their tensors are there, a routed MoE MLP when it has a router (`mlp.gate.weight`),
-//! gated attention and zero-centred norms from the layout. Invariants of a loaded
+//! gated attention and zero-centred norms from the layout, and DeepSeek-V3's multi-head
+//! latent attention when the config gives its sizes (loaded as a target layer's is). Invariants of a loaded
 //! [`MtpWeights`]: every projection has the shape the config implies (`eh_proj` `[hidden, 2 *
 //! hidden]`; `q_proj` twice as tall under gated attention); Qwen3-Next's zero-centred norms
 //! are stored as `1 + w`, so every norm here is a plain RMSNorm weight.
@@ -188,7 +189,7 @@ impl MtpWeights {
         let zc = layout.zero_centered_norms();
         let norm = |name: String| load_norm(allocs, src, &name, h, zc);
         let [en, hn, proj, fin] = layout.part_names();
-        refuse_unsupported(src, &layer)?;
+        refuse_latent_without_sizes(src, config, &layer)?;
         let has = |part: &str| -> crate::Result<bool> {
             Ok(src.tensor(&format!("{layer}{part}"))?.is_some())
         };
@@ -217,24 +218,26 @@ impl MtpWeights {
     }
 }
 
-/// Refuses, with a message naming the tensor, the layer kinds this head does not run.
-fn refuse_unsupported(src: &dyn TensorSource, layer: &str) -> crate::Result<()> {
-    let unsupported = [(
-        "self_attn.kv_a_proj_with_mqa.weight",
-        "multi-head latent attention (DeepSeek-V3 MLA) is not supported; GQA attention is",
-    )];
-    for (part, why) in unsupported {
-        let name = format!("{layer}{part}");
-        if src.tensor(&name)?.is_some() {
-            return Err(ModelError::Format {
-                path: src.path().to_string(),
-                format: "MTP checkpoint",
-                message: format!("{name}: {why}"),
-            }
-            .into());
-        }
+/// Refuses a layer with multi-head latent attention under a config that gives no MLA sizes
+/// (`kv_lora_rank`, ...): the layer could not be read as the attention its tensors describe.
+fn refuse_latent_without_sizes(
+    src: &dyn TensorSource,
+    config: &ModelConfig,
+    layer: &str,
+) -> crate::Result<()> {
+    let name = format!("{layer}self_attn.kv_a_proj_with_mqa.weight");
+    if config.mla.is_some() || src.tensor(&name)?.is_none() {
+        return Ok(());
     }
-    Ok(())
+    Err(ModelError::Format {
+        path: src.path().to_string(),
+        format: "MTP checkpoint",
+        message: format!(
+            "{name}: the layer has multi-head latent attention (MLA), but config.json gives \
+             no kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim for it"
+        ),
+    }
+    .into())
 }
 
 /// Finds the MTP module in `src`: the first layout whose projection tensor is present.
