@@ -129,6 +129,22 @@ fn every_command() -> Vec<Command> {
             hidden: vec![],
             grammar: None,
         },
+        Command::MtpProposeBatch {
+            states: vec![3, u64::MAX],
+            last_tokens: vec![7, 49151],
+            positions: vec![12, 40],
+            num_drafts: 3,
+            hidden: vec![5; 8],
+            confidences: true,
+        },
+        Command::MtpProposeBatch {
+            states: vec![],
+            last_tokens: vec![],
+            positions: vec![],
+            num_drafts: 0,
+            hidden: vec![],
+            confidences: false,
+        },
         Command::ProposerAlloc {
             state: 8,
             budget: u64::MAX,
@@ -226,6 +242,23 @@ fn bad_command_bytes_are_refused_by_name() {
             "tree flag 7 is not 0 or 1",
         ),
         (vec![5, 0], "1 trailing bytes after a shutdown command"),
+        (
+            [vec![13], vec![2, 0, 0, 0], vec![0; 12]].concat(),
+            "2 states need at least 16 bytes, 12 are left",
+        ),
+        (
+            [
+                vec![13],
+                vec![0; 4],
+                vec![0; 4],
+                vec![0; 4],
+                vec![0; 4],
+                vec![0; 4],
+                vec![9],
+            ]
+            .concat(),
+            "confidence flag 9 is not 0 or 1",
+        ),
     ];
     for (bytes, reason) in cases {
         let err = Command::decode(&bytes, 2).unwrap_err();

@@ -447,4 +447,15 @@ fn check_sharded_head(dir: &Path, head_dir: &Path) {
         report.leftover_sequences, 0,
         "the worker kept sequences or states rank 0 freed"
     );
+    // Two sequences run at once, and the head drafts them in one announced propose_batch:
+    // one command a draft step for the pair, not one a sequence.
+    let batched = report
+        .by_kind
+        .get("mtp_propose_batch")
+        .copied()
+        .unwrap_or(0);
+    assert!(
+        batched > 0,
+        "no batched propose reached the worker: {report:?}"
+    );
 }

@@ -1268,7 +1268,8 @@ class SpecEngine:
         every forward rank 0 announces (prefills, verifies, trims, frees, and the calls of a
         draft head whose experts are split, which this engine's proposer then runs) on this
         rank's shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
-        "failed", "last_error", "leftover_sequences"}`. Raises `RequestError` on a model
+        "by_kind", "failed", "last_error", "leftover_sequences"}` (`by_kind` counts the
+        commands by their `"kind"`). Raises `RequestError` on a model
         loaded on one rank, and `BackendError` if the ranks fall out of step (a rank died or
         hung past the communicator's timeout).
         """
@@ -1430,7 +1431,9 @@ class Communicator:
         `"hidden"` bytes, optional `"grammar"`), `"proposer_alloc"` (`"budget"`),
         `"proposer_prefill"` (`"tokens"`, `"hidden"`), `"proposer_after_verify"`
         (`"accepted"`), `"proposer_catchup"` (`"tokens"`, `"hidden"`, `"row_base"`,
-        `"pos_base"`) and `"proposer_free"`.
+        `"pos_base"`) and `"proposer_free"`; `"mtp_propose_batch"` names its `"states"`, with
+        `"last_tokens"`, `"positions"`, `"num_drafts"`, `"hidden"` (every row's bytes, one
+        after another) and `"confidences"` (a bool).
         """
     def recv_command(self) -> dict[str, Any]:
         """A worker's next command from rank 0, as the dict `send_command` was given."""

@@ -2,7 +2,7 @@
 //!
 //! Layout: one tag byte, then the variant's fields in order, little-endian (`u64` sequence
 //! ids and lengths, `u32` counts, token ids and rows; a list as its `u32` length then its
-//! items; a batch as its length then each sequence's id and token list; an optional tree
+//! items; a flag as one byte, 0 or 1; a batch as its length then each sequence's id and token list; an optional tree
 //! as a 0/1 flag then its parent list). A
 //! decode consumes exactly every byte or fails naming what was wrong: a worker that
 //! misreads a command would run a different forward from rank 0, so nothing is guessed.
@@ -56,6 +56,22 @@ pub enum Command {
         hidden: Vec<u8>,
         /// The grammar's mask for the first draft, when there is one.
         grammar: Option<Vec<i32>>,
+    },
+    /// One `propose_batch` of a proposer whose block is sharded: every sequence of the
+    /// call, in its order.
+    MtpProposeBatch {
+        /// Each sequence's proposer state.
+        states: Vec<u64>,
+        /// Each sequence's last verified token.
+        last_tokens: Vec<u32>,
+        /// Their positions.
+        positions: Vec<u64>,
+        /// Draft tokens asked of every sequence.
+        num_drafts: u32,
+        /// The target's hidden row of each last token, one after another (BF16 bytes).
+        hidden: Vec<u8>,
+        /// Whether the call reports its confidence in each draft.
+        confidences: bool,
     },
     /// A sharded proposer allocates state `state` for a sequence of `budget` tokens.
     ProposerAlloc {
@@ -136,6 +152,7 @@ const TAG_PROPOSER_PREFILL: u8 = 9;
 const TAG_PROPOSER_AFTER_VERIFY: u8 = 10;
 const TAG_PROPOSER_CATCHUP: u8 = 11;
 const TAG_PROPOSER_FREE: u8 = 12;
+const TAG_MTP_PROPOSE_BATCH: u8 = 13;
 
 impl Command {
     /// The command's name, as messages and the Python dict form use it.
@@ -144,6 +161,7 @@ impl Command {
             Command::Prefill { .. } => "prefill",
             Command::Verify { .. } => "verify",
             Command::MtpPropose { .. } => "mtp_propose",
+            Command::MtpProposeBatch { .. } => "mtp_propose_batch",
             Command::ProposerAlloc { .. } => "proposer_alloc",
             Command::ProposerPrefill { .. } => "proposer_prefill",
             Command::ProposerAfterVerify { .. } => "proposer_after_verify",
@@ -206,6 +224,22 @@ impl Command {
                         mask.iter().for_each(|&m| w.u32(m as u32));
                     }
                 }
+            }
+            Command::MtpProposeBatch {
+                states,
+                last_tokens,
+                positions,
+                num_drafts,
+                hidden,
+                confidences,
+            } => {
+                w.u8(TAG_MTP_PROPOSE_BATCH);
+                w.list64(states);
+                w.list(last_tokens);
+                w.list64(positions);
+                w.u32(*num_drafts);
+                w.bytes(hidden);
+                w.u8(u8::from(*confidences));
             }
             Command::ProposerAlloc { state, budget } => {
                 w.u8(TAG_PROPOSER_ALLOC);
@@ -317,6 +351,21 @@ impl Command {
                     None => return Err(bad("truncated grammar flag".into())),
                 },
             },
+            TAG_MTP_PROPOSE_BATCH => Command::MtpProposeBatch {
+                states: r.list64("state").map_err(bad)?,
+                last_tokens: r.list("last token").map_err(bad)?,
+                positions: r.list64("position").map_err(bad)?,
+                num_drafts: r.u32().ok_or_else(|| bad("truncated draft count".into()))?,
+                hidden: r.bytes("hidden").map_err(bad)?,
+                confidences: match r.u8() {
+                    Some(0) => false,
+                    Some(1) => true,
+                    Some(other) => {
+                        return Err(bad(format!("confidence flag {other} is not 0 or 1")))
+                    }
+                    None => return Err(bad("truncated confidence flag".into())),
+                },
+            },
             TAG_PROPOSER_ALLOC => Command::ProposerAlloc {
                 state: r.seq().map_err(bad)?,
                 budget: r.u64().ok_or_else(|| bad("truncated budget".into()))?,
@@ -392,6 +441,10 @@ impl Writer {
         self.len(items.len());
         items.iter().for_each(|&v| self.u32(v));
     }
+    fn list64(&mut self, items: &[u64]) {
+        self.len(items.len());
+        items.iter().for_each(|&v| self.u64(v));
+    }
     fn bytes(&mut self, bytes: &[u8]) {
         self.len(bytes.len());
         self.0.extend_from_slice(bytes);
@@ -452,6 +505,10 @@ impl Reader<'_> {
     fn list(&mut self, what: &str) -> Result<Vec<u32>, String> {
         let n = self.count(what, 4)?;
         Ok((0..n).filter_map(|_| self.u32()).collect())
+    }
+    fn list64(&mut self, what: &str) -> Result<Vec<u64>, String> {
+        let n = self.count(what, 8)?;
+        Ok((0..n).filter_map(|_| self.u64()).collect())
     }
     fn bytes(&mut self, what: &str) -> Result<Vec<u8>, String> {
         let n = self.count(what, 1)?;

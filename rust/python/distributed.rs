@@ -271,7 +271,9 @@ impl PyCommunicator {
     /// `"hidden"` bytes, optional `"grammar"`), `"proposer_alloc"` (`"budget"`),
     /// `"proposer_prefill"` (`"tokens"`, `"hidden"`), `"proposer_after_verify"`
     /// (`"accepted"`), `"proposer_catchup"` (`"tokens"`, `"hidden"`, `"row_base"`,
-    /// `"pos_base"`) and `"proposer_free"`.
+    /// `"pos_base"`) and `"proposer_free"`; `"mtp_propose_batch"` names its `"states"`, with
+    /// `"last_tokens"`, `"positions"`, `"num_drafts"`, `"hidden"` (every row's bytes, one
+    /// after another) and `"confidences"` (a bool).
     fn send_command(&self, command: &Bound<'_, PyDict>) -> PyResult<()> {
         let cmd = command_from_dict(command)?;
         self.inner.send_command(&cmd).py()
@@ -309,6 +311,15 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
             "hidden",
             "grammar",
         ],
+        "mtp_propose_batch" => &[
+            "kind",
+            "states",
+            "last_tokens",
+            "positions",
+            "num_drafts",
+            "hidden",
+            "confidences",
+        ],
         "proposer_alloc" => &["kind", "state", "budget"],
         "proposer_prefill" => &["kind", "state", "tokens", "hidden"],
         "proposer_after_verify" => &["kind", "state", "accepted"],
@@ -320,7 +331,7 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
         "shutdown" => &["kind"],
         other => {
             return Err(PyValueError::new_err(format!(
-                "command: unknown kind {other:?}; expected prefill, verify, mtp_propose, trim, compact, free, shutdown or a proposer_* call"
+                "command: unknown kind {other:?}; expected prefill, verify, mtp_propose, mtp_propose_batch, trim, compact, free, shutdown or a proposer_* call"
             )))
         }
     };
@@ -376,6 +387,14 @@ fn command_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Command> {
             num_drafts: field("num_drafts")?.extract()?,
             hidden: field("hidden")?.extract()?,
             grammar: optional("grammar")?.map_or(Ok(None), |v| v.extract())?,
+        },
+        "mtp_propose_batch" => Command::MtpProposeBatch {
+            states: field("states")?.extract()?,
+            last_tokens: field("last_tokens")?.extract()?,
+            positions: field("positions")?.extract()?,
+            num_drafts: field("num_drafts")?.extract()?,
+            hidden: field("hidden")?.extract()?,
+            confidences: field("confidences")?.extract()?,
         },
         "proposer_alloc" => Command::ProposerAlloc {
             state: field("state")?.extract()?,
@@ -457,6 +476,21 @@ fn command_to_dict<'py>(py: Python<'py>, cmd: &Command) -> PyResult<Bound<'py, P
             d.set_item("num_drafts", num_drafts)?;
             d.set_item("hidden", PyBytes::new(py, hidden))?;
             d.set_item("grammar", grammar.clone())?;
+        }
+        Command::MtpProposeBatch {
+            states,
+            last_tokens,
+            positions,
+            num_drafts,
+            hidden,
+            confidences,
+        } => {
+            d.set_item("states", states.clone())?;
+            d.set_item("last_tokens", last_tokens.clone())?;
+            d.set_item("positions", positions.clone())?;
+            d.set_item("num_drafts", num_drafts)?;
+            d.set_item("hidden", PyBytes::new(py, hidden))?;
+            d.set_item("confidences", confidences)?;
         }
         Command::ProposerAlloc { state, budget } => {
             d.set_item("state", state)?;

@@ -185,7 +185,8 @@ impl PySpecEngine {
     /// every forward rank 0 announces (prefills, verifies, trims, frees, and the calls of a
     /// draft head whose experts are split, which this engine's proposer then runs) on this
     /// rank's shard, until rank 0 calls `close()`. Returns what it served: `{"commands",
-    /// "failed", "last_error", "leftover_sequences"}`. Raises `RequestError` on a model
+    /// "by_kind", "failed", "last_error", "leftover_sequences"}` (`by_kind` counts the
+    /// commands by their `"kind"`). Raises `RequestError` on a model
     /// loaded on one rank, and `BackendError` if the ranks fall out of step (a rank died or
     /// hung past the communicator's timeout).
     fn run_worker<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

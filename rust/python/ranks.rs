@@ -24,6 +24,7 @@ pub(super) fn serve<'py>(
         .py()?;
     let d = PyDict::new(py);
     d.set_item("commands", report.commands)?;
+    d.set_item("by_kind", report.by_kind)?;
     d.set_item("failed", report.failed)?;
     d.set_item("last_error", report.last_error)?;
     d.set_item("leftover_sequences", report.leftover_sequences)?;

@@ -369,3 +369,5 @@ def test_two_ranks_with_a_sharded_mtp_head_draft_and_serve_what_one_rank_does(
     report = ranks[1]["report"]
     assert report["failed"] == 0, report["last_error"]
     assert report["leftover_sequences"] == 0, "the worker kept sequences or states rank 0 freed"
+    # Two sequences at a time draft in one announced propose_batch.
+    assert report["by_kind"].get("mtp_propose_batch", 0) > 0, report["by_kind"]

@@ -23,7 +23,7 @@ use crate::distributed::{Command, Communicator, SeqTokens};
 use crate::model::{ForwardContext, KvSequence, ModelLevers, TargetModel};
 use crate::speculative::{DraftProposer, ProposerState};
 use crate::Result;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// The communicator `model` announces on: `Some` on rank 0 of a model that spans several
 /// ranks.
@@ -62,6 +62,8 @@ pub fn shutdown_workers(model: &TargetModel) -> Result<()> {
 pub struct WorkerReport {
     /// Commands served, the shutdown included.
     pub commands: usize,
+    /// Commands served by kind ([`Command::kind`]).
+    pub by_kind: BTreeMap<&'static str, usize>,
     /// Commands whose call failed (as it failed on rank 0).
     pub failed: usize,
     /// The last failure's message.
@@ -108,6 +110,7 @@ pub fn run_worker_with(
     loop {
         let command = comm.recv_command()?;
         report.commands += 1;
+        *report.by_kind.entry(command.kind()).or_default() += 1;
         if command == Command::Shutdown {
             report.leftover_sequences = seqs.len() + drafter.states.len();
             for (_, mut seq) in seqs.drain() {
@@ -211,6 +214,10 @@ fn widen(ids: &[u32]) -> Vec<usize> {
     ids.iter().map(|&i| i as usize).collect()
 }
 
+fn widen64(ids: &[u64]) -> Vec<usize> {
+    ids.iter().map(|&i| i as usize).collect()
+}
+
 /// A worker's side of a sharded proposer: its states by rank 0's names, and the context its
 /// calls run in.
 struct WorkerDrafter<'a> {
@@ -225,6 +232,7 @@ impl<'a> WorkerDrafter<'a> {
         matches!(
             command,
             Command::MtpPropose { .. }
+                | Command::MtpProposeBatch { .. }
                 | Command::ProposerAlloc { .. }
                 | Command::ProposerPrefill { .. }
                 | Command::ProposerAfterVerify { .. }
@@ -359,6 +367,65 @@ impl<'a> WorkerDrafter<'a> {
                     )
                 })
                 .map(|_| ())
+            }
+            Command::MtpProposeBatch {
+                states,
+                last_tokens,
+                positions,
+                num_drafts,
+                hidden,
+                confidences,
+            } => {
+                let p = self.proposer("mtp_propose_batch")?;
+                let ctx = self.ctx.clone();
+                let row = ctx.config.hidden_size * 2;
+                if hidden.len() != states.len() * row {
+                    return Err(crate::engine::EngineError::InvalidArgument {
+                        what: "mtp_propose_batch",
+                        message: format!(
+                            "{} hidden bytes for {} sequences of {row} bytes a row",
+                            hidden.len(),
+                            states.len()
+                        ),
+                    }
+                    .into());
+                }
+                // The call's states leave the map for the call (each once) and come back.
+                let mut taken = Vec::with_capacity(states.len());
+                let mut missing = None;
+                for &name in &states {
+                    match self.states.remove(&name) {
+                        Some(s) => taken.push((name, s)),
+                        None => missing = missing.or(Some(name)),
+                    }
+                }
+                let result = match missing {
+                    Some(name) => {
+                        Self::state(&mut self.states, name, "mtp_propose_batch").map(|_| ())
+                    }
+                    None => Self::with_rows(gpu.as_ref(), &hidden, |rows| {
+                        let hiddens: Vec<_> =
+                            (0..states.len()).map(|i| rows.offset(i * row)).collect();
+                        let mut refs: Vec<&mut dyn ProposerState> = taken
+                            .iter_mut()
+                            .map(|(_, s)| -> &mut dyn ProposerState { s.as_mut() })
+                            .collect();
+                        let mut conf = Vec::new();
+                        p.propose_batch(
+                            &last_tokens,
+                            &hiddens,
+                            &widen64(&positions),
+                            num_drafts as usize,
+                            &mut refs,
+                            &ctx,
+                            0,
+                            confidences.then_some(&mut conf),
+                        )
+                        .map(|_| ())
+                    }),
+                };
+                self.states.extend(taken);
+                result
             }
             _ => Ok(()),
         }

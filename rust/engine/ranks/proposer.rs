@@ -10,12 +10,15 @@
 //!   `free_state`; the worker keeps one state per name, created by `ProposerAlloc` and
 //!   dropped by `ProposerFree`.
 //! - Announced: `alloc_state(_for)`, `prefill_drafter`, `catchup_drafter`, `propose` (the
-//!   seed's `EP_CMD_MTP_PROPOSE`), `after_verify` and `free_state`. Every other method that
-//!   would run a forward or move a state's KV is turned to its protocol fallback so the
-//!   engine never calls it: `propose_batch` answers `None` (the engine proposes sequence
-//!   by sequence), no trees are grown, no drafter KV is taken or installed (no carry
-//!   between turns), and `catchup_batch` (`mtp_kv_exact`) and a deferred draft embedding
-//!   are refused with an error naming the multi-rank serve.
+//!   seed's `EP_CMD_MTP_PROPOSE`), `propose_batch` (one command for the whole group, so a
+//!   batch's draft steps meet in one collective each, not one a sequence), `after_verify`
+//!   and `free_state`. A `propose_batch` the proposer declines (`None`) must decline on
+//!   every rank before running anything, as the same proposer does on the same inputs; the
+//!   engine then proposes those sequences one by one, each announced. Every other method
+//!   that would run a forward or move a state's KV is turned to its protocol fallback so
+//!   the engine never calls it: no trees are grown, no drafter KV is taken or installed
+//!   (no carry between turns), and `catchup_batch` (`mtp_kv_exact`) and a deferred draft
+//!   embedding are refused with an error naming the multi-rank serve.
 //! - Queries without side effects (widths, capacities, layer ids) go straight to the
 //!   proposer, on rank 0 only.
 
@@ -115,6 +118,42 @@ impl AnnouncedProposer {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
+    fn propose_batch_announced(
+        &self,
+        last_tokens: &[u32],
+        target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        num_drafts: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        out_conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        let mut hidden = Vec::new();
+        for &row in target_hiddens {
+            hidden.extend(Self::rows(ctx, row, 1)?);
+        }
+        self.send(Command::MtpProposeBatch {
+            states: states.iter().map(|s| state_name(&**s)).collect(),
+            last_tokens: last_tokens.to_vec(),
+            positions: positions.iter().map(|&p| p as u64).collect(),
+            num_drafts: num_drafts as u32,
+            hidden,
+            confidences: out_conf.is_some(),
+        })?;
+        self.inner.propose_batch(
+            last_tokens,
+            target_hiddens,
+            positions,
+            num_drafts,
+            states,
+            ctx,
+            stream,
+            out_conf,
+        )
+    }
+
     fn after_verify_announced(
         &self,
         num_accepted: usize,
@@ -199,8 +238,7 @@ macro_rules! announce_methods {
     (@prefill_drafter $s:ident $(, $a:ident)*) => { $s.prefill_announced($($a),*) };
     (@catchup_drafter $s:ident $(, $a:ident)*) => { $s.catchup_announced($($a),*) };
     (@free_state $s:ident $(, $a:ident)*) => { $s.free_announced($($a),*) };
-    (@propose_batch $s:ident $(, $a:ident)*) => { Ok(None) };
-    (@propose_batch_max $s:ident $(, $a:ident)*) => { 1 };
+    (@propose_batch $s:ident $(, $a:ident)*) => { $s.propose_batch_announced($($a),*) };
     (@catchup_batch $s:ident $(, $a:ident)*) => {
         Err(refused("catchup_batch", "exact drafter rows (mtp_kv_exact)"))
     };
