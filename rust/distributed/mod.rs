@@ -27,6 +27,7 @@ mod local;
 mod nccl;
 #[cfg(feature = "cuda")]
 mod nccl_library;
+mod wire;
 
 pub use command::{Command, SeqTokens};
 pub use counted::{Counted, OpCost};
