@@ -30,7 +30,7 @@ use hybrid_common::Scripted;
 use model_util::temp_dir;
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
-use specdraft::model::{KvSequence, LoadOptions, TargetModel};
+use specdraft::model::{KvSequence, LoadOptions, ModelConfig, TargetModel};
 use specdraft::speculative::{DraftProposer, PromptLookup};
 use std::path::Path;
 use std::process::Command;
@@ -376,6 +376,7 @@ fn deepseek2_gguf_and_safetensors_of_the_same_weights_give_the_same_logits() {
         ("q_lora", "split"),
         ("q_lora", "kv_b"),
         ("plain_q", "split"),
+        ("yarn", "split"),
     ] {
         let what = format!("{variant}, {form}");
         let dir = temp_dir(&format!("mla_gguf_{variant}_{form}"));
@@ -403,6 +404,27 @@ fn deepseek2_gguf_and_safetensors_of_the_same_weights_give_the_same_logits() {
             "{what}"
         );
         assert_eq!(b.mla_softmax_scale(), a.mla_softmax_scale(), "{what}");
+        // YaRN: GGUF stores `0.1 * mscale_all_dim` as an f32 multiplier, so the value read
+        // back may sit one f32 step from the config's.
+        let yarn = |c: &ModelConfig| {
+            c.rope_scaling.as_ref().map(|r| {
+                (
+                    r.kind.clone(),
+                    r.factor,
+                    r.yarn.mscale_all_dim.unwrap_or(0.0),
+                )
+            })
+        };
+        match (yarn(b), yarn(a)) {
+            (Some((kb, fb, mb)), Some((ka, fa, ma))) => {
+                assert_eq!((kb, fb), (ka, fa), "{what}: YaRN from GGUF metadata");
+                assert!(
+                    (mb - ma).abs() <= 1e-6,
+                    "{what}: mscale_all_dim {mb} against {ma}"
+                );
+            }
+            (b, a) => assert_eq!(b, a, "{what}: rope scaling from GGUF metadata"),
+        }
         // F32 tensors holding BF16 values load to the same BF16 weights (kv_b_proj put back
         // together from attn_k_b and attn_v_b): the same logits, bit for bit.
         assert_eq!(

@@ -261,6 +261,14 @@ def write_gguf(cfg: dict, t: dict, path: Path, kv_b: str = "split", experts: str
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_rope_dimension_count(ROPE)
+    rs = cfg.get("rope_scaling")
+    if rs and rs["type"] == "yarn":
+        # As llama.cpp's converter writes DeepSeek-V3's YaRN: mscale_all_dim as a log
+        # multiplier, no betas (llama.cpp's defaults are DeepSeek's).
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rs["factor"])
+        w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rs["mscale_all_dim"])
     w.add_vocab_size(VOCAB)
     if cfg["q_lora_rank"]:
         w.add_q_lora_rank(cfg["q_lora_rank"])
