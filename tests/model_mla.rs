@@ -27,9 +27,8 @@ mod model_util;
 
 use default_model::python;
 use hybrid_common::Scripted;
-use model_util::temp_dir;
+use model_util::{greedy_fixed, temp_dir};
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
-use specdraft::engine::{DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
 use specdraft::model::{KvSequence, LoadOptions, ModelConfig, TargetModel};
 use specdraft::speculative::{DraftProposer, PromptLookup};
 use std::path::Path;
@@ -310,33 +309,12 @@ fn engine_prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-/// Greedy outputs and `(drafted, accepted)` over every request.
+/// Greedy outputs of the engine prompts with `p` drafting the whole budget of 4 every step.
 fn generate(
     model: &Arc<TargetModel>,
     p: Option<Arc<dyn DraftProposer>>,
 ) -> (Vec<Vec<u32>>, u64, u64) {
-    // The whole draft budget every step, so that verification is always several rows.
-    let engine = SpecEngine::new(model.clone(), p, 4)
-        .unwrap()
-        .with_draft_policy(DraftPolicyKind::Fixed);
-    let reqs = engine_prompts()
-        .iter()
-        .map(|p| {
-            GenerateRequest::new(p.clone(), 16)
-                .ignore_eos()
-                .with_sampling(SamplingParams::greedy())
-        })
-        .collect();
-    let out = engine.generate(reqs);
-    let tokens = out
-        .results
-        .into_iter()
-        .map(|r| {
-            assert!(r.error.is_none(), "{:?}", r.error);
-            r.tokens
-        })
-        .collect();
-    (tokens, out.metrics.drafted, out.metrics.accepted)
+    greedy_fixed(model, p, 4, usize::MAX, &engine_prompts())
 }
 
 #[test]

@@ -27,9 +27,8 @@ mod default_model;
 mod model_util;
 
 use default_model::python;
-use model_util::temp_dir;
+use model_util::{greedy_fixed, temp_dir};
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
-use specdraft::engine::{DraftPolicyKind, GenerateRequest, SamplingParams, SpecEngine};
 use specdraft::model::{ForwardContext, LoadOptions, ModelLevers, TargetModel};
 use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization};
 use std::path::Path;
@@ -225,30 +224,10 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-/// Greedy outputs of [`prompts`] and the drafts made.
+/// Greedy outputs of [`prompts`] and the drafts made, 3 a step, two sequences at a time.
 fn generate(model: &Arc<TargetModel>, p: Option<Arc<dyn DraftProposer>>) -> (Vec<Vec<u32>>, u64) {
-    let engine = SpecEngine::new(model.clone(), p, 3)
-        .unwrap()
-        .with_draft_policy(DraftPolicyKind::Fixed)
-        .with_max_batch(2);
-    let reqs = prompts()
-        .into_iter()
-        .map(|p| {
-            GenerateRequest::new(p, 16)
-                .ignore_eos()
-                .with_sampling(SamplingParams::greedy())
-        })
-        .collect();
-    let out = engine.generate(reqs);
-    let tokens = out
-        .results
-        .into_iter()
-        .map(|r| {
-            assert!(r.error.is_none(), "{:?}", r.error);
-            r.tokens
-        })
-        .collect();
-    (tokens, out.metrics.drafted)
+    let (tokens, drafted, _) = greedy_fixed(model, p, 3, 2, &prompts());
+    (tokens, drafted)
 }
 
 #[test]

@@ -4,8 +4,12 @@
 #![allow(dead_code)]
 
 mod gguf_writer;
+mod greedy;
 mod schedule;
 pub use gguf_writer::*;
+// Used by the engine comparisons of the MoE and latent attention tests only.
+#[allow(unused_imports)]
+pub use greedy::greedy_fixed;
 // Used by the backend tests only; the other model tests share this module.
 #[allow(unused_imports)]
 pub use schedule::*;
