@@ -332,6 +332,17 @@ def test_local_communicator_refuses_bad_arguments_by_name() -> None:
         comm.send_command({"kind": "verify", "layers": []})
     with pytest.raises(ValueError, match='"prefill": a batch entry has no "tokens"'):
         comm.send_command({"kind": "prefill", "batch": [{"seq": 1}]})
+    with pytest.raises(ValueError, match='"mtp_propose_batch": missing "confidences"'):
+        comm.send_command(
+            {
+                "kind": "mtp_propose_batch",
+                "states": [1],
+                "last_tokens": [2],
+                "positions": [3],
+                "num_drafts": 1,
+                "hidden": b"",
+            }
+        )
 
 
 def test_init_without_mpi4py_names_the_extra() -> None:
