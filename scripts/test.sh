@@ -63,6 +63,9 @@ step "examples"
 cargo run --quiet --example 01_rust_proposer
 cargo run --quiet --example 02_spec_engine
 "$PY" examples/03_python_proposer.py
+# mpiexec comes with the distributed extra's MPICH wheel, beside the interpreter.
+MPIEXEC="$("$PY" -c 'import pathlib, shutil, sys; p = pathlib.Path(sys.executable).parent / "mpiexec"; print(p if p.exists() else shutil.which("mpiexec") or "mpiexec")')"
+"$MPIEXEC" -n 2 "$PY" examples/04_two_ranks.py
 
 step "unsafe code under checkers: valgrind on the portable and AVX2 kernels, Miri on the pool and the AVX-512 attention"
 bash scripts/unsafe-check.sh smoke
