@@ -27,12 +27,11 @@ mod model_util;
 
 use default_model::python;
 use hybrid_common::Scripted;
-use model_util::{greedy_fixed, temp_dir};
+use model_util::{greedy_fixed, rows, run_reference, temp_dir};
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::{KvSequence, LoadOptions, ModelConfig, TargetModel};
 use specdraft::speculative::{DraftProposer, PromptLookup};
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 
 const TOKENS: [u32; 24] = [
@@ -52,14 +51,6 @@ struct Reference {
     latents: Vec<Vec<Vec<f32>>>,
 }
 
-fn floats(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
 /// Writes `variant`'s checkpoint with `seed` into `dir` and returns the reference.
 fn reference(variant: &str, dir: &Path, seed: u64) -> Reference {
     reference_with_gguf(variant, dir, seed, &[])
@@ -68,27 +59,8 @@ fn reference(variant: &str, dir: &Path, seed: u64) -> Reference {
 /// [`reference`], with the writer's GGUF arguments (`[path, kv_b form, experts format]`,
 /// a prefix of them) after the tokens.
 fn reference_with_gguf(variant: &str, dir: &Path, seed: u64, gguf: &[&str]) -> Reference {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mla_target_reference.py");
-    let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
-    let out = Command::new(python())
-        .arg(&script)
-        .args([
-            variant,
-            dir.to_str().unwrap(),
-            &seed.to_string(),
-            &ids.join(","),
-        ])
-        .args(gguf)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python(), script.display()));
-    assert!(
-        out.status.success(),
-        "the reference failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let rows = |v: &serde_json::Value| v.as_array().unwrap().iter().map(floats).collect();
+    let script = "mla_target_reference.py";
+    let v = run_reference(&python(), script, variant, dir, seed, &TOKENS, gguf);
     Reference {
         logits: rows(&v["logits"]),
         min_margin: v["min_margin"].as_f64().unwrap(),

@@ -19,12 +19,11 @@ mod model_util;
 
 use default_model::python;
 use hybrid_common::Scripted;
-use model_util::{greedy_fixed, temp_dir};
+use model_util::{greedy_fixed, rows, run_reference, temp_dir};
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::{GgufFile, Linear, LoadOptions, TargetModel, TensorSource};
 use specdraft::speculative::{DraftProposer, PromptLookup};
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 
 const TOKENS: [u32; 24] = [
@@ -52,41 +51,13 @@ fn reference_with_gguf(
     seed: u64,
     gguf: Option<(&Path, &str)>,
 ) -> Reference {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_target_reference.py");
-    let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
-    let out = Command::new(python())
-        .arg(&script)
-        .args([
-            family,
-            dir.to_str().unwrap(),
-            &seed.to_string(),
-            &ids.join(","),
-        ])
-        .args(gguf.map(|(g, _)| g.to_str().unwrap()))
-        .args(gguf.map(|(_, experts)| experts))
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python(), script.display()));
-    assert!(
-        out.status.success(),
-        "the reference failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let logits = v["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|row| {
-            row.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect()
-        })
-        .collect();
+    let extra: Vec<&str> = gguf
+        .map(|(g, experts)| vec![g.to_str().unwrap(), experts])
+        .unwrap_or_default();
+    let script = "moe_target_reference.py";
+    let v = run_reference(&python(), script, family, dir, seed, &TOKENS, &extra);
     Reference {
-        logits,
+        logits: rows(&v["logits"]),
         min_margin: v["min_margin"].as_f64().unwrap(),
         sparse_layers: v["sparse_layers"]
             .as_array()

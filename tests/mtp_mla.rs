@@ -27,12 +27,11 @@ mod default_model;
 mod model_util;
 
 use default_model::python;
-use model_util::{greedy_fixed, temp_dir};
+use model_util::{greedy_fixed, rows, run_reference, temp_dir};
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::{ForwardContext, LoadOptions, ModelLevers, TargetModel};
 use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization};
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 
 const TOKENS: [u32; 20] = [
@@ -55,36 +54,17 @@ struct Reference {
     min_margin: f64,
 }
 
-fn floats(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
 /// Writes the checkpoint (target and MTP layer) with `seed` into `dir`; the reference.
 fn reference(dir: &Path, seed: u64) -> Reference {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mla_target_reference.py");
-    let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
-    let out = Command::new(python())
-        .arg(&script)
-        .args([
-            "mtp",
-            dir.to_str().unwrap(),
-            &seed.to_string(),
-            &ids.join(","),
-        ])
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python(), script.display()));
-    assert!(
-        out.status.success(),
-        "the reference failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let v = run_reference(
+        &python(),
+        "mla_target_reference.py",
+        "mtp",
+        dir,
+        seed,
+        &TOKENS,
+        &[],
     );
-    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let rows = |v: &serde_json::Value| v.as_array().unwrap().iter().map(floats).collect();
     Reference {
         hiddens: rows(&v["hiddens"]),
         mtp_logits: rows(&v["mtp_logits"]),

@@ -5,11 +5,15 @@
 
 mod gguf_writer;
 mod greedy;
+mod reference;
 mod schedule;
 pub use gguf_writer::*;
 // Used by the engine comparisons of the MoE and latent attention tests only.
 #[allow(unused_imports)]
 pub use greedy::greedy_fixed;
+// Used by the tests that compare against a numpy reference script only.
+#[allow(unused_imports)]
+pub use reference::{floats, rows, run_reference};
 // Used by the backend tests only; the other model tests share this module.
 #[allow(unused_imports)]
 pub use schedule::*;
