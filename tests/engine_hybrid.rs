@@ -1,6 +1,7 @@
 //! `Hybrid` driven by the engine on a table target, with members whose drafts are scripted
-//! from the true greedy continuation: each step's winner is the first member with a confident
-//! draft and its drafts are the hybrid's; `after_verify` gives the winner the accepted count,
+//! from the true greedy continuation: under the fixed order (`HybridChoice::First`; the
+//! measured choice has `engine_hybrid_choice`) each step's winner is the first member with a
+//! confident draft and its drafts are the hybrid's; `after_verify` gives the winner the accepted count,
 //! a member whose drafts lost the common prefix of its drafts with the accepted ones and a
 //! member asked for none 0, once per propose; the winner's accepted drafts reach every other
 //! member as catch-up proposes, so each member's history is the sequence's; greedy output is
@@ -16,7 +17,7 @@ use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend};
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SpecEngine};
 use specdraft::model::ForwardContext;
-use specdraft::speculative::{DraftProposer, Hybrid, HybridMember, PromptLookup};
+use specdraft::speculative::{DraftProposer, Hybrid, HybridChoice, HybridMember, PromptLookup};
 use std::sync::{Arc, Mutex};
 
 const MAX: usize = 30;
@@ -89,7 +90,12 @@ fn each_step_drafts_with_the_first_confident_member_and_every_member_stays_in_st
     ];
     let hybrid: Arc<dyn DraftProposer> = Arc::new(Recorder {
         who: HYBRID,
-        inner: Arc::new(Hybrid::new(members, None).unwrap()),
+        // `check_rules` models the fixed order.
+        inner: Arc::new(
+            Hybrid::new(members, None)
+                .unwrap()
+                .with_choice(HybridChoice::First),
+        ),
         log: log.clone(),
     });
     let engine = SpecEngine::new(target.clone(), Some(hybrid), 4)
@@ -160,7 +166,11 @@ fn losing_drafts_are_credited_with_their_common_prefix_with_the_accepted_ones() 
     ];
     let hybrid: Arc<dyn DraftProposer> = Arc::new(Recorder {
         who: HYBRID,
-        inner: Arc::new(Hybrid::new(members, None).unwrap()),
+        inner: Arc::new(
+            Hybrid::new(members, None)
+                .unwrap()
+                .with_choice(HybridChoice::First),
+        ),
         log: log.clone(),
     });
     let engine = SpecEngine::new(target.clone(), Some(hybrid), 3)

@@ -827,11 +827,16 @@ class Eagle3Head(DraftProposer):
 @disjoint_base
 class Hybrid(DraftProposer):
     """A proposer made of proposers: each step it drafts with the first member (in list order)
-    that returns at least its `min_drafts` drafts, and every member sees every step.
+    that returns at least its `min_drafts` drafts and, under `choice="measured"` (the
+    default), whose first drafts of that length (one, or more) have been accepted in this
+    sequence at least as often as those of every later member; every member sees every step.
 
     `Hybrid([SuffixDecoding(), head])` drafts by retrieval where the text repeats and by the
-    learned head elsewhere. Members are asked in order; the first with a confident draft wins
-    the step, and the members after it are still given the step with `num_drafts=0`. After
+    learned head elsewhere: a short suffix match on open text, right less often than the
+    head, gives way to it. Until a step is measured the order decides, and a member that has
+    stopped winning is tried again as its measurements fade. `choice="first"` is a fixed
+    priority: the first member with a confident draft wins. Members are asked in order until
+    one wins, and the members after it are still given the step with `num_drafts=0`. After
     verification the winner gets the accepted count, a member whose drafts lost the length of
     their common prefix with the accepted drafts, and the others 0; at the next step each
     member first catches up on the accepted drafts it did not draft (one `propose` of 0 drafts
@@ -853,6 +858,7 @@ class Hybrid(DraftProposer):
         *,
         target_layers: int | None = None,
         min_drafts: list[int] | None = None,
+        choice: str = "measured",
     ) -> Self: ...
     @property
     def members(self) -> list[DraftProposer]:
@@ -863,6 +869,9 @@ class Hybrid(DraftProposer):
     @property
     def target_layers(self) -> int | None:
         """The target's layer count the catch-up pairs tokens with (None: not exact)."""
+    @property
+    def choice(self) -> str:
+        """How each step's member is picked: `"measured"` or `"first"`."""
 
 @disjoint_base
 class DFlashHead(DraftProposer):

@@ -12,17 +12,22 @@ use super::errors::IntoPyResult;
 use super::mtp::PyMtpHead;
 use super::proposer::PyDraftProposer;
 use crate::backend::GpuBackend;
-use crate::speculative::{Hybrid, HybridMember};
+use crate::speculative::{Hybrid, HybridChoice, HybridMember};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::sync::Arc;
 
 /// A proposer made of proposers: each step it drafts with the first member (in list order)
-/// that returns at least its `min_drafts` drafts, and every member sees every step.
+/// that returns at least its `min_drafts` drafts and, under `choice="measured"` (the
+/// default), whose first drafts of that length (one, or more) have been accepted in this
+/// sequence at least as often as those of every later member; every member sees every step.
 ///
 /// `Hybrid([SuffixDecoding(), head])` drafts by retrieval where the text repeats and by the
-/// learned head elsewhere. Members are asked in order; the first with a confident draft wins
-/// the step, and the members after it are still given the step with `num_drafts=0`. After
+/// learned head elsewhere: a short suffix match on open text, right less often than the
+/// head, gives way to it. Until a step is measured the order decides, and a member that has
+/// stopped winning is tried again as its measurements fade. `choice="first"` is a fixed
+/// priority: the first member with a confident draft wins. Members are asked in order until
+/// one wins, and the members after it are still given the step with `num_drafts=0`. After
 /// verification the winner gets the accepted count, a member whose drafts lost the length of
 /// their common prefix with the accepted drafts, and the others 0; at the next step each
 /// member first catches up on the accepted drafts it did not draft (one `propose` of 0 drafts
@@ -41,6 +46,24 @@ pub struct PyHybrid {
     members: Vec<Py<PyAny>>,
     min_drafts: Vec<usize>,
     target_layers: Option<usize>,
+    choice: HybridChoice,
+}
+
+fn parse_choice(choice: &str) -> PyResult<HybridChoice> {
+    match choice {
+        "measured" => Ok(HybridChoice::Measured),
+        "first" => Ok(HybridChoice::First),
+        other => Err(PyValueError::new_err(format!(
+            "Hybrid: choice {other:?}: expected \"measured\" or \"first\""
+        ))),
+    }
+}
+
+fn choice_name(choice: HybridChoice) -> &'static str {
+    match choice {
+        HybridChoice::Measured => "measured",
+        HybridChoice::First => "first",
+    }
 }
 
 /// The layer count of the target an `MtpHead` among `members` was loaded beside.
@@ -93,12 +116,14 @@ impl PyHybrid {
 #[pymethods]
 impl PyHybrid {
     #[new]
-    #[pyo3(signature = (members, *, target_layers = None, min_drafts = None))]
+    #[pyo3(signature = (members, *, target_layers = None, min_drafts = None, choice = "measured"))]
     fn new(
         members: &Bound<'_, PyAny>,
         target_layers: Option<usize>,
         min_drafts: Option<Vec<usize>>,
+        choice: &str,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let choice = parse_choice(choice)?;
         let objs: Vec<Bound<'_, PyAny>> = members.try_iter()?.collect::<PyResult<_>>()?;
         let mins = min_drafts.unwrap_or_else(|| vec![1; objs.len()]);
         if mins.len() != objs.len() {
@@ -119,7 +144,7 @@ impl PyHybrid {
         }
         let target_layers = target_layers.or_else(|| target_layers_of(&objs));
         let home = home_of(&objs)?;
-        let hybrid = Hybrid::new(rust, target_layers).py()?;
+        let hybrid = Hybrid::new(rust, target_layers).py()?.with_choice(choice);
         let mut base = PyDraftProposer::holding(Arc::new(hybrid), "Hybrid");
         if let Some(h) = home {
             base = base.on_backend(h);
@@ -128,6 +153,7 @@ impl PyHybrid {
             members: objs.into_iter().map(Bound::unbind).collect(),
             min_drafts: mins,
             target_layers,
+            choice,
         }))
     }
 
@@ -149,6 +175,12 @@ impl PyHybrid {
         self.target_layers
     }
 
+    /// How each step's member is picked: `"measured"` or `"first"`.
+    #[getter]
+    fn choice(&self) -> &'static str {
+        choice_name(self.choice)
+    }
+
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let names: Vec<String> = self
             .members
@@ -156,11 +188,12 @@ impl PyHybrid {
             .map(|m| Ok(m.bind(py).repr()?.to_string()))
             .collect::<PyResult<_>>()?;
         Ok(format!(
-            "Hybrid([{}], target_layers={}, min_drafts={:?})",
+            "Hybrid([{}], target_layers={}, min_drafts={:?}, choice='{}')",
             names.join(", "),
             self.target_layers
                 .map_or_else(|| "None".to_string(), |n| n.to_string()),
-            self.min_drafts
+            self.min_drafts,
+            choice_name(self.choice)
         ))
     }
 }

@@ -30,7 +30,7 @@ pub use draft_tree::{DraftTree, TreeFault};
 pub use eagle3::{Eagle3Head, Eagle3State};
 pub use error::ProposerError;
 pub use grammar::{bitmask_allows, bitmask_words};
-pub use hybrid::{Hybrid, HybridMember, HybridState};
+pub use hybrid::{Hybrid, HybridChoice, HybridMember, HybridState};
 pub use mtp::{MtpHead, MtpQuantization, MtpState, MtpWeights};
 pub use prompt_lookup::{
     match_confidence, PromptLookup, PromptLookupState, CONFIDENCE_MATCH, DEFAULT_MAX_NGRAM,

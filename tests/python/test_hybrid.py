@@ -1,7 +1,8 @@
 """``specdraft.Hybrid`` from Python: made of Rust and Python members, it passes
 ``check_proposer``; in the engine (a tiny llama GGUF and an MTP head loaded beside it) greedy
-output is plain greedy output, the winner of each step is the first member with drafts, a
-Python member sees every token of its sequence, and a raising member fails its sequence with
+output is plain greedy output, the winner of each step is the first member with drafts (and,
+by default, no worse measured odds than the later ones), a Python member sees every token of
+its sequence, and a raising member fails its sequence with
 an error naming it; bad arguments are refused."""
 
 from __future__ import annotations
@@ -53,6 +54,25 @@ class Seen(DraftProposer):
         self.histories.append(list(state["history"]))
 
 
+class Scripted(Seen):
+    """Drafts the true continuation (looked up in ``fulls`` by its history), its first token
+    changed when ``wrong``; counts the steps its drafts were returned (``wins``)."""
+
+    def __init__(self, fulls: list[list[int]], wrong: bool) -> None:
+        super().__init__()
+        self.fulls, self.wrong, self.drafted = fulls, wrong, []
+
+    def propose(self, last_token, target_hidden, position, num_drafts, state, ctx, stream, **kw):
+        super().propose(last_token, target_hidden, position, num_drafts, state, ctx, stream)
+        history = state["history"]
+        full = next(f for f in self.fulls if f[: len(history)] == history)
+        drafts = full[position + 1 : position + 1 + num_drafts]
+        if self.wrong and drafts:
+            drafts[0] = (drafts[0] + 1) % TINY_VOCAB
+        self.drafted.append(drafts)
+        return drafts
+
+
 class Raising(Seen):
     """Raises from position 20 on."""
 
@@ -72,6 +92,7 @@ def test_suffix_and_an_mtp_head_pass_the_conformance_check(tmp_path, gpu) -> Non
         hybrid = specdraft.Hybrid([suffix, head], target_layers=layers)
         assert hybrid.members == [suffix, head]
         assert hybrid.members[1] is head and hybrid.min_drafts == [1, 1]
+        assert hybrid.choice == "measured"
         assert hybrid.target_layers == layers
         # With the target's layer count it asks for the last layer's capture.
         assert hybrid.target_layer_ids() == ([] if layers is None else [2])
@@ -134,6 +155,36 @@ def test_in_the_engine_output_is_plain_output_and_members_see_every_token(
     del engine, hybrid, head, model
 
 
+@pytest.mark.parametrize("choice", ["measured", "first"])
+def test_a_first_member_that_misses_yields_to_a_later_one_unless_the_order_is_fixed(
+    model_path, gpu, choice: str
+) -> None:
+    model = _load(model_path, gpu)
+    prompt = PROMPTS[1]
+    (plain,) = specdraft.SpecEngine(model).generate([prompt], max_tokens=24, ignore_eos=True)
+    full = prompt + list(plain.tokens)
+    wrong, right = Scripted([full], wrong=True), Scripted([full], wrong=False)
+    hybrid = specdraft.Hybrid([wrong, right], target_layers=None, choice=choice)
+    assert hybrid.choice == choice and f"choice={choice!r}" in repr(hybrid)
+    engine = specdraft.SpecEngine(model, hybrid, num_drafts=3, draft_policy="fixed")
+    (r,) = engine.generate([prompt], max_tokens=24, ignore_eos=True)
+    assert r.error is None, r.error
+    assert list(r.tokens) == list(plain.tokens)
+    accepted = engine.last_metrics["accepted"]
+    # Each member drafts only when asked for drafts; the later member is asked only on the
+    # steps the first one lost.
+    first_drafted = sum(1 for d in wrong.drafted if d)
+    later_drafted = sum(1 for d in right.drafted if d)
+    if choice == "first":
+        assert accepted == 0 and later_drafted == 0 and first_drafted > 3
+    else:
+        # The first step goes to the first member (nothing measured yet), every later one to
+        # the member that is right.
+        assert first_drafted - later_drafted == 1, (wrong.drafted, right.drafted)
+        assert later_drafted > 3 and accepted > 0
+    del engine, hybrid, model
+
+
 def test_a_raising_member_fails_its_sequence_naming_it(model_path, gpu) -> None:
     model = _load(model_path, gpu)
     hybrid = specdraft.Hybrid([specdraft.PromptLookup(), Raising()])
@@ -157,3 +208,5 @@ def test_bad_arguments_are_refused() -> None:
         specdraft.ProposerError, match=r"member 0 \(PromptLookup\) has min_drafts 0"
     ):
         specdraft.Hybrid([specdraft.PromptLookup()], min_drafts=[0])
+    with pytest.raises(ValueError, match='choice "best": expected "measured" or "first"'):
+        specdraft.Hybrid([specdraft.PromptLookup()], choice="best")

@@ -207,8 +207,8 @@ LM head are shared, not stored here) in z-lab's layout, trained by `specdraft tr
         del settings
         return (
             "cross-entropy on the target's greedy token (its stored final hidden through its "
-            "frozen final norm and LM head), blocks anchored at random reply positions, one a "
-            f"{self.head.block_size} positions, block row j weighted exp(-(j - 1) / "
+            "frozen final norm and LM head), blocks anchored at random reply positions, one in "
+            f"every {self.head.block_size} positions, block row j weighted exp(-(j - 1) / "
             f"{self.head.loss_decay:g})"
         )
 

@@ -27,8 +27,11 @@
 //!   see the tokens), and for the MTP head writes the same rows `catchup_drafter` would.
 //! - **Drafting.** Members are asked in order for the step's drafts. A member has a confident
 //!   draft when it returns at least its `min_drafts` (1 by default: retrieval drafters return
-//!   none when nothing matches; a member's confidence threshold could become a further option
-//!   if one is needed). The first such member wins and its drafts are the hybrid's. Every
+//!   none when nothing matches) and, in this sequence, its first drafts of that length (one,
+//!   or more) have been accepted at least as often as those of every later member that may
+//!   draft (`odds`: a short suffix match on open text loses to a learned head; until a step
+//!   is measured the order decides; [`HybridChoice::First`] leaves it to the order alone).
+//!   The first such member wins and its drafts are the hybrid's. Every
 //!   later member still sees the step, with `propose(.., num_drafts = 0)`, so it records the
 //!   token drafted from (the MTP head defers its one row to a batched write). A block drafter
 //!   (`block_gamma() = Some(γ)`) is asked for at most `γ - 1` of the engine's drafts; the
@@ -65,6 +68,7 @@
 //! - A member that fails fails the hybrid's call, with an error naming the method, the
 //!   member's index and its name, and carrying the member's own error.
 
+mod odds;
 mod proposer;
 mod rows;
 mod state;
@@ -113,10 +117,23 @@ impl std::fmt::Debug for HybridMember {
     }
 }
 
+/// How a [`Hybrid`] picks the member whose drafts a step takes, among those with a draft of at
+/// least their `min_drafts`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HybridChoice {
+    /// The first in list order whose first drafts of that length have, in this sequence, been
+    /// accepted at least as often as every later member's (the module documentation).
+    #[default]
+    Measured,
+    /// The first in list order: a fixed priority.
+    First,
+}
+
 /// A proposer that drafts with the first of its members that has a confident draft (see the
 /// module documentation).
 pub struct Hybrid {
     members: Vec<HybridMember>,
+    choice: HybridChoice,
     /// The hybrid's `target_layer_ids`.
     layers: Vec<usize>,
     /// For each member, the columns of `layers` holding its own ids, in its order.
@@ -135,6 +152,7 @@ impl std::fmt::Debug for Hybrid {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Hybrid")
             .field("members", &self.members)
+            .field("choice", &self.choice)
             .field("layers", &self.layers)
             .field("final_column", &self.final_column)
             .finish()
@@ -219,6 +237,7 @@ impl Hybrid {
             .collect();
         Ok(Hybrid {
             members,
+            choice: HybridChoice::default(),
             layers,
             columns,
             final_column,
@@ -226,6 +245,17 @@ impl Hybrid {
             prefill_caps,
             last_winner: AtomicUsize::new(usize::MAX),
         })
+    }
+
+    /// The same hybrid, picking each step's member by `choice`.
+    pub fn with_choice(mut self, choice: HybridChoice) -> Self {
+        self.choice = choice;
+        self
+    }
+
+    /// How each step's member is picked.
+    pub fn choice(&self) -> HybridChoice {
+        self.choice
     }
 
     /// The members, in the order they are asked.

@@ -2,7 +2,7 @@
 //! bookkeeping of the module documentation, and the provided methods forwarded to members.
 
 use super::state::{HybridState, Scratch, Step};
-use super::Hybrid;
+use super::{Hybrid, HybridChoice};
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::model::ForwardContext;
 use crate::speculative::{DraftProposer, ProposerError, ProposerState};
@@ -239,7 +239,12 @@ impl DraftProposer for Hybrid {
                     ),
                 ));
             }
-            if winner.is_none() && ask > 0 && d.len() >= self.members[i].min_drafts {
+            if winner.is_none()
+                && ask > 0
+                && d.len() >= self.members[i].min_drafts
+                && (self.choice == HybridChoice::First
+                    || st.odds.wins(i, d.len(), |j| self.ask(j, num_drafts) > 0))
+            {
                 winner = Some(i);
             }
             drafts.push(d);
@@ -279,6 +284,8 @@ impl DraftProposer for Hybrid {
             ));
         }
         let committed = &won[..num_accepted];
+        st.odds
+            .settle(step.winner.map(|w| (w, won.len())), num_accepted);
         let mut first_error = None;
         for i in 0..self.members.len() {
             let accepted = match step.winner {

@@ -10,6 +10,7 @@
 //!   returned then.
 //! - `scratch` buffers belong to this state alone and are freed by `free_state`.
 
+use super::odds::MemberOdds;
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::speculative::ProposerState;
 
@@ -69,6 +70,8 @@ pub struct HybridState {
     pub(super) accepted: Vec<usize>,
     /// Each member's captured columns, gathered for it.
     pub(super) scratch: Vec<Scratch>,
+    /// Each member's measured odds of a first draft accepted, in this sequence.
+    pub(super) odds: MemberOdds,
     pub(super) freed: bool,
 }
 
@@ -86,6 +89,7 @@ impl HybridState {
             step: None,
             accepted: vec![0; n],
             scratch: (0..n).map(|_| Scratch::default()).collect(),
+            odds: MemberOdds::new(n),
             freed: false,
         }
     }
