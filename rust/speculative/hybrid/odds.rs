@@ -37,6 +37,11 @@ fn length_class(drafts: usize) -> usize {
     drafts.clamp(1, LENGTHS) - 1
 }
 
+/// `hits` in `tries`, shrunk towards [`PRIOR`] by [`PRIOR_WEIGHT`] pseudo-observations.
+fn shrunk(hits: f64, tries: f64) -> f64 {
+    (hits + PRIOR_WEIGHT * PRIOR) / (tries + PRIOR_WEIGHT)
+}
+
 /// One sequence's odds for every member.
 #[derive(Clone, Debug)]
 pub(super) struct MemberOdds {
@@ -58,26 +63,22 @@ impl MemberOdds {
     /// tokens.
     pub fn estimate(&self, i: usize, drafts: usize) -> f64 {
         let c = length_class(drafts);
-        (self.hits[i][c] + PRIOR_WEIGHT * PRIOR) / (self.tries[i][c] + PRIOR_WEIGHT)
+        shrunk(self.hits[i][c], self.tries[i][c])
     }
 
     /// The estimated chance that member `i`'s first draft is accepted, whatever its length: a
     /// rival's odds, whose draft is not yet known.
     pub fn overall(&self, i: usize) -> f64 {
-        let hits: f64 = self.hits[i].iter().sum();
-        let tries: f64 = self.tries[i].iter().sum();
-        (hits + PRIOR_WEIGHT * PRIOR) / (tries + PRIOR_WEIGHT)
+        shrunk(self.hits[i].iter().sum(), self.tries[i].iter().sum())
     }
 
-    /// Whether member `i`, with `drafts` drafts, takes the step ahead of the members after it
-    /// (`may_draft` says which of them would be asked for drafts): its odds for a draft of
-    /// that length are at least every such later member's overall odds (ties go to the
-    /// earlier member, in the order the caller chose).
-    pub fn wins(&self, i: usize, drafts: usize, may_draft: impl Fn(usize) -> bool) -> bool {
+    /// Whether member `i`, with `drafts` drafts, takes the step ahead of the members after it:
+    /// its odds for a draft of that length are at least every later member's overall odds
+    /// (ties go to the earlier member, in the order the caller chose). Every later member is a
+    /// rival: a step that asks one member for drafts asks each member it reaches for some.
+    pub fn wins(&self, i: usize, drafts: usize) -> bool {
         let own = self.estimate(i, drafts);
-        (i + 1..self.hits.len())
-            .filter(|&j| may_draft(j))
-            .all(|j| self.overall(j) <= own)
+        (i + 1..self.hits.len()).all(|j| self.overall(j) <= own)
     }
 
     /// Settles a step whose `winner` (member, drafts) had `accepted` drafts accepted: every
@@ -92,12 +93,10 @@ impl MemberOdds {
                 *c *= KEEP;
             }
         }
-        {
-            let c = length_class(drafts);
-            self.tries[w][c] += 1.0;
-            if accepted > 0 {
-                self.hits[w][c] += 1.0;
-            }
+        let c = length_class(drafts);
+        self.tries[w][c] += 1.0;
+        if accepted > 0 {
+            self.hits[w][c] += 1.0;
         }
     }
 }
@@ -109,8 +108,8 @@ mod tests {
     #[test]
     fn equal_odds_leave_the_step_to_the_first_member() {
         let odds = MemberOdds::new(2);
-        assert!(odds.wins(0, 1, |_| true));
-        assert!(odds.wins(0, 3, |_| true));
+        assert!(odds.wins(0, 1));
+        assert!(odds.wins(0, 3));
     }
 
     #[test]
@@ -119,13 +118,11 @@ mod tests {
         for _ in 0..3 {
             odds.settle(Some((0, 1)), 0);
         }
-        assert!(!odds.wins(0, 1, |_| true));
+        assert!(!odds.wins(0, 1));
         // Its longer drafts are measured apart and still win.
-        assert!(odds.wins(0, 3, |_| true));
-        // A later member asked for nothing is no rival.
-        assert!(odds.wins(0, 1, |_| false));
+        assert!(odds.wins(0, 3));
         let mut steps = 0;
-        while !odds.wins(0, 1, |_| true) {
+        while !odds.wins(0, 1) {
             odds.settle(Some((1, 3)), 1);
             odds.settle(Some((1, 3)), 0);
             steps += 2;

@@ -242,8 +242,7 @@ impl DraftProposer for Hybrid {
             if winner.is_none()
                 && ask > 0
                 && d.len() >= self.members[i].min_drafts
-                && (self.choice == HybridChoice::First
-                    || st.odds.wins(i, d.len(), |j| self.ask(j, num_drafts) > 0))
+                && (self.choice == HybridChoice::First || st.odds.wins(i, d.len()))
             {
                 winner = Some(i);
             }
