@@ -28,7 +28,7 @@ use crate::model::{
 };
 use crate::speculative::ProposerError;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Sequences whose context the drafter KV pool is sized for (as the MTP head's).
@@ -61,6 +61,8 @@ pub struct DFlashHead {
     pub(crate) num_slots: usize,
     pub(crate) inv_freq: DevicePtr,
     pub(crate) scratch: Mutex<Scratch>,
+    /// Whether proposes of 0 drafts defer their context rows (see `deferred`).
+    pub(crate) defer_rows: AtomicBool,
     max_seq_len: usize,
     max_blocks_per_seq: usize,
     /// Everything above that lives on the device and is the head's; freed on drop.
@@ -243,6 +245,7 @@ impl DFlashHead {
             num_slots,
             inv_freq,
             scratch: Mutex::new(scratch),
+            defer_rows: AtomicBool::new(true),
             max_seq_len,
             max_blocks_per_seq,
             _allocs: allocs,

@@ -9,7 +9,8 @@
 //! whole block (non-causal), and takes the target's LM head's argmax at rows `1 ..`.
 //!
 //! One file per job: [`config`] (`config.json`, the layer ids), `load` (the tensors), `state`
-//! (per-sequence rows and blocks), `forward` (the context rows and the block), `storage`
+//! (per-sequence rows and blocks), `forward` (the context rows and the block), `deferred`
+//! (context rows kept while the policy declines, written in one forward later), `storage`
 //! (projections re-stored in a block format), `head` (construction, the memory the head
 //! owns, what it reports) and `proposer` (the protocol).
 //! What it shares with the MTP and EAGLE-3 heads is the model layer's decoder layer
@@ -22,6 +23,7 @@
 //! unchanged.
 
 pub mod config;
+mod deferred;
 mod forward;
 mod head;
 mod load;
@@ -30,5 +32,6 @@ mod state;
 mod storage;
 
 pub use config::DFlashConfig;
+pub use deferred::DEFERRED_ROWS;
 pub use head::DFlashHead;
 pub use state::{DFlashState, DFLASH_BLOCK_ROWS};

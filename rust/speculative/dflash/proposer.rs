@@ -8,7 +8,9 @@
 //! less where the stack starts, which the state knows (`P - 1` after a prefill of `P`
 //! tokens, the verified propose's position after `after_verify`, and `p - 1` for a state
 //! never given rows). Proposing again from the same point before `after_verify` (the same
-//! stack) rewrites the rows from `p - k` on, so it returns the same drafts.
+//! stack) rewrites the rows from `p - k` on, so it returns the same drafts. A propose of 0
+//! drafts keeps its rows aside and the next drafting propose writes them first (`deferred`),
+//! which drafts what writing them at once would.
 //!
 //! `prefill_drafter` writes the context rows of positions `0 .. P - 2` from
 //! `ctx.target_hidden_stack` (`[P, taps * hidden]`, row `i` computed at `i`); the first
@@ -92,16 +94,22 @@ impl DFlashHead {
         let k = position - start;
         st.keep_before(start);
         let sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let block = if num_drafts > 0 { self.block_size } else { 0 };
-        let drafts = if st.reserve(gpu, &self.pool, st.rows() + k + block, stream)? {
-            self.append_context(gpu, &sc, st, stack, start, k, stream)?;
-            self.block_forward(gpu, &sc, st, last_token, position, num_drafts, mask, stream)?
-        } else if block > 0 && st.reserve(gpu, &self.pool, st.rows() + k, stream)? {
-            self.append_context(gpu, &sc, st, stack, start, k, stream)?;
+        let drafts = if num_drafts == 0 {
+            if self.defers_rows() {
+                self.defer_context(gpu, &sc, st, stack, start, k, stream)?;
+            } else {
+                self.write_context(gpu, &sc, st, stack, start, k, stream)?;
+            }
             Vec::new()
         } else {
-            st.drop_rows(&self.pool)?;
-            Vec::new()
+            self.flush_deferred(gpu, &sc, st, stream)?;
+            if st.reserve(gpu, &self.pool, st.rows() + k + self.block_size, stream)? {
+                self.append_context(gpu, &sc, st, stack, start, k, stream)?;
+                self.block_forward(gpu, &sc, st, last_token, position, num_drafts, mask, stream)?
+            } else {
+                self.write_context(gpu, &sc, st, stack, start, k, stream)?;
+                Vec::new()
+            }
         };
         st.proposed_at = Some(position);
         st.last_drafts = drafts.len();
@@ -211,7 +219,8 @@ impl DraftProposer for DFlashHead {
     }
 
     fn drafter_rows(&self, state: &mut dyn ProposerState) -> usize {
-        self.state(state, "drafter_rows").map_or(0, |st| st.rows())
+        self.state(state, "drafter_rows")
+            .map_or(0, |st| st.rows() + st.deferred_rows())
     }
 
     fn prefill_drafter(

@@ -8,9 +8,12 @@
 //!   never counted as rows (the next propose writes over them).
 //! - The device table mirrors `blocks` for its first `synced` entries, and `synced ==
 //!   blocks.len()` whenever a forward reads it.
-//! - `free` returns every block to the pool and frees the table; afterwards the state refuses
-//!   every method.
+//! - Deferred rows (see `deferred`) follow every context row; what drops context rows drops
+//!   them too.
+//! - `free` returns every block to the pool and frees the table and the deferred rows'
+//!   buffer; afterwards the state refuses every method.
 
+use super::deferred::DeferredRows;
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
 
@@ -34,6 +37,8 @@ pub struct DFlashState {
     pub(crate) proposed_at: Option<usize>,
     /// Drafts the latest propose returned.
     pub(crate) last_drafts: usize,
+    /// Captured rows whose context write waits for the next drafting propose.
+    pub(crate) deferred: DeferredRows,
     pub(crate) freed: bool,
 }
 
@@ -56,6 +61,7 @@ impl DFlashState {
             stack_start: None,
             proposed_at: None,
             last_drafts: 0,
+            deferred: DeferredRows::default(),
             freed: false,
         })
     }
@@ -63,6 +69,11 @@ impl DFlashState {
     /// Context rows held.
     pub fn rows(&self) -> usize {
         self.positions.len()
+    }
+
+    /// Captured rows kept for a later context write (not in [`Self::rows`]).
+    pub fn deferred_rows(&self) -> usize {
+        self.deferred.len
     }
 
     /// The RoPE position of every context row, oldest first.
@@ -94,11 +105,12 @@ impl DFlashState {
             + (row % DFLASH_BLOCK_ROWS) as u32
     }
 
-    /// Drops the context rows at or after position `start` (a repeated propose rewrites
-    /// them).
+    /// Drops the context rows, written or deferred, at or after position `start` (a
+    /// repeated propose rewrites them).
     pub(crate) fn keep_before(&mut self, start: usize) {
         let keep = self.positions.partition_point(|&p| p < start);
         self.positions.truncate(keep);
+        self.deferred.keep_before(start);
     }
 
     /// Records `n` new context rows at positions `first ..`, after the held ones; their
@@ -136,11 +148,12 @@ impl DFlashState {
         Ok(true)
     }
 
-    /// Returns every block to `pool` and forgets every row, keeping where the captured rows
-    /// stand.
+    /// Returns every block to `pool` and forgets every row, written or deferred, keeping
+    /// where the captured rows stand.
     pub(crate) fn drop_rows(&mut self, pool: &BlockAllocator) -> crate::Result<()> {
         let blocks = std::mem::take(&mut self.blocks);
         self.positions.clear();
+        self.deferred.len = 0;
         self.synced = 0;
         pool.free(&blocks)?;
         Ok(())
@@ -154,7 +167,8 @@ impl DFlashState {
         self.drop_rows(pool)
     }
 
-    /// [`Self::clear`], then frees the device table; the state is unusable afterwards.
+    /// [`Self::clear`], then frees the device table and the deferred rows' buffer; the
+    /// state is unusable afterwards.
     pub(crate) fn free(
         &mut self,
         gpu: &dyn GpuBackend,
@@ -162,7 +176,9 @@ impl DFlashState {
     ) -> crate::Result<()> {
         let cleared = self.clear(pool);
         self.freed = true;
+        let deferred = self.deferred.free(gpu);
         gpu.free(self.table)?;
+        deferred?;
         cleared
     }
 }
