@@ -148,15 +148,19 @@ struct Log {
     asked: Vec<usize>,
     /// Contract breaks seen from inside the proposer.
     broken: Vec<String>,
+    /// The size of every `propose_batch` group.
+    batches: Vec<usize>,
 }
 
 /// Drafts from a known continuation (`right`: the target's own greedy continuation, so
 /// every draft is accepted; otherwise always one token off, so none is), and records the
-/// stack rows it is given.
+/// stack rows it is given; with `batch`, also through `propose_batch` (groups of up to 4),
+/// each sequence from its entry of `ctx.target_hidden_stacks`.
 struct StackSpy {
     layers: Vec<usize>,
     fulls: Vec<Vec<u32>>,
     right: bool,
+    batch: bool,
     gamma: Option<usize>,
     hidden: usize,
     vocab: u32,
@@ -170,6 +174,7 @@ impl StackSpy {
             layers: layers.to_vec(),
             fulls,
             right,
+            batch: false,
             gamma: None,
             hidden: t.hidden,
             vocab: t.vocab as u32,
@@ -364,6 +369,60 @@ impl DraftProposer for StackSpy {
         spy(state)?.owed = Some(1 + a);
         Ok(())
     }
+
+    fn propose_batch_max(&self, _buffers: &BufferArena, _config: &ModelConfig) -> usize {
+        if self.batch {
+            4
+        } else {
+            1
+        }
+    }
+
+    fn propose_batch(
+        &self,
+        last: &[u32],
+        hiddens: &[DevicePtr],
+        positions: &[usize],
+        n: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        _conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        if !self.batch {
+            return Ok(None);
+        }
+        self.log.lock().unwrap().batches.push(last.len());
+        let stacks: Vec<Option<DevicePtr>> = match ctx.target_hidden_stacks {
+            Some(s) if s.len() == last.len() => s.iter().copied().map(Some).collect(),
+            Some(s) => {
+                self.broke(format!("{} stacks for {} sequences", s.len(), last.len()));
+                return Ok(None);
+            }
+            None if !self.layers.is_empty() => {
+                self.broke("propose_batch without stacks".into());
+                return Ok(None);
+            }
+            None => vec![None; last.len()],
+        };
+        let mut drafts = Vec::with_capacity(last.len());
+        for (i, st) in states.iter_mut().enumerate() {
+            let d = self.propose(
+                last[i],
+                hiddens[i],
+                positions[i],
+                n,
+                &mut **st,
+                ctx,
+                stream,
+                None,
+                None,
+                stacks[i],
+            )?;
+            drafts.push(d);
+        }
+        Ok(Some(drafts))
+    }
 }
 
 /// Checks every row a spy was given against the teacher-forced capture of its request's
@@ -413,13 +472,16 @@ fn check_rows(
 }
 
 #[test]
-fn stack_rows_are_the_teacher_forced_capture_with_k_equal_one_plus_accepted() {
+fn stack_rows_are_the_teacher_forced_capture_with_k_equal_one_plus_accepted_batched_or_not() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let model = load(&gpu, "rows", 64, 64);
     let prompts = prompts();
     let fulls = greedy_fulls(&model, &prompts);
-    for right in [true, false] {
-        let spy = Arc::new(StackSpy::new(&LAYERS, fulls.clone(), right));
+    for (right, batch) in [(true, false), (false, false), (true, true), (false, true)] {
+        let spy = Arc::new(StackSpy {
+            batch,
+            ..StackSpy::new(&LAYERS, fulls.clone(), right)
+        });
         let engine = SpecEngine::new(
             model.clone(),
             Some(spy.clone() as Arc<dyn DraftProposer>),
@@ -438,10 +500,16 @@ fn stack_rows_are_the_teacher_forced_capture_with_k_equal_one_plus_accepted() {
             );
         }
         let checked = check_rows(&model, &spy, &fulls, &prompts);
-        let (ks, owed) = {
+        let (ks, owed, batches) = {
             let log = spy.log.lock().unwrap();
-            (log.ks.clone(), log.owed.clone())
+            (log.ks.clone(), log.owed.clone(), log.batches.clone())
         };
+        // Batched, the sequences propose together (the engine asks one group a step).
+        assert_eq!(
+            batches.iter().any(|&b| b > 1),
+            batch,
+            "right={right}, batch={batch}: {batches:?}"
+        );
         // Every step proposed: each propose gets exactly 1 + the accepted count.
         assert!(owed.iter().all(|&(k, o)| k == o), "{owed:?}");
         if right {

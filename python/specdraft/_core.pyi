@@ -339,10 +339,11 @@ class BufferArena:
 
 @final
 class ForwardContext:
-    """`ForwardContext(gpu, config, levers=None, buffers=None, target_hidden_stack=None)`: what a
-    forward runs with (backend, shared scratch, configuration, levers, and the captured target
-    rows of a proposer that names `target_layer_ids`). It holds shared handles, so keeping it
-    is safe. Made by hand, a single-rank context (`gpu` must be a backend you created).
+    """`ForwardContext(gpu, config, levers=None, buffers=None, target_hidden_stack=None,
+    target_hidden_stacks=None)`: what a forward runs with (backend, shared scratch,
+    configuration, levers, and the captured target rows of a proposer that names
+    `target_layer_ids`). It holds shared handles, so keeping it is safe. Made by hand, a
+    single-rank context (`gpu` must be a backend you created).
     """
 
     def __new__(
@@ -352,6 +353,7 @@ class ForwardContext:
         levers: ModelLevers | None = None,
         buffers: BufferArena | None = None,
         target_hidden_stack: DevicePtr | int | None = None,
+        target_hidden_stacks: list[DevicePtr | int] | None = None,
     ) -> Self: ...
     @property
     def gpu(self) -> Backend:
@@ -370,6 +372,12 @@ class ForwardContext:
         """The captured target rows paired row for row with the `hiddens` of the call this
         context was passed to (bf16 `[rows, len(target_layer_ids) * hidden]`), or None when
         the proposer names no layers or the call has no hiddens.
+        """
+    @property
+    def target_hidden_stacks(self) -> list[DevicePtr] | None:
+        """In `propose_batch`, one entry per sequence of the batch, in order: the captured rows
+        that sequence's `propose` would get as `target_hidden_stack`. None in every other
+        call, and when the proposer names no layers.
         """
 
 @final

@@ -19,7 +19,8 @@
 //! the engine is built) gets the hiddens of those layers with the same pairing, stacked
 //! `[rows, n * hidden]`: the rows of every token committed since its last propose as
 //! `propose`'s `target_hidden_stack`, and the prompt's rows as `ctx.target_hidden_stack` of
-//! `prefill_drafter` (see `stack`). It is proposed per sequence. A proposer that names none
+//! `prefill_drafter` (see `stack`); in a `propose_batch`, each member's rows, as its
+//! `propose` would get them, are `ctx.target_hidden_stacks`. A proposer that names none
 //! costs nothing: no capture is asked of the target and no buffer is allocated for it.
 //!
 //! Draft trees: under the `Tree` draft shape (the default), a proposer whose `grows_trees()`

@@ -10,6 +10,8 @@
 //!   are `[last_token, d_1..d_n]`; with `m` drafts accepted, rows `0..=m` are paired with
 //!   `d_1..d_m` and the bonus token, so the next propose gets those `m + 1`. The first
 //!   propose after a prefill gets one row, the last prefill row's.
+//! - `propose_batch`: `ctx.target_hidden_stacks`, one entry per member, each what that
+//!   member's `propose` would get.
 //! - `prefill_drafter` / `catchup_drafter`: `ctx.target_hidden_stack`, the rows paired with
 //!   their `hiddens`, gathered across the prefill chunks in a sibling of the buffer that
 //!   gathers those hiddens.

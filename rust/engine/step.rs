@@ -127,12 +127,9 @@ impl<T: Target> SpecEngine<T> {
         self.observe_step(seqs, &returned, step_rows, verify_time);
     }
 
-    /// The widest `propose_batch` / `catchup_batch` group: 1 for a proposer that names target
-    /// layers (each sequence's stack rows are its own), else what the proposer says.
+    /// The widest `propose_batch` group: what the proposer says. A proposer that names
+    /// target layers gets each member's stack rows in `ctx.target_hidden_stacks`.
     fn batch_max(&self, prop: &dyn DraftProposer, ctx: &ForwardContext<'_>) -> usize {
-        if self.captures() {
-            return 1;
-        }
         prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1)
     }
 
@@ -154,6 +151,12 @@ impl<T: Target> SpecEngine<T> {
             .map(|&i| seqs[i].hidden_rows.offset(seqs[i].hidden_row * hb))
             .collect();
         let positions: Vec<usize> = group.iter().map(|&i| seqs[i].last_pos()).collect();
+        let stacks: Option<Vec<DevicePtr>> =
+            group.iter().map(|&i| seqs[i].stack.for_propose()).collect();
+        let ctx = &ForwardContext {
+            target_hidden_stacks: stacks.as_deref(),
+            ..ctx.clone()
+        };
         let mut member = vec![false; seqs.len()];
         for &i in group {
             member[i] = true;
@@ -470,10 +473,13 @@ impl<T: Target> SpecEngine<T> {
                 s.error.is_none() && s.proposed && !s.drafts.is_empty() && s.state.is_some()
             })
             .collect();
-        let batch_max = self.batch_max(prop.as_ref(), ctx);
+        // One sequence a call when capturing: its stack rows go in the context.
+        let batch_max = match self.captures() {
+            true => 1,
+            false => self.batch_max(prop.as_ref(), ctx),
+        };
         let mut spent = Duration::ZERO;
         for group in ready.chunks(batch_max) {
-            // One sequence a call when capturing: its stack rows go in the context.
             let ctx = &ForwardContext {
                 target_hidden_stack: match group {
                     [i] => seqs[*i].stack.for_propose(),

@@ -31,6 +31,11 @@ pub struct ForwardContext<'a> {
     /// paired with `hiddens` row `i`; `catchup_drafter` / `catchup_batch`: paired with their
     /// hiddens). `None` when the proposer names no layers or the call has no hiddens.
     pub target_hidden_stack: Option<DevicePtr>,
+    /// For `propose_batch`, one entry per sequence of the batch, in order: the rows that
+    /// sequence's `propose` would get as its `target_hidden_stack` (every token committed
+    /// since its previous propose, oldest first, the last one paired with its last token).
+    /// `None` when the proposer names no layers, and in every other call.
+    pub target_hidden_stacks: Option<&'a [DevicePtr]>,
 }
 
 impl<'a> ForwardContext<'a> {
@@ -48,6 +53,7 @@ impl<'a> ForwardContext<'a> {
             levers,
             comm: None,
             target_hidden_stack: None,
+            target_hidden_stacks: None,
         }
     }
 }

@@ -317,10 +317,11 @@ impl PyBufferArena {
     }
 }
 
-/// `ForwardContext(gpu, config, levers=None, buffers=None, target_hidden_stack=None)`: what a
-/// forward runs with (backend, shared scratch, configuration, levers, and the captured target
-/// rows of a proposer that names `target_layer_ids`). It holds shared handles, so keeping it
-/// is safe. Made by hand, a single-rank context (`gpu` must be a backend you created).
+/// `ForwardContext(gpu, config, levers=None, buffers=None, target_hidden_stack=None,
+/// target_hidden_stacks=None)`: what a forward runs with (backend, shared scratch,
+/// configuration, levers, and the captured target rows of a proposer that names
+/// `target_layer_ids`). It holds shared handles, so keeping it is safe. Made by hand, a
+/// single-rank context (`gpu` must be a backend you created).
 #[pyclass(name = "ForwardContext", module = "specdraft", frozen)]
 pub struct PyForwardContext {
     pub gpu: Arc<dyn GpuBackend>,
@@ -328,6 +329,7 @@ pub struct PyForwardContext {
     pub config: Arc<ModelConfig>,
     pub levers: ModelLevers,
     pub target_hidden_stack: Option<DevicePtr>,
+    pub target_hidden_stacks: Option<Vec<DevicePtr>>,
 }
 
 impl PyForwardContext {
@@ -339,13 +341,15 @@ impl PyForwardContext {
             config: ctx.config.clone(),
             levers: ctx.levers,
             target_hidden_stack: ctx.target_hidden_stack,
+            target_hidden_stacks: ctx.target_hidden_stacks.map(<[DevicePtr]>::to_vec),
         }
     }
 
     /// The Rust context this view stands for (single rank).
-    pub fn to_rust(&self) -> ForwardContext<'static> {
+    pub fn to_rust(&self) -> ForwardContext<'_> {
         ForwardContext {
             target_hidden_stack: self.target_hidden_stack,
+            target_hidden_stacks: self.target_hidden_stacks.as_deref(),
             ..ForwardContext::new(
                 self.gpu.clone(),
                 self.buffers.clone(),
@@ -359,17 +363,20 @@ impl PyForwardContext {
 #[pymethods]
 impl PyForwardContext {
     #[new]
-    #[pyo3(signature = (gpu, config, levers = None, buffers = None, target_hidden_stack = None))]
+    #[pyo3(signature = (gpu, config, levers = None, buffers = None, target_hidden_stack = None, target_hidden_stacks = None))]
     fn new(
         gpu: &Bound<'_, PyAny>,
         config: &Bound<'_, PyModelConfig>,
         levers: Option<PyModelLevers>,
         buffers: Option<&Bound<'_, PyBufferArena>>,
         target_hidden_stack: Option<PtrArg>,
+        target_hidden_stacks: Option<Vec<PtrArg>>,
     ) -> PyResult<Self> {
         let gpu = backend_arg(gpu)?.get().arc()?;
         Ok(PyForwardContext {
             target_hidden_stack: target_hidden_stack.map(|p| p.0),
+            target_hidden_stacks: target_hidden_stacks
+                .map(|v| v.into_iter().map(|p| p.0).collect()),
             gpu,
             buffers: buffers.map_or_else(
                 || Arc::new(BufferArena::empty(1)),
@@ -414,6 +421,16 @@ impl PyForwardContext {
     #[getter]
     fn target_hidden_stack(&self) -> Option<PyDevicePtr> {
         self.target_hidden_stack.map(PyDevicePtr)
+    }
+
+    /// In `propose_batch`, one entry per sequence of the batch, in order: the captured rows
+    /// that sequence's `propose` would get as `target_hidden_stack`. None in every other
+    /// call, and when the proposer names no layers.
+    #[getter]
+    fn target_hidden_stacks(&self) -> Option<Vec<PyDevicePtr>> {
+        self.target_hidden_stacks
+            .as_ref()
+            .map(|v| v.iter().copied().map(PyDevicePtr).collect())
     }
 
     fn __repr__(&self) -> String {

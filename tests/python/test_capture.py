@@ -2,7 +2,8 @@
 ``layers=`` against the same model's final hidden and an independent numpy forward, clear
 errors for bad ids, and a Python proposer that names ``target_layer_ids`` receiving the
 captured rows (``ctx.target_hidden_stack`` at its drafter prefill, ``target_hidden_stack`` at
-each propose) exactly as a teacher-forced capture of the same tokens gives them."""
+each propose, ``ctx.target_hidden_stacks`` in a batch) exactly as a teacher-forced capture of
+the same tokens gives them."""
 
 from __future__ import annotations
 
@@ -147,6 +148,59 @@ def test_a_python_proposer_receives_the_captured_rows(
         # Every row from the first on, past the prompt (the last steps, left no room for a
         # draft by max_tokens, propose nothing).
         assert positions == list(range(len(positions))) and len(positions) > len(prompt)
+        for p, row in seen:
+            np.testing.assert_array_equal(row, want[p], err_msg=f"row computed at {p}")
+    del engine, model
+
+
+class BatchedStackSpy(StackSpy):
+    """The same spy, proposing in batches: each sequence from its entry of
+    ``ctx.target_hidden_stacks``."""
+
+    def __init__(self, layers: list[int]) -> None:
+        super().__init__(layers)
+        self.batches: list[int] = []
+
+    def propose_batch_max(self, buffers, config):
+        return 4
+
+    def propose_batch(
+        self,
+        last_tokens,
+        target_hiddens,
+        positions,
+        num_drafts,
+        states,
+        ctx,
+        stream=0,
+        out_conf=None,
+    ):
+        stacks = ctx.target_hidden_stacks
+        assert stacks is not None and len(stacks) == len(last_tokens)
+        self.batches.append(len(last_tokens))
+        return [
+            self.propose(t, h, p, num_drafts, s, ctx, stream, target_hidden_stack=k)
+            for t, h, p, s, k in zip(
+                last_tokens, target_hiddens, positions, states, stacks, strict=True
+            )
+        ]
+
+
+def test_a_batching_python_proposer_receives_each_sequences_rows(
+    model_path: Path, gpu: specdraft.CpuBackend
+) -> None:
+    model = _load(model_path, gpu)
+    prompts = [TOKENS, TOKENS[:5], TOKENS[3:9]]
+    plain = specdraft.SpecEngine(model).generate(prompts, max_tokens=12)
+    spy = BatchedStackSpy([2, 0])
+    engine = specdraft.SpecEngine(model, spy, num_drafts=3, draft_policy="fixed")
+    results = engine.generate(prompts, max_tokens=12)
+    assert [list(r.tokens) for r in results] == [list(r.tokens) for r in plain]
+    assert max(spy.batches) == 3, spy.batches
+    for prompt, result in zip(prompts, results, strict=True):
+        want = model.hidden_states((list(prompt) + list(result.tokens))[:-1], layers=[2, 0])
+        seen = spy.rows[tuple(prompt)]
+        assert len({p for p, _ in seen}) > len(prompt)
         for p, row in seen:
             np.testing.assert_array_equal(row, want[p], err_msg=f"row computed at {p}")
     del engine, model

@@ -1,8 +1,11 @@
 //! The batch check: every sequence's twin is driven through `propose_batch`, whose drafts
-//! must equal what per-sequence `propose` drafted for the original at the same point.
+//! must equal what per-sequence `propose` drafted for the original at the same point. A
+//! proposer that names target layers gets each twin's captured rows, those its `propose`
+//! would get, in `ctx.target_hidden_stacks`, as the engine passes them.
 
 use super::driver::{guarded, Checker, Sequence};
 use crate::backend::DevicePtr;
+use crate::model::ForwardContext;
 use crate::speculative::ProposerState;
 
 /// Drives the twins through `propose_batch` and compares with the per-sequence drafts.
@@ -27,12 +30,19 @@ pub(super) fn batch_step(
             .map(|&i| checker.hidden_for(&twins[i].1))
             .collect();
         let positions: Vec<usize> = group.iter().map(|&i| twins[i].1.pos).collect();
+        let stacks: Option<Vec<DevicePtr>> = group
+            .iter()
+            .map(|&i| checker.stack_for(&twins[i].1))
+            .collect();
         let mut taken: Vec<Box<dyn ProposerState>> = group
             .iter()
             .filter_map(|&i| twins[i].1.state.take())
             .collect();
         let mut conf = Vec::new();
-        let ctx = &checker.ctx;
+        let ctx = &ForwardContext {
+            target_hidden_stacks: stacks.as_deref(),
+            ..checker.ctx.clone()
+        };
         let result = {
             let mut states: Vec<&mut dyn ProposerState> = taken
                 .iter_mut()

@@ -17,8 +17,10 @@
 //! - `propose_tree` grows the MTP head's tree from the same captured row `propose` reads,
 //!   and `after_verify_tree` settles it as `after_verify` does a chain.
 //! - accepted drafts keep the KV rows written when they were drafted (`mtp_kv_exact` does not
-//!   apply: `catchup_batch` writes nothing), and `propose_batch` is unsupported (`Ok(None)`),
-//!   since it carries no captured rows.
+//!   apply: `catchup_batch` writes nothing).
+//! - `propose_batch` drafts as `propose` does for each sequence, from the last row of its
+//!   entry in `ctx.target_hidden_stacks`, in the MTP head's batched draft loop; without
+//!   those rows it fails saying so.
 
 use super::head::Eagle3Head;
 use crate::backend::{DevicePtr, GpuBackend};
@@ -47,9 +49,13 @@ impl Eagle3State {
 }
 
 fn needs_capture(method: &'static str) -> crate::Error {
+    let field = match method {
+        "propose_batch" => "ctx.target_hidden_stacks",
+        _ => "target_hidden_stack",
+    };
     bad(
         method,
-        "Eagle3Head needs the target's captured layers (target_hidden_stack): run it in an engine that captures its target_layer_ids, or pass the rows".into(),
+        format!("Eagle3Head needs the target's captured layers ({field}): run it in an engine that captures its target_layer_ids, or pass the rows"),
     )
 }
 
@@ -287,8 +293,59 @@ impl DraftProposer for Eagle3Head {
         Ok(written)
     }
 
-    fn propose_batch_max(&self, _buffers: &BufferArena, _config: &ModelConfig) -> usize {
-        1
+    fn propose_batch(
+        &self,
+        last_tokens: &[u32],
+        _target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        num_drafts: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        out_conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> crate::Result<Option<Vec<Vec<u32>>>> {
+        let stacks = ctx
+            .target_hidden_stacks
+            .ok_or_else(|| needs_capture("propose_batch"))?;
+        let n = last_tokens.len();
+        if stacks.len() != n || positions.len() != n || states.len() != n {
+            return Err(bad(
+                "propose_batch",
+                format!(
+                    "{n} tokens, {} captured row sets, {} positions and {} states: one of each per sequence",
+                    stacks.len(),
+                    positions.len(),
+                    states.len()
+                ),
+            ));
+        }
+        let mut rows = Vec::with_capacity(n);
+        let mut inner: Vec<&mut dyn ProposerState> = Vec::with_capacity(n);
+        for (i, s) in states.iter_mut().enumerate() {
+            let st = self.state(&mut **s, "propose_batch")?;
+            rows.push(self.last_stack_row(st, stacks[i], positions[i])?);
+            inner.push(&mut st.inner);
+        }
+        let drafts = self.head.propose_batch(
+            last_tokens,
+            &rows,
+            positions,
+            num_drafts,
+            &mut inner,
+            ctx,
+            stream,
+            out_conf,
+        )?;
+        if drafts.is_some() {
+            for (s, &p) in states.iter_mut().zip(positions) {
+                self.state(&mut **s, "propose_batch")?.proposed_at = Some(p);
+            }
+        }
+        Ok(drafts)
+    }
+
+    fn propose_batch_max(&self, buffers: &BufferArena, config: &ModelConfig) -> usize {
+        self.head.propose_batch_max(buffers, config)
     }
 
     fn prefill_drafter(

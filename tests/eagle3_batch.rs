@@ -1,0 +1,246 @@
+//! `Eagle3Head` proposing a batch beside a tiny seeded target (four Llama layers, CPU
+//! backend): `propose_batch` drafts exactly what per-sequence `propose` drafts from the same
+//! captured rows (each sequence's from its entry of `ctx.target_hidden_stacks`), refuses a
+//! batch without those rows or with the wrong number, passes the conformance check's batch
+//! comparison, and through the engine at batch 3 keeps greedy output plain; nothing leaks.
+
+mod drafter_fixtures;
+#[allow(unused_imports)] // the helpers re-export a GGUF writer this test does not use
+mod model_util;
+
+use model_util::{write_hf, Rng, Tiny};
+use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
+use specdraft::engine::{DraftPolicyKind, DraftShape, GenerateRequest, SpecEngine};
+use specdraft::model::{ForwardContext, LoadOptions, ModelLevers, TargetModel};
+use specdraft::speculative::conformance::{check_proposer_on, CheckOptions};
+use specdraft::speculative::{DraftProposer, Eagle3Head, ProposerState};
+use std::sync::Arc;
+
+const AUX: [usize; 3] = [1, 2, 3];
+
+fn tiny() -> Tiny {
+    Tiny {
+        layers: 4,
+        ..Tiny::default()
+    }
+}
+
+fn target(gpu: &Arc<dyn GpuBackend>, tag: &str) -> Arc<TargetModel> {
+    let t = tiny();
+    let dir = model_util::temp_dir(&format!("eagle3_batch_{tag}"));
+    write_hf(&dir, &t, &t.tensors(29));
+    let opts = LoadOptions {
+        max_rows: 64,
+        max_seq_len: Some(128),
+        kv_blocks: Some(96),
+    };
+    Arc::new(TargetModel::load(&dir, gpu.clone(), opts).unwrap())
+}
+
+fn head(model: &Arc<TargetModel>, tag: &str) -> Arc<Eagle3Head> {
+    // Every other target id, so draft ids map to other target ids.
+    let vocab: Vec<u32> = (0..tiny().vocab as u32 / 2).map(|i| 2 * i + 1).collect();
+    let dir = drafter_fixtures::write_eagle3(tag, &tiny(), &AUX, &vocab);
+    let levers = ModelLevers::default();
+    let head = Eagle3Head::from_checkpoint_for_target(&dir, model.clone(), 128, 64, &levers);
+    Arc::new(head.unwrap())
+}
+
+#[test]
+fn batched_drafts_are_the_per_sequence_drafts_from_each_sequences_rows() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = target(&gpu, "direct");
+    let head = head(&model, "batch_direct");
+    let (seqs, len, width) = (3, 48, AUX.len() * tiny().hidden);
+    // Each sequence's own tokens and captured rows (row `q` computed at position `q`).
+    let mut rng = Rng::new(7);
+    let tokens: Vec<Vec<u32>> = (0..seqs)
+        .map(|s| (0..len).map(|i| ((i * 7 + s * 13) % 90) as u32).collect())
+        .collect();
+    let values: Vec<f32> = (0..seqs * len * width)
+        .map(|_| 2.0 * rng.next_f32() - 1.0)
+        .collect();
+    let stack = gpu.upload_bf16(&values, "stacks").unwrap();
+    let row = |s: usize, q: usize| stack.offset((s * len + q) * width * 2);
+    let hidden = gpu
+        .alloc(tiny().hidden * 2, "unread target hidden")
+        .unwrap();
+    let ctx = ForwardContext::new(
+        gpu.clone(),
+        model.buffers().clone(),
+        model.config().clone(),
+        Default::default(),
+    );
+    let mut single: Vec<Box<dyn ProposerState>> = Vec::new();
+    let mut batched: Vec<Box<dyn ProposerState>> = Vec::new();
+    let prompt = [5, 9, 7];
+    for (s, &p) in prompt.iter().enumerate() {
+        for states in [&mut single, &mut batched] {
+            let mut st = head.alloc_state(gpu.as_ref()).unwrap();
+            let pctx = ForwardContext {
+                target_hidden_stack: Some(row(s, 0)),
+                ..ctx.clone()
+            };
+            head.prefill_drafter(&tokens[s][..p], hidden, &mut *st, &pctx, 0)
+                .unwrap();
+            states.push(st);
+        }
+    }
+    let mut pos: Vec<usize> = prompt.to_vec();
+    // Where each sequence's rows start: its last propose (or its last prompt token).
+    let mut start: Vec<usize> = prompt.iter().map(|p| p - 1).collect();
+    let mut drafted = 0;
+    for step in 0..8 {
+        let n = [3, 1, 4, 2][step % 4];
+        let want: Vec<Vec<u32>> = (0..seqs)
+            .map(|s| {
+                head.propose(
+                    tokens[s][pos[s]],
+                    hidden,
+                    pos[s],
+                    n,
+                    &mut *single[s],
+                    &ctx,
+                    0,
+                    None,
+                    None,
+                    Some(row(s, start[s])),
+                )
+                .unwrap()
+            })
+            .collect();
+        let stacks: Vec<DevicePtr> = (0..seqs).map(|s| row(s, start[s])).collect();
+        let bctx = ForwardContext {
+            target_hidden_stacks: Some(&stacks),
+            ..ctx.clone()
+        };
+        let last: Vec<u32> = (0..seqs).map(|s| tokens[s][pos[s]]).collect();
+        let mut refs: Vec<&mut dyn ProposerState> = batched
+            .iter_mut()
+            .map(|b| -> &mut dyn ProposerState { &mut **b })
+            .collect();
+        let got = head
+            .propose_batch(&last, &[hidden; 3], &pos, n, &mut refs, &bctx, 0, None)
+            .unwrap()
+            .expect("Eagle3Head proposes in batches");
+        assert_eq!(got, want, "step {step}");
+        drafted += want.iter().map(Vec::len).sum::<usize>();
+        for s in 0..seqs {
+            // Sequences accept different counts, so their rows start at different points.
+            let a = (step + s) % (want[s].len() + 1);
+            head.after_verify(a, &mut *single[s], 0).unwrap();
+            head.after_verify(a, &mut *batched[s], 0).unwrap();
+            start[s] = pos[s];
+            pos[s] += a + 1;
+        }
+    }
+    assert!(drafted > 20, "only {drafted} drafts");
+
+    // Without the captured rows, or with one entry too few: refused, naming what is wrong.
+    let last: Vec<u32> = (0..seqs).map(|s| tokens[s][pos[s]]).collect();
+    let mut refs: Vec<&mut dyn ProposerState> = batched
+        .iter_mut()
+        .map(|b| -> &mut dyn ProposerState { &mut **b })
+        .collect();
+    let err = head
+        .propose_batch(&last, &[hidden; 3], &pos, 2, &mut refs, &ctx, 0, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("needs the target's captured layers"), "{err}");
+    let short = [row(0, start[0]), row(1, start[1])];
+    let bctx = ForwardContext {
+        target_hidden_stacks: Some(&short),
+        ..ctx.clone()
+    };
+    let err = head
+        .propose_batch(&last, &[hidden; 3], &pos, 2, &mut refs, &bctx, 0, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("2 captured row sets"), "{err}");
+
+    for st in single.iter_mut().chain(batched.iter_mut()) {
+        head.free_state(gpu.as_ref(), &mut **st).unwrap();
+    }
+    gpu.free(stack).unwrap();
+    gpu.free(hidden).unwrap();
+    assert_eq!(head.kv_blocks().0, head.kv_blocks().1, "blocks left taken");
+    drop((head, model));
+    assert_eq!(
+        gpu.ledger().live_count(),
+        0,
+        "{:?}",
+        gpu.ledger().live_report()
+    );
+}
+
+#[test]
+fn the_conformance_check_compares_its_batches() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = target(&gpu, "conformance");
+    let head = head(&model, "batch_conformance");
+    let options = CheckOptions {
+        label: "Eagle3Head".into(),
+        vocab_size: tiny().vocab,
+        hidden_size: tiny().hidden,
+        num_drafts: 4,
+        steps: 10,
+        ..CheckOptions::default()
+    };
+    let report = check_proposer_on(&*head, gpu.clone(), &options);
+    assert!(report.is_ok(), "{report}");
+    assert!(
+        report.checks_run.iter().any(|c| c == "propose_batch"),
+        "{:?}",
+        report.checks_run
+    );
+    assert_eq!(head.kv_blocks().0, head.kv_blocks().1, "blocks left taken");
+}
+
+#[test]
+fn batched_in_the_engine_greedy_output_stays_plain() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let model = target(&gpu, "engine");
+    let head = head(&model, "batch_engine");
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![1, 5, 17, 33, 4, 90, 12, 12, 7, 64, 5, 17, 33],
+        vec![3, 22, 45, 8, 8, 61, 70, 9, 95, 40],
+        vec![60, 2, 2, 19, 44],
+    ];
+    let requests = || -> Vec<GenerateRequest> {
+        prompts
+            .iter()
+            .map(|p| GenerateRequest::new(p.clone(), 24).ignore_eos())
+            .collect()
+    };
+    let tokens = |g: specdraft::engine::Generation| -> Vec<Vec<u32>> {
+        g.results
+            .into_iter()
+            .map(|r| {
+                assert!(r.error.is_none(), "{:?}", r.error);
+                r.tokens
+            })
+            .collect()
+    };
+    let plain = SpecEngine::new(model.clone(), None, 0).unwrap();
+    let base = tokens(plain.generate(requests()));
+    let engine = SpecEngine::new(
+        model.clone(),
+        Some(head.clone() as Arc<dyn DraftProposer>),
+        3,
+    )
+    .unwrap()
+    .with_draft_policy(DraftPolicyKind::Fixed)
+    .with_draft_shape(DraftShape::Chain);
+    let g = engine.generate(requests());
+    assert!(g.metrics.drafted > 0);
+    assert_eq!(tokens(g), base, "greedy output with batched drafts differs");
+    drop((engine, plain));
+    assert_eq!(head.kv_blocks().0, head.kv_blocks().1, "blocks left taken");
+    drop((head, model));
+    assert_eq!(
+        gpu.ledger().live_count(),
+        0,
+        "{:?}",
+        gpu.ledger().live_report()
+    );
+}
