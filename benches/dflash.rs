@@ -12,7 +12,13 @@
 //! alone, so `block_ms` (their difference) is the block forward. The goal: a block forward
 //! of at most 30% of a target step (`block_vs_target`, of medians; `min_block_vs_target`, of
 //! the least disturbed rounds); `propose_vs_target` is the whole drafting call a step with
-//! nothing accepted pays.
+//! nothing accepted pays. The head writes each context row at once here
+//! (`set_defer_zero_draft_rows(false)`), so `context_row_ms` is one row's context forward.
+//!
+//! A second figure is what deferring those rows saves while the policy declines: a run of
+//! [`DECLINED`] proposes of 0 drafts (each settled by `after_verify(0)`) and one block,
+//! timed with each row written at once (`declined_run_ms_at_once`) and deferred to one
+//! batched write before the block (`declined_run_ms_deferred`), in the same rounds.
 //!
 //! `cargo bench --bench dflash [-- PATH] [--quick]`; without a path it uses
 //! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
@@ -37,6 +43,8 @@ const GAMMA: usize = 8;
 const DRAFT_LAYERS: usize = 2;
 /// z-lab's default taps for two draft layers over SmolLM2's 30 layers.
 const TAPS: [usize; 2] = [1, 27];
+/// Declined steps before the block in the deferral figure: one deferred-row backlog.
+const DECLINED: usize = specdraft::speculative::dflash::DEFERRED_ROWS;
 
 /// Writes a random DFlash head of the target's shape in z-lab's layout; returns its folder.
 fn write_head(cfg: &specdraft::model::ModelConfig) -> PathBuf {
@@ -132,7 +140,7 @@ fn bench(
     let width = TAPS.len() * model.config().hidden_size;
     let mut rng = SmallRng::seed_from_u64(3);
     let context = 48;
-    let values: Vec<f32> = (0..context * width)
+    let values: Vec<f32> = (0..(context + DECLINED) * width)
         .map(|_| rng.random_range(-2.0..2.0))
         .collect();
     let stack = gpu.upload_bf16(&values, "bench stack").expect("stack");
@@ -143,9 +151,13 @@ fn bench(
         ModelLevers::default(),
     );
     ctx.target_hidden_stack = Some(stack);
-    let tokens: Vec<u32> = (0..context as u32).map(|i| 300 + 37 * i).collect();
+    let all_tokens: Vec<u32> = (0..(context + DECLINED + 1) as u32)
+        .map(|i| 300 + 37 * i)
+        .collect();
+    let tokens = &all_tokens[..context];
     let mut st = head.alloc_state_for(gpu.as_ref(), 512).expect("state");
-    head.prefill_drafter(&tokens, stack, &mut *st, &ctx, 0)
+    head.set_defer_zero_draft_rows(false);
+    head.prefill_drafter(tokens, stack, &mut *st, &ctx, 0)
         .expect("drafter prefill");
     let last_row = stack.offset((context - 1) * width * 2);
     let mut propose = |n: usize| {
@@ -166,7 +178,7 @@ fn bench(
     let drafts = propose(GAMMA - 1);
     // The target: the same context, then one-row decode steps rolled back after each.
     let mut seq = model.new_sequence();
-    model.forward(&mut [&mut seq], &[&tokens]).expect("prefill");
+    model.forward(&mut [&mut seq], &[tokens]).expect("prefill");
     let base_len = seq.len();
     let rounds = if quick { 7 } else { 31 };
     let (mut target, mut full, mut ctx_only) = (Vec::new(), Vec::new(), Vec::new());
@@ -184,6 +196,43 @@ fn bench(
             propose(0);
         }));
     }
+    // The declined run, from a fresh prefill each time, rows at once and deferred in turn.
+    let row = |q: usize| stack.offset(q * width * 2);
+    let declined_run = |defer: bool| {
+        head.set_defer_zero_draft_rows(defer);
+        let mut st = head.alloc_state_for(gpu.as_ref(), 512).expect("state");
+        head.prefill_drafter(tokens, stack, &mut *st, &ctx, 0)
+            .expect("drafter prefill");
+        let t = timed(|| {
+            for k in 0..=DECLINED {
+                let p = context + k;
+                let n = if k == DECLINED { GAMMA - 1 } else { 0 };
+                let r = row(p - 1);
+                head.propose(
+                    all_tokens[p],
+                    r,
+                    p,
+                    n,
+                    &mut *st,
+                    &ctx,
+                    0,
+                    None,
+                    None,
+                    Some(r),
+                )
+                .expect("propose");
+                head.after_verify(0, &mut *st, 0).expect("after_verify");
+            }
+        });
+        head.free_state(gpu.as_ref(), &mut *st).expect("free state");
+        t
+    };
+    let (mut at_once, mut deferred) = (Vec::new(), Vec::new());
+    for _ in 0..rounds.min(11) {
+        at_once.push(declined_run(false));
+        deferred.push(declined_run(true));
+    }
+    let (a, d) = (stats(&mut at_once), stats(&mut deferred));
     let blocks: Vec<f64> = full.iter().zip(&ctx_only).map(|(a, b)| a - b).collect();
     let (t, f, c, b) = (
         stats(&mut target),
@@ -205,6 +254,9 @@ fn bench(
             "min_target_step_ms": t.1 * 1e3, "min_propose_ms": f.1 * 1e3,
             "min_propose_vs_target": f.1 / t.1, "min_block_vs_target": (f.1 - c.1) / t.1,
             "goal_block_vs_target": GOAL, "meets_goal": b.0 / t.0 <= GOAL,
+            "declined_steps": DECLINED,
+            "declined_run_ms_at_once": a.0 * 1e3, "declined_run_ms_deferred": d.0 * 1e3,
+            "deferred_vs_at_once": d.0 / a.0,
             "weight_bytes_per_block": head.bytes_per_block(),
             "target_weight_bytes_per_token": model.weight_bytes_per_token(),
             "drafts": drafts,

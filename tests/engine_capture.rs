@@ -1,7 +1,8 @@
 //! Target layer capture through the engine, on the real target model (a tiny seeded Llama of
 //! three layers, CPU backend): a proposer that names `target_layer_ids` is given, at every
-//! `prefill_drafter` and `propose`, exactly the rows a teacher-forced forward of the same
-//! tokens captures (bit for bit: the CPU kernels give each row the same bits whatever else
+//! `prefill_drafter` and `propose` (and in each entry of a `propose_batch`'s
+//! `ctx.target_hidden_stacks`), exactly the rows a teacher-forced forward of the same tokens
+//! captures (bit for bit: the CPU kernels give each row the same bits whatever else
 //! is in the batch), across prefill chunks, verify rows and preemption recompute; `k = 1 +
 //! num_accepted` rows at each propose; greedy output is unchanged; a proposer that names no
 //! layer makes the engine capture, allocate and copy nothing for it; and `block_gamma` sets

@@ -90,6 +90,7 @@ fn each_step_drafts_with_the_first_confident_member_and_every_member_stays_in_st
     ];
     let hybrid: Arc<dyn DraftProposer> = Arc::new(Recorder {
         who: HYBRID,
+        batch: false,
         // `check_rules` models the fixed order.
         inner: Arc::new(
             Hybrid::new(members, None)
@@ -166,6 +167,7 @@ fn losing_drafts_are_credited_with_their_common_prefix_with_the_accepted_ones() 
     ];
     let hybrid: Arc<dyn DraftProposer> = Arc::new(Recorder {
         who: HYBRID,
+        batch: false,
         inner: Arc::new(
             Hybrid::new(members, None)
                 .unwrap()

@@ -55,6 +55,7 @@ fn wins(wrong_member: usize, choice: HybridChoice) -> [usize; 2] {
         .collect();
     let hybrid: Arc<dyn DraftProposer> = Arc::new(Recorder {
         who: HYBRID,
+        batch: false,
         inner: Arc::new(Hybrid::new(members, None).unwrap().with_choice(choice)),
         log: log.clone(),
     });

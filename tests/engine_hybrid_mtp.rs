@@ -5,7 +5,8 @@
 //! position at every propose, and each of its drafts is what a fresh head prefilled with the
 //! teacher-forced hiddens of the same tokens drafts (bit for bit on the CPU); and each member
 //! naming target layers is given exactly its own columns of the capture, for the rows since
-//! its own previous propose.
+//! its own previous propose, one sequence at a time or in a member's batch; and the hybrid's
+//! batches draft what its sequences draft one by one (the conformance check).
 
 mod hybrid_common;
 #[allow(unused_imports)] // the helpers re-export a GGUF writer this test does not use
@@ -18,6 +19,7 @@ use model_util::{temp_dir, write_hf, Tiny};
 use specdraft::backend::{DevicePtr, GpuBackend, GpuBackendExt};
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SpecEngine};
 use specdraft::model::{ForwardContext, LoadOptions, LogitRows, ModelLevers, TargetModel};
+use specdraft::speculative::conformance::{check_proposer_on, CheckOptions};
 use specdraft::speculative::{
     DraftProposer, Hybrid, HybridMember, MtpHead, MtpQuantization, PromptLookup, ProposerState,
 };
@@ -135,11 +137,15 @@ fn greedy_output_with_prompt_lookup_and_an_mtp_head_is_plain_output() {
     let model = load(&gpu, "greedy");
     let fulls = fulls(&model);
     let mtp = head(&model, "greedy", &ModelLevers::default());
-    for target_layers in [Some(LAYERS), None] {
+    for (target_layers, batch) in [(Some(LAYERS), false), (None, false), (Some(LAYERS), true)] {
         let log: Log = Arc::new(Mutex::new(Vec::new()));
+        let head_member = match batch {
+            true => Recorder::batching_member(1, "MtpHead", mtp.clone(), &log),
+            false => Recorder::member(1, "MtpHead", mtp.clone(), &log),
+        };
         let members = vec![
             Recorder::member(0, "PromptLookup", Arc::new(PromptLookup::default()), &log),
-            Recorder::member(1, "MtpHead", mtp.clone(), &log),
+            head_member,
         ];
         let hybrid = Arc::new(Hybrid::new(members, target_layers).unwrap());
         let engine = SpecEngine::new(model.clone(), Some(hybrid), 4)
@@ -175,6 +181,17 @@ fn greedy_output_with_prompt_lookup_and_an_mtp_head_is_plain_output() {
             drafted(0) > 0 && drafted(1) > 0,
             "both members draft ({target_layers:?})"
         );
+        // Batching, the head is asked for several sequences in one call.
+        let widest = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| match e {
+                Ev::Batch { who: 1, size } => Some(*size),
+                _ => None,
+            })
+            .max();
+        assert_eq!(widest.is_some_and(|w| w > 1), batch, "{widest:?}");
         assert_eq!(
             gpu.ledger().live_count(),
             before,
@@ -386,8 +403,12 @@ fn without_it_the_catch_up_leaves_no_gap_but_is_approximate() {
 
 /// Drafts by `plan` from the true continuation and checks the captured rows it is given
 /// against a teacher-forced capture of its layers: at prefill every prompt row, at each
-/// propose the rows of the tokens since its own previous propose.
+/// propose the rows of the tokens since its own previous propose. With `batch` it also
+/// proposes in batches (each sequence from its entry of `ctx.target_hidden_stacks`), and
+/// counts them in `batches`.
 struct StackSpy {
+    batch: bool,
+    batches: Mutex<Vec<usize>>,
     layers: Vec<usize>,
     fulls: Vec<Vec<u32>>,
     /// Per full sequence, the teacher-forced capture of `layers` at every position.
@@ -494,10 +515,52 @@ impl DraftProposer for StackSpy {
     fn after_verify(&self, _a: usize, _s: &mut dyn ProposerState, _st: u64) -> Result<()> {
         Ok(())
     }
+    fn propose_batch_max(
+        &self,
+        _b: &specdraft::memory::BufferArena,
+        _c: &specdraft::model::ModelConfig,
+    ) -> usize {
+        if self.batch {
+            4
+        } else {
+            1
+        }
+    }
+    fn propose_batch(
+        &self,
+        last: &[u32],
+        h: &[DevicePtr],
+        pos: &[usize],
+        n: usize,
+        s: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        st: u64,
+        _conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        if !self.batch {
+            return Ok(None);
+        }
+        let stacks = ctx.target_hidden_stacks.expect("each sequence's rows");
+        assert_eq!(stacks.len(), last.len());
+        self.batches.lock().unwrap().push(last.len());
+        let mut out = Vec::with_capacity(last.len());
+        for (i, x) in s.iter_mut().enumerate() {
+            let k = Some(stacks[i]);
+            out.push(self.propose(last[i], h[i], pos[i], n, &mut **x, ctx, st, None, None, k)?);
+        }
+        Ok(Some(out))
+    }
 }
 
 #[test]
 fn each_member_is_given_its_own_columns_for_the_rows_since_its_own_propose() {
+    for batch in [false, true] {
+        members_get_their_own_columns(batch);
+    }
+}
+
+/// The columns test, the members proposing one sequence at a time or (`batch`) in batches.
+fn members_get_their_own_columns(batch: bool) {
     let gpu: Arc<dyn GpuBackend> = Arc::new(specdraft::backend::CpuBackend::new());
     let model = load(&gpu, "columns");
     let fulls = fulls(&model);
@@ -511,6 +574,8 @@ fn each_member_is_given_its_own_columns_for_the_rows_since_its_own_propose() {
             })
             .collect();
         Arc::new(StackSpy {
+            batch,
+            batches: Mutex::new(Vec::new()),
             layers,
             fulls: fulls.clone(),
             captured,
@@ -560,6 +625,41 @@ fn each_member_is_given_its_own_columns_for_the_rows_since_its_own_propose() {
         assert!(
             ks.contains(&1) && ks.iter().any(|&k| k > 1),
             "member {name}: {ks:?}"
+        );
+        let batches = s.batches.lock().unwrap().clone();
+        assert_eq!(
+            batches.iter().any(|&b| b > 1),
+            batch,
+            "member {name}: {batches:?}"
+        );
+    }
+}
+
+#[test]
+fn the_conformance_check_finds_batched_drafts_equal_to_one_by_one_drafts() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(specdraft::backend::CpuBackend::new());
+    let model = load(&gpu, "conformance");
+    let mtp = head(&model, "conformance", &ModelLevers::default());
+    for target_layers in [Some(LAYERS), None] {
+        let members = vec![
+            HybridMember::new("PromptLookup", Arc::new(PromptLookup::default())),
+            HybridMember::new("MtpHead", mtp.clone()),
+        ];
+        let hybrid = Hybrid::new(members, target_layers).unwrap();
+        let options = CheckOptions {
+            label: "Hybrid".into(),
+            vocab_size: tiny().vocab,
+            hidden_size: tiny().hidden,
+            num_drafts: 3,
+            steps: 12,
+            ..CheckOptions::default()
+        };
+        let report = check_proposer_on(&hybrid, gpu.clone(), &options);
+        assert!(report.is_ok(), "{target_layers:?}: {report}");
+        assert!(
+            report.checks_run.iter().any(|c| c == "propose_batch"),
+            "{:?}",
+            report.checks_run
         );
     }
 }

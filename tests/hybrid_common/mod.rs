@@ -35,6 +35,11 @@ pub enum Ev {
         who: usize,
         history: Vec<u32>,
     },
+    /// A `propose_batch` of `size` sequences (each also logged as a `Propose`).
+    Batch {
+        who: usize,
+        size: usize,
+    },
 }
 
 impl Ev {
@@ -43,7 +48,8 @@ impl Ev {
             Ev::Prefill { who, .. }
             | Ev::Propose { who, .. }
             | Ev::After { who, .. }
-            | Ev::Free { who, .. } => *who,
+            | Ev::Free { who, .. }
+            | Ev::Batch { who, .. } => *who,
         }
     }
 }
@@ -52,11 +58,13 @@ pub type Log = Arc<Mutex<Vec<Ev>>>;
 
 /// Logs every call to `inner` and keeps the history of tokens `inner` was told, as a
 /// retrieval drafter keeps it: the prompt at prefill, each `last_token` at its position, the
-/// accepted drafts at `after_verify`.
+/// accepted drafts at `after_verify`. With `batch`, `inner`'s `propose_batch` is passed on
+/// (else the recorder proposes one sequence at a time).
 pub struct Recorder {
     pub who: usize,
     pub inner: Arc<dyn DraftProposer>,
     pub log: Log,
+    pub batch: bool,
 }
 
 pub struct RecState {
@@ -85,8 +93,41 @@ impl Recorder {
                 who,
                 inner,
                 log: log.clone(),
+                batch: false,
             }),
         )
+    }
+
+    /// [`Recorder::member`], passing `inner`'s `propose_batch` on.
+    pub fn batching_member(
+        who: usize,
+        name: &str,
+        inner: Arc<dyn DraftProposer>,
+        log: &Log,
+    ) -> HybridMember {
+        HybridMember::new(
+            name,
+            Arc::new(Recorder {
+                who,
+                inner,
+                log: log.clone(),
+                batch: true,
+            }),
+        )
+    }
+
+    /// What a propose at `pos` from `last` that returned `drafts` tells the history.
+    fn record(&self, r: &mut RecState, last: u32, pos: usize, n: usize, drafts: &[u32]) {
+        r.history.truncate(pos);
+        r.history.push(last);
+        r.pending = drafts.to_vec();
+        self.push(Ev::Propose {
+            who: self.who,
+            pos,
+            last,
+            asked: n,
+            drafts: drafts.to_vec(),
+        });
     }
 
     fn push(&self, e: Ev) {
@@ -127,17 +168,52 @@ impl DraftProposer for Recorder {
         let drafts = self
             .inner
             .propose(last, h, pos, n, r.inner.as_mut(), ctx, st, d, m, k)?;
-        r.history.truncate(pos);
-        r.history.push(last);
-        r.pending = drafts.clone();
-        self.push(Ev::Propose {
-            who: self.who,
-            pos,
-            last,
-            asked: n,
-            drafts: drafts.clone(),
-        });
+        self.record(r, last, pos, n, &drafts);
         Ok(drafts)
+    }
+    fn propose_batch(
+        &self,
+        last: &[u32],
+        h: &[DevicePtr],
+        pos: &[usize],
+        n: usize,
+        s: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        st: u64,
+        conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        if !self.batch {
+            return Ok(None);
+        }
+        let got = {
+            let mut inner: Vec<&mut dyn ProposerState> = Vec::with_capacity(s.len());
+            for x in s.iter_mut() {
+                let r: &mut RecState = rec(&mut **x);
+                inner.push(&mut *r.inner);
+            }
+            self.inner
+                .propose_batch(last, h, pos, n, &mut inner, ctx, st, conf)?
+        };
+        if let Some(drafts) = &got {
+            self.push(Ev::Batch {
+                who: self.who,
+                size: last.len(),
+            });
+            for (i, x) in s.iter_mut().enumerate() {
+                self.record(rec(&mut **x), last[i], pos[i], n, &drafts[i]);
+            }
+        }
+        Ok(got)
+    }
+    fn propose_batch_max(
+        &self,
+        buffers: &specdraft::memory::BufferArena,
+        config: &specdraft::model::ModelConfig,
+    ) -> usize {
+        match self.batch {
+            true => self.inner.propose_batch_max(buffers, config),
+            false => 1,
+        }
     }
     fn after_verify(&self, a: usize, s: &mut dyn ProposerState, st: u64) -> Result<()> {
         let r = rec(s);

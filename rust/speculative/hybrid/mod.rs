@@ -46,8 +46,9 @@
 //! `target_layers` is given and no member names it. Each member receives the columns of its
 //! own ids, in its own order, and only the rows of the tokens committed since its own
 //! previous propose (a member whose catch-up replayed tokens has had those rows already).
-//! Naming a layer makes the engine capture and propose one sequence at a time; a hybrid
-//! without layers proposes one sequence at a time too (`propose_batch` answers `None`).
+//! `propose_batch` runs the same round for several sequences, asking each member that
+//! batches once for every group of sequences that ask it the same count (`round`); its
+//! widest batch is its widest member's.
 //!
 //! The provided methods: `alloc_state_for`, `prefill_drafter` (a member whose
 //! `prefill_hidden_rows` is shorter than the prompt skips it, as the engine would skip its
@@ -57,7 +58,7 @@
 //! are true when any member's is; `read_deferred_draft_token` asks the latest winner.
 //! Unsupported, answering the protocol's defaults: carried drafter KV (`take_drafter_kv`
 //! gives `None`, so a new turn prefills every member afresh), `drafter_rows` / `last_pair_key`
-//! (0 and `None`: unknown), `propose_batch`, `catchup_drafter` and the circuit executor.
+//! (0 and `None`: unknown), `catchup_drafter` and the circuit executor.
 //!
 //! Invariants:
 //! - Every member gets `after_verify` exactly once for each `propose` it was given, before its
@@ -70,6 +71,7 @@
 
 mod odds;
 mod proposer;
+mod round;
 mod rows;
 mod state;
 

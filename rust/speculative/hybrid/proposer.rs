@@ -1,10 +1,12 @@
 //! `DraftProposer` for `Hybrid`: the catch-up, the drafting round and the verification
 //! bookkeeping of the module documentation, and the provided methods forwarded to members.
 
-use super::state::{HybridState, Scratch, Step};
-use super::{Hybrid, HybridChoice};
+use super::round::{LoneExtras, RoundSeq};
+use super::state::{HybridState, Scratch};
+use super::Hybrid;
 use crate::backend::{DevicePtr, GpuBackend};
-use crate::model::ForwardContext;
+use crate::memory::BufferArena;
+use crate::model::{ForwardContext, ModelConfig};
 use crate::speculative::{DraftProposer, ProposerError, ProposerState};
 use std::sync::atomic::Ordering;
 
@@ -50,7 +52,7 @@ impl Hybrid {
     /// Member `i`'s captured rows for a propose at `position`, given the hybrid's `stack` of
     /// the rows since the hybrid's previous propose: the rows since the member's own.
     #[allow(clippy::too_many_arguments)]
-    fn rows_for(
+    pub(super) fn rows_for(
         &self,
         i: usize,
         st: &mut HybridState,
@@ -86,8 +88,10 @@ impl Hybrid {
     /// Gives each member the committed tokens it missed: one propose of 0 drafts and one
     /// `after_verify(0)` per token, at its position, paired with its captured row (the
     /// target's final hidden when the hybrid captures the last layer, else `target_hidden`).
+    /// A replay that fails leaves the tokens not yet replayed missed, so a retry (the engine
+    /// proposes one by one after a failed batch) replays exactly those.
     #[allow(clippy::too_many_arguments)]
-    fn catch_up(
+    pub(super) fn catch_up(
         &self,
         st: &mut HybridState,
         target_hidden: DevicePtr,
@@ -96,57 +100,80 @@ impl Hybrid {
         stream: u64,
         stack: Option<DevicePtr>,
     ) -> crate::Result<()> {
+        for i in 0..self.members.len() {
+            let tokens = st.missed[i].clone();
+            let from = st.missed_from[i];
+            for (j, &token) in tokens.iter().enumerate() {
+                let replayed = self.replay(
+                    i,
+                    st,
+                    token,
+                    from + j,
+                    target_hidden,
+                    position,
+                    ctx,
+                    stream,
+                    stack,
+                );
+                if let Err(e) = replayed {
+                    st.missed[i].drain(..j);
+                    st.missed_from[i] = from + j;
+                    return Err(e);
+                }
+            }
+            st.missed[i].clear();
+        }
+        Ok(())
+    }
+
+    /// Replays the committed `token` at `q` to member `i` (see [`Self::catch_up`]).
+    #[allow(clippy::too_many_arguments)]
+    fn replay(
+        &self,
+        i: usize,
+        st: &mut HybridState,
+        token: u32,
+        q: usize,
+        target_hidden: DevicePtr,
+        position: usize,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        stack: Option<DevicePtr>,
+    ) -> crate::Result<()> {
+        if q >= position {
+            return Err(bad(
+                "propose",
+                format!(
+                    "position {position} is not past the committed token at {q} that member {i} ({}) has yet to see",
+                    self.members[i].name
+                ),
+            ));
+        }
         let gpu = ctx.gpu.as_ref();
         let hidden = ctx.config.hidden_size;
-        for i in 0..self.members.len() {
-            if st.missed[i].is_empty() {
-                continue;
+        // The row paired with the token at q, in the stack of rows since the last propose (q
+        // is after that propose's position, so the row is there).
+        let (h, rows) = match (stack, st.last_position) {
+            (Some(s), Some(last)) if q > last => {
+                let r = q - last - 1;
+                let h = self.final_hidden(s, r, hidden).unwrap_or(target_hidden);
+                let rows = self.member_rows(i, gpu, s, r, 1, hidden, &mut st.scratch[i], stream)?;
+                (h, rows)
             }
-            let tokens = std::mem::take(&mut st.missed[i]);
-            let from = st.missed_from[i];
-            let prop = self.members[i].proposer.as_ref();
-            for (j, &token) in tokens.iter().enumerate() {
-                let q = from + j;
-                if q >= position {
-                    return Err(bad(
-                        "propose",
-                        format!(
-                            "position {position} is not past the committed token at {q} that member {i} ({}) has yet to see",
-                            self.members[i].name
-                        ),
-                    ));
-                }
-                // The row paired with the token at q, in the stack of rows since the last
-                // propose (q is after that propose's position, so the row is there).
-                let (h, rows) = match (stack, st.last_position) {
-                    (Some(s), Some(last)) if q > last => {
-                        let r = q - last - 1;
-                        let h = self.final_hidden(s, r, hidden).unwrap_or(target_hidden);
-                        let rows =
-                            self.member_rows(i, gpu, s, r, 1, hidden, &mut st.scratch[i], stream)?;
-                        (h, rows)
-                    }
-                    _ => (target_hidden, None),
-                };
-                let state = &mut *st.members[i];
-                let drafts = prop
-                    .propose(token, h, q, 0, state, ctx, stream, None, None, rows)
-                    .map_err(|e| self.member_error("propose", i, e))?;
-                if !drafts.is_empty() {
-                    return Err(self.member_error(
-                        "propose",
-                        i,
-                        bad(
-                            "propose",
-                            format!("returned {} drafts, asked for 0", drafts.len()),
-                        ),
-                    ));
-                }
-                prop.after_verify(0, state, stream)
-                    .map_err(|e| self.member_error("after_verify", i, e))?;
-                st.seen[i] = Some(q);
-            }
+            _ => (target_hidden, None),
+        };
+        let prop = self.members[i].proposer.as_ref();
+        let state = &mut *st.members[i];
+        let drafts = prop
+            .propose(token, h, q, 0, state, ctx, stream, None, None, rows)
+            .map_err(|e| self.member_error("propose", i, e))?;
+        if !drafts.is_empty() {
+            let message = format!("returned {} drafts, asked for 0", drafts.len());
+            return Err(self.member_error("propose", i, bad("propose", message)));
         }
+        prop.after_verify(0, state, stream)
+            .map_err(|e| self.member_error("after_verify", i, e))?;
+        st.seen[i] = Some(q);
         Ok(())
     }
 }
@@ -190,73 +217,82 @@ impl DraftProposer for Hybrid {
         grammar_bitmask: Option<&[i32]>,
         target_hidden_stack: Option<DevicePtr>,
     ) -> crate::Result<Vec<u32>> {
-        let st = self.state(state, "propose")?;
-        if st.step.is_some() {
+        let mut seq = [RoundSeq {
+            st: self.state(state, "propose")?,
+            token: last_token,
+            hidden: target_hidden,
+            position,
+            stack: target_hidden_stack.filter(|_| !self.layers.is_empty()),
+        }];
+        let extras = LoneExtras {
+            draft_embed_target,
+            grammar_bitmask,
+        };
+        let mut out = self.draft_round("propose", &mut seq, num_drafts, ctx, stream, extras)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    fn propose_batch(
+        &self,
+        last_tokens: &[u32],
+        target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        num_drafts: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        _out_conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> crate::Result<Option<Vec<Vec<u32>>>> {
+        let n = last_tokens.len();
+        if target_hiddens.len() != n || positions.len() != n || states.len() != n {
             return Err(bad(
-                "propose",
-                "the previous propose was not followed by after_verify".into(),
+                "propose_batch",
+                format!(
+                    "{n} tokens, {} hiddens, {} positions and {} states: one of each per sequence",
+                    target_hiddens.len(),
+                    positions.len(),
+                    states.len()
+                ),
             ));
         }
-        let stack = target_hidden_stack.filter(|_| !self.layers.is_empty());
-        self.catch_up(st, target_hidden, position, ctx, stream, stack)?;
-        let gpu = ctx.gpu.as_ref();
-        let hidden = ctx.config.hidden_size;
-        let mut drafts = Vec::with_capacity(self.members.len());
-        let mut winner = None;
-        for i in 0..self.members.len() {
-            let ask = match winner {
-                None => self.ask(i, num_drafts),
-                Some(_) => 0,
-            };
-            let rows = self.rows_for(i, st, gpu, stack, position, hidden, stream)?;
-            let (embed, mask) = match ask {
-                0 => (None, None),
-                _ => (draft_embed_target, grammar_bitmask),
-            };
-            let d = self.members[i]
-                .proposer
-                .propose(
-                    last_token,
-                    target_hidden,
-                    position,
-                    ask,
-                    &mut *st.members[i],
-                    ctx,
-                    stream,
-                    embed,
-                    mask,
-                    rows,
-                )
-                .map_err(|e| self.member_error("propose", i, e))?;
-            st.seen[i] = Some(position);
-            if d.len() > ask {
-                return Err(self.member_error(
-                    "propose",
-                    i,
-                    bad(
-                        "propose",
-                        format!("returned {} drafts, asked for at most {ask}", d.len()),
-                    ),
-                ));
+        let stacks: Vec<Option<DevicePtr>> = match (self.layers.is_empty(), ctx.target_hidden_stacks) {
+            (true, _) => vec![None; n],
+            (false, Some(k)) if k.len() == n => k.iter().copied().map(Some).collect(),
+            (false, Some(k)) => {
+                return Err(bad(
+                    "propose_batch",
+                    format!("{} captured row sets for {n} sequences", k.len()),
+                ))
             }
-            if winner.is_none()
-                && ask > 0
-                && d.len() >= self.members[i].min_drafts
-                && (self.choice == HybridChoice::First || st.odds.wins(i, d.len()))
-            {
-                winner = Some(i);
+            (false, None) => {
+                return Err(bad(
+                    "propose_batch",
+                    "this hybrid captures target layers: ctx.target_hidden_stacks must hold each sequence's rows".into(),
+                ))
             }
-            drafts.push(d);
+        };
+        let mut seqs = Vec::with_capacity(n);
+        for (s, state) in states.iter_mut().enumerate() {
+            seqs.push(RoundSeq {
+                st: self.state(&mut **state, "propose_batch")?,
+                token: last_tokens[s],
+                hidden: target_hiddens[s],
+                position: positions[s],
+                stack: stacks[s],
+            });
         }
-        let out = winner.map(|w| drafts[w].clone()).unwrap_or_default();
-        self.last_winner
-            .store(winner.unwrap_or(usize::MAX), Ordering::Relaxed);
-        st.step = Some(Step {
-            position,
-            drafts,
-            winner,
-        });
-        Ok(out)
+        let extras = LoneExtras::default();
+        self.draft_round("propose_batch", &mut seqs, num_drafts, ctx, stream, extras)
+            .map(Some)
+    }
+
+    fn propose_batch_max(&self, buffers: &BufferArena, config: &ModelConfig) -> usize {
+        self.members
+            .iter()
+            .map(|m| m.proposer.propose_batch_max(buffers, config))
+            .max()
+            .unwrap_or(1)
+            .max(1)
     }
 
     fn after_verify(

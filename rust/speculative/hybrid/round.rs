@@ -1,0 +1,227 @@
+//! The hybrid's drafting round, for one sequence (`propose`) or several (`propose_batch`):
+//! each sequence's members catch up on the tokens they missed, then the members are asked in
+//! list order. A sequence asks a member for drafts until one wins it (see the module
+//! documentation) and for 0 after; each member's drafts, won or not, are kept for
+//! `after_verify`.
+//!
+//! Batching: the sequences that ask a member for the same count are asked in one
+//! `propose_batch` of that member when it batches (`propose_batch_max() > 1`), each with its
+//! own captured rows in `ctx.target_hidden_stacks`; a member that declines (`None`), or a
+//! lone sequence, is asked with `propose`, one sequence at a time. Either way every sequence
+//! sees the same calls in the same order as a `propose` of its own would make, so a batch
+//! drafts what its sequences would draft one by one.
+//!
+//! Invariants:
+//! - A member's drafts are never more than it was asked for; more fail the call, naming the
+//!   member.
+//! - Only a lone sequence carries a draft embedding or a grammar mask (as `propose_batch`
+//!   does not), and only to the members it asks for drafts.
+//! - Confidences are not reported: the members' are not comparable across members.
+
+use super::state::{HybridState, Step};
+use super::{Hybrid, HybridChoice};
+use crate::backend::DevicePtr;
+use crate::model::ForwardContext;
+use crate::speculative::{ProposerError, ProposerState};
+use std::sync::atomic::Ordering;
+
+/// One sequence of a round: its state and `propose`'s arguments.
+pub(super) struct RoundSeq<'s> {
+    pub st: &'s mut HybridState,
+    pub token: u32,
+    pub hidden: DevicePtr,
+    pub position: usize,
+    /// The hybrid's captured rows since its previous propose (`None` without layers).
+    pub stack: Option<DevicePtr>,
+}
+
+/// What only a lone sequence's `propose` carries.
+#[derive(Clone, Copy, Default)]
+pub(super) struct LoneExtras<'m> {
+    pub draft_embed_target: Option<DevicePtr>,
+    pub grammar_bitmask: Option<&'m [i32]>,
+}
+
+fn bad(method: &'static str, message: String) -> crate::Error {
+    ProposerError::InvalidArgument { method, message }.into()
+}
+
+impl Hybrid {
+    /// The round for `seqs` (see the module doc): the drafts each returns.
+    pub(super) fn draft_round(
+        &self,
+        method: &'static str,
+        seqs: &mut [RoundSeq<'_>],
+        num_drafts: usize,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        extras: LoneExtras<'_>,
+    ) -> crate::Result<Vec<Vec<u32>>> {
+        for q in seqs.iter_mut() {
+            if q.st.step.is_some() {
+                return Err(bad(
+                    method,
+                    "the previous propose was not followed by after_verify".into(),
+                ));
+            }
+            self.catch_up(q.st, q.hidden, q.position, ctx, stream, q.stack)?;
+        }
+        let n = seqs.len();
+        let gpu = ctx.gpu.as_ref();
+        let hidden = ctx.config.hidden_size;
+        let mut winners: Vec<Option<usize>> = vec![None; n];
+        let mut drafts: Vec<Vec<Vec<u32>>> = vec![Vec::with_capacity(self.members.len()); n];
+        for i in 0..self.members.len() {
+            let asks: Vec<usize> = winners
+                .iter()
+                .map(|w| w.map_or(self.ask(i, num_drafts), |_| 0))
+                .collect();
+            let mut rows = Vec::with_capacity(n);
+            for q in seqs.iter_mut() {
+                rows.push(self.rows_for(i, q.st, gpu, q.stack, q.position, hidden, stream)?);
+            }
+            let got = self.ask_member(i, seqs, &asks, &rows, ctx, stream, extras)?;
+            for (s, d) in got.into_iter().enumerate() {
+                let q = &mut seqs[s];
+                q.st.seen[i] = Some(q.position);
+                if d.len() > asks[s] {
+                    let message =
+                        format!("returned {} drafts, asked for at most {}", d.len(), asks[s]);
+                    return Err(self.member_error(method, i, bad(method, message)));
+                }
+                if winners[s].is_none()
+                    && asks[s] > 0
+                    && d.len() >= self.members[i].min_drafts
+                    && (self.choice == HybridChoice::First || q.st.odds.wins(i, d.len()))
+                {
+                    winners[s] = Some(i);
+                }
+                drafts[s].push(d);
+            }
+        }
+        let mut out = Vec::with_capacity(n);
+        for ((q, winner), drafts) in seqs.iter_mut().zip(winners).zip(drafts) {
+            out.push(winner.map(|w| drafts[w].clone()).unwrap_or_default());
+            self.last_winner
+                .store(winner.unwrap_or(usize::MAX), Ordering::Relaxed);
+            q.st.step = Some(Step {
+                position: q.position,
+                drafts,
+                winner,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Member `i`'s drafts for every sequence of `seqs`, `asks[s]` of sequence `s`, each
+    /// given its rows `rows[s]`: batched where the member batches, else one by one.
+    #[allow(clippy::too_many_arguments)]
+    fn ask_member(
+        &self,
+        i: usize,
+        seqs: &mut [RoundSeq<'_>],
+        asks: &[usize],
+        rows: &[Option<DevicePtr>],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        extras: LoneExtras<'_>,
+    ) -> crate::Result<Vec<Vec<u32>>> {
+        let prop = self.members[i].proposer.as_ref();
+        let n = seqs.len();
+        let mut got: Vec<Option<Vec<u32>>> = vec![None; n];
+        let batch_max = match n {
+            1 => 1,
+            _ => prop.propose_batch_max(&ctx.buffers, &ctx.config),
+        };
+        if batch_max > 1 {
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by_key(|&s| (asks[s], s));
+            for run in order.chunk_by(|&a, &b| asks[a] == asks[b]) {
+                for group in run.chunks(batch_max).filter(|g| g.len() > 1) {
+                    let batch =
+                        self.member_batch(i, seqs, group, asks[group[0]], rows, ctx, stream)?;
+                    if let Some(d) = batch.filter(|d| d.len() == group.len()) {
+                        for (&s, d) in group.iter().zip(d) {
+                            got[s] = Some(d);
+                        }
+                    }
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(n);
+        for (s, q) in seqs.iter_mut().enumerate() {
+            if let Some(d) = got[s].take() {
+                out.push(d);
+                continue;
+            }
+            let ask = asks[s];
+            let lone = if ask > 0 {
+                extras
+            } else {
+                LoneExtras::default()
+            };
+            let d = prop
+                .propose(
+                    q.token,
+                    q.hidden,
+                    q.position,
+                    ask,
+                    &mut *q.st.members[i],
+                    ctx,
+                    stream,
+                    lone.draft_embed_target,
+                    lone.grammar_bitmask,
+                    rows[s],
+                )
+                .map_err(|e| self.member_error("propose", i, e))?;
+            out.push(d);
+        }
+        Ok(out)
+    }
+
+    /// One `propose_batch` of member `i` for the sequences `group` of `seqs`, all asked
+    /// `ask`; `None` when the member declines.
+    #[allow(clippy::too_many_arguments)]
+    fn member_batch(
+        &self,
+        i: usize,
+        seqs: &mut [RoundSeq<'_>],
+        group: &[usize],
+        ask: usize,
+        rows: &[Option<DevicePtr>],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> crate::Result<Option<Vec<Vec<u32>>>> {
+        let tokens: Vec<u32> = group.iter().map(|&s| seqs[s].token).collect();
+        let hiddens: Vec<DevicePtr> = group.iter().map(|&s| seqs[s].hidden).collect();
+        let positions: Vec<usize> = group.iter().map(|&s| seqs[s].position).collect();
+        let stacks: Option<Vec<DevicePtr>> = group.iter().map(|&s| rows[s]).collect();
+        let ctx = &ForwardContext {
+            target_hidden_stacks: stacks.as_deref(),
+            ..ctx.clone()
+        };
+        let mut member = vec![false; seqs.len()];
+        for &s in group {
+            member[s] = true;
+        }
+        let mut states: Vec<&mut dyn ProposerState> = seqs
+            .iter_mut()
+            .enumerate()
+            .filter(|(s, _)| member[*s])
+            .map(|(_, q)| -> &mut dyn ProposerState { &mut *q.st.members[i] })
+            .collect();
+        self.members[i]
+            .proposer
+            .propose_batch(
+                &tokens,
+                &hiddens,
+                &positions,
+                ask,
+                &mut states,
+                ctx,
+                stream,
+                None,
+            )
+            .map_err(|e| self.member_error("propose_batch", i, e))
+    }
+}
