@@ -8,49 +8,21 @@ mod drafter_fixtures;
 #[allow(unused_imports)] // the helpers re-export a GGUF writer this test does not use
 mod model_util;
 
-use model_util::{write_hf, Rng, Tiny};
+use drafter_fixtures::{eagle3_beside, eagle3_target_shape as tiny};
+use model_util::{greedy_fixed, Rng};
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
-use specdraft::engine::{DraftPolicyKind, DraftShape, GenerateRequest, SpecEngine};
-use specdraft::model::{ForwardContext, LoadOptions, ModelLevers, TargetModel};
+use specdraft::model::ForwardContext;
 use specdraft::speculative::conformance::{check_proposer_on, CheckOptions};
-use specdraft::speculative::{DraftProposer, Eagle3Head, ProposerState};
+use specdraft::speculative::{DraftProposer, ProposerState};
 use std::sync::Arc;
 
+/// The layers the head fuses (EAGLE-3's ids: the hiddens entering them).
 const AUX: [usize; 3] = [1, 2, 3];
-
-fn tiny() -> Tiny {
-    Tiny {
-        layers: 4,
-        ..Tiny::default()
-    }
-}
-
-fn target(gpu: &Arc<dyn GpuBackend>, tag: &str) -> Arc<TargetModel> {
-    let t = tiny();
-    let dir = model_util::temp_dir(&format!("eagle3_batch_{tag}"));
-    write_hf(&dir, &t, &t.tensors(29));
-    let opts = LoadOptions {
-        max_rows: 64,
-        max_seq_len: Some(128),
-        kv_blocks: Some(96),
-    };
-    Arc::new(TargetModel::load(&dir, gpu.clone(), opts).unwrap())
-}
-
-fn head(model: &Arc<TargetModel>, tag: &str) -> Arc<Eagle3Head> {
-    // Every other target id, so draft ids map to other target ids.
-    let vocab: Vec<u32> = (0..tiny().vocab as u32 / 2).map(|i| 2 * i + 1).collect();
-    let dir = drafter_fixtures::write_eagle3(tag, &tiny(), &AUX, &vocab);
-    let levers = ModelLevers::default();
-    let head = Eagle3Head::from_checkpoint_for_target(&dir, model.clone(), 128, 64, &levers);
-    Arc::new(head.unwrap())
-}
 
 #[test]
 fn batched_drafts_are_the_per_sequence_drafts_from_each_sequences_rows() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let model = target(&gpu, "direct");
-    let head = head(&model, "batch_direct");
+    let (model, head) = eagle3_beside(&gpu, "batch_direct");
     let (seqs, len, width) = (3, 48, AUX.len() * tiny().hidden);
     // Each sequence's own tokens and captured rows (row `q` computed at position `q`).
     let mut rng = Rng::new(7);
@@ -176,8 +148,7 @@ fn batched_drafts_are_the_per_sequence_drafts_from_each_sequences_rows() {
 #[test]
 fn the_conformance_check_compares_its_batches() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let model = target(&gpu, "conformance");
-    let head = head(&model, "batch_conformance");
+    let (_model, head) = eagle3_beside(&gpu, "batch_conformance");
     let options = CheckOptions {
         label: "Eagle3Head".into(),
         vocab_size: tiny().vocab,
@@ -199,42 +170,17 @@ fn the_conformance_check_compares_its_batches() {
 #[test]
 fn batched_in_the_engine_greedy_output_stays_plain() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let model = target(&gpu, "engine");
-    let head = head(&model, "batch_engine");
+    let (model, head) = eagle3_beside(&gpu, "batch_engine");
     let prompts: Vec<Vec<u32>> = vec![
         vec![1, 5, 17, 33, 4, 90, 12, 12, 7, 64, 5, 17, 33],
         vec![3, 22, 45, 8, 8, 61, 70, 9, 95, 40],
         vec![60, 2, 2, 19, 44],
     ];
-    let requests = || -> Vec<GenerateRequest> {
-        prompts
-            .iter()
-            .map(|p| GenerateRequest::new(p.clone(), 24).ignore_eos())
-            .collect()
-    };
-    let tokens = |g: specdraft::engine::Generation| -> Vec<Vec<u32>> {
-        g.results
-            .into_iter()
-            .map(|r| {
-                assert!(r.error.is_none(), "{:?}", r.error);
-                r.tokens
-            })
-            .collect()
-    };
-    let plain = SpecEngine::new(model.clone(), None, 0).unwrap();
-    let base = tokens(plain.generate(requests()));
-    let engine = SpecEngine::new(
-        model.clone(),
-        Some(head.clone() as Arc<dyn DraftProposer>),
-        3,
-    )
-    .unwrap()
-    .with_draft_policy(DraftPolicyKind::Fixed)
-    .with_draft_shape(DraftShape::Chain);
-    let g = engine.generate(requests());
-    assert!(g.metrics.drafted > 0);
-    assert_eq!(tokens(g), base, "greedy output with batched drafts differs");
-    drop((engine, plain));
+    let (plain, _, _) = greedy_fixed(&model, None, 0, 4, &prompts);
+    let proposer = Some(head.clone() as Arc<dyn DraftProposer>);
+    let (got, drafted, _) = greedy_fixed(&model, proposer, 3, 4, &prompts);
+    assert!(drafted > 0);
+    assert_eq!(got, plain, "greedy output with batched drafts differs");
     assert_eq!(head.kv_blocks().0, head.kv_blocks().1, "blocks left taken");
     drop((head, model));
     assert_eq!(

@@ -8,53 +8,23 @@ mod drafter_fixtures;
 #[allow(unused_imports)] // the helpers re-export a GGUF writer this test does not use
 mod model_util;
 
-use model_util::{write_hf, Tiny};
+use drafter_fixtures::{eagle3_beside, eagle3_target_shape};
 use specdraft::backend::{CpuBackend, GpuBackend};
 use specdraft::engine::{DraftPolicyKind, DraftShape, GenerateRequest, SpecEngine};
-use specdraft::model::{LoadOptions, ModelLevers, TargetModel};
 use specdraft::speculative::conformance::{check_proposer_on, CheckOptions};
-use specdraft::speculative::{DraftProposer, Eagle3Head};
+use specdraft::speculative::DraftProposer;
 use std::sync::Arc;
-
-fn tiny() -> Tiny {
-    Tiny {
-        layers: 4,
-        ..Tiny::default()
-    }
-}
-
-fn target(gpu: &Arc<dyn GpuBackend>, tag: &str) -> Arc<TargetModel> {
-    let t = tiny();
-    let dir = model_util::temp_dir(&format!("eagle3_tree_{tag}"));
-    write_hf(&dir, &t, &t.tensors(23));
-    let opts = LoadOptions {
-        max_rows: 64,
-        max_seq_len: Some(128),
-        kv_blocks: Some(64),
-    };
-    Arc::new(TargetModel::load(&dir, gpu.clone(), opts).unwrap())
-}
-
-fn head(model: &Arc<TargetModel>, tag: &str) -> Arc<Eagle3Head> {
-    // Every other target id, so draft ids map to other target ids.
-    let vocab: Vec<u32> = (0..tiny().vocab as u32 / 2).map(|i| 2 * i + 1).collect();
-    let dir = drafter_fixtures::write_eagle3(tag, &tiny(), &[1, 2, 3], &vocab);
-    let levers = ModelLevers::default();
-    let head = Eagle3Head::from_checkpoint_for_target(&dir, model.clone(), 128, 64, &levers);
-    Arc::new(head.unwrap())
-}
 
 #[test]
 fn eagle3_trees_pass_the_conformance_check() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let model = target(&gpu, "conformance");
-    let head = head(&model, "tree_conformance");
+    let (_model, head) = eagle3_beside(&gpu, "tree_conformance");
     head.set_grow_trees(true);
     assert!(head.grows_trees());
     let options = CheckOptions {
         label: "Eagle3Head trees".into(),
-        vocab_size: tiny().vocab,
-        hidden_size: tiny().hidden,
+        vocab_size: eagle3_target_shape().vocab,
+        hidden_size: eagle3_target_shape().hidden,
         num_drafts: 6,
         steps: 10,
         ..CheckOptions::default()
@@ -74,8 +44,7 @@ fn eagle3_trees_pass_the_conformance_check() {
 #[test]
 fn eagle3_trees_in_the_engine_keep_greedy_output_and_free_everything() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let model = target(&gpu, "engine");
-    let head = head(&model, "tree_engine");
+    let (model, head) = eagle3_beside(&gpu, "tree_engine");
     head.set_grow_trees(true);
     let prompts: Vec<Vec<u32>> = vec![
         vec![1, 5, 17, 33, 4, 90, 12, 12, 7, 64, 5, 17, 33],

@@ -394,9 +394,8 @@ impl DraftProposer for StackSpy {
             return Ok(None);
         }
         self.log.lock().unwrap().batches.push(last.len());
-        let stacks: Vec<Option<DevicePtr>> = match ctx.target_hidden_stacks {
-            Some(s) if s.len() == last.len() => s.iter().copied().map(Some).collect(),
-            Some(s) => {
+        match ctx.target_hidden_stacks {
+            Some(s) if s.len() != last.len() => {
                 self.broke(format!("{} stacks for {} sequences", s.len(), last.len()));
                 return Ok(None);
             }
@@ -404,24 +403,12 @@ impl DraftProposer for StackSpy {
                 self.broke("propose_batch without stacks".into());
                 return Ok(None);
             }
-            None => vec![None; last.len()],
-        };
-        let mut drafts = Vec::with_capacity(last.len());
-        for (i, st) in states.iter_mut().enumerate() {
-            let d = self.propose(
-                last[i],
-                hiddens[i],
-                positions[i],
-                n,
-                &mut **st,
-                ctx,
-                stream,
-                None,
-                None,
-                stacks[i],
-            )?;
-            drafts.push(d);
+            _ => {}
         }
+        let stacks = ctx.target_hidden_stacks;
+        let drafts = propose_each(
+            self, last, hiddens, positions, n, states, ctx, stream, stacks,
+        )?;
         Ok(Some(drafts))
     }
 }

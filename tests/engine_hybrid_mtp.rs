@@ -15,7 +15,7 @@ mod mtp_common;
 
 use half::bf16;
 use hybrid_common::{Ev, Log, Recorder, Scripted};
-use model_util::{temp_dir, write_hf, Tiny};
+use model_util::{propose_each, temp_dir, write_hf, Tiny};
 use specdraft::backend::{DevicePtr, GpuBackend, GpuBackendExt};
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SpecEngine};
 use specdraft::model::{ForwardContext, LoadOptions, LogitRows, ModelLevers, TargetModel};
@@ -543,11 +543,7 @@ impl DraftProposer for StackSpy {
         let stacks = ctx.target_hidden_stacks.expect("each sequence's rows");
         assert_eq!(stacks.len(), last.len());
         self.batches.lock().unwrap().push(last.len());
-        let mut out = Vec::with_capacity(last.len());
-        for (i, x) in s.iter_mut().enumerate() {
-            let k = Some(stacks[i]);
-            out.push(self.propose(last[i], h[i], pos[i], n, &mut **x, ctx, st, None, None, k)?);
-        }
+        let out = propose_each(self, last, h, pos, n, s, ctx, st, Some(stacks))?;
         Ok(Some(out))
     }
 }

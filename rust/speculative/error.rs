@@ -62,3 +62,30 @@ pub enum ProposerError {
         message: String,
     },
 }
+
+impl ProposerError {
+    /// Checks that a batched call of `method` over `n` sequences (one token each) was given
+    /// one of each other argument per sequence: `parts` names each with its length.
+    pub(crate) fn check_batch(
+        method: &'static str,
+        n: usize,
+        parts: &[(&str, usize)],
+    ) -> Result<(), ProposerError> {
+        if parts.iter().all(|&(_, len)| len == n) {
+            return Ok(());
+        }
+        let listed: Vec<String> = parts
+            .iter()
+            .map(|(name, len)| format!("{len} {name}"))
+            .collect();
+        let listed = match listed.split_last() {
+            Some((last, [])) => last.clone(),
+            Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+            None => String::new(),
+        };
+        Err(ProposerError::InvalidArgument {
+            method,
+            message: format!("{n} tokens, {listed}: one of each per sequence"),
+        })
+    }
+}

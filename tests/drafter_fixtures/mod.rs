@@ -7,9 +7,46 @@
 //! vocabulary; layer ids inside the target).
 #![allow(dead_code)]
 
-use super::model_util::{temp_dir, Rng, Tiny};
+use super::model_util::{temp_dir, write_hf, Rng, Tiny};
 use half::bf16;
+use specdraft::backend::GpuBackend;
+use specdraft::model::{LoadOptions, ModelLevers, TargetModel};
+use specdraft::speculative::Eagle3Head;
 use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The target [`eagle3_beside`] loads its head beside: a tiny Llama of four layers.
+pub fn eagle3_target_shape() -> Tiny {
+    Tiny {
+        layers: 4,
+        ..Tiny::default()
+    }
+}
+
+/// A seeded [`eagle3_target_shape`] target (its files named by `tag`) and a random EAGLE-3
+/// head beside it, tapping the hiddens entering layers 1, 2 and 3, whose draft vocabulary is
+/// every other target id (so draft ids map to other target ids).
+pub fn eagle3_beside(gpu: &Arc<dyn GpuBackend>, tag: &str) -> (Arc<TargetModel>, Arc<Eagle3Head>) {
+    let t = eagle3_target_shape();
+    let dir = temp_dir(&format!("eagle3_target_{tag}"));
+    write_hf(&dir, &t, &t.tensors(23));
+    let opts = LoadOptions {
+        max_rows: 64,
+        max_seq_len: Some(128),
+        kv_blocks: Some(96),
+    };
+    let model = Arc::new(TargetModel::load(&dir, gpu.clone(), opts).unwrap());
+    let vocab: Vec<u32> = (0..t.vocab as u32 / 2).map(|i| 2 * i + 1).collect();
+    let ckpt = write_eagle3(tag, &t, &[1, 2, 3], &vocab);
+    let head = Eagle3Head::from_checkpoint_for_target(
+        &ckpt,
+        model.clone(),
+        128,
+        64,
+        &ModelLevers::default(),
+    );
+    (model, Arc::new(head.unwrap()))
+}
 
 /// One tensor: name, shape, and either values (stored as BF16) or little-endian i64 ids.
 enum Data {

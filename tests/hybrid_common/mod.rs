@@ -87,15 +87,7 @@ impl Recorder {
         inner: Arc<dyn DraftProposer>,
         log: &Log,
     ) -> HybridMember {
-        HybridMember::new(
-            name,
-            Arc::new(Recorder {
-                who,
-                inner,
-                log: log.clone(),
-                batch: false,
-            }),
-        )
+        Self::recording(who, name, inner, log, false)
     }
 
     /// [`Recorder::member`], passing `inner`'s `propose_batch` on.
@@ -105,13 +97,24 @@ impl Recorder {
         inner: Arc<dyn DraftProposer>,
         log: &Log,
     ) -> HybridMember {
+        Self::recording(who, name, inner, log, true)
+    }
+
+    fn recording(
+        who: usize,
+        name: &str,
+        inner: Arc<dyn DraftProposer>,
+        log: &Log,
+        batch: bool,
+    ) -> HybridMember {
+        let log = log.clone();
         HybridMember::new(
             name,
             Arc::new(Recorder {
                 who,
                 inner,
-                log: log.clone(),
-                batch: true,
+                log,
+                batch,
             }),
         )
     }

@@ -3,10 +3,14 @@
 
 #![allow(dead_code)]
 
+mod batch;
 mod gguf_writer;
 mod greedy;
 mod reference;
 mod schedule;
+// Used by the tests whose spies propose in batches only.
+#[allow(unused_imports)]
+pub use batch::propose_each;
 pub use gguf_writer::*;
 // Used by the engine comparisons of the MoE and latent attention tests only.
 #[allow(unused_imports)]

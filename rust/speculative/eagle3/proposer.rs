@@ -308,17 +308,15 @@ impl DraftProposer for Eagle3Head {
             .target_hidden_stacks
             .ok_or_else(|| needs_capture("propose_batch"))?;
         let n = last_tokens.len();
-        if stacks.len() != n || positions.len() != n || states.len() != n {
-            return Err(bad(
-                "propose_batch",
-                format!(
-                    "{n} tokens, {} captured row sets, {} positions and {} states: one of each per sequence",
-                    stacks.len(),
-                    positions.len(),
-                    states.len()
-                ),
-            ));
-        }
+        ProposerError::check_batch(
+            "propose_batch",
+            n,
+            &[
+                ("captured row sets", stacks.len()),
+                ("positions", positions.len()),
+                ("states", states.len()),
+            ],
+        )?;
         let mut rows = Vec::with_capacity(n);
         let mut inner: Vec<&mut dyn ProposerState> = Vec::with_capacity(n);
         for (i, s) in states.iter_mut().enumerate() {

@@ -244,17 +244,15 @@ impl DraftProposer for Hybrid {
         _out_conf: Option<&mut Vec<Vec<f32>>>,
     ) -> crate::Result<Option<Vec<Vec<u32>>>> {
         let n = last_tokens.len();
-        if target_hiddens.len() != n || positions.len() != n || states.len() != n {
-            return Err(bad(
-                "propose_batch",
-                format!(
-                    "{n} tokens, {} hiddens, {} positions and {} states: one of each per sequence",
-                    target_hiddens.len(),
-                    positions.len(),
-                    states.len()
-                ),
-            ));
-        }
+        ProposerError::check_batch(
+            "propose_batch",
+            n,
+            &[
+                ("hiddens", target_hiddens.len()),
+                ("positions", positions.len()),
+                ("states", states.len()),
+            ],
+        )?;
         let stacks: Vec<Option<DevicePtr>> = match (self.layers.is_empty(), ctx.target_hidden_stacks) {
             (true, _) => vec![None; n],
             (false, Some(k)) if k.len() == n => k.iter().copied().map(Some).collect(),

@@ -27,8 +27,8 @@ use super::state::MtpState;
 use crate::backend::{DevicePtr, EmbeddingArgs, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
-use crate::speculative::DraftTree;
 use crate::speculative::{DraftBinding, DraftProposer, DraftRunner, ProposerState};
+use crate::speculative::{DraftTree, ProposerError};
 use std::sync::Arc;
 
 impl DraftProposer for MtpHead {
@@ -316,17 +316,15 @@ impl DraftProposer for MtpHead {
         out_conf: Option<&mut Vec<Vec<f32>>>,
     ) -> crate::Result<Option<Vec<Vec<u32>>>> {
         let n = last_tokens.len();
-        if target_hiddens.len() != n || positions.len() != n || states.len() != n {
-            return Err(bad(
-                "propose_batch",
-                format!(
-                    "{n} tokens, {} hiddens, {} positions and {} states: one of each per sequence",
-                    target_hiddens.len(),
-                    positions.len(),
-                    states.len()
-                ),
-            ));
-        }
+        ProposerError::check_batch(
+            "propose_batch",
+            n,
+            &[
+                ("hiddens", target_hiddens.len()),
+                ("positions", positions.len()),
+                ("states", states.len()),
+            ],
+        )?;
         if n > MTP_MAX_BATCH {
             return Err(bad(
                 "propose_batch",
