@@ -1,5 +1,7 @@
 """`specdraft.Eagle3Head` from Python, against the numpy reference in `eagle3_reference.py`,
-on random checkpoints written in both EAGLE-3 layouts (speculators and the original)."""
+on random checkpoints written in both EAGLE-3 layouts (speculators and the original); a batch
+given each sequence's rows in `ForwardContext(target_hidden_stacks=...)` drafts what one by one
+drafts."""
 
 from __future__ import annotations
 
@@ -188,6 +190,66 @@ def test_drafts_and_logits_match_the_numpy_reference(tmp_path, gpu, fmt, normed_
         pos += k + 1
     print(f"{fmt}: worst logit difference {worst:.3f} of the tolerance")
     head.free_state(gpu, state)
+    gpu.free(stack_ptr)
+    gpu.free(final)
+    del head
+
+
+def test_a_batch_drafts_from_each_sequences_rows_what_one_by_one_drafts(tmp_path, gpu):
+    folder = write_checkpoint(tmp_path / "b", "speculators")
+    head = specdraft.Eagle3Head.from_checkpoint(folder, gpu, target_layers=TARGET_LAYERS)
+    assert head.propose_batch_max(specdraft.BufferArena(8), specdraft.ModelConfig.tiny(VOCAB)) > 1
+    rng = np.random.default_rng(5)
+    seqs, length = 3, 40
+    stack = ref.bf16(rng.uniform(-2, 2, (seqs * length, ROW)).astype(np.float32))
+    stack_ptr = gpu.upload(stack, dtype="bf16")
+    final = gpu.upload(np.zeros((seqs * length, H), np.float32), dtype="bf16")
+
+    def rows(s: int, q: int) -> specdraft.DevicePtr:
+        return stack_ptr.offset((s * length + q) * ROW * 2)
+
+    cfg = specdraft.ModelConfig.tiny(VOCAB)
+    tokens = [[int(x) for x in rng.integers(0, VOCAB, length)] for _ in range(seqs)]
+    single = [head.alloc_state(gpu) for _ in range(seqs)]
+    batched = [head.alloc_state(gpu) for _ in range(seqs)]
+    prompt = [6, 9, 4]
+    for s in range(seqs):
+        ctx = specdraft.ForwardContext(gpu, cfg, target_hidden_stack=rows(s, 0))
+        for states in (single, batched):
+            head.prefill_drafter(tokens[s][: prompt[s]], final, states[s], ctx)
+    pos, start = list(prompt), [p - 1 for p in prompt]
+    plain = specdraft.ForwardContext(gpu, cfg)
+    for n in (3, 2, 3):
+        want = [
+            head.propose(
+                tokens[s][pos[s]],
+                final,
+                pos[s],
+                n,
+                single[s],
+                plain,
+                target_hidden_stack=rows(s, start[s]),
+            )
+            for s in range(seqs)
+        ]
+        ctx = specdraft.ForwardContext(
+            gpu, cfg, target_hidden_stacks=[rows(s, start[s]) for s in range(seqs)]
+        )
+        got = head.propose_batch(
+            [tokens[s][pos[s]] for s in range(seqs)], [final] * seqs, pos, n, batched, ctx
+        )
+        assert [list(d) for d in got] == [list(d) for d in want]
+        for s in range(seqs):
+            k = s % (len(want[s]) + 1)
+            head.after_verify(k, single[s])
+            head.after_verify(k, batched[s])
+            start[s], pos[s] = pos[s], pos[s] + k + 1
+    with pytest.raises(specdraft.ProposerError, match="ctx.target_hidden_stacks"):
+        head.propose_batch(
+            [tokens[s][pos[s]] for s in range(seqs)], [final] * seqs, pos, 2, batched, plain
+        )
+    for state in single + batched:
+        head.free_state(gpu, state)
     gpu.free(stack_ptr)
     gpu.free(final)
     del head
