@@ -13,8 +13,9 @@
 //! Invariants:
 //! - Deferred rows are consecutive positions `first .. first + len`, all after every written
 //!   context row; `len <= DEFERRED_ROWS`.
-//! - A drafting propose writes every deferred row before its own; `keep_before`, `clear`
-//!   and `drop_rows` of the state discard deferred rows with written ones.
+//! - A drafting propose adds its own rows to the backlog and writes the whole of it in one
+//!   forward before its block; `keep_before`, `clear` and `drop_rows` of the state discard
+//!   deferred rows with written ones.
 //! - Where the written rows would not fit (the state's budget or the pool), the flush drops
 //!   the context as writing them at once would have; it never fails the call for it.
 
@@ -69,7 +70,7 @@ impl DFlashHead {
 
     /// Keeps `k` captured rows from `stack` (computed at `start ..`) for a later write. A
     /// backlog that would overflow is written first; a run too long to keep is written at
-    /// once.
+    /// once. False when such a run did not fit and the context was dropped.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn defer_context(
         &self,
@@ -80,10 +81,11 @@ impl DFlashHead {
         start: usize,
         k: usize,
         stream: u64,
-    ) -> crate::Result<()> {
+    ) -> crate::Result<bool> {
         let d = &st.deferred;
         let follows = d.len == 0 || d.first + d.len == start;
         if !follows || d.len + k > DEFERRED_ROWS {
+            // Where the backlog is dropped, the context restarts from these rows.
             self.flush_deferred(gpu, sc, st, stream)?;
         }
         if k > DEFERRED_ROWS {
@@ -104,27 +106,28 @@ impl DFlashHead {
             stream,
         )?;
         d.len += k;
-        Ok(())
+        Ok(true)
     }
 
-    /// Writes every deferred row of `st` in one context forward.
+    /// Writes every deferred row of `st` in one context forward. False when they did not fit
+    /// and the context was dropped.
     pub(crate) fn flush_deferred(
         &self,
         gpu: &dyn GpuBackend,
         sc: &Scratch,
         st: &mut DFlashState,
         stream: u64,
-    ) -> crate::Result<()> {
+    ) -> crate::Result<bool> {
         let (buf, first, n) = (st.deferred.buf, st.deferred.first, st.deferred.len);
         if n == 0 {
-            return Ok(());
+            return Ok(true);
         }
         st.deferred.len = 0;
         self.write_context(gpu, sc, st, buf, first, n, stream)
     }
 
     /// Writes `n` context rows from `rows` (computed at `first ..`) after the state's rows,
-    /// or drops the whole context where they do not fit.
+    /// or drops the whole context where they do not fit (false).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn write_context(
         &self,
@@ -135,11 +138,13 @@ impl DFlashHead {
         first: usize,
         n: usize,
         stream: u64,
-    ) -> crate::Result<()> {
+    ) -> crate::Result<bool> {
         if st.reserve(gpu, &self.pool, st.rows() + n, stream)? {
-            self.append_context(gpu, sc, st, rows, first, n, stream)
+            self.append_context(gpu, sc, st, rows, first, n, stream)?;
+            Ok(true)
         } else {
-            st.drop_rows(&self.pool)
+            st.drop_rows(&self.pool)?;
+            Ok(false)
         }
     }
 }

@@ -9,8 +9,8 @@
 //! tokens, the verified propose's position after `after_verify`, and `p - 1` for a state
 //! never given rows). Proposing again from the same point before `after_verify` (the same
 //! stack) rewrites the rows from `p - k` on, so it returns the same drafts. A propose of 0
-//! drafts keeps its rows aside and the next drafting propose writes them first (`deferred`),
-//! which drafts what writing them at once would.
+//! drafts keeps its rows aside and the next drafting propose writes them with its own in one
+//! forward (`deferred`), which drafts what writing them at once would.
 //!
 //! `prefill_drafter` writes the context rows of positions `0 .. P - 2` from
 //! `ctx.target_hidden_stack` (`[P, taps * hidden]`, row `i` computed at `i`); the first
@@ -102,12 +102,12 @@ impl DFlashHead {
             }
             Vec::new()
         } else {
-            self.flush_deferred(gpu, &sc, st, stream)?;
-            if st.reserve(gpu, &self.pool, st.rows() + k + self.block_size, stream)? {
-                self.append_context(gpu, &sc, st, stack, start, k, stream)?;
+            // This propose's rows join the backlog, so one context forward writes them all.
+            let written = self.defer_context(gpu, &sc, st, stack, start, k, stream)?
+                && self.flush_deferred(gpu, &sc, st, stream)?;
+            if written && st.reserve(gpu, &self.pool, st.rows() + self.block_size, stream)? {
                 self.block_forward(gpu, &sc, st, last_token, position, num_drafts, mask, stream)?
             } else {
-                self.write_context(gpu, &sc, st, stack, start, k, stream)?;
                 Vec::new()
             }
         };

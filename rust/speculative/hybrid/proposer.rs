@@ -10,7 +10,7 @@ use crate::model::{ForwardContext, ModelConfig};
 use crate::speculative::{DraftProposer, ProposerError, ProposerState};
 use std::sync::atomic::Ordering;
 
-fn bad(method: &'static str, message: String) -> crate::Error {
+pub(super) fn bad(method: &'static str, message: String) -> crate::Error {
     ProposerError::InvalidArgument { method, message }.into()
 }
 

@@ -18,11 +18,12 @@
 //!   does not), and only to the members it asks for drafts.
 //! - Confidences are not reported: the members' are not comparable across members.
 
+use super::proposer::bad;
 use super::state::{HybridState, Step};
 use super::{Hybrid, HybridChoice};
 use crate::backend::DevicePtr;
 use crate::model::ForwardContext;
-use crate::speculative::{ProposerError, ProposerState};
+use crate::speculative::ProposerState;
 use std::sync::atomic::Ordering;
 
 /// One sequence of a round: its state and `propose`'s arguments.
@@ -40,10 +41,6 @@ pub(super) struct RoundSeq<'s> {
 pub(super) struct LoneExtras<'m> {
     pub draft_embed_target: Option<DevicePtr>,
     pub grammar_bitmask: Option<&'m [i32]>,
-}
-
-fn bad(method: &'static str, message: String) -> crate::Error {
-    ProposerError::InvalidArgument { method, message }.into()
 }
 
 impl Hybrid {
