@@ -244,31 +244,23 @@ impl DraftProposer for Hybrid {
         _out_conf: Option<&mut Vec<Vec<f32>>>,
     ) -> crate::Result<Option<Vec<Vec<u32>>>> {
         let n = last_tokens.len();
+        let stacks = ctx.target_hidden_stacks.filter(|_| !self.layers.is_empty());
+        if stacks.is_none() && !self.layers.is_empty() {
+            return Err(bad(
+                "propose_batch",
+                "this hybrid captures target layers: ctx.target_hidden_stacks must hold each sequence's rows".into(),
+            ));
+        }
         ProposerError::check_batch(
             "propose_batch",
             n,
             &[
                 ("hiddens", target_hiddens.len()),
+                ("captured row sets", stacks.map_or(n, <[DevicePtr]>::len)),
                 ("positions", positions.len()),
                 ("states", states.len()),
             ],
         )?;
-        let stacks: Vec<Option<DevicePtr>> = match (self.layers.is_empty(), ctx.target_hidden_stacks) {
-            (true, _) => vec![None; n],
-            (false, Some(k)) if k.len() == n => k.iter().copied().map(Some).collect(),
-            (false, Some(k)) => {
-                return Err(bad(
-                    "propose_batch",
-                    format!("{} captured row sets for {n} sequences", k.len()),
-                ))
-            }
-            (false, None) => {
-                return Err(bad(
-                    "propose_batch",
-                    "this hybrid captures target layers: ctx.target_hidden_stacks must hold each sequence's rows".into(),
-                ))
-            }
-        };
         let mut seqs = Vec::with_capacity(n);
         for (s, state) in states.iter_mut().enumerate() {
             seqs.push(RoundSeq {
@@ -276,7 +268,7 @@ impl DraftProposer for Hybrid {
                 token: last_tokens[s],
                 hidden: target_hiddens[s],
                 position: positions[s],
-                stack: stacks[s],
+                stack: stacks.map(|k| k[s]),
             });
         }
         let extras = LoneExtras::default();
