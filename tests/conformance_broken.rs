@@ -21,6 +21,15 @@ enum Flaw {
     Errors,
     Panics,
     TakeNotFresh,
+    /// `out_conf` one list short of the sequences.
+    ConfShort,
+    /// A non-empty `out_conf` list one short of its drafts.
+    ConfWrongLength,
+    /// A confidence above 1.
+    ConfOutOfRange,
+    /// Not a flaw: an empty `out_conf` list for the first sequence (nothing reported on it),
+    /// one a draft for the others.
+    ConfNoneForOne,
 }
 
 struct Broken {
@@ -139,9 +148,9 @@ impl DraftProposer for Broken {
         states: &mut [&mut dyn ProposerState],
         ctx: &ForwardContext<'_>,
         stream: u64,
-        _conf: Option<&mut Vec<Vec<f32>>>,
+        conf: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
-        let mut out = Vec::new();
+        let mut out: Vec<Vec<u32>> = Vec::new();
         for i in 0..last.len() {
             let mut d = self.propose(
                 last[i],
@@ -160,7 +169,45 @@ impl DraftProposer for Broken {
             }
             out.push(d);
         }
+        let per_draft = |v: f32| out.iter().map(|d| vec![v; d.len()]).collect::<Vec<_>>();
+        let reported = match self.flaw {
+            Flaw::ConfShort => {
+                let mut c = per_draft(0.5);
+                c.pop();
+                Some(c)
+            }
+            Flaw::ConfWrongLength => Some(
+                out.iter()
+                    .map(|d| vec![0.5; d.len().saturating_sub(1)])
+                    .collect(),
+            ),
+            Flaw::ConfOutOfRange => Some(per_draft(1.5)),
+            Flaw::ConfNoneForOne => {
+                let mut c = per_draft(0.5);
+                c[0].clear();
+                Some(c)
+            }
+            _ => None,
+        };
+        if let (Some(out), Some(c)) = (conf, reported) {
+            *out = c;
+        }
         Ok(Some(out))
+    }
+
+    fn propose_batch_max(
+        &self,
+        _buffers: &specdraft::memory::BufferArena,
+        _config: &specdraft::model::ModelConfig,
+    ) -> usize {
+        // The confidence flaws need batches of several sequences to show.
+        match self.flaw {
+            Flaw::ConfShort
+            | Flaw::ConfWrongLength
+            | Flaw::ConfOutOfRange
+            | Flaw::ConfNoneForOne => 4,
+            _ => 1,
+        }
     }
 
     fn take_drafter_kv(
@@ -262,4 +309,29 @@ fn bad_options_are_reported() {
         },
     );
     assert_reported(&report, "options", "multiple of 16");
+}
+
+#[test]
+fn confidences_not_one_a_draft_or_out_of_range() {
+    for flaw in [Flaw::ConfShort, Flaw::ConfWrongLength, Flaw::ConfOutOfRange] {
+        assert_reported(
+            &check(flaw),
+            "propose_batch: out_conf",
+            "one probability in [0, 1] per draft or an empty list",
+        );
+    }
+}
+
+#[test]
+fn an_empty_confidence_list_reports_nothing_on_its_sequence() {
+    let report = check(Flaw::ConfNoneForOne);
+    assert!(
+        report.checks_run.iter().any(|c| c == "propose_batch"),
+        "{report}"
+    );
+    let conf = report
+        .violations
+        .iter()
+        .find(|v| v.check.contains("out_conf"));
+    assert!(conf.is_none(), "{report}");
 }

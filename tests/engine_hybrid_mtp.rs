@@ -187,7 +187,7 @@ fn greedy_output_with_prompt_lookup_and_an_mtp_head_is_plain_output() {
             .unwrap()
             .iter()
             .filter_map(|e| match e {
-                Ev::Batch { who: 1, size } => Some(*size),
+                Ev::Batch { who: 1, size, .. } => Some(*size),
                 _ => None,
             })
             .max();

@@ -507,7 +507,8 @@ class DraftProposer:
     ) -> list[list[int]] | None:
         """Drafts for several sequences at once; None when unsupported.
 
-        When `out_conf` is a list it is filled with one list of confidences per sequence.
+        When `out_conf` is a list it is filled with one list per sequence: the
+        probability of each of its drafts, or an empty list where none is reported.
         A Python subclass that overrides `propose` but not `propose_batch` is proposed
         per sequence, so its `propose` is never bypassed.
         """

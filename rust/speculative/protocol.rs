@@ -482,6 +482,10 @@ pub trait DraftProposer: Send + Sync {
 
     /// Proposes `num_drafts` tokens for each of `last_tokens.len()` sequences at once.
     /// `Ok(None)` when unsupported, and the caller proposes per sequence.
+    ///
+    /// `out_conf`, when given, may be filled with one list per sequence: the probability
+    /// the proposer puts on each of that sequence's drafts, one a draft, or an empty list
+    /// for a sequence it reports nothing on. Left empty, nothing is reported.
     fn propose_batch(
         &self,
         _last_tokens: &[u32],

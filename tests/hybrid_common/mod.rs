@@ -35,10 +35,13 @@ pub enum Ev {
         who: usize,
         history: Vec<u32>,
     },
-    /// A `propose_batch` of `size` sequences (each also logged as a `Propose`).
+    /// A `propose_batch` of `size` sequences (each also logged as a `Propose`), at
+    /// `positions`, with the confidences it reported (`out_conf`, asked of it always).
     Batch {
         who: usize,
         size: usize,
+        positions: Vec<usize>,
+        confs: Vec<Vec<f32>>,
     },
 }
 
@@ -58,8 +61,9 @@ pub type Log = Arc<Mutex<Vec<Ev>>>;
 
 /// Logs every call to `inner` and keeps the history of tokens `inner` was told, as a
 /// retrieval drafter keeps it: the prompt at prefill, each `last_token` at its position, the
-/// accepted drafts at `after_verify`. With `batch`, `inner`'s `propose_batch` is passed on
-/// (else the recorder proposes one sequence at a time).
+/// accepted drafts at `after_verify`. With `batch`, `inner`'s `propose_batch` is passed on,
+/// always asked for its confidences, which are logged (else the recorder proposes one
+/// sequence at a time).
 pub struct Recorder {
     pub who: usize,
     pub inner: Arc<dyn DraftProposer>,
@@ -188,6 +192,7 @@ impl DraftProposer for Recorder {
         if !self.batch {
             return Ok(None);
         }
+        let mut confs = Vec::new();
         let got = {
             let mut inner: Vec<&mut dyn ProposerState> = Vec::with_capacity(s.len());
             for x in s.iter_mut() {
@@ -195,13 +200,18 @@ impl DraftProposer for Recorder {
                 inner.push(&mut *r.inner);
             }
             self.inner
-                .propose_batch(last, h, pos, n, &mut inner, ctx, st, conf)?
+                .propose_batch(last, h, pos, n, &mut inner, ctx, st, Some(&mut confs))?
         };
         if let Some(drafts) = &got {
             self.push(Ev::Batch {
                 who: self.who,
                 size: last.len(),
+                positions: pos.to_vec(),
+                confs: confs.clone(),
             });
+            if let Some(out) = conf {
+                *out = confs;
+            }
             for (i, x) in s.iter_mut().enumerate() {
                 self.record(rec(&mut **x), last[i], pos[i], n, &drafts[i]);
             }

@@ -110,6 +110,38 @@ def test_a_python_member_passes_the_check_and_keeps_its_history() -> None:
     assert hybrid.min_drafts == [1, 2] and seen.histories
 
 
+def test_a_batch_reports_the_confidences_of_each_sequences_winner(
+    gpu: specdraft.CpuBackend, ctx: specdraft.ForwardContext
+) -> None:
+    # The Python member drafts nothing, so prompt lookup wins wherever it matches; the
+    # hybrid then reports exactly what prompt lookup reports, and nothing where no one drafts.
+    hybrid = specdraft.Hybrid([Seen(), specdraft.PromptLookup()])
+    lookup = specdraft.PromptLookup()
+    histories = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 9, 8], [7, 6, 5, 4]]
+    answers = []
+    for proposer in (hybrid, lookup):
+        states = [proposer.alloc_state(gpu) for _ in histories]
+        for h, st in zip(histories, states, strict=True):
+            proposer.prefill_drafter(h[:-1], specdraft.DevicePtr.NULL, st, ctx)
+        conf: list[list[float]] = []
+        drafts = proposer.propose_batch(
+            [h[-1] for h in histories],
+            [specdraft.DevicePtr.NULL] * len(histories),
+            [len(h) - 1 for h in histories],
+            3,
+            states,
+            ctx,
+            out_conf=conf,
+        )
+        answers.append((drafts, conf))
+        for st in states:
+            proposer.after_verify(0, st, 0)
+            proposer.free_state(gpu, st)
+    (h_drafts, h_conf), (l_drafts, l_conf) = answers
+    assert h_drafts == l_drafts and h_drafts[0] and h_drafts[1] and not h_drafts[2]
+    assert h_conf == l_conf and all(h_conf[:2]) and h_conf[2] == []
+
+
 def _head_beside(tmp_path: Path, model) -> specdraft.MtpHead:  # noqa: ANN001
     # The checkpoint's vocabulary must be the target's.
     mp = pytest.MonkeyPatch()

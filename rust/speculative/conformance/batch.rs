@@ -94,16 +94,17 @@ pub(super) fn batch_step(
             }
             continue;
         }
+        // A sequence's list is empty (nothing reported) or holds one probability a draft.
+        let bad_list = |(c, d): (&Vec<f32>, &Vec<u32>)| {
+            (!c.is_empty() && c.len() != d.len()) || c.iter().any(|x| !(0.0..=1.0).contains(x))
+        };
         if !conf.is_empty()
-            && conf
-                .iter()
-                .zip(&drafts)
-                .any(|(c, d)| c.len() != d.len() || c.iter().any(|x| !(0.0..=1.0).contains(x)))
+            && (conf.len() != drafts.len() || conf.iter().zip(&drafts).any(bad_list))
         {
             checker.report.violate(
                 "propose_batch: out_conf",
-                "out_conf does not hold one probability in [0, 1] per draft",
-                "fill out_conf[i][k] with the probability of drafts[i][k]",
+                "out_conf does not hold, for each sequence, one probability in [0, 1] per draft or an empty list",
+                "fill out_conf[i][k] with the probability of drafts[i][k], or leave out_conf[i] empty",
             );
         }
         for (&i, d) in group.iter().zip(&drafts) {

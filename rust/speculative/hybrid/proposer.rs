@@ -225,11 +225,12 @@ impl DraftProposer for Hybrid {
             stack: target_hidden_stack.filter(|_| !self.layers.is_empty()),
         }];
         let extras = LoneExtras {
+            lone: true,
             draft_embed_target,
             grammar_bitmask,
         };
         let mut out = self.draft_round("propose", &mut seq, num_drafts, ctx, stream, extras)?;
-        Ok(out.pop().unwrap_or_default())
+        Ok(out.pop().map(|r| r.drafts).unwrap_or_default())
     }
 
     fn propose_batch(
@@ -241,7 +242,7 @@ impl DraftProposer for Hybrid {
         states: &mut [&mut dyn ProposerState],
         ctx: &ForwardContext<'_>,
         stream: u64,
-        _out_conf: Option<&mut Vec<Vec<f32>>>,
+        out_conf: Option<&mut Vec<Vec<f32>>>,
     ) -> crate::Result<Option<Vec<Vec<u32>>>> {
         let n = last_tokens.len();
         let stacks = ctx.target_hidden_stacks.filter(|_| !self.layers.is_empty());
@@ -272,8 +273,16 @@ impl DraftProposer for Hybrid {
             });
         }
         let extras = LoneExtras::default();
-        self.draft_round("propose_batch", &mut seqs, num_drafts, ctx, stream, extras)
-            .map(Some)
+        let round =
+            self.draft_round("propose_batch", &mut seqs, num_drafts, ctx, stream, extras)?;
+        let (drafts, confs): (Vec<Vec<u32>>, Vec<Vec<f32>>) = round
+            .into_iter()
+            .map(|r| (r.drafts, r.confs.unwrap_or_default()))
+            .unzip();
+        if let Some(out) = out_conf {
+            *out = confs;
+        }
+        Ok(Some(drafts))
     }
 
     fn propose_batch_max(&self, buffers: &BufferArena, config: &ModelConfig) -> usize {

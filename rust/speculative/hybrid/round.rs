@@ -16,7 +16,12 @@
 //!   member.
 //! - Only a lone sequence carries a draft embedding or a grammar mask (as `propose_batch`
 //!   does not), and only to the members it asks for drafts.
-//! - Confidences are not reported: the members' are not comparable across members.
+//! - A batch reports, for each sequence, the confidences its winning member reported with
+//!   its drafts, one a draft, and an empty list where the winner reported none (it was asked
+//!   with `propose`, or its `propose_batch` gave none or not one a draft): the engine
+//!   calibrates what it is told against what is accepted, so a member's figures are never
+//!   made up. A lone sequence of a batch is asked through its members' `propose_batch`
+//!   where they batch, so it too gets its winner's confidences.
 
 use super::proposer::bad;
 use super::state::{HybridState, Step};
@@ -36,15 +41,29 @@ pub(super) struct RoundSeq<'s> {
     pub stack: Option<DevicePtr>,
 }
 
+/// What a round returns for each sequence: its winner's drafts, and the confidence the
+/// winner reported in each of them (`None` where it reported none).
+pub(super) struct RoundDrafts {
+    pub drafts: Vec<u32>,
+    pub confs: Option<Vec<f32>>,
+}
+
+/// One member's answer for one sequence: its drafts and, where it reported them, its
+/// confidence in each.
+type Answer = (Vec<u32>, Option<Vec<f32>>);
+
 /// What only a lone sequence's `propose` carries.
 #[derive(Clone, Copy, Default)]
 pub(super) struct LoneExtras<'m> {
+    /// Whether the round is a lone `propose` (a batch carries no extras).
+    pub lone: bool,
     pub draft_embed_target: Option<DevicePtr>,
     pub grammar_bitmask: Option<&'m [i32]>,
 }
 
 impl Hybrid {
-    /// The round for `seqs` (see the module doc): the drafts each returns.
+    /// The round for `seqs` (see the module doc): the drafts each returns, with their
+    /// confidences.
     pub(super) fn draft_round(
         &self,
         method: &'static str,
@@ -53,7 +72,7 @@ impl Hybrid {
         ctx: &ForwardContext<'_>,
         stream: u64,
         extras: LoneExtras<'_>,
-    ) -> crate::Result<Vec<Vec<u32>>> {
+    ) -> crate::Result<Vec<RoundDrafts>> {
         for q in seqs.iter_mut() {
             if q.st.step.is_some() {
                 return Err(bad(
@@ -68,6 +87,7 @@ impl Hybrid {
         let hidden = ctx.config.hidden_size;
         let mut winners: Vec<Option<usize>> = vec![None; n];
         let mut drafts: Vec<Vec<Vec<u32>>> = vec![Vec::with_capacity(self.members.len()); n];
+        let mut confs: Vec<Vec<Option<Vec<f32>>>> = vec![Vec::with_capacity(self.members.len()); n];
         for i in 0..self.members.len() {
             let asks: Vec<usize> = winners
                 .iter()
@@ -78,7 +98,7 @@ impl Hybrid {
                 rows.push(self.rows_for(i, q.st, gpu, q.stack, q.position, hidden, stream)?);
             }
             let got = self.ask_member(i, seqs, &asks, &rows, ctx, stream, extras)?;
-            for (s, d) in got.into_iter().enumerate() {
+            for (s, (d, c)) in got.into_iter().enumerate() {
                 let q = &mut seqs[s];
                 q.st.seen[i] = Some(q.position);
                 if d.len() > asks[s] {
@@ -94,11 +114,22 @@ impl Hybrid {
                     winners[s] = Some(i);
                 }
                 drafts[s].push(d);
+                confs[s].push(c);
             }
         }
         let mut out = Vec::with_capacity(n);
-        for ((q, winner), drafts) in seqs.iter_mut().zip(winners).zip(drafts) {
-            out.push(winner.map(|w| drafts[w].clone()).unwrap_or_default());
+        let rounds = seqs.iter_mut().zip(winners).zip(drafts).zip(confs);
+        for (((q, winner), drafts), mut confs) in rounds {
+            out.push(match winner {
+                Some(w) => RoundDrafts {
+                    drafts: drafts[w].clone(),
+                    confs: confs[w].take(),
+                },
+                None => RoundDrafts {
+                    drafts: Vec::new(),
+                    confs: None,
+                },
+            });
             self.last_winner
                 .store(winner.unwrap_or(usize::MAX), Ordering::Relaxed);
             q.st.step = Some(Step {
@@ -111,7 +142,8 @@ impl Hybrid {
     }
 
     /// Member `i`'s drafts for every sequence of `seqs`, `asks[s]` of sequence `s`, each
-    /// given its rows `rows[s]`: batched where the member batches, else one by one.
+    /// given its rows `rows[s]`: batched where the member batches (a group of one too when
+    /// the round is a batch, for its confidences), else one by one.
     #[allow(clippy::too_many_arguments)]
     fn ask_member(
         &self,
@@ -122,33 +154,33 @@ impl Hybrid {
         ctx: &ForwardContext<'_>,
         stream: u64,
         extras: LoneExtras<'_>,
-    ) -> crate::Result<Vec<Vec<u32>>> {
+    ) -> crate::Result<Vec<Answer>> {
         let prop = self.members[i].proposer.as_ref();
         let n = seqs.len();
-        let mut got: Vec<Option<Vec<u32>>> = vec![None; n];
-        let batch_max = match n {
-            1 => 1,
-            _ => prop.propose_batch_max(&ctx.buffers, &ctx.config),
+        let mut got: Vec<Option<Answer>> = vec![None; n];
+        // A lone `propose` carries extras a batch cannot; a batch's lone sequence has none.
+        let batch_max = if extras.lone {
+            1
+        } else {
+            prop.propose_batch_max(&ctx.buffers, &ctx.config)
         };
         if batch_max > 1 {
             let mut order: Vec<usize> = (0..n).collect();
             order.sort_by_key(|&s| (asks[s], s));
             for run in order.chunk_by(|&a, &b| asks[a] == asks[b]) {
-                for group in run.chunks(batch_max).filter(|g| g.len() > 1) {
+                for group in run.chunks(batch_max) {
                     let batch =
                         self.member_batch(i, seqs, group, asks[group[0]], rows, ctx, stream)?;
-                    if let Some(d) = batch.filter(|d| d.len() == group.len()) {
-                        for (&s, d) in group.iter().zip(d) {
-                            got[s] = Some(d);
-                        }
+                    for (&s, answer) in group.iter().zip(batch.into_iter().flatten()) {
+                        got[s] = Some(answer);
                     }
                 }
             }
         }
         let mut out = Vec::with_capacity(n);
         for (s, q) in seqs.iter_mut().enumerate() {
-            if let Some(d) = got[s].take() {
-                out.push(d);
+            if let Some(answer) = got[s].take() {
+                out.push(answer);
                 continue;
             }
             let ask = asks[s];
@@ -171,13 +203,14 @@ impl Hybrid {
                     rows[s],
                 )
                 .map_err(|e| self.member_error("propose", i, e))?;
-            out.push(d);
+            out.push((d, None));
         }
         Ok(out)
     }
 
     /// One `propose_batch` of member `i` for the sequences `group` of `seqs`, all asked
-    /// `ask`; `None` when the member declines.
+    /// `ask`, with the confidences it reported for each (kept only where they hold one a
+    /// draft); `None` when the member declines or answers for another count of sequences.
     #[allow(clippy::too_many_arguments)]
     fn member_batch(
         &self,
@@ -188,7 +221,7 @@ impl Hybrid {
         rows: &[Option<DevicePtr>],
         ctx: &ForwardContext<'_>,
         stream: u64,
-    ) -> crate::Result<Option<Vec<Vec<u32>>>> {
+    ) -> crate::Result<Option<Vec<Answer>>> {
         let tokens: Vec<u32> = group.iter().map(|&s| seqs[s].token).collect();
         let hiddens: Vec<DevicePtr> = group.iter().map(|&s| seqs[s].hidden).collect();
         let positions: Vec<usize> = group.iter().map(|&s| seqs[s].position).collect();
@@ -207,7 +240,8 @@ impl Hybrid {
             .filter(|(s, _)| member[*s])
             .map(|(_, q)| -> &mut dyn ProposerState { &mut *q.st.members[i] })
             .collect();
-        self.members[i]
+        let mut confs = Vec::new();
+        let drafts = self.members[i]
             .proposer
             .propose_batch(
                 &tokens,
@@ -217,8 +251,20 @@ impl Hybrid {
                 &mut states,
                 ctx,
                 stream,
-                None,
+                Some(&mut confs),
             )
-            .map_err(|e| self.member_error("propose_batch", i, e))
+            .map_err(|e| self.member_error("propose_batch", i, e))?;
+        let Some(drafts) = drafts.filter(|d| d.len() == group.len()) else {
+            return Ok(None);
+        };
+        let mut confs = confs.into_iter();
+        let answers = drafts
+            .into_iter()
+            .map(|d| {
+                let c = confs.next().filter(|c| c.len() == d.len() && !d.is_empty());
+                (d, c)
+            })
+            .collect();
+        Ok(Some(answers))
     }
 }
