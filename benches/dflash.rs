@@ -20,6 +20,10 @@
 //! timed with each row written at once (`declined_run_ms_at_once`) and deferred to one
 //! batched write before the block (`declined_run_ms_deferred`), in the same rounds.
 //!
+//! A third is what batching saves: `propose_batch_max` sequences at the same point each
+//! proposing γ - 1 drafts, one by one (`batch_proposes_ms_one_by_one`) and in one
+//! `propose_batch` (`batch_propose_ms`), in the same rounds.
+//!
 //! `cargo bench --bench dflash [-- PATH] [--quick]`; without a path it uses
 //! `$SPECDRAFT_SMOLLM2_GGUF` or fetches the default model through `specdraft.models`.
 
@@ -233,6 +237,62 @@ fn bench(
         deferred.push(declined_run(true));
     }
     let (a, d) = (stats(&mut at_once), stats(&mut deferred));
+    // A batch of blocks, one forward, against the same sequences proposing one by one.
+    head.set_defer_zero_draft_rows(true);
+    let width_n = head.propose_batch_max(model.buffers(), model.config());
+    let mut states: Vec<_> = (0..width_n)
+        .map(|_| {
+            let mut st = head.alloc_state_for(gpu.as_ref(), 512).expect("state");
+            head.prefill_drafter(tokens, stack, &mut *st, &ctx, 0)
+                .expect("drafter prefill");
+            st
+        })
+        .collect();
+    let (mut one_by_one, mut batched) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        one_by_one.push(timed(|| {
+            for st in states.iter_mut() {
+                head.propose(
+                    tokens[context - 1],
+                    last_row,
+                    context,
+                    GAMMA - 1,
+                    &mut **st,
+                    &ctx,
+                    0,
+                    None,
+                    None,
+                    Some(last_row),
+                )
+                .expect("propose");
+            }
+        }));
+        let stacks = vec![last_row; width_n];
+        let bctx = ForwardContext {
+            target_hidden_stacks: Some(&stacks),
+            ..ctx.clone()
+        };
+        let mut refs: Vec<&mut dyn specdraft::speculative::ProposerState> =
+            states.iter_mut().map(|s| &mut **s as _).collect();
+        batched.push(timed(|| {
+            head.propose_batch(
+                &vec![tokens[context - 1]; width_n],
+                &vec![last_row; width_n],
+                &vec![context; width_n],
+                GAMMA - 1,
+                &mut refs,
+                &bctx,
+                0,
+                None,
+            )
+            .expect("propose_batch");
+        }));
+    }
+    for st in states.iter_mut() {
+        head.free_state(gpu.as_ref(), &mut **st)
+            .expect("free state");
+    }
+    let (o, bt) = (stats(&mut one_by_one), stats(&mut batched));
     let blocks: Vec<f64> = full.iter().zip(&ctx_only).map(|(a, b)| a - b).collect();
     let (t, f, c, b) = (
         stats(&mut target),
@@ -257,6 +317,9 @@ fn bench(
             "declined_steps": DECLINED,
             "declined_run_ms_at_once": a.0 * 1e3, "declined_run_ms_deferred": d.0 * 1e3,
             "deferred_vs_at_once": d.0 / a.0,
+            "batch_sequences": width_n,
+            "batch_proposes_ms_one_by_one": o.0 * 1e3, "batch_propose_ms": bt.0 * 1e3,
+            "batch_vs_one_by_one": bt.0 / o.0,
             "weight_bytes_per_block": head.bytes_per_block(),
             "target_weight_bytes_per_token": model.weight_bytes_per_token(),
             "drafts": drafts,

@@ -20,13 +20,21 @@
 use super::head::DFlashHead;
 use super::state::{DFlashState, DFLASH_BLOCK_ROWS};
 use crate::backend::{ArgmaxArgs, DevicePtr, Dtype, EmbeddingArgs, GpuBackend, GpuBackendExt};
-use crate::backend::{RmsNormArgs, RopeStyle};
+use crate::backend::{RmsNormArgs, RopeStyle, SoftmaxArgs};
 use crate::memory::{ArenaSlot, BufferArena, SlotSpec};
 use crate::model::layers::{
     decoder_layer, decoder_layer_with_input, layer_slots, LayerCache, LayerDepth, LayerIo,
     LayerScratch, ScratchShape,
 };
 use crate::model::{DenseWeight, ModelConfig};
+
+/// One sequence's block in [`DFlashHead::blocks_forward`]: its state (context rows and
+/// block table) and the token and position it drafts from.
+pub(crate) struct BlockSeq<'s> {
+    pub state: &'s DFlashState,
+    pub last_token: u32,
+    pub position: usize,
+}
 
 /// The head's forward scratch: the decoder layer's buffers and its own around them.
 pub(crate) struct Scratch {
@@ -37,14 +45,19 @@ pub(crate) struct Scratch {
     pub slots: DevicePtr,
     pub row_seq: DevicePtr,
     pub row_ctx_len: DevicePtr,
+    /// u32 `[rows, max_blocks_per_seq]`: block `s`'s sequence's block table at row `s`.
+    pub block_tables: DevicePtr,
     /// BF16 `[rows, hidden]`: the fused, normed context rows.
     pub ctx: DevicePtr,
     /// BF16 `[rows, hidden]`: the block's residual stream.
     pub residual: DevicePtr,
     /// BF16 `[rows, hidden]`: `norm` of the block rows that draft.
     pub final_normed: DevicePtr,
-    /// f32 `[rows, draft_vocab]`: the logits of the latest block's drafting rows.
+    /// f32 `[rows, draft_vocab]`: the logits of the latest blocks' drafting rows, block
+    /// after block.
     pub logits: DevicePtr,
+    /// f32 `[rows, draft_vocab]`: their softmax, where confidences were asked for.
+    pub probs: DevicePtr,
     pub picks: DevicePtr,
     /// i32 `[rows, ceil(draft_vocab / 32)]`: the grammar mask, one copy per drafting row.
     pub grammar_mask: DevicePtr,
@@ -59,6 +72,7 @@ impl Scratch {
         mlp_width: usize,
         draft_vocab: usize,
         rows: usize,
+        max_blocks_per_seq: usize,
     ) -> crate::Result<(Scratch, Vec<ArenaSlot>)> {
         let h = config.hidden_size;
         let mut slots = layer_slots(&ScratchShape {
@@ -82,10 +96,12 @@ impl Scratch {
             slot("slots", U32, 1),
             slot("row_seq", U32, 1),
             slot("row_ctx_len", U32, 1),
+            slot("block_tables", U32, max_blocks_per_seq),
             slot("ctx", Bf16, h),
             slot("residual", Bf16, h),
             slot("final_normed", Bf16, h),
             slot("logits", F32, draft_vocab),
+            slot("probs", F32, draft_vocab),
             slot("picks", U32, 1),
             slot("grammar_mask", I32, draft_vocab.div_ceil(32)),
         ]);
@@ -100,10 +116,12 @@ impl Scratch {
                 slots: at("slots")?,
                 row_seq: at("row_seq")?,
                 row_ctx_len: at("row_ctx_len")?,
+                block_tables: at("block_tables")?,
                 ctx: at("ctx")?,
                 residual: at("residual")?,
                 final_normed: at("final_normed")?,
                 logits: at("logits")?,
+                probs: at("probs")?,
                 picks: at("picks")?,
                 grammar_mask: at("grammar_mask")?,
             })
@@ -151,18 +169,19 @@ impl DFlashHead {
         }
     }
 
-    /// The per-row metadata of a forward of `rows` rows (at most `sc.rows`).
-    fn io(&self, sc: &Scratch, st: &DFlashState, rows: usize, stream: u64) -> LayerIo {
+    /// The per-row metadata of a forward of `rows` rows (at most `sc.rows`), reading the
+    /// scratch's block tables (context rows write by slot and read no table).
+    fn io(&self, sc: &Scratch, rows: usize, stream: u64) -> LayerIo {
         LayerIo {
             hidden: sc.residual,
             positions: sc.positions,
             slots: sc.slots,
             row_seq: sc.row_seq,
             row_ctx_len: sc.row_ctx_len,
-            block_table: st.table(),
+            block_table: sc.block_tables,
             inv_freq: self.inv_freq,
             rows,
-            max_blocks_per_seq: st.capacity_blocks(),
+            max_blocks_per_seq: self.max_blocks_per_seq(),
             rope_style: RopeStyle::Half,
             stream,
         }
@@ -197,7 +216,7 @@ impl DFlashHead {
                 .fc
                 .forward(gpu, sc.ctx, Dtype::Bf16, x, None, r, stream)?;
             self.rms_norm(gpu, sc.ctx, sc.ctx, &self.weights.hidden_norm, r, stream)?;
-            let io = self.io(sc, st, r, stream);
+            let io = self.io(sc, r, stream);
             for (l, w) in self.weights.layers.iter().enumerate() {
                 decoder_layer_with_input(
                     gpu,
@@ -216,49 +235,76 @@ impl DFlashHead {
         Ok(())
     }
 
-    /// Runs the block of `last_token` at `position` after the state's context rows and
-    /// returns up to `num_drafts` (at most γ - 1) drafts, the greedy pick of rows `1 ..`.
-    /// With `mask` (over the target's vocabulary, at least `ceil(draft_vocab / 32)` words)
-    /// only allowed ids are picked, and the drafts end before the first row that allows
-    /// none. The state must have room reserved for the block's rows.
+    /// Runs one block for each of `blocks` in one forward (at most `sc.rows / γ` of them),
+    /// each after its state's context rows, and returns each sequence's drafts: up to
+    /// `num_drafts` (at most γ - 1), the greedy pick of its rows `1 ..`, with the draft
+    /// probability of each pick where `want_conf` (else empty lists). With `mask` (over the
+    /// target's vocabulary, at least `ceil(draft_vocab / 32)` words) only allowed ids are
+    /// picked, and a sequence's drafts end before the first row that allows none. Every
+    /// state must have room reserved for its block's rows.
+    ///
+    /// A row's result depends only on its own sequence's rows and context (the kernels
+    /// compute each row alike whatever the batch), so a sequence drafts the same alone as in
+    /// a batch.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn block_forward(
+    pub(crate) fn blocks_forward(
         &self,
         gpu: &dyn GpuBackend,
         sc: &Scratch,
-        st: &DFlashState,
-        last_token: u32,
-        position: usize,
+        blocks: &[BlockSeq<'_>],
         num_drafts: usize,
         mask: Option<&[i32]>,
+        want_conf: bool,
         stream: u64,
-    ) -> crate::Result<Vec<u32>> {
-        let g = self.block_size;
+    ) -> crate::Result<Vec<(Vec<u32>, Vec<f32>)>> {
+        let (g, n) = (self.block_size, blocks.len());
         let nd = num_drafts.min(g - 1);
-        if nd == 0 {
-            return Ok(Vec::new());
+        if nd == 0 || n == 0 {
+            return Ok(vec![(Vec::new(), Vec::new()); n]);
         }
-        let (c, h) = (st.rows(), self.config.hidden_size);
-        let mut tokens = vec![self.mask_token_id; g];
-        tokens[0] = last_token;
-        let pos: Vec<u32> = (0..g).map(|i| (position + i) as u32).collect();
-        let slots: Vec<u32> = (0..g).map(|i| st.slot(c + i)).collect();
+        if n * g > sc.rows {
+            return Err(crate::speculative::ProposerError::InvalidArgument {
+                method: "propose_batch",
+                message: format!("{n} blocks of {g} rows; one forward takes {} rows", sc.rows),
+            }
+            .into());
+        }
+        let (h, mbps) = (self.config.hidden_size, self.max_blocks_per_seq());
+        let (mut tokens, mut pos, mut slots, mut row_seq, mut ctx_len) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        for (s, b) in blocks.iter().enumerate() {
+            let c = b.state.rows();
+            tokens.push(b.last_token);
+            tokens.extend(std::iter::repeat_n(self.mask_token_id, g - 1));
+            pos.extend((0..g).map(|i| (b.position + i) as u32));
+            slots.extend((0..g).map(|i| b.state.slot(c + i)));
+            row_seq.extend(std::iter::repeat_n(s as u32, g));
+            // Every block row sees the whole context and the whole block: non-causal.
+            ctx_len.extend(std::iter::repeat_n((c + g) as u32, g));
+            let table_bytes = b.state.capacity_blocks().min(mbps) * 4;
+            gpu.copy_dtod(
+                sc.block_tables.offset(s * mbps * 4),
+                b.state.table(),
+                table_bytes,
+                stream,
+            )?;
+        }
+        let rows = n * g;
         gpu.write(sc.token_ids, &tokens, stream)?;
         gpu.write(sc.positions, &pos, stream)?;
         gpu.write(sc.slots, &slots, stream)?;
-        gpu.write(sc.row_seq, &vec![0u32; g], stream)?;
-        // Every block row sees the whole context and the whole block: non-causal.
-        gpu.write(sc.row_ctx_len, &vec![(c + g) as u32; g], stream)?;
+        gpu.write(sc.row_seq, &row_seq, stream)?;
+        gpu.write(sc.row_ctx_len, &ctx_len, stream)?;
         gpu.embedding(EmbeddingArgs {
             out: sc.residual,
             table: self.embed.descriptor(),
             ids: sc.token_ids,
-            rows: g,
+            rows,
             hidden: h,
             vocab: self.config.vocab_size,
             stream,
         })?;
-        let io = self.io(sc, st, g, stream);
+        let io = self.io(sc, rows, stream);
         for (l, w) in self.weights.layers.iter().enumerate() {
             decoder_layer(
                 gpu,
@@ -270,41 +316,73 @@ impl DFlashHead {
                 LayerDepth::Full,
             )?;
         }
+        // Each block's drafting rows (`1 ..= nd`), normed side by side for one LM head pass.
         let row_bytes = h * Dtype::Bf16.size();
-        let drafting = sc.residual.offset(row_bytes);
-        self.rms_norm(
-            gpu,
-            sc.final_normed,
-            drafting,
-            &self.weights.norm,
-            nd,
-            stream,
-        )?;
+        for s in 0..n {
+            self.rms_norm(
+                gpu,
+                sc.final_normed.offset(s * nd * row_bytes),
+                sc.residual.offset((s * g + 1) * row_bytes),
+                &self.weights.norm,
+                nd,
+                stream,
+            )?;
+        }
+        let picked = n * nd;
         self.lm_head.forward(
             gpu,
             sc.logits,
             Dtype::F32,
             sc.final_normed,
             None,
-            nd,
+            picked,
             stream,
         )?;
         let vd = self.draft_vocab;
         if let Some(m) = mask {
             let words = vd.div_ceil(32);
-            let rows: Vec<i32> = (0..nd).flat_map(|_| m[..words].iter().copied()).collect();
+            let rows: Vec<i32> = (0..picked)
+                .flat_map(|_| m[..words].iter().copied())
+                .collect();
             gpu.write(sc.grammar_mask, &rows, stream)?;
         }
         gpu.argmax(ArgmaxArgs {
             out: sc.picks,
             logits: sc.logits,
             bitmask: mask.map(|_| sc.grammar_mask),
-            rows: nd,
+            rows: picked,
             vocab: vd,
             stream,
         })?;
-        let picks: Vec<u32> = gpu.download(sc.picks, nd)?;
-        // A row that allows no token ends the drafts (u32::MAX from the argmax).
-        Ok(picks.into_iter().take_while(|&t| t != u32::MAX).collect())
+        let picks: Vec<u32> = gpu.download(sc.picks, picked)?;
+        if want_conf {
+            gpu.softmax(SoftmaxArgs {
+                out: sc.probs,
+                logits: sc.logits,
+                rows: picked,
+                vocab: vd,
+                temperature: 1.0,
+                stream,
+            })?;
+        }
+        let mut out = Vec::with_capacity(n);
+        for row_picks in picks.chunks(nd) {
+            // A row that allows no token ends the drafts (u32::MAX from the argmax).
+            let drafts: Vec<u32> = row_picks
+                .iter()
+                .copied()
+                .take_while(|&t| t != u32::MAX)
+                .collect();
+            let mut conf = Vec::new();
+            if want_conf {
+                let first = out.len() * nd;
+                for (j, &t) in drafts.iter().enumerate() {
+                    let at = sc.probs.offset(((first + j) * vd + t as usize) * 4);
+                    conf.push(gpu.download::<f32>(at, 1)?[0]);
+                }
+            }
+            out.push((drafts, conf));
+        }
+        Ok(out)
     }
 }

@@ -36,6 +36,11 @@ const POOL_SEQUENCES: usize = 32;
 /// Context rows one forward of the context takes at most (longer prefills are chunked).
 pub(crate) const CONTEXT_CHUNK_ROWS: usize = 32;
 
+/// Sequences whose blocks one forward runs at most (`propose_batch_max`): a batch of four
+/// reads the draft layers and the LM head once where four proposes read them four times,
+/// and its scratch stays `4 γ` rows.
+pub const DFLASH_MAX_BATCH: usize = 4;
+
 static NEXT_HEAD_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A DFlash (block diffusion) draft head: drafts a whole block of γ - 1 tokens in one
@@ -223,8 +228,15 @@ impl DFlashHead {
             .map(|l| l.mlp.max_width())
             .max()
             .unwrap_or(0);
-        let rows = g.max(CONTEXT_CHUNK_ROWS);
-        let (scratch, slots) = Scratch::alloc(gpu.as_ref(), &config, mlp_width, draft_vocab, rows)?;
+        let rows = (g * DFLASH_MAX_BATCH).max(CONTEXT_CHUNK_ROWS);
+        let (scratch, slots) = Scratch::alloc(
+            gpu.as_ref(),
+            &config,
+            mlp_width,
+            draft_vocab,
+            rows,
+            max_blocks_per_seq,
+        )?;
         for s in &slots {
             allocs.adopt(s.ptr);
         }
@@ -300,10 +312,10 @@ impl DFlashHead {
         self.weights.nbytes() + self.block_size * row + self.lm_head.nbytes()
     }
 
-    /// Row `row` of the f32 logits (over the draft vocabulary) of the latest block: the
-    /// logits that picked draft `row` (block row `row + 1`). Rows past the latest propose's
-    /// drafts hold an earlier block's. For tests and debugging; not synchronised with
-    /// concurrent proposes.
+    /// Row `row` of the f32 logits (over the draft vocabulary) of the latest block (the
+    /// first sequence's, after a batch): the logits that picked draft `row` (block row
+    /// `row + 1`). Rows past the latest propose's drafts hold an earlier block's. For tests
+    /// and debugging; not synchronised with concurrent proposes.
     pub fn last_logits(&self, gpu: &dyn GpuBackend, row: usize) -> crate::Result<Vec<f32>> {
         if row + 1 >= self.block_size {
             return Err(ProposerError::InvalidArgument {
@@ -324,6 +336,11 @@ impl DFlashHead {
     /// The draft layers' configuration (its `vocab_size` is the target's).
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Entries of a block table in a forward (the most blocks any state holds).
+    pub(crate) fn max_blocks_per_seq(&self) -> usize {
+        self.max_blocks_per_seq
     }
 
     /// Blocks a state with a budget of `budget_tokens` may hold: its context and one block.

@@ -33,5 +33,5 @@ mod storage;
 
 pub use config::DFlashConfig;
 pub use deferred::DEFERRED_ROWS;
-pub use head::DFlashHead;
+pub use head::{DFlashHead, DFLASH_MAX_BATCH};
 pub use state::{DFlashState, DFLASH_BLOCK_ROWS};

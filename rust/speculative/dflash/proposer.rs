@@ -23,13 +23,20 @@
 //!   skipped, and if even the context does not fit its rows are dropped (the context
 //!   restarts from the next stack).
 //! - `take_drafter_kv` / `install_drafter_kv` keep their defaults (nothing is carried
-//!   between turns: the next turn prefills the whole history); `propose_batch` is
-//!   unsupported, since each sequence has its own captured rows.
+//!   between turns: the next turn prefills the whole history).
+//!
+//! `propose_batch` (up to [`DFLASH_MAX_BATCH`] sequences, each with its own captured rows in
+//! `ctx.target_hidden_stacks`) writes each sequence's context rows as its `propose` would,
+//! then runs every block in one forward, so the draft layers and the LM head are read once
+//! for the batch. Each sequence drafts what its `propose` would, and its confidences are the
+//! head's softmax probability of each draft.
 
-use super::head::DFlashHead;
+use super::forward::{BlockSeq, Scratch};
+use super::head::{DFlashHead, DFLASH_MAX_BATCH};
 use super::state::DFlashState;
 use crate::backend::{DevicePtr, GpuBackend};
-use crate::model::ForwardContext;
+use crate::memory::BufferArena;
+use crate::model::{ForwardContext, ModelConfig};
 use crate::speculative::{DraftProposer, ProposerError, ProposerState};
 
 fn bad(method: &'static str, message: String) -> crate::Error {
@@ -69,23 +76,51 @@ impl DFlashHead {
         Ok(st)
     }
 
-    /// The drafts of one propose on a checked state (see the module doc).
-    #[allow(clippy::too_many_arguments)]
-    fn propose_on(
+    /// Refuses a token outside the vocabulary or position 0 (its captured row would be
+    /// computed before the sequence starts).
+    fn check_step(
         &self,
-        gpu: &dyn GpuBackend,
-        st: &mut DFlashState,
+        method: &'static str,
         last_token: u32,
         position: usize,
+    ) -> crate::Result<()> {
+        let vocab = self.config.vocab_size;
+        if last_token as usize >= vocab {
+            return Err(ProposerError::TokenOutOfVocab {
+                method,
+                token: last_token as u64,
+                vocab_size: vocab,
+            }
+            .into());
+        }
+        if position == 0 {
+            return Err(bad(
+                method,
+                "position must be at least 1: the row paired with last_token is computed at position - 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The context part of a propose at `position` on a checked state (see the module doc):
+    /// the stack's rows written, or deferred when it asks for no drafts. True when a block
+    /// may run after them (the rows are written and there is room for the block).
+    #[allow(clippy::too_many_arguments)]
+    fn prepare(
+        &self,
+        method: &'static str,
+        gpu: &dyn GpuBackend,
+        sc: &Scratch,
+        st: &mut DFlashState,
+        position: usize,
         num_drafts: usize,
-        mask: Option<&[i32]>,
         stack: DevicePtr,
         stream: u64,
-    ) -> crate::Result<Vec<u32>> {
+    ) -> crate::Result<bool> {
         let start = st.stack_start.unwrap_or(position.saturating_sub(1));
         if start >= position {
             return Err(bad(
-                "propose",
+                method,
                 format!(
                     "position {position} is not after position {start}, where the captured rows of this propose would start"
                 ),
@@ -93,27 +128,20 @@ impl DFlashHead {
         }
         let k = position - start;
         st.keep_before(start);
-        let sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let drafts = if num_drafts == 0 {
-            if self.defers_rows() {
-                self.defer_context(gpu, &sc, st, stack, start, k, stream)?;
-            } else {
-                self.write_context(gpu, &sc, st, stack, start, k, stream)?;
-            }
-            Vec::new()
-        } else {
-            // This propose's rows join the backlog, so one context forward writes them all.
-            let written = self.defer_context(gpu, &sc, st, stack, start, k, stream)?
-                && self.flush_deferred(gpu, &sc, st, stream)?;
-            if written && st.reserve(gpu, &self.pool, st.rows() + self.block_size, stream)? {
-                self.block_forward(gpu, &sc, st, last_token, position, num_drafts, mask, stream)?
-            } else {
-                Vec::new()
-            }
-        };
         st.proposed_at = Some(position);
-        st.last_drafts = drafts.len();
-        Ok(drafts)
+        st.last_drafts = 0;
+        if num_drafts == 0 {
+            if self.defers_rows() {
+                self.defer_context(gpu, sc, st, stack, start, k, stream)?;
+            } else {
+                self.write_context(gpu, sc, st, stack, start, k, stream)?;
+            }
+            return Ok(false);
+        }
+        // This propose's rows join the backlog, so one context forward writes them all.
+        let written = self.defer_context(gpu, sc, st, stack, start, k, stream)?
+            && self.flush_deferred(gpu, sc, st, stream)?;
+        Ok(written && st.reserve(gpu, &self.pool, st.rows() + self.block_size, stream)?)
     }
 }
 
@@ -146,21 +174,7 @@ impl DraftProposer for DFlashHead {
     ) -> crate::Result<Vec<u32>> {
         let stack = target_hidden_stack.ok_or_else(|| needs_capture("propose"))?;
         let st = self.state(state, "propose")?;
-        let vocab = self.config.vocab_size;
-        if last_token as usize >= vocab {
-            return Err(ProposerError::TokenOutOfVocab {
-                method: "propose",
-                token: last_token as u64,
-                vocab_size: vocab,
-            }
-            .into());
-        }
-        if position == 0 {
-            return Err(bad(
-                "propose",
-                "position must be at least 1: the row paired with last_token is computed at position - 1".into(),
-            ));
-        }
+        self.check_step("propose", last_token, position)?;
         if let Some(m) = grammar_bitmask {
             let words = self.draft_vocab.div_ceil(32);
             if m.len() < words {
@@ -175,16 +189,108 @@ impl DraftProposer for DFlashHead {
             }
         }
         let gpu = ctx.gpu.as_ref();
-        self.propose_on(
-            gpu,
-            st,
+        let sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.prepare("propose", gpu, &sc, st, position, num_drafts, stack, stream)? {
+            return Ok(Vec::new());
+        }
+        let block = BlockSeq {
+            state: st,
             last_token,
             position,
+        };
+        let mut out = self.blocks_forward(
+            gpu,
+            &sc,
+            &[block],
             num_drafts,
             grammar_bitmask,
-            stack,
+            false,
             stream,
-        )
+        )?;
+        let drafts = out.pop().map(|(d, _)| d).unwrap_or_default();
+        st.last_drafts = drafts.len();
+        Ok(drafts)
+    }
+
+    fn propose_batch(
+        &self,
+        last_tokens: &[u32],
+        target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        num_drafts: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        out_conf: Option<&mut Vec<Vec<f32>>>,
+    ) -> crate::Result<Option<Vec<Vec<u32>>>> {
+        let n = last_tokens.len();
+        let stacks = ctx
+            .target_hidden_stacks
+            .ok_or_else(|| needs_capture("propose_batch"))?;
+        ProposerError::check_batch(
+            "propose_batch",
+            n,
+            &[
+                ("hiddens", target_hiddens.len()),
+                ("captured row sets", stacks.len()),
+                ("positions", positions.len()),
+                ("states", states.len()),
+            ],
+        )?;
+        if n > DFLASH_MAX_BATCH {
+            return Err(bad(
+                "propose_batch",
+                format!("{n} sequences; propose_batch_max is {DFLASH_MAX_BATCH}"),
+            ));
+        }
+        let mut sts = Vec::with_capacity(n);
+        for (s, state) in states.iter_mut().enumerate() {
+            self.check_step("propose_batch", last_tokens[s], positions[s])?;
+            sts.push(self.state(&mut **state, "propose_batch")?);
+        }
+        let gpu = ctx.gpu.as_ref();
+        let sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut drafting = Vec::with_capacity(n);
+        for (s, st) in sts.iter_mut().enumerate() {
+            let stack = stacks[s];
+            if self.prepare(
+                "propose_batch",
+                gpu,
+                &sc,
+                st,
+                positions[s],
+                num_drafts,
+                stack,
+                stream,
+            )? {
+                drafting.push(s);
+            }
+        }
+        let blocks: Vec<BlockSeq<'_>> = drafting
+            .iter()
+            .map(|&s| BlockSeq {
+                state: &*sts[s],
+                last_token: last_tokens[s],
+                position: positions[s],
+            })
+            .collect();
+        let want_conf = out_conf.is_some();
+        let got = self.blocks_forward(gpu, &sc, &blocks, num_drafts, None, want_conf, stream)?;
+        let mut drafts = vec![Vec::new(); n];
+        let mut confs = vec![Vec::new(); n];
+        for (&s, (d, c)) in drafting.iter().zip(got) {
+            sts[s].last_drafts = d.len();
+            drafts[s] = d;
+            confs[s] = c;
+        }
+        if let Some(out) = out_conf {
+            *out = confs;
+        }
+        Ok(Some(drafts))
+    }
+
+    fn propose_batch_max(&self, _buffers: &BufferArena, _config: &ModelConfig) -> usize {
+        DFLASH_MAX_BATCH
     }
 
     fn after_verify(
