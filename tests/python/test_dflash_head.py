@@ -1,7 +1,9 @@
 """`specdraft.DFlashHead` from Python, beside a tiny four-layer llama target: drafts and block
 logits against the numpy reference in `dflash_reference.py` (random checkpoints in z-lab's
-layout, GQA 4:1, two draft layers, γ 4 and 8), the conformance check, greedy output through
-the engine, and the errors of bad checkpoints and missing captured rows."""
+layout, GQA 4:1, two draft layers, γ 4 and 8), one sequence at a time and in batches (each
+sequence's rows in `ForwardContext(target_hidden_stacks=...)`, its confidences the
+reference's softmax probabilities), the conformance check, greedy output through the engine,
+and the errors of bad checkpoints and missing captured rows."""
 
 from __future__ import annotations
 
@@ -208,6 +210,66 @@ def test_drafts_and_logits_match_the_numpy_reference(
     assert len(seen) >= 3, f"drafts too alike to test much: {seen}"
     print(f"gamma {gamma}: worst logit difference {worst:.3f} of the tolerance; drafts {seen}")
     head.free_state(gpu, state)
+    assert head.kv_blocks[0] == head.kv_blocks[1]
+    gpu.free(stack_ptr)
+    gpu.free(final)
+    del head, model
+
+
+def test_a_batch_drafts_what_the_numpy_reference_drafts_for_each_sequence(
+    tmp_path, gpu, target_path
+):
+    gamma, seqs, length = 4, 3, 40
+    model = _load(target_path, gpu)
+    folder = write_checkpoint(tmp_path / "batch", block_size=gamma, seed=gamma)
+    head = specdraft.DFlashHead.from_checkpoint(folder, gpu, target=model)
+    embed = _embedding(target_path)
+    refs = [ref.DFlash(folder, embed, embed) for _ in range(seqs)]
+    rng = np.random.default_rng(11)
+    stack = ref.bf16(rng.uniform(-2, 2, (seqs * length, ROW)).astype(np.float32))
+    stack_ptr = gpu.upload(stack, dtype="bf16")
+    final = gpu.upload(np.zeros((seqs, H), np.float32), dtype="bf16")
+
+    def rows(s: int, q: int) -> specdraft.DevicePtr:
+        return stack_ptr.offset((s * length + q) * ROW * 2)
+
+    tokens = [[int(x) for x in rng.integers(0, VOCAB - 1, length)] for _ in range(seqs)]
+    prompts = [6, 11, 9]
+    states = [head.alloc_state(gpu) for _ in range(seqs)]
+    for s in range(seqs):
+        ctx = specdraft.ForwardContext(gpu, model.config, target_hidden_stack=rows(s, 0))
+        head.prefill_drafter(tokens[s][: prompts[s]], final, states[s], ctx)
+        refs[s].add_context(stack[s * length : s * length + prompts[s] - 1], 0)
+    pos, start, drafted = list(prompts), [p - 1 for p in prompts], 0
+    for r, n in enumerate((gamma - 1, 2, 0, gamma - 1, gamma - 1)):
+        want, probs = [], []
+        for s in range(seqs):
+            refs[s].keep_before(start[s])
+            first = s * length
+            refs[s].add_context(stack[first + start[s] : first + pos[s]], start[s])
+            drafts, logits = refs[s].block(tokens[s][pos[s]], pos[s])
+            want.append(list(drafts[:n]))
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            probs.append([float(e[j, d] / e[j].sum()) for j, d in enumerate(want[-1])])
+        ctx = specdraft.ForwardContext(
+            gpu, model.config, target_hidden_stacks=[rows(s, start[s]) for s in range(seqs)]
+        )
+        conf: list[list[float]] = []
+        got = head.propose_batch(
+            [tokens[s][pos[s]] for s in range(seqs)], [final] * seqs, pos, n, states, ctx, 0, conf
+        )
+        assert [list(g) for g in got] == want, f"round {r}"
+        for c, p in zip(conf, probs, strict=True):
+            assert c == pytest.approx(p, abs=1e-4), f"round {r}"
+        for s in range(seqs):
+            a = (r + s) % (len(got[s]) + 1)
+            head.after_verify(a, states[s])
+            tokens[s][pos[s] + 1 : pos[s] + 1 + a] = got[s][:a]
+            start[s], pos[s] = pos[s], pos[s] + a + 1
+            drafted += len(got[s])
+    assert drafted >= 20
+    for st in states:
+        head.free_state(gpu, st)
     assert head.kv_blocks[0] == head.kv_blocks[1]
     gpu.free(stack_ptr)
     gpu.free(final)

@@ -6,13 +6,15 @@
 //! feeds every layer and no `input_layernorm` touches it: it is the decoder layer run to its
 //! KV write with `x` as the attention's (already normed) input.
 //!
-//! The block (`block_forward`): `[last token, mask × (γ - 1)]` at positions `p .. p + γ - 1`,
+//! The block (`blocks_forward`): `[last token, mask × (γ - 1)]` at positions `p .. p + γ - 1`,
 //! embedded with the target's embedding, through every draft layer (whole, its q/k/v from
 //! the block rows), each block row attending to every context row and every block row: its
 //! context length is `context rows + γ`, which makes the block non-causal. Then `norm` and
 //! the target's LM head (its first `draft_vocab` rows) over rows `1 ..`; row `j` predicts the
 //! token at `p + j`. The block's keys and values land in the slots after the context rows,
-//! which the next context rows overwrite: they never count as rows.
+//! which the next context rows overwrite: they never count as rows. `blocks_forward` runs
+//! the blocks of several sequences as one forward, each block's rows reading its own
+//! sequence's block table and context.
 //!
 //! Invariant: a forward touches only the head's scratch, its caches' slots named by the
 //! state's rows, and the state's reserved blocks.
