@@ -63,6 +63,13 @@ pub enum ProposerError {
     },
 }
 
+/// The error of a proposer method given an argument it cannot use
+/// ([`ProposerError::InvalidArgument`]), as the crate's error: the one constructor the
+/// proposer modules share.
+pub(crate) fn bad(method: &'static str, message: String) -> crate::Error {
+    ProposerError::InvalidArgument { method, message }.into()
+}
+
 impl ProposerError {
     /// Checks that a batched call of `method` over `n` sequences (one token each) was given
     /// one of each other argument per sequence: `parts` names each with its length.

@@ -37,11 +37,8 @@ use super::state::DFlashState;
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
+use crate::speculative::error::bad;
 use crate::speculative::{DraftProposer, ProposerError, ProposerState};
-
-fn bad(method: &'static str, message: String) -> crate::Error {
-    ProposerError::InvalidArgument { method, message }.into()
-}
 
 fn needs_capture(method: &'static str) -> crate::Error {
     bad(

@@ -26,7 +26,7 @@ use super::head::Eagle3Head;
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
-use crate::speculative::mtp::bad;
+use crate::speculative::error::bad;
 use crate::speculative::{DraftProposer, DraftTree, MtpState, ProposerError, ProposerState};
 
 /// Per-sequence state of an [`Eagle3Head`]: the MTP head's state, and where the captured

@@ -7,12 +7,9 @@ use super::Hybrid;
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
+use crate::speculative::error::bad;
 use crate::speculative::{DraftProposer, ProposerError, ProposerState};
 use std::sync::atomic::Ordering;
-
-pub(super) fn bad(method: &'static str, message: String) -> crate::Error {
-    ProposerError::InvalidArgument { method, message }.into()
-}
 
 /// Length of the common prefix of `a` and `b`.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {

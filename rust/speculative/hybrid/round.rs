@@ -23,11 +23,11 @@
 //!   made up. A lone sequence of a batch is asked through its members' `propose_batch`
 //!   where they batch, so it too gets its winner's confidences.
 
-use super::proposer::bad;
 use super::state::{HybridState, Step};
 use super::{Hybrid, HybridChoice};
 use crate::backend::DevicePtr;
 use crate::model::ForwardContext;
+use crate::speculative::error::bad;
 use crate::speculative::ProposerState;
 use std::sync::atomic::Ordering;
 

@@ -47,9 +47,4 @@ pub use state::{MtpState, DRAFTER_BLOCK_SIZE};
 pub use tree::TREE_TOP_K;
 pub use weights::{find_layout, MtpLayout, MtpWeights};
 
-use crate::speculative::ProposerError;
-
-/// The error of a method given an argument it cannot use.
-pub(crate) fn bad(method: &'static str, message: String) -> crate::Error {
-    ProposerError::InvalidArgument { method, message }.into()
-}
+pub(crate) use super::error::bad;
