@@ -11,11 +11,11 @@ mod dflash_common;
 mod model_util;
 
 use dflash_common::*;
-use model_util::Rng;
-use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
+use model_util::{Rng, Twins};
+use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::ForwardContext;
 use specdraft::speculative::conformance::{check_proposer_on, CheckOptions};
-use specdraft::speculative::{DFlashHead, DraftProposer, ProposerState};
+use specdraft::speculative::{DFlashHead, DraftProposer};
 use std::sync::Arc;
 
 const SEQS: usize = 3;
@@ -27,13 +27,6 @@ fn softmax_at(logits: &[f32], token: u32) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
     (logits[token as usize] as f64 - max).exp() / sum
-}
-
-fn batch_states(states: &mut [Box<dyn ProposerState>]) -> Vec<&mut dyn ProposerState> {
-    states
-        .iter_mut()
-        .map(|b| -> &mut dyn ProposerState { &mut **b })
-        .collect()
 }
 
 #[test]
@@ -64,69 +57,21 @@ fn batched_drafts_are_the_per_sequence_drafts_and_carry_their_probabilities() {
         model.config().clone(),
         Default::default(),
     );
-    let mut single: Vec<Box<dyn ProposerState>> = Vec::new();
-    let mut batched: Vec<Box<dyn ProposerState>> = Vec::new();
-    let prompt = [5, 9, 7];
-    for (s, &p) in prompt.iter().enumerate() {
-        for states in [&mut single, &mut batched] {
-            let mut st = head.alloc_state(gpu.as_ref()).unwrap();
-            let pctx = ForwardContext {
-                target_hidden_stack: Some(row(s, 0)),
-                ..ctx.clone()
-            };
-            head.prefill_drafter(&tokens[s][..p], hidden, &mut *st, &pctx, 0)
-                .unwrap();
-            states.push(st);
-        }
-    }
-    let mut pos: Vec<usize> = prompt.to_vec();
-    // Where each sequence's rows start: its last propose (or its last prompt token).
-    let mut start: Vec<usize> = prompt.iter().map(|p| p - 1).collect();
+    let mut twins = Twins::new(&head, ctx.clone(), hidden, tokens, &[5, 9, 7], &row);
     let (mut drafted, mut judged) = (0, 0);
     for step in 0..10 {
         // Declined steps (0 drafts) keep their rows aside for the next drafting one.
         let n = [3, 0, 2, 0, 0, 1, 3][step % 7];
-        let mut want = Vec::new();
-        let mut want_conf = Vec::new();
-        for s in 0..SEQS {
-            let d = head
-                .propose(
-                    tokens[s][pos[s]],
-                    hidden,
-                    pos[s],
-                    n,
-                    &mut *single[s],
-                    &ctx,
-                    0,
-                    None,
-                    None,
-                    Some(row(s, start[s])),
-                )
-                .unwrap();
-            let probs: Vec<f64> = (0..d.len())
-                .map(|j| softmax_at(&head.last_logits(gpu.as_ref(), j).unwrap(), d[j]))
-                .collect();
-            want.push(d);
-            want_conf.push(probs);
-        }
-        let stacks: Vec<DevicePtr> = (0..SEQS).map(|s| row(s, start[s])).collect();
-        let bctx = ForwardContext {
-            target_hidden_stacks: Some(&stacks),
-            ..ctx.clone()
-        };
-        let last: Vec<u32> = (0..SEQS).map(|s| tokens[s][pos[s]]).collect();
+        // The probability of each draft under the logits its block picked it from.
+        let mut want_conf: Vec<Vec<f64>> = Vec::new();
+        let want = twins.one_by_one(n, &row, |_, d| {
+            let logits = |j| head.last_logits(gpu.as_ref(), j).unwrap();
+            want_conf.push((0..d.len()).map(|j| softmax_at(&logits(j), d[j])).collect());
+        });
+        let stacks = twins.stacks(&row);
         let mut conf = Vec::new();
-        let got = head
-            .propose_batch(
-                &last,
-                &[hidden; SEQS],
-                &pos,
-                n,
-                &mut batch_states(&mut batched),
-                &bctx,
-                0,
-                Some(&mut conf),
-            )
+        let got = twins
+            .batch(n, Some(&stacks), Some(&mut conf))
             .unwrap()
             .expect("DFlashHead proposes in batches");
         assert_eq!(got, want, "step {step}");
@@ -139,83 +84,27 @@ fn batched_drafts_are_the_per_sequence_drafts_and_carry_their_probabilities() {
             }
         }
         drafted += want.iter().map(Vec::len).sum::<usize>();
-        for s in 0..SEQS {
-            // Sequences accept different counts, so their rows start at different points.
-            let a = (step + s) % (want[s].len() + 1);
-            head.after_verify(a, &mut *single[s], 0).unwrap();
-            head.after_verify(a, &mut *batched[s], 0).unwrap();
-            start[s] = pos[s];
-            pos[s] += a + 1;
-        }
+        // Sequences accept different counts, so their rows start at different points.
+        twins.settle(step, &want);
     }
     assert!(drafted > 20 && judged == drafted, "{drafted} drafts");
 
     // Without the captured rows, one entry short, or wider than the head batches: refused.
-    let last: Vec<u32> = (0..SEQS).map(|s| tokens[s][pos[s]]).collect();
-    let err = head
-        .propose_batch(
-            &last,
-            &[hidden; SEQS],
-            &pos,
-            2,
-            &mut batch_states(&mut batched),
-            &ctx,
-            0,
-            None,
-        )
-        .unwrap_err()
-        .to_string();
+    let err = twins.batch(2, None, None).unwrap_err().to_string();
     assert!(err.contains("needs the target's captured layers"), "{err}");
-    let short = [row(0, start[0]), row(1, start[1])];
-    let bctx = ForwardContext {
-        target_hidden_stacks: Some(&short),
-        ..ctx.clone()
-    };
-    let err = head
-        .propose_batch(
-            &last,
-            &[hidden; SEQS],
-            &pos,
-            2,
-            &mut batch_states(&mut batched),
-            &bctx,
-            0,
-            None,
-        )
-        .unwrap_err()
-        .to_string();
+    let short = &twins.stacks(&row)[..2];
+    let err = twins.batch(2, Some(short), None).unwrap_err().to_string();
     assert!(err.contains("2 captured row sets"), "{err}");
+    twins.free(gpu.as_ref());
     let wide = head.propose_batch_max(model.buffers(), model.config()) + 1;
-    let mut extra: Vec<Box<dyn ProposerState>> = (0..wide)
-        .map(|_| head.alloc_state(gpu.as_ref()).unwrap())
-        .collect();
+    let tokens = vec![vec![1u32; 4]; wide];
+    let mut extra = Twins::new(&head, ctx, hidden, tokens, &vec![1; wide], &|_, _| {
+        row(0, 0)
+    });
     let stacks = vec![row(0, 0); wide];
-    let bctx = ForwardContext {
-        target_hidden_stacks: Some(&stacks),
-        ..ctx.clone()
-    };
-    let err = head
-        .propose_batch(
-            &vec![1; wide],
-            &vec![hidden; wide],
-            &vec![1; wide],
-            2,
-            &mut batch_states(&mut extra),
-            &bctx,
-            0,
-            None,
-        )
-        .unwrap_err()
-        .to_string();
+    let err = extra.batch(2, Some(&stacks), None).unwrap_err().to_string();
     assert!(err.contains("propose_batch_max is"), "{err}");
-
-    for st in single
-        .iter_mut()
-        .chain(batched.iter_mut())
-        .chain(extra.iter_mut())
-    {
-        head.free_state(gpu.as_ref(), &mut **st).unwrap();
-    }
+    extra.free(gpu.as_ref());
     gpu.free(stack).unwrap();
     gpu.free(hidden).unwrap();
     assert_eq!(head.kv_blocks().0, head.kv_blocks().1, "blocks left taken");

@@ -9,11 +9,11 @@ mod drafter_fixtures;
 mod model_util;
 
 use drafter_fixtures::{eagle3_beside, eagle3_target_shape as tiny};
-use model_util::{greedy_fixed, Rng};
-use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
+use model_util::{greedy_fixed, Rng, Twins};
+use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::ForwardContext;
 use specdraft::speculative::conformance::{check_proposer_on, CheckOptions};
-use specdraft::speculative::{DraftProposer, ProposerState};
+use specdraft::speculative::DraftProposer;
 use std::sync::Arc;
 
 /// The layers the head fuses (EAGLE-3's ids: the hiddens entering them).
@@ -43,96 +43,30 @@ fn batched_drafts_are_the_per_sequence_drafts_from_each_sequences_rows() {
         model.config().clone(),
         Default::default(),
     );
-    let mut single: Vec<Box<dyn ProposerState>> = Vec::new();
-    let mut batched: Vec<Box<dyn ProposerState>> = Vec::new();
-    let prompt = [5, 9, 7];
-    for (s, &p) in prompt.iter().enumerate() {
-        for states in [&mut single, &mut batched] {
-            let mut st = head.alloc_state(gpu.as_ref()).unwrap();
-            let pctx = ForwardContext {
-                target_hidden_stack: Some(row(s, 0)),
-                ..ctx.clone()
-            };
-            head.prefill_drafter(&tokens[s][..p], hidden, &mut *st, &pctx, 0)
-                .unwrap();
-            states.push(st);
-        }
-    }
-    let mut pos: Vec<usize> = prompt.to_vec();
-    // Where each sequence's rows start: its last propose (or its last prompt token).
-    let mut start: Vec<usize> = prompt.iter().map(|p| p - 1).collect();
+    let mut twins = Twins::new(&*head, ctx, hidden, tokens, &[5, 9, 7], &row);
     let mut drafted = 0;
     for step in 0..8 {
         let n = [3, 1, 4, 2][step % 4];
-        let want: Vec<Vec<u32>> = (0..seqs)
-            .map(|s| {
-                head.propose(
-                    tokens[s][pos[s]],
-                    hidden,
-                    pos[s],
-                    n,
-                    &mut *single[s],
-                    &ctx,
-                    0,
-                    None,
-                    None,
-                    Some(row(s, start[s])),
-                )
-                .unwrap()
-            })
-            .collect();
-        let stacks: Vec<DevicePtr> = (0..seqs).map(|s| row(s, start[s])).collect();
-        let bctx = ForwardContext {
-            target_hidden_stacks: Some(&stacks),
-            ..ctx.clone()
-        };
-        let last: Vec<u32> = (0..seqs).map(|s| tokens[s][pos[s]]).collect();
-        let mut refs: Vec<&mut dyn ProposerState> = batched
-            .iter_mut()
-            .map(|b| -> &mut dyn ProposerState { &mut **b })
-            .collect();
-        let got = head
-            .propose_batch(&last, &[hidden; 3], &pos, n, &mut refs, &bctx, 0, None)
+        let want = twins.one_by_one(n, &row, |_, _| {});
+        let stacks = twins.stacks(&row);
+        let got = twins
+            .batch(n, Some(&stacks), None)
             .unwrap()
             .expect("Eagle3Head proposes in batches");
         assert_eq!(got, want, "step {step}");
         drafted += want.iter().map(Vec::len).sum::<usize>();
-        for s in 0..seqs {
-            // Sequences accept different counts, so their rows start at different points.
-            let a = (step + s) % (want[s].len() + 1);
-            head.after_verify(a, &mut *single[s], 0).unwrap();
-            head.after_verify(a, &mut *batched[s], 0).unwrap();
-            start[s] = pos[s];
-            pos[s] += a + 1;
-        }
+        // Sequences accept different counts, so their rows start at different points.
+        twins.settle(step, &want);
     }
     assert!(drafted > 20, "only {drafted} drafts");
 
     // Without the captured rows, or with one entry too few: refused, naming what is wrong.
-    let last: Vec<u32> = (0..seqs).map(|s| tokens[s][pos[s]]).collect();
-    let mut refs: Vec<&mut dyn ProposerState> = batched
-        .iter_mut()
-        .map(|b| -> &mut dyn ProposerState { &mut **b })
-        .collect();
-    let err = head
-        .propose_batch(&last, &[hidden; 3], &pos, 2, &mut refs, &ctx, 0, None)
-        .unwrap_err()
-        .to_string();
+    let err = twins.batch(2, None, None).unwrap_err().to_string();
     assert!(err.contains("needs the target's captured layers"), "{err}");
-    let short = [row(0, start[0]), row(1, start[1])];
-    let bctx = ForwardContext {
-        target_hidden_stacks: Some(&short),
-        ..ctx.clone()
-    };
-    let err = head
-        .propose_batch(&last, &[hidden; 3], &pos, 2, &mut refs, &bctx, 0, None)
-        .unwrap_err()
-        .to_string();
+    let short = &twins.stacks(&row)[..2];
+    let err = twins.batch(2, Some(short), None).unwrap_err().to_string();
     assert!(err.contains("2 captured row sets"), "{err}");
-
-    for st in single.iter_mut().chain(batched.iter_mut()) {
-        head.free_state(gpu.as_ref(), &mut **st).unwrap();
-    }
+    twins.free(gpu.as_ref());
     gpu.free(stack).unwrap();
     gpu.free(hidden).unwrap();
     assert_eq!(head.kv_blocks().0, head.kv_blocks().1, "blocks left taken");

@@ -8,10 +8,14 @@ mod gguf_writer;
 mod greedy;
 mod reference;
 mod schedule;
+mod twins;
 // Used by the tests whose spies propose in batches only.
 #[allow(unused_imports)]
 pub use batch::propose_each;
+// Used by the batch tests of the heads that read captured rows only.
 pub use gguf_writer::*;
+#[allow(unused_imports)]
+pub use twins::{RowAt, Twins};
 // Used by the engine comparisons of the MoE and latent attention tests only.
 #[allow(unused_imports)]
 pub use greedy::greedy_fixed;
