@@ -29,6 +29,7 @@ use crate::model::layers::{
     LayerScratch, ScratchShape,
 };
 use crate::model::{DenseWeight, ModelConfig};
+use crate::speculative::error::bad;
 
 /// One sequence's block in [`DFlashHead::blocks_forward`]: its state (context rows and
 /// block table) and the token and position it drafts from.
@@ -265,11 +266,8 @@ impl DFlashHead {
             return Ok(vec![(Vec::new(), Vec::new()); n]);
         }
         if n * g > sc.rows {
-            return Err(crate::speculative::ProposerError::InvalidArgument {
-                method: "propose_batch",
-                message: format!("{n} blocks of {g} rows; one forward takes {} rows", sc.rows),
-            }
-            .into());
+            let message = format!("{n} blocks of {g} rows; one forward takes {} rows", sc.rows);
+            return Err(bad("propose_batch", message));
         }
         let (h, mbps) = (self.config.hidden_size, self.max_blocks_per_seq());
         let (mut tokens, mut pos, mut slots, mut row_seq, mut ctx_len) =
