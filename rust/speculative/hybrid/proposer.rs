@@ -227,7 +227,7 @@ impl DraftProposer for Hybrid {
             grammar_bitmask,
         };
         let mut out = self.draft_round("propose", &mut seq, num_drafts, ctx, stream, extras)?;
-        Ok(out.pop().map(|r| r.drafts).unwrap_or_default())
+        Ok(out.pop().map(|(d, _)| d).unwrap_or_default())
     }
 
     fn propose_batch(
@@ -274,7 +274,7 @@ impl DraftProposer for Hybrid {
             self.draft_round("propose_batch", &mut seqs, num_drafts, ctx, stream, extras)?;
         let (drafts, confs): (Vec<Vec<u32>>, Vec<Vec<f32>>) = round
             .into_iter()
-            .map(|r| (r.drafts, r.confs.unwrap_or_default()))
+            .map(|(d, c)| (d, c.unwrap_or_default()))
             .unzip();
         if let Some(out) = out_conf {
             *out = confs;

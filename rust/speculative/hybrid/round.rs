@@ -41,16 +41,10 @@ pub(super) struct RoundSeq<'s> {
     pub stack: Option<DevicePtr>,
 }
 
-/// What a round returns for each sequence: its winner's drafts, and the confidence the
-/// winner reported in each of them (`None` where it reported none).
-pub(super) struct RoundDrafts {
-    pub drafts: Vec<u32>,
-    pub confs: Option<Vec<f32>>,
-}
-
 /// One member's answer for one sequence: its drafts and, where it reported them, its
-/// confidence in each.
-type Answer = (Vec<u32>, Option<Vec<f32>>);
+/// confidence in each. A round returns its winner's for each sequence (none drafted: empty,
+/// `None`).
+pub(super) type Answer = (Vec<u32>, Option<Vec<f32>>);
 
 /// What only a lone sequence's `propose` carries.
 #[derive(Clone, Copy, Default)]
@@ -72,7 +66,7 @@ impl Hybrid {
         ctx: &ForwardContext<'_>,
         stream: u64,
         extras: LoneExtras<'_>,
-    ) -> crate::Result<Vec<RoundDrafts>> {
+    ) -> crate::Result<Vec<Answer>> {
         for q in seqs.iter_mut() {
             if q.st.step.is_some() {
                 return Err(bad(
@@ -120,16 +114,7 @@ impl Hybrid {
         let mut out = Vec::with_capacity(n);
         let rounds = seqs.iter_mut().zip(winners).zip(drafts).zip(confs);
         for (((q, winner), drafts), mut confs) in rounds {
-            out.push(match winner {
-                Some(w) => RoundDrafts {
-                    drafts: drafts[w].clone(),
-                    confs: confs[w].take(),
-                },
-                None => RoundDrafts {
-                    drafts: Vec::new(),
-                    confs: None,
-                },
-            });
+            out.push(winner.map_or((Vec::new(), None), |w| (drafts[w].clone(), confs[w].take())));
             self.last_winner
                 .store(winner.unwrap_or(usize::MAX), Ordering::Relaxed);
             q.st.step = Some(Step {
