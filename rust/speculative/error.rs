@@ -95,4 +95,20 @@ impl ProposerError {
             message: format!("{n} tokens, {listed}: one of each per sequence"),
         })
     }
+
+    /// Checks that a batched call of `method` over `n` sequences is no wider than the
+    /// proposer's `propose_batch_max`, `max`.
+    pub(crate) fn check_width(
+        method: &'static str,
+        n: usize,
+        max: usize,
+    ) -> Result<(), ProposerError> {
+        if n <= max {
+            return Ok(());
+        }
+        Err(ProposerError::InvalidArgument {
+            method,
+            message: format!("{n} sequences; propose_batch_max is {max}"),
+        })
+    }
 }

@@ -234,12 +234,7 @@ impl DraftProposer for DFlashHead {
                 ("states", states.len()),
             ],
         )?;
-        if n > DFLASH_MAX_BATCH {
-            return Err(bad(
-                "propose_batch",
-                format!("{n} sequences; propose_batch_max is {DFLASH_MAX_BATCH}"),
-            ));
-        }
+        ProposerError::check_width("propose_batch", n, DFLASH_MAX_BATCH)?;
         let mut sts = Vec::with_capacity(n);
         for (s, state) in states.iter_mut().enumerate() {
             self.check_step("propose_batch", last_tokens[s], positions[s])?;

@@ -325,12 +325,7 @@ impl DraftProposer for MtpHead {
                 ("states", states.len()),
             ],
         )?;
-        if n > MTP_MAX_BATCH {
-            return Err(bad(
-                "propose_batch",
-                format!("{n} sequences; propose_batch_max is {MTP_MAX_BATCH}"),
-            ));
-        }
+        ProposerError::check_width("propose_batch", n, MTP_MAX_BATCH)?;
         if self.runner().is_some() && num_drafts > 0 {
             // The circuit runner drafts one sequence at a time.
             return Ok(None);
