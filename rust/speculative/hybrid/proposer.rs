@@ -1,7 +1,7 @@
 //! `DraftProposer` for `Hybrid`: the catch-up, the drafting round and the verification
 //! bookkeeping of the module documentation, and the provided methods forwarded to members.
 
-use super::round::{LoneExtras, RoundSeq};
+use super::round::{RoundCall, RoundSeq};
 use super::state::{HybridState, Scratch};
 use super::Hybrid;
 use crate::backend::{DevicePtr, GpuBackend};
@@ -221,8 +221,9 @@ impl DraftProposer for Hybrid {
             position,
             stack: target_hidden_stack.filter(|_| !self.layers.is_empty()),
         }];
-        let extras = LoneExtras {
+        let extras = RoundCall {
             lone: true,
+            want_conf: false,
             draft_embed_target,
             grammar_bitmask,
         };
@@ -269,7 +270,10 @@ impl DraftProposer for Hybrid {
                 stack: stacks.map(|k| k[s]),
             });
         }
-        let extras = LoneExtras::default();
+        let extras = RoundCall {
+            want_conf: out_conf.is_some(),
+            ..RoundCall::default()
+        };
         let round =
             self.draft_round("propose_batch", &mut seqs, num_drafts, ctx, stream, extras)?;
         let (drafts, confs): (Vec<Vec<u32>>, Vec<Vec<f32>>) = round

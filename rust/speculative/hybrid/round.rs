@@ -16,8 +16,9 @@
 //!   member.
 //! - Only a lone sequence carries a draft embedding or a grammar mask (as `propose_batch`
 //!   does not), and only to the members it asks for drafts.
-//! - A batch reports, for each sequence, the confidences its winning member reported with
-//!   its drafts, one a draft, and an empty list where the winner reported none (it was asked
+//! - A batch asked for confidences (`out_conf`) reports, for each sequence, those its
+//!   winning member reported with its drafts, one a draft (members are asked for theirs
+//!   only then), and an empty list where the winner reported none (it was asked
 //!   with `propose`, or its `propose_batch` gave none or not one a draft): the engine
 //!   calibrates what it is told against what is accepted, so a member's figures are never
 //!   made up. A lone sequence of a batch is asked through its members' `propose_batch`
@@ -46,11 +47,15 @@ pub(super) struct RoundSeq<'s> {
 /// `None`).
 pub(super) type Answer = (Vec<u32>, Option<Vec<f32>>);
 
-/// What only a lone sequence's `propose` carries.
+/// What the call a round serves asks of it: a lone `propose`'s extras (a batch carries
+/// none), or a batch's confidences.
 #[derive(Clone, Copy, Default)]
-pub(super) struct LoneExtras<'m> {
-    /// Whether the round is a lone `propose` (a batch carries no extras).
+pub(super) struct RoundCall<'m> {
+    /// Whether the round is a lone `propose`.
     pub lone: bool,
+    /// Whether the caller asked for confidences (`out_conf`): members are asked for theirs
+    /// only then.
+    pub want_conf: bool,
     pub draft_embed_target: Option<DevicePtr>,
     pub grammar_bitmask: Option<&'m [i32]>,
 }
@@ -65,7 +70,7 @@ impl Hybrid {
         num_drafts: usize,
         ctx: &ForwardContext<'_>,
         stream: u64,
-        extras: LoneExtras<'_>,
+        extras: RoundCall<'_>,
     ) -> crate::Result<Vec<Answer>> {
         for q in seqs.iter_mut() {
             if q.st.step.is_some() {
@@ -138,7 +143,7 @@ impl Hybrid {
         rows: &[Option<DevicePtr>],
         ctx: &ForwardContext<'_>,
         stream: u64,
-        extras: LoneExtras<'_>,
+        extras: RoundCall<'_>,
     ) -> crate::Result<Vec<Answer>> {
         let prop = self.members[i].proposer.as_ref();
         let n = seqs.len();
@@ -154,8 +159,16 @@ impl Hybrid {
             order.sort_by_key(|&s| (asks[s], s));
             for run in order.chunk_by(|&a, &b| asks[a] == asks[b]) {
                 for group in run.chunks(batch_max) {
-                    let batch =
-                        self.member_batch(i, seqs, group, asks[group[0]], rows, ctx, stream)?;
+                    let batch = self.member_batch(
+                        i,
+                        seqs,
+                        group,
+                        asks[group[0]],
+                        rows,
+                        ctx,
+                        stream,
+                        extras.want_conf,
+                    )?;
                     for (&s, answer) in group.iter().zip(batch.into_iter().flatten()) {
                         got[s] = Some(answer);
                     }
@@ -172,7 +185,7 @@ impl Hybrid {
             let lone = if ask > 0 {
                 extras
             } else {
-                LoneExtras::default()
+                RoundCall::default()
             };
             let d = prop
                 .propose(
@@ -194,8 +207,9 @@ impl Hybrid {
     }
 
     /// One `propose_batch` of member `i` for the sequences `group` of `seqs`, all asked
-    /// `ask`, with the confidences it reported for each (kept only where they hold one a
-    /// draft); `None` when the member declines or answers for another count of sequences.
+    /// `ask`, with the confidences it reported for each where `want_conf` (kept only where
+    /// they hold one a draft); `None` when the member declines or answers for another count
+    /// of sequences.
     #[allow(clippy::too_many_arguments)]
     fn member_batch(
         &self,
@@ -206,6 +220,7 @@ impl Hybrid {
         rows: &[Option<DevicePtr>],
         ctx: &ForwardContext<'_>,
         stream: u64,
+        want_conf: bool,
     ) -> crate::Result<Option<Vec<Answer>>> {
         let tokens: Vec<u32> = group.iter().map(|&s| seqs[s].token).collect();
         let hiddens: Vec<DevicePtr> = group.iter().map(|&s| seqs[s].hidden).collect();
@@ -236,7 +251,7 @@ impl Hybrid {
                 &mut states,
                 ctx,
                 stream,
-                Some(&mut confs),
+                want_conf.then_some(&mut confs),
             )
             .map_err(|e| self.member_error("propose_batch", i, e))?;
         let Some(drafts) = drafts.filter(|d| d.len() == group.len()) else {
