@@ -30,6 +30,8 @@ use std::time::Instant;
 mod default_model;
 #[path = "mtp/step_cost.rs"]
 mod step_cost;
+#[path = "mtp/tree_batch.rs"]
+mod tree_batch;
 
 struct Shape {
     name: &'static str,

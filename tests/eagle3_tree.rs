@@ -1,6 +1,7 @@
 //! `Eagle3Head` drafting trees beside a tiny seeded target (four Llama layers, CPU
 //! backend), with a reduced draft vocabulary: the conformance checker accepts its trees
-//! (settled through `after_verify_tree`, the captured rows read where a chain reads them),
+//! (settled through `after_verify_tree`, the captured rows read where a chain reads them,
+//! a batch's trees each the one its sequence grows alone),
 //! greedy output through the engine with trees equals plain greedy output, and nothing
 //! leaks.
 
@@ -31,7 +32,7 @@ fn eagle3_trees_pass_the_conformance_check() {
     };
     let report = check_proposer_on(&*head, gpu.clone(), &options);
     assert!(report.is_ok(), "{report}");
-    for check in ["propose_tree", "after_verify_tree"] {
+    for check in ["propose_tree", "propose_tree_batch", "after_verify_tree"] {
         assert!(
             report.checks_run.iter().any(|c| c == check),
             "{check} not run: {:?}",

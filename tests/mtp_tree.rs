@@ -311,5 +311,6 @@ fn conformance_passes_with_trees() {
     let report = check_proposer_on(f.head(), f.gpu.clone(), &options);
     assert!(report.violations.is_empty(), "{report:?}");
     assert!(report.checks_run.iter().any(|c| c == "propose_tree"));
+    assert!(report.checks_run.iter().any(|c| c == "propose_tree_batch"));
     f.finish();
 }

@@ -6,7 +6,9 @@
 //! disturbed rounds of a shared machine). One JSON line per storage of the
 //! head's projections; the goal is a draft step of at most 15% of the target's step. For
 //! BF16 projections, one more line (`mtp_declined_steps`) compares a batch's declined steps
-//! with the rows written at once against rows deferred to the next drafting step.
+//! with the rows written at once against rows deferred to the next drafting step; for Q8_0
+//! ones (the CPU's), `mtp_tree_batch` compares trees grown one by one and together
+//! (`mtp/tree_batch.rs`).
 //!
 //! Wall-clock time is not proportional to work on a loaded machine: a call longer than the
 //! scheduler's slice is preempted and waits on the run queue while other processes run, so
@@ -34,7 +36,7 @@ const GOAL: f64 = 0.15;
 
 /// `(median, minimum)` of the times: on a shared machine the minimum is the run least
 /// disturbed by other processes, the median the typical one.
-fn stats(v: &mut [f64]) -> (f64, f64) {
+pub fn stats(v: &mut [f64]) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[v.len() / 2], v[0])
 }
@@ -54,12 +56,12 @@ fn runqueue_seconds() -> Option<f64> {
 /// One timed call: wall-clock seconds, and the calling thread's seconds on the run queue
 /// during it (`NaN` without schedstats).
 #[derive(Clone, Copy)]
-struct Sample {
-    wall: f64,
+pub struct Sample {
+    pub wall: f64,
     waiting: f64,
 }
 
-fn timed(f: impl FnOnce()) -> Sample {
+pub fn timed(f: impl FnOnce()) -> Sample {
     let before = runqueue_seconds();
     let t = Instant::now();
     f();
@@ -225,13 +227,17 @@ pub fn run(quick: bool) {
             })
         );
         head.free_state(gpu.as_ref(), &mut *st).expect("free state");
+        let cycle = Cycle {
+            tokens: &tokens,
+            hiddens,
+            ctx: &ctx,
+        };
         if quant == MtpQuantization::Bf16 {
-            let cycle = Cycle {
-                tokens: &tokens,
-                hiddens,
-                ctx: &ctx,
-            };
             declined_steps(&head, &cycle, target.0, rounds);
+        }
+        if quant == MtpQuantization::Block(BlockFormat::Q8_0) {
+            // The storage the shipped head takes on the CPU.
+            super::tree_batch::run(&head, &cycle, target.0, rounds);
         }
     }
     model.free_sequence(&mut seq).expect("free sequence");
@@ -240,10 +246,10 @@ pub fn run(quick: bool) {
 }
 
 /// The context a declined-steps cycle replays.
-struct Cycle<'a> {
-    tokens: &'a [u32],
-    hiddens: DevicePtr,
-    ctx: &'a ForwardContext<'a>,
+pub struct Cycle<'a> {
+    pub tokens: &'a [u32],
+    pub hiddens: DevicePtr,
+    pub ctx: &'a ForwardContext<'a>,
 }
 
 /// Sequences proposed together, and declined steps before each drafting one.

@@ -537,6 +537,23 @@ class DraftProposer:
         The default is the chain of `budget` drafts from `propose`; a Python class that
         defines `propose` gets the chain of its own `propose`.
         """
+    def propose_tree_batch(
+        self,
+        last_tokens: Sequence[int],
+        target_hiddens: Sequence[DevicePtr],
+        positions: Sequence[int],
+        budget: int,
+        states: Sequence[Any],
+        ctx: ForwardContext,
+        stream: int = 0,
+    ) -> list[tuple[list[int], list[int]] | tuple[list[int], list[int], list[float]]] | None:
+        """Proposes a tree of at most `budget` nodes for each sequence at once: a list of
+        trees in `propose_tree`'s form, or None when unsupported (then each sequence is
+        asked `propose_tree`). No grammar mask: a sequence under a grammar proposes alone.
+
+        A Python subclass that overrides `propose` or `propose_tree` but not this gets
+        None, so its own method is never bypassed.
+        """
     def grows_trees(self) -> bool:
         """Whether `propose_tree` grows branching trees (default False: its chain); under
         `SpecEngine(draft_shape="tree")` such a proposer is asked for a tree each step.
@@ -745,7 +762,8 @@ class MtpHead(DraftProposer):
         """Row `row` of the f32 logits of the head's latest forward."""
     def set_grow_trees(self, on: bool) -> None:
         """Turns tree growth on or off (off by default): on, `grows_trees()` is true and an
-        engine under `draft_shape="tree"` asks the head for an EAGLE-2 tree per sequence.
+        engine under `draft_shape="tree"` asks the head for EAGLE-2 trees, grown together
+        for the sequences that propose together.
         """
 
 @disjoint_base

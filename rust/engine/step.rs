@@ -28,6 +28,14 @@ use crate::speculative::{bitmask_words, DraftProposer, ProposerState};
 use crate::Result;
 use std::time::{Duration, Instant};
 
+/// What a batched propose reads of each member of its group, in the group's order.
+pub(super) struct GroupInputs {
+    pub last: Vec<u32>,
+    /// Each member's row of `hidden_rows` paired with its last token.
+    pub hiddens: Vec<DevicePtr>,
+    pub positions: Vec<usize>,
+}
+
 impl<T: Target> SpecEngine<T> {
     /// Drafts this step may hold: no more than can be emitted before `max_tokens`, than
     /// fits the context, than one forward's rows allow, or than the KV rows the scheduler
@@ -69,8 +77,8 @@ impl<T: Target> SpecEngine<T> {
             let mut single = Vec::new();
             let mut batchable = Vec::new();
             for (i, s) in seqs.iter().enumerate().filter(|(i, s)| wants(*i, s)) {
-                // A tree is proposed per sequence: `propose_batch` returns chains.
-                if s.grammar.is_some() || self.trees {
+                // A grammar's mask is per sequence: the batched methods take none.
+                if s.grammar.is_some() {
                     single.push(i);
                 } else {
                     batchable.push(i);
@@ -79,7 +87,12 @@ impl<T: Target> SpecEngine<T> {
             let batch_max = self.batch_max(prop.as_ref(), ctx);
             if batch_max > 1 {
                 for group in batch_groups(&batchable, &asked, batch_max) {
-                    if !self.propose_group(prop.as_ref(), &group, &asked, seqs, ctx) {
+                    let batched = if self.trees {
+                        self.propose_tree_group(prop.as_ref(), &group, &asked, seqs, ctx)
+                    } else {
+                        self.propose_group(prop.as_ref(), &group, &asked, seqs, ctx)
+                    };
+                    if !batched {
                         single.extend_from_slice(&group);
                     }
                 }
@@ -133,24 +146,30 @@ impl<T: Target> SpecEngine<T> {
         prop.propose_batch_max(&ctx.buffers, &ctx.config).max(1)
     }
 
-    /// One `propose_batch` call for `group`; false when the caller should propose per
-    /// sequence instead (unsupported, failed, or a result of the wrong shape).
-    pub(super) fn propose_group(
+    /// One batched call for `group` (ascending indices into `seqs`), given what each
+    /// member proposes from and each one's state; `None` when the caller should propose per
+    /// sequence instead (unsupported, failed, or not one answer per member). Each member is
+    /// charged an equal share of the call's time.
+    pub(super) fn run_group<A>(
         &self,
-        prop: &dyn DraftProposer,
         group: &[usize],
-        budgets: &[usize],
         seqs: &mut [EngineSequence<T::KvSequence>],
         ctx: &ForwardContext<'_>,
-    ) -> bool {
+        call: impl FnOnce(
+            &GroupInputs,
+            &mut [&mut dyn ProposerState],
+            &ForwardContext<'_>,
+        ) -> Result<Option<Vec<A>>>,
+    ) -> Option<Vec<A>> {
         let hb = self.row_bytes();
-        let n_max = group.iter().map(|&i| budgets[i]).max().unwrap_or(0);
-        let last: Vec<u32> = group.iter().map(|&i| seqs[i].last_token()).collect();
-        let hiddens: Vec<DevicePtr> = group
-            .iter()
-            .map(|&i| seqs[i].hidden_rows.offset(seqs[i].hidden_row * hb))
-            .collect();
-        let positions: Vec<usize> = group.iter().map(|&i| seqs[i].last_pos()).collect();
+        let inputs = GroupInputs {
+            last: group.iter().map(|&i| seqs[i].last_token()).collect(),
+            hiddens: group
+                .iter()
+                .map(|&i| seqs[i].hidden_rows.offset(seqs[i].hidden_row * hb))
+                .collect(),
+            positions: group.iter().map(|&i| seqs[i].last_pos()).collect(),
+        };
         let stacks: Option<Vec<DevicePtr>> =
             group.iter().map(|&i| seqs[i].stack.for_propose()).collect();
         let ctx = &ForwardContext {
@@ -162,7 +181,6 @@ impl<T: Target> SpecEngine<T> {
             member[i] = true;
         }
         let t = Instant::now();
-        let mut confs = Vec::new();
         let result = {
             let mut states: Vec<&mut dyn ProposerState> = seqs
                 .iter_mut()
@@ -171,33 +189,57 @@ impl<T: Target> SpecEngine<T> {
                 .filter_map(|(_, s)| s.state_mut())
                 .collect();
             if states.len() != group.len() {
-                return false;
+                return None;
             }
-            prop.propose_batch(
-                &last,
-                &hiddens,
-                &positions,
-                n_max,
-                &mut states,
-                ctx,
-                DEFAULT_STREAM,
-                self.wants_confidence().then_some(&mut confs),
-            )
+            call(&inputs, &mut states, ctx)
         };
         let share = t.elapsed() / group.len() as u32;
         match result {
-            Ok(Some(drafts)) if drafts.len() == group.len() => {
-                for (k, (&i, d)) in group.iter().zip(drafts).enumerate() {
-                    let seq = &mut seqs[i];
-                    seq.metrics.draft_time += share;
-                    seq.proposed = true;
-                    self.take_drafts(seq, d, budgets[i], n_max, "propose_batch");
-                    self.trim_drafts(seq, confs.get(k).map(Vec::as_slice));
+            Ok(Some(answers)) if answers.len() == group.len() => {
+                for &i in group {
+                    seqs[i].metrics.draft_time += share;
+                    seqs[i].proposed = true;
                 }
-                true
+                Some(answers)
             }
-            _ => false,
+            _ => None,
         }
+    }
+
+    /// One `propose_batch` call for `group`; false when the caller should propose per
+    /// sequence instead (see [`SpecEngine::run_group`]).
+    pub(super) fn propose_group(
+        &self,
+        prop: &dyn DraftProposer,
+        group: &[usize],
+        budgets: &[usize],
+        seqs: &mut [EngineSequence<T::KvSequence>],
+        ctx: &ForwardContext<'_>,
+    ) -> bool {
+        let n_max = group.iter().map(|&i| budgets[i]).max().unwrap_or(0);
+        let mut confs = Vec::new();
+        let want_conf = self.wants_confidence();
+        let answers = self.run_group(group, seqs, ctx, |x, states, ctx| {
+            prop.propose_batch(
+                &x.last,
+                &x.hiddens,
+                &x.positions,
+                n_max,
+                states,
+                ctx,
+                DEFAULT_STREAM,
+                want_conf.then_some(&mut confs),
+            )
+        });
+        let Some(drafts) = answers else {
+            return false;
+        };
+        for (k, (&i, d)) in group.iter().zip(drafts).enumerate() {
+            let seq = &mut seqs[i];
+            self.take_drafts(seq, d, budgets[i], n_max, "propose_batch");
+            self.trim_drafts(seq, confs.get(k).map(Vec::as_slice));
+        }
+        true
     }
 
     pub(super) fn propose_one(

@@ -1,10 +1,12 @@
 //! Draft trees in the decode step: asking a proposer for a tree, the verify forward with
 //! the tree mask, acceptance of one path, and compacting that path.
 //!
-//! When the engine drafts trees ([`DraftShape::Tree`], a target that takes them), a
-//! sequence that proposes on its own (not in a `propose_batch` group) is asked
-//! `propose_tree` with its draft count as the node budget (a tree gets the rows a chain
-//! would), and the grammar's mask for the next position when it has one. Greedy sequences
+//! When the engine drafts trees ([`DraftShape::Tree`], a target that takes them), the
+//! sequences are grouped as for `propose_batch` and each group asked `propose_tree_batch`
+//! with its draft count as the node budget (a tree gets the rows a chain would); a
+//! sequence under a grammar, and each member of a group the proposer does not batch, is
+//! asked `propose_tree` on its own, with the grammar's mask for the next position when it
+//! has one. Greedy sequences
 //! without a grammar verify their tree with [`verify_tree_greedy`] (the longest accepted
 //! path); sampled ones, and greedy ones under a grammar, walk it with
 //! [`verify_tree_sampled`] (lossless recursive rejection sampling, the sequence's own
@@ -106,15 +108,59 @@ impl<T: Target> SpecEngine<T> {
             stack,
         );
         seq.metrics.draft_time += t.elapsed();
-        let tree = match result {
-            Ok(tree) => tree,
-            Err(e) => return seq.fail_at(Stage::Propose, e),
+        match result {
+            Ok(tree) => {
+                seq.proposed = true;
+                self.take_tree(seq, tree, budget, "propose_tree");
+            }
+            Err(e) => seq.fail_at(Stage::Propose, e),
+        }
+    }
+
+    /// One `propose_tree_batch` call for `group` (equal budgets); false when the caller
+    /// should propose per sequence instead (see [`SpecEngine::run_group`]).
+    pub(super) fn propose_tree_group(
+        &self,
+        prop: &dyn DraftProposer,
+        group: &[usize],
+        budgets: &[usize],
+        seqs: &mut [EngineSequence<T::KvSequence>],
+        ctx: &ForwardContext<'_>,
+    ) -> bool {
+        let budget = group.iter().map(|&i| budgets[i]).max().unwrap_or(0);
+        let answers = self.run_group(group, seqs, ctx, |x, states, ctx| {
+            prop.propose_tree_batch(
+                &x.last,
+                &x.hiddens,
+                &x.positions,
+                budget,
+                states,
+                ctx,
+                DEFAULT_STREAM,
+            )
+        });
+        let Some(trees) = answers else {
+            return false;
         };
-        seq.proposed = true;
+        for (&i, tree) in group.iter().zip(trees) {
+            self.take_tree(&mut seqs[i], tree, budgets[i], "propose_tree_batch");
+        }
+        true
+    }
+
+    /// Checks a proposer's tree against the protocol (a fault ends the sequence) and makes
+    /// it the sequence's drafts: its nodes, and the tree itself where it branches.
+    fn take_tree(
+        &self,
+        seq: &mut EngineSequence<T::KvSequence>,
+        tree: DraftTree,
+        budget: usize,
+        method: &'static str,
+    ) {
         if let Some(fault) = tree.fault(budget, self.target.config().vocab_size) {
             return seq.fail(
                 EngineError::ProposerContract {
-                    method: "propose_tree",
+                    method,
                     message: format!("returned a tree with {fault}"),
                 }
                 .into(),

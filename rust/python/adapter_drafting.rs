@@ -1,5 +1,5 @@
-//! Drafting through the adapter: `propose`, its batched form and its width, its tree form
-//! (`propose_tree`), the verify feedback (`after_verify`) and `read_deferred_draft_token`.
+//! Drafting through the adapter: `propose`, its batched form and its width, its tree forms
+//! (`propose_tree`, `propose_tree_batch`), the verify feedback (`after_verify`) and `read_deferred_draft_token`.
 //!
 //! Each method runs the Rust path when the Python class does not override it, otherwise
 //! calls Python with its arguments converted and checks what comes back.
@@ -8,7 +8,7 @@ use super::adapter::{held, PyProposer, M};
 use super::backend::BackendLease;
 use super::convert::{ptr_list, ret_tokens, ret_usize};
 use super::device_ptr::PyDevicePtr;
-use super::draft_tree::ret_tree;
+use super::draft_tree::{ret_tree, ret_trees};
 use super::model::{PyBufferArena, PyModelConfig};
 use super::state::{with_rust_state, with_rust_states};
 use crate::backend::{DevicePtr, GpuBackend};
@@ -135,6 +135,55 @@ impl PyProposer {
             );
             let r = self.call(py, m, args, kwargs.as_ref())?;
             ret_tree(&r, budget, ctx.config.vocab_size).map_err(|e| self.bad_return(m, e))
+        })
+    }
+
+    /// A Python `propose` or `propose_tree` that the class does not pair with its own
+    /// `propose_tree_batch` is asked per sequence, never bypassed by the Rust batch.
+    pub(super) fn propose_tree_batch(
+        &self,
+        last_tokens: &[u32],
+        target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        budget: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> Result<Option<Vec<DraftTree>>> {
+        let m = M::ProposeTreeBatch;
+        if !self.python(m) {
+            if self.python(M::Propose) || self.python(M::ProposeTree) {
+                return Ok(None);
+            }
+            return with_rust_states(states, m.name(), |s| {
+                self.fallback().propose_tree_batch(
+                    last_tokens,
+                    target_hiddens,
+                    positions,
+                    budget,
+                    s,
+                    ctx,
+                    stream,
+                )
+            });
+        }
+        let helds = states
+            .iter_mut()
+            .map(|s| held(&mut **s, m))
+            .collect::<Result<Vec<_>>>()?;
+        Python::attach(|py| {
+            let args = (
+                last_tokens.to_vec(),
+                self.obj_err(m, ptr_list(py, target_hiddens))?,
+                positions.to_vec(),
+                budget,
+                self.obj_err(m, PyList::new(py, helds.iter().map(|h| h.obj.bind(py))))?,
+                self.ctx_obj(py, ctx, m)?,
+                stream,
+            );
+            let r = self.call(py, m, args, None)?;
+            ret_trees(&r, last_tokens.len(), budget, ctx.config.vocab_size)
+                .map_err(|e| self.bad_return(m, e))
         })
     }
 

@@ -1,5 +1,6 @@
-//! Draft trees across the boundary: what a Python `propose_tree` returns, checked into a
-//! [`DraftTree`], and a `DraftTree` as Python sees one.
+//! Draft trees across the boundary: what a Python `propose_tree` (or `propose_tree_batch`)
+//! returns, checked into a [`DraftTree`] (or one per sequence), and a `DraftTree` as Python
+//! sees one.
 //!
 //! Python's form is `(tokens, parents)` or `(tokens, parents, probs)`: a parent is an
 //! earlier node's index, or -1 (or None) for a child of the last verified token. A return
@@ -69,6 +70,29 @@ pub fn ret_tree(
         Some(fault) => Err(format!("a tree with {fault}")),
         None => Ok(tree),
     }
+}
+
+/// What a Python `propose_tree_batch` returned: `None`, or one tree per each of `n`
+/// sequences (see [`ret_tree`]).
+pub fn ret_trees(
+    obj: &Bound<'_, PyAny>,
+    n: usize,
+    budget: usize,
+    vocab_size: usize,
+) -> Result<Option<Vec<DraftTree>>, String> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    let items = as_items(obj, "None or one tree per sequence")?;
+    if items.len() != n {
+        return Err(format!("{} trees for {n} sequences", items.len()));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, t)| ret_tree(t, budget, vocab_size).map_err(|e| format!("for sequence {i}: {e}")))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 /// `tree` as Python's `(tokens, parents)` or, with probabilities, `(tokens, parents, probs)`.

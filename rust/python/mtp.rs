@@ -180,7 +180,8 @@ impl PyMtpHead {
     }
 
     /// Turns tree growth on or off (off by default): on, `grows_trees()` is true and an
-    /// engine under `draft_shape="tree"` asks the head for an EAGLE-2 tree per sequence.
+    /// engine under `draft_shape="tree"` asks the head for EAGLE-2 trees, grown together
+    /// for the sequences that propose together.
     fn set_grow_trees(&self, on: bool) {
         self.head.set_grow_trees(on);
     }

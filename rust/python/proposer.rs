@@ -534,6 +534,58 @@ impl PyDraftProposer {
         tree_to_py(py, tree)
     }
 
+    /// Proposes a tree of at most `budget` nodes for each sequence at once: a list of
+    /// trees in `propose_tree`'s form, or None when unsupported (then each sequence is
+    /// asked `propose_tree`). No grammar mask: a sequence under a grammar proposes alone.
+    ///
+    /// A Python subclass that overrides `propose` or `propose_tree` but not this gets
+    /// None, so its own method is never bypassed.
+    #[pyo3(signature = (last_tokens, target_hiddens, positions, budget, states, ctx, stream = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn propose_tree_batch<'py>(
+        slf: &Bound<'py, Self>,
+        last_tokens: Vec<u32>,
+        target_hiddens: Vec<PtrArg>,
+        positions: Vec<usize>,
+        budget: usize,
+        states: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyForwardContext>,
+        stream: u64,
+    ) -> PyResult<Option<Vec<Bound<'py, PyTuple>>>> {
+        let py = slf.py();
+        let me = slf.get();
+        let overrides = overridden(slf.as_any())?;
+        let per_sequence = [M::Propose.name(), M::ProposeTree.name()];
+        if me.inner.is_none() || per_sequence.iter().any(|m| overrides.contains(m)) {
+            return Ok(None);
+        }
+        let ctx = ctx.get().to_rust();
+        let hiddens: Vec<DevicePtr> = target_hiddens.iter().map(|p| p.0).collect();
+        let mut srcs = states_arg(states)?;
+        let trees = py
+            .detach(|| {
+                let mut guards = srcs
+                    .iter_mut()
+                    .map(|s| s.lock(M::ProposeTreeBatch.name()))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut refs: Vec<&mut dyn ProposerState> =
+                    guards.iter_mut().map(|g| g.as_state()).collect();
+                me.target().propose_tree_batch(
+                    &last_tokens,
+                    &hiddens,
+                    &positions,
+                    budget,
+                    &mut refs,
+                    &ctx,
+                    stream,
+                )
+            })
+            .py()?;
+        trees
+            .map(|ts| ts.into_iter().map(|t| tree_to_py(py, t)).collect())
+            .transpose()
+    }
+
     /// Appends one drafter row per accepted draft, for several sequences.
     #[pyo3(signature = (tokens, hiddens, first_pos, states, ctx, stream = 0))]
     #[allow(clippy::too_many_arguments)]

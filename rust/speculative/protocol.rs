@@ -1,9 +1,9 @@
-//! The `DraftProposer` protocol: three required methods and twenty-one provided ones, with the
+//! The `DraftProposer` protocol: three required methods and twenty-four provided ones, with the
 //! defaults the specification documents (`target_layer_ids`, which the specification does
 //! not have, asks the engine for the target hiddens of chosen layers).
 //!
 //! The engine drives a proposer in this order: `alloc_state_for` → `prefill_drafter` →
-//! (`propose` | `propose_batch` | `propose_tree`) → verify → `after_verify` (+ `catchup_batch` under
+//! (`propose` | `propose_batch` | `propose_tree` | `propose_tree_batch`) → verify → `after_verify` (+ `catchup_batch` under
 //! `ModelLevers::mtp_kv_exact`) → `take_drafter_kv` / `install_drafter_kv` between turns →
 //! `free_state`. Hidden states at these seams are BF16 `[rows, hidden_size]`; token ids are
 //! `u32`; `DevicePtr` has no `Drop`, so whatever `alloc_state` allocates is freed in
@@ -21,7 +21,8 @@
 //!   grammar mask is given, allowed by it; `propose_batch` returns what per-sequence
 //!   `propose` would, or `None`.
 //! - `propose_tree` returns a well-formed [`DraftTree`] of at most `budget` nodes, each
-//!   token inside the vocabulary and allowed by the grammar mask when one is given.
+//!   token inside the vocabulary and allowed by the grammar mask when one is given;
+//!   `propose_tree_batch` returns what per-sequence `propose_tree` would, or `None`.
 //! - Every `propose` is followed by exactly one `after_verify`, with `num_accepted` at most
 //!   the number of drafts returned, before the next `propose` on the same state (unless the
 //!   sequence ends first, and `free_state` follows instead); a `propose_tree` likewise, by
@@ -132,6 +133,15 @@ macro_rules! with_protocol_methods {
                 grammar_bitmask: Option<&[i32]>,
                 target_hidden_stack: Option<$crate::backend::DevicePtr>,
             ) -> $crate::Result<$crate::speculative::DraftTree>, fallible;
+            ProposeTreeBatch => fn propose_tree_batch(
+                last_tokens: &[u32],
+                target_hiddens: &[$crate::backend::DevicePtr],
+                positions: &[usize],
+                budget: usize,
+                states: &mut [&mut dyn $crate::speculative::ProposerState],
+                ctx: &$crate::model::ForwardContext<'_>,
+                stream: u64,
+            ) -> $crate::Result<Option<Vec<$crate::speculative::DraftTree>>>, fallible;
             GrowsTrees => fn grows_trees() -> bool, default(false);
             AfterVerifyTree => fn after_verify_tree(
                 path: &[usize],
@@ -402,8 +412,9 @@ pub trait DraftProposer: Send + Sync {
     /// For each named layer the engine passes the captured rows as BF16 `[rows, n *
     /// hidden_size]` (`n` ids, side by side in this order): to `propose` as
     /// `target_hidden_stack`, and to `prefill_drafter`, `catchup_drafter` and `catchup_batch`
-    /// as `ctx.target_hidden_stack` (paired row for row with their `hiddens`). Such a
-    /// proposer is proposed per sequence (`propose_batch` is not called for it).
+    /// as `ctx.target_hidden_stack` (paired row for row with their `hiddens`); to
+    /// `propose_batch` and `propose_tree_batch` as `ctx.target_hidden_stacks`, one per
+    /// sequence.
     fn target_layer_ids(&self) -> Vec<usize> {
         Vec::new()
     }
@@ -538,10 +549,30 @@ pub trait DraftProposer: Send + Sync {
         Ok(DraftTree::chain(drafts))
     }
 
+    /// Proposes a tree of at most `budget` nodes for each of `last_tokens.len()` sequences
+    /// at once: what [`Self::propose_tree`] would return for each, without a grammar mask
+    /// or a deferred draft embedding. `Ok(None)` (the default) when unsupported, and the
+    /// caller asks `propose_tree` per sequence. Captured layers come in
+    /// `ctx.target_hidden_stacks`, one per sequence, as for [`Self::propose_batch`], whose
+    /// width ([`Self::propose_batch_max`]) bounds this batch too.
+    fn propose_tree_batch(
+        &self,
+        _last_tokens: &[u32],
+        _target_hiddens: &[DevicePtr],
+        _positions: &[usize],
+        _budget: usize,
+        _states: &mut [&mut dyn ProposerState],
+        _ctx: &ForwardContext<'_>,
+        _stream: u64,
+    ) -> Result<Option<Vec<DraftTree>>> {
+        Ok(None)
+    }
+
     /// Whether [`Self::propose_tree`] grows trees that branch (the default's chain does
     /// not). The engine reads it once, when it is built: under its `"tree"` draft shape it
-    /// asks such a proposer for a tree per sequence (greedy steps without a grammar) instead
-    /// of grouping it into `propose_batch`, and tells it the accepted path through
+    /// asks such a proposer for trees, a group of sequences at a time through
+    /// [`Self::propose_tree_batch`] where it batches (one at a time where it does not, and
+    /// for a sequence under a grammar), and tells it the accepted path through
     /// [`Self::after_verify_tree`] when the tree branched.
     fn grows_trees(&self) -> bool {
         false
@@ -637,7 +668,7 @@ mod tests {
     fn the_method_list_is_the_trait_in_order() {
         let names: Vec<&str> = ProtocolMethod::NAMES.to_vec();
         assert_eq!(trait_methods(), names);
-        assert_eq!(ProtocolMethod::COUNT, 26);
+        assert_eq!(ProtocolMethod::COUNT, 27);
         assert_eq!(
             ProtocolMethod::ALL[..ProtocolMethod::REQUIRED]
                 .iter()

@@ -280,3 +280,32 @@ def test_a_deepseek_v3_target_is_refused_naming_latent_attention(tmp_path, gpu):
     with pytest.raises(specdraft.CheckpointError, match=r"multi-head latent attention \(MLA\)"):
         specdraft.load_model(folder, gpu=gpu)
     assert gpu.live_allocs == 0
+
+
+def test_a_batch_of_trees_is_each_sequences_lone_tree(tmp_path, gpu):
+    folder = write_checkpoint(tmp_path / "t", "deepseek_v3")
+    head = specdraft.MtpHead.from_checkpoint(folder, gpu)
+    ctx = specdraft.ForwardContext(gpu, specdraft.ModelConfig.from_file(folder / "config.json"))
+    rng = np.random.default_rng(2)
+    hid = ref.bf16(rng.uniform(-2, 2, (64, H)).astype(np.float32))
+    ptr = gpu.upload(hid, dtype="bf16")
+    tokens = [int(x) for x in rng.integers(0, VOCAB, 40)]
+    starts = [9, 16, 23]
+    batched = [head.alloc_state_for(gpu, 200) for _ in starts]
+    alone = [head.alloc_state_for(gpu, 200) for _ in starts]
+    for p, a, b in zip(starts, alone, batched, strict=True):
+        head.prefill_drafter(tokens[:p], ptr, a, ctx)
+        head.prefill_drafter(tokens[:p], ptr, b, ctx)
+    rows = [ptr.offset((p - 1) * H * 2) for p in starts]
+    last = [tokens[p] for p in starts]
+    trees = head.propose_tree_batch(last, rows, starts, 6, batched, ctx)
+    assert trees is not None and len(trees) == len(starts)
+    for i, (p, st) in enumerate(zip(starts, alone, strict=True)):
+        assert trees[i] == head.propose_tree(tokens[p], rows[i], p, 6, st, ctx), i
+        tokens_, parents, probs = trees[i]
+        assert len(tokens_) == 6 and parents[0] == -1 and all(0 < q <= 1 for q in probs)
+    assert any(parents[k] != k - 1 for _, parents, _ in trees for k in range(1, 6)), trees
+    for st in batched + alone:
+        head.free_state(gpu, st)
+    gpu.free(ptr)
+    del head

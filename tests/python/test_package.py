@@ -52,7 +52,7 @@ def test_cuda_backend_exists_in_every_build():
 
 
 def test_protocol_method_list_matches_the_base_class():
-    assert len(specdraft.PROTOCOL_METHODS) == 26
+    assert len(specdraft.PROTOCOL_METHODS) == 27
     assert specdraft.PROTOCOL_METHODS[:3] == ["alloc_state", "propose", "after_verify"]
     for name in specdraft.PROTOCOL_METHODS:
         assert callable(getattr(specdraft.DraftProposer, name)), name

@@ -182,3 +182,88 @@ def test_the_base_propose_tree_is_the_chain_of_the_classs_propose(gpu, ctx):
     st = p.alloc_state(gpu)
     p.prefill_drafter([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1], DevicePtr.NULL, st, ctx, 0)
     assert p.propose_tree(2, DevicePtr.NULL, 11, 3, st, ctx) == ([3, 4, 5], [-1, 0, 1])
+
+
+class BatchedTreeLookup(TreeLookup):
+    """TreeLookup that also batches: ``propose_batch`` and ``propose_tree_batch`` answer
+    what the per-sequence methods answer, counting the tree batches. ``batch_flaw`` names
+    one way to break ``propose_tree_batch``'s contract."""
+
+    def __init__(self, batch_flaw: str | None = None) -> None:
+        super().__init__()
+        self.batch_flaw = batch_flaw
+        self.tree_batches = 0
+
+    def propose_batch_max(self, buffers, config):
+        return 4
+
+    def propose_batch(
+        self, last_tokens, target_hiddens, positions, num_drafts, states, ctx, stream=0, **_
+    ):
+        return [
+            self.propose(t, h, p, num_drafts, s, ctx, stream)
+            for t, h, p, s in zip(last_tokens, target_hiddens, positions, states, strict=True)
+        ]
+
+    def propose_tree_batch(
+        self, last_tokens, target_hiddens, positions, budget, states, ctx, stream=0
+    ):
+        self.tree_batches += 1
+        trees = [
+            self.propose_tree(t, h, p, budget, s, ctx, stream)
+            for t, h, p, s in zip(last_tokens, target_hiddens, positions, states, strict=True)
+        ]
+        if self.batch_flaw == "one tree short":
+            trees.pop()
+        elif self.batch_flaw == "a node over the budget":
+            tokens, parents, probs = trees[1]
+            trees[1] = (tokens + [0], parents + [-1], probs + [0.5])
+        return trees
+
+
+def test_a_python_tree_batch_reaches_rust_as_drawn_and_passes_check_proposer(gpu, ctx):
+    p = BatchedTreeLookup()
+    rust = as_rust(p)
+    assert "propose_tree_batch" in rust.python_methods
+    states = [rust.alloc_state(gpu) for _ in range(2)]
+    trees = rust.propose_tree_batch([7, 20], [DevicePtr.NULL] * 2, [3, 3], 4, states, ctx)
+    assert trees == [
+        ([8, 9, 10, 11], [-1, -1, 1, 2], [0.5] * 4),
+        ([21, 22, 23, 24], [-1, -1, 1, 2], [0.5] * 4),
+    ]
+    for st in states:
+        rust.free_state(gpu, st)
+    report = specdraft.check_proposer(BatchedTreeLookup())
+    assert report.ok, str(report)
+    assert "propose_tree_batch" in report.checks_run
+
+
+@pytest.mark.parametrize(
+    ("flaw", "words"),
+    [
+        ("one tree short", "1 trees for 2 sequences"),
+        ("a node over the budget", "for sequence 1: a tree with 5 nodes, over the budget of 4"),
+    ],
+)
+def test_rust_refuses_a_malformed_python_tree_batch(gpu, ctx, flaw, words):
+    rust = as_rust(BatchedTreeLookup(flaw))
+    states = [rust.alloc_state(gpu) for _ in range(2)]
+    with pytest.raises(ProposerError, match=re.escape(f"propose_tree_batch returned {words}")):
+        rust.propose_tree_batch([7, 20], [DevicePtr.NULL] * 2, [3, 3], 4, states, ctx)
+    for st in states:
+        rust.free_state(gpu, st)
+    report = specdraft.check_proposer(BatchedTreeLookup(flaw))
+    assert any(v.check == "propose_tree_batch" for v in report.violations), str(report)
+
+
+def test_a_proposer_with_its_own_tree_but_no_tree_batch_is_asked_per_sequence(gpu, ctx):
+    rust = as_rust(TreeLookup())
+    states = [rust.alloc_state(gpu) for _ in range(2)]
+    got, seen = python_calls_during(
+        lambda: rust.propose_tree_batch([7, 20], [DevicePtr.NULL] * 2, [3, 3], 4, states, ctx)
+    )
+    assert got is None and "propose_tree" not in seen, seen
+    # The base class says the same of a subclass that overrides propose_tree.
+    assert TreeLookup().propose_tree_batch([7], [DevicePtr.NULL], [3], 4, states[:1], ctx) is None
+    for st in states:
+        rust.free_state(gpu, st)

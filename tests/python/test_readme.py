@@ -15,7 +15,14 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-WORDS = {"three": 3, "twenty": 20, "twenty-one": 21, "twenty-two": 22, "twenty-three": 23}
+WORDS = {
+    "three": 3,
+    "twenty": 20,
+    "twenty-one": 21,
+    "twenty-two": 22,
+    "twenty-three": 23,
+    "twenty-four": 24,
+}
 
 
 def test_the_protocol_method_count_is_the_modules() -> None:

@@ -28,6 +28,7 @@ mod mla;
 mod rope_angles;
 mod shared_out;
 
+pub(crate) use attention::math::exp_nonpositive;
 pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
 
 use crate::backend::kernels::CheckedMemory;

@@ -4,12 +4,15 @@
 //! would get, in `ctx.target_hidden_stacks`, as the engine passes them.
 
 use super::driver::{guarded, Checker, Sequence};
+use super::report::ConformanceReport;
 use crate::backend::DevicePtr;
 use crate::model::ForwardContext;
 use crate::speculative::ProposerState;
 
 /// Drives the twins through `propose_batch` and compares with the per-sequence drafts.
-/// Returns false once the proposer says batching is unsupported.
+/// Returns false once the proposer says batching is unsupported; the twins that were not
+/// batched that step then propose alone, as they do from then on ([`lone_step`]), so they
+/// stay in step with the originals.
 pub(super) fn batch_step(
     checker: &mut Checker<'_>,
     twins: &mut [(Sequence, Sequence)],
@@ -20,55 +23,29 @@ pub(super) fn batch_step(
     let live: Vec<usize> = (0..twins.len())
         .filter(|&i| twins[i].1.state.is_some() && per_seq[i].is_some())
         .collect();
-    for group in live.chunks(width.min(live.len().max(1))) {
-        let last: Vec<u32> = group
-            .iter()
-            .map(|&i| twins[i].1.truth[twins[i].1.pos])
-            .collect();
-        let hiddens: Vec<DevicePtr> = group
-            .iter()
-            .map(|&i| checker.hidden_for(&twins[i].1))
-            .collect();
-        let positions: Vec<usize> = group.iter().map(|&i| twins[i].1.pos).collect();
-        let stacks: Option<Vec<DevicePtr>> = group
-            .iter()
-            .map(|&i| checker.stack_for(&twins[i].1))
-            .collect();
-        let mut taken: Vec<Box<dyn ProposerState>> = group
-            .iter()
-            .filter_map(|&i| twins[i].1.state.take())
-            .collect();
+    let groups: Vec<&[usize]> = live.chunks(width.min(live.len().max(1))).collect();
+    for (g, &group) in groups.iter().enumerate() {
         let mut conf = Vec::new();
-        let ctx = &ForwardContext {
-            target_hidden_stacks: stacks.as_deref(),
-            ..checker.ctx.clone()
-        };
-        let result = {
-            let mut states: Vec<&mut dyn ProposerState> = taken
-                .iter_mut()
-                .map(|s| -> &mut dyn ProposerState { &mut **s })
-                .collect();
-            guarded(&mut checker.report, "propose_batch", || {
+        let result = call_group(checker, twins, group, |report, x, states, ctx| {
+            guarded(report, "propose_batch", || {
                 p.propose_batch(
-                    &last,
-                    &hiddens,
-                    &positions,
+                    &x.last,
+                    &x.hiddens,
+                    &x.positions,
                     n,
-                    &mut states,
+                    states,
                     ctx,
                     0,
                     Some(&mut conf),
                 )
             })
-        };
-        for (&i, s) in group.iter().zip(taken) {
-            twins[i].1.state = Some(s);
-        }
+        });
         let drafts = match result {
             Some(Some(d)) => d,
             Some(None) => {
-                for (_, b) in twins.iter_mut() {
-                    checker.end(b);
+                // Unsupported: this group and the rest propose alone, to stay in step.
+                for &i in groups[g..].iter().copied().flatten() {
+                    lone_step(checker, &mut twins[i].1);
                 }
                 return false;
             }
@@ -120,4 +97,61 @@ pub(super) fn batch_step(
         }
     }
     true
+}
+
+/// One per-sequence `propose` and simulated verify for `seq`.
+pub(super) fn lone_step(checker: &mut Checker<'_>, seq: &mut Sequence) {
+    if let Some(drafts) = checker.propose_one(seq, None) {
+        let k = checker.judge("propose", seq, &drafts, None);
+        checker.advance(seq, k);
+    }
+}
+
+/// What a batched propose reads of each member of its group, in the group's order.
+pub(super) struct GroupInputs {
+    pub last: Vec<u32>,
+    pub hiddens: Vec<DevicePtr>,
+    pub positions: Vec<usize>,
+}
+
+/// Runs `call` over the twins (`.1`) of `group`: their inputs, their states (lent for the
+/// call and put back after), and a context carrying their captured rows in
+/// `ctx.target_hidden_stacks`, as the engine passes them.
+pub(super) fn call_group<R>(
+    checker: &mut Checker<'_>,
+    twins: &mut [(Sequence, Sequence)],
+    group: &[usize],
+    call: impl FnOnce(
+        &mut ConformanceReport,
+        &GroupInputs,
+        &mut [&mut dyn ProposerState],
+        &ForwardContext<'_>,
+    ) -> R,
+) -> R {
+    let seq = |i: usize| &twins[i].1;
+    let inputs = GroupInputs {
+        last: group.iter().map(|&i| seq(i).truth[seq(i).pos]).collect(),
+        hiddens: group.iter().map(|&i| checker.hidden_for(seq(i))).collect(),
+        positions: group.iter().map(|&i| seq(i).pos).collect(),
+    };
+    let stacks: Option<Vec<DevicePtr>> = group.iter().map(|&i| checker.stack_for(seq(i))).collect();
+    let mut taken: Vec<Box<dyn ProposerState>> = group
+        .iter()
+        .filter_map(|&i| twins[i].1.state.take())
+        .collect();
+    let ctx = &ForwardContext {
+        target_hidden_stacks: stacks.as_deref(),
+        ..checker.ctx.clone()
+    };
+    let result = {
+        let mut states: Vec<&mut dyn ProposerState> = taken
+            .iter_mut()
+            .map(|s| -> &mut dyn ProposerState { &mut **s })
+            .collect();
+        call(&mut checker.report, &inputs, &mut states, ctx)
+    };
+    for (&i, s) in group.iter().zip(taken) {
+        twins[i].1.state = Some(s);
+    }
+    result
 }

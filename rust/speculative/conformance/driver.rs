@@ -1,9 +1,9 @@
 //! The lifecycle the checker drives: setup, twin sequences, grammar probe, trees, KV carry,
 //! leaks.
 
-use super::batch::batch_step;
+use super::batch::{batch_step, lone_step};
 use super::kv_carry::check_kv_carry;
-use super::tree::check_trees;
+use super::tree::{check_tree_batch, check_trees};
 use super::{CheckOptions, ConformanceReport};
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
@@ -501,9 +501,14 @@ fn drive(checker: &mut Checker<'_>, twins: &mut [(Sequence, Sequence)], rng: &mu
         }
         if batch_supported {
             batch_supported = batch_step(checker, twins, &per_seq, width);
+        } else {
+            for (_, b) in twins.iter_mut() {
+                lone_step(checker, b);
+            }
         }
     }
 
+    check_tree_batch(checker, twins, width);
     check_trees(checker, &mut twins[0].0, rng);
     check_kv_carry(checker, &mut twins[0].0);
 }

@@ -4,9 +4,10 @@
 //! The checker plays the engine: it allocates state with a token budget, prefills the
 //! drafter with a prompt and its hiddens, then alternates `propose` and a simulated verify
 //! against a known continuation, calling `after_verify` with the accepted count. Alongside it
-//! runs a twin of every sequence through `propose_batch` and compares the drafts, probes the
-//! grammar mask, asks one sequence for trees (with and without a mask) and checks their
-//! shape, moves drafter KV out and back in, and finally checks that `free_state`
+//! runs a twin of every sequence through `propose_batch` (alone once the proposer says it
+//! does not batch) and compares the drafts, probes the grammar mask, asks every sequence for
+//! a tree and its twin for the same tree through `propose_tree_batch`, asks one sequence for
+//! trees (with and without a mask) and checks their shape, moves drafter KV out and back in, and finally checks that `free_state`
 //! returned every byte. Proposers must be deterministic given the same state and inputs.
 //! A proposer that names `target_layer_ids` is given synthetic captured rows as the engine
 //! gives them: `ctx.target_hidden_stack` at its prefill, and at each propose the rows of the

@@ -2,8 +2,11 @@
 //! at most `budget` nodes, tokens inside the vocabulary, probabilities in `[0, 1]`), and
 //! every node obeys the grammar mask when one is given. The simulated verify accepts the
 //! tree's longest path that matches the continuation, and `after_verify` is told its length
-//! (`after_verify_tree` the path itself when the tree branches).
+//! (`after_verify_tree` the path itself when the tree branches). The batched check asks the
+//! twins for trees through `propose_tree_batch`, which must grow what `propose_tree` grew for
+//! the originals at the same point.
 
+use super::batch::call_group;
 use super::driver::{guarded, Checker, Sequence};
 use crate::speculative::{bitmask_allows, DraftTree};
 use rand::rngs::SmallRng;
@@ -19,37 +22,110 @@ pub(super) fn check_trees(checker: &mut Checker<'_>, seq: &mut Sequence, rng: &m
         let Some(tree) = propose_tree(checker, seq, mask.as_deref()) else {
             return;
         };
-        let (budget, vocab) = (checker.options.num_drafts, checker.options.vocab_size);
-        if let Some(fault) = tree.fault(budget, vocab) {
-            checker.report.violate(
-                "propose_tree",
-                format!("returned a tree with {fault}"),
-                FIX_SHAPE,
-            );
-            checker.end(seq);
+        if !settle_tree(checker, seq, &tree, mask.as_deref(), "propose_tree") {
             return;
         }
-        if let Some(mask) = &mask {
-            if let Some((node, &bad)) = tree
-                .tokens
-                .iter()
-                .enumerate()
-                .find(|(_, &t)| !bitmask_allows(mask, t))
-            {
-                checker.report.violate(
-                    "propose_tree: grammar mask",
-                    format!("node {node} drafted token {bad}, which the grammar_bitmask forbids"),
-                    "draft under every node only tokens whose bit in grammar_bitmask is set",
-                );
+    }
+}
+
+/// Asks every live twin pair for a tree: the original through `propose_tree`, the twins a
+/// group of at most `width` at a time through `propose_tree_batch`, whose trees must equal
+/// the originals'. Both advance along their trees' accepted paths. A proposer that does
+/// not batch trees (`Ok(None)`) is not checked further.
+pub(super) fn check_tree_batch(
+    checker: &mut Checker<'_>,
+    twins: &mut [(Sequence, Sequence)],
+    width: usize,
+) {
+    let (p, budget) = (checker.proposer, checker.options.num_drafts);
+    let live: Vec<usize> = (0..twins.len())
+        .filter(|&i| twins[i].0.state.is_some() && twins[i].1.state.is_some())
+        .collect();
+    let mut per_seq: Vec<Option<DraftTree>> = vec![None; twins.len()];
+    for &i in &live {
+        let (a, _) = &mut twins[i];
+        if let Some(tree) = propose_tree(checker, a, None) {
+            if settle_tree(checker, a, &tree, None, "propose_tree") {
+                per_seq[i] = Some(tree);
             }
         }
-        let path = tree.accepted_path(&seq.truth[seq.pos + 1..]);
-        if tree.is_chain() {
-            checker.advance(seq, path.len());
-        } else {
-            checker.advance_tree(seq, &path);
+    }
+    let live: Vec<usize> = live.into_iter().filter(|&i| per_seq[i].is_some()).collect();
+    for group in live.chunks(width.min(live.len().max(1))) {
+        let result = call_group(checker, twins, group, |report, x, states, ctx| {
+            guarded(report, "propose_tree_batch", || {
+                p.propose_tree_batch(&x.last, &x.hiddens, &x.positions, budget, states, ctx, 0)
+            })
+        });
+        let trees = match result {
+            Some(Some(trees)) if trees.len() == group.len() => trees,
+            Some(None) => return,
+            Some(Some(trees)) => {
+                checker.report.violate(
+                    "propose_tree_batch",
+                    format!("returned {} trees, asked for {}", trees.len(), group.len()),
+                    "return one tree per sequence, in order",
+                );
+                group.iter().for_each(|&i| checker.end(&mut twins[i].1));
+                continue;
+            }
+            None => {
+                group.iter().for_each(|&i| checker.end(&mut twins[i].1));
+                continue;
+            }
+        };
+        checker.report.ran("propose_tree_batch");
+        for (&i, tree) in group.iter().zip(&trees) {
+            if Some(tree) != per_seq[i].as_ref() {
+                checker.report.violate(
+                    "propose_tree_batch vs propose_tree",
+                    format!("sequence {i}: propose_tree_batch grew {tree:?}, propose_tree grew {:?}", per_seq[i]),
+                    "propose_tree_batch must return exactly what per-sequence propose_tree returns (or Ok(None) if unsupported)",
+                );
+            }
+            settle_tree(checker, &mut twins[i].1, tree, None, "propose_tree_batch");
         }
     }
+}
+
+/// Checks `tree` (what `method` returned for `seq`, under `mask` if any) and advances `seq`
+/// along its accepted path; false when the tree is malformed and `seq` was ended.
+fn settle_tree(
+    checker: &mut Checker<'_>,
+    seq: &mut Sequence,
+    tree: &DraftTree,
+    mask: Option<&[i32]>,
+    method: &str,
+) -> bool {
+    let (budget, vocab) = (checker.options.num_drafts, checker.options.vocab_size);
+    if let Some(fault) = tree.fault(budget, vocab) {
+        checker
+            .report
+            .violate(method, format!("returned a tree with {fault}"), FIX_SHAPE);
+        checker.end(seq);
+        return false;
+    }
+    if let Some(mask) = mask {
+        if let Some((node, &bad)) = tree
+            .tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| !bitmask_allows(mask, t))
+        {
+            checker.report.violate(
+                &format!("{method}: grammar mask"),
+                format!("node {node} drafted token {bad}, which the grammar_bitmask forbids"),
+                "draft under every node only tokens whose bit in grammar_bitmask is set",
+            );
+        }
+    }
+    let path = tree.accepted_path(&seq.truth[seq.pos + 1..]);
+    if tree.is_chain() {
+        checker.advance(seq, path.len());
+    } else {
+        checker.advance_tree(seq, &path);
+    }
+    true
 }
 
 fn propose_tree(

@@ -19,8 +19,9 @@
 //! - accepted drafts keep the KV rows written when they were drafted (`mtp_kv_exact` does not
 //!   apply: `catchup_batch` writes nothing).
 //! - `propose_batch` drafts as `propose` does for each sequence, from the last row of its
-//!   entry in `ctx.target_hidden_stacks`, in the MTP head's batched draft loop; without
-//!   those rows it fails saying so.
+//!   entry in `ctx.target_hidden_stacks`, in the MTP head's batched draft loop, and
+//!   `propose_tree_batch` grows what `propose_tree` would, in the MTP head's batched tree
+//!   growth; without those rows both fail saying so.
 
 use super::head::Eagle3Head;
 use crate::backend::{DevicePtr, GpuBackend};
@@ -50,7 +51,7 @@ impl Eagle3State {
 
 fn needs_capture(method: &'static str) -> crate::Error {
     let field = match method {
-        "propose_batch" => "ctx.target_hidden_stacks",
+        "propose_batch" | "propose_tree_batch" => "ctx.target_hidden_stacks",
         _ => "target_hidden_stack",
     };
     bad(
@@ -97,6 +98,46 @@ impl Eagle3Head {
             }
         };
         Ok(stack.offset(back * self.head.spec.target_row_bytes()))
+    }
+
+    /// A batched method of the MTP head for `n` sequences, `call(rows, inner states)`, given
+    /// each sequence's row paired with its last token (from `ctx.target_hidden_stacks`);
+    /// each state is then marked as proposed from its position when the head batched.
+    fn batched<A>(
+        &self,
+        method: &'static str,
+        n: usize,
+        positions: &[usize],
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        call: impl FnOnce(&[DevicePtr], &mut [&mut dyn ProposerState]) -> crate::Result<Option<A>>,
+    ) -> crate::Result<Option<A>> {
+        let stacks = ctx
+            .target_hidden_stacks
+            .ok_or_else(|| needs_capture(method))?;
+        ProposerError::check_batch(
+            method,
+            n,
+            &[
+                ("captured row sets", stacks.len()),
+                ("positions", positions.len()),
+                ("states", states.len()),
+            ],
+        )?;
+        let mut rows = Vec::with_capacity(n);
+        let mut inner: Vec<&mut dyn ProposerState> = Vec::with_capacity(n);
+        for (i, s) in states.iter_mut().enumerate() {
+            let st = self.state(&mut **s, method)?;
+            rows.push(self.last_stack_row(st, stacks[i], positions[i])?);
+            inner.push(&mut st.inner);
+        }
+        let answer = call(&rows, &mut inner)?;
+        if answer.is_some() {
+            for (s, &p) in states.iter_mut().zip(positions) {
+                self.state(&mut **s, method)?.proposed_at = Some(p);
+            }
+        }
+        Ok(answer)
     }
 }
 
@@ -304,42 +345,55 @@ impl DraftProposer for Eagle3Head {
         stream: u64,
         out_conf: Option<&mut Vec<Vec<f32>>>,
     ) -> crate::Result<Option<Vec<Vec<u32>>>> {
-        let stacks = ctx
-            .target_hidden_stacks
-            .ok_or_else(|| needs_capture("propose_batch"))?;
-        let n = last_tokens.len();
-        ProposerError::check_batch(
+        self.batched(
             "propose_batch",
-            n,
-            &[
-                ("captured row sets", stacks.len()),
-                ("positions", positions.len()),
-                ("states", states.len()),
-            ],
-        )?;
-        let mut rows = Vec::with_capacity(n);
-        let mut inner: Vec<&mut dyn ProposerState> = Vec::with_capacity(n);
-        for (i, s) in states.iter_mut().enumerate() {
-            let st = self.state(&mut **s, "propose_batch")?;
-            rows.push(self.last_stack_row(st, stacks[i], positions[i])?);
-            inner.push(&mut st.inner);
-        }
-        let drafts = self.head.propose_batch(
-            last_tokens,
-            &rows,
+            last_tokens.len(),
             positions,
-            num_drafts,
-            &mut inner,
+            states,
             ctx,
-            stream,
-            out_conf,
-        )?;
-        if drafts.is_some() {
-            for (s, &p) in states.iter_mut().zip(positions) {
-                self.state(&mut **s, "propose_batch")?.proposed_at = Some(p);
-            }
-        }
-        Ok(drafts)
+            |rows, inner| {
+                self.head.propose_batch(
+                    last_tokens,
+                    rows,
+                    positions,
+                    num_drafts,
+                    inner,
+                    ctx,
+                    stream,
+                    out_conf,
+                )
+            },
+        )
+    }
+
+    fn propose_tree_batch(
+        &self,
+        last_tokens: &[u32],
+        _target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        budget: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> crate::Result<Option<Vec<DraftTree>>> {
+        self.batched(
+            "propose_tree_batch",
+            last_tokens.len(),
+            positions,
+            states,
+            ctx,
+            |rows, inner| {
+                self.head.propose_tree_batch(
+                    last_tokens,
+                    rows,
+                    positions,
+                    budget,
+                    inner,
+                    ctx,
+                    stream,
+                )
+            },
+        )
     }
 
     fn propose_batch_max(&self, buffers: &BufferArena, config: &ModelConfig) -> usize {

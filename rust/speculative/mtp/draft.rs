@@ -91,6 +91,29 @@ impl MtpHead {
         Ok(())
     }
 
+    /// Checks each sequence's token and position (every one before any state changes),
+    /// then settles each state before its position and forgets its last drafts.
+    pub(crate) fn start_drafts(
+        &self,
+        method: &'static str,
+        seqs: &mut [DraftSeq<'_>],
+    ) -> crate::Result<()> {
+        for s in seqs.iter() {
+            self.check_token(method, s.token)?;
+            if s.position == 0 {
+                return Err(bad(
+                    method,
+                    "position must be at least 1: the hidden paired with last_token is computed at position - 1".into(),
+                ));
+            }
+        }
+        for s in seqs.iter_mut() {
+            s.state.settle_before(&self.kv, s.position)?;
+            s.state.last_drafts.clear();
+        }
+        Ok(())
+    }
+
     pub(crate) fn check_token(&self, method: &'static str, token: u32) -> crate::Result<()> {
         let vocab = self.spec.config.vocab_size;
         if token as usize >= vocab {
@@ -123,17 +146,7 @@ impl MtpHead {
                 return Err(bad(method, "a grammar mask applies to one sequence".into()));
             }
         }
-        for s in seqs.iter_mut() {
-            self.check_token(method, s.token)?;
-            if s.position == 0 {
-                return Err(bad(
-                    method,
-                    "position must be at least 1: the hidden paired with last_token is computed at position - 1".into(),
-                ));
-            }
-            s.state.settle_before(&self.kv, s.position)?;
-            s.state.last_drafts.clear();
-        }
+        self.start_drafts(method, seqs)?;
         if num_drafts == 0 && self.defers_rows() {
             self.defer_verified_rows(gpu, seqs, stream)?;
             if let Some(c) = conf {

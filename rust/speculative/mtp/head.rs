@@ -55,8 +55,8 @@ pub struct MtpHead {
     /// Whether a propose of no drafts defers its row's KV write to the sequence's next
     /// drafting propose (on by default; off writes it at once).
     pub(crate) defer_rows: std::sync::atomic::AtomicBool,
-    /// Whether `grows_trees()` answers true, so an engine asks `propose_tree` (off by
-    /// default: a tree is proposed per sequence, never in a `propose_batch`).
+    /// Whether `grows_trees()` answers true, so an engine asks for trees (off by default:
+    /// on a CPU a tree's extra nodes, each a verify row and a head step, did not pay).
     pub(crate) grow_trees: std::sync::atomic::AtomicBool,
 }
 

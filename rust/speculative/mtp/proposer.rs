@@ -164,31 +164,73 @@ impl DraftProposer for MtpHead {
             )?;
             return Ok(DraftTree::chain(drafts));
         }
-        let gpu = ctx.gpu.as_ref();
-        let st = self.state_mut(state, "propose_tree")?;
-        self.check_token("propose_tree", last_token)?;
-        if position == 0 {
-            return Err(bad(
-                "propose_tree",
-                "position must be at least 1: the hidden paired with last_token is computed at position - 1".into(),
-            ));
-        }
         if let Some(m) = grammar_bitmask {
             self.check_mask(m)?;
         }
-        st.settle_before(&self.kv, position)?;
-        st.last_drafts.clear();
-        self.flush_deferred(gpu, &mut [&mut *st], stream)?;
-        self.grow_tree(
-            gpu,
-            st,
-            last_token,
-            target_hidden,
+        let seq = DraftSeq {
+            state: self.state_mut(state, "propose_tree")?,
+            token: last_token,
+            hidden: target_hidden,
             position,
-            budget,
+        };
+        let mut trees = self.propose_trees(
+            "propose_tree",
+            ctx,
+            &mut [seq],
             grammar_bitmask,
+            budget,
             stream,
-        )
+        )?;
+        Ok(trees.pop().unwrap_or_default())
+    }
+
+    fn propose_tree_batch(
+        &self,
+        last_tokens: &[u32],
+        target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        budget: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> crate::Result<Option<Vec<DraftTree>>> {
+        let method = "propose_tree_batch";
+        let n = last_tokens.len();
+        ProposerError::check_batch(
+            method,
+            n,
+            &[
+                ("hiddens", target_hiddens.len()),
+                ("positions", positions.len()),
+                ("states", states.len()),
+            ],
+        )?;
+        ProposerError::check_width(method, n, MTP_MAX_BATCH)?;
+        if budget == 0 || self.runner().is_some() {
+            // As `propose_tree`: the chains `propose_batch` drafts (none under a runner).
+            let chains = self.propose_batch(
+                last_tokens,
+                target_hiddens,
+                positions,
+                budget,
+                states,
+                ctx,
+                stream,
+                None,
+            )?;
+            return Ok(chains.map(|c| c.into_iter().map(DraftTree::chain).collect()));
+        }
+        let mut seqs = Vec::with_capacity(n);
+        for (i, s) in states.iter_mut().enumerate() {
+            seqs.push(DraftSeq {
+                state: self.state_mut(&mut **s, method)?,
+                token: last_tokens[i],
+                hidden: target_hiddens[i],
+                position: positions[i],
+            });
+        }
+        self.propose_trees(method, ctx, &mut seqs, None, budget, stream)
+            .map(Some)
     }
 
     fn grows_trees(&self) -> bool {

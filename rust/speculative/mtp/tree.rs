@@ -34,10 +34,12 @@
 //!   pay for a verify row, and a node's probability lies in (0, 1].
 
 use super::bad;
+use super::draft::DraftSeq;
 use super::forward::{Depth, HiddenKind, Row, Scratch};
 use super::head::MtpHead;
 use super::state::{DrafterKv, MtpState, DRAFTER_BLOCK_SIZE};
-use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use crate::backend::{exp_nonpositive, DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use crate::model::ForwardContext;
 use crate::speculative::DraftTree;
 use std::collections::BinaryHeap;
 
@@ -92,6 +94,27 @@ struct Candidate {
 
 crate::speculative::draft_tree::order_by_reach!(Candidate);
 
+/// One tree while it grows.
+struct Growth {
+    tree: DraftTree,
+    pending: PendingTree,
+    heap: BinaryHeap<Candidate>,
+    /// Candidates offered so far (their offer order).
+    offered: usize,
+    /// Rows of `hidden_buf` written: one per row run.
+    hidden_rows: usize,
+    /// The output hidden of every row run, `[budget, hidden]`.
+    hidden_buf: DevicePtr,
+    /// The device block table of the node being run.
+    table: DevicePtr,
+    position: usize,
+    /// The grammar mask over draft ids.
+    draft_mask: Option<Vec<i32>>,
+    /// The row the coming forward runs for this tree: `(path probability, node, depth of
+    /// its children)`, the node `None` for the verified token.
+    running: Option<(f64, Option<usize>, usize)>,
+}
+
 /// The `k` highest logits among the ids `allowed` keeps, highest first (ties to the lower
 /// id, as the argmax kernel picks), each with its softmax probability over every id.
 /// Non-finite logits and probabilities that round to 0 in f32 are left out.
@@ -100,19 +123,10 @@ pub(crate) fn top_children(
     k: usize,
     allowed: impl Fn(usize) -> bool,
 ) -> Vec<(usize, f64)> {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|l| l.is_finite())
-        .fold(f32::NEG_INFINITY, f32::max);
+    let (max, sum) = softmax_scale(logits);
     if !max.is_finite() || k == 0 {
         return Vec::new();
     }
-    let sum: f64 = logits
-        .iter()
-        .filter(|l| l.is_finite())
-        .map(|&l| (f64::from(l) - f64::from(max)).exp())
-        .sum();
     let mut best: Vec<(usize, f32)> = Vec::with_capacity(k + 1);
     for (id, &l) in logits.iter().enumerate() {
         if !l.is_finite() || (best.len() == k && l <= best[k - 1].1) || !allowed(id) {
@@ -128,153 +142,299 @@ pub(crate) fn top_children(
         .collect()
 }
 
+/// Lanes of [`softmax_scale`]'s loops: independent partial results, so that the loops
+/// vectorise (the compiler does not reorder a single f32 running sum).
+const LANES: usize = 16;
+
+/// The largest finite logit and the softmax denominator `sum(exp(l - max))` over the finite
+/// logits (`-inf` and 0 when there is none). Every node run reads all of the draft vocabulary
+/// here, so the sum runs in f32 lanes through the vectorisable exp (within 2 ulp a term),
+/// then adds the lanes in f64: several times faster than an f64 `exp` a logit, and within
+/// 1e-6 of it.
+fn softmax_scale(logits: &[f32]) -> (f32, f64) {
+    let finite = |l: f32| if l.is_finite() { l } else { f32::NEG_INFINITY };
+    let mut top = [f32::NEG_INFINITY; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (m, &l) in top.iter_mut().zip(c) {
+            *m = m.max(finite(l));
+        }
+    }
+    let rest = chunks.remainder();
+    let max = rest
+        .iter()
+        .map(|&l| finite(l))
+        .chain(top)
+        .fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return (max, 0.0);
+    }
+    let term = |l: f32| {
+        if l.is_finite() {
+            exp_nonpositive(l - max)
+        } else {
+            0.0
+        }
+    };
+    let mut sums = [0.0f32; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (s, &l) in sums.iter_mut().zip(c) {
+            *s += term(l);
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&l| f64::from(term(l))).sum();
+    (max, sums.iter().map(|&s| f64::from(s)).sum::<f64>() + tail)
+}
+
 impl MtpHead {
     /// Turns tree growth on or off (off by default): on, `grows_trees()` is true and an
-    /// engine under the `"tree"` draft shape asks `propose_tree` per sequence. A
-    /// `propose_tree` grows a tree either way.
+    /// engine under the `"tree"` draft shape asks for trees (`propose_tree_batch` for the
+    /// sequences that propose together). `propose_tree` and `propose_tree_batch` grow trees
+    /// either way.
     pub fn set_grow_trees(&self, on: bool) {
         self.grow_trees
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Grows a tree of at most `budget >= 1` nodes for `st` (settled, nothing deferred; see
-    /// the module doc) and leaves it pending in the state.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn grow_tree(
+    /// `propose_tree` for each of `seqs`: checks and settles every state, writes any
+    /// deferred rows, then grows the trees together.
+    pub(crate) fn propose_trees(
+        &self,
+        method: &'static str,
+        ctx: &ForwardContext<'_>,
+        seqs: &mut [DraftSeq<'_>],
+        mask: Option<&[i32]>,
+        budget: usize,
+        stream: u64,
+    ) -> crate::Result<Vec<DraftTree>> {
+        let gpu = ctx.gpu.as_ref();
+        self.start_drafts(method, seqs)?;
+        let mut states: Vec<&mut MtpState> = seqs.iter_mut().map(|s| &mut *s.state).collect();
+        self.flush_deferred(gpu, &mut states, stream)?;
+        self.grow_trees(gpu, seqs, mask, budget, stream)
+    }
+
+    /// Grows a tree of at most `budget >= 1` nodes for each of `seqs` (each state settled,
+    /// nothing deferred; see the module doc) and leaves each pending in its state. `mask`
+    /// (over target ids) holds every tree's nodes. The
+    /// trees grow in lockstep: the verified tokens' rows run in one forward, then each
+    /// round takes every tree's next node and runs all of those that need a row in one
+    /// forward. Each tree is the one it would be grown alone: a row's outputs do not depend
+    /// on the other rows of its forward, and each tree's choices read only its own rows.
+    pub(crate) fn grow_trees(
         &self,
         gpu: &dyn GpuBackend,
-        st: &mut MtpState,
-        token: u32,
-        hidden: DevicePtr,
-        position: usize,
-        budget: usize,
+        seqs: &mut [DraftSeq<'_>],
         mask: Option<&[i32]>,
+        budget: usize,
         stream: u64,
-    ) -> crate::Result<DraftTree> {
-        let mut tree = DraftTree {
-            tokens: Vec::new(),
-            parents: Vec::new(),
-            probs: Some(Vec::new()),
-        };
-        if st.reserve(gpu, &self.kv, 1)? == 0 {
-            // Budget or pool exhausted: nothing to draft from, as for a chain.
-            return Ok(DraftTree::default());
-        }
-        let (hidden_buf, table) = self.tree_buffers(gpu, st, budget)?;
-        let row_bytes = self.spec.config.hidden_size * Dtype::Bf16.size();
+    ) -> crate::Result<Vec<DraftTree>> {
         let draft_mask = mask.map(|m| self.spec.draft_mask(m));
-        let allowed = |d: usize| {
-            draft_mask
-                .as_ref()
-                .is_none_or(|m| (m[d / 32] >> (d % 32)) & 1 == 1)
-        };
+        let mut growths: Vec<Option<Growth>> = Vec::with_capacity(seqs.len());
+        let mut roots = Vec::new();
+        let mut tables = Vec::new();
+        for seq in seqs.iter_mut() {
+            let st = &mut *seq.state;
+            if st.reserve(gpu, &self.kv, 1)? == 0 {
+                // Budget or pool exhausted: nothing to draft from, as for a chain.
+                growths.push(None);
+                continue;
+            }
+            let (hidden_buf, table) = self.tree_buffers(gpu, st, budget)?;
+            let root_row = st.rows();
+            roots.push(Row {
+                token: seq.token,
+                hidden: seq.hidden,
+                position: seq.position,
+                seq: tables.len(),
+                slot: st.slot(root_row).unwrap_or(0),
+                ctx_len: root_row + 1,
+            });
+            tables.push((st.table, st.capacity_blocks));
+            growths.push(Some(Growth {
+                tree: DraftTree {
+                    tokens: Vec::new(),
+                    parents: Vec::new(),
+                    probs: Some(Vec::new()),
+                },
+                pending: PendingTree {
+                    root_row,
+                    root_key: seq.position - 1,
+                    parents: Vec::new(),
+                    blocks: Vec::new(),
+                },
+                heap: BinaryHeap::new(),
+                offered: 0,
+                hidden_rows: 0,
+                hidden_buf,
+                table,
+                position: seq.position,
+                draft_mask: draft_mask.clone(),
+                running: None,
+            }));
+        }
         let sc = self.lock_scratch();
-        let root_row = st.rows();
-        let root = Row {
-            token,
-            hidden,
-            position,
-            seq: 0,
-            slot: st.slot(root_row).unwrap_or(0),
-            ctx_len: root_row + 1,
+        let grown = (|| -> crate::Result<()> {
+            self.spec.forward_rows(
+                gpu,
+                &sc,
+                &roots,
+                &tables,
+                HiddenKind::Target,
+                Depth::Logits,
+                stream,
+            )?;
+            let mut at = 0;
+            let mut ran = Vec::new();
+            for (seq, g) in seqs.iter_mut().zip(&mut growths) {
+                if let Some(g) = g {
+                    seq.state.pair_keys.push(g.pending.root_key);
+                    seq.state.pending = 1;
+                    g.running = Some((1.0, None, 1));
+                    ran.push((at, g));
+                    at += 1;
+                }
+            }
+            self.offer_children(gpu, &sc, &mut ran, stream)?;
+            loop {
+                let mut rows = Vec::new();
+                let mut tables = Vec::new();
+                let mut ran = Vec::new();
+                for (seq, g) in seqs.iter_mut().zip(&mut growths) {
+                    let Some(g) = g else { continue };
+                    if let Some(mut row) = self.next_node(gpu, seq.state, g, budget, stream)? {
+                        row.seq = rows.len();
+                        tables.push((g.table, seq.state.capacity_blocks));
+                        ran.push((rows.len(), g));
+                        rows.push(row);
+                    }
+                }
+                if rows.is_empty() {
+                    return Ok(());
+                }
+                self.spec.forward_rows(
+                    gpu,
+                    &sc,
+                    &rows,
+                    &tables,
+                    HiddenKind::Chain,
+                    Depth::Logits,
+                    stream,
+                )?;
+                self.offer_children(gpu, &sc, &mut ran, stream)?;
+            }
+        })();
+        drop(sc);
+        let mut trees = Vec::with_capacity(seqs.len());
+        for (seq, g) in seqs.iter_mut().zip(growths) {
+            let Some(g) = g else {
+                trees.push(DraftTree::default());
+                continue;
+            };
+            // Every node's blocks stay with the state, so a failed growth frees them later.
+            seq.state.tree = Some(g.pending);
+            seq.state.last_drafts = g.tree.tokens.clone();
+            trees.push(g.tree);
+        }
+        grown?;
+        Ok(trees)
+    }
+
+    /// Takes `g`'s best candidates as nodes until one needs a row run (returned, its table
+    /// written), the budget is full or no candidate is left (`None`).
+    fn next_node(
+        &self,
+        gpu: &dyn GpuBackend,
+        st: &MtpState,
+        g: &mut Growth,
+        budget: usize,
+        stream: u64,
+    ) -> crate::Result<Option<Row>> {
+        while g.tree.tokens.len() < budget {
+            let Some(c) = g.heap.pop() else { break };
+            let node = g.tree.tokens.len();
+            g.tree.tokens.push(c.token);
+            g.tree.parents.push(c.parent);
+            g.tree
+                .probs
+                .get_or_insert_with(Vec::new)
+                .push(c.prob as f32);
+            g.pending.parents.push(c.parent);
+            g.pending.blocks.push(None);
+            if g.tree.tokens.len() == budget {
+                break;
+            }
+            let Some(blocks) =
+                self.branch_blocks(gpu, st, &g.pending, c.parent, c.depth, stream)?
+            else {
+                continue;
+            };
+            let b0 = g.pending.first_block();
+            let mut ids: Vec<u32> = st.blocks[..b0].to_vec();
+            ids.extend(&blocks);
+            gpu.write(g.table, &ids, stream)?;
+            let row = g.pending.root_row + c.depth;
+            let slot = blocks[row / DRAFTER_BLOCK_SIZE - b0] * DRAFTER_BLOCK_SIZE as u32
+                + (row % DRAFTER_BLOCK_SIZE) as u32;
+            g.pending.blocks[node] = Some(blocks);
+            g.running = Some((c.reach, Some(node), c.depth + 1));
+            return Ok(Some(Row {
+                token: c.token,
+                hidden: g.hidden_buf.offset(c.hidden_row * self.tree_row_bytes()),
+                position: g.position + c.depth,
+                seq: 0,
+                slot,
+                ctx_len: row + 1,
+            }));
+        }
+        Ok(None)
+    }
+
+    /// After a forward whose row `i` ran `g`'s running node, for each `(i, g)` in `ran`:
+    /// keeps the row's output hidden and offers its top [`TREE_TOP_K`] children.
+    fn offer_children(
+        &self,
+        gpu: &dyn GpuBackend,
+        sc: &Scratch,
+        ran: &mut [(usize, &mut Growth)],
+        stream: u64,
+    ) -> crate::Result<()> {
+        let Some(rows) = ran.iter().map(|(i, _)| i + 1).max() else {
+            return Ok(());
         };
-        let tables = [(st.table, st.capacity_blocks)];
-        self.spec.forward_rows(
-            gpu,
-            &sc,
-            &[root],
-            &tables,
-            HiddenKind::Target,
-            Depth::Logits,
-            stream,
-        )?;
-        st.pair_keys.push(position - 1);
-        st.pending = 1;
-        let mut pending = PendingTree {
-            root_row,
-            root_key: position - 1,
-            parents: Vec::new(),
-            blocks: Vec::new(),
-        };
-        let mut heap = BinaryHeap::new();
-        let mut offered = 0;
-        let mut hidden_rows = 0;
-        let mut offer = |heap: &mut BinaryHeap<Candidate>,
-                         sc: &Scratch,
-                         reach: f64,
-                         parent: Option<usize>,
-                         depth: usize|
-         -> crate::Result<()> {
-            let at = hidden_buf.offset(hidden_rows * row_bytes);
-            gpu.copy_dtod(at, self.spec.chain_hidden(sc, 0), row_bytes, stream)?;
-            let logits = gpu.download::<f32>(sc.logits, self.spec.draft_vocab)?;
-            for (d, prob) in top_children(&logits, TREE_TOP_K, allowed) {
-                heap.push(Candidate {
+        let vocab = self.spec.draft_vocab;
+        let row_bytes = self.tree_row_bytes();
+        let logits = gpu.download::<f32>(sc.logits, rows * vocab)?;
+        for (i, g) in ran.iter_mut() {
+            let Some((reach, parent, depth)) = g.running.take() else {
+                continue;
+            };
+            let at = g.hidden_buf.offset(g.hidden_rows * row_bytes);
+            gpu.copy_dtod(at, self.spec.chain_hidden(sc, *i), row_bytes, stream)?;
+            let mask = g.draft_mask.as_deref();
+            let allowed = |d: usize| mask.is_none_or(|m| (m[d / 32] >> (d % 32)) & 1 == 1);
+            let row = &logits[*i * vocab..(*i + 1) * vocab];
+            for (d, prob) in top_children(row, TREE_TOP_K, allowed) {
+                g.heap.push(Candidate {
                     reach: reach * prob,
                     prob,
                     token: self.spec.to_target(d as u32),
                     parent,
                     depth,
-                    hidden_row: hidden_rows,
-                    order: offered,
+                    hidden_row: g.hidden_rows,
+                    order: g.offered,
                 });
-                offered += 1;
+                g.offered += 1;
             }
-            hidden_rows += 1;
-            Ok(())
-        };
-        let grown = (|| -> crate::Result<()> {
-            offer(&mut heap, &sc, 1.0, None, 1)?;
-            while tree.tokens.len() < budget {
-                let Some(c) = heap.pop() else { break };
-                let node = tree.tokens.len();
-                tree.tokens.push(c.token);
-                tree.parents.push(c.parent);
-                tree.probs.get_or_insert_with(Vec::new).push(c.prob as f32);
-                pending.parents.push(c.parent);
-                pending.blocks.push(None);
-                if tree.tokens.len() == budget {
-                    break;
-                }
-                let Some(blocks) =
-                    self.branch_blocks(gpu, st, &pending, c.parent, c.depth, stream)?
-                else {
-                    continue;
-                };
-                let b0 = pending.first_block();
-                let mut ids: Vec<u32> = st.blocks[..b0].to_vec();
-                ids.extend(&blocks);
-                gpu.write(table, &ids, stream)?;
-                let row = root_row + c.depth;
-                let slot = blocks[row / DRAFTER_BLOCK_SIZE - b0] * DRAFTER_BLOCK_SIZE as u32
-                    + (row % DRAFTER_BLOCK_SIZE) as u32;
-                pending.blocks[node] = Some(blocks);
-                let r = Row {
-                    token: c.token,
-                    hidden: hidden_buf.offset(c.hidden_row * row_bytes),
-                    position: position + c.depth,
-                    seq: 0,
-                    slot,
-                    ctx_len: row + 1,
-                };
-                self.spec.forward_rows(
-                    gpu,
-                    &sc,
-                    &[r],
-                    &[(table, st.capacity_blocks)],
-                    HiddenKind::Chain,
-                    Depth::Logits,
-                    stream,
-                )?;
-                offer(&mut heap, &sc, c.reach, Some(node), c.depth + 1)?;
-            }
-            Ok(())
-        })();
-        drop(sc);
-        st.tree = Some(pending);
-        grown?;
-        st.last_drafts = tree.tokens.clone();
-        Ok(tree)
+            g.hidden_rows += 1;
+        }
+        Ok(())
+    }
+
+    /// Bytes of one hidden row of a tree's buffer.
+    fn tree_row_bytes(&self) -> usize {
+        self.spec.config.hidden_size * Dtype::Bf16.size()
     }
 
     /// Fresh blocks for a node at `depth` under `parent` (the verified token for `None`),
@@ -399,7 +559,7 @@ impl MtpHead {
 
 #[cfg(test)]
 mod tests {
-    use super::top_children;
+    use super::{softmax_scale, top_children};
 
     #[test]
     fn children_are_the_top_logits_with_softmax_probabilities() {
@@ -411,14 +571,40 @@ mod tests {
             .iter()
             .map(|l| (l - 3.0f64).exp())
             .sum();
-        assert!((got[0].1 - 1.0 / z).abs() < 1e-12);
-        assert!((got[2].1 - (-1.0f64).exp() / z).abs() < 1e-12);
+        let close = |p: f64, want: f64| (p - want).abs() <= 1e-6 * want;
+        assert!(close(got[0].1, 1.0 / z), "{} vs {}", got[0].1, 1.0 / z);
+        assert!(close(got[2].1, (-1.0f64).exp() / z));
         let masked: Vec<usize> = top_children(&logits, 2, |d| d != 1)
             .iter()
             .map(|c| c.0)
             .collect();
         assert_eq!(masked, [2, 4]);
         assert!(top_children(&logits, 2, |_| false).is_empty());
+    }
+
+    #[test]
+    fn the_softmax_scale_is_the_f64_one_over_the_finite_logits() {
+        // 1000 logits (not a multiple of the lanes), some not finite, spread over 60 units.
+        let logits: Vec<f32> = (0..1000)
+            .map(|i| match i % 97 {
+                5 => f32::NEG_INFINITY,
+                11 => f32::NAN,
+                _ => ((i * 7919) % 6000) as f32 / 100.0 - 30.0,
+            })
+            .collect();
+        let finite = || {
+            logits
+                .iter()
+                .filter(|l| l.is_finite())
+                .map(|&l| f64::from(l))
+        };
+        let max = finite().fold(f64::NEG_INFINITY, f64::max);
+        let want: f64 = finite().map(|l| (l - max).exp()).sum();
+        let (got_max, got) = softmax_scale(&logits);
+        assert_eq!(f64::from(got_max), max);
+        assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+        assert_eq!(softmax_scale(&[f32::NAN, f32::NEG_INFINITY]).1, 0.0);
+        assert!(softmax_scale(&[]).0.is_infinite());
     }
 
     #[test]

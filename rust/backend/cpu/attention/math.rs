@@ -153,7 +153,7 @@ pub(super) const EXP_POLY: [f32; 6] = [
 /// polynomial, Cody-Waite reduction) rather than calling `f32::exp` so that it vectorises
 /// and gives the same bits on every platform and instruction set.
 #[inline(always)]
-pub(in crate::backend::cpu) fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     // Written as a comparison so that a NaN passes through.
     let x = if x < EXP_FLOOR { EXP_FLOOR } else { x };
     let t = x * std::f32::consts::LOG2_E + EXP_MAGIC;

@@ -32,7 +32,7 @@
 //! compiled with those features enabled (lane-wise multiplies and adds, no reassociation),
 //! which is why they match the portable path bit for bit.
 
-pub(super) mod math;
+pub(crate) mod math;
 mod plan;
 mod reader;
 #[cfg(target_arch = "x86_64")]

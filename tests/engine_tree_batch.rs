@@ -1,0 +1,232 @@
+//! Draft trees in batches through the engine: under the tree draft shape, sequences that
+//! propose together are asked `propose_tree_batch` (the real `MtpHead`, growing trees, on a
+//! table target); a sequence under a grammar, and a group the proposer does not batch,
+//! are asked `propose_tree` alone; greedy output equals plain greedy output either way;
+//! nothing leaks.
+
+mod engine_common;
+mod mtp_common;
+
+use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend};
+use specdraft::engine::testing::TableTarget;
+use specdraft::engine::{DraftPolicyKind, GenerateRequest, GrammarMatcher, SpecEngine};
+use specdraft::memory::BufferArena;
+use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
+use specdraft::speculative::{DraftProposer, DraftTree, MtpHead, MtpQuantization, ProposerState};
+use specdraft::Result;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// `MtpHead` (growing trees) with its tree calls counted; `batches` false answers
+/// `propose_tree_batch` with `None`, as a proposer that does not batch trees.
+struct Counted {
+    inner: Arc<MtpHead>,
+    batches: bool,
+    tree_batches: AtomicUsize,
+    batched_sequences: AtomicUsize,
+    lone_trees: AtomicUsize,
+}
+
+#[allow(clippy::too_many_arguments)]
+impl DraftProposer for Counted {
+    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
+        self.inner.alloc_state(gpu)
+    }
+    fn alloc_state_for(&self, gpu: &dyn GpuBackend, b: usize) -> Result<Box<dyn ProposerState>> {
+        self.inner.alloc_state_for(gpu, b)
+    }
+    fn propose(
+        &self,
+        last: u32,
+        h: DevicePtr,
+        pos: usize,
+        n: usize,
+        s: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        st: u64,
+        d: Option<DevicePtr>,
+        m: Option<&[i32]>,
+        k: Option<DevicePtr>,
+    ) -> Result<Vec<u32>> {
+        self.inner.propose(last, h, pos, n, s, ctx, st, d, m, k)
+    }
+    fn after_verify(&self, a: usize, s: &mut dyn ProposerState, st: u64) -> Result<()> {
+        self.inner.after_verify(a, s, st)
+    }
+    fn prefill_drafter(
+        &self,
+        p: &[u32],
+        h: DevicePtr,
+        s: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        st: u64,
+    ) -> Result<usize> {
+        self.inner.prefill_drafter(p, h, s, ctx, st)
+    }
+    fn propose_batch_max(&self, b: &BufferArena, c: &ModelConfig) -> usize {
+        self.inner.propose_batch_max(b, c)
+    }
+    fn propose_tree(
+        &self,
+        last: u32,
+        h: DevicePtr,
+        pos: usize,
+        budget: usize,
+        s: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        st: u64,
+        d: Option<DevicePtr>,
+        m: Option<&[i32]>,
+        k: Option<DevicePtr>,
+    ) -> Result<DraftTree> {
+        self.lone_trees.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .propose_tree(last, h, pos, budget, s, ctx, st, d, m, k)
+    }
+    fn propose_tree_batch(
+        &self,
+        last: &[u32],
+        h: &[DevicePtr],
+        positions: &[usize],
+        budget: usize,
+        s: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        st: u64,
+    ) -> Result<Option<Vec<DraftTree>>> {
+        if !self.batches {
+            return Ok(None);
+        }
+        self.tree_batches.fetch_add(1, Ordering::Relaxed);
+        self.batched_sequences
+            .fetch_add(last.len(), Ordering::Relaxed);
+        self.inner
+            .propose_tree_batch(last, h, positions, budget, s, ctx, st)
+    }
+    fn grows_trees(&self) -> bool {
+        self.inner.grows_trees()
+    }
+    fn after_verify_tree(&self, p: &[usize], s: &mut dyn ProposerState, st: u64) -> Result<()> {
+        self.inner.after_verify_tree(p, s, st)
+    }
+    fn free_state(&self, gpu: &dyn GpuBackend, s: &mut dyn ProposerState) -> Result<()> {
+        self.inner.free_state(gpu, s)
+    }
+    fn prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
+        self.inner.prefill_hidden_rows(max_seq_len)
+    }
+}
+
+/// A grammar that allows every token: greedy output stays plain greedy output.
+struct AllowAll(usize);
+
+impl GrammarMatcher for AllowAll {
+    fn fill_mask(&mut self, mask: &mut [i32]) -> Result<()> {
+        for t in 0..self.0 {
+            mask[t / 32] |= 1 << (t % 32);
+        }
+        Ok(())
+    }
+    fn advance(&mut self, _token: u32) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![1, 2, 3, 4, 5, 1, 2, 3],
+        vec![50, 60, 70, 80, 50, 60],
+        vec![7; 9],
+        vec![33, 34, 35, 36, 37],
+    ]
+}
+
+fn tokens(g: specdraft::engine::Generation) -> Vec<Vec<u32>> {
+    g.results
+        .into_iter()
+        .map(|r| {
+            assert!(r.error.is_none(), "{:?}", r.error);
+            r.tokens
+        })
+        .collect()
+}
+
+#[test]
+fn sequences_that_propose_together_grow_their_trees_in_one_batch() {
+    let dir = mtp_common::scratch_dir("engine_tree_batch");
+    mtp_common::write_checkpoint(&dir, "deepseek_v3", 5);
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let levers = ModelLevers::default();
+    let head = Arc::new(
+        MtpHead::from_checkpoint(
+            &dir,
+            gpu.clone(),
+            MtpQuantization::Bf16,
+            0,
+            512,
+            256,
+            &levers,
+        )
+        .unwrap(),
+    );
+    head.set_grow_trees(true);
+    let target =
+        Arc::new(TableTarget::new(gpu.clone(), mtp_common::VOCAB, 512, 64, 2, 0.1).unwrap());
+    let plain = SpecEngine::new(target.clone(), None, 0).unwrap();
+    let base = tokens(plain.generate(engine_common::requests(&prompts(), 24)));
+    for batches in [true, false] {
+        let counted = Arc::new(Counted {
+            inner: head.clone(),
+            batches,
+            tree_batches: AtomicUsize::new(0),
+            batched_sequences: AtomicUsize::new(0),
+            lone_trees: AtomicUsize::new(0),
+        });
+        let engine = SpecEngine::new(
+            target.clone(),
+            Some(counted.clone() as Arc<dyn DraftProposer>),
+            5,
+        )
+        .unwrap()
+        .with_draft_policy(DraftPolicyKind::Fixed);
+        assert!(engine.drafts_trees());
+        let g = engine.generate(engine_common::requests(&prompts(), 24));
+        assert!(g.metrics.drafted > 0);
+        assert_eq!(tokens(g), base, "batches {batches}");
+        let (b, seqs, lone) = (
+            counted.tree_batches.load(Ordering::Relaxed),
+            counted.batched_sequences.load(Ordering::Relaxed),
+            counted.lone_trees.load(Ordering::Relaxed),
+        );
+        if batches {
+            // Four sequences step together, apart from the steps near their ends.
+            assert!(
+                b > 0 && seqs > 3 * b,
+                "{b} tree batches of {seqs} sequences"
+            );
+            assert_eq!(lone, 0, "a batching proposer was asked for lone trees");
+        } else {
+            assert_eq!(b, 0);
+            assert!(
+                lone > 0,
+                "a group the proposer did not batch was not asked alone"
+            );
+        }
+        // A sequence under a grammar proposes its tree alone, beside a batch.
+        counted.lone_trees.store(0, Ordering::Relaxed);
+        let mut requests = engine_common::requests(&prompts(), 12);
+        requests[0] = GenerateRequest::new(prompts()[0].clone(), 12)
+            .with_grammar(Box::new(AllowAll(mtp_common::VOCAB)));
+        let g = engine.generate(requests);
+        let got = tokens(g);
+        for (i, t) in got.iter().enumerate() {
+            assert_eq!(t[..], base[i][..12], "grammar run, prompt {i}");
+        }
+        assert!(counted.lone_trees.load(Ordering::Relaxed) > 0);
+        assert_eq!(target.live_sequences(), 0);
+    }
+    drop((plain, target));
+    let (total, free) = head.kv_blocks();
+    assert_eq!(total, free, "drafter KV blocks still held");
+    drop(head);
+    assert_eq!(gpu.ledger().live_count(), 0);
+}
