@@ -16,48 +16,9 @@ fn fixture(name: &str, levers: ModelLevers) -> Fixture {
     Fixture::new(name, "deepseek_v3", levers, MtpQuantization::Bf16)
 }
 
-fn propose_tree(
-    f: &Fixture,
-    state: &mut dyn ProposerState,
-    pos: usize,
-    budget: usize,
-) -> DraftTree {
-    f.head()
-        .propose_tree(
-            f.tokens[pos],
-            f.hidden(pos - 1),
-            pos,
-            budget,
-            state,
-            &f.ctx,
-            0,
-            None,
-            None,
-            None,
-        )
-        .unwrap()
-}
-
-fn rows_of(f: &Fixture, state: &mut dyn ProposerState) -> Vec<Vec<u16>> {
-    let n = f.head().drafter_rows(state);
-    (0..n)
-        .map(|r| f.head().drafter_kv_row(f.gpu.as_ref(), state, r).unwrap())
-        .collect()
-}
-
 fn keys(state: &mut dyn ProposerState) -> Vec<usize> {
     let st: &MtpState = state.as_any().downcast_ref().unwrap();
     st.pair_keys().to_vec()
-}
-
-/// The path from the first root child to `node`, root side first.
-fn path_to(tree: &DraftTree, node: usize) -> Vec<usize> {
-    let mut path = vec![node];
-    while let Some(p) = tree.parents[*path.last().unwrap()] {
-        path.push(p);
-    }
-    path.reverse();
-    path
 }
 
 /// Whether `node` is not the first child its parent was given.
@@ -89,7 +50,7 @@ fn the_reference_chain_writes_proposes_rows() {
         .unwrap();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&got_logits), bits(&want_logits));
-    assert_eq!(rows_of(&f, &mut *b), rows_of(&f, &mut *a));
+    assert_eq!(f.drafter_kv_rows(&mut *b), f.drafter_kv_rows(&mut *a));
     assert_eq!(keys(&mut *b), keys(&mut *a));
     for mut s in [a, b] {
         head.free_state(f.gpu.as_ref(), &mut *s).unwrap();
@@ -118,7 +79,7 @@ fn a_tree_is_grown_best_first_from_the_heads_top_choices() {
     f.prefill(&mut *t, 10);
     f.prefill(&mut *r, 10);
     let budget = 9;
-    let tree = propose_tree(&f, &mut *t, 10, budget);
+    let tree = f.propose_tree(&mut *t, 10, budget);
     assert_eq!(tree.fault(budget, VOCAB), None);
     assert_eq!(tree.len(), budget);
     assert!(!tree.is_chain(), "{tree:?}");
@@ -196,7 +157,7 @@ fn the_kept_path_holds_a_chains_rows_bit_for_bit() {
         let (mut t, mut c) = (f.state(), f.state());
         f.prefill(&mut *t, start);
         f.prefill(&mut *c, start);
-        let tree = propose_tree(&f, &mut *t, start, 8);
+        let tree = f.propose_tree(&mut *t, start, 8);
         let has_child = |n: usize| tree.parents.contains(&Some(n));
         // The deepest node that was run (it has children) off the greedy branch, else the
         // deepest that was run.
@@ -226,7 +187,7 @@ fn the_kept_path_holds_a_chains_rows_bit_for_bit() {
         )
         .unwrap();
         assert_eq!(keys(&mut *t), keys(&mut *c), "start {start}");
-        let (got, want) = (rows_of(&f, &mut *t), rows_of(&f, &mut *c));
+        let (got, want) = (f.drafter_kv_rows(&mut *t), f.drafter_kv_rows(&mut *c));
         for (r, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, w, "start {start}, path {path:?}: row {r} differs");
         }
@@ -260,12 +221,12 @@ fn the_rows_kept_follow_the_chain_rule() {
         let mut s = f.state();
         f.prefill(&mut *s, 12);
         // Nothing accepted: the verified row alone stays.
-        let tree = propose_tree(&f, &mut *s, 12, 6);
+        let tree = f.propose_tree(&mut *s, 12, 6);
         assert!(!tree.is_chain());
         head.after_verify_tree(&[], &mut *s, 0).unwrap();
         assert_eq!(head.drafter_rows(&mut *s), 12);
         // A path to a leaf keeps the rows of the nodes that were run: all but the leaf.
-        let tree = propose_tree(&f, &mut *s, 13, 6);
+        let tree = f.propose_tree(&mut *s, 13, 6);
         let leaf = (0..tree.len())
             .rev()
             .find(|&n| tree.parents[n].is_some() && !tree.parents.contains(&Some(n)))
@@ -278,12 +239,12 @@ fn the_rows_kept_follow_the_chain_rule() {
         // A tree of one node is a chain, settled by after_verify: its one node was not
         // run, so the verified row alone is added.
         let before = head.drafter_rows(&mut *s);
-        let tree = propose_tree(&f, &mut *s, pos, 1);
+        let tree = f.propose_tree(&mut *s, pos, 1);
         assert!(tree.is_chain() && tree.len() == 1);
         head.after_verify(1, &mut *s, 0).unwrap();
         assert_eq!(head.drafter_rows(&mut *s), before + 1);
         // A path that is not one is refused, and the tree's blocks still come back.
-        let tree = propose_tree(&f, &mut *s, pos + 1, 6);
+        let tree = f.propose_tree(&mut *s, pos + 1, 6);
         let orphan = (0..tree.len())
             .find(|&n| tree.parents[n].is_some())
             .unwrap();

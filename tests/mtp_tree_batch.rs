@@ -19,23 +19,6 @@ fn fixture(name: &str) -> Fixture {
     )
 }
 
-fn rows_of(f: &Fixture, state: &mut dyn ProposerState) -> Vec<Vec<u16>> {
-    let n = f.head().drafter_rows(state);
-    (0..n)
-        .map(|r| f.head().drafter_kv_row(f.gpu.as_ref(), state, r).unwrap())
-        .collect()
-}
-
-/// The path from a root child to `node`, root side first.
-fn path_to(tree: &DraftTree, node: usize) -> Vec<usize> {
-    let mut path = vec![node];
-    while let Some(p) = tree.parents[*path.last().unwrap()] {
-        path.push(p);
-    }
-    path.reverse();
-    path
-}
-
 fn batch(
     f: &Fixture,
     starts: &[usize],
@@ -50,23 +33,6 @@ fn batch(
         .collect();
     f.head()
         .propose_tree_batch(&last, &hiddens, starts, budget, &mut refs, &f.ctx, 0)
-}
-
-fn lone(f: &Fixture, state: &mut dyn ProposerState, pos: usize, budget: usize) -> DraftTree {
-    f.head()
-        .propose_tree(
-            f.tokens[pos],
-            f.hidden(pos - 1),
-            pos,
-            budget,
-            state,
-            &f.ctx,
-            0,
-            None,
-            None,
-            None,
-        )
-        .unwrap()
 }
 
 #[test]
@@ -87,7 +53,7 @@ fn a_batch_grows_each_sequences_lone_tree_and_keeps_its_path() {
         let trees = batch(&f, &starts, budget, &mut batched).unwrap().unwrap();
         assert_eq!(trees.len(), starts.len());
         for (i, tree) in trees.iter().enumerate() {
-            let want = lone(&f, &mut *alone[i], starts[i], budget);
+            let want = f.propose_tree(&mut *alone[i], starts[i], budget);
             assert_eq!(tree, &want, "round {round}, sequence {i}");
             assert!(tree.len() <= budget);
             branched += usize::from(!tree.is_chain());
@@ -104,7 +70,10 @@ fn a_batch_grows_each_sequences_lone_tree_and_keeps_its_path() {
             let path = path_to(tree, node);
             head.after_verify_tree(&path, &mut *batched[i], 0).unwrap();
             head.after_verify_tree(&path, &mut *alone[i], 0).unwrap();
-            let (got, want) = (rows_of(&f, &mut *batched[i]), rows_of(&f, &mut *alone[i]));
+            let (got, want) = (
+                f.drafter_kv_rows(&mut *batched[i]),
+                f.drafter_kv_rows(&mut *alone[i]),
+            );
             assert_eq!(got.len(), want.len(), "round {round}, sequence {i}");
             for (r, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g, w, "round {round}, sequence {i}: drafter row {r} differs");

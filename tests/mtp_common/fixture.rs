@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
-use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization, ProposerState};
+use specdraft::speculative::{DraftProposer, DraftTree, MtpHead, MtpQuantization, ProposerState};
 use std::sync::Arc;
 
 pub struct Fixture {
@@ -84,6 +84,41 @@ impl Fixture {
                 None,
             )
             .unwrap()
+    }
+
+    /// `propose_tree` of `budget` nodes after the token at `pos`.
+    pub fn propose_tree(
+        &self,
+        state: &mut dyn ProposerState,
+        pos: usize,
+        budget: usize,
+    ) -> DraftTree {
+        self.head()
+            .propose_tree(
+                self.tokens[pos],
+                self.hidden(pos - 1),
+                pos,
+                budget,
+                state,
+                &self.ctx,
+                0,
+                None,
+                None,
+                None,
+            )
+            .unwrap()
+    }
+
+    /// Every drafter KV row `state` holds, as raw BF16 bits.
+    pub fn drafter_kv_rows(&self, state: &mut dyn ProposerState) -> Vec<Vec<u16>> {
+        let n = self.head().drafter_rows(state);
+        (0..n)
+            .map(|r| {
+                self.head()
+                    .drafter_kv_row(self.gpu.as_ref(), state, r)
+                    .unwrap()
+            })
+            .collect()
     }
 
     /// Drops the head and checks that the pool was full and the ledger is now empty.

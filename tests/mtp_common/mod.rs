@@ -240,3 +240,13 @@ pub fn write_checkpoint_with(dir: &Path, layout: &str, seed: u64, moe: bool) -> 
     std::fs::write(dir.join("config.json"), config.to_string()).expect("write config");
     dir.to_path_buf()
 }
+
+/// The path from a root child of `tree` to `node`, root side first.
+pub fn path_to(tree: &specdraft::speculative::DraftTree, node: usize) -> Vec<usize> {
+    let mut path = vec![node];
+    while let Some(p) = tree.parents[*path.last().unwrap()] {
+        path.push(p);
+    }
+    path.reverse();
+    path
+}

@@ -195,17 +195,7 @@ impl DraftProposer for MtpHead {
         stream: u64,
     ) -> crate::Result<Option<Vec<DraftTree>>> {
         let method = "propose_tree_batch";
-        let n = last_tokens.len();
-        ProposerError::check_batch(
-            method,
-            n,
-            &[
-                ("hiddens", target_hiddens.len()),
-                ("positions", positions.len()),
-                ("states", states.len()),
-            ],
-        )?;
-        ProposerError::check_width(method, n, MTP_MAX_BATCH)?;
+        check_batch(method, last_tokens, target_hiddens, positions, states)?;
         if budget == 0 || self.runner().is_some() {
             // As `propose_tree`: the chains `propose_batch` drafts (none under a runner).
             let chains = self.propose_batch(
@@ -220,15 +210,7 @@ impl DraftProposer for MtpHead {
             )?;
             return Ok(chains.map(|c| c.into_iter().map(DraftTree::chain).collect()));
         }
-        let mut seqs = Vec::with_capacity(n);
-        for (i, s) in states.iter_mut().enumerate() {
-            seqs.push(DraftSeq {
-                state: self.state_mut(&mut **s, method)?,
-                token: last_tokens[i],
-                hidden: target_hiddens[i],
-                position: positions[i],
-            });
-        }
+        let mut seqs = self.draft_seqs(method, last_tokens, target_hiddens, positions, states)?;
         self.propose_trees(method, ctx, &mut seqs, None, budget, stream)
             .map(Some)
     }
@@ -357,30 +339,13 @@ impl DraftProposer for MtpHead {
         stream: u64,
         out_conf: Option<&mut Vec<Vec<f32>>>,
     ) -> crate::Result<Option<Vec<Vec<u32>>>> {
-        let n = last_tokens.len();
-        ProposerError::check_batch(
-            "propose_batch",
-            n,
-            &[
-                ("hiddens", target_hiddens.len()),
-                ("positions", positions.len()),
-                ("states", states.len()),
-            ],
-        )?;
-        ProposerError::check_width("propose_batch", n, MTP_MAX_BATCH)?;
+        let method = "propose_batch";
+        check_batch(method, last_tokens, target_hiddens, positions, states)?;
         if self.runner().is_some() && num_drafts > 0 {
             // The circuit runner drafts one sequence at a time.
             return Ok(None);
         }
-        let mut seqs = Vec::with_capacity(n);
-        for (i, s) in states.iter_mut().enumerate() {
-            seqs.push(DraftSeq {
-                state: self.state_mut(&mut **s, "propose_batch")?,
-                token: last_tokens[i],
-                hidden: target_hiddens[i],
-                position: positions[i],
-            });
-        }
+        let mut seqs = self.draft_seqs(method, last_tokens, target_hiddens, positions, states)?;
         self.draft(
             ctx.gpu.as_ref(),
             &mut seqs,
@@ -489,5 +454,50 @@ impl DraftProposer for MtpHead {
             return;
         }
         *self.runner.write().unwrap_or_else(|e| e.into_inner()) = runner;
+    }
+}
+
+/// Refuses a batch whose lists differ in length from `last_tokens`, or one wider than the
+/// head drafts at once, naming `method`.
+fn check_batch(
+    method: &'static str,
+    last_tokens: &[u32],
+    target_hiddens: &[DevicePtr],
+    positions: &[usize],
+    states: &[&mut dyn ProposerState],
+) -> crate::Result<()> {
+    let n = last_tokens.len();
+    ProposerError::check_batch(
+        method,
+        n,
+        &[
+            ("hiddens", target_hiddens.len()),
+            ("positions", positions.len()),
+            ("states", states.len()),
+        ],
+    )?;
+    Ok(ProposerError::check_width(method, n, MTP_MAX_BATCH)?)
+}
+
+impl MtpHead {
+    /// Each sequence of a checked batch as the draft loops take it.
+    fn draft_seqs<'s>(
+        &self,
+        method: &'static str,
+        last_tokens: &[u32],
+        target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        states: &'s mut [&mut dyn ProposerState],
+    ) -> crate::Result<Vec<DraftSeq<'s>>> {
+        let mut seqs = Vec::with_capacity(states.len());
+        for (i, s) in states.iter_mut().enumerate() {
+            seqs.push(DraftSeq {
+                state: self.state_mut(&mut **s, method)?,
+                token: last_tokens[i],
+                hidden: target_hiddens[i],
+                position: positions[i],
+            });
+        }
+        Ok(seqs)
     }
 }
