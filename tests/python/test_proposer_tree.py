@@ -238,6 +238,28 @@ def test_a_python_tree_batch_reaches_rust_as_drawn_and_passes_check_proposer(gpu
     assert "propose_tree_batch" in report.checks_run
 
 
+class TreeBatchOnly(TreeLookup):
+    """TreeLookup with ``propose_tree_batch`` but no ``propose_batch``: chains one at a
+    time, trees in batches."""
+
+    def propose_batch_max(self, buffers, config):
+        return 4
+
+    def propose_tree_batch(
+        self, last_tokens, target_hiddens, positions, budget, states, ctx, stream=0
+    ):
+        return [
+            self.propose_tree(t, h, p, budget, s, ctx, stream)
+            for t, h, p, s in zip(last_tokens, target_hiddens, positions, states, strict=True)
+        ]
+
+
+def test_tree_batches_are_checked_without_chain_batches():
+    report = specdraft.check_proposer(TreeBatchOnly())
+    assert report.ok, str(report)
+    assert "propose_tree_batch" in report.checks_run
+
+
 @pytest.mark.parametrize(
     ("flaw", "words"),
     [
