@@ -28,6 +28,18 @@ use crate::speculative::{bitmask_words, DraftProposer, ProposerState};
 use crate::Result;
 use std::time::{Duration, Instant};
 
+/// What a lone propose reads of its sequence.
+pub(super) struct LoneInputs<'m> {
+    pub last: u32,
+    /// The sequence's row of `hidden_rows` paired with its last token.
+    pub hidden: DevicePtr,
+    pub position: usize,
+    /// The grammar's mask for the next position, under a grammar.
+    pub mask: Option<&'m [i32]>,
+    /// The captured rows since the last propose, where the engine captures.
+    pub stack: Option<DevicePtr>,
+}
+
 /// What a batched propose reads of each member of its group, in the group's order.
 pub(super) struct GroupInputs {
     pub last: Vec<u32>,
@@ -242,6 +254,49 @@ impl<T: Target> SpecEngine<T> {
         true
     }
 
+    /// One call for `seq` alone (`propose` or `propose_tree`), given what it proposes from
+    /// (`None` for the grammar mask when it has no grammar) and its state; `None` when it
+    /// cannot propose (no state) or the call failed, which ends it. The call's time is the
+    /// sequence's drafting time.
+    pub(super) fn run_lone<A>(
+        &self,
+        seq: &mut EngineSequence<T::KvSequence>,
+        ctx: &ForwardContext<'_>,
+        call: impl FnOnce(LoneInputs<'_>, &mut dyn ProposerState) -> Result<A>,
+    ) -> Option<A> {
+        let hidden = seq.hidden_rows.offset(seq.hidden_row * self.row_bytes());
+        let mut mask = None;
+        if let Some(g) = seq.grammar.as_deref_mut() {
+            let mut words = vec![0i32; bitmask_words(ctx.config.vocab_size)];
+            if let Err(e) = g.fill_mask(&mut words) {
+                seq.fail_at(Stage::GrammarMask, e);
+                return None;
+            }
+            mask = Some(words);
+        }
+        let inputs = LoneInputs {
+            last: seq.last_token(),
+            hidden,
+            position: seq.last_pos(),
+            mask: mask.as_deref(),
+            stack: seq.stack.for_propose(),
+        };
+        let state = seq.state.as_deref_mut()?;
+        let t = Instant::now();
+        let result = call(inputs, state);
+        seq.metrics.draft_time += t.elapsed();
+        match result {
+            Ok(answer) => {
+                seq.proposed = true;
+                Some(answer)
+            }
+            Err(e) => {
+                seq.fail_at(Stage::Propose, e);
+                None
+            }
+        }
+    }
+
     pub(super) fn propose_one(
         &self,
         prop: &dyn DraftProposer,
@@ -249,41 +304,22 @@ impl<T: Target> SpecEngine<T> {
         budget: usize,
         ctx: &ForwardContext<'_>,
     ) {
-        let hidden = seq.hidden_rows.offset(seq.hidden_row * self.row_bytes());
-        let mut mask = None;
-        if let Some(g) = seq.grammar.as_deref_mut() {
-            let mut words = vec![0i32; bitmask_words(ctx.config.vocab_size)];
-            if let Err(e) = g.fill_mask(&mut words) {
-                seq.fail_at(Stage::GrammarMask, e);
-                return;
-            }
-            mask = Some(words);
-        }
-        let (last, pos) = (seq.last_token(), seq.last_pos());
-        let stack = seq.stack.for_propose();
-        let Some(state) = seq.state.as_deref_mut() else {
-            return;
-        };
-        let t = Instant::now();
-        let result = prop.propose(
-            last,
-            hidden,
-            pos,
-            budget,
-            state,
-            ctx,
-            DEFAULT_STREAM,
-            None,
-            mask.as_deref(),
-            stack,
-        );
-        seq.metrics.draft_time += t.elapsed();
-        match result {
-            Ok(d) => {
-                seq.proposed = true;
-                self.take_drafts(seq, d, budget, budget, "propose");
-            }
-            Err(e) => seq.fail_at(Stage::Propose, e),
+        let drafts = self.run_lone(seq, ctx, |x, state| {
+            prop.propose(
+                x.last,
+                x.hidden,
+                x.position,
+                budget,
+                state,
+                ctx,
+                DEFAULT_STREAM,
+                None,
+                x.mask,
+                x.stack,
+            )
+        });
+        if let Some(d) = drafts {
+            self.take_drafts(seq, d, budget, budget, "propose");
         }
     }
 

@@ -35,7 +35,7 @@ use super::{
 };
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
-use crate::speculative::{bitmask_words, DraftProposer, DraftTree};
+use crate::speculative::{DraftProposer, DraftTree};
 use crate::Result;
 use std::time::{Duration, Instant};
 
@@ -80,40 +80,22 @@ impl<T: Target> SpecEngine<T> {
         budget: usize,
         ctx: &ForwardContext<'_>,
     ) {
-        let hidden = seq.hidden_rows.offset(seq.hidden_row * self.row_bytes());
-        let mut mask = None;
-        if let Some(g) = seq.grammar.as_deref_mut() {
-            let mut words = vec![0i32; bitmask_words(ctx.config.vocab_size)];
-            if let Err(e) = g.fill_mask(&mut words) {
-                return seq.fail_at(Stage::GrammarMask, e);
-            }
-            mask = Some(words);
-        }
-        let (last, pos) = (seq.last_token(), seq.last_pos());
-        let stack = seq.stack.for_propose();
-        let Some(state) = seq.state.as_deref_mut() else {
-            return;
-        };
-        let t = Instant::now();
-        let result = prop.propose_tree(
-            last,
-            hidden,
-            pos,
-            budget,
-            state,
-            ctx,
-            DEFAULT_STREAM,
-            None,
-            mask.as_deref(),
-            stack,
-        );
-        seq.metrics.draft_time += t.elapsed();
-        match result {
-            Ok(tree) => {
-                seq.proposed = true;
-                self.take_tree(seq, tree, budget, "propose_tree");
-            }
-            Err(e) => seq.fail_at(Stage::Propose, e),
+        let tree = self.run_lone(seq, ctx, |x, state| {
+            prop.propose_tree(
+                x.last,
+                x.hidden,
+                x.position,
+                budget,
+                state,
+                ctx,
+                DEFAULT_STREAM,
+                None,
+                x.mask,
+                x.stack,
+            )
+        });
+        if let Some(tree) = tree {
+            self.take_tree(seq, tree, budget, "propose_tree");
         }
     }
 
