@@ -69,6 +69,22 @@ fn errors_name_the_problem_and_leak_nothing() {
         )
         .unwrap();
     assert!(d.is_empty());
+    // A catch-up whose lists disagree in length names each.
+    let err = h
+        .catchup_batch(
+            &[vec![1, 2]],
+            &[vec![f.hidden(12), f.hidden(13)]],
+            &[13, 14],
+            &mut [&mut *st],
+            &f.ctx,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("catchup_batch") && err.contains("2 first positions"),
+        "{err}"
+    );
     // A state of another head is refused.
     let other = Fixture::new(
         "errors_other",

@@ -373,12 +373,15 @@ impl DraftProposer for Hybrid {
         stream: u64,
     ) -> crate::Result<usize> {
         let n = tokens.len();
-        if hiddens.len() != n || first_pos.len() != n || states.len() != n {
-            return Err(bad(
-                "catchup_batch",
-                "tokens, hiddens, first_pos and states need one entry per sequence".into(),
-            ));
-        }
+        ProposerError::check_batch(
+            "catchup_batch",
+            n,
+            &[
+                ("hidden lists", hiddens.len()),
+                ("first positions", first_pos.len()),
+                ("states", states.len()),
+            ],
+        )?;
         let gpu = ctx.gpu.as_ref();
         let hidden = ctx.config.hidden_size;
         let stack = ctx.target_hidden_stack.filter(|_| !self.layers.is_empty());

@@ -371,12 +371,15 @@ impl DraftProposer for MtpHead {
         stream: u64,
     ) -> crate::Result<usize> {
         let n = tokens.len();
-        if hiddens.len() != n || first_pos.len() != n || states.len() != n {
-            return Err(bad(
-                "catchup_batch",
-                "tokens, hiddens, first_pos and states need one entry per sequence".into(),
-            ));
-        }
+        ProposerError::check_batch(
+            "catchup_batch",
+            n,
+            &[
+                ("hidden lists", hiddens.len()),
+                ("first positions", first_pos.len()),
+                ("states", states.len()),
+            ],
+        )?;
         let mut items = Vec::new();
         for i in 0..n {
             if hiddens[i].len() != tokens[i].len() {
