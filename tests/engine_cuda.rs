@@ -105,6 +105,8 @@ fn mtp_head_on_the_gpu_matches_the_cpu() {
 #[ignore = "needs a CUDA GPU; tests/gpu/run.sh runs it"]
 fn mtp_head_in_the_engine_on_the_gpu_keeps_greedy_output() {
     for (layout, moe) in mtp_backends::LAYOUTS {
-        mtp_backends::engine_keeps_greedy_output(cuda(), layout, moe);
+        for trees in [false, true] {
+            mtp_backends::engine_keeps_greedy_output(cuda(), layout, moe, trees);
+        }
     }
 }

@@ -1,7 +1,8 @@
 //! `MtpHead` on the CUDA kernels, run on the CPU through the device emulation (feature
 //! `cuda-emu`), against the same head on the CPU reference: dense heads with NVFP4 and FP8
 //! projections and a MoE head (Qwen3-Next: gated attention, q/k norms, partial RoPE, routed
-//! and shared experts), logits of every step, single and chained drafts, nothing leaked.
+//! and shared experts), logits of every step, single and chained drafts, trees grown in
+//! batches through the engine, nothing leaked.
 //! Tolerances and why are in `mtp_backends/mod.rs`; the device script runs every layout.
 //!
 //! `cargo test --features cuda-emu --test mtp_emulated`
@@ -35,6 +36,12 @@ fn emulated_kernels_run_a_moe_head_like_the_cpu() {
         MtpQuantization::Bf16,
         mtp_backends::EMU_LOGIT_RTOL,
     );
+}
+
+#[test]
+fn emulated_kernels_grow_batched_trees_in_the_engine_like_the_cpu() {
+    let emu = Arc::new(EmuBackend::new());
+    mtp_backends::engine_keeps_greedy_output(emu, "deepseek_v3", false, true);
 }
 
 #[test]

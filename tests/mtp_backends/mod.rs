@@ -195,16 +195,20 @@ pub fn compare_with_cpu(
     );
 }
 
-/// The engine on `dut` with `MtpHead` drafting keeps plain greedy output, drafts as the
-/// CPU's head does (near-ties aside), and leaves nothing allocated.
-pub fn engine_keeps_greedy_output(dut: Arc<dyn GpuBackend>, layout: &str, moe: bool) {
+/// The engine on `dut` with `MtpHead` drafting (chains, or with `trees` EAGLE-2 trees, which
+/// the two sequences grow together) keeps plain greedy output, drafts as the CPU's head does
+/// (near-ties aside), and leaves nothing allocated.
+pub fn engine_keeps_greedy_output(dut: Arc<dyn GpuBackend>, layout: &str, moe: bool, trees: bool) {
     let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3, 4, 5, 1, 2, 3], vec![50, 60, 70, 80, 50]];
     let generate = |gpu: &Arc<dyn GpuBackend>, with_head: bool| {
         let target = Arc::new(TableTarget::new(gpu.clone(), VOCAB, 128, 32, 2, 0.1).unwrap());
         let head = with_head.then(|| {
-            Arc::new(load(gpu, layout, moe, MtpQuantization::Bf16).0) as Arc<dyn DraftProposer>
+            let head = load(gpu, layout, moe, MtpQuantization::Bf16).0;
+            head.set_grow_trees(trees);
+            Arc::new(head) as Arc<dyn DraftProposer>
         });
         let engine = SpecEngine::new(target, head, 3).unwrap();
+        assert_eq!(engine.drafts_trees(), with_head && trees);
         let requests = prompts
             .iter()
             .map(|p| GenerateRequest::new(p.clone(), 12).ignore_eos())
@@ -222,7 +226,12 @@ pub fn engine_keeps_greedy_output(dut: Arc<dyn GpuBackend>, layout: &str, moe: b
     };
     let (plain, _, _) = generate(&dut, false);
     let (spec, drafted, accepted) = generate(&dut, true);
-    assert_eq!(spec, plain, "{layout} (moe {moe}) on {}", dut.name());
+    assert_eq!(
+        spec,
+        plain,
+        "{layout} (moe {moe}, trees {trees}) on {}",
+        dut.name()
+    );
     assert!(drafted > 0);
     let cpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let (cpu_plain, cpu_drafted, cpu_accepted) = generate(&cpu, true);
