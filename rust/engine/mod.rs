@@ -34,6 +34,7 @@ mod spec_engine;
 mod stack;
 mod step;
 mod step_drafts;
+mod step_propose;
 mod step_tree;
 mod target;
 pub mod testing;

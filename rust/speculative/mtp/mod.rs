@@ -6,8 +6,8 @@
 //! `state` (per-sequence state and the drafter KV pool), `forward` (the head's equations
 //! around the model layer's decoder layer), `head` (construction), `quantization` (how projections are stored), `weight_checks`
 //! (shape checks and in-place row views), `draft` (the draft loop),
-//! `proposer` (the `DraftProposer` methods), `tree` (dynamic draft trees and their
-//! compaction), `inspect` (views of the drafter KV for tests), `checkpoint` (loading from a checkpoint folder),
+//! `proposer` (the `DraftProposer` methods), `tree` (growing dynamic draft trees, alone or
+//! in batches), `tree_kv` (their branches' drafter KV and its compaction), `inspect` (views of the drafter KV for tests), `checkpoint` (loading from a checkpoint folder),
 //! `shared` (loading a head beside its target, sharing the target's embedding and LM head)
 //! and `circuit` (the circuit binding and the reference runner).
 //!
@@ -34,6 +34,7 @@ mod quantization;
 mod shared;
 mod state;
 mod tree;
+mod tree_kv;
 mod weight_checks;
 pub mod weights;
 

@@ -21,7 +21,7 @@
 //!   settling before a propose, `clear` and `drop_tree` return them. Its buffers
 //!   (`tree_hidden`, `tree_table`) live until `free_state`.
 
-use super::tree::PendingTree;
+use super::tree_kv::PendingTree;
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt};
 use crate::memory::BlockAllocator;
 use crate::speculative::ProposerError;
