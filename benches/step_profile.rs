@@ -21,8 +21,8 @@
 use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
     ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GpuBackend, GroupedLinearArgs, Kernels,
-    KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, RmsNormArgs,
-    RopeArgs, SoftmaxArgs,
+    KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, PickArgs,
+    RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use specdraft::engine::{GenerateRequest, KvPoolStatus, SpecEngine, Target, TargetOutput};
 use specdraft::memory::BufferArena;
@@ -117,6 +117,9 @@ impl Kernels for TimedBackend {
     }
     fn softmax(&self, a: SoftmaxArgs) -> Result<(), BackendError> {
         self.timed("softmax", || self.inner.softmax(a))
+    }
+    fn pick(&self, a: PickArgs) -> Result<(), BackendError> {
+        self.timed("pick", || self.inner.pick(a))
     }
     fn copy_rows(&self, a: CopyRowsArgs) -> Result<(), BackendError> {
         self.timed("layer capture", || self.inner.copy_rows(a))

@@ -137,6 +137,8 @@ fn gpu_ops_match_reference() {
     check(&g, k::argmax(&g, 3, 49152, true, 92));
     check(&g, k::softmax(&g, 3, 49152, 0.7, false, 101));
     check(&g, k::softmax(&g, 2, 577, 1.0, true, 102));
+    check(&g, k::pick(&g, 300, 7, 121));
+    check(&g, k::pick(&g, 4, 49152, 122));
     check(&g, k::copy_rows(&g, 7, 577, 600, 3, 2, 111));
 }
 

@@ -17,8 +17,8 @@ use model_util::*;
 use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
     ElementwiseArgs, EmbeddingArgs, GpuBackend, GpuBackendExt, GroupedLinearArgs, Kernels,
-    KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, RmsNormArgs,
-    RopeArgs, SoftmaxArgs,
+    KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, PickArgs,
+    RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
@@ -685,6 +685,9 @@ impl Kernels for Counting {
     }
     fn softmax(&self, a: SoftmaxArgs) -> std::result::Result<(), BackendError> {
         self.inner.softmax(a)
+    }
+    fn pick(&self, a: PickArgs) -> std::result::Result<(), BackendError> {
+        self.inner.pick(a)
     }
     fn copy_rows(&self, a: CopyRowsArgs) -> std::result::Result<(), BackendError> {
         self.copy_rows.fetch_add(1, Ordering::Relaxed);

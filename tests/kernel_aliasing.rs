@@ -7,7 +7,7 @@
 use specdraft::backend::{
     ArgmaxArgs, BackendError, CpuBackend, DevicePtr, ElementwiseArgs, ElementwiseOp, EmbeddingArgs,
     GpuBackend, GpuBackendExt, Kernels, KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs,
-    RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
+    PickArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
 };
 
 /// One buffer of `n` BF16 values `0.25 * (i % 7)`, so every byte is known.
@@ -385,4 +385,31 @@ fn misaligned_pointers_are_refused_before_any_view_is_made() {
         },
     );
     free_all(&gpu, &[x, out]);
+}
+
+#[test]
+fn pick_refuses_an_output_over_its_values_or_its_index() {
+    let gpu = CpuBackend::new();
+    let values = gpu
+        .upload(&[0.5f32, -1.0, 2.0, 0.0, 1.0, 3.0], "values")
+        .unwrap();
+    let index = gpu.upload(&[2u32, 0], "index").unwrap();
+    let out = gpu.alloc(8, "out").unwrap();
+    let pick = |out| PickArgs {
+        out,
+        values,
+        index,
+        rows: 2,
+        width: 3,
+        stream: 0,
+    };
+    gpu.pick(pick(out)).unwrap();
+    assert_eq!(gpu.download::<f32>(out, 2).unwrap(), [2.0, 0.0]);
+    refused(&gpu, values, 24, "pick out overlaps pick values", || {
+        gpu.pick(pick(values.offset(4)))
+    });
+    refused(&gpu, index, 8, "pick out overlaps pick index", || {
+        gpu.pick(pick(index))
+    });
+    free_all(&gpu, &[values, index, out]);
 }

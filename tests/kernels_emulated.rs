@@ -242,6 +242,15 @@ fn argmax_matches_reference() {
 }
 
 #[test]
+fn pick_matches_reference() {
+    let dut = EmuBackend::new();
+    // One row; more rows than a block's threads; rows of one value; a wide row.
+    for (rows, width) in [(1, 1), (300, 7), (9, 1), (4, 49152)] {
+        check(&dut, k::pick(&dut, rows, width, 121));
+    }
+}
+
+#[test]
 fn softmax_matches_reference() {
     let dut = EmuBackend::new();
     for (rows, vocab) in [(1, 1), (3, 100), (2, 577)] {
@@ -299,6 +308,8 @@ fn a_thread_that_never_runs_is_caught() {
     let dut = EmuBackend::with_fault(EmuFault::DropLastThread);
     // Element-wise: element 255 of each 256 is never written and stays poisoned.
     assert!(k::add_silu(&dut, 577, 31).is_err());
+    // One thread a row: row 255 of 300 is never picked.
+    assert!(k::pick(&dut, 300, 7, 121).is_err());
     // Row kernels: the last thread's columns are never written.
     assert!(k::embedding(&dut, 3, 577, 50, 11).is_err());
     assert!(k::copy_rows(&dut, 3, 577, 577, 2, 0, 111).is_err());

@@ -36,8 +36,8 @@ pub use error::BackendError;
 pub use kernels::{
     ArgmaxArgs, CheckedMemory, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs,
     GroupedLinearArgs, Kernels, KvCopyArgs, KvWriteArgs, LinearArgs, LinearPart, LinearWeight,
-    MlaAttentionArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs, FP8_BLOCK,
-    MAX_LINEAR_PARTS, NVFP4_BLOCK,
+    MlaAttentionArgs, PagedAttentionArgs, PickArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
+    FP8_BLOCK, MAX_LINEAR_PARTS, NVFP4_BLOCK,
 };
 pub use ledger::{AllocationLedger, LiveAllocation};
 pub use traits::{GpuBackend, GpuBackendExt};

@@ -7,7 +7,7 @@
 //! it allocated, on both backends, whatever happens.
 //!
 //! Tolerances (stated once, used by every case):
-//! - copies (embedding, kv_write, kv_copy, copy_rows) and argmax: exact;
+//! - copies (embedding, kv_write, kv_copy, copy_rows, pick) and argmax: exact;
 //! - BF16 outputs: one BF16 rounding step, |got - want| <= 2^-7 * |want| + `atol`, where
 //!   `atol` covers f32 accumulation done in a different order (given per op);
 //! - F32 outputs: |got - want| <= 1e-5 * |want| + `atol`.
@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 use specdraft::backend::{
     ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr, Dtype, ElementwiseArgs,
     ElementwiseOp, EmbeddingArgs, GpuBackend, GpuBackendExt, KvCopyArgs, KvWriteArgs, LinearArgs,
-    LinearWeight, MlaAttentionArgs, PagedAttentionArgs, RmsNormArgs, RopeArgs, RopeStyle,
+    LinearWeight, MlaAttentionArgs, PagedAttentionArgs, PickArgs, RmsNormArgs, RopeArgs, RopeStyle,
     SoftmaxArgs,
 };
 use std::cell::RefCell;
@@ -794,6 +794,42 @@ pub fn argmax(
         b.download::<u32>(o, rows)
     })?;
     exact("argmax", &got, &want)
+}
+
+/// `pick` of one value a row, against the values indexed here; every fourth row's index is
+/// past the row (`u32::MAX`, or `width` itself), which gives 0.
+pub fn pick(dut: &dyn GpuBackend, rows: usize, width: usize, seed: u64) -> Result<(), String> {
+    let values = uniform(seed, rows * width, -3.0, 3.0);
+    let mut r = rng(seed + 1);
+    let index: Vec<u32> = (0..rows)
+        .map(|i| match i % 4 {
+            3 if i % 8 == 3 => u32::MAX,
+            3 => width as u32,
+            _ => r.random_range(0..width.max(1)) as u32,
+        })
+        .collect();
+    let expected: Vec<f32> = (0..rows)
+        .map(|i| match index[i] as usize {
+            j if j < width => values[i * width + j],
+            _ => 0.0,
+        })
+        .collect();
+    let (got, want) = both(dut, |b| {
+        let s = Scope::new(b);
+        let (pv, pi) = (s.f32(&values)?, s.u32(&index)?);
+        let o = s.out(Dtype::F32, rows)?;
+        b.pick(PickArgs {
+            out: o,
+            values: pv,
+            index: pi,
+            rows,
+            width,
+            stream: 0,
+        })?;
+        b.download::<f32>(o, rows)
+    })?;
+    exact("pick (reference)", &want, &expected)?;
+    exact("pick", &got, &expected)
 }
 
 pub fn softmax(

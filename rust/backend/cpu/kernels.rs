@@ -19,7 +19,7 @@ use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, EmbeddingArgs, GroupedLinearArgs, Kernels,
     KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, MlaAttentionArgs, PagedAttentionArgs,
-    RmsNormArgs, RopeArgs, SoftmaxArgs,
+    PickArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use crate::backend::quant::{PackedView, QuantError};
 use crate::backend::BackendError;
@@ -229,6 +229,27 @@ impl Kernels for CpuBackend {
                     *pick = t as u32;
                 }
             }
+        }
+        Ok(())
+    }
+
+    fn pick(&self, args: PickArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        // SAFETY: validated ranges; `out` is apart from both inputs.
+        let (values, index, out) = unsafe {
+            (
+                a.values.typed::<f32>(),
+                a.index.typed::<u32>(),
+                a.out.typed_mut::<f32>(),
+            )
+        };
+        for (r, (o, &i)) in out.iter_mut().zip(index).enumerate() {
+            let i = i as usize;
+            *o = if i < a.width {
+                values[r * a.width + i]
+            } else {
+                0.0
+            };
         }
         Ok(())
     }

@@ -11,7 +11,7 @@ use crate::backend::kernels::CheckedMemory;
 use crate::backend::{BackendError, DevicePtr, GpuBackend, HostView};
 
 /// Names of every kernel entry point in the fatbin (`cuda/*.cu`).
-pub const KERNEL_NAMES: [&str; 16] = [
+pub const KERNEL_NAMES: [&str; 17] = [
     "sd_embedding",
     "sd_rms_norm",
     "sd_add",
@@ -25,6 +25,7 @@ pub const KERNEL_NAMES: [&str; 16] = [
     "sd_paged_attention",
     "sd_argmax",
     "sd_softmax",
+    "sd_pick",
     "sd_copy_rows",
     "sd_kv_copy",
     "sd_mla_attention",

@@ -17,7 +17,7 @@ use super::launch::*;
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs,
     Kernels, KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, MlaAttentionArgs,
-    PagedAttentionArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    PagedAttentionArgs, PickArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
 };
 use crate::backend::{BackendError, Dtype};
 
@@ -154,6 +154,18 @@ impl<L: KernelLauncher> Kernels for L {
             return Ok(());
         }
         self.launch("sd_argmax", rows_shape(a.rows, op)?, &l.args, a.stream)
+    }
+
+    fn pick(&self, args: PickArgs) -> Result<(), BackendError> {
+        let op = "pick";
+        let a = args.validate(self)?;
+        let mut l = LaunchArgs::new(op);
+        l.ptr(&a.out).ptr(&a.values).ptr(&a.index);
+        l.int("rows", a.rows)?.int("width", a.width)?;
+        if a.rows == 0 {
+            return Ok(());
+        }
+        self.launch("sd_pick", element_shape(a.rows), &l.args, a.stream)
     }
 
     fn softmax(&self, args: SoftmaxArgs) -> Result<(), BackendError> {

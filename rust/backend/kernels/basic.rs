@@ -251,6 +251,55 @@ impl ArgmaxArgs {
     }
 }
 
+/// One value of each row: `out[r] = values[r, index[r]]`, or 0 where `index[r]` is not
+/// below `width` (as `u32::MAX`, argmax's "nothing allowed"). It gathers, say, each row's
+/// probability of its argmax, so that one download brings them all.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PickArgs<P = DevicePtr> {
+    /// f32 `[rows]`.
+    pub out: P,
+    /// f32 `[rows, width]`.
+    pub values: P,
+    /// u32 `[rows]`: the column picked in each row.
+    pub index: P,
+    /// Rows of values.
+    pub rows: usize,
+    /// Values per row.
+    pub width: usize,
+    /// The stream the op is queued on.
+    pub stream: u64,
+}
+
+impl PickArgs {
+    /// The checks every backend makes before it runs the op.
+    pub fn validate<M: CheckedMemory + ?Sized>(
+        self,
+        mem: &M,
+    ) -> Result<PickArgs<M::Range>, BackendError> {
+        let op = "pick";
+        let values = Operand::new(
+            op,
+            self.values,
+            count(op, &[self.rows, self.width])?,
+            Dtype::F32,
+            "pick values",
+        )?;
+        let index = Operand::new(op, self.index, self.rows, Dtype::U32, "pick index")?;
+        let out = Operand::new(op, self.out, self.rows, Dtype::F32, "pick out")?;
+        let args = PickArgs {
+            values: values.check(mem)?,
+            index: index.check(mem)?,
+            out: out.check(mem)?,
+            rows: self.rows,
+            width: self.width,
+            stream: self.stream,
+        };
+        apart(op, out, values)?;
+        apart(op, out, index)?;
+        Ok(args)
+    }
+}
+
 /// Softmax of each row of `logits / temperature` into `out` (both f32 `[rows, vocab]`;
 /// `out` may be `logits` itself). `temperature` must be positive.
 #[derive(Clone, Copy, Debug, PartialEq)]

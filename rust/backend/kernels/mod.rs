@@ -30,8 +30,8 @@ mod mla;
 
 pub use attention::{CheckedAttention, CheckedKvWrite, KvWriteArgs, PagedAttentionArgs, RopeArgs};
 pub use basic::{
-    ArgmaxArgs, CheckedEmbedding, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, RmsNormArgs,
-    SoftmaxArgs,
+    ArgmaxArgs, CheckedEmbedding, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, PickArgs,
+    RmsNormArgs, SoftmaxArgs,
 };
 pub use check::CheckedMemory;
 pub use copy_rows::CopyRowsArgs;
@@ -77,6 +77,8 @@ pub trait Kernels {
     fn argmax(&self, args: ArgmaxArgs) -> Result<(), BackendError>;
     /// Softmax of each row at a temperature ([`SoftmaxArgs`]).
     fn softmax(&self, args: SoftmaxArgs) -> Result<(), BackendError>;
+    /// One value of each row, at that row's index ([`PickArgs`]).
+    fn pick(&self, args: PickArgs) -> Result<(), BackendError>;
     /// Rows copied into columns of wider rows ([`CopyRowsArgs`]).
     fn copy_rows(&self, args: CopyRowsArgs) -> Result<(), BackendError>;
     /// Rows copied between slots of a paged cache, in order ([`KvCopyArgs`]).

@@ -22,7 +22,7 @@
 use super::head::DFlashHead;
 use super::state::{DFlashState, DFLASH_BLOCK_ROWS};
 use crate::backend::{ArgmaxArgs, DevicePtr, Dtype, EmbeddingArgs, GpuBackend, GpuBackendExt};
-use crate::backend::{RmsNormArgs, RopeStyle, SoftmaxArgs};
+use crate::backend::{PickArgs, RmsNormArgs, RopeStyle, SoftmaxArgs};
 use crate::memory::{ArenaSlot, BufferArena, SlotSpec};
 use crate::model::layers::{
     decoder_layer, decoder_layer_with_input, layer_slots, LayerCache, LayerDepth, LayerIo,
@@ -61,6 +61,8 @@ pub(crate) struct Scratch {
     pub logits: DevicePtr,
     /// f32 `[rows, draft_vocab]`: their softmax, where confidences were asked for.
     pub probs: DevicePtr,
+    /// f32 `[rows]`: each drafting row's probability of its pick.
+    pub picked_probs: DevicePtr,
     pub picks: DevicePtr,
     /// i32 `[rows, ceil(draft_vocab / 32)]`: the grammar mask, one copy per drafting row.
     pub grammar_mask: DevicePtr,
@@ -106,6 +108,7 @@ impl Scratch {
             slot("logits", F32, draft_vocab),
             slot("probs", F32, draft_vocab),
             slot("picks", U32, 1),
+            slot("picked_probs", F32, 1),
             slot("grammar_mask", I32, draft_vocab.div_ceil(32)),
         ]);
         let mut arena = BufferArena::new(gpu, "dflash", &slots, rows)?;
@@ -126,6 +129,7 @@ impl Scratch {
                 logits: at("logits")?,
                 probs: at("probs")?,
                 picks: at("picks")?,
+                picked_probs: at("picked_probs")?,
                 grammar_mask: at("grammar_mask")?,
             })
         })();
@@ -355,7 +359,9 @@ impl DFlashHead {
             stream,
         })?;
         let picks: Vec<u32> = gpu.download(sc.picks, picked)?;
+        let mut picked_probs = Vec::new();
         if want_conf {
+            // Each row's probability of its pick, gathered on the device: one download.
             gpu.softmax(SoftmaxArgs {
                 out: sc.probs,
                 logits: sc.logits,
@@ -364,6 +370,15 @@ impl DFlashHead {
                 temperature: 1.0,
                 stream,
             })?;
+            gpu.pick(PickArgs {
+                out: sc.picked_probs,
+                values: sc.probs,
+                index: sc.picks,
+                rows: picked,
+                width: vd,
+                stream,
+            })?;
+            picked_probs = gpu.download::<f32>(sc.picked_probs, picked)?;
         }
         let mut out = Vec::with_capacity(n);
         for row_picks in picks.chunks(nd) {
@@ -373,14 +388,10 @@ impl DFlashHead {
                 .copied()
                 .take_while(|&t| t != u32::MAX)
                 .collect();
-            let mut conf = Vec::new();
-            if want_conf {
-                let first = out.len() * nd;
-                for (j, &t) in drafts.iter().enumerate() {
-                    let at = sc.probs.offset(((first + j) * vd + t as usize) * 4);
-                    conf.push(gpu.download::<f32>(at, 1)?[0]);
-                }
-            }
+            let first = out.len() * nd;
+            let conf = picked_probs
+                .get(first..first + drafts.len())
+                .map_or_else(Vec::new, <[f32]>::to_vec);
             out.push((drafts, conf));
         }
         Ok(out)

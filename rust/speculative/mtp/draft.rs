@@ -31,7 +31,7 @@ use super::head::{MtpHead, DRAFT_SLACK_ROWS, MTP_CHUNK_ROWS};
 /// Deferred rows a state holds at most before they are written: one chunk's forward.
 pub(crate) const DEFERRED_ROWS: usize = MTP_CHUNK_ROWS;
 use super::state::{MtpState, DRAFTER_BLOCK_SIZE};
-use crate::backend::{ArgmaxArgs, DevicePtr, GpuBackend, GpuBackendExt, SoftmaxArgs};
+use crate::backend::{ArgmaxArgs, DevicePtr, GpuBackend, GpuBackendExt, PickArgs, SoftmaxArgs};
 use crate::model::ForwardContext;
 use crate::speculative::{DraftRunner, ProposerError, ProposerState};
 use std::sync::{Arc, MutexGuard};
@@ -217,7 +217,9 @@ impl MtpHead {
                 stream,
             })?;
             let picks: Vec<u32> = gpu.download(sc.picks, r)?;
+            let mut picked = Vec::new();
             if conf.is_some() {
+                // Each row's probability of its pick, gathered on the device: one download.
                 gpu.softmax(SoftmaxArgs {
                     out: sc.probs,
                     logits: sc.logits,
@@ -226,6 +228,15 @@ impl MtpHead {
                     temperature: 1.0,
                     stream,
                 })?;
+                gpu.pick(PickArgs {
+                    out: sc.picked_probs,
+                    values: sc.probs,
+                    index: sc.picks,
+                    rows: r,
+                    width: vd,
+                    stream,
+                })?;
+                picked = gpu.download::<f32>(sc.picked_probs, r)?;
             }
             for (k, &i) in owners.iter().enumerate() {
                 let s = &mut seqs[i];
@@ -236,9 +247,8 @@ impl MtpHead {
                     active[i] = false;
                     continue;
                 }
-                if conf.is_some() {
-                    let at = sc.probs.offset((k * vd + pick as usize) * 4);
-                    probs[i].push(gpu.download::<f32>(at, 1)?[0]);
+                if let Some(&p) = picked.get(k) {
+                    probs[i].push(p);
                 }
                 // A draft is drafted, and fed back, as its target id.
                 let token = self.spec.to_target(pick);

@@ -54,6 +54,8 @@ pub(crate) struct Scratch {
     pub logits: DevicePtr,
     pub probs: DevicePtr,
     pub picks: DevicePtr,
+    /// f32 `[rows]`: each row's probability of its pick.
+    pub picked_probs: DevicePtr,
     /// One row's grammar mask (the first row of the slot).
     pub grammar_mask: DevicePtr,
 }
@@ -65,7 +67,7 @@ impl Scratch {
         target_width: usize,
         vocab: usize,
         max_blocks_per_seq: usize,
-    ) -> [SlotSpec; 15] {
+    ) -> [SlotSpec; 16] {
         let slot = |name, dtype, row_elems| SlotSpec {
             name,
             dtype,
@@ -87,6 +89,7 @@ impl Scratch {
             slot("logits", F32, vocab),
             slot("probs", F32, vocab),
             slot("picks", U32, 1),
+            slot("picked_probs", F32, 1),
             slot("grammar_mask", I32, vocab.div_ceil(32)),
         ]
     }
@@ -147,6 +150,7 @@ impl Scratch {
             logits: at("logits")?,
             probs: at("probs")?,
             picks: at("picks")?,
+            picked_probs: at("picked_probs")?,
             grammar_mask: at("grammar_mask")?,
         })
     }
