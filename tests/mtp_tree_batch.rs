@@ -138,3 +138,26 @@ fn a_batch_without_drafts_or_with_bad_sizes_is_answered_or_refused_by_name() {
     }
     f.finish();
 }
+
+#[test]
+fn a_one_node_tree_is_proposes_one_draft_chain_alone_and_in_a_batch() {
+    let f = fixture("tree_one_node");
+    let head = f.head();
+    let mut states: Vec<_> = (0..3).map(|_| f.state()).collect();
+    for s in states.iter_mut() {
+        f.prefill(&mut **s, 12);
+    }
+    let chain = f.propose(&mut *states[0], 12, 1);
+    assert_eq!(chain.len(), 1);
+    head.after_verify(0, &mut *states[0], 0).unwrap();
+    let tree = f.propose_tree(&mut *states[1], 12, 1);
+    assert_eq!(tree, DraftTree::chain(chain.clone()));
+    head.after_verify(0, &mut *states[1], 0).unwrap();
+    let trees = batch(&f, &[12], 1, &mut states[2..]).unwrap().unwrap();
+    assert_eq!(trees, [DraftTree::chain(chain)]);
+    head.after_verify(0, &mut *states[2], 0).unwrap();
+    for mut s in states {
+        head.free_state(f.gpu.as_ref(), &mut *s).unwrap();
+    }
+    f.finish();
+}

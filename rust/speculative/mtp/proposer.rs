@@ -148,8 +148,10 @@ impl DraftProposer for MtpHead {
         target_hidden_stack: Option<DevicePtr>,
     ) -> crate::Result<DraftTree> {
         // A circuit runner drafts chains, and the deferred draft embedding names one last
-        // draft: both keep `propose`'s chain, as does a budget of no drafts.
-        if budget == 0 || draft_embed_target.is_some() || self.runner().is_some() {
+        // draft: both keep `propose`'s chain, as does a budget of no drafts. A one-node
+        // tree is the head's first choice, a one-draft chain: `propose` drafts it on the
+        // device, without the logits download and the host's choice of children.
+        if budget <= 1 || draft_embed_target.is_some() || self.runner().is_some() {
             let drafts = self.propose(
                 last_token,
                 target_hidden,
@@ -196,7 +198,7 @@ impl DraftProposer for MtpHead {
     ) -> crate::Result<Option<Vec<DraftTree>>> {
         let method = "propose_tree_batch";
         check_batch(method, last_tokens, target_hiddens, positions, states)?;
-        if budget == 0 || self.runner().is_some() {
+        if budget <= 1 || self.runner().is_some() {
             // As `propose_tree`: the chains `propose_batch` drafts (none under a runner).
             let chains = self.propose_batch(
                 last_tokens,
