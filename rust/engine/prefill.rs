@@ -25,7 +25,7 @@
 //! - Every failure is returned wrapped with the sequence's request and the stage.
 
 use super::error::Stage;
-use super::sequence::{grammar_of, DrafterPrefill, EngineSequence, PendingPrefill};
+use super::sequence::{grammar_of, members_mut, DrafterPrefill, EngineSequence, PendingPrefill};
 use super::{verify, EngineError, FinishReason, SpecEngine, Target, TargetOutput};
 use crate::backend::{GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
@@ -147,18 +147,12 @@ impl<T: Target> SpecEngine<T> {
             .collect();
         let rows_total: usize = work.iter().map(|w| w.1).sum();
         let t = Instant::now();
-        let mut member = vec![false; seqs.len()];
-        for &(i, _) in work {
-            member[i] = true;
-        }
         let out = {
             // `work` is in sequence order, so the members' KV come out in its order.
-            let kvs: std::result::Result<Vec<&mut T::KvSequence>, EngineError> = seqs
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| member[*i])
-                .map(|(_, s)| s.kv_mut())
-                .collect();
+            let kvs: std::result::Result<Vec<&mut T::KvSequence>, EngineError> =
+                members_mut(seqs, work.iter().map(|w| w.0))
+                    .map(|s| s.kv_mut())
+                    .collect();
             let toks: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
             match kvs {
                 Ok(mut kvs) => self.forward_rows_of(&mut kvs, &toks, true),

@@ -57,6 +57,21 @@ pub(super) fn grammar_of(
     }
 }
 
+/// The sequences of `seqs` whose indices `group` names, borrowed together, in the order
+/// they stand in `seqs` (whatever the order of `group`).
+pub(super) fn members_mut<'a, K>(
+    seqs: &'a mut [EngineSequence<K>],
+    group: impl IntoIterator<Item = usize>,
+) -> impl Iterator<Item = &'a mut EngineSequence<K>> + 'a {
+    let mut member = vec![false; seqs.len()];
+    for i in group {
+        member[i] = true;
+    }
+    seqs.iter_mut()
+        .zip(member)
+        .filter_map(|(s, m)| m.then_some(s))
+}
+
 /// One request's sequence as the engine tracks it, over the target's per-sequence KV `K`.
 pub(super) struct EngineSequence<K> {
     /// The request's index in its `generate` call (for messages).

@@ -20,7 +20,7 @@
 //!   state (carried into a conversation's next turn) never runs ahead of the sequence.
 
 use super::error::Stage;
-use super::sequence::{grammar_of, EngineSequence};
+use super::sequence::{grammar_of, members_mut, EngineSequence};
 use super::step_drafts::batch_groups;
 use super::{verify, EngineError, FinishReason, Metrics, SpecEngine, Target, Verdict};
 use crate::backend::{DevicePtr, GpuBackendExt, DEFAULT_STREAM};
@@ -156,20 +156,14 @@ impl<T: Target> SpecEngine<T> {
             })
             .collect();
         let rows_total: usize = inputs.iter().map(Vec::len).sum();
-        let mut member = vec![false; seqs.len()];
-        for &i in chunk {
-            member[i] = true;
-        }
         let trees: Vec<bool> = seqs.iter().map(|s| s.tree.is_some()).collect();
         let tree_parents = self.tree_parents(chunk, seqs);
         let t = Instant::now();
         let out = {
-            let kvs: std::result::Result<Vec<&mut T::KvSequence>, EngineError> = seqs
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| member[*i])
-                .map(|(_, s)| s.kv_mut())
-                .collect();
+            let kvs: std::result::Result<Vec<&mut T::KvSequence>, EngineError> =
+                members_mut(seqs, chunk.iter().copied())
+                    .map(|s| s.kv_mut())
+                    .collect();
             let toks: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
             match kvs {
                 Ok(mut kvs) if chunk.iter().any(|&i| trees[i]) => {
@@ -357,18 +351,12 @@ impl<T: Target> SpecEngine<T> {
                 .collect();
             // Recorded at verification: EOS may have cut the emitted tokens since.
             let first_pos: Vec<usize> = group.iter().map(|&i| seqs[i].catchup_pos).collect();
-            let mut member = vec![false; seqs.len()];
-            for &i in group {
-                member[i] = true;
-            }
             let t = Instant::now();
             let result = {
-                let mut states: Vec<&mut dyn ProposerState> = seqs
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(i, _)| member[*i])
-                    .filter_map(|(_, s)| s.state_mut())
-                    .collect();
+                let mut states: Vec<&mut dyn ProposerState> =
+                    members_mut(seqs, group.iter().copied())
+                        .filter_map(|s| s.state_mut())
+                        .collect();
                 prop.catchup_batch(
                     &tokens,
                     &hiddens,

@@ -13,7 +13,7 @@
 //!   sequence and are never verified; otherwise the first `budget` are kept.
 
 use super::error::Stage;
-use super::sequence::EngineSequence;
+use super::sequence::{members_mut, EngineSequence};
 use super::{EngineError, SpecEngine, Target};
 use crate::backend::{DevicePtr, DEFAULT_STREAM};
 use crate::model::ForwardContext;
@@ -72,17 +72,10 @@ impl<T: Target> SpecEngine<T> {
             target_hidden_stacks: stacks.as_deref(),
             ..ctx.clone()
         };
-        let mut member = vec![false; seqs.len()];
-        for &i in group {
-            member[i] = true;
-        }
         let t = Instant::now();
         let result = {
-            let mut states: Vec<&mut dyn ProposerState> = seqs
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| member[*i])
-                .filter_map(|(_, s)| s.state_mut())
+            let mut states: Vec<&mut dyn ProposerState> = members_mut(seqs, group.iter().copied())
+                .filter_map(|s| s.state_mut())
                 .collect();
             if states.len() != group.len() {
                 return None;
