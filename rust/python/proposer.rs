@@ -143,6 +143,20 @@ fn states_arg(states: &Bound<'_, PyAny>) -> PyResult<Vec<StateSrc>> {
         .collect()
 }
 
+/// Locks every state of `srcs` for `method`, then runs `f` on them together.
+fn with_states<R>(
+    srcs: &mut [StateSrc],
+    method: M,
+    f: impl FnOnce(&mut [&mut dyn ProposerState]) -> Result<R>,
+) -> Result<R> {
+    let mut guards = srcs
+        .iter_mut()
+        .map(|s| s.lock(method.name()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut refs: Vec<&mut dyn ProposerState> = guards.iter_mut().map(|g| g.as_state()).collect();
+    f(&mut refs)
+}
+
 fn with_gpu<R>(
     gpu: &Bound<'_, PyAny>,
     f: impl FnOnce(&dyn GpuBackend) -> PyResult<R>,
@@ -419,25 +433,21 @@ impl PyDraftProposer {
         let mut srcs = states_arg(states)?;
         let want_conf = out_conf.is_some();
         let (drafts, conf) = py
-            .detach(|| -> Result<_> {
-                let mut guards = srcs
-                    .iter_mut()
-                    .map(|s| s.lock(M::ProposeBatch.name()))
-                    .collect::<Result<Vec<_>>>()?;
-                let mut refs: Vec<&mut dyn ProposerState> =
-                    guards.iter_mut().map(|g| g.as_state()).collect();
-                let mut conf = Vec::new();
-                let drafts = self.target().propose_batch(
-                    &last_tokens,
-                    &hiddens,
-                    &positions,
-                    num_drafts,
-                    &mut refs,
-                    &ctx,
-                    stream,
-                    want_conf.then_some(&mut conf),
-                )?;
-                Ok((drafts, conf))
+            .detach(|| {
+                with_states(&mut srcs, M::ProposeBatch, |refs| {
+                    let mut conf = Vec::new();
+                    let drafts = self.target().propose_batch(
+                        &last_tokens,
+                        &hiddens,
+                        &positions,
+                        num_drafts,
+                        refs,
+                        &ctx,
+                        stream,
+                        want_conf.then_some(&mut conf),
+                    )?;
+                    Ok((drafts, conf))
+                })
             })
             .py()?;
         if let Some(list) = out_conf {
@@ -564,21 +574,17 @@ impl PyDraftProposer {
         let mut srcs = states_arg(states)?;
         let trees = py
             .detach(|| {
-                let mut guards = srcs
-                    .iter_mut()
-                    .map(|s| s.lock(M::ProposeTreeBatch.name()))
-                    .collect::<Result<Vec<_>>>()?;
-                let mut refs: Vec<&mut dyn ProposerState> =
-                    guards.iter_mut().map(|g| g.as_state()).collect();
-                me.target().propose_tree_batch(
-                    &last_tokens,
-                    &hiddens,
-                    &positions,
-                    budget,
-                    &mut refs,
-                    &ctx,
-                    stream,
-                )
+                with_states(&mut srcs, M::ProposeTreeBatch, |refs| {
+                    me.target().propose_tree_batch(
+                        &last_tokens,
+                        &hiddens,
+                        &positions,
+                        budget,
+                        refs,
+                        &ctx,
+                        stream,
+                    )
+                })
             })
             .py()?;
         trees
@@ -606,14 +612,10 @@ impl PyDraftProposer {
             .collect();
         let mut srcs = states_arg(states)?;
         py.detach(|| {
-            let mut guards = srcs
-                .iter_mut()
-                .map(|s| s.lock(M::CatchupBatch.name()))
-                .collect::<Result<Vec<_>>>()?;
-            let mut refs: Vec<&mut dyn ProposerState> =
-                guards.iter_mut().map(|g| g.as_state()).collect();
-            self.target()
-                .catchup_batch(&tokens, &hiddens, &first_pos, &mut refs, &ctx, stream)
+            with_states(&mut srcs, M::CatchupBatch, |refs| {
+                self.target()
+                    .catchup_batch(&tokens, &hiddens, &first_pos, refs, &ctx, stream)
+            })
         })
         .py()
     }
