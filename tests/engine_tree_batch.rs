@@ -7,114 +7,15 @@
 mod engine_common;
 mod mtp_common;
 
-use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend};
+use engine_common::counted::Counted;
+use specdraft::backend::{CpuBackend, GpuBackend};
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, GrammarMatcher, SpecEngine};
-use specdraft::memory::BufferArena;
-use specdraft::model::{ForwardContext, ModelConfig, ModelLevers};
-use specdraft::speculative::{DraftProposer, DraftTree, MtpHead, MtpQuantization, ProposerState};
+use specdraft::model::ModelLevers;
+use specdraft::speculative::{DraftProposer, MtpHead, MtpQuantization};
 use specdraft::Result;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-
-/// `MtpHead` (growing trees) with its tree calls counted; `batches` false answers
-/// `propose_tree_batch` with `None`, as a proposer that does not batch trees.
-struct Counted {
-    inner: Arc<MtpHead>,
-    batches: bool,
-    tree_batches: AtomicUsize,
-    batched_sequences: AtomicUsize,
-    lone_trees: AtomicUsize,
-}
-
-#[allow(clippy::too_many_arguments)]
-impl DraftProposer for Counted {
-    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
-        self.inner.alloc_state(gpu)
-    }
-    fn alloc_state_for(&self, gpu: &dyn GpuBackend, b: usize) -> Result<Box<dyn ProposerState>> {
-        self.inner.alloc_state_for(gpu, b)
-    }
-    fn propose(
-        &self,
-        last: u32,
-        h: DevicePtr,
-        pos: usize,
-        n: usize,
-        s: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        st: u64,
-        d: Option<DevicePtr>,
-        m: Option<&[i32]>,
-        k: Option<DevicePtr>,
-    ) -> Result<Vec<u32>> {
-        self.inner.propose(last, h, pos, n, s, ctx, st, d, m, k)
-    }
-    fn after_verify(&self, a: usize, s: &mut dyn ProposerState, st: u64) -> Result<()> {
-        self.inner.after_verify(a, s, st)
-    }
-    fn prefill_drafter(
-        &self,
-        p: &[u32],
-        h: DevicePtr,
-        s: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        st: u64,
-    ) -> Result<usize> {
-        self.inner.prefill_drafter(p, h, s, ctx, st)
-    }
-    fn propose_batch_max(&self, b: &BufferArena, c: &ModelConfig) -> usize {
-        self.inner.propose_batch_max(b, c)
-    }
-    fn propose_tree(
-        &self,
-        last: u32,
-        h: DevicePtr,
-        pos: usize,
-        budget: usize,
-        s: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        st: u64,
-        d: Option<DevicePtr>,
-        m: Option<&[i32]>,
-        k: Option<DevicePtr>,
-    ) -> Result<DraftTree> {
-        self.lone_trees.fetch_add(1, Ordering::Relaxed);
-        self.inner
-            .propose_tree(last, h, pos, budget, s, ctx, st, d, m, k)
-    }
-    fn propose_tree_batch(
-        &self,
-        last: &[u32],
-        h: &[DevicePtr],
-        positions: &[usize],
-        budget: usize,
-        s: &mut [&mut dyn ProposerState],
-        ctx: &ForwardContext<'_>,
-        st: u64,
-    ) -> Result<Option<Vec<DraftTree>>> {
-        if !self.batches {
-            return Ok(None);
-        }
-        self.tree_batches.fetch_add(1, Ordering::Relaxed);
-        self.batched_sequences
-            .fetch_add(last.len(), Ordering::Relaxed);
-        self.inner
-            .propose_tree_batch(last, h, positions, budget, s, ctx, st)
-    }
-    fn grows_trees(&self) -> bool {
-        self.inner.grows_trees()
-    }
-    fn after_verify_tree(&self, p: &[usize], s: &mut dyn ProposerState, st: u64) -> Result<()> {
-        self.inner.after_verify_tree(p, s, st)
-    }
-    fn free_state(&self, gpu: &dyn GpuBackend, s: &mut dyn ProposerState) -> Result<()> {
-        self.inner.free_state(gpu, s)
-    }
-    fn prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
-        self.inner.prefill_hidden_rows(max_seq_len)
-    }
-}
 
 /// A grammar that allows every token: greedy output stays plain greedy output.
 struct AllowAll(usize);
@@ -174,13 +75,7 @@ fn sequences_that_propose_together_grow_their_trees_in_one_batch() {
     let plain = SpecEngine::new(target.clone(), None, 0).unwrap();
     let base = tokens(plain.generate(engine_common::requests(&prompts(), 24)));
     for batches in [true, false] {
-        let counted = Arc::new(Counted {
-            inner: head.clone(),
-            batches,
-            tree_batches: AtomicUsize::new(0),
-            batched_sequences: AtomicUsize::new(0),
-            lone_trees: AtomicUsize::new(0),
-        });
+        let counted = Arc::new(Counted::new(head.clone(), batches));
         let engine = SpecEngine::new(
             target.clone(),
             Some(counted.clone() as Arc<dyn DraftProposer>),

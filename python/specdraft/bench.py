@@ -145,20 +145,25 @@ def _model_file_for_head(model: Any, model_name: str | None, proposer: str) -> P
     return resolve_model(model_name or "smollm2")
 
 
-def hybrid_for(model: Any, model_name: str | None) -> Any:  # noqa: ANN401
+def hybrid_for(model: Any, model_name: str | None, trees: bool = False) -> Any:  # noqa: ANN401
     """Suffix decoding, then the best shipped learned head for ``model_name`` (a Hybrid).
 
     The head is :func:`specdraft.heads.best_head_for`'s: of the heads shipped for the model,
     the one whose training measured the longest acceptance through the engine. Each step
     drafts by retrieval when the text so far repeats, else with the head; the head catches up
-    exactly on the tokens retrieval drafted (it is told the target's layer count).
+    exactly on the tokens retrieval drafted (it is told the target's layer count). With
+    ``trees``, suffix decoding grows its speculation trees and the head (where it can) its
+    EAGLE-2 trees, and the hybrid drafts the winner's tree.
     """
     from specdraft.heads import best_head_for, load_draft_head
 
     path = _model_file_for_head(model, model_name, "hybrid")
     head = load_draft_head(best_head_for(path), model)
+    if trees and hasattr(head, "set_grow_trees"):
+        head.set_grow_trees(True)
     return specdraft.Hybrid(
-        [specdraft.SuffixDecoding(), head], target_layers=model.config.num_hidden_layers
+        [specdraft.SuffixDecoding(trees=trees), head],
+        target_layers=model.config.num_hidden_layers,
     )
 
 
@@ -196,6 +201,7 @@ ON_REQUEST: dict[str, Callable[[Any, str | None], Any]] = {
     "suffix-tree": lambda model, model_name: specdraft.SuffixDecoding(trees=True),
     "mtp-tree": tree_head_for("mtp"),
     "eagle3-tree": tree_head_for("eagle3"),
+    "hybrid-tree": lambda model, model_name: hybrid_for(model, model_name, trees=True),
 }
 
 

@@ -77,7 +77,8 @@ def make_proposer(
     ``mtp``, ``eagle3``, ``dflash``: the shipped draft head of that kind trained for
     ``model_name``'s file, ``hybrid``: suffix decoding then the best shipped head; ``none``
     or ``baseline`` is plain decoding) or of :data:`specdraft.bench.ON_REQUEST`
-    (``prompt-lookup-tree``, ``suffix-tree``, ``mtp-tree``, ``eagle3-tree``), the name of a
+    (``prompt-lookup-tree``, ``suffix-tree``, ``mtp-tree``, ``eagle3-tree``, ``hybrid-tree``), the
+    name of a
     shipped head (``smollm2-mtp``), or
     ``module:Class`` (built with no arguments). A draft head is loaded beside ``model``,
     sharing its embedding.
@@ -273,8 +274,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         default="prompt-lookup",
         help="prompt-lookup, suffix, random, mtp, eagle3, dflash (the model's shipped draft "
         "head of that kind), hybrid (suffix, then the best shipped head), prompt-lookup-tree, "
-        "suffix-tree, mtp-tree, eagle3-tree (drafting trees), none or module:Class (imports and "
-        "runs it)",
+        "suffix-tree, mtp-tree, eagle3-tree, hybrid-tree (drafting trees), none or module:Class "
+        "(imports and runs it)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -1,6 +1,8 @@
 //! Proposers and helpers shared by the engine's integration tests.
 #![allow(dead_code)]
 
+pub mod counted;
+
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};

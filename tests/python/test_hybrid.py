@@ -217,6 +217,58 @@ def test_a_first_member_that_misses_yields_to_a_later_one_unless_the_order_is_fi
     del engine, hybrid, model
 
 
+class Forked(Seen):
+    """Grows a tree of two siblings, a wrong token then the true next one (looked up in
+    ``fulls`` by its history); records each accepted path it is told, and keeps the
+    accepted tokens in its history."""
+
+    def __init__(self, fulls: list[list[int]]) -> None:
+        super().__init__()
+        self.fulls, self.paths = fulls, []
+
+    def grows_trees(self):
+        return True
+
+    def propose_tree(self, last_token, target_hidden, position, budget, state, ctx, stream, **kw):
+        self.propose(last_token, target_hidden, position, 0, state, ctx, stream)
+        history = state["history"]
+        full = next(f for f in self.fulls if f[: len(history)] == history)
+        if budget < 2 or position + 1 >= len(full):
+            return [], []
+        right = full[position + 1]
+        state["pending"] = [(right + 1) % TINY_VOCAB, right]
+        return state["pending"], [-1, -1]
+
+    def after_verify_tree(self, path, state, stream):
+        # A winner is told its accepted nodes, and keeps them in its history.
+        self.paths.append(list(path))
+        state["history"].extend(state["pending"][i] for i in path)
+
+
+def test_members_that_grow_trees_make_the_hybrid_grow_them(tmp_path, model_path, gpu) -> None:
+    model = _load(model_path, gpu)
+    plain = specdraft.SpecEngine(model).generate(PROMPTS, max_tokens=24, ignore_eos=True)
+    fulls = [p + list(r.tokens) for p, r in zip(PROMPTS, plain, strict=True)]
+    assert not specdraft.Hybrid([specdraft.SuffixDecoding(), Seen()]).grows_trees()
+    head = _head_beside(tmp_path, model)
+    head.set_grow_trees(True)
+    suffix = specdraft.SuffixDecoding(trees=True)
+    for members in ([suffix, head], [Forked(fulls), head]):
+        hybrid = specdraft.Hybrid(members)
+        assert hybrid.grows_trees()
+        engine = specdraft.SpecEngine(model, hybrid, num_drafts=4, draft_policy="fixed")
+        result = engine.generate(PROMPTS, max_tokens=24, ignore_eos=True)
+        for r, full in zip(result, fulls, strict=True):
+            assert r.error is None, r.error
+            assert list(r.tokens) == full[-24:]
+        assert engine.last_metrics["accepted"] > 0
+    # The first member's two siblings won each step: its second node was accepted, and the
+    # hybrid told it that path.
+    forked = members[0]
+    assert forked.paths and all(p == [1] for p in forked.paths), forked.paths
+    del engine, hybrid, head, model
+
+
 def test_a_raising_member_fails_its_sequence_naming_it(model_path, gpu) -> None:
     model = _load(model_path, gpu)
     hybrid = specdraft.Hybrid([specdraft.PromptLookup(), Raising()])

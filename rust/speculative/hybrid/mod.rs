@@ -40,6 +40,16 @@
 //!   returned drafts (short of its `min_drafts`) gets the length of the common prefix of its
 //!   drafts with the winner's first `a`; a member asked for none gets 0. The winner's
 //!   accepted drafts that a member did not get are what it catches up on next step.
+//! - **Trees.** The hybrid grows trees (`grows_trees`) when any member does. `propose_tree`
+//!   and `propose_tree_batch` run the same round, asking the members that grow trees for
+//!   `propose_tree` / `propose_tree_batch` with the node budget (the others draft their
+//!   chains); the winner's tree is the hybrid's. `after_verify_tree`
+//!   gives the winner the accepted path, and every other member the longest path of its own
+//!   tree that the accepted tokens follow: through `after_verify_tree` where its tree
+//!   branches, `after_verify` with the path's length where it is a chain. So a drafter with
+//!   KV keeps the accepted path's rows in a hybrid as it would alone, and `Hybrid([
+//!   SuffixDecoding(trees), MtpHead(trees)])` grows the suffix trees on grounded text and the
+//!   head's on open text.
 //!
 //! Capture: [`DraftProposer::target_layer_ids`] is the union of the members' ids (each
 //! member's in its order, members in list order) followed by the target's last layer when
@@ -69,10 +79,12 @@
 //! - A member that fails fails the hybrid's call, with an error naming the method, the
 //!   member's index and its name, and carrying the member's own error.
 
+mod catchup;
 mod odds;
 mod proposer;
 mod round;
 mod rows;
+mod settle;
 mod state;
 
 pub use state::HybridState;

@@ -2,22 +2,18 @@
 //! bookkeeping of the module documentation, and the provided methods forwarded to members.
 
 use super::round::{RoundCall, RoundSeq};
+use super::settle::path_fault;
 use super::state::{HybridState, Scratch};
 use super::Hybrid;
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
 use crate::speculative::error::bad;
-use crate::speculative::{DraftProposer, ProposerError, ProposerState};
+use crate::speculative::{DraftProposer, DraftTree, ProposerError, ProposerState};
 use std::sync::atomic::Ordering;
 
-/// Length of the common prefix of `a` and `b`.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
 impl Hybrid {
-    fn state<'s>(
+    pub(super) fn state<'s>(
         &self,
         state: &'s mut dyn ProposerState,
         method: &'static str,
@@ -44,134 +40,6 @@ impl Hybrid {
             ));
         }
         Ok(st)
-    }
-
-    /// Member `i`'s captured rows for a propose at `position`, given the hybrid's `stack` of
-    /// the rows since the hybrid's previous propose: the rows since the member's own.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rows_for(
-        &self,
-        i: usize,
-        st: &mut HybridState,
-        gpu: &dyn GpuBackend,
-        stack: Option<DevicePtr>,
-        position: usize,
-        hidden: usize,
-        stream: u64,
-    ) -> crate::Result<Option<DevicePtr>> {
-        let Some(stack) = stack else {
-            return Ok(None);
-        };
-        let k = st
-            .last_position
-            .filter(|&p| p < position)
-            .map_or(1, |p| position - p);
-        let own = st.seen[i]
-            .filter(|&p| p < position)
-            .map_or(1, |p| position - p)
-            .clamp(1, k);
-        self.member_rows(
-            i,
-            gpu,
-            stack,
-            k - own,
-            own,
-            hidden,
-            &mut st.scratch[i],
-            stream,
-        )
-    }
-
-    /// Gives each member the committed tokens it missed: one propose of 0 drafts and one
-    /// `after_verify(0)` per token, at its position, paired with its captured row (the
-    /// target's final hidden when the hybrid captures the last layer, else `target_hidden`).
-    /// A replay that fails leaves the tokens not yet replayed missed, so a retry (the engine
-    /// proposes one by one after a failed batch) replays exactly those.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn catch_up(
-        &self,
-        st: &mut HybridState,
-        target_hidden: DevicePtr,
-        position: usize,
-        ctx: &ForwardContext<'_>,
-        stream: u64,
-        stack: Option<DevicePtr>,
-    ) -> crate::Result<()> {
-        for i in 0..self.members.len() {
-            let tokens = st.missed[i].clone();
-            let from = st.missed_from[i];
-            for (j, &token) in tokens.iter().enumerate() {
-                let replayed = self.replay(
-                    i,
-                    st,
-                    token,
-                    from + j,
-                    target_hidden,
-                    position,
-                    ctx,
-                    stream,
-                    stack,
-                );
-                if let Err(e) = replayed {
-                    st.missed[i].drain(..j);
-                    st.missed_from[i] = from + j;
-                    return Err(e);
-                }
-            }
-            st.missed[i].clear();
-        }
-        Ok(())
-    }
-
-    /// Replays the committed `token` at `q` to member `i` (see [`Self::catch_up`]).
-    #[allow(clippy::too_many_arguments)]
-    fn replay(
-        &self,
-        i: usize,
-        st: &mut HybridState,
-        token: u32,
-        q: usize,
-        target_hidden: DevicePtr,
-        position: usize,
-        ctx: &ForwardContext<'_>,
-        stream: u64,
-        stack: Option<DevicePtr>,
-    ) -> crate::Result<()> {
-        if q >= position {
-            return Err(bad(
-                "propose",
-                format!(
-                    "position {position} is not past the committed token at {q} that member {i} ({}) has yet to see",
-                    self.members[i].name
-                ),
-            ));
-        }
-        let gpu = ctx.gpu.as_ref();
-        let hidden = ctx.config.hidden_size;
-        // The row paired with the token at q, in the stack of rows since the last propose (q
-        // is after that propose's position, so the row is there).
-        let (h, rows) = match (stack, st.last_position) {
-            (Some(s), Some(last)) if q > last => {
-                let r = q - last - 1;
-                let h = self.final_hidden(s, r, hidden).unwrap_or(target_hidden);
-                let rows = self.member_rows(i, gpu, s, r, 1, hidden, &mut st.scratch[i], stream)?;
-                (h, rows)
-            }
-            _ => (target_hidden, None),
-        };
-        let prop = self.members[i].proposer.as_ref();
-        let state = &mut *st.members[i];
-        let drafts = prop
-            .propose(token, h, q, 0, state, ctx, stream, None, None, rows)
-            .map_err(|e| self.member_error("propose", i, e))?;
-        if !drafts.is_empty() {
-            let message = format!("returned {} drafts, asked for 0", drafts.len());
-            return Err(self.member_error("propose", i, bad("propose", message)));
-        }
-        prop.after_verify(0, state, stream)
-            .map_err(|e| self.member_error("after_verify", i, e))?;
-        st.seen[i] = Some(q);
-        Ok(())
     }
 }
 
@@ -223,12 +91,12 @@ impl DraftProposer for Hybrid {
         }];
         let extras = RoundCall {
             lone: true,
-            want_conf: false,
             draft_embed_target,
             grammar_bitmask,
+            ..RoundCall::default()
         };
         let mut out = self.draft_round("propose", &mut seq, num_drafts, ctx, stream, extras)?;
-        Ok(out.pop().map(|(d, _)| d).unwrap_or_default())
+        Ok(out.pop().map(|(d, _)| d.tokens).unwrap_or_default())
     }
 
     fn propose_batch(
@@ -242,48 +110,90 @@ impl DraftProposer for Hybrid {
         stream: u64,
         out_conf: Option<&mut Vec<Vec<f32>>>,
     ) -> crate::Result<Option<Vec<Vec<u32>>>> {
-        let n = last_tokens.len();
-        let stacks = ctx.target_hidden_stacks.filter(|_| !self.layers.is_empty());
-        if stacks.is_none() && !self.layers.is_empty() {
-            return Err(bad(
-                "propose_batch",
-                "this hybrid captures target layers: ctx.target_hidden_stacks must hold each sequence's rows".into(),
-            ));
-        }
-        ProposerError::check_batch(
-            "propose_batch",
-            n,
-            &[
-                ("hiddens", target_hiddens.len()),
-                ("captured row sets", stacks.map_or(n, <[DevicePtr]>::len)),
-                ("positions", positions.len()),
-                ("states", states.len()),
-            ],
-        )?;
-        let mut seqs = Vec::with_capacity(n);
-        for (s, state) in states.iter_mut().enumerate() {
-            seqs.push(RoundSeq {
-                st: self.state(&mut **state, "propose_batch")?,
-                token: last_tokens[s],
-                hidden: target_hiddens[s],
-                position: positions[s],
-                stack: stacks.map(|k| k[s]),
-            });
-        }
         let extras = RoundCall {
             want_conf: out_conf.is_some(),
             ..RoundCall::default()
         };
-        let round =
-            self.draft_round("propose_batch", &mut seqs, num_drafts, ctx, stream, extras)?;
+        let batch = (last_tokens, target_hiddens, positions);
+        let round = self.batch_round(
+            "propose_batch",
+            batch,
+            num_drafts,
+            states,
+            ctx,
+            stream,
+            extras,
+        )?;
         let (drafts, confs): (Vec<Vec<u32>>, Vec<Vec<f32>>) = round
             .into_iter()
-            .map(|(d, c)| (d, c.unwrap_or_default()))
+            .map(|(d, c)| (d.tokens, c.unwrap_or_default()))
             .unzip();
         if let Some(out) = out_conf {
             *out = confs;
         }
         Ok(Some(drafts))
+    }
+
+    fn propose_tree(
+        &self,
+        last_token: u32,
+        target_hidden: DevicePtr,
+        position: usize,
+        budget: usize,
+        state: &mut dyn ProposerState,
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        draft_embed_target: Option<DevicePtr>,
+        grammar_bitmask: Option<&[i32]>,
+        target_hidden_stack: Option<DevicePtr>,
+    ) -> crate::Result<DraftTree> {
+        let mut seq = [RoundSeq {
+            st: self.state(state, "propose_tree")?,
+            token: last_token,
+            hidden: target_hidden,
+            position,
+            stack: target_hidden_stack.filter(|_| !self.layers.is_empty()),
+        }];
+        let extras = RoundCall {
+            lone: true,
+            tree: true,
+            draft_embed_target,
+            grammar_bitmask,
+            ..RoundCall::default()
+        };
+        let mut out = self.draft_round("propose_tree", &mut seq, budget, ctx, stream, extras)?;
+        Ok(out.pop().map(|(t, _)| t).unwrap_or_default())
+    }
+
+    fn propose_tree_batch(
+        &self,
+        last_tokens: &[u32],
+        target_hiddens: &[DevicePtr],
+        positions: &[usize],
+        budget: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+    ) -> crate::Result<Option<Vec<DraftTree>>> {
+        let extras = RoundCall {
+            tree: true,
+            ..RoundCall::default()
+        };
+        let batch = (last_tokens, target_hiddens, positions);
+        let round = self.batch_round(
+            "propose_tree_batch",
+            batch,
+            budget,
+            states,
+            ctx,
+            stream,
+            extras,
+        )?;
+        Ok(Some(round.into_iter().map(|(t, _)| t).collect()))
+    }
+
+    fn grows_trees(&self) -> bool {
+        self.members.iter().any(|m| m.proposer.grows_trees())
     }
 
     fn propose_batch_max(&self, buffers: &BufferArena, config: &ModelConfig) -> usize {
@@ -302,43 +212,26 @@ impl DraftProposer for Hybrid {
         stream: u64,
     ) -> crate::Result<()> {
         let st = self.state(state, "after_verify")?;
-        let Some(step) = st.step.take() else {
-            return Err(bad(
-                "after_verify",
-                "no propose is waiting for its verify".into(),
-            ));
-        };
-        let won: &[u32] = step.winner.map_or(&[], |w| &step.drafts[w]);
-        if num_accepted > won.len() {
-            return Err(bad(
-                "after_verify",
-                format!(
-                    "{num_accepted} drafts accepted but the last propose returned {}",
-                    won.len()
-                ),
-            ));
+        let step = Self::pending(st, "after_verify")?;
+        let path: Vec<usize> = (0..num_accepted).collect();
+        if let Some(fault) = path_fault(step.winner.map(|w| &step.drafts[w]), &path, false) {
+            return Err(bad("after_verify", fault));
         }
-        let committed = &won[..num_accepted];
-        st.odds
-            .settle(step.winner.map(|w| (w, won.len())), num_accepted);
-        let mut first_error = None;
-        for i in 0..self.members.len() {
-            let accepted = match step.winner {
-                Some(w) if w == i => num_accepted,
-                _ => common_prefix(&step.drafts[i], committed),
-            };
-            let r = self.members[i]
-                .proposer
-                .after_verify(accepted, &mut *st.members[i], stream);
-            if let Err(e) = r {
-                first_error.get_or_insert(self.member_error("after_verify", i, e));
-            }
-            st.accepted[i] = accepted;
-            st.missed[i] = committed[accepted..].to_vec();
-            st.missed_from[i] = step.position + 1 + accepted;
+        self.settle(st, step, &path, stream)
+    }
+
+    fn after_verify_tree(
+        &self,
+        path: &[usize],
+        state: &mut dyn ProposerState,
+        stream: u64,
+    ) -> crate::Result<()> {
+        let st = self.state(state, "after_verify_tree")?;
+        let step = Self::pending(st, "after_verify_tree")?;
+        if let Some(fault) = path_fault(step.winner.map(|w| &step.drafts[w]), path, true) {
+            return Err(bad("after_verify_tree", fault));
         }
-        st.last_position = Some(step.position);
-        first_error.map_or(Ok(()), Err)
+        self.settle(st, step, path, stream)
     }
 
     fn target_layer_ids(&self) -> Vec<usize> {

@@ -11,9 +11,15 @@
 //! sees the same calls in the same order as a `propose` of its own would make, so a batch
 //! drafts what its sequences would draft one by one.
 //!
+//! Trees: a round serving `propose_tree` or `propose_tree_batch` asks each member that grows
+//! trees (`grows_trees()`, read at each call) for its drafts with `propose_tree` /
+//! `propose_tree_batch`, with the step's node budget as the count; every other member, and
+//! every member asked for none, is asked as in a chain round, so a member that grows no
+//! trees drafts its chain.
+//!
 //! Invariants:
-//! - A member's drafts are never more than it was asked for; more fail the call, naming the
-//!   member.
+//! - A member's drafts are never more than it was asked for, and a member's tree is
+//!   well-formed; otherwise the call fails, naming the member.
 //! - Only a lone sequence carries a draft embedding or a grammar mask (as `propose_batch`
 //!   does not), and only to the members it asks for drafts.
 //! - A batch asked for confidences (`out_conf`) reports, for each sequence, those its
@@ -29,7 +35,7 @@ use super::{Hybrid, HybridChoice};
 use crate::backend::DevicePtr;
 use crate::model::ForwardContext;
 use crate::speculative::error::bad;
-use crate::speculative::ProposerState;
+use crate::speculative::{DraftTree, ProposerError, ProposerState};
 use std::sync::atomic::Ordering;
 
 /// One sequence of a round: its state and `propose`'s arguments.
@@ -42,10 +48,10 @@ pub(super) struct RoundSeq<'s> {
     pub stack: Option<DevicePtr>,
 }
 
-/// One member's answer for one sequence: its drafts and, where it reported them, its
-/// confidence in each. A round returns its winner's for each sequence (none drafted: empty,
-/// `None`).
-pub(super) type Answer = (Vec<u32>, Option<Vec<f32>>);
+/// One member's answer for one sequence: its drafts (a chain unless the round asks for
+/// trees) and, where it reported them through `propose_batch`, its confidence in each. A
+/// round returns its winner's for each sequence (none drafted: empty, `None`).
+pub(super) type Answer = (DraftTree, Option<Vec<f32>>);
 
 /// What the call a round serves asks of it: a lone `propose`'s extras (a batch carries
 /// none), or a batch's confidences.
@@ -56,6 +62,9 @@ pub(super) struct RoundCall<'m> {
     /// Whether the caller asked for confidences (`out_conf`): members are asked for theirs
     /// only then.
     pub want_conf: bool,
+    /// Whether the round serves `propose_tree` / `propose_tree_batch`: members asked for
+    /// drafts are asked for trees.
+    pub tree: bool,
     pub draft_embed_target: Option<DevicePtr>,
     pub grammar_bitmask: Option<&'m [i32]>,
 }
@@ -85,7 +94,7 @@ impl Hybrid {
         let gpu = ctx.gpu.as_ref();
         let hidden = ctx.config.hidden_size;
         let mut winners: Vec<Option<usize>> = vec![None; n];
-        let mut drafts: Vec<Vec<Vec<u32>>> = vec![Vec::with_capacity(self.members.len()); n];
+        let mut drafts: Vec<Vec<DraftTree>> = vec![Vec::with_capacity(self.members.len()); n];
         let mut confs: Vec<Vec<Option<Vec<f32>>>> = vec![Vec::with_capacity(self.members.len()); n];
         for i in 0..self.members.len() {
             let asks: Vec<usize> = winners
@@ -105,6 +114,10 @@ impl Hybrid {
                         format!("returned {} drafts, asked for at most {}", d.len(), asks[s]);
                     return Err(self.member_error(method, i, bad(method, message)));
                 }
+                if let Some(fault) = d.fault(asks[s], ctx.config.vocab_size) {
+                    let message = format!("returned a tree with {fault}");
+                    return Err(self.member_error(method, i, bad(method, message)));
+                }
                 if winners[s].is_none()
                     && asks[s] > 0
                     && d.len() >= self.members[i].min_drafts
@@ -119,7 +132,9 @@ impl Hybrid {
         let mut out = Vec::with_capacity(n);
         let rounds = seqs.iter_mut().zip(winners).zip(drafts).zip(confs);
         for (((q, winner), drafts), mut confs) in rounds {
-            out.push(winner.map_or((Vec::new(), None), |w| (drafts[w].clone(), confs[w].take())));
+            out.push(winner.map_or((DraftTree::default(), None), |w| {
+                (drafts[w].clone(), confs[w].take())
+            }));
             self.last_winner
                 .store(winner.unwrap_or(usize::MAX), Ordering::Relaxed);
             q.st.step = Some(Step {
@@ -129,6 +144,51 @@ impl Hybrid {
             });
         }
         Ok(out)
+    }
+
+    /// The round for a batched call (`propose_batch`, `propose_tree_batch`) named `method`:
+    /// checks one of each argument per sequence, and each sequence's captured rows where the
+    /// hybrid captures layers.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn batch_round(
+        &self,
+        method: &'static str,
+        (last_tokens, target_hiddens, positions): (&[u32], &[DevicePtr], &[usize]),
+        count: usize,
+        states: &mut [&mut dyn ProposerState],
+        ctx: &ForwardContext<'_>,
+        stream: u64,
+        extras: RoundCall<'_>,
+    ) -> crate::Result<Vec<Answer>> {
+        let n = last_tokens.len();
+        let stacks = ctx.target_hidden_stacks.filter(|_| !self.layers.is_empty());
+        if stacks.is_none() && !self.layers.is_empty() {
+            return Err(bad(
+                method,
+                "this hybrid captures target layers: ctx.target_hidden_stacks must hold each sequence's rows".into(),
+            ));
+        }
+        ProposerError::check_batch(
+            method,
+            n,
+            &[
+                ("hiddens", target_hiddens.len()),
+                ("captured row sets", stacks.map_or(n, <[DevicePtr]>::len)),
+                ("positions", positions.len()),
+                ("states", states.len()),
+            ],
+        )?;
+        let mut seqs = Vec::with_capacity(n);
+        for (s, state) in states.iter_mut().enumerate() {
+            seqs.push(RoundSeq {
+                st: self.state(&mut **state, method)?,
+                token: last_tokens[s],
+                hidden: target_hiddens[s],
+                position: positions[s],
+                stack: stacks.map(|k| k[s]),
+            });
+        }
+        self.draft_round(method, &mut seqs, count, ctx, stream, extras)
     }
 
     /// Member `i`'s drafts for every sequence of `seqs`, `asks[s]` of sequence `s`, each
@@ -167,7 +227,7 @@ impl Hybrid {
                         rows,
                         ctx,
                         stream,
-                        extras.want_conf,
+                        extras,
                     )?;
                     for (&s, answer) in group.iter().zip(batch.into_iter().flatten()) {
                         got[s] = Some(answer);
@@ -187,29 +247,32 @@ impl Hybrid {
             } else {
                 RoundCall::default()
             };
-            let d = prop
-                .propose(
-                    q.token,
-                    q.hidden,
-                    q.position,
-                    ask,
-                    &mut *q.st.members[i],
-                    ctx,
-                    stream,
-                    lone.draft_embed_target,
-                    lone.grammar_bitmask,
-                    rows[s],
+            let state = &mut *q.st.members[i];
+            let (embed, mask) = (lone.draft_embed_target, lone.grammar_bitmask);
+            let d = if extras.tree && ask > 0 && prop.grows_trees() {
+                prop.propose_tree(
+                    q.token, q.hidden, q.position, ask, state, ctx, stream, embed, mask, rows[s],
                 )
-                .map_err(|e| self.member_error("propose", i, e))?;
+                .map_err(|e| self.member_error("propose_tree", i, e))?
+            } else {
+                let d = prop
+                    .propose(
+                        q.token, q.hidden, q.position, ask, state, ctx, stream, embed, mask,
+                        rows[s],
+                    )
+                    .map_err(|e| self.member_error("propose", i, e))?;
+                DraftTree::chain(d)
+            };
             out.push((d, None));
         }
         Ok(out)
     }
 
     /// One `propose_batch` of member `i` for the sequences `group` of `seqs`, all asked
-    /// `ask`, with the confidences it reported for each where `want_conf` (kept only where
-    /// they hold one a draft); `None` when the member declines or answers for another count
-    /// of sequences.
+    /// `ask`, with the confidences it reported for each where `extras.want_conf` (kept only
+    /// where they hold one a draft); one `propose_tree_batch` instead where the round asks
+    /// for trees and `ask` is not 0. `None` when the member declines or answers for another
+    /// count of sequences.
     #[allow(clippy::too_many_arguments)]
     fn member_batch(
         &self,
@@ -220,7 +283,7 @@ impl Hybrid {
         rows: &[Option<DevicePtr>],
         ctx: &ForwardContext<'_>,
         stream: u64,
-        want_conf: bool,
+        extras: RoundCall<'_>,
     ) -> crate::Result<Option<Vec<Answer>>> {
         let tokens: Vec<u32> = group.iter().map(|&s| seqs[s].token).collect();
         let hiddens: Vec<DevicePtr> = group.iter().map(|&s| seqs[s].hidden).collect();
@@ -240,9 +303,16 @@ impl Hybrid {
             .filter(|(s, _)| member[*s])
             .map(|(_, q)| -> &mut dyn ProposerState { &mut *q.st.members[i] })
             .collect();
+        let prop = self.members[i].proposer.as_ref();
+        if extras.tree && ask > 0 && prop.grows_trees() {
+            let trees = prop
+                .propose_tree_batch(&tokens, &hiddens, &positions, ask, &mut states, ctx, stream)
+                .map_err(|e| self.member_error("propose_tree_batch", i, e))?;
+            let trees = trees.filter(|t| t.len() == group.len());
+            return Ok(trees.map(|t| t.into_iter().map(|t| (t, None)).collect()));
+        }
         let mut confs = Vec::new();
-        let drafts = self.members[i]
-            .proposer
+        let drafts = prop
             .propose_batch(
                 &tokens,
                 &hiddens,
@@ -251,7 +321,7 @@ impl Hybrid {
                 &mut states,
                 ctx,
                 stream,
-                want_conf.then_some(&mut confs),
+                extras.want_conf.then_some(&mut confs),
             )
             .map_err(|e| self.member_error("propose_batch", i, e))?;
         let Some(drafts) = drafts.filter(|d| d.len() == group.len()) else {
@@ -262,7 +332,7 @@ impl Hybrid {
             .into_iter()
             .map(|d| {
                 let c = confs.next().filter(|c| c.len() == d.len() && !d.is_empty());
-                (d, c)
+                (DraftTree::chain(d), c)
             })
             .collect();
         Ok(Some(answers))

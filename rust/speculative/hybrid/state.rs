@@ -12,14 +12,15 @@
 
 use super::odds::MemberOdds;
 use crate::backend::{DevicePtr, GpuBackend};
-use crate::speculative::ProposerState;
+use crate::speculative::{DraftTree, ProposerState};
 
 /// What one propose did, until `after_verify`.
 pub(super) struct Step {
     /// The position drafted from.
     pub position: usize,
-    /// Each member's drafts (empty for a member asked for none).
-    pub drafts: Vec<Vec<u32>>,
+    /// Each member's drafts (empty for a member asked for none), as a tree: a chain where
+    /// the member was asked with `propose`.
+    pub drafts: Vec<DraftTree>,
     /// The member whose drafts were returned.
     pub winner: Option<usize>,
 }
