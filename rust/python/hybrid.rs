@@ -33,6 +33,11 @@ use std::sync::Arc;
 /// member first catches up on the accepted drafts it did not draft (one `propose` of 0 drafts
 /// and one `after_verify(0)` per token), so its history and drafter KV follow the sequence.
 ///
+/// It grows draft trees (`grows_trees()`) when a member does: members that grow trees are
+/// asked `propose_tree` with the step's node budget, the others draft chains, the winner's
+/// tree is the hybrid's, and after verification each member keeps the path of its own
+/// drafts that the accepted tokens follow (`after_verify_tree` where its tree branched).
+///
 /// `target_layers` (the target's decoder layer count) makes that catch-up exact for members
 /// that read `target_hidden` (the MTP head): the hybrid then also names the target's last
 /// layer among its `target_layer_ids`, whose captured rows are the final hiddens of the

@@ -619,3 +619,25 @@ def test_head_tree_proposers_are_the_shipped_heads_growing_trees(monkeypatch) ->
         head = bench.ON_REQUEST[name](object(), None)
         assert head.grows is True, name
     assert kinds == ["mtp", "eagle3"]
+    # hybrid-tree: suffix decoding's trees, then the best head growing trees.
+    import specdraft.heads as heads
+
+    built: list[tuple[list[object], int]] = []
+    monkeypatch.setattr(bench, "_model_file_for_head", lambda model, name, proposer: "m.gguf")
+    monkeypatch.setattr(heads, "best_head_for", lambda path: "best")
+    monkeypatch.setattr(heads, "load_draft_head", lambda name, model: Head())
+    monkeypatch.setattr(
+        specdraft, "Hybrid", lambda members, target_layers: built.append((members, target_layers))
+    )
+
+    class Model:
+        class config:  # noqa: N801 - the attribute path a model has
+            num_hidden_layers = 30
+
+    for name, trees in (("hybrid-tree", True), ("hybrid", False)):
+        built.clear()
+        table = bench.ON_REQUEST if trees else bench.PROPOSERS
+        table[name](Model(), None)
+        ((suffix, head), layers) = built[0]
+        assert layers == 30 and suffix.trees is trees, name
+        assert head.grows is (True if trees else None), name

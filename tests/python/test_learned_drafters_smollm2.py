@@ -123,3 +123,16 @@ def test_greedy_output_with_learned_drafters_equals_plain_on_smollm2(smollm2, tm
             # The copied passage is drafted by the suffix member and accepted.
             assert metrics["accepted"] > 0, (name, metrics)
         del engine
+    # A hybrid whose members grow trees verifies the winner's tree each step.
+    heads["eagle3"].set_grow_trees(True)
+    hybrid = specdraft.Hybrid(
+        [specdraft.SuffixDecoding(trees=True), heads["eagle3"]], target_layers=LAYERS
+    )
+    engine = specdraft.SpecEngine(model, hybrid, num_drafts=3, draft_policy="fixed")
+    assert engine.drafts_trees
+    results = engine.generate(prompts, max_tokens=MAX_TOKENS)
+    for i, (r, want) in enumerate(zip(results, plain, strict=True)):
+        assert r.error is None, ("hybrid trees", i, r.error)
+        assert list(r.tokens) == list(want.tokens), ("hybrid trees", i)
+    assert engine.last_metrics["accepted"] > 0, engine.last_metrics
+    del engine, hybrid
