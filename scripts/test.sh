@@ -62,6 +62,7 @@ cargo test --release --test model_smollm2 -- --ignored
 step "examples"
 cargo run --quiet --example 01_rust_proposer
 cargo run --quiet --example 02_spec_engine
+cargo run --quiet --example 05_wrapping_proposer
 "$PY" examples/03_python_proposer.py
 # mpiexec comes with the distributed extra's MPICH wheel, beside the interpreter.
 MPIEXEC="$("$PY" -c 'import pathlib, shutil, sys; p = pathlib.Path(sys.executable).parent / "mpiexec"; print(p if p.exists() else shutil.which("mpiexec") or "mpiexec")')"

@@ -37,23 +37,11 @@ fn fixture(name: &str) -> Fixture {
     f
 }
 
-/// A second head with the fixture's weights (its checkpoint's seed), growing trees where
-/// `trees`.
+/// A second head with the fixture's weights, growing trees where `trees`.
 fn twin_head(f: &Fixture, name: &str, trees: bool) -> Arc<MtpHead> {
-    let dir = scratch_dir(&format!("hybrid_twin_{name}_{trees}"));
-    write_checkpoint(&dir, "deepseek_v3", 3);
-    let head = MtpHead::from_checkpoint(
-        &dir,
-        f.gpu.clone(),
-        MtpQuantization::Bf16,
-        0,
-        512,
-        256,
-        &ModelLevers::default(),
-    )
-    .unwrap();
+    let head = f.twin_head(&format!("{name}_{trees}"));
     head.set_grow_trees(trees);
-    Arc::new(head)
+    head
 }
 
 /// Every drafter KV row member `i` of the hybrid state `hs` holds, as raw BF16 bits.

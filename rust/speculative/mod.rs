@@ -1,7 +1,7 @@
 //! The speculative layer: the `DraftProposer` protocol, its proposers (`MtpHead`,
 //! `Eagle3Head`, `DFlashHead`, `PromptLookup`, `SuffixDecoding`, and `Hybrid`, made of
-//! others), and the conformance checker that drives any proposer through the whole
-//! lifecycle.
+//! others), `DelegatingProposer` for wrappers of a proposer, and the conformance checker
+//! that drives any proposer through the whole lifecycle.
 //!
 //! Invariants every proposer in this module keeps (and [`conformance::check_proposer`]
 //! checks for any proposer):
@@ -14,6 +14,7 @@
 //! - `free_state` returns every device allocation `alloc_state` made.
 
 pub mod conformance;
+mod delegating;
 pub mod dflash;
 mod draft_tree;
 pub mod eagle3;
@@ -25,6 +26,7 @@ mod prompt_lookup;
 mod protocol;
 pub mod suffix;
 
+pub use delegating::DelegatingProposer;
 pub use dflash::{DFlashHead, DFlashState};
 pub use draft_tree::{DraftTree, TreeFault};
 pub use eagle3::{Eagle3Head, Eagle3State};

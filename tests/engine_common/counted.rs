@@ -1,9 +1,9 @@
-//! A proposer wrapper that counts its tree calls, for the engine's tree tests.
+//! A proposer wrapper that counts its tree calls, for the engine's tree tests; every other
+//! method is the wrapped proposer's (`DelegatingProposer`).
 
-use specdraft::backend::{DevicePtr, GpuBackend};
-use specdraft::memory::BufferArena;
-use specdraft::model::{ForwardContext, ModelConfig};
-use specdraft::speculative::{DraftProposer, DraftTree, ProposerState};
+use specdraft::backend::DevicePtr;
+use specdraft::model::ForwardContext;
+use specdraft::speculative::{DelegatingProposer, DraftProposer, DraftTree, ProposerState};
 use specdraft::Result;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -38,43 +38,9 @@ impl Counted {
 }
 
 #[allow(clippy::too_many_arguments)]
-impl DraftProposer for Counted {
-    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
-        self.inner.alloc_state(gpu)
-    }
-    fn alloc_state_for(&self, gpu: &dyn GpuBackend, b: usize) -> Result<Box<dyn ProposerState>> {
-        self.inner.alloc_state_for(gpu, b)
-    }
-    fn propose(
-        &self,
-        last: u32,
-        h: DevicePtr,
-        pos: usize,
-        n: usize,
-        s: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        st: u64,
-        d: Option<DevicePtr>,
-        m: Option<&[i32]>,
-        k: Option<DevicePtr>,
-    ) -> Result<Vec<u32>> {
-        self.inner.propose(last, h, pos, n, s, ctx, st, d, m, k)
-    }
-    fn after_verify(&self, a: usize, s: &mut dyn ProposerState, st: u64) -> Result<()> {
-        self.inner.after_verify(a, s, st)
-    }
-    fn prefill_drafter(
-        &self,
-        p: &[u32],
-        h: DevicePtr,
-        s: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        st: u64,
-    ) -> Result<usize> {
-        self.inner.prefill_drafter(p, h, s, ctx, st)
-    }
-    fn propose_batch_max(&self, b: &BufferArena, c: &ModelConfig) -> usize {
-        self.inner.propose_batch_max(b, c)
+impl DelegatingProposer for Counted {
+    fn inner(&self) -> &dyn DraftProposer {
+        self.inner.as_ref()
     }
     fn propose_tree(
         &self,
@@ -112,17 +78,8 @@ impl DraftProposer for Counted {
         self.inner
             .propose_tree_batch(last, h, positions, budget, s, ctx, st)
     }
-    fn grows_trees(&self) -> bool {
-        self.inner.grows_trees()
-    }
     fn after_verify_tree(&self, p: &[usize], s: &mut dyn ProposerState, st: u64) -> Result<()> {
         self.branch_settles.fetch_add(1, Ordering::Relaxed);
         self.inner.after_verify_tree(p, s, st)
-    }
-    fn free_state(&self, gpu: &dyn GpuBackend, s: &mut dyn ProposerState) -> Result<()> {
-        self.inner.free_state(gpu, s)
-    }
-    fn prefill_hidden_rows(&self, max_seq_len: usize) -> usize {
-        self.inner.prefill_hidden_rows(max_seq_len)
     }
 }

@@ -16,6 +16,9 @@ pub struct Fixture {
     pub ctx: ForwardContext<'static>,
     pub hiddens: DevicePtr,
     pub tokens: Vec<u32>,
+    /// The checkpoint's layout and the head's quantization, for [`Fixture::twin_head`].
+    pub layout: String,
+    pub quant: MtpQuantization,
 }
 
 pub const ROWS: usize = 160;
@@ -48,11 +51,32 @@ impl Fixture {
             ctx,
             hiddens,
             tokens,
+            layout: layout.to_string(),
+            quant,
         }
     }
 
     pub fn head(&self) -> &MtpHead {
         self.head.as_ref().unwrap()
+    }
+
+    /// Another head with the fixture head's weights (its checkpoint's seed) and levers, on
+    /// the same backend, loaded from a folder of its own named after `name`. Its KV pool is
+    /// its own: check it is whole (`kv_blocks`) before dropping it.
+    pub fn twin_head(&self, name: &str) -> Arc<MtpHead> {
+        let dir = scratch_dir(&format!("mtp_twin_{name}"));
+        write_checkpoint(&dir, &self.layout, 3);
+        let head = MtpHead::from_checkpoint(
+            &dir,
+            self.gpu.clone(),
+            self.quant,
+            0,
+            512,
+            256,
+            &self.ctx.levers,
+        )
+        .unwrap();
+        Arc::new(head)
     }
 
     pub fn hidden(&self, p: usize) -> DevicePtr {
