@@ -16,11 +16,13 @@ mod hybrid_common;
 
 use engine_common::{cpu, table};
 use hybrid_common::{Ev, Log, Recorder, Scripted, HYBRID};
-use specdraft::backend::{DevicePtr, GpuBackend};
+use specdraft::backend::DevicePtr;
 use specdraft::engine::{DraftPolicyKind, GenerateRequest, SpecEngine};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig};
-use specdraft::speculative::{DraftProposer, Hybrid, HybridChoice, ProposerState};
+use specdraft::speculative::{
+    DelegatingProposer, DraftProposer, Hybrid, HybridChoice, ProposerState,
+};
 use specdraft::Result;
 use std::sync::{Arc, Mutex};
 
@@ -72,24 +74,9 @@ struct Confident {
 }
 
 #[allow(clippy::too_many_arguments)]
-impl DraftProposer for Confident {
-    fn alloc_state(&self, gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
-        self.inner.alloc_state(gpu)
-    }
-    fn propose(
-        &self,
-        last: u32,
-        h: DevicePtr,
-        pos: usize,
-        n: usize,
-        s: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        st: u64,
-        d: Option<DevicePtr>,
-        m: Option<&[i32]>,
-        k: Option<DevicePtr>,
-    ) -> Result<Vec<u32>> {
-        self.inner.propose(last, h, pos, n, s, ctx, st, d, m, k)
+impl DelegatingProposer for Confident {
+    fn inner(&self) -> &dyn DraftProposer {
+        &self.inner
     }
     fn propose_batch(
         &self,
@@ -113,19 +100,6 @@ impl DraftProposer for Confident {
             Batching::Never => 1,
             _ => 8,
         }
-    }
-    fn after_verify(&self, a: usize, s: &mut dyn ProposerState, st: u64) -> Result<()> {
-        self.inner.after_verify(a, s, st)
-    }
-    fn prefill_drafter(
-        &self,
-        p: &[u32],
-        h: DevicePtr,
-        s: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        st: u64,
-    ) -> Result<usize> {
-        self.inner.prefill_drafter(p, h, s, ctx, st)
     }
 }
 
