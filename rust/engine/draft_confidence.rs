@@ -1,13 +1,15 @@
-//! The proposer's own confidence in its drafts (`propose_batch`'s `out_conf`), turned into
-//! acceptance estimates and used to drop the drafts of a step that would not pay.
+//! The proposer's own confidence in its drafts (`propose_batch`'s `out_conf`, a draft
+//! tree's node probabilities), turned into acceptance estimates and used to drop the drafts
+//! of a step that would not pay.
 //!
 //! A confidence is not trusted as a probability: each one is read through a calibration
 //! table (by draft position and a tenth of confidence) of how often drafts reported with
 //! it were accepted, starting from the confidence itself and moving to what is measured.
 //!
 //! Invariants:
-//! - Drafts are only ever cut at the end (the ones kept are a prefix), so verification,
-//!   `after_verify` and greedy output are unaffected.
+//! - Drafts are only ever cut at the end (the ones kept are a prefix; of a tree, a set
+//!   closed under parents), so verification, `after_verify` and greedy output are
+//!   unaffected.
 //! - Confidences of 1 or more say nothing (a proposer reporting every draft as sure): a
 //!   step whose drafts all carry them is never cut.
 
@@ -75,6 +77,63 @@ impl Calibration {
     }
 }
 
+/// The depth of each node of a tree given its `parents` (0 for a child of the last
+/// verified token): a chain draft's position.
+fn depths(parents: &[Option<usize>]) -> Vec<usize> {
+    let mut depths: Vec<usize> = Vec::with_capacity(parents.len());
+    for parent in parents {
+        depths.push(parent.map_or(0, |p| depths[p] + 1));
+    }
+    depths
+}
+
+impl Calibration {
+    /// Which nodes of a draft tree (each node's parent before it, each reported with
+    /// `probs`, its probability given its parent) to keep: a node whose chance of being
+    /// reached and accepted (its parent's, times its own calibrated estimate at its depth)
+    /// is at least `min_gain`, under a kept parent. What is kept is closed under parents,
+    /// and on a chain it is a prefix, what [`Calibration::keep`] keeps. Probabilities of 1
+    /// or more everywhere say nothing: every node is kept.
+    pub fn keep_tree(&self, parents: &[Option<usize>], probs: &[f32], min_gain: f64) -> Vec<bool> {
+        if probs.iter().all(|&c| c >= 1.0) {
+            return vec![true; parents.len()];
+        }
+        let depths = depths(parents);
+        let mut reach = vec![0.0; parents.len()];
+        let mut kept = vec![false; parents.len()];
+        for i in 0..parents.len() {
+            let (above, parent_kept) = parents[i].map_or((1.0, true), |p| (reach[p], kept[p]));
+            reach[i] = above * self.estimate(depths[i], probs[i]);
+            kept[i] = parent_kept && reach[i] >= min_gain;
+        }
+        kept
+    }
+
+    /// Records the verdict on a draft tree's nodes (`parents`, `probs`): every child of the
+    /// last verified token or of a node on the accepted `path` was judged, and accepted when
+    /// it is on the path; the others were not judged. On a chain this is
+    /// [`Calibration::observe`].
+    pub fn observe_tree(&mut self, parents: &[Option<usize>], probs: &[f32], path: &[usize]) {
+        self.hits.iter_mut().for_each(|x| *x *= KEEP);
+        self.tries.iter_mut().for_each(|x| *x *= KEEP);
+        let depths = depths(parents);
+        for (i, (&parent, &c)) in parents.iter().zip(probs).enumerate() {
+            if !parent.is_none_or(|p| path.contains(&p)) {
+                continue;
+            }
+            let s = slot(depths[i], c);
+            if self.tries.len() <= s {
+                self.hits.resize(s + 1, 0.0);
+                self.tries.resize(s + 1, 0.0);
+            }
+            self.tries[s] += 1.0;
+            if path.contains(&i) {
+                self.hits[s] += 1.0;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,5 +157,63 @@ mod tests {
         cal.observe(&[0.5, 0.5, 0.5], 0);
         assert!(cal.estimate(0, 0.5) < 1.0);
         assert_eq!(cal.estimate(2, 0.5), before);
+    }
+
+    #[test]
+    fn a_trees_unsure_nodes_are_cut_with_everything_under_them() {
+        let cal = Calibration::default();
+        // Root children at 0.6, 0.3 and 0.1; node 3 under node 0 at 0.5 (reach 0.3), node 4
+        // under node 2 at 0.9 (reach 0.09), node 5 under node 3 at 0.5 (reach 0.15).
+        let parents = [None, None, None, Some(0), Some(2), Some(3)];
+        let probs = [0.6, 0.3, 0.1, 0.5, 0.9, 0.5];
+        let kept = cal.keep_tree(&parents, &probs, 0.2);
+        assert_eq!(kept, [true, true, false, true, false, false]);
+        // A sure child under a cut parent goes with it.
+        let kept = cal.keep_tree(&[None, Some(0)], &[0.1, 1.0], 0.2);
+        assert_eq!(kept, [false, false]);
+        // Sure nodes say nothing.
+        assert_eq!(
+            cal.keep_tree(&[None, None], &[1.0, 1.0], 0.99),
+            [true, true]
+        );
+        // On a chain the tree rule keeps what the chain rule keeps.
+        let chain = [None, Some(0), Some(1)];
+        for (confs, min_gain) in [
+            ([0.9, 0.2, 0.9], 0.3),
+            ([0.9, 0.2, 0.9], 0.1),
+            ([0.4, 0.9, 0.9], 0.5),
+        ] {
+            let kept = cal.keep_tree(&chain, &confs, min_gain);
+            let n = cal.keep(&confs, min_gain);
+            assert_eq!(kept, (0..3).map(|i| i < n).collect::<Vec<_>>(), "{confs:?}");
+        }
+    }
+
+    #[test]
+    fn a_tree_judges_the_children_of_its_accepted_path_only() {
+        // Node 1, a sibling reported at 0.3, is always the one accepted, with its child.
+        let parents = [None, None, Some(0), Some(1)];
+        let probs = [0.6, 0.3, 0.5, 0.5];
+        let mut cal = Calibration::default();
+        let under_node_0 = cal.estimate(1, 0.5);
+        for _ in 0..50 {
+            cal.observe_tree(&parents, &probs, &[1, 3]);
+        }
+        assert!(cal.estimate(0, 0.3) > 0.9, "{}", cal.estimate(0, 0.3));
+        assert!(cal.estimate(0, 0.6) < 0.1, "{}", cal.estimate(0, 0.6));
+        // Node 2, under node 0, was never judged; node 3, under node 1, always accepted,
+        // in the same (depth, confidence) slot.
+        assert!(cal.estimate(1, 0.5) > under_node_0);
+        assert_eq!(
+            cal.keep_tree(&parents, &probs, 0.5),
+            [false, true, false, true]
+        );
+        // On a chain the tree rule records what the chain rule records.
+        let (mut a, mut b) = (Calibration::default(), Calibration::default());
+        a.observe(&[0.9, 0.4, 0.7], 1);
+        b.observe_tree(&[None, Some(0), Some(1)], &[0.9, 0.4, 0.7], &[0]);
+        for (pos, conf) in [(0, 0.9), (1, 0.4), (2, 0.7)] {
+            assert_eq!(a.estimate(pos, conf), b.estimate(pos, conf));
+        }
     }
 }

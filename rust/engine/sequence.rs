@@ -94,6 +94,9 @@ pub(super) struct EngineSequence<K> {
     /// This step's draft tree when the proposer grew one that branches (`drafts` then holds
     /// its tokens in node order); `None` for a chain.
     pub tree: Option<crate::speculative::DraftTree>,
+    /// Where the policy cut nodes from the proposer's tree: the proposer's index of each
+    /// node of `tree`.
+    pub tree_nodes: Option<Vec<usize>>,
     /// Whether `propose` ran this step (so `after_verify` is owed).
     pub proposed: bool,
     /// Position of the first accepted draft of the last verify (for `catchup_batch`).

@@ -382,6 +382,7 @@ impl<T: Target> SpecEngine<T> {
             pending: None,
             drafts: Vec::new(),
             tree: None,
+            tree_nodes: None,
             proposed: false,
             catchup_pos: 0,
             finish: None,

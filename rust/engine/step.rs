@@ -53,6 +53,7 @@ impl<T: Target> SpecEngine<T> {
         for seq in seqs.iter_mut() {
             seq.drafts.clear();
             seq.tree = None;
+            seq.tree_nodes = None;
             seq.proposed = false;
             if seq.active() && seq.pending.is_some() {
                 if let Err(e) = self.run_drafter_prefill(seq, ctx) {

@@ -12,9 +12,17 @@
 //! [`verify_tree_sampled`] (lossless recursive rejection sampling, the sequence's own
 //! random stream, the grammar advanced along the walked path).
 //!
+//! Under the adaptive policy a tree whose nodes carry probabilities is cut before its
+//! verify, as a chain's doubted tail is: nodes whose calibrated chance of being reached and
+//! accepted would not pay for their rows go, with everything under them
+//! (`DraftPolicy::trim_tree`).
+//!
 //! Invariants:
 //! - A tree that is a chain (node `i`'s parent node `i - 1`) is verified as one, exactly as
-//!   `propose`'s drafts are; only a branching tree takes the tree path.
+//!   `propose`'s drafts are; only a branching tree takes the tree path, and keeps it when
+//!   the policy cuts it to a chain.
+//! - `after_verify_tree` gets the accepted path in the proposer's own node indices, the
+//!   nodes the policy cut counted.
 //! - A malformed tree (see [`DraftTree::fault`]) ends its sequence with a contract error
 //!   naming `propose_tree` and the fault; it is never verified.
 //! - After a tree's verification, the target KV, `hidden_rows` and the captured stack rows
@@ -148,9 +156,14 @@ impl<T: Target> SpecEngine<T> {
                 .into(),
             );
         }
+        // A branching tree stays a tree to the proposer even when the policy cuts it to a
+        // chain: its state (the MTP head's branch KV) is indexed by its own nodes.
+        let branched = !tree.is_chain();
+        let (tree, nodes) = self.draft_policy.trim_tree(&mut seq.draft_stats, tree);
         seq.drafts = tree.tokens.clone();
-        if !tree.is_chain() {
+        if branched {
             seq.tree = Some(tree);
+            seq.tree_nodes = nodes;
         }
     }
 
@@ -269,8 +282,13 @@ impl<T: Target> SpecEngine<T> {
         if let (true, Some(prop), Some(state)) =
             (seq.proposed, &self.proposer, seq.state.as_deref_mut())
         {
+            // In the proposer's own node indices, where the policy cut nodes.
+            let own: Vec<usize> = match seq.tree_nodes.take() {
+                Some(nodes) => path.iter().map(|&i| nodes[i]).collect(),
+                None => path.to_vec(),
+            };
             let t = Instant::now();
-            let r = prop.after_verify_tree(path, state, DEFAULT_STREAM);
+            let r = prop.after_verify_tree(&own, state, DEFAULT_STREAM);
             proposer_time = t.elapsed();
             seq.metrics.draft_time += proposer_time;
             r.map_err(|e| EngineError::at(request, Stage::AfterVerify, e))?;

@@ -212,6 +212,29 @@ impl DraftTree {
         })
     }
 
+    /// The nodes marked in `kept` (a set closed under parents: a kept node's parent is
+    /// kept) as a tree of their own, in the same order, and the index here of each of its
+    /// nodes. Requires a well-formed tree and one mark per node.
+    pub(crate) fn keep(&self, kept: &[bool]) -> (DraftTree, Vec<usize>) {
+        let nodes: Vec<usize> = (0..self.len()).filter(|&i| kept[i]).collect();
+        let mut new_index = vec![usize::MAX; self.len()];
+        for (k, &i) in nodes.iter().enumerate() {
+            new_index[i] = k;
+        }
+        let tree = DraftTree {
+            tokens: nodes.iter().map(|&i| self.tokens[i]).collect(),
+            parents: nodes
+                .iter()
+                .map(|&i| self.parents[i].map(|p| new_index[p]))
+                .collect(),
+            probs: self
+                .probs
+                .as_ref()
+                .map(|p| nodes.iter().map(|&i| p[i]).collect()),
+        };
+        (tree, nodes)
+    }
+
     /// Whether node `i`'s parent is node `i - 1` for every node: the tree is a chain.
     pub fn is_chain(&self) -> bool {
         self.parents

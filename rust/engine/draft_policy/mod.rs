@@ -50,6 +50,7 @@ mod tests;
 
 use super::cost_model::{CostModel, MeasuredCost};
 use super::EngineError;
+use crate::speculative::DraftTree;
 use cold_start::cold_counts;
 pub(super) use estimates::SequenceDraftStats;
 use estimates::{outlook, EngineFigures, Outlook, ENGINE_KEEP, SEQUENCE_KEEP};
@@ -280,6 +281,46 @@ impl DraftPolicy {
         stats.confs.extend_from_slice(&confs[..keep]);
     }
 
+    /// Cuts the nodes of `tree` whose calibrated chance of being reached and accepted says
+    /// they would not pay this step (see [`Calibration::keep_tree`]), and keeps the
+    /// probabilities of those sent on. Returns the tree to verify and, when nodes were cut,
+    /// the index in `tree` of each node kept. A tree without probabilities, or under the
+    /// fixed policy, is sent whole.
+    ///
+    /// [`Calibration::keep_tree`]: super::draft_confidence::Calibration::keep_tree
+    pub fn trim_tree(
+        &self,
+        stats: &mut SequenceDraftStats,
+        tree: DraftTree,
+    ) -> (DraftTree, Option<Vec<usize>>) {
+        stats.confs.clear();
+        stats.tree_confs = None;
+        let Some(probs) = tree.probs.clone().filter(|p| p.len() == tree.len()) else {
+            return (tree, None);
+        };
+        if self.kind == DraftPolicyKind::Fixed || tree.is_empty() {
+            return (tree, None);
+        }
+        let kept =
+            self.shared()
+                .figures
+                .calibration
+                .keep_tree(&tree.parents, &probs, stats.min_gain);
+        let (tree, nodes) = if kept.iter().all(|&k| k) {
+            (tree, None)
+        } else {
+            let (t, nodes) = tree.keep(&kept);
+            (t, Some(nodes))
+        };
+        let probs = tree.probs.clone().unwrap_or_default();
+        if tree.is_chain() {
+            stats.confs = probs;
+        } else {
+            stats.tree_confs = Some((tree.parents.clone(), probs));
+        }
+        (tree, nodes)
+    }
+
     /// Records the outcome of a step in which `stats`' sequence asked for its chosen count,
     /// got `returned` drafts and had `accepted` of them accepted (the nodes of
     /// `stats.tree_path` where it verified a tree).
@@ -288,6 +329,7 @@ impl DraftPolicy {
             return;
         };
         let confs = std::mem::take(&mut stats.confs);
+        let tree_confs = stats.tree_confs.take();
         let path = stats.tree_path.take();
         if asked == 0 {
             stats.probe.idled();
@@ -306,6 +348,9 @@ impl DraftPolicy {
         let judged = returned.min(confs.len());
         if judged > 0 {
             figures.calibration.observe(&confs[..judged], accepted);
+        }
+        if let (Some((parents, probs)), Some(path)) = (&tree_confs, path) {
+            figures.calibration.observe_tree(parents, probs, path);
         }
         stats.probe.drafted(&mut state.probe, returned, accepted);
     }
