@@ -8,8 +8,9 @@ mod engine_common;
 
 use engine_common::*;
 use specdraft::backend::DevicePtr;
+use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
-    CostCurve, CostCurves, DraftPolicyKind, FixedCost, GenerateRequest, SpecEngine,
+    CostCurve, CostCurves, DraftPolicyKind, FixedCost, GenerateRequest, Generation, SpecEngine,
 };
 use specdraft::model::ForwardContext;
 use specdraft::speculative::{DelegatingProposer, DraftProposer, DraftTree, ProposerState};
@@ -23,6 +24,8 @@ const VOCAB: u32 = 48;
 /// each at 0.9. Records every accepted path it is told.
 struct Forked {
     oracle: Arc<Oracle>,
+    /// The probability the right nodes are reported at (0.9, or as unsure as the sibling).
+    sure: f32,
     paths: Mutex<Vec<Vec<usize>>>,
 }
 
@@ -60,7 +63,7 @@ impl DelegatingProposer for Forked {
             .map(|i| i.checked_sub(1).filter(|&p| p > 0))
             .collect();
         let mut probs = vec![0.05];
-        probs.extend(std::iter::repeat_n(0.9, chain.len()));
+        probs.extend(std::iter::repeat_n(self.sure, chain.len()));
         Ok(DraftTree {
             tokens,
             parents,
@@ -79,40 +82,12 @@ impl DelegatingProposer for Forked {
 fn an_unsure_sibling_is_cut_and_the_proposer_told_its_own_path() {
     let gpu = cpu();
     let target = table(&gpu);
-    let prompts = vec![vec![10, 3, 1, 4, 1, 5], vec![20, 2, 7, 1, 8]];
-    let want = baseline(&target, &prompts, 48);
-    // One row 1 s, each more 0.25 s: a node pays when it brings more than about a fifth of
-    // a token, which the sibling's 5% does not.
-    let cost = Arc::new(FixedCost(CostCurves {
-        verify: CostCurve::from_points([(1, 1.0), (2, 1.25)]),
-        draft: CostCurve::from_points([(0, 0.0)]),
-    }));
     let mut cut = [0u64; 2];
     for (k, policy) in [DraftPolicyKind::Adaptive, DraftPolicyKind::Fixed]
         .into_iter()
         .enumerate()
     {
-        let forked = Arc::new(Forked {
-            oracle: Arc::new(Oracle {
-                target: target.clone(),
-                fail: None,
-            }),
-            paths: Mutex::new(Vec::new()),
-        });
-        let engine = SpecEngine::new(target.clone(), Some(forked.clone()), 4)
-            .unwrap()
-            .with_cost_model(cost.clone())
-            .with_draft_policy(policy);
-        assert!(engine.drafts_trees());
-        let requests = prompts
-            .iter()
-            .map(|p| GenerateRequest::new(p.clone(), 48))
-            .collect();
-        let g = engine.generate(requests);
-        for (r, w) in g.results.iter().zip(&want) {
-            assert!(r.error.is_none(), "{:?}", r.error);
-            assert_eq!(&r.tokens, w, "{policy:?}");
-        }
+        let (forked, g) = run(&target, 0.9, policy);
         let paths = forked.paths.lock().unwrap();
         assert!(paths.len() > 10, "{policy:?}: {} tree steps", paths.len());
         // Every path runs down the continuation, counted in the proposer's own nodes.
@@ -129,4 +104,56 @@ fn an_unsure_sibling_is_cut_and_the_proposer_told_its_own_path() {
     // costs are known (the cold start's first steps send them).
     assert!(cut[1] > 10, "fixed: {} siblings verified", cut[1]);
     assert!(cut[0] <= 2, "adaptive: {} siblings verified", cut[0]);
+}
+
+/// One costs where a node pays when it brings more than about a fifth of a token (one row
+/// 1 s, each more 0.25 s): two prompts through [`Forked`], its right nodes reported at
+/// `sure`, under `policy`, checking greedy output.
+fn run(target: &Arc<TableTarget>, sure: f32, policy: DraftPolicyKind) -> (Arc<Forked>, Generation) {
+    let prompts = vec![vec![10, 3, 1, 4, 1, 5], vec![20, 2, 7, 1, 8]];
+    let want = baseline(target, &prompts, 48);
+    let cost = Arc::new(FixedCost(CostCurves {
+        verify: CostCurve::from_points([(1, 1.0), (2, 1.25)]),
+        draft: CostCurve::from_points([(0, 0.0)]),
+    }));
+    let forked = Arc::new(Forked {
+        oracle: Arc::new(Oracle {
+            target: target.clone(),
+            fail: None,
+        }),
+        sure,
+        paths: Mutex::new(Vec::new()),
+    });
+    let engine = SpecEngine::new(target.clone(), Some(forked.clone()), 4)
+        .unwrap()
+        .with_cost_model(cost)
+        .with_draft_policy(policy);
+    assert!(engine.drafts_trees());
+    let requests = prompts
+        .iter()
+        .map(|p| GenerateRequest::new(p.clone(), 48))
+        .collect();
+    let g = engine.generate(requests);
+    for (r, w) in g.results.iter().zip(&want) {
+        assert!(r.error.is_none(), "{:?}", r.error);
+        assert_eq!(&r.tokens, w, "{policy:?}");
+    }
+    (forked, g)
+}
+
+#[test]
+fn a_tree_cut_to_nothing_is_verified_as_no_drafts_and_settled_as_a_tree() {
+    let gpu = cpu();
+    let target = table(&gpu);
+    // Every node reported at 5%: once the costs are known nothing is sent, yet every tree
+    // step is settled through after_verify_tree, with an empty path.
+    let (forked, g) = run(&target, 0.05, DraftPolicyKind::Adaptive);
+    let paths = forked.paths.lock().unwrap();
+    let empty = paths.iter().filter(|p| p.is_empty()).count();
+    assert!(empty > 5, "{empty} empty paths of {}", paths.len());
+    assert!(
+        g.metrics.drafted < 10,
+        "{} drafts verified",
+        g.metrics.drafted
+    );
 }
