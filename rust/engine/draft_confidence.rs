@@ -13,6 +13,8 @@
 //! - Confidences of 1 or more say nothing (a proposer reporting every draft as sure): a
 //!   step whose drafts all carry them is never cut.
 
+use crate::speculative::DraftTree;
+
 /// Confidence bins a draft position is split into.
 const BINS: usize = 10;
 /// Pseudo-observations of the reported confidence behind each calibrated estimate.
@@ -47,15 +49,19 @@ impl Calibration {
         self.hits.iter_mut().for_each(|x| *x *= KEEP);
         self.tries.iter_mut().for_each(|x| *x *= KEEP);
         for (j, &c) in confs.iter().enumerate().take(accepted + 1) {
-            let s = slot(j, c);
-            if self.tries.len() <= s {
-                self.hits.resize(s + 1, 0.0);
-                self.tries.resize(s + 1, 0.0);
-            }
-            self.tries[s] += 1.0;
-            if j < accepted {
-                self.hits[s] += 1.0;
-            }
+            self.record(slot(j, c), j < accepted);
+        }
+    }
+
+    /// Counts one judged draft in slot `s`, accepted or not.
+    fn record(&mut self, s: usize, accepted: bool) {
+        if self.tries.len() <= s {
+            self.hits.resize(s + 1, 0.0);
+            self.tries.resize(s + 1, 0.0);
+        }
+        self.tries[s] += 1.0;
+        if accepted {
+            self.hits[s] += 1.0;
         }
     }
 
@@ -77,59 +83,41 @@ impl Calibration {
     }
 }
 
-/// The depth of each node of a tree given its `parents` (0 for a child of the last
-/// verified token): a chain draft's position.
-fn depths(parents: &[Option<usize>]) -> Vec<usize> {
-    let mut depths: Vec<usize> = Vec::with_capacity(parents.len());
-    for parent in parents {
-        depths.push(parent.map_or(0, |p| depths[p] + 1));
-    }
-    depths
-}
-
 impl Calibration {
-    /// Which nodes of a draft tree (each node's parent before it, each reported with
-    /// `probs`, its probability given its parent) to keep: a node whose chance of being
-    /// reached and accepted (its parent's, times its own calibrated estimate at its depth)
-    /// is at least `min_gain`, under a kept parent. What is kept is closed under parents,
-    /// and on a chain it is a prefix, what [`Calibration::keep`] keeps. Probabilities of 1
-    /// or more everywhere say nothing: every node is kept.
-    pub fn keep_tree(&self, parents: &[Option<usize>], probs: &[f32], min_gain: f64) -> Vec<bool> {
+    /// Which nodes of a well-formed draft `tree`, each reported with its probability given
+    /// its parent (`probs`, one a node), to keep: a node whose chance of being reached and
+    /// accepted (its parent's, times its own calibrated estimate at its depth) is at least
+    /// `min_gain`, under a kept parent. What is kept is closed under parents, and on a chain
+    /// it is a prefix, what [`Calibration::keep`] keeps. Probabilities of 1 or more
+    /// everywhere say nothing: every node is kept.
+    pub fn keep_tree(&self, tree: &DraftTree, probs: &[f32], min_gain: f64) -> Vec<bool> {
         if probs.iter().all(|&c| c >= 1.0) {
-            return vec![true; parents.len()];
+            return vec![true; tree.len()];
         }
-        let depths = depths(parents);
-        let mut reach = vec![0.0; parents.len()];
-        let mut kept = vec![false; parents.len()];
-        for i in 0..parents.len() {
-            let (above, parent_kept) = parents[i].map_or((1.0, true), |p| (reach[p], kept[p]));
-            reach[i] = above * self.estimate(depths[i], probs[i]);
+        let depths = tree.depths();
+        let mut reach = vec![0.0; tree.len()];
+        let mut kept = vec![false; tree.len()];
+        for i in 0..tree.len() {
+            let (above, parent_kept) = tree.parents[i].map_or((1.0, true), |p| (reach[p], kept[p]));
+            reach[i] = above * self.estimate(depths[i] - 1, probs[i]);
             kept[i] = parent_kept && reach[i] >= min_gain;
         }
         kept
     }
 
-    /// Records the verdict on a draft tree's nodes (`parents`, `probs`): every child of the
-    /// last verified token or of a node on the accepted `path` was judged, and accepted when
-    /// it is on the path; the others were not judged. On a chain this is
-    /// [`Calibration::observe`].
-    pub fn observe_tree(&mut self, parents: &[Option<usize>], probs: &[f32], path: &[usize]) {
+    /// Records the verdict on the nodes of a well-formed draft `tree` reported with `probs`:
+    /// every child of the last verified token or of a node on the accepted `path` was
+    /// judged, and accepted when it is on the path; the others were not judged. On a chain
+    /// this is [`Calibration::observe`].
+    pub fn observe_tree(&mut self, tree: &DraftTree, probs: &[f32], path: &[usize]) {
         self.hits.iter_mut().for_each(|x| *x *= KEEP);
         self.tries.iter_mut().for_each(|x| *x *= KEEP);
-        let depths = depths(parents);
-        for (i, (&parent, &c)) in parents.iter().zip(probs).enumerate() {
+        let depths = tree.depths();
+        for (i, (&parent, &c)) in tree.parents.iter().zip(probs).enumerate() {
             if !parent.is_none_or(|p| path.contains(&p)) {
                 continue;
             }
-            let s = slot(depths[i], c);
-            if self.tries.len() <= s {
-                self.hits.resize(s + 1, 0.0);
-                self.tries.resize(s + 1, 0.0);
-            }
-            self.tries[s] += 1.0;
-            if path.contains(&i) {
-                self.hits[s] += 1.0;
-            }
+            self.record(slot(depths[i] - 1, c), path.contains(&i));
         }
     }
 }
@@ -137,6 +125,15 @@ impl Calibration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tree of these parents (its tokens do not matter here).
+    fn shape(parents: &[Option<usize>]) -> DraftTree {
+        DraftTree {
+            tokens: vec![0; parents.len()],
+            parents: parents.to_vec(),
+            probs: None,
+        }
+    }
 
     #[test]
     fn unsure_tails_are_cut_until_measured_otherwise() {
@@ -166,18 +163,18 @@ mod tests {
         // under node 2 at 0.9 (reach 0.09), node 5 under node 3 at 0.5 (reach 0.15).
         let parents = [None, None, None, Some(0), Some(2), Some(3)];
         let probs = [0.6, 0.3, 0.1, 0.5, 0.9, 0.5];
-        let kept = cal.keep_tree(&parents, &probs, 0.2);
+        let kept = cal.keep_tree(&shape(&parents), &probs, 0.2);
         assert_eq!(kept, [true, true, false, true, false, false]);
         // A sure child under a cut parent goes with it.
-        let kept = cal.keep_tree(&[None, Some(0)], &[0.1, 1.0], 0.2);
+        let kept = cal.keep_tree(&shape(&[None, Some(0)]), &[0.1, 1.0], 0.2);
         assert_eq!(kept, [false, false]);
         // Sure nodes say nothing.
         assert_eq!(
-            cal.keep_tree(&[None, None], &[1.0, 1.0], 0.99),
+            cal.keep_tree(&shape(&[None, None]), &[1.0, 1.0], 0.99),
             [true, true]
         );
         // On a chain the tree rule keeps what the chain rule keeps.
-        let chain = [None, Some(0), Some(1)];
+        let chain = shape(&[None, Some(0), Some(1)]);
         for (confs, min_gain) in [
             ([0.9, 0.2, 0.9], 0.3),
             ([0.9, 0.2, 0.9], 0.1),
@@ -197,7 +194,7 @@ mod tests {
         let mut cal = Calibration::default();
         let under_node_0 = cal.estimate(1, 0.5);
         for _ in 0..50 {
-            cal.observe_tree(&parents, &probs, &[1, 3]);
+            cal.observe_tree(&shape(&parents), &probs, &[1, 3]);
         }
         assert!(cal.estimate(0, 0.3) > 0.9, "{}", cal.estimate(0, 0.3));
         assert!(cal.estimate(0, 0.6) < 0.1, "{}", cal.estimate(0, 0.6));
@@ -205,13 +202,13 @@ mod tests {
         // in the same (depth, confidence) slot.
         assert!(cal.estimate(1, 0.5) > under_node_0);
         assert_eq!(
-            cal.keep_tree(&parents, &probs, 0.5),
+            cal.keep_tree(&shape(&parents), &probs, 0.5),
             [false, true, false, true]
         );
         // On a chain the tree rule records what the chain rule records.
         let (mut a, mut b) = (Calibration::default(), Calibration::default());
         a.observe(&[0.9, 0.4, 0.7], 1);
-        b.observe_tree(&[None, Some(0), Some(1)], &[0.9, 0.4, 0.7], &[0]);
+        b.observe_tree(&shape(&[None, Some(0), Some(1)]), &[0.9, 0.4, 0.7], &[0]);
         for (pos, conf) in [(0, 0.9), (1, 0.4), (2, 0.7)] {
             assert_eq!(a.estimate(pos, conf), b.estimate(pos, conf));
         }

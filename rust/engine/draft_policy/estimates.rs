@@ -144,9 +144,9 @@ pub(in crate::engine) struct SequenceDraftStats {
     pub(in crate::engine) min_gain: f64,
     /// The proposer's confidence in each draft sent to verification (empty: none given).
     pub(super) confs: Vec<f32>,
-    /// The parents and probabilities of the nodes of a branching draft tree sent to
-    /// verification, when the proposer gave probabilities.
-    pub(super) tree_confs: Option<(Vec<Option<usize>>, Vec<f32>)>,
+    /// The branching draft tree sent to verification, when the proposer gave its nodes'
+    /// probabilities.
+    pub(super) sent_tree: Option<crate::speculative::DraftTree>,
     /// The sequence's drafting time when this step's choice was made.
     pub(in crate::engine) draft_mark: Duration,
     /// The accepted path of this step's draft tree (`None` for a chain), until it is

@@ -294,29 +294,28 @@ impl DraftPolicy {
         tree: DraftTree,
     ) -> (DraftTree, Option<Vec<usize>>) {
         stats.confs.clear();
-        stats.tree_confs = None;
+        stats.sent_tree = None;
         let Some(probs) = tree.probs.clone().filter(|p| p.len() == tree.len()) else {
             return (tree, None);
         };
         if self.kind == DraftPolicyKind::Fixed || tree.is_empty() {
             return (tree, None);
         }
-        let kept =
-            self.shared()
-                .figures
-                .calibration
-                .keep_tree(&tree.parents, &probs, stats.min_gain);
+        let kept = self
+            .shared()
+            .figures
+            .calibration
+            .keep_tree(&tree, &probs, stats.min_gain);
         let (tree, nodes) = if kept.iter().all(|&k| k) {
             (tree, None)
         } else {
             let (t, nodes) = tree.keep(&kept);
             (t, Some(nodes))
         };
-        let probs = tree.probs.clone().unwrap_or_default();
         if tree.is_chain() {
-            stats.confs = probs;
+            stats.confs = tree.probs.clone().unwrap_or_default();
         } else {
-            stats.tree_confs = Some((tree.parents.clone(), probs));
+            stats.sent_tree = Some(tree.clone());
         }
         (tree, nodes)
     }
@@ -329,7 +328,7 @@ impl DraftPolicy {
             return;
         };
         let confs = std::mem::take(&mut stats.confs);
-        let tree_confs = stats.tree_confs.take();
+        let sent_tree = stats.sent_tree.take();
         let path = stats.tree_path.take();
         if asked == 0 {
             stats.probe.idled();
@@ -349,8 +348,9 @@ impl DraftPolicy {
         if judged > 0 {
             figures.calibration.observe(&confs[..judged], accepted);
         }
-        if let (Some((parents, probs)), Some(path)) = (&tree_confs, path) {
-            figures.calibration.observe_tree(parents, probs, path);
+        if let (Some(tree), Some(path)) = (&sent_tree, path) {
+            let probs = tree.probs.as_deref().unwrap_or_default();
+            figures.calibration.observe_tree(tree, probs, path);
         }
         stats.probe.drafted(&mut state.probe, returned, accepted);
     }
