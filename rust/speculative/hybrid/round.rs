@@ -206,6 +206,11 @@ impl Hybrid {
         extras: RoundCall<'_>,
     ) -> crate::Result<Vec<Answer>> {
         let prop = self.members[i].proposer.as_ref();
+        // A tree round asks for trees only of a member that grows them: read once a member.
+        let extras = RoundCall {
+            tree: extras.tree && prop.grows_trees(),
+            ..extras
+        };
         let n = seqs.len();
         let mut got: Vec<Option<Answer>> = vec![None; n];
         // A lone `propose` carries extras a batch cannot; a batch's lone sequence has none.
@@ -249,7 +254,7 @@ impl Hybrid {
             };
             let state = &mut *q.st.members[i];
             let (embed, mask) = (lone.draft_embed_target, lone.grammar_bitmask);
-            let d = if extras.tree && ask > 0 && prop.grows_trees() {
+            let d = if extras.tree && ask > 0 {
                 prop.propose_tree(
                     q.token, q.hidden, q.position, ask, state, ctx, stream, embed, mask, rows[s],
                 )
@@ -270,8 +275,8 @@ impl Hybrid {
 
     /// One `propose_batch` of member `i` for the sequences `group` of `seqs`, all asked
     /// `ask`, with the confidences it reported for each where `extras.want_conf` (kept only
-    /// where they hold one a draft); one `propose_tree_batch` instead where the round asks
-    /// for trees and `ask` is not 0. `None` when the member declines or answers for another
+    /// where they hold one a draft); one `propose_tree_batch` instead where `extras.tree`
+    /// (the round asks this member for trees) and `ask` is not 0. `None` when the member declines or answers for another
     /// count of sequences.
     #[allow(clippy::too_many_arguments)]
     fn member_batch(
@@ -304,7 +309,7 @@ impl Hybrid {
             .map(|(_, q)| -> &mut dyn ProposerState { &mut *q.st.members[i] })
             .collect();
         let prop = self.members[i].proposer.as_ref();
-        if extras.tree && ask > 0 && prop.grows_trees() {
+        if extras.tree && ask > 0 {
             let trees = prop
                 .propose_tree_batch(&tokens, &hiddens, &positions, ask, &mut states, ctx, stream)
                 .map_err(|e| self.member_error("propose_tree_batch", i, e))?;
