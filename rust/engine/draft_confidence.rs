@@ -84,16 +84,16 @@ impl Calibration {
 }
 
 impl Calibration {
-    /// Which nodes of a well-formed draft `tree`, each reported with its probability given
-    /// its parent (`probs`, one a node), to keep: a node whose chance of being reached and
-    /// accepted (its parent's, times its own calibrated estimate at its depth) is at least
+    /// Which nodes of a well-formed draft `tree` to keep, each reported with its probability
+    /// given its parent (`tree.probs`): a node whose chance of being reached and accepted
+    /// (its parent's, times its own calibrated estimate at its depth) is at least
     /// `min_gain`, under a kept parent. What is kept is closed under parents, and on a chain
-    /// it is a prefix, what [`Calibration::keep`] keeps. Probabilities of 1 or more
-    /// everywhere say nothing: every node is kept.
-    pub fn keep_tree(&self, tree: &DraftTree, probs: &[f32], min_gain: f64) -> Vec<bool> {
-        if probs.iter().all(|&c| c >= 1.0) {
+    /// it is a prefix, what [`Calibration::keep`] keeps. A tree without probabilities, or
+    /// with every one 1 or more, says nothing: every node is kept.
+    pub fn keep_tree(&self, tree: &DraftTree, min_gain: f64) -> Vec<bool> {
+        let Some(probs) = tree.probs.as_deref().filter(|p| p.iter().any(|&c| c < 1.0)) else {
             return vec![true; tree.len()];
-        }
+        };
         let depths = tree.depths();
         let mut reach = vec![0.0; tree.len()];
         let mut kept = vec![false; tree.len()];
@@ -105,11 +105,15 @@ impl Calibration {
         kept
     }
 
-    /// Records the verdict on the nodes of a well-formed draft `tree` reported with `probs`:
-    /// every child of the last verified token or of a node on the accepted `path` was
-    /// judged, and accepted when it is on the path; the others were not judged. On a chain
-    /// this is [`Calibration::observe`].
-    pub fn observe_tree(&mut self, tree: &DraftTree, probs: &[f32], path: &[usize]) {
+    /// Records the verdict on the nodes of a well-formed draft `tree` reported with
+    /// `tree.probs`: every child of the last verified token or of a node on the accepted
+    /// `path` was judged, and accepted when it is on the path; the others were not judged.
+    /// On a chain this is [`Calibration::observe`]. A tree without probabilities records
+    /// nothing.
+    pub fn observe_tree(&mut self, tree: &DraftTree, path: &[usize]) {
+        let Some(probs) = tree.probs.as_deref() else {
+            return;
+        };
         self.hits.iter_mut().for_each(|x| *x *= KEEP);
         self.tries.iter_mut().for_each(|x| *x *= KEEP);
         let depths = tree.depths();
@@ -126,12 +130,12 @@ impl Calibration {
 mod tests {
     use super::*;
 
-    /// A tree of these parents (its tokens do not matter here).
-    fn shape(parents: &[Option<usize>]) -> DraftTree {
+    /// A tree of these parents and node probabilities (its tokens do not matter here).
+    fn shape(parents: &[Option<usize>], probs: &[f32]) -> DraftTree {
         DraftTree {
             tokens: vec![0; parents.len()],
             parents: parents.to_vec(),
-            probs: None,
+            probs: Some(probs.to_vec()),
         }
     }
 
@@ -163,24 +167,24 @@ mod tests {
         // under node 2 at 0.9 (reach 0.09), node 5 under node 3 at 0.5 (reach 0.15).
         let parents = [None, None, None, Some(0), Some(2), Some(3)];
         let probs = [0.6, 0.3, 0.1, 0.5, 0.9, 0.5];
-        let kept = cal.keep_tree(&shape(&parents), &probs, 0.2);
+        let kept = cal.keep_tree(&shape(&parents, &probs), 0.2);
         assert_eq!(kept, [true, true, false, true, false, false]);
         // A sure child under a cut parent goes with it.
-        let kept = cal.keep_tree(&shape(&[None, Some(0)]), &[0.1, 1.0], 0.2);
+        let kept = cal.keep_tree(&shape(&[None, Some(0)], &[0.1, 1.0]), 0.2);
         assert_eq!(kept, [false, false]);
         // Sure nodes say nothing.
         assert_eq!(
-            cal.keep_tree(&shape(&[None, None]), &[1.0, 1.0], 0.99),
+            cal.keep_tree(&shape(&[None, None], &[1.0, 1.0]), 0.99),
             [true, true]
         );
         // On a chain the tree rule keeps what the chain rule keeps.
-        let chain = shape(&[None, Some(0), Some(1)]);
+        let chain = [None, Some(0), Some(1)];
         for (confs, min_gain) in [
             ([0.9, 0.2, 0.9], 0.3),
             ([0.9, 0.2, 0.9], 0.1),
             ([0.4, 0.9, 0.9], 0.5),
         ] {
-            let kept = cal.keep_tree(&chain, &confs, min_gain);
+            let kept = cal.keep_tree(&shape(&chain, &confs), min_gain);
             let n = cal.keep(&confs, min_gain);
             assert_eq!(kept, (0..3).map(|i| i < n).collect::<Vec<_>>(), "{confs:?}");
         }
@@ -194,7 +198,7 @@ mod tests {
         let mut cal = Calibration::default();
         let under_node_0 = cal.estimate(1, 0.5);
         for _ in 0..50 {
-            cal.observe_tree(&shape(&parents), &probs, &[1, 3]);
+            cal.observe_tree(&shape(&parents, &probs), &[1, 3]);
         }
         assert!(cal.estimate(0, 0.3) > 0.9, "{}", cal.estimate(0, 0.3));
         assert!(cal.estimate(0, 0.6) < 0.1, "{}", cal.estimate(0, 0.6));
@@ -202,13 +206,13 @@ mod tests {
         // in the same (depth, confidence) slot.
         assert!(cal.estimate(1, 0.5) > under_node_0);
         assert_eq!(
-            cal.keep_tree(&shape(&parents), &probs, 0.5),
+            cal.keep_tree(&shape(&parents, &probs), 0.5),
             [false, true, false, true]
         );
         // On a chain the tree rule records what the chain rule records.
         let (mut a, mut b) = (Calibration::default(), Calibration::default());
         a.observe(&[0.9, 0.4, 0.7], 1);
-        b.observe_tree(&shape(&[None, Some(0), Some(1)]), &[0.9, 0.4, 0.7], &[0]);
+        b.observe_tree(&shape(&[None, Some(0), Some(1)], &[0.9, 0.4, 0.7]), &[0]);
         for (pos, conf) in [(0, 0.9), (1, 0.4), (2, 0.7)] {
             assert_eq!(a.estimate(pos, conf), b.estimate(pos, conf));
         }

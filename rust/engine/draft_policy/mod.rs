@@ -295,17 +295,15 @@ impl DraftPolicy {
     ) -> (DraftTree, Option<Vec<usize>>) {
         stats.confs.clear();
         stats.sent_tree = None;
-        let Some(probs) = tree.probs.clone().filter(|p| p.len() == tree.len()) else {
-            return (tree, None);
-        };
-        if self.kind == DraftPolicyKind::Fixed || tree.is_empty() {
+        let has_probs = tree.probs.as_ref().is_some_and(|p| p.len() == tree.len());
+        if !has_probs || self.kind == DraftPolicyKind::Fixed || tree.is_empty() {
             return (tree, None);
         }
         let kept = self
             .shared()
             .figures
             .calibration
-            .keep_tree(&tree, &probs, stats.min_gain);
+            .keep_tree(&tree, stats.min_gain);
         let (tree, nodes) = if kept.iter().all(|&k| k) {
             (tree, None)
         } else {
@@ -349,8 +347,7 @@ impl DraftPolicy {
             figures.calibration.observe(&confs[..judged], accepted);
         }
         if let (Some(tree), Some(path)) = (&sent_tree, path) {
-            let probs = tree.probs.as_deref().unwrap_or_default();
-            figures.calibration.observe_tree(tree, probs, path);
+            figures.calibration.observe_tree(tree, path);
         }
         stats.probe.drafted(&mut state.probe, returned, accepted);
     }
