@@ -52,11 +52,7 @@ fn member_kv_rows(
     i: usize,
 ) -> Vec<Vec<u16>> {
     let st = hs.as_any_mut().downcast_mut::<HybridState>().unwrap();
-    let s = st.member(i).unwrap();
-    let n = head.drafter_rows(s);
-    (0..n)
-        .map(|r| head.drafter_kv_row(gpu, s, r).unwrap())
-        .collect()
+    kv_rows(head, gpu, st.member(i).unwrap())
 }
 
 /// Asserts two sets of KV rows are equal, naming the first row that differs.

@@ -135,14 +135,7 @@ impl Fixture {
 
     /// Every drafter KV row `state` holds, as raw BF16 bits.
     pub fn drafter_kv_rows(&self, state: &mut dyn ProposerState) -> Vec<Vec<u16>> {
-        let n = self.head().drafter_rows(state);
-        (0..n)
-            .map(|r| {
-                self.head()
-                    .drafter_kv_row(self.gpu.as_ref(), state, r)
-                    .unwrap()
-            })
-            .collect()
+        kv_rows(self.head(), self.gpu.as_ref(), state)
     }
 
     /// Drops the head and checks that the pool was full and the ledger is now empty.
@@ -159,4 +152,16 @@ impl Fixture {
             self.gpu.ledger().live_report()
         );
     }
+}
+
+/// Every drafter KV row `head`'s `state` holds, as raw BF16 bits.
+pub fn kv_rows(
+    head: &MtpHead,
+    gpu: &dyn GpuBackend,
+    state: &mut dyn ProposerState,
+) -> Vec<Vec<u16>> {
+    let n = head.drafter_rows(state);
+    (0..n)
+        .map(|r| head.drafter_kv_row(gpu, state, r).unwrap())
+        .collect()
 }
