@@ -22,7 +22,7 @@ use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
     ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GpuBackend, GroupedLinearArgs, Kernels,
     KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, PickArgs,
-    RmsNormArgs, RopeArgs, SoftmaxArgs,
+    RmsNormArgs, RopeArgs, SoftmaxArgs, TopKArgs,
 };
 use specdraft::engine::{GenerateRequest, KvPoolStatus, SpecEngine, Target, TargetOutput};
 use specdraft::memory::BufferArena;
@@ -120,6 +120,9 @@ impl Kernels for TimedBackend {
     }
     fn pick(&self, a: PickArgs) -> Result<(), BackendError> {
         self.timed("pick", || self.inner.pick(a))
+    }
+    fn top_k(&self, a: TopKArgs) -> Result<(), BackendError> {
+        self.timed("top_k", || self.inner.top_k(a))
     }
     fn copy_rows(&self, a: CopyRowsArgs) -> Result<(), BackendError> {
         self.timed("layer capture", || self.inner.copy_rows(a))

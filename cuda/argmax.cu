@@ -5,29 +5,6 @@
 // SD_NO_INDEX (u32::MAX).
 #include "common.cuh"
 
-struct SdBest {
-    float value;
-    unsigned index;
-};
-
-__device__ __forceinline__ SdBest sd_better(SdBest a, SdBest b) {
-    if (a.index == SD_NO_INDEX) return b;
-    if (b.index == SD_NO_INDEX) return a;
-    if (a.value > b.value) return a;
-    if (b.value > a.value) return b;
-    return a.index < b.index ? a : b;
-}
-
-__device__ __forceinline__ SdBest sd_warp_best(SdBest v) {
-    for (int o = 16; o > 0; o >>= 1) {
-        SdBest other;
-        other.value = __shfl_xor_sync(SD_FULL_MASK, v.value, o);
-        other.index = __shfl_xor_sync(SD_FULL_MASK, v.index, o);
-        v = sd_better(v, other);
-    }
-    return v;
-}
-
 SD_KERNEL void sd_argmax(unsigned* out, const float* logits, const int* bitmask, int rows,
                          int vocab) {
     SD_SHARED(float, red_value, 32);
@@ -43,19 +20,7 @@ SD_KERNEL void sd_argmax(unsigned* out, const float* logits, const int* bitmask,
         const float v = row[t];
         if (best.index == SD_NO_INDEX || v > best.value) best = SdBest{v, (unsigned)t};
     }
-    best = sd_warp_best(best);
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const unsigned warps = (blockDim.x + 31) >> 5;
-    if (lane == 0) {
-        red_value[warp] = best.value;
-        red_index[warp] = best.index;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        SdBest v = {-INFINITY, SD_NO_INDEX};
-        if (lane < warps) v = SdBest{red_value[lane], red_index[lane]};
-        v = sd_warp_best(v);
-        if (lane == 0) out[r] = v.index;
-    }
+    best = sd_block_best(best, red_value, red_index);
+    if (threadIdx.x == 0) out[r] = best.index;
 }
 SD_REGISTER(sd_argmax)

@@ -82,3 +82,44 @@ __device__ __forceinline__ float sd_block_max(float v, float* red) {
     v = sd_warp_max(v);
     return v;
 }
+
+// A candidate of the argmax-like reductions: a value and its index, SD_NO_INDEX for none.
+// The better of two is the larger value, then the lower index; "none" loses to anything.
+struct SdBest {
+    float value;
+    unsigned index;
+};
+
+__device__ __forceinline__ SdBest sd_better(SdBest a, SdBest b) {
+    if (a.index == SD_NO_INDEX) return b;
+    if (b.index == SD_NO_INDEX) return a;
+    if (a.value > b.value) return a;
+    if (b.value > a.value) return b;
+    return a.index < b.index ? a : b;
+}
+
+__device__ __forceinline__ SdBest sd_warp_best(SdBest v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        SdBest other;
+        other.value = __shfl_xor_sync(SD_FULL_MASK, v.value, o);
+        other.index = __shfl_xor_sync(SD_FULL_MASK, v.index, o);
+        v = sd_better(v, other);
+    }
+    return v;
+}
+
+// The best over the whole block, returned to every thread. `red_value` and `red_index` are
+// shared arrays of at least 32 entries; the leading barrier makes back-to-back calls safe.
+__device__ __forceinline__ SdBest sd_block_best(SdBest v, float* red_value, unsigned* red_index) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned warps = (blockDim.x + 31) >> 5;
+    v = sd_warp_best(v);
+    __syncthreads();
+    if (lane == 0) {
+        red_value[warp] = v.value;
+        red_index[warp] = v.index;
+    }
+    __syncthreads();
+    v = lane < warps ? SdBest{red_value[lane], red_index[lane]} : SdBest{-INFINITY, SD_NO_INDEX};
+    return sd_warp_best(v);
+}

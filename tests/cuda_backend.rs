@@ -139,6 +139,8 @@ fn gpu_ops_match_reference() {
     check(&g, k::softmax(&g, 2, 577, 1.0, true, 102));
     check(&g, k::pick(&g, 300, 7, 121));
     check(&g, k::pick(&g, 4, 49152, 122));
+    check(&g, k::top_k(&g, 6, 8192, 4, true, 131));
+    check(&g, k::top_k(&g, 6, 49152, 8, false, 132));
     check(&g, k::copy_rows(&g, 7, 577, 600, 3, 2, 111));
 }
 

@@ -18,7 +18,7 @@ use specdraft::backend::{
     AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
     ElementwiseArgs, EmbeddingArgs, GpuBackend, GpuBackendExt, GroupedLinearArgs, Kernels,
     KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, PickArgs,
-    RmsNormArgs, RopeArgs, SoftmaxArgs,
+    RmsNormArgs, RopeArgs, SoftmaxArgs, TopKArgs,
 };
 use specdraft::engine::testing::TableTarget;
 use specdraft::engine::{
@@ -688,6 +688,9 @@ impl Kernels for Counting {
     }
     fn pick(&self, a: PickArgs) -> std::result::Result<(), BackendError> {
         self.inner.pick(a)
+    }
+    fn top_k(&self, a: TopKArgs) -> std::result::Result<(), BackendError> {
+        self.inner.top_k(a)
     }
     fn copy_rows(&self, a: CopyRowsArgs) -> std::result::Result<(), BackendError> {
         self.copy_rows.fetch_add(1, Ordering::Relaxed);

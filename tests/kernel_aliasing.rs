@@ -7,7 +7,7 @@
 use specdraft::backend::{
     ArgmaxArgs, BackendError, CpuBackend, DevicePtr, ElementwiseArgs, ElementwiseOp, EmbeddingArgs,
     GpuBackend, GpuBackendExt, Kernels, KvWriteArgs, LinearArgs, LinearWeight, PagedAttentionArgs,
-    PickArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
+    PickArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs, TopKArgs,
 };
 
 /// One buffer of `n` BF16 values `0.25 * (i % 7)`, so every byte is known.
@@ -412,4 +412,47 @@ fn pick_refuses_an_output_over_its_values_or_its_index() {
         gpu.pick(pick(index))
     });
     free_all(&gpu, &[values, index, out]);
+}
+
+#[test]
+fn top_k_refuses_outputs_over_an_input_or_each_other_and_a_bad_k() {
+    let gpu = CpuBackend::new();
+    let logits = gpu
+        .upload(&[0.5f32, -1.0, 2.0, 0.0, 1.0, 3.0], "logits")
+        .unwrap();
+    let mask = gpu.upload(&[0b101i32, 0b110], "mask").unwrap();
+    let ids = gpu.alloc(16, "ids").unwrap();
+    let probs = gpu.alloc(16, "probs").unwrap();
+    let top = |ids, probs, k| TopKArgs {
+        ids,
+        probs,
+        logits,
+        bitmask: Some(mask),
+        rows: 2,
+        width: 3,
+        k,
+        stream: 0,
+    };
+    gpu.top_k(top(ids, probs, 2)).unwrap();
+    // Row 0 allows ids 0 and 2, row 1 ids 1 and 2.
+    assert_eq!(gpu.download::<u32>(ids, 4).unwrap(), [2, 0, 2, 1]);
+    refused(&gpu, logits, 24, "top_k ids overlaps top_k logits", || {
+        gpu.top_k(top(logits, probs, 2))
+    });
+    refused(&gpu, mask, 8, "top_k probs overlaps top_k bitmask", || {
+        gpu.top_k(top(ids, mask, 1))
+    });
+    refused(&gpu, ids, 16, "top_k probs overlaps top_k ids", || {
+        gpu.top_k(top(ids, ids.offset(4), 1))
+    });
+    for k in [0, 9] {
+        refused(
+            &gpu,
+            ids,
+            16,
+            &format!("k is {k}; it must be 1 to 8"),
+            || gpu.top_k(top(ids, probs, k)),
+        );
+    }
+    free_all(&gpu, &[logits, mask, ids, probs]);
 }

@@ -242,6 +242,22 @@ fn argmax_matches_reference() {
 }
 
 #[test]
+fn top_k_matches_reference() {
+    let dut = EmuBackend::new();
+    // One id; fewer ids than k; rows narrower than a block; the draft and target widths.
+    for (rows, width, k) in [
+        (1, 1, 4),
+        (6, 3, 4),
+        (6, 100, 1),
+        (6, 8192, 4),
+        (2, 49152, 8),
+    ] {
+        check(&dut, k::top_k(&dut, rows, width, k, false, 131));
+        check(&dut, k::top_k(&dut, rows, width, k, true, 132));
+    }
+}
+
+#[test]
 fn pick_matches_reference() {
     let dut = EmuBackend::new();
     // One row; more rows than a block's threads; rows of one value; a wide row.
@@ -291,6 +307,7 @@ fn a_missing_barrier_is_caught() {
         k::rms_norm(&dut, 3, 577, 21, false),
         k::softmax(&dut, 2, 577, 1.0, false, 101),
         k::argmax(&dut, 3, 1000, false, 91),
+        k::top_k(&dut, 6, 1000, 4, false, 131),
         k::paged_attention(&dut, &[1, 17, 40], 1, 9, 3, 64, 16, 81),
         k::paged_attention(&dut, &[5, 33], 5, 4, 2, 33, 8, 82),
     ];
@@ -310,6 +327,8 @@ fn a_thread_that_never_runs_is_caught() {
     assert!(k::add_silu(&dut, 577, 31).is_err());
     // One thread a row: row 255 of 300 is never picked.
     assert!(k::pick(&dut, 300, 7, 121).is_err());
+    // A row's reduction: the last thread's ids are never offered.
+    assert!(k::top_k(&dut, 6, 8192, 4, false, 131).is_err());
     // Row kernels: the last thread's columns are never written.
     assert!(k::embedding(&dut, 3, 577, 50, 11).is_err());
     assert!(k::copy_rows(&dut, 3, 577, 577, 2, 0, 111).is_err());

@@ -23,8 +23,6 @@ pub mod quant;
 mod simd_builds;
 mod traits;
 
-/// The host's vectorisable `exp(x)` for `x <= 0`, as the CPU attention computes it.
-pub(crate) use cpu::exp_nonpositive;
 pub use cpu::{e2m1_to_f32, fp8_e4m3_to_f32, CpuBackend, HostView, E2M1_VALUES};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
@@ -37,7 +35,7 @@ pub use kernels::{
     ArgmaxArgs, CheckedMemory, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs,
     GroupedLinearArgs, Kernels, KvCopyArgs, KvWriteArgs, LinearArgs, LinearPart, LinearWeight,
     MlaAttentionArgs, PagedAttentionArgs, PickArgs, RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
-    FP8_BLOCK, MAX_LINEAR_PARTS, NVFP4_BLOCK,
+    TopKArgs, FP8_BLOCK, MAX_LINEAR_PARTS, NVFP4_BLOCK, TOP_K_MAX,
 };
 pub use ledger::{AllocationLedger, LiveAllocation};
 pub use traits::{GpuBackend, GpuBackendExt};

@@ -7,14 +7,16 @@
 //! it allocated, on both backends, whatever happens.
 //!
 //! Tolerances (stated once, used by every case):
-//! - copies (embedding, kv_write, kv_copy, copy_rows, pick) and argmax: exact;
+//! - copies (embedding, kv_write, kv_copy, copy_rows, pick), argmax and `top_k`'s ids: exact;
 //! - BF16 outputs: one BF16 rounding step, |got - want| <= 2^-7 * |want| + `atol`, where
 //!   `atol` covers f32 accumulation done in a different order (given per op);
 //! - F32 outputs: |got - want| <= 1e-5 * |want| + `atol`.
 #![allow(dead_code)]
 
 mod fp8;
+mod top_k;
 pub use fp8::linear_fp8;
+pub use top_k::top_k;
 
 use half::bf16;
 use rand::rngs::SmallRng;

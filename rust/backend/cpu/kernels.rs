@@ -19,7 +19,7 @@ use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, EmbeddingArgs, GroupedLinearArgs, Kernels,
     KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, MlaAttentionArgs, PagedAttentionArgs,
-    PickArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    PickArgs, RmsNormArgs, RopeArgs, SoftmaxArgs, TopKArgs,
 };
 use crate::backend::quant::{PackedView, QuantError};
 use crate::backend::BackendError;
@@ -250,6 +250,32 @@ impl Kernels for CpuBackend {
             } else {
                 0.0
             };
+        }
+        Ok(())
+    }
+
+    fn top_k(&self, args: TopKArgs) -> Result<(), BackendError> {
+        let a = args.validate(self)?;
+        let (width, words, k) = (a.width, a.width.div_ceil(32), a.k);
+        // SAFETY: validated ranges; both outputs are apart from the inputs and each other.
+        let (ls, mask, ids, probs) = unsafe {
+            (
+                a.logits.typed::<f32>(),
+                a.bitmask.as_ref().map(|m| m.typed::<i32>()),
+                a.ids.typed_mut::<u32>(),
+                a.probs.typed_mut::<f32>(),
+            )
+        };
+        for r in 0..a.rows {
+            let row_mask = mask.map(|m| &m[r * words..(r + 1) * words]);
+            let allowed =
+                |t: usize| row_mask.is_none_or(|m| (m[t / 32] as u32 >> (t % 32)) & 1 == 1);
+            let kept = super::top_k::top_k_row(&ls[r * width..(r + 1) * width], k, allowed);
+            for j in 0..k {
+                let (id, p) = kept.get(j).copied().unwrap_or((u32::MAX, 0.0));
+                ids[r * k + j] = id;
+                probs[r * k + j] = p;
+            }
         }
         Ok(())
     }

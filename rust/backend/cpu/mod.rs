@@ -9,8 +9,8 @@
 //!
 //! The kernels are in `kernels` (the reference of every op), `linear` (the fast
 //! matrix product, with the FP8 weight rows in `fp8`), `attention` (the fast paged
-//! attention) and `elementwise` (RMSNorm, the element-wise ops and RoPE), the scalar
-//! decoders of the weight formats in `formats`.
+//! attention), `elementwise` (RMSNorm, the element-wise ops and RoPE) and `top_k` (a draft
+//! tree's children), the scalar decoders of the weight formats in `formats`.
 //!
 //! Threads: the backend owns one [`KernelPool`] (one participant per core, the calling
 //! thread included), made on the first op that needs it; every parallel op (linear in any
@@ -27,6 +27,7 @@ mod linear;
 mod mla;
 mod rope_angles;
 mod shared_out;
+mod top_k;
 
 pub(crate) use attention::math::exp_nonpositive;
 pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};

@@ -11,7 +11,7 @@ use crate::backend::kernels::CheckedMemory;
 use crate::backend::{BackendError, DevicePtr, GpuBackend, HostView};
 
 /// Names of every kernel entry point in the fatbin (`cuda/*.cu`).
-pub const KERNEL_NAMES: [&str; 17] = [
+pub const KERNEL_NAMES: [&str; 18] = [
     "sd_embedding",
     "sd_rms_norm",
     "sd_add",
@@ -26,6 +26,7 @@ pub const KERNEL_NAMES: [&str; 17] = [
     "sd_argmax",
     "sd_softmax",
     "sd_pick",
+    "sd_top_k",
     "sd_copy_rows",
     "sd_kv_copy",
     "sd_mla_attention",

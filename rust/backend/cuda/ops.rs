@@ -17,7 +17,7 @@ use super::launch::*;
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GroupedLinearArgs,
     Kernels, KvCopyArgs, KvWriteArgs, LinearArgs, LinearWeight, MlaAttentionArgs,
-    PagedAttentionArgs, PickArgs, RmsNormArgs, RopeArgs, SoftmaxArgs,
+    PagedAttentionArgs, PickArgs, RmsNormArgs, RopeArgs, SoftmaxArgs, TopKArgs,
 };
 use crate::backend::{BackendError, Dtype};
 
@@ -166,6 +166,23 @@ impl<L: KernelLauncher> Kernels for L {
             return Ok(());
         }
         self.launch("sd_pick", element_shape(a.rows), &l.args, a.stream)
+    }
+
+    fn top_k(&self, args: TopKArgs) -> Result<(), BackendError> {
+        let op = "top_k";
+        let a = args.validate(self)?;
+        let mut l = LaunchArgs::new(op);
+        l.ptr(&a.ids)
+            .ptr(&a.probs)
+            .ptr(&a.logits)
+            .opt_ptr(a.bitmask.as_ref());
+        l.int("rows", a.rows)?
+            .int("width", a.width)?
+            .int("k", a.k)?;
+        if a.rows == 0 {
+            return Ok(());
+        }
+        self.launch("sd_top_k", rows_shape(a.rows, op)?, &l.args, a.stream)
     }
 
     fn softmax(&self, args: SoftmaxArgs) -> Result<(), BackendError> {

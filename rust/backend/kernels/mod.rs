@@ -27,6 +27,7 @@ mod copy_rows;
 mod kv_copy;
 mod linear;
 mod mla;
+mod top_k;
 
 pub use attention::{CheckedAttention, CheckedKvWrite, KvWriteArgs, PagedAttentionArgs, RopeArgs};
 pub use basic::{
@@ -41,6 +42,7 @@ pub use linear::{
     NVFP4_BLOCK,
 };
 pub use mla::{attended_rows, CheckedMla, MlaAttentionArgs};
+pub use top_k::{TopKArgs, TOP_K_MAX};
 
 use super::BackendError;
 
@@ -79,6 +81,8 @@ pub trait Kernels {
     fn softmax(&self, args: SoftmaxArgs) -> Result<(), BackendError>;
     /// One value of each row, at that row's index ([`PickArgs`]).
     fn pick(&self, args: PickArgs) -> Result<(), BackendError>;
+    /// The largest (allowed) logits of each row with their probabilities ([`TopKArgs`]).
+    fn top_k(&self, args: TopKArgs) -> Result<(), BackendError>;
     /// Rows copied into columns of wider rows ([`CopyRowsArgs`]).
     fn copy_rows(&self, args: CopyRowsArgs) -> Result<(), BackendError>;
     /// Rows copied between slots of a paged cache, in order ([`KvCopyArgs`]).

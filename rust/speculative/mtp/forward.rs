@@ -17,6 +17,7 @@
 //! this is what makes `propose_batch` return exactly what `propose` does.
 
 use super::state::DRAFTER_BLOCK_SIZE;
+use super::tree::TREE_TOP_K;
 use super::weights::{MtpLayout, MtpWeights};
 use crate::backend::{
     DevicePtr, Dtype, EmbeddingArgs, GpuBackend, GpuBackendExt, RmsNormArgs, RopeStyle,
@@ -58,6 +59,9 @@ pub(crate) struct Scratch {
     pub picked_probs: DevicePtr,
     /// One row's grammar mask (the first row of the slot).
     pub grammar_mask: DevicePtr,
+    /// u32 `[rows, 2 * TREE_TOP_K]`: a tree round's children, each row's ids and then their
+    /// f32 probabilities (`top_k`'s two outputs side by side).
+    pub children: DevicePtr,
 }
 
 impl Scratch {
@@ -67,7 +71,7 @@ impl Scratch {
         target_width: usize,
         vocab: usize,
         max_blocks_per_seq: usize,
-    ) -> [SlotSpec; 16] {
+    ) -> [SlotSpec; 17] {
         let slot = |name, dtype, row_elems| SlotSpec {
             name,
             dtype,
@@ -91,6 +95,7 @@ impl Scratch {
             slot("picks", U32, 1),
             slot("picked_probs", F32, 1),
             slot("grammar_mask", I32, vocab.div_ceil(32)),
+            slot("children", U32, 2 * TREE_TOP_K),
         ]
     }
 
@@ -152,6 +157,7 @@ impl Scratch {
             picks: at("picks")?,
             picked_probs: at("picked_probs")?,
             grammar_mask: at("grammar_mask")?,
+            children: at("children")?,
         })
     }
 }

@@ -22,7 +22,7 @@ use super::forward::{Depth, HiddenKind, Row, Scratch};
 use super::head::MtpHead;
 use super::state::{MtpState, DRAFTER_BLOCK_SIZE};
 use super::tree_kv::PendingTree;
-use crate::backend::{exp_nonpositive, DevicePtr, Dtype, GpuBackend, GpuBackendExt};
+use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt, TopKArgs};
 use crate::model::ForwardContext;
 use crate::speculative::DraftTree;
 use std::collections::BinaryHeap;
@@ -65,83 +65,9 @@ struct Growth {
     /// The device block table of the node being run.
     table: DevicePtr,
     position: usize,
-    /// The grammar mask over draft ids.
-    draft_mask: Option<Vec<i32>>,
     /// The row the coming forward runs for this tree: `(path probability, node, depth of
     /// its children)`, the node `None` for the verified token.
     running: Option<(f64, Option<usize>, usize)>,
-}
-
-/// The `k` highest logits among the ids `allowed` keeps, highest first (ties to the lower
-/// id, as the argmax kernel picks), each with its softmax probability over every id.
-/// Non-finite logits and probabilities that round to 0 in f32 are left out.
-pub(crate) fn top_children(
-    logits: &[f32],
-    k: usize,
-    allowed: impl Fn(usize) -> bool,
-) -> Vec<(usize, f64)> {
-    let (max, sum) = softmax_scale(logits);
-    if !max.is_finite() || k == 0 {
-        return Vec::new();
-    }
-    let mut best: Vec<(usize, f32)> = Vec::with_capacity(k + 1);
-    for (id, &l) in logits.iter().enumerate() {
-        if !l.is_finite() || (best.len() == k && l <= best[k - 1].1) || !allowed(id) {
-            continue;
-        }
-        let at = best.partition_point(|&(_, b)| b >= l);
-        best.insert(at, (id, l));
-        best.truncate(k);
-    }
-    best.into_iter()
-        .map(|(id, l)| (id, (f64::from(l) - f64::from(max)).exp() / sum))
-        .filter(|&(_, p)| p as f32 > 0.0)
-        .collect()
-}
-
-/// Lanes of [`softmax_scale`]'s loops: independent partial results, so that the loops
-/// vectorise (the compiler does not reorder a single f32 running sum).
-const LANES: usize = 16;
-
-/// The largest finite logit and the softmax denominator `sum(exp(l - max))` over the finite
-/// logits (`-inf` and 0 when there is none). Every node run reads all of the draft vocabulary
-/// here, so the sum runs in f32 lanes through the vectorisable exp (within 2 ulp a term),
-/// then adds the lanes in f64, within 1e-6 of an f64 `exp` a logit: with the top-k scan,
-/// choosing a node's children over 8,192 ids went from 56 to 20 µs on a 2-core EPYC.
-fn softmax_scale(logits: &[f32]) -> (f32, f64) {
-    let finite = |l: f32| if l.is_finite() { l } else { f32::NEG_INFINITY };
-    let mut top = [f32::NEG_INFINITY; LANES];
-    let mut chunks = logits.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (m, &l) in top.iter_mut().zip(c) {
-            *m = m.max(finite(l));
-        }
-    }
-    let rest = chunks.remainder();
-    let max = rest
-        .iter()
-        .map(|&l| finite(l))
-        .chain(top)
-        .fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return (max, 0.0);
-    }
-    let term = |l: f32| {
-        if l.is_finite() {
-            exp_nonpositive(l - max)
-        } else {
-            0.0
-        }
-    };
-    let mut sums = [0.0f32; LANES];
-    let mut chunks = logits.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (s, &l) in sums.iter_mut().zip(c) {
-            *s += term(l);
-        }
-    }
-    let tail: f64 = chunks.remainder().iter().map(|&l| f64::from(term(l))).sum();
-    (max, sums.iter().map(|&s| f64::from(s)).sum::<f64>() + tail)
 }
 
 impl MtpHead {
@@ -227,12 +153,16 @@ impl MtpHead {
                 hidden_buf,
                 table,
                 position: seq.position,
-                draft_mask: draft_mask.clone(),
                 running: None,
             }));
         }
         let sc = self.lock_scratch();
         let grown = (|| -> crate::Result<()> {
+            // Every row of a forward is one tree's, and every tree has the same mask.
+            if let Some(m) = &draft_mask {
+                gpu.write(sc.grammar_mask, &m.repeat(seqs.len().min(sc.rows)), stream)?;
+            }
+            let masked = draft_mask.is_some();
             self.spec.forward_rows(
                 gpu,
                 &sc,
@@ -253,7 +183,7 @@ impl MtpHead {
                     at += 1;
                 }
             }
-            self.offer_children(gpu, &sc, &mut ran, stream)?;
+            self.offer_children(gpu, &sc, &mut ran, masked, stream)?;
             loop {
                 let mut rows = Vec::new();
                 let mut tables = Vec::new();
@@ -279,7 +209,7 @@ impl MtpHead {
                     Depth::Logits,
                     stream,
                 )?;
-                self.offer_children(gpu, &sc, &mut ran, stream)?;
+                self.offer_children(gpu, &sc, &mut ran, masked, stream)?;
             }
         })();
         drop(sc);
@@ -349,34 +279,50 @@ impl MtpHead {
     }
 
     /// After a forward whose row `i` ran `g`'s running node, for each `(i, g)` in `ran`:
-    /// keeps the row's output hidden and offers its top [`TREE_TOP_K`] children.
+    /// keeps the row's output hidden and offers its top [`TREE_TOP_K`] children (allowed by
+    /// the grammar mask the scratch holds for each row when `masked`). The children are
+    /// chosen on the device, so one small download brings every row's.
     fn offer_children(
         &self,
         gpu: &dyn GpuBackend,
         sc: &Scratch,
         ran: &mut [(usize, &mut Growth)],
+        masked: bool,
         stream: u64,
     ) -> crate::Result<()> {
         let Some(rows) = ran.iter().map(|(i, _)| i + 1).max() else {
             return Ok(());
         };
-        let vocab = self.spec.draft_vocab;
+        let k = TREE_TOP_K;
         let row_bytes = self.tree_row_bytes();
-        let logits = gpu.download::<f32>(sc.logits, rows * vocab)?;
+        // The ids, then their probabilities, side by side for one download.
+        gpu.top_k(TopKArgs {
+            ids: sc.children,
+            probs: sc.children.offset(rows * k * 4),
+            logits: sc.logits,
+            bitmask: masked.then_some(sc.grammar_mask),
+            rows,
+            width: self.spec.draft_vocab,
+            k,
+            stream,
+        })?;
+        let children = gpu.download::<u32>(sc.children, 2 * rows * k)?;
+        let (ids, probs) = children.split_at(rows * k);
         for (i, g) in ran.iter_mut() {
             let Some((reach, parent, depth)) = g.running.take() else {
                 continue;
             };
             let at = g.hidden_buf.offset(g.hidden_rows * row_bytes);
             gpu.copy_dtod(at, self.spec.chain_hidden(sc, *i), row_bytes, stream)?;
-            let mask = g.draft_mask.as_deref();
-            let allowed = |d: usize| mask.is_none_or(|m| (m[d / 32] >> (d % 32)) & 1 == 1);
-            let row = &logits[*i * vocab..(*i + 1) * vocab];
-            for (d, prob) in top_children(row, TREE_TOP_K, allowed) {
+            for (&d, &p) in ids[*i * k..(*i + 1) * k].iter().zip(&probs[*i * k..]) {
+                if d == u32::MAX {
+                    break;
+                }
+                let prob = f64::from(f32::from_bits(p));
                 g.heap.push(Candidate {
                     reach: reach * prob,
                     prob,
-                    token: self.spec.to_target(d as u32),
+                    token: self.spec.to_target(d),
                     parent,
                     depth,
                     hidden_row: g.hidden_rows,
@@ -392,62 +338,5 @@ impl MtpHead {
     /// Bytes of one hidden row of a tree's buffer.
     fn tree_row_bytes(&self) -> usize {
         self.spec.config.hidden_size * Dtype::Bf16.size()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{softmax_scale, top_children};
-
-    #[test]
-    fn children_are_the_top_logits_with_softmax_probabilities() {
-        let logits = [1.0f32, 3.0, 3.0, f32::NAN, 2.0, -50.0];
-        let got = top_children(&logits, 3, |_| true);
-        let ids: Vec<usize> = got.iter().map(|c| c.0).collect();
-        assert_eq!(ids, [1, 2, 4], "ties go to the lower id");
-        let z: f64 = [1.0f64, 3.0, 3.0, 2.0, -50.0]
-            .iter()
-            .map(|l| (l - 3.0f64).exp())
-            .sum();
-        let close = |p: f64, want: f64| (p - want).abs() <= 1e-6 * want;
-        assert!(close(got[0].1, 1.0 / z), "{} vs {}", got[0].1, 1.0 / z);
-        assert!(close(got[2].1, (-1.0f64).exp() / z));
-        let masked: Vec<usize> = top_children(&logits, 2, |d| d != 1)
-            .iter()
-            .map(|c| c.0)
-            .collect();
-        assert_eq!(masked, [2, 4]);
-        assert!(top_children(&logits, 2, |_| false).is_empty());
-    }
-
-    #[test]
-    fn the_softmax_scale_is_the_f64_one_over_the_finite_logits() {
-        // 1000 logits (not a multiple of the lanes), some not finite, spread over 60 units.
-        let logits: Vec<f32> = (0..1000)
-            .map(|i| match i % 97 {
-                5 => f32::NEG_INFINITY,
-                11 => f32::NAN,
-                _ => ((i * 7919) % 6000) as f32 / 100.0 - 30.0,
-            })
-            .collect();
-        let finite = || {
-            logits
-                .iter()
-                .filter(|l| l.is_finite())
-                .map(|&l| f64::from(l))
-        };
-        let max = finite().fold(f64::NEG_INFINITY, f64::max);
-        let want: f64 = finite().map(|l| (l - max).exp()).sum();
-        let (got_max, got) = softmax_scale(&logits);
-        assert_eq!(f64::from(got_max), max);
-        assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
-        assert_eq!(softmax_scale(&[f32::NAN, f32::NEG_INFINITY]).1, 0.0);
-        assert!(softmax_scale(&[]).0.is_infinite());
-    }
-
-    #[test]
-    fn a_child_whose_probability_rounds_to_zero_is_left_out() {
-        let got = top_children(&[0.0, -200.0, -20.0], 3, |_| true);
-        assert_eq!(got.iter().map(|c| c.0).collect::<Vec<_>>(), [0, 2]);
     }
 }
