@@ -1,8 +1,9 @@
 // Argmax of each row of f32 logits, optionally restricted by a grammar bitmask (token t
 // allowed when bit t % 32 of word t / 32 is set). One block per row. Ties go to the lowest
 // index: each thread scans its tokens in increasing order keeping the first maximum, and
-// every merge prefers the lower index on equal values. A row with nothing allowed gets
-// SD_NO_INDEX (u32::MAX).
+// every merge prefers the lower index on equal values. NaN logits never count (as in the
+// Rust `backend::argmax`, which the host's greedy verification uses); a row with nothing
+// allowed, or only NaN, gets SD_NO_INDEX (u32::MAX).
 #include "common.cuh"
 
 SD_KERNEL void sd_argmax(unsigned* out, const float* logits, const int* bitmask, int rows,
@@ -18,6 +19,7 @@ SD_KERNEL void sd_argmax(unsigned* out, const float* logits, const int* bitmask,
     for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
         if (mask && ((((unsigned)mask[t >> 5]) >> (t & 31)) & 1u) == 0) continue;
         const float v = row[t];
+        if (isnan(v)) continue;
         if (best.index == SD_NO_INDEX || v > best.value) best = SdBest{v, (unsigned)t};
     }
     best = sd_block_best(best, red_value, red_index);

@@ -23,7 +23,7 @@ pub mod quant;
 mod simd_builds;
 mod traits;
 
-pub use cpu::{e2m1_to_f32, fp8_e4m3_to_f32, CpuBackend, HostView, E2M1_VALUES};
+pub use cpu::{argmax, e2m1_to_f32, fp8_e4m3_to_f32, CpuBackend, HostView, E2M1_VALUES};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
 #[cfg(feature = "cuda-emu")]

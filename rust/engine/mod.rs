@@ -54,6 +54,8 @@ pub use scheduler::{GenerationRun, ServeUpdate, StreamUpdate};
 pub use spec_engine::{drafter_pool_probe, mtp_pool_probe, DrafterPoolProbe, SpecEngine};
 pub use step_tree::DraftShape;
 pub use target::{KvPoolStatus, Target, TargetOutput};
-pub use verify::{argmax, sample_from, target_probs, verify, SamplingParams, Verdict};
-pub use verify_tree::{verify_tree_greedy, TreeVerdict};
+pub use verify::{
+    argmax, sample_from, target_probs, verify, verify_picks, SamplingParams, Verdict,
+};
+pub use verify_tree::{verify_tree_greedy, verify_tree_picks, TreeVerdict};
 pub use verify_tree_sampled::verify_tree_sampled;

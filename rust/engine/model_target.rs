@@ -176,5 +176,6 @@ fn convert(out: ForwardOutput) -> Result<TargetOutput> {
         last_logits_only,
         hiddens: out.hiddens,
         hidden_stack: out.hidden_stack,
+        picks: Some(out.picks),
     })
 }

@@ -8,7 +8,10 @@
 //!   protocol (too many, outside the vocabulary) end the sequence; they are never verified.
 //! - Each sequence's verify input is `[last_token, drafts..]`; the emitted tokens are the
 //!   verdict's (the accepted drafts, then the target's own pick), so greedy output does not
-//!   depend on what was drafted. A sequence that drafted a branching tree (see `step_tree`)
+//!   depend on what was drafted. A greedy sequence without a grammar is verified from its
+//!   rows' argmax, made on the device for the whole forward when the target has room for
+//!   the picks (`TargetOutput::picks`): the same tokens the host's argmax of the downloaded
+//!   logits gives (one definition, `backend::argmax`), for a token a row downloaded. A sequence that drafted a branching tree (see `step_tree`)
 //!   has its nodes as `drafts`, verified in the same forward under the tree mask, and keeps
 //!   its accepted path as if it had drafted that chain.
 //! - After a step the target KV holds every token but the last (rejected rows trimmed), and
@@ -22,8 +25,10 @@
 use super::error::Stage;
 use super::sequence::{grammar_of, members_mut, EngineSequence};
 use super::step_drafts::batch_groups;
-use super::{verify, EngineError, FinishReason, Metrics, SpecEngine, Target, Verdict};
-use crate::backend::{DevicePtr, GpuBackendExt, DEFAULT_STREAM};
+use super::{
+    verify, verify_picks, EngineError, FinishReason, Metrics, SpecEngine, Target, Verdict,
+};
+use crate::backend::{ArgmaxArgs, DevicePtr, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
 use crate::speculative::{DraftProposer, ProposerState};
 use crate::Result;
@@ -204,15 +209,31 @@ impl<T: Target> SpecEngine<T> {
                 return Duration::ZERO;
             }
         };
+        let t = Instant::now();
+        let picks = match self.device_picks(chunk, seqs, &out) {
+            Ok(p) => p,
+            Err(e) => {
+                for &i in chunk {
+                    seqs[i].fail_at(Stage::Verify, e.clone());
+                }
+                return Duration::ZERO;
+            }
+        };
+        let forward_time = forward_time + t.elapsed();
         let mut proposer_time = Duration::ZERO;
         for (k, &i) in chunk.iter().enumerate() {
             let seq = &mut seqs[i];
             let rows = inputs[k].len();
             seq.metrics.verify_time += forward_time.mul_f64(rows as f64 / rows_total as f64);
+            let offset = out.row_offsets[k];
+            let seq_picks = picks
+                .as_deref()
+                .filter(|_| verifies_from_picks(seq))
+                .map(|p| &p[offset..offset + rows]);
             let verified = if seq.tree.is_some() {
-                self.verify_tree_one(seq, &out, out.row_offsets[k], rows)
+                self.verify_tree_one(seq, &out, offset, rows, seq_picks)
             } else {
-                self.verify_one(seq, &out, out.row_offsets[k], rows)
+                self.verify_one(seq, &out, offset, rows, seq_picks)
             };
             match verified {
                 Ok(dt) => proposer_time += dt,
@@ -222,12 +243,45 @@ impl<T: Target> SpecEngine<T> {
         proposer_time
     }
 
+    /// Every verify row's greedy pick, made on the device, when some sequence of `chunk`
+    /// verifies from picks ([`verifies_from_picks`]) and the target has room for them: one
+    /// `argmax` over the forward's rows and one download of a token a row, where each such
+    /// sequence would otherwise download its rows' logits (on a GPU, a synchronisation and
+    /// `vocab` floats a row). `None` otherwise.
+    fn device_picks(
+        &self,
+        chunk: &[usize],
+        seqs: &[EngineSequence<T::KvSequence>],
+        out: &super::TargetOutput,
+    ) -> Result<Option<Vec<u32>>> {
+        let Some(room) = out.picks else {
+            return Ok(None);
+        };
+        if !chunk.iter().any(|&i| verifies_from_picks(&seqs[i])) {
+            return Ok(None);
+        }
+        let gpu = self.target.gpu();
+        gpu.argmax(ArgmaxArgs {
+            out: room,
+            logits: out.logits,
+            bitmask: None,
+            rows: out.rows,
+            vocab: self.target.config().vocab_size,
+            stream: DEFAULT_STREAM,
+        })?;
+        Ok(Some(gpu.download::<u32>(room, out.rows)?))
+    }
+
+    /// Verification of `seq`'s chain against its verify rows `offset..offset + rows` of
+    /// `out` (from `picks`, those rows' device picks, when given), then the bookkeeping.
+    /// Returns the time spent in the proposer.
     pub(super) fn verify_one(
         &self,
         seq: &mut EngineSequence<T::KvSequence>,
         out: &super::TargetOutput,
         offset: usize,
         rows: usize,
+        picks: Option<&[u32]>,
     ) -> Result<Duration> {
         let gpu = self.target.gpu();
         let vocab = self.target.config().vocab_size;
@@ -241,7 +295,6 @@ impl<T: Target> SpecEngine<T> {
             .into());
         }
         let t = Instant::now();
-        let logits = gpu.download::<f32>(out.logits.offset(offset * vocab * 4), rows * vocab)?;
         if !seq.hidden_rows.is_null() {
             gpu.copy_dtod(
                 seq.hidden_rows,
@@ -251,15 +304,22 @@ impl<T: Target> SpecEngine<T> {
             )?;
         }
         let stack_base = self.keep_stack_rows(seq, out, offset, rows)?;
-        let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();
-        let verdict = verify(
-            &row_refs,
-            &seq.drafts,
-            None,
-            &seq.sampling,
-            &mut seq.rng,
-            grammar_of(&mut seq.grammar),
-        )?;
+        let verdict = match picks {
+            Some(picks) => verify_picks(picks, &seq.drafts)?,
+            None => {
+                let logits =
+                    gpu.download::<f32>(out.logits.offset(offset * vocab * 4), rows * vocab)?;
+                let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();
+                verify(
+                    &row_refs,
+                    &seq.drafts,
+                    None,
+                    &seq.sampling,
+                    &mut seq.rng,
+                    grammar_of(&mut seq.grammar),
+                )?
+            }
+        };
         seq.metrics.verify_time += t.elapsed();
         let spent = self.apply(seq, verdict)?;
         // The rows of the accepted drafts and of the emitted token: verify rows 0..=a.
@@ -378,4 +438,10 @@ impl<T: Target> SpecEngine<T> {
         }
         spent
     }
+}
+
+/// Whether `seq` verifies from its rows' greedy picks alone: greedy, with no grammar (whose
+/// masks need the rows on the host, one position at a time).
+pub(super) fn verifies_from_picks<K>(seq: &EngineSequence<K>) -> bool {
+    seq.sampling.is_greedy() && seq.grammar.is_none()
 }

@@ -7,8 +7,9 @@
 //! sequence under a grammar, and each member of a group the proposer does not batch, is
 //! asked `propose_tree` on its own, with the grammar's mask for the next position when it
 //! has one. Greedy sequences
-//! without a grammar verify their tree with [`verify_tree_greedy`] (the longest accepted
-//! path); sampled ones, and greedy ones under a grammar, walk it with
+//! without a grammar verify their tree with [`verify_tree_picks`] (the longest accepted
+//! path, from each row's argmax made on the device when the target has room for it, else
+//! [`verify_tree_greedy`] on the downloaded logits); sampled ones, and greedy ones under a grammar, walk it with
 //! [`verify_tree_sampled`] (lossless recursive rejection sampling, the sequence's own
 //! random stream, the grammar advanced along the walked path).
 //!
@@ -37,9 +38,10 @@
 use super::error::Stage;
 use super::sequence::grammar_of;
 use super::sequence::EngineSequence;
+use super::step::verifies_from_picks;
 use super::{
-    verify_tree_greedy, verify_tree_sampled, EngineError, FinishReason, SpecEngine, Target,
-    TargetOutput, TreeVerdict,
+    verify_tree_greedy, verify_tree_picks, verify_tree_sampled, EngineError, FinishReason,
+    SpecEngine, Target, TargetOutput, TreeVerdict,
 };
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
@@ -216,6 +218,7 @@ impl<T: Target> SpecEngine<T> {
         out: &TargetOutput,
         offset: usize,
         rows: usize,
+        picks: Option<&[u32]>,
     ) -> Result<Duration> {
         let gpu = self.target.gpu();
         let vocab = self.target.config().vocab_size;
@@ -224,7 +227,6 @@ impl<T: Target> SpecEngine<T> {
             return Err(EngineError::TargetOutput("no draft tree to verify".into()).into());
         };
         let t = Instant::now();
-        let logits = gpu.download::<f32>(out.logits.offset(offset * vocab * 4), rows * vocab)?;
         if !seq.hidden_rows.is_null() {
             gpu.copy_dtod(
                 seq.hidden_rows,
@@ -234,17 +236,24 @@ impl<T: Target> SpecEngine<T> {
             )?;
         }
         let stack_base = self.keep_stack_rows(seq, out, offset, rows)?;
-        let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();
-        let verdict = if seq.sampling.is_greedy() && seq.grammar.is_none() {
-            verify_tree_greedy(&row_refs, &tree)?
-        } else {
-            verify_tree_sampled(
-                &row_refs,
-                &tree,
-                &seq.sampling,
-                &mut seq.rng,
-                grammar_of(&mut seq.grammar),
-            )?
+        let verdict = match picks {
+            Some(picks) => verify_tree_picks(picks, &tree, vocab)?,
+            None => {
+                let logits =
+                    gpu.download::<f32>(out.logits.offset(offset * vocab * 4), rows * vocab)?;
+                let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();
+                if verifies_from_picks(seq) {
+                    verify_tree_greedy(&row_refs, &tree)?
+                } else {
+                    verify_tree_sampled(
+                        &row_refs,
+                        &tree,
+                        &seq.sampling,
+                        &mut seq.rng,
+                        grammar_of(&mut seq.grammar),
+                    )?
+                }
+            }
         };
         seq.metrics.verify_time += t.elapsed();
         self.apply_tree(seq, &tree, verdict, stack_base)

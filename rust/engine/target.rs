@@ -51,6 +51,10 @@ pub struct TargetOutput {
     /// [`Target::forward_capturing`] named, side by side in the order named; `None` when the
     /// forward named none.
     pub hidden_stack: Option<DevicePtr>,
+    /// u32 `[rows]`: room for one token a logits row, where the engine's greedy verification
+    /// writes each row's argmax on the device and then downloads only those picks; `None`
+    /// when the target has no such room, and then the engine downloads the logits.
+    pub picks: Option<DevicePtr>,
 }
 
 /// A paged KV pool's shape and how much of it is free at the moment.

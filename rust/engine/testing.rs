@@ -59,6 +59,8 @@ pub struct TableTarget {
     seed: u64,
     logits: DevicePtr,
     hiddens: DevicePtr,
+    /// Room for a pick a row ([`TargetOutput::picks`]), unless made without.
+    picks: Option<DevicePtr>,
     forwards: AtomicUsize,
     live: AtomicUsize,
     peak: AtomicUsize,
@@ -111,8 +113,17 @@ impl TableTarget {
             .map(|_| rng.random::<f32>() * 4.0)
             .collect();
         let logits = gpu.alloc(max_rows * vocab_size * 4, "table_target:logits")?;
-        let hiddens = match gpu.alloc(max_rows * config.hidden_size * 2, "table_target:hiddens") {
-            Ok(p) => p,
+        let rest = gpu
+            .alloc(max_rows * config.hidden_size * 2, "table_target:hiddens")
+            .and_then(|h| match gpu.alloc(max_rows * 4, "table_target:picks") {
+                Ok(p) => Ok((h, p)),
+                Err(e) => {
+                    let _ = gpu.free(h);
+                    Err(e)
+                }
+            });
+        let (hiddens, picks) = match rest {
+            Ok(both) => both,
             Err(e) => {
                 let _ = gpu.free(logits);
                 return Err(e.into());
@@ -128,6 +139,7 @@ impl TableTarget {
             seed,
             logits,
             hiddens,
+            picks: Some(picks),
             forwards: AtomicUsize::new(0),
             live: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
@@ -135,6 +147,16 @@ impl TableTarget {
             pool: None,
             fail_blocks_at: AtomicUsize::new(usize::MAX),
         })
+    }
+
+    /// The same target without room for picks ([`TargetOutput::picks`] is `None`), so the
+    /// engine verifies greedy steps from downloaded logits, as for a target that has none.
+    pub fn without_picks(mut self) -> Self {
+        if let Some(p) = self.picks.take() {
+            // Ours since `new`; freeing it only fails on a bug.
+            let _ = self.gpu.free(p);
+        }
+        self
     }
 
     /// The same target with its KV in a pool of `num_blocks` blocks of `block_size` rows.
@@ -263,6 +285,9 @@ impl Drop for TableTarget {
         // Drop cannot report; the buffers are ours, so freeing them only fails on a bug.
         let _ = self.gpu.free(self.logits);
         let _ = self.gpu.free(self.hiddens);
+        if let Some(p) = self.picks {
+            let _ = self.gpu.free(p);
+        }
     }
 }
 
@@ -467,6 +492,7 @@ impl TableTarget {
             last_logits_only: last_only,
             hiddens: self.hiddens,
             hidden_stack: None,
+            picks: self.picks,
         })
     }
 

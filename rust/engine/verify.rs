@@ -13,6 +13,8 @@
 //! - With a grammar, `p` is masked before anything else and the matcher advances with every
 //!   emitted token, so no emitted token is one the grammar forbade.
 
+pub use crate::backend::argmax;
+
 use super::{EngineError, GrammarMatcher};
 use crate::speculative::{bitmask_allows, bitmask_words};
 use crate::Result;
@@ -83,50 +85,6 @@ impl SamplingParams {
         }
         Ok(())
     }
-}
-
-/// The index of the largest allowed logit (ties: the lowest index); `None` when the mask
-/// allows no token. NaN logits never win.
-pub fn argmax(logits: &[f32], mask: Option<&[i32]>) -> Option<u32> {
-    let Some(mask) = mask else {
-        return argmax_unmasked(logits);
-    };
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &x) in logits.iter().enumerate() {
-        if !bitmask_allows(mask, i as u32) {
-            continue;
-        }
-        match best {
-            None if !x.is_nan() => best = Some((i, x)),
-            Some((_, b)) if x > b => best = Some((i, x)),
-            _ => {}
-        }
-    }
-    best.map(|(i, _)| i as u32)
-}
-
-/// [`argmax`] without a mask, in two passes that vectorise (a greedy step scans a whole
-/// vocabulary row): the largest non-NaN value in eight lanes, then the first index holding
-/// it. The first index equal to the maximum is exactly the one the one-pass scan keeps
-/// (it replaces its pick only on a strictly larger value, and `-0.0 == 0.0`); no index
-/// matches when every logit is NaN.
-fn argmax_unmasked(logits: &[f32]) -> Option<u32> {
-    const LANES: usize = 8;
-    let mut top = [f32::NEG_INFINITY; LANES];
-    let mut chunks = logits.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (t, &x) in top.iter_mut().zip(c) {
-            // A NaN compares false, so it never enters a lane.
-            *t = if x > *t { x } else { *t };
-        }
-    }
-    for (t, &x) in top.iter_mut().zip(chunks.remainder()) {
-        *t = if x > *t { x } else { *t };
-    }
-    let max = top
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &t| if t > m { t } else { m });
-    logits.iter().position(|&x| x == max).map(|i| i as u32)
 }
 
 /// The target's sampling distribution for one row: masked, divided by the temperature,
@@ -344,6 +302,41 @@ pub fn verify(
     unreachable_last_row()
 }
 
+/// Greedy verification from each row's pick instead of its logits: `picks[j]` is the
+/// argmax of row `j` ([`argmax`]), `u32::MAX` where the row has none (as the `argmax` kernel
+/// writes), so `picks.len() == drafts.len() + 1`. The verdict is the one [`verify`] gives
+/// greedy parameters without a grammar.
+pub fn verify_picks(picks: &[u32], drafts: &[u32]) -> Result<Verdict> {
+    if picks.len() != drafts.len() + 1 {
+        return Err(EngineError::InvalidArgument {
+            what: "verify picks",
+            message: format!(
+                "{} picks for {} drafts (need drafts + 1)",
+                picks.len(),
+                drafts.len()
+            ),
+        }
+        .into());
+    }
+    let mut verdict = Verdict {
+        accepted: 0,
+        tokens: Vec::with_capacity(picks.len()),
+        grammar_exhausted: false,
+    };
+    for (j, &pick) in picks.iter().enumerate() {
+        if pick == u32::MAX {
+            verdict.grammar_exhausted = true;
+            break;
+        }
+        verdict.tokens.push(pick);
+        if drafts.get(j) != Some(&pick) {
+            break;
+        }
+        verdict.accepted += 1;
+    }
+    Ok(verdict)
+}
+
 // The last row has no draft, so the loop always returns from it; this keeps the compiler
 // satisfied without a panic path.
 fn unreachable_last_row() -> Result<Verdict> {
@@ -361,60 +354,6 @@ mod tests {
 
     fn rng() -> SmallRng {
         SmallRng::seed_from_u64(7)
-    }
-
-    #[test]
-    fn argmax_ties_lowest_and_respects_mask() {
-        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0], None), Some(1));
-        let mut mask = vec![0i32; 1];
-        mask[0] = 0b1001;
-        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0], Some(&mask)), Some(3));
-        assert_eq!(argmax(&[1.0, 3.0], Some(&[0])), None);
-        assert_eq!(argmax(&[f32::NAN, 0.5], None), Some(1));
-    }
-
-    /// The one-pass definition: the first non-NaN value, replaced only by a strictly larger
-    /// one.
-    fn first_largest(logits: &[f32]) -> Option<u32> {
-        let mut best: Option<(usize, f32)> = None;
-        for (i, &x) in logits.iter().enumerate() {
-            if !x.is_nan() && best.is_none_or(|(_, b)| x > b) {
-                best = Some((i, x));
-            }
-        }
-        best.map(|(i, _)| i as u32)
-    }
-
-    #[test]
-    fn unmasked_argmax_is_the_first_largest_value() {
-        let (nan, inf) = (f32::NAN, f32::INFINITY);
-        assert_eq!(argmax(&[], None), None);
-        assert_eq!(argmax(&[nan; 11], None), None);
-        assert_eq!(argmax(&[nan, -inf, nan, -inf], None), Some(1));
-        assert_eq!(argmax(&[-0.0, 0.0, 0.0], None), Some(0));
-        assert_eq!(argmax(&[0.0, -0.0], None), Some(0));
-        // Ties across lanes and in the remainder past the last full lane group.
-        let mut row = vec![-1.0f32; 19];
-        row[17] = 5.0;
-        row[9] = 5.0;
-        assert_eq!(argmax(&row, None), Some(9));
-        row[18] = inf;
-        assert_eq!(argmax(&row, None), Some(18));
-        let mut r = rng();
-        for len in [1usize, 7, 8, 9, 64, 1000, 49152] {
-            for _ in 0..20 {
-                // Few distinct values, so that ties are common; some NaNs and infinities.
-                let row: Vec<f32> = (0..len)
-                    .map(|_| match r.random_range(0..40) {
-                        0 => nan,
-                        1 => -inf,
-                        2 => -0.0,
-                        k => (k % 9) as f32 - 4.0,
-                    })
-                    .collect();
-                assert_eq!(argmax(&row, None), first_largest(&row), "len {len}");
-            }
-        }
     }
 
     #[test]
@@ -436,6 +375,40 @@ mod tests {
         let v = verify(&r[..1], &[], None, &g, &mut rng(), None).unwrap();
         assert_eq!(v.tokens, vec![1]);
         assert!(verify(&r, &[1], None, &g, &mut rng(), None).is_err());
+    }
+
+    #[test]
+    fn verifying_from_picks_gives_the_greedy_verdict_of_the_logits() {
+        let mut r = rng();
+        let params = SamplingParams::greedy();
+        for case in 0..300 {
+            let drafts_len = case % 5;
+            // Few distinct values, so that ties are common; one case in ten has a NaN row.
+            let mut rows: Vec<Vec<f32>> = (0..=drafts_len)
+                .map(|_| (0..9).map(|_| r.random_range(0..4) as f32).collect())
+                .collect();
+            if case % 10 == 3 {
+                let j = r.random_range(0..rows.len());
+                rows[j].fill(f32::NAN);
+            }
+            // Drafts that follow the rows' argmax for a while, then guess.
+            let follow = r.random_range(0..=drafts_len);
+            let drafts: Vec<u32> = (0..drafts_len)
+                .map(|j| match argmax(&rows[j], None) {
+                    Some(t) if j < follow => t,
+                    _ => r.random_range(0..9),
+                })
+                .collect();
+            let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+            let want = verify(&refs, &drafts, None, &params, &mut rng(), None).unwrap();
+            let picks: Vec<u32> = rows
+                .iter()
+                .map(|row| argmax(row, None).unwrap_or(u32::MAX))
+                .collect();
+            assert_eq!(verify_picks(&picks, &drafts).unwrap(), want, "case {case}");
+        }
+        let err = verify_picks(&[1, 2], &[1, 2]).unwrap_err().to_string();
+        assert!(err.contains("2 picks for 2 drafts"), "{err}");
     }
 
     #[test]

@@ -36,7 +36,27 @@ pub struct TreeVerdict {
 /// formed (see [`DraftTree::fault`]).
 pub fn verify_tree_greedy(rows: &[&[f32]], tree: &DraftTree) -> Result<TreeVerdict> {
     check_tree_rows(rows, tree)?;
-    let picks: Vec<Option<u32>> = rows.iter().map(|r| argmax(r, None)).collect();
+    let picks: Vec<u32> = rows
+        .iter()
+        .map(|r| argmax(r, None).unwrap_or(u32::MAX))
+        .collect();
+    verify_tree_picks(&picks, tree, rows[0].len())
+}
+
+/// [`verify_tree_greedy`] from each row's pick instead of its logits: `picks[j]` is the
+/// argmax of row `j`, `u32::MAX` where the row has none (as the `argmax` kernel writes), so
+/// `picks.len() == tree.len() + 1`; `tree` must be well formed over `vocab`.
+pub fn verify_tree_picks(picks: &[u32], tree: &DraftTree, vocab: usize) -> Result<TreeVerdict> {
+    if picks.len() != tree.len() + 1 {
+        return Err(tree_rows_error(format!(
+            "{} picks for {} nodes (need nodes + 1)",
+            picks.len(),
+            tree.len()
+        )));
+    }
+    if let Some(fault) = tree.fault(tree.len(), vocab) {
+        return Err(tree_rows_error(format!("a tree with {fault}")));
+    }
     // depth[i]: the longest accepted path below node i, itself included, and its next node.
     // Children come after their parents, so one pass from the last node up fills them.
     let mut depth = vec![0usize; tree.len()];
@@ -50,8 +70,9 @@ pub fn verify_tree_greedy(rows: &[&[f32]], tree: &DraftTree) -> Result<TreeVerdi
             Some(p) => (&mut depth[p], &mut next[p], picks[1 + p]),
             None => (&mut root_depth, &mut root_next, picks[0]),
         };
-        // Visiting siblings from the last, `>=` leaves the first of equal depths.
-        if pick == Some(tree.tokens[i]) && mine >= *parent_depth {
+        // Visiting siblings from the last, `>=` leaves the first of equal depths. A node's
+        // token is below the vocabulary, so never the `u32::MAX` of a row without a pick.
+        if pick == tree.tokens[i] && mine >= *parent_depth {
             *parent_depth = mine;
             *parent_next = Some(i);
         }
@@ -68,22 +89,25 @@ pub fn verify_tree_greedy(rows: &[&[f32]], tree: &DraftTree) -> Result<TreeVerdi
         at = next[i];
     }
     let last_row = verdict.path.last().map_or(0, |&i| 1 + i);
-    verdict.tokens.extend(picks[last_row]);
+    verdict
+        .tokens
+        .extend(Some(picks[last_row]).filter(|&p| p != u32::MAX));
     Ok(verdict)
+}
+
+fn tree_rows_error(message: String) -> crate::Error {
+    EngineError::InvalidArgument {
+        what: "verify_tree rows",
+        message,
+    }
+    .into()
 }
 
 /// Checks that `rows` fit `tree` (one row for the last verified token, then one per node,
 /// all of one vocabulary) and that `tree` is well formed over that vocabulary.
 pub(super) fn check_tree_rows(rows: &[&[f32]], tree: &DraftTree) -> Result<()> {
-    let invalid = |message: String| -> crate::Error {
-        EngineError::InvalidArgument {
-            what: "verify_tree rows",
-            message,
-        }
-        .into()
-    };
     if rows.len() != tree.len() + 1 {
-        return Err(invalid(format!(
+        return Err(tree_rows_error(format!(
             "{} logits rows for {} nodes (need nodes + 1)",
             rows.len(),
             tree.len()
@@ -91,13 +115,13 @@ pub(super) fn check_tree_rows(rows: &[&[f32]], tree: &DraftTree) -> Result<()> {
     }
     let vocab = rows[0].len();
     if let Some(j) = rows.iter().position(|r| r.len() != vocab) {
-        return Err(invalid(format!(
+        return Err(tree_rows_error(format!(
             "row {j} has {} logits, row 0 has {vocab}",
             rows[j].len()
         )));
     }
     if let Some(fault) = tree.fault(tree.len(), vocab) {
-        return Err(invalid(format!("a tree with {fault}")));
+        return Err(tree_rows_error(format!("a tree with {fault}")));
     }
     Ok(())
 }

@@ -62,6 +62,11 @@ pub struct ForwardOutput {
     /// Rows of `logits`: `rows` for [`LogitRows::All`]; the number of sequences for
     /// [`LogitRows::LastPerSequence`], row `i` being sequence `i`'s last row.
     pub logits_rows: usize,
+    /// u32 `[logits_rows]`: room for one token a logits row, which the forward leaves
+    /// unwritten, so that a caller can pick on the device (the `argmax` kernel) and download
+    /// the picks instead of the logits. Overwritten by whatever writes it after the next
+    /// forward, as `logits` is.
+    pub picks: DevicePtr,
     /// BF16 `[rows, hidden]`: each row's hidden state before the final norm.
     pub hiddens: DevicePtr,
     /// BF16 `[rows, n * hidden]`: the hidden after each of the `n` capture layers the forward

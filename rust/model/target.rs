@@ -93,6 +93,8 @@ pub struct TargetModel {
     rope_style: RopeStyle,
     inv_freq: DevicePtr,
     logits: DevicePtr,
+    /// u32 `[max_rows]`: room for one token a logits row ([`ForwardOutput::picks`]).
+    picks: DevicePtr,
     hiddens: DevicePtr,
     meta: DevicePtr,
     max_rows: usize,
@@ -257,6 +259,7 @@ impl TargetModel {
             expert_shard,
             inv_freq: allocs.upload(&inv, "rope_inv_freq")?,
             logits: allocs.alloc(opts.max_rows * config.vocab_size * 4, "target_logits")?,
+            picks: allocs.alloc(opts.max_rows * 4, "target_picks")?,
             hiddens: allocs.alloc(opts.max_rows * config.hidden_size * 2, "target_hiddens")?,
             meta: allocs.alloc(meta_len * 4, "target_forward_meta")?,
             pool: BlockAllocator::new(kv_blocks, BLOCK_SIZE)?,
@@ -713,6 +716,7 @@ impl TargetModel {
             row_offsets,
             logits: self.logits,
             logits_rows: head_rows,
+            picks: self.picks,
             hiddens: self.hiddens,
             hidden_stack: capture.map(|c| c.buffer),
         })

@@ -2,12 +2,13 @@
 #![allow(dead_code)]
 
 pub mod counted;
+pub mod counting;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
 use specdraft::engine::testing::{decode_hidden, TableTarget};
-use specdraft::engine::{GenerateRequest, SpecEngine};
+use specdraft::engine::{GenerateRequest, Generation, SpecEngine};
 use specdraft::memory::BufferArena;
 use specdraft::model::{ForwardContext, ModelConfig};
 use specdraft::speculative::{DraftProposer, ProposerError, ProposerState};
@@ -46,7 +47,11 @@ pub fn baseline(
     max_tokens: usize,
 ) -> Vec<Vec<u32>> {
     let engine = SpecEngine::new(target.clone(), None, 0).unwrap();
-    let g = engine.generate(requests(prompts, max_tokens));
+    tokens_of(engine.generate(requests(prompts, max_tokens)))
+}
+
+/// Each request's tokens, in request order; a request that failed fails the test.
+pub fn tokens_of(g: Generation) -> Vec<Vec<u32>> {
     g.results
         .into_iter()
         .map(|r| {

@@ -22,10 +22,10 @@ use half::bf16;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use specdraft::backend::{
-    ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr, Dtype, ElementwiseArgs,
-    ElementwiseOp, EmbeddingArgs, GpuBackend, GpuBackendExt, KvCopyArgs, KvWriteArgs, LinearArgs,
-    LinearWeight, MlaAttentionArgs, PagedAttentionArgs, PickArgs, RmsNormArgs, RopeArgs, RopeStyle,
-    SoftmaxArgs,
+    argmax as host_argmax, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr, Dtype,
+    ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GpuBackend, GpuBackendExt, KvCopyArgs,
+    KvWriteArgs, LinearArgs, LinearWeight, MlaAttentionArgs, PagedAttentionArgs, PickArgs,
+    RmsNormArgs, RopeArgs, RopeStyle, SoftmaxArgs,
 };
 use std::cell::RefCell;
 
@@ -773,6 +773,12 @@ pub fn argmax(
         logits[vocab - 1] = logits[i];
         logits[1.min(i)] = logits[i];
     }
+    // NaN never counts: row 0 starts with one (the first id a thread scans), and with
+    // three rows or more, row 2 is NaN but for its last id.
+    logits[0] = f32::NAN;
+    if rows > 2 {
+        logits[2 * vocab..3 * vocab - 1].fill(f32::NAN);
+    }
     let words = vocab.div_ceil(32);
     let mut r = rng(seed + 1);
     let mut mask: Vec<i32> = (0..rows * words).map(|_| r.random::<i32>()).collect();
@@ -795,6 +801,14 @@ pub fn argmax(
         })?;
         b.download::<u32>(o, rows)
     })?;
+    // The reference row by row: the host's greedy pick, NaN and mask rules included.
+    let expected: Vec<u32> = (0..rows)
+        .map(|r| {
+            let row_mask = masked.then(|| &mask[r * words..(r + 1) * words]);
+            host_argmax(&logits[r * vocab..(r + 1) * vocab], row_mask).unwrap_or(u32::MAX)
+        })
+        .collect();
+    exact("argmax (reference)", &want, &expected)?;
     exact("argmax", &got, &want)
 }
 

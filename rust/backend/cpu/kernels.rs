@@ -215,20 +215,8 @@ impl Kernels for CpuBackend {
             )
         };
         for (r, pick) in out.iter_mut().enumerate() {
-            *pick = u32::MAX;
-            let mut best = f32::NEG_INFINITY;
-            for t in 0..vocab {
-                if let Some(m) = mask {
-                    if (m[r * words + t / 32] as u32 >> (t % 32)) & 1 == 0 {
-                        continue;
-                    }
-                }
-                let v = ls[r * vocab + t];
-                if *pick == u32::MAX || v > best {
-                    best = v;
-                    *pick = t as u32;
-                }
-            }
+            let row_mask = mask.map(|m| &m[r * words..(r + 1) * words]);
+            *pick = super::argmax(&ls[r * vocab..(r + 1) * vocab], row_mask).unwrap_or(u32::MAX);
         }
         Ok(())
     }

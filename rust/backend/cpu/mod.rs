@@ -17,6 +17,7 @@
 //! weight format, attention, the small ops when a call is large) runs on it and on nothing
 //! else, so the kernels never compete with another pool's threads for the cores.
 
+mod argmax;
 mod attention;
 mod elementwise;
 mod formats;
@@ -29,6 +30,7 @@ mod rope_angles;
 mod shared_out;
 mod top_k;
 
+pub use argmax::argmax;
 pub(crate) use attention::math::exp_nonpositive;
 pub use formats::{e2m1_to_f32, fp8_e4m3_to_f32, E2M1_VALUES};
 

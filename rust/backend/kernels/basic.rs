@@ -195,10 +195,11 @@ impl ElementwiseArgs {
     }
 }
 
-/// Index of the largest logit of each row (ties: the lowest index). `logits` f32 `[rows,
-/// vocab]`, `out` u32 `[rows]`. With `bitmask` (i32 `[rows, ceil(vocab / 32)]`, token t
-/// allowed when bit t % 32 of word t / 32 is set) only allowed tokens count; a row with none
-/// allowed gets `u32::MAX`. `out` is apart from the inputs.
+/// Index of the largest logit of each row (ties: the lowest index; NaN never counts), each
+/// row's [`crate::backend::argmax`]. `logits` f32 `[rows, vocab]`, `out` u32 `[rows]`. With
+/// `bitmask` (i32 `[rows, ceil(vocab / 32)]`, token t allowed when bit t % 32 of word t / 32
+/// is set) only allowed tokens count; a row with none allowed (or only NaN) gets `u32::MAX`.
+/// `out` is apart from the inputs.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ArgmaxArgs<P = DevicePtr> {
     /// u32 `[rows]`: the chosen token of each row.
