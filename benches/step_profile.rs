@@ -11,8 +11,8 @@
 //! The engine part runs `SpecEngine::generate` (plain greedy decoding, one sequence) on the
 //! same model through a [`Target`] wrapper that times the target's forwards: an engine step
 //! is the decode wall time (prefill forwards taken out) over the steps; what is outside the
-//! forward is split into the backend calls the engine makes itself (the logits download,
-//! the hidden-row copy) and the rest (verification on the host, bookkeeping).
+//! forward is split into the backend calls the engine makes itself (the greedy picks' argmax
+//! and download, the hidden-row copy) and the rest (verification on the host, bookkeeping).
 //!
 //! `cargo bench --bench step_profile [-- PATH] [--threads=N] [--rows=N]`: threads default to
 //! one per core; `--rows=N` makes each model step a verify-shaped forward of N rows, trimmed
@@ -56,7 +56,8 @@ impl TimedBackend {
         let r = f();
         let dt = t.elapsed();
         let part = match (self.in_forward.load(Ordering::Relaxed), part) {
-            (false, "copy_dtoh") => "engine: logits download",
+            (false, "copy_dtoh") => "engine: download",
+            (false, "argmax") => "engine: greedy picks",
             (false, "copy_dtod") => "engine: hidden-row copy",
             (false, "copy_htod") => "engine: upload",
             _ => part,

@@ -11,9 +11,10 @@
 //!   depend on what was drafted. A greedy sequence without a grammar is verified from its
 //!   rows' argmax, made on the device for the whole forward when the target has room for
 //!   the picks (`TargetOutput::picks`): the same tokens the host's argmax of the downloaded
-//!   logits gives (one definition, `backend::argmax`), for a token a row downloaded. A sequence that drafted a branching tree (see `step_tree`)
-//!   has its nodes as `drafts`, verified in the same forward under the tree mask, and keeps
-//!   its accepted path as if it had drafted that chain.
+//!   logits gives (one definition, `backend::argmax`), for a token a row downloaded. A
+//!   sequence that drafted a branching tree (see `step_tree`) has its nodes as `drafts`,
+//!   verified in the same forward under the tree mask, and keeps its accepted path as if it
+//!   had drafted that chain.
 //! - After a step the target KV holds every token but the last (rejected rows trimmed), and
 //!   `hidden_rows` row `hidden_row` is the hidden whose logits picked the last token; with
 //!   capture, the last of the `stack` rows is its captured counterpart (see `stack`).
@@ -229,7 +230,8 @@ impl<T: Target> SpecEngine<T> {
             let seq_picks = picks
                 .as_deref()
                 .filter(|_| verifies_from_picks(seq))
-                .map(|p| &p[offset..offset + rows]);
+                // Rows the output lacks are refused by the logits path, by name.
+                .and_then(|p| p.get(offset..offset + rows));
             let verified = if seq.tree.is_some() {
                 self.verify_tree_one(seq, &out, offset, rows, seq_picks)
             } else {
