@@ -6,10 +6,10 @@
 //! with its draft count as the node budget (a tree gets the rows a chain would); a
 //! sequence under a grammar, and each member of a group the proposer does not batch, is
 //! asked `propose_tree` on its own, with the grammar's mask for the next position when it
-//! has one. Greedy sequences
-//! without a grammar verify their tree with [`verify_tree_picks`] (the longest accepted
-//! path, from each row's argmax made on the device when the target has room for it, else
-//! [`verify_tree_greedy`] on the downloaded logits); sampled ones, and greedy ones under a grammar, walk it with
+//! has one. Greedy sequences without a grammar verify their tree with
+//! [`verify_tree_picks`] (the longest accepted path, from each row's argmax made on the
+//! device when the target has room for it, else [`verify_tree_greedy`] on the downloaded
+//! logits); sampled ones, and greedy ones under a grammar, walk it with
 //! [`verify_tree_sampled`] (lossless recursive rejection sampling, the sequence's own
 //! random stream, the grammar advanced along the walked path).
 //!

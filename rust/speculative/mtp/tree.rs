@@ -6,10 +6,11 @@
 //! blocks, pending) and its logits give the first candidates. A max-heap holds candidates by
 //! path probability (the product of the head's softmax probabilities along the path); the
 //! best becomes the next node and, while the budget has room, the head runs over it (one
-//! row) and offers its top [`TREE_TOP_K`] children. A child is never more probable than its
-//! parent, so ancestors are taken before descendants, and the tree holds the most probable
-//! paths the head's top-k lists reach. The last node taken is not run: as in a chain,
-//! `budget` drafts cost `budget` one-row forwards.
+//! row) and offers its top [`TREE_TOP_K`] children, chosen on the device (the `top_k` op:
+//! a round downloads a few ids and probabilities a row, not its logits). A child is never
+//! more probable than its parent, so ancestors are taken before descendants, and the tree
+//! holds the most probable paths the head's top-k lists reach. The last node taken is not
+//! run: as in a chain, `budget` drafts cost `budget` one-row forwards.
 //!
 //! Invariants:
 //! - A node is run only when its rows fit the state's capacity and the pool has its
