@@ -13,6 +13,7 @@
 //! - Confidences of 1 or more say nothing (a proposer reporting every draft as sure): a
 //!   step whose drafts all carry them is never cut.
 
+use super::decayed_counts::DecayedCounts;
 use crate::speculative::DraftTree;
 
 /// Confidence bins a draft position is split into.
@@ -25,8 +26,7 @@ const KEEP: f64 = 0.998;
 /// Calibration counts by `(position, bin)`.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Calibration {
-    hits: Vec<f64>,
-    tries: Vec<f64>,
+    counts: DecayedCounts,
 }
 
 fn slot(position: usize, conf: f32) -> usize {
@@ -37,31 +37,16 @@ fn slot(position: usize, conf: f32) -> usize {
 impl Calibration {
     /// The estimated chance that a draft at `position` reported with `conf` is accepted.
     pub fn estimate(&self, position: usize, conf: f32) -> f64 {
-        let s = slot(position, conf);
-        let hits = self.hits.get(s).copied().unwrap_or(0.0);
-        let tries = self.tries.get(s).copied().unwrap_or(0.0);
-        (hits + PRIOR_WEIGHT * f64::from(conf.clamp(0.0, 1.0))) / (tries + PRIOR_WEIGHT)
+        let prior = f64::from(conf.clamp(0.0, 1.0));
+        self.counts.rate(slot(position, conf), prior, PRIOR_WEIGHT)
     }
 
     /// Records the verdict on drafts reported with `confs`: the first `accepted` were
     /// accepted and the one after them (if any) rejected; later ones were not judged.
     pub fn observe(&mut self, confs: &[f32], accepted: usize) {
-        self.hits.iter_mut().for_each(|x| *x *= KEEP);
-        self.tries.iter_mut().for_each(|x| *x *= KEEP);
+        self.counts.decay(KEEP);
         for (j, &c) in confs.iter().enumerate().take(accepted + 1) {
-            self.record(slot(j, c), j < accepted);
-        }
-    }
-
-    /// Counts one judged draft in slot `s`, accepted or not.
-    fn record(&mut self, s: usize, accepted: bool) {
-        if self.tries.len() <= s {
-            self.hits.resize(s + 1, 0.0);
-            self.tries.resize(s + 1, 0.0);
-        }
-        self.tries[s] += 1.0;
-        if accepted {
-            self.hits[s] += 1.0;
+            self.counts.add(slot(j, c), j < accepted);
         }
     }
 
@@ -114,14 +99,13 @@ impl Calibration {
         let Some(probs) = tree.probs.as_deref() else {
             return;
         };
-        self.hits.iter_mut().for_each(|x| *x *= KEEP);
-        self.tries.iter_mut().for_each(|x| *x *= KEEP);
+        self.counts.decay(KEEP);
         let depths = tree.depths();
         for (i, (&parent, &c)) in tree.parents.iter().zip(probs).enumerate() {
             if !parent.is_none_or(|p| path.contains(&p)) {
                 continue;
             }
-            self.record(slot(depths[i] - 1, c), path.contains(&i));
+            self.counts.add(slot(depths[i] - 1, c), path.contains(&i));
         }
     }
 }

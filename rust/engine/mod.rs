@@ -18,6 +18,7 @@
 mod conversation;
 mod cost_fit;
 mod cost_model;
+mod decayed_counts;
 mod draft_confidence;
 mod draft_policy;
 mod error;

@@ -18,6 +18,7 @@
 //!   when the first `j + 1` drafts are accepted).
 
 use super::super::cost_fit::CostFit;
+use super::super::decayed_counts::DecayedCounts;
 use super::super::draft_confidence::Calibration;
 use std::time::Duration;
 
@@ -40,48 +41,16 @@ pub(super) const SEQUENCE_KEEP: f64 = 0.85;
 /// every new sequence, so it moves slowly.
 pub(super) const ENGINE_KEEP: f64 = 0.995;
 
-/// Decayed hit and try counts by draft position (index 0 is the first draft).
-#[derive(Clone, Debug, Default)]
-pub(super) struct PositionCounts {
-    hits: Vec<f64>,
-    tries: Vec<f64>,
-}
-
-impl PositionCounts {
-    fn decay(&mut self, keep: f64) {
-        self.hits.iter_mut().for_each(|x| *x *= keep);
-        self.tries.iter_mut().for_each(|x| *x *= keep);
-    }
-
-    fn add(&mut self, pos: usize, hit: bool) {
-        if self.tries.len() <= pos {
-            self.hits.resize(pos + 1, 0.0);
-            self.tries.resize(pos + 1, 0.0);
-        }
-        self.tries[pos] += 1.0;
-        if hit {
-            self.hits[pos] += 1.0;
-        }
-    }
-
-    /// The rate at `pos`, shrunk towards `prior` by [`PRIOR_WEIGHT`] pseudo-observations.
-    pub(super) fn estimate(&self, pos: usize, prior: f64) -> f64 {
-        let hits = self.hits.get(pos).copied().unwrap_or(0.0);
-        let tries = self.tries.get(pos).copied().unwrap_or(0.0);
-        (hits + PRIOR_WEIGHT * prior) / (tries + PRIOR_WEIGHT)
-    }
-}
-
 /// Acceptance and fill counts of one proposer (a sequence's, or the engine's).
 #[derive(Clone, Debug, Default)]
 pub(super) struct DraftCounts {
     /// Acceptance at a position given the earlier drafts were accepted.
-    pub accept: PositionCounts,
+    pub accept: DecayedCounts,
     /// Whether the proposer returned a draft at a position when asked for it.
-    pub fill: PositionCounts,
+    pub fill: DecayedCounts,
     /// Whether the node at a position (in the proposer's order) was on the accepted path,
     /// given it was returned.
-    pub on_path: PositionCounts,
+    pub on_path: DecayedCounts,
 }
 
 impl DraftCounts {
@@ -126,9 +95,9 @@ impl EngineFigures {
     pub(super) fn first_acceptance(&self, trees: bool) -> f64 {
         let counts = &self.counts;
         if trees {
-            counts.on_path.estimate(0, COLD_ACCEPTANCE)
+            counts.on_path.rate(0, COLD_ACCEPTANCE, PRIOR_WEIGHT)
         } else {
-            counts.accept.estimate(0, COLD_ACCEPTANCE)
+            counts.accept.rate(0, COLD_ACCEPTANCE, PRIOR_WEIGHT)
         }
     }
 }
@@ -192,8 +161,8 @@ pub(super) fn outlook(
     // A node's cold chance of being on the path: a chain's at its position.
     let (mut cold_node, mut first_node) = (1.0, 0.0);
     for j in 0..n {
-        engine_p = engine.accept.estimate(j, engine_p);
-        engine_f = engine.fill.estimate(j, engine_f);
+        engine_p = engine.accept.rate(j, engine_p, PRIOR_WEIGHT);
+        engine_f = engine.fill.rate(j, engine_f, PRIOR_WEIGHT);
         // Past the first position the sequence's own figure at the position before counts
         // as much as the engine's at this one.
         let (prior_p, prior_f) = if j == 0 {
@@ -201,13 +170,13 @@ pub(super) fn outlook(
         } else {
             ((engine_p + p) / 2.0, (engine_f + f) / 2.0)
         };
-        p = own.accept.estimate(j, prior_p);
-        f = own.fill.estimate(j, prior_f);
+        p = own.accept.rate(j, prior_p, PRIOR_WEIGHT);
+        f = own.fill.rate(j, prior_f, PRIOR_WEIGHT);
         reach_row *= f;
         reach_gain *= f * p;
         let node_gain = if trees {
             cold_node *= COLD_ACCEPTANCE;
-            let engine_r = engine.on_path.estimate(j, cold_node);
+            let engine_r = engine.on_path.rate(j, cold_node, PRIOR_WEIGHT);
             // Past the first node the sequence's own first node counts as much as the
             // engine's figure: a sequence asked for small trees never sees its deeper
             // nodes, and must not be held to other sequences' figures for them.
@@ -216,7 +185,7 @@ pub(super) fn outlook(
             } else {
                 (engine_r + first_node) / 2.0
             };
-            let r = own.on_path.estimate(j, prior_r);
+            let r = own.on_path.rate(j, prior_r, PRIOR_WEIGHT);
             if j == 0 {
                 first_node = r;
             }
