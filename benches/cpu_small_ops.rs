@@ -1,5 +1,7 @@
-//! Cost of the CPU backend's small per-layer ops (RMSNorm, add, SiLU-mul, RoPE) on
-//! SmolLM2-135M's shapes, printed as JSON: microseconds per call by rows, through the public
+//! Cost of the CPU backend's small per-layer ops (RMSNorm, add, SiLU-mul, RoPE) and of the
+//! per-step picks over logits rows (`argmax` over the vocabulary, a greedy verify's picks;
+//! `top_k` over a draft vocabulary, a tree round's children) on SmolLM2-135M's shapes,
+//! printed as JSON: microseconds per call by rows, through the public
 //! `Kernels` API (argument checks included), on a one-thread backend (the compute cost) and
 //! on the default one (where a large call may be split over the pool).
 //!
@@ -10,8 +12,8 @@
 
 use serde_json::{json, Value};
 use specdraft::backend::{
-    CpuBackend, DevicePtr, ElementwiseArgs, ElementwiseOp, GpuBackend, GpuBackendExt, Kernels,
-    RmsNormArgs, RopeArgs, RopeStyle,
+    ArgmaxArgs, CpuBackend, DevicePtr, ElementwiseArgs, ElementwiseOp, GpuBackend, GpuBackendExt,
+    Kernels, RmsNormArgs, RopeArgs, RopeStyle, TopKArgs,
 };
 use std::time::Instant;
 
@@ -21,6 +23,12 @@ const HEADS: usize = 9;
 const KV_HEADS: usize = 3;
 const HEAD_DIM: usize = 64;
 const ROWS: [usize; 5] = [1, 5, 9, 16, 128];
+const VOCAB: usize = 49152;
+/// The shipped heads' draft vocabulary, and the tree growth's children per node.
+const DRAFT_VOCAB: usize = 8192;
+const TREE_TOP_K: usize = 4;
+/// Logits rows a step picks from: one sequence's verify rows up to batch 16 with 4 drafts.
+const PICK_ROWS: [usize; 5] = [1, 5, 16, 40, 80];
 
 /// Fastest per-call microseconds of `f` over batches of `per_batch` calls.
 fn fastest(per_batch: usize, mut f: impl FnMut()) -> f64 {
@@ -110,6 +118,48 @@ fn ops(b: &CpuBackend, rows: usize) -> Value {
     })
 }
 
+/// `argmax` over `rows` vocabulary rows and `top_k` over `rows` draft-vocabulary rows.
+fn picks(b: &CpuBackend, rows: usize) -> Value {
+    let per_batch = (400 / rows).max(4);
+    let logits: Vec<f32> = (0..rows * VOCAB)
+        .map(|i| ((i * 7919) % 100_003) as f32 / 5000.0 - 10.0)
+        .collect();
+    let logits = b.upload(&logits, "bench logits").expect("upload");
+    let out = b.alloc(rows * 4, "bench picks").expect("alloc");
+    let ids = b.alloc(rows * TREE_TOP_K * 4, "bench ids").expect("alloc");
+    let probs = b
+        .alloc(rows * TREE_TOP_K * 4, "bench probs")
+        .expect("alloc");
+    let argmax = fastest(per_batch, || {
+        b.argmax(ArgmaxArgs {
+            out,
+            logits,
+            bitmask: None,
+            rows,
+            vocab: VOCAB,
+            stream: 0,
+        })
+        .expect("argmax")
+    });
+    let top_k = fastest(per_batch, || {
+        b.top_k(TopKArgs {
+            ids,
+            probs,
+            logits,
+            bitmask: None,
+            rows,
+            width: DRAFT_VOCAB,
+            k: TREE_TOP_K,
+            stream: 0,
+        })
+        .expect("top_k")
+    });
+    for p in [logits, out, ids, probs] {
+        b.free(p).expect("free");
+    }
+    json!({"rows": rows, "argmax_us": argmax, "top_k_us": top_k})
+}
+
 fn main() {
     // `cargo test --all-targets` runs bench binaries without `--bench`.
     if !std::env::args().any(|a| a == "--bench") {
@@ -119,6 +169,7 @@ fn main() {
     let one = CpuBackend::with_threads(1);
     let all = CpuBackend::new();
     let table = |b: &CpuBackend| ROWS.iter().map(|&r| ops(b, r)).collect::<Vec<_>>();
+    let pick_table = |b: &CpuBackend| PICK_ROWS.iter().map(|&r| picks(b, r)).collect::<Vec<_>>();
     println!(
         "{}",
         json!({
@@ -126,6 +177,8 @@ fn main() {
             "one_thread": table(&one),
             "default_threads": all.kernel_pool().threads(),
             "default": table(&all),
+            "picks_one_thread": pick_table(&one),
+            "picks_default": pick_table(&all),
         })
     );
     assert_eq!(one.ledger().live_count() + all.ledger().live_count(), 0);

@@ -9,12 +9,14 @@
 //! the aliasing check makes sound. The ops a forward runs per layer are written to be fast
 //! and to give each row bitwise the same result whatever else is in the batch: `linear` in
 //! `linear`, `paged_attention` in `attention`, RMSNorm, the element-wise ops and RoPE in
-//! `elementwise`.
+//! `elementwise`. The per-step picks over logits rows (`argmax`, `top_k`) take a pool task
+//! a row, since a verify forward at batch 16 hands them dozens of vocabulary rows.
 
 use super::attention::{paged_attention, AttentionInputs, AttentionShape};
 use super::elementwise::{self, Input, RopeShape};
 use super::fp8::Fp8Rows;
 use super::linear::{Nvfp4Rows, WeightRows};
+use super::shared_out::SharedOut;
 use super::{CpuBackend, HostView};
 use crate::backend::kernels::{
     ArgmaxArgs, CopyRowsArgs, ElementwiseArgs, EmbeddingArgs, GroupedLinearArgs, Kernels,
@@ -214,11 +216,18 @@ impl Kernels for CpuBackend {
                 a.out.typed_mut::<u32>(),
             )
         };
-        for (r, pick) in out.iter_mut().enumerate() {
-            let row_mask = mask.map(|m| &m[r * words..(r + 1) * words]);
-            *pick = super::argmax(&ls[r * vocab..(r + 1) * vocab], row_mask).unwrap_or(u32::MAX);
-        }
-        Ok(())
+        let picks = SharedOut::new(out);
+        // A row a task: a verify forward's rows are independent, and each is a vocabulary's
+        // scan (tens of microseconds), well above the pool's round trip.
+        self.kernel_pool()
+            .run(a.rows, &|r| {
+                let row_mask = mask.map(|m| &m[r * words..(r + 1) * words]);
+                // SAFETY: task `r` alone takes pick `r`.
+                let pick = unsafe { picks.slice(r, 1) };
+                pick[0] =
+                    super::argmax(&ls[r * vocab..(r + 1) * vocab], row_mask).unwrap_or(u32::MAX);
+            })
+            .map_err(quant_err("argmax"))
     }
 
     fn pick(&self, args: PickArgs) -> Result<(), BackendError> {
@@ -254,18 +263,21 @@ impl Kernels for CpuBackend {
                 a.probs.typed_mut::<f32>(),
             )
         };
-        for r in 0..a.rows {
-            let row_mask = mask.map(|m| &m[r * words..(r + 1) * words]);
-            let allowed =
-                |t: usize| row_mask.is_none_or(|m| (m[t / 32] as u32 >> (t % 32)) & 1 == 1);
-            let kept = super::top_k::top_k_row(&ls[r * width..(r + 1) * width], k, allowed);
-            for j in 0..k {
-                let (id, p) = kept.get(j).copied().unwrap_or((u32::MAX, 0.0));
-                ids[r * k + j] = id;
-                probs[r * k + j] = p;
-            }
-        }
-        Ok(())
+        let (ids, probs) = (SharedOut::new(ids), SharedOut::new(probs));
+        // A row a task, as in `argmax`.
+        self.kernel_pool()
+            .run(a.rows, &|r| {
+                let row_mask = mask.map(|m| &m[r * words..(r + 1) * words]);
+                let allowed =
+                    |t: usize| row_mask.is_none_or(|m| (m[t / 32] as u32 >> (t % 32)) & 1 == 1);
+                let kept = super::top_k::top_k_row(&ls[r * width..(r + 1) * width], k, allowed);
+                // SAFETY: task `r` alone takes row `r` of each output.
+                let (ids, probs) = unsafe { (ids.chunk(r, k), probs.chunk(r, k)) };
+                for j in 0..k {
+                    (ids[j], probs[j]) = kept.get(j).copied().unwrap_or((u32::MAX, 0.0));
+                }
+            })
+            .map_err(quant_err("top_k"))
     }
 
     fn softmax(&self, args: SoftmaxArgs) -> Result<(), BackendError> {
