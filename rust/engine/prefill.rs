@@ -1,7 +1,8 @@
 //! Starting a sequence: admission (proposer state with carried drafter KV installed, the
 //! engine's buffers), the target's prefill in chunks that several sequences share in one
-//! forward, the first token, and the drafter prefill (now, or at the first propose when
-//! deferred).
+//! forward, the first token (a greedy sequence without a grammar picks it on the device when
+//! the target has room for picks, as its verify steps do), and the drafter prefill (now, or
+//! at the first propose when deferred).
 //!
 //! A sequence readmitted after a preemption prefills again every token but its last (its
 //! "prompt" from the target's and the drafter's point of view is then `tokens[..len - 1]`)
@@ -26,8 +27,8 @@
 
 use super::error::Stage;
 use super::sequence::{grammar_of, members_mut, DrafterPrefill, EngineSequence, PendingPrefill};
-use super::{verify, EngineError, FinishReason, SpecEngine, Target, TargetOutput};
-use crate::backend::{GpuBackendExt, DEFAULT_STREAM};
+use super::{verify, verify_picks, EngineError, FinishReason, SpecEngine, Target, TargetOutput};
+use crate::backend::{ArgmaxArgs, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
 use crate::Result;
 use std::time::{Duration, Instant};
@@ -181,12 +182,21 @@ impl<T: Target> SpecEngine<T> {
                 return elapsed;
             }
         };
+        let picks = match self.first_picks(work, seqs, &out) {
+            Ok(p) => p,
+            Err(e) => {
+                for &(i, _) in work {
+                    seqs[i].fail_at(Stage::TargetPrefill, e.clone());
+                }
+                return elapsed;
+            }
+        };
         for (k, &(i, n)) in work.iter().enumerate() {
             let seq = &mut seqs[i];
             seq.metrics.prefill_time += elapsed.mul_f64(n as f64 / rows_total as f64);
             let request = seq.request;
             let landed = self
-                .land_chunk(seq, &out, k, n)
+                .land_chunk(seq, &out, k, n, picks[k])
                 .map_err(|e| EngineError::at(request, Stage::TargetPrefill, e));
             match landed {
                 Err(e) => seq.fail(e),
@@ -205,15 +215,73 @@ impl<T: Target> SpecEngine<T> {
         elapsed
     }
 
+    /// Row of `out.logits` that holds chunk `k`'s last row (`n` rows long).
+    fn last_logits_row(out: &TargetOutput, k: usize, n: usize) -> usize {
+        match out.last_logits_only {
+            true => k,
+            false => out.row_offsets[k] + n - 1,
+        }
+    }
+
+    /// The first token of each sequence of `work` whose prefill this forward completes on
+    /// a first admission and that picks greedily without a grammar
+    /// ([`super::step::verifies_from_picks`]), made on the device when the target has room
+    /// for picks: an `argmax` of each such sequence's last logits row into the room, then
+    /// one download of a token each, where each would otherwise download its logits row.
+    /// `None` for every other entry, which then picks from its downloaded row.
+    fn first_picks(
+        &self,
+        work: &[(usize, usize)],
+        seqs: &[EngineSequence<T::KvSequence>],
+        out: &TargetOutput,
+    ) -> Result<Vec<Option<u32>>> {
+        let mut picks = vec![None; work.len()];
+        let Some(room) = out.picks else {
+            return Ok(picks);
+        };
+        let picking: Vec<usize> = (0..work.len())
+            .filter(|&k| {
+                let (seq, n) = (&seqs[work[k].0], work[k].1);
+                seq.live()
+                    && seq.generated() == 0
+                    && seq.prefilled + n == seq.prefill_end
+                    && super::step::verifies_from_picks(seq)
+            })
+            .collect();
+        if picking.is_empty() {
+            return Ok(picks);
+        }
+        let gpu = self.target.gpu();
+        let vocab = self.target.config().vocab_size;
+        for (j, &k) in picking.iter().enumerate() {
+            let row = Self::last_logits_row(out, k, work[k].1);
+            gpu.argmax(ArgmaxArgs {
+                out: room.offset(j * 4),
+                logits: out.logits.offset(row * vocab * 4),
+                bitmask: None,
+                rows: 1,
+                vocab,
+                stream: DEFAULT_STREAM,
+            })?;
+        }
+        let made = gpu.download::<u32>(room, picking.len())?;
+        for (&k, &pick) in picking.iter().zip(&made) {
+            picks[k] = Some(pick);
+        }
+        Ok(picks)
+    }
+
     /// Takes in chunk `k` of a prefill forward (`n` rows of `seq`): copies the hiddens the
     /// drafter prefill needs and, when the prefill is complete, the last row's hidden and
-    /// (on a first admission) the first token.
+    /// (on a first admission) the first token: `pick` when the device made it, else from
+    /// the downloaded last logits row.
     fn land_chunk(
         &self,
         seq: &mut EngineSequence<T::KvSequence>,
         out: &TargetOutput,
         k: usize,
         n: usize,
+        pick: Option<u32>,
     ) -> Result<()> {
         let gpu = self.target.gpu();
         let hb = self.row_bytes();
@@ -263,18 +331,23 @@ impl<T: Target> SpecEngine<T> {
             seq.metrics.recomputed_tokens += seq.prefill_end as u64;
             return Ok(());
         }
-        let vocab = self.target.config().vocab_size;
-        let logits_row = if out.last_logits_only { k } else { last };
-        let last_logits = gpu.download::<f32>(out.logits.offset(logits_row * vocab * 4), vocab)?;
         seq.metrics.prompt_tokens = seq.prompt_len as u64;
-        let verdict = verify(
-            &[&last_logits],
-            &[],
-            None,
-            &seq.sampling,
-            &mut seq.rng,
-            grammar_of(&mut seq.grammar),
-        )?;
+        let verdict = match pick {
+            Some(pick) => verify_picks(&[pick], &[])?,
+            None => {
+                let vocab = self.target.config().vocab_size;
+                let row = Self::last_logits_row(out, k, n);
+                let last_logits = gpu.download::<f32>(out.logits.offset(row * vocab * 4), vocab)?;
+                verify(
+                    &[&last_logits],
+                    &[],
+                    None,
+                    &seq.sampling,
+                    &mut seq.rng,
+                    grammar_of(&mut seq.grammar),
+                )?
+            }
+        };
         if verdict.grammar_exhausted {
             seq.finish = Some(FinishReason::Grammar);
             return Ok(());

@@ -61,6 +61,8 @@ pub struct TableTarget {
     hiddens: DevicePtr,
     /// Room for a pick a row ([`TargetOutput::picks`]), unless made without.
     picks: Option<DevicePtr>,
+    /// Whether `forward_last` computes every row's logits, as a target without it does.
+    all_logits: bool,
     forwards: AtomicUsize,
     live: AtomicUsize,
     peak: AtomicUsize,
@@ -140,6 +142,7 @@ impl TableTarget {
             logits,
             hiddens,
             picks: Some(picks),
+            all_logits: false,
             forwards: AtomicUsize::new(0),
             live: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
@@ -156,6 +159,13 @@ impl TableTarget {
             // Ours since `new`; freeing it only fails on a bug.
             let _ = self.gpu.free(p);
         }
+        self
+    }
+
+    /// The same target with every row's logits from [`Target::forward_last`] too
+    /// ([`TargetOutput::last_logits_only`] never set), as a target that keeps the default.
+    pub fn with_all_logits(mut self) -> Self {
+        self.all_logits = true;
         self
     }
 
@@ -321,7 +331,7 @@ impl Target for TableTarget {
     }
 
     fn forward_last(&self, seqs: &mut [&mut TableKv], tokens: &[&[u32]]) -> Result<TargetOutput> {
-        self.run(seqs, tokens, true, None)
+        self.run(seqs, tokens, !self.all_logits, None)
     }
 
     fn supports_trees(&self) -> bool {
