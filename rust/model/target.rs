@@ -22,52 +22,30 @@
 
 use super::batch::{stage, Plan, RowTrees};
 use super::capture::{check_layer_ids, Capture, CaptureBuffer};
-use super::decoder_weights::{DecoderWeights, NameScheme};
-use super::gguf::GgufFile;
-use super::hf_checkpoint::SafetensorsCheckpoint;
+use super::decoder_weights::DecoderWeights;
 use super::layers::{
-    arena_slots, decoder_layer, decoder_layer_tree, rope_inv_freq, ExpertShard, LayerCache,
-    LayerDepth, LayerIo, LayerScratch, LayerShape,
+    decoder_layer, decoder_layer_tree, ExpertShard, LayerCache, LayerDepth, LayerIo, LayerScratch,
+    LayerShape,
 };
-use super::quantized_source::QuantizedSource;
 pub use super::sequence::{ForwardOutput, KvSequence, LogitRows};
-use super::tensors::TensorSource;
 use super::weights::DeviceAllocations;
 use super::{ModelConfig, ModelError};
-use crate::backend::quant::BlockFormat;
 use crate::backend::{
-    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, KvCopyArgs, RmsNormArgs, RopeStyle, DEFAULT_STREAM,
+    DevicePtr, Dtype, EmbeddingArgs, GpuBackend, RmsNormArgs, RopeStyle, DEFAULT_STREAM,
 };
 use crate::memory::{BlockAllocator, BufferArena};
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+mod kv;
+mod load;
+
+pub use load::LoadOptions;
 
 /// KV rows per block.
 pub const BLOCK_SIZE: usize = 16;
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
-
-/// Sizes chosen at load time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LoadOptions {
-    /// Most token rows one forward may carry (all sequences together).
-    pub max_rows: usize,
-    /// Longest sequence; `None`: the model's context, at most 4096.
-    pub max_seq_len: Option<usize>,
-    /// KV blocks in the pool; `None`: enough for two sequences of `max_seq_len`.
-    pub kv_blocks: Option<usize>,
-}
-
-impl Default for LoadOptions {
-    fn default() -> Self {
-        LoadOptions {
-            max_rows: 512,
-            max_seq_len: None,
-            kv_blocks: None,
-        }
-    }
-}
 
 struct Scratch {
     staging: Vec<u32>,
@@ -106,182 +84,6 @@ pub struct TargetModel {
 }
 
 impl TargetModel {
-    /// Loads a checkpoint: a HF directory (`config.json` + `*.safetensors`) or a `.gguf` file,
-    /// each weight in the format the file holds it in.
-    pub fn load(
-        path: impl AsRef<Path>,
-        gpu: Arc<dyn GpuBackend>,
-        opts: LoadOptions,
-    ) -> crate::Result<Self> {
-        Self::load_with_weights(path, gpu, opts, None)
-    }
-
-    /// [`TargetModel::load`], with a HF checkpoint's float matrices quantized to `weights` at
-    /// load (see [`QuantizedSource`] for which); `None` keeps what the file has. A GGUF file
-    /// keeps its own formats, so asking it for another is an error.
-    pub fn load_with_weights(
-        path: impl AsRef<Path>,
-        gpu: Arc<dyn GpuBackend>,
-        opts: LoadOptions,
-        weights: Option<BlockFormat>,
-    ) -> crate::Result<Self> {
-        Self::load_sharded(path, gpu, opts, weights, None)
-    }
-
-    /// [`TargetModel::load_with_weights`] holding only `expert_shard`'s routed experts of
-    /// each MoE layer (see [`ExpertShard`]); `None` holds them all.
-    pub fn load_sharded(
-        path: impl AsRef<Path>,
-        gpu: Arc<dyn GpuBackend>,
-        opts: LoadOptions,
-        weights: Option<BlockFormat>,
-        expert_shard: Option<ExpertShard>,
-    ) -> crate::Result<Self> {
-        let path = path.as_ref();
-        if path.is_dir() {
-            let (config, src) = SafetensorsCheckpoint::open_with_config(path)?;
-            let quantized = weights
-                .map(|format| QuantizedSource::new(&src, format))
-                .transpose()?;
-            let src: &dyn TensorSource = match &quantized {
-                Some(q) => q,
-                None => &src,
-            };
-            Self::from_source_sharded(
-                gpu,
-                config,
-                src,
-                NameScheme::HuggingFace,
-                RopeStyle::Half,
-                opts,
-                expert_shard,
-            )
-        } else if path.is_file() {
-            if let Some(format) = weights {
-                return Err(ModelError::invalid(
-                    "load_model",
-                    format!(
-                        "weights={format} quantizes a safetensors checkpoint at load; {} is a GGUF file, whose weights keep the formats they are stored in",
-                        path.display()
-                    ),
-                )
-                .into());
-            }
-            let src = GgufFile::open(path)?;
-            let config = src.model_config()?;
-            // llama.cpp's converter permutes llama q/k rows for adjacent-pair RoPE; the
-            // Qwen converters do not.
-            let style = match src.architecture() {
-                Some("llama") => RopeStyle::Interleaved,
-                _ => RopeStyle::Half,
-            };
-            Self::from_source_sharded(
-                gpu,
-                config,
-                &src,
-                NameScheme::Gguf,
-                style,
-                opts,
-                expert_shard,
-            )
-        } else {
-            Err(ModelError::Io {
-                path: path.display().to_string(),
-                message: "no such file or directory".into(),
-            }
-            .into())
-        }
-    }
-
-    /// Builds the model from any tensor source. On error everything allocated is freed.
-    pub fn from_source(
-        gpu: Arc<dyn GpuBackend>,
-        config: ModelConfig,
-        src: &dyn TensorSource,
-        scheme: NameScheme,
-        rope_style: RopeStyle,
-        opts: LoadOptions,
-    ) -> crate::Result<Self> {
-        Self::from_source_sharded(gpu, config, src, scheme, rope_style, opts, None)
-    }
-
-    /// [`TargetModel::from_source`] holding only `expert_shard`'s routed experts of each MoE
-    /// layer (every rank of the shard's communicator loads its own; see [`ExpertShard`]).
-    pub fn from_source_sharded(
-        gpu: Arc<dyn GpuBackend>,
-        config: ModelConfig,
-        src: &dyn TensorSource,
-        scheme: NameScheme,
-        rope_style: RopeStyle,
-        opts: LoadOptions,
-        expert_shard: Option<ExpertShard>,
-    ) -> crate::Result<Self> {
-        config.validate()?;
-        let max_seq_len = opts
-            .max_seq_len
-            .unwrap_or(config.max_position_embeddings.min(4096));
-        if opts.max_rows == 0 || max_seq_len == 0 {
-            return Err(ModelError::invalid(
-                "TargetModel",
-                "max_rows and max_seq_len must be positive",
-            )
-            .into());
-        }
-        let max_blocks_per_seq = max_seq_len.div_ceil(BLOCK_SIZE);
-        let kv_blocks = opts.kv_blocks.unwrap_or(2 * max_blocks_per_seq);
-        let inv = rope_inv_freq(&config)?;
-        let allocs = DeviceAllocations::new(gpu.clone());
-        let weights = DecoderWeights::load(&allocs, src, &config, scheme, expert_shard.as_ref())?;
-        let arena = BufferArena::new(gpu.as_ref(), "arena", &arena_slots(&config), opts.max_rows)?;
-        // The model frees the arena's buffers with everything else, so that dropping the
-        // model leaves nothing live even while a ForwardContext still holds the Arc.
-        for s in arena.slots() {
-            allocs.adopt(s.ptr);
-        }
-        let scratch_slots = LayerScratch::from_arena(&arena)?;
-        let num_slots = kv_blocks * BLOCK_SIZE;
-        // Under MLA a row of the two caches is half of a token's latent (`kv_cache_row`).
-        let cache_bytes = num_slots * config.kv_cache_width() * Dtype::Bf16.size();
-        let mut caches = Vec::with_capacity(config.num_hidden_layers);
-        for l in 0..config.num_hidden_layers {
-            caches.push(LayerCache {
-                k: allocs.alloc(cache_bytes, &format!("kv_cache.{l}.k"))?,
-                v: allocs.alloc(cache_bytes, &format!("kv_cache.{l}.v"))?,
-                num_slots,
-                block_size: BLOCK_SIZE,
-            });
-        }
-        // Six per-row lists (the sixth, row parents, only for draft trees) and the table.
-        let meta_len = 6 * opts.max_rows + opts.max_rows * max_blocks_per_seq;
-        Ok(TargetModel {
-            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
-            next_seq: AtomicU64::new(1),
-            expert_shard,
-            inv_freq: allocs.upload(&inv, "rope_inv_freq")?,
-            logits: allocs.alloc(opts.max_rows * config.vocab_size * 4, "target_logits")?,
-            picks: allocs.alloc(opts.max_rows * 4, "target_picks")?,
-            hiddens: allocs.alloc(opts.max_rows * config.hidden_size * 2, "target_hiddens")?,
-            meta: allocs.alloc(meta_len * 4, "target_forward_meta")?,
-            pool: BlockAllocator::new(kv_blocks, BLOCK_SIZE)?,
-            scratch_slots,
-            shape: LayerShape::of(&config),
-            gpu,
-            config: Arc::new(config),
-            weights,
-            caches,
-            buffers: Arc::new(arena),
-            rope_style,
-            max_rows: opts.max_rows,
-            max_seq_len,
-            max_blocks_per_seq,
-            scratch: Mutex::new(Scratch {
-                staging: Vec::with_capacity(meta_len),
-                capture: CaptureBuffer::empty(),
-            }),
-            allocs,
-        })
-    }
-
     /// The configuration.
     pub fn config(&self) -> &Arc<ModelConfig> {
         &self.config
@@ -436,92 +238,6 @@ impl TargetModel {
         // Chains only: the plain forward, with no mask at all.
         let trees = trees.iter().any(Option::is_some).then_some(trees);
         self.forward_rows(seqs, tokens, LogitRows::All, layers, trees)
-    }
-
-    /// Keeps one path of a draft tree's verify forward: cache rows `rows` (increasing, each
-    /// at or after its destination, below the sequence's length) move, in order, to the
-    /// rows from `start` on, and the sequence is trimmed to `start + rows.len()`. The keys
-    /// and values move unchanged; a node's position was its depth's, which is the row it
-    /// lands on.
-    pub fn compact(&self, seq: &mut KvSequence, start: usize, rows: &[usize]) -> crate::Result<()> {
-        const OP: &str = "TargetModel::compact";
-        self.check_owner(seq, OP)?;
-        let end = start + rows.len();
-        let fault = rows.iter().enumerate().find_map(|(k, &r)| {
-            if r < start + k {
-                Some(format!("row {r} would move up, to row {}", start + k))
-            } else if k > 0 && r <= rows[k - 1] {
-                Some(format!("rows {} and {r} are not increasing", rows[k - 1]))
-            } else if r >= seq.len {
-                Some(format!("row {r} is past the sequence's {} rows", seq.len))
-            } else {
-                None
-            }
-        });
-        if let Some(message) = fault {
-            return Err(ModelError::invalid(OP, message).into());
-        }
-        let slot =
-            |j: usize| seq.blocks[j / BLOCK_SIZE] * BLOCK_SIZE as u32 + (j % BLOCK_SIZE) as u32;
-        let (src, dst): (Vec<u32>, Vec<u32>) = rows
-            .iter()
-            .enumerate()
-            .filter(|&(k, &r)| r != start + k)
-            .map(|(k, &r)| (slot(r), slot(start + k)))
-            .unzip();
-        if !src.is_empty() {
-            // The forward's metadata buffer is free between forwards, which the lock serialises.
-            let _scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            let n = src.len();
-            let words: Vec<u32> = src.into_iter().chain(dst).collect();
-            self.gpu
-                .copy_htod(self.meta, bytemuck::cast_slice(&words), DEFAULT_STREAM)?;
-            let (kv_heads, head_dim) = self.config.kv_cache_row();
-            for cache in &self.caches {
-                self.gpu.kv_copy(KvCopyArgs {
-                    k_cache: cache.k,
-                    v_cache: cache.v,
-                    src: self.meta,
-                    dst: self.meta.offset(n * 4),
-                    copies: n,
-                    kv_heads,
-                    head_dim,
-                    num_slots: cache.num_slots,
-                    stream: DEFAULT_STREAM,
-                })?;
-            }
-        }
-        self.trim(seq, end)
-    }
-
-    /// The keys and values `seq` holds at decoder layer `layer`: BF16 bits `[len, kv_heads *
-    /// head_dim]` each, cache row `j` at row `j` (read through the block table), for tests
-    /// and debugging. Under MLA, the two halves of each token's latent row `[c_kv | k_rope]`
-    /// (see [`ModelConfig::kv_cache_row`]).
-    pub fn read_kv(&self, seq: &KvSequence, layer: usize) -> crate::Result<(Vec<u16>, Vec<u16>)> {
-        const OP: &str = "TargetModel::read_kv";
-        self.check_owner(seq, OP)?;
-        let Some(cache) = self.caches.get(layer) else {
-            return Err(
-                ModelError::invalid(OP, format!("layer {layer} of {}", self.caches.len())).into(),
-            );
-        };
-        let width = self.config.kv_cache_width();
-        let row_bytes = width * Dtype::Bf16.size();
-        let mut out = (
-            Vec::with_capacity(seq.len * width),
-            Vec::with_capacity(seq.len * width),
-        );
-        for j in 0..seq.len {
-            let slot = seq.blocks[j / BLOCK_SIZE] as usize * BLOCK_SIZE + j % BLOCK_SIZE;
-            for (ptr, dst) in [(cache.k, &mut out.0), (cache.v, &mut out.1)] {
-                let mut row = vec![0u8; row_bytes];
-                self.gpu
-                    .copy_dtoh(&mut row, ptr.offset(slot * row_bytes), DEFAULT_STREAM)?;
-                dst.extend(row.chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])));
-            }
-        }
-        Ok(out)
     }
 
     fn forward_rows(
@@ -720,28 +436,6 @@ impl TargetModel {
             hiddens: self.hiddens,
             hidden_stack: capture.map(|c| c.buffer),
         })
-    }
-
-    /// Drops rows `new_len..` of `seq` (rejected drafts), returning emptied blocks.
-    pub fn trim(&self, seq: &mut KvSequence, new_len: usize) -> crate::Result<()> {
-        self.check_owner(seq, "TargetModel::trim")?;
-        if new_len > seq.len {
-            return Err(ModelError::invalid(
-                "TargetModel::trim",
-                format!("cannot trim a sequence of {} rows to {new_len}", seq.len),
-            )
-            .into());
-        }
-        let keep = new_len.div_ceil(BLOCK_SIZE);
-        self.pool.free(&seq.blocks[keep..])?;
-        seq.blocks.truncate(keep);
-        seq.len = new_len;
-        Ok(())
-    }
-
-    /// Returns every block of `seq`; it becomes empty (and reusable).
-    pub fn free_sequence(&self, seq: &mut KvSequence) -> crate::Result<()> {
-        self.trim(seq, 0)
     }
 
     /// Frees every device buffer now (weights, caches, scratch, outputs); dropping the model
