@@ -6,7 +6,8 @@
 //! do not hold (a hidden size of 2^40 would otherwise ask for a terabyte of RoPE table before
 //! a tensor is read).
 
-use super::config::{ConfigError, Keys, ModelConfig};
+use super::config::{ConfigError, ModelConfig};
+use super::config_json::Keys;
 
 /// How many of [`LIMITS`] (from the first) must be non-zero.
 const REQUIRED_SIZES: usize = 7;

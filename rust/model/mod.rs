@@ -13,6 +13,7 @@
 mod batch;
 mod capture;
 mod config;
+mod config_json;
 mod config_limits;
 mod context;
 pub mod decoder_weights;
