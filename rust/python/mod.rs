@@ -32,6 +32,7 @@ mod cuda_backend;
 mod device_ptr;
 mod dflash;
 mod distributed;
+mod distributed_commands;
 mod distributed_mpi;
 mod draft_tree;
 mod drafter_pool;
