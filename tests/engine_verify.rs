@@ -84,6 +84,48 @@ fn target_probs_is_the_definition() {
     assert!(cases > 20 && temperature_matters && cut_order_matters);
 }
 
+/// A row of SmolLM2's vocabulary (49,152 ids), flat enough that the nucleus holds thousands
+/// of ids, with runs of equal logits (so the cut lands among ties) and `-inf` logits (no
+/// mass): the same tokens kept as the definition keeps, every probability within 1e-6 of it.
+#[test]
+fn target_probs_is_the_definition_on_a_vocabulary_row() {
+    use rand::Rng;
+    let mut r = SmallRng::seed_from_u64(17);
+    let row: Vec<f32> = (0..49_152)
+        .map(|_| match r.random_range(0..40) {
+            0 => f32::NEG_INFINITY,
+            1..10 => (r.random_range(0..50) as f32) / 10.0,
+            _ => r.random::<f32>() * 8.0 - 4.0,
+        })
+        .collect();
+    let mut nucleus_sizes = Vec::new();
+    for s in [
+        params(0.8, 0, 1.0),
+        params(0.8, 0, 0.9),
+        params(1.3, 0, 0.95),
+        params(0.7, 2000, 0.95),
+        params(1.0, 40, 1.0),
+    ] {
+        let got: Vec<f64> = target_probs(&row, &s, None)
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let want = reference(&row, &s);
+        let kept = |p: &[f64]| p.iter().map(|&x| x > 0.0).collect::<Vec<_>>();
+        assert!(kept(&got) == kept(&want), "{s:?}: a different set kept");
+        assert!(max_diff(&got, &want) < 1e-6, "{s:?}");
+        nucleus_sizes.push(want.iter().filter(|&&x| x > 0.0).count());
+    }
+    // The cuts have power: the nucleus takes several rounds of chunks, top-k cuts alone,
+    // and top-p cuts inside top-k's 2,000.
+    let n = &nucleus_sizes;
+    assert!(
+        n[1] > 1000 && n[2] > n[1] && (1000..2000).contains(&n[3]) && n[4] == 40,
+        "{n:?}"
+    );
+}
+
 /// The wrong order of the cuts, only to show the cases tell it apart.
 fn top_p_before_top_k(row: &[f32], s: &SamplingParams) -> Vec<f64> {
     let nucleus = reference_probs(row, s.temperature as f64, 0, s.top_p as f64);

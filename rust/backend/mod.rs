@@ -23,6 +23,7 @@ pub mod quant;
 mod simd_builds;
 mod traits;
 
+pub(crate) use cpu::exp_nonpositive;
 pub use cpu::{argmax, e2m1_to_f32, fp8_e4m3_to_f32, CpuBackend, HostView, E2M1_VALUES};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;

@@ -38,6 +38,7 @@ mod step_drafts;
 mod step_propose;
 mod step_tree;
 mod target;
+mod target_probs;
 pub mod testing;
 mod verify;
 mod verify_tree;
@@ -55,8 +56,7 @@ pub use scheduler::{GenerationRun, ServeUpdate, StreamUpdate};
 pub use spec_engine::{drafter_pool_probe, mtp_pool_probe, DrafterPoolProbe, SpecEngine};
 pub use step_tree::DraftShape;
 pub use target::{KvPoolStatus, Target, TargetOutput};
-pub use verify::{
-    argmax, sample_from, target_probs, verify, verify_picks, SamplingParams, Verdict,
-};
+pub use target_probs::target_probs;
+pub use verify::{argmax, sample_from, verify, verify_picks, SamplingParams, Verdict};
 pub use verify_tree::{verify_tree_greedy, verify_tree_picks, TreeVerdict};
 pub use verify_tree_sampled::verify_tree_sampled;

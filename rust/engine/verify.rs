@@ -15,8 +15,9 @@
 
 pub use crate::backend::argmax;
 
+use super::target_probs;
 use super::{EngineError, GrammarMatcher};
-use crate::speculative::{bitmask_allows, bitmask_words};
+use crate::speculative::bitmask_words;
 use crate::Result;
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -85,70 +86,6 @@ impl SamplingParams {
         }
         Ok(())
     }
-}
-
-/// The target's sampling distribution for one row: masked, divided by the temperature,
-/// softmaxed, cut to `top_k` and `top_p`, renormalised. `None` when no token is allowed.
-/// Greedy parameters give the one-hot distribution of [`argmax`].
-pub fn target_probs(
-    logits: &[f32],
-    params: &SamplingParams,
-    mask: Option<&[i32]>,
-) -> Option<Vec<f32>> {
-    if params.is_greedy() {
-        let pick = argmax(logits, mask)? as usize;
-        let mut p = vec![0.0; logits.len()];
-        p[pick] = 1.0;
-        return Some(p);
-    }
-    let allowed = |i: usize| mask.is_none_or(|m| bitmask_allows(m, i as u32));
-    let inv_t = 1.0 / params.temperature as f64;
-    let max = logits
-        .iter()
-        .enumerate()
-        .filter(|&(i, x)| allowed(i) && !x.is_nan())
-        .map(|(_, &x)| x as f64 * inv_t)
-        .fold(f64::NEG_INFINITY, f64::max);
-    if max == f64::NEG_INFINITY {
-        return None;
-    }
-    let mut p: Vec<f64> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &x)| {
-            if allowed(i) && !x.is_nan() {
-                (x as f64 * inv_t - max).exp()
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let truncate = params.top_k > 0 && params.top_k < p.len() || params.top_p < 1.0;
-    if truncate {
-        // Descending by probability, ties by index, so truncation is deterministic.
-        let mut order: Vec<usize> = (0..p.len()).filter(|&i| p[i] > 0.0).collect();
-        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-        let mut keep = order.len();
-        if params.top_k > 0 {
-            keep = keep.min(params.top_k);
-        }
-        if params.top_p < 1.0 {
-            let total: f64 = order[..keep].iter().map(|&i| p[i]).sum();
-            let mut cum = 0.0;
-            for (n, &i) in order[..keep].iter().enumerate() {
-                cum += p[i];
-                if cum >= params.top_p as f64 * total {
-                    keep = n + 1;
-                    break;
-                }
-            }
-        }
-        for &i in &order[keep..] {
-            p[i] = 0.0;
-        }
-    }
-    let total: f64 = p.iter().sum();
-    Some(p.into_iter().map(|x| (x / total) as f32).collect())
 }
 
 /// Draws an index from `weights` (non-negative, not necessarily normalised).
