@@ -51,6 +51,12 @@ fn the_helpers_are_right() {
     stats::check_helpers();
 }
 
+/// `target_probs` of `row`, widened to compare with the f64 reference.
+fn probs_f64(row: &[f32], s: &SamplingParams) -> Vec<f64> {
+    let p = target_probs(row, s, None).expect("an allowed token");
+    p.into_iter().map(f64::from).collect()
+}
+
 #[test]
 fn target_probs_is_the_definition() {
     let mut cases = 0;
@@ -62,12 +68,7 @@ fn target_probs_is_the_definition() {
             params(1.0, 6, 0.999),
             params(3.0, 5, 0.95),
         ]) {
-            let got: Vec<f64> = target_probs(&row, &s, None)
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect();
-            let want = reference(&row, &s);
+            let (got, want) = (probs_f64(&row, &s), reference(&row, &s));
             assert!(
                 max_diff(&got, &want) < 1e-6,
                 "{s:?} on {row:?}: {got:?} vs {want:?}"
@@ -106,12 +107,7 @@ fn target_probs_is_the_definition_on_a_vocabulary_row() {
         params(0.7, 2000, 0.95),
         params(1.0, 40, 1.0),
     ] {
-        let got: Vec<f64> = target_probs(&row, &s, None)
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect();
-        let want = reference(&row, &s);
+        let (got, want) = (probs_f64(&row, &s), reference(&row, &s));
         let kept = |p: &[f64]| p.iter().map(|&x| x > 0.0).collect::<Vec<_>>();
         assert!(kept(&got) == kept(&want), "{s:?}: a different set kept");
         assert!(max_diff(&got, &want) < 1e-6, "{s:?}");
