@@ -122,7 +122,7 @@ fn allowed_max(logits: &[f32], mask: Option<&[i32]>) -> f32 {
         .fold(f32::NEG_INFINITY, |m, (_, &x)| m.max(x))
 }
 
-/// The sum of `p` in f64 lanes (vectorised, and exact where an f64 sum is).
+/// The sum of `p` in f64 lanes: vectorised, and as accurate as a sequential f64 sum.
 fn lane_sum(p: &[f32]) -> f64 {
     let mut lanes = [0.0f64; LANES];
     let mut chunks = p.chunks_exact(LANES);
