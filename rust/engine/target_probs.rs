@@ -5,13 +5,13 @@
 //! - The exponentials are taken in f32 lanes through the attention's vectorisable `exp`
 //!   (within 2 ulp) and summed in f64 lanes; every probability is then within 1e-6 of the f64
 //!   definition (the tests bound it). A scalar f64 `exp` a logit took 0.4 ms a row of 49,152
-//!   ids on a 2-core EPYC.
+//!   ids on a 2-core EPYC, where this takes 0.1 ms.
 //! - `top_k` / `top_p` find the kept tokens by selection, not by sorting the vocabulary:
 //!   the cut is tried among the ids above a weight floor first (a prefix of the order, few
 //!   on a language model's row), `select_nth_unstable` isolates the `top_k` most likely,
 //!   and the nucleus is sorted a chunk at a time (64 ids, then four times more each round)
-//!   until its mass reaches `top_p`. A full sort took 2.7 ms a row there; a peaked row now
-//!   takes 0.13 ms with `top_p` and 0.24 ms with `top_k` 50.
+//!   until its mass reaches `top_p`. On SmolLM2's own rows a full sort took 2.3 ms; the cut
+//!   now takes 0.18 ms with `top_p` 0.95 and 0.17 ms with `top_k` 50, all passes included.
 //!
 //! Invariants: the tokens kept are exactly those the definition keeps (descending by
 //! probability, ties to the lower id, so truncation is deterministic); the result sums to 1
