@@ -40,7 +40,7 @@ pub fn verify_tree_greedy(rows: &[&[f32]], tree: &DraftTree) -> Result<TreeVerdi
         .iter()
         .map(|r| argmax(r, None).unwrap_or(u32::MAX))
         .collect();
-    verify_tree_picks(&picks, tree, rows[0].len())
+    Ok(longest_path(&picks, tree))
 }
 
 /// [`verify_tree_greedy`] from each row's pick instead of its logits: `picks[j]` is the
@@ -57,6 +57,13 @@ pub fn verify_tree_picks(picks: &[u32], tree: &DraftTree, vocab: usize) -> Resul
     if let Some(fault) = tree.fault(tree.len(), vocab) {
         return Err(tree_rows_error(format!("a tree with {fault}")));
     }
+    Ok(longest_path(picks, tree))
+}
+
+/// The greedy verdict of a well-formed `tree` from `picks` (one a row, `tree.len() + 1`,
+/// checked by the caller): its longest path whose every node is its row's pick, then the
+/// pick after it.
+fn longest_path(picks: &[u32], tree: &DraftTree) -> TreeVerdict {
     // depth[i]: the longest accepted path below node i, itself included, and its next node.
     // Children come after their parents, so one pass from the last node up fills them.
     let mut depth = vec![0usize; tree.len()];
@@ -92,7 +99,7 @@ pub fn verify_tree_picks(picks: &[u32], tree: &DraftTree, vocab: usize) -> Resul
     verdict
         .tokens
         .extend(Some(picks[last_row]).filter(|&p| p != u32::MAX));
-    Ok(verdict)
+    verdict
 }
 
 fn tree_rows_error(message: String) -> crate::Error {
@@ -128,7 +135,8 @@ pub(super) fn check_tree_rows(rows: &[&[f32]], tree: &DraftTree) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{verify_tree_greedy, TreeVerdict};
+    use super::{verify_tree_greedy, verify_tree_picks, TreeVerdict};
+    use crate::backend::argmax;
     use crate::speculative::DraftTree;
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
@@ -213,6 +221,9 @@ mod tests {
             let refs: Vec<&[f32]> = rows.iter().map(|v| &v[..]).collect();
             let got = verify_tree_greedy(&refs, &tree).unwrap();
             assert_eq!(got, brute_force(&rows, &tree), "case {case}: {tree:?}");
+            let picks: Vec<u32> = refs.iter().map(|r| argmax(r, None).unwrap()).collect();
+            let from_picks = verify_tree_picks(&picks, &tree, vocab).unwrap();
+            assert_eq!(from_picks, got, "case {case}: from the picks");
             deep += usize::from(got.path.len() >= 3);
         }
         // The comparison covered long accepted paths, not only rejections.
@@ -253,5 +264,15 @@ mod tests {
         let short = [0.0f32; 3];
         let err = verify_tree_greedy(&[&row, &short, &row], &tree).unwrap_err();
         assert!(err.to_string().contains("row 1 has 3 logits"), "{err}");
+        let err = verify_tree_picks(&[0, 1], &tree, 4).unwrap_err();
+        assert!(err.to_string().contains("2 picks for 2 nodes"), "{err}");
+        // A node's token outside the vocabulary: refused on both paths.
+        let outside = DraftTree::chain(vec![1, 9]);
+        for err in [
+            verify_tree_picks(&[1, 9, 0], &outside, 4).unwrap_err(),
+            verify_tree_greedy(&[&row[..]; 3], &outside).unwrap_err(),
+        ] {
+            assert!(err.to_string().contains("a tree with"), "{err}");
+        }
     }
 }
