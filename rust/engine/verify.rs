@@ -15,6 +15,7 @@
 
 pub use crate::backend::argmax;
 
+use super::draw::{sample_excluding, sample_from};
 use super::target_probs;
 use super::{EngineError, GrammarMatcher};
 use crate::speculative::bitmask_words;
@@ -86,25 +87,6 @@ impl SamplingParams {
         }
         Ok(())
     }
-}
-
-/// Draws an index from `weights` (non-negative, not necessarily normalised).
-pub fn sample_from(weights: &[f32], rng: &mut SmallRng) -> u32 {
-    let total: f64 = weights.iter().map(|&w| w.max(0.0) as f64).sum();
-    let target = rng.random::<f64>() * total;
-    let mut cum = 0.0;
-    let mut last_positive = 0;
-    for (i, &w) in weights.iter().enumerate() {
-        if w > 0.0 {
-            cum += w as f64;
-            last_positive = i;
-            if target < cum {
-                return i as u32;
-            }
-        }
-    }
-    // Rounding can leave `target` a hair above the sum: the last token with mass wins.
-    last_positive as u32
 }
 
 /// The outcome of verifying one sequence's drafts.
@@ -206,23 +188,18 @@ pub fn verify(
                     let accept = if qx <= 0.0 { px > 0.0 } else { u < px / qx };
                     if accept {
                         (x, true)
-                    } else {
-                        let residual: Vec<f32> = match q {
-                            Some(q) => p.iter().zip(q).map(|(&a, &b)| (a - b).max(0.0)).collect(),
-                            None => {
-                                let mut r = p.clone();
-                                if let Some(v) = r.get_mut(x as usize) {
-                                    *v = 0.0;
-                                }
-                                r
-                            }
-                        };
+                    } else if let Some(q) = q {
+                        let residual: Vec<f32> =
+                            p.iter().zip(q).map(|(&a, &b)| (a - b).max(0.0)).collect();
                         let weights = if residual.iter().any(|&w| w > 0.0) {
                             &residual
                         } else {
                             &p
                         };
                         (sample_from(weights, rng), false)
+                    } else {
+                        // A one-hot `q`: the residual is `p` without the draft.
+                        (sample_excluding(&p, &[x], rng), false)
                     }
                 }
             }

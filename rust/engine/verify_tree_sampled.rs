@@ -38,9 +38,10 @@
 //!   of equal siblings would need the grammar forked per branch); the emitted tokens are
 //!   exactly plain masked greedy decoding, and `rng` is not drawn.
 
+use super::draw::{positive_mass, sample_excluding};
 use super::verify::grammar_mask;
 use super::verify_tree::check_tree_rows;
-use super::{argmax, sample_from, target_probs, GrammarMatcher, SamplingParams, TreeVerdict};
+use super::{argmax, target_probs, GrammarMatcher, SamplingParams, TreeVerdict};
 use crate::speculative::{bitmask_words, DraftTree};
 use crate::Result;
 use rand::rngs::SmallRng;
@@ -107,26 +108,25 @@ fn walk_children(
     tree: &DraftTree,
     rng: &mut SmallRng,
 ) -> (Option<usize>, u32) {
-    let mut residual = p.clone();
-    let mut mass: f64 = residual.iter().map(|&w| w as f64).sum();
+    let mut rejected: Vec<u32> = Vec::with_capacity(kids.len());
+    let mut mass = positive_mass(&p);
     for &c in kids {
         let x = tree.tokens[c];
-        let px = residual[x as usize] as f64;
+        let px = if rejected.contains(&x) {
+            0.0
+        } else {
+            f64::from(p.get(x as usize).copied().unwrap_or(0.0))
+        };
         if px <= 0.0 {
             continue;
         }
         if rng.random::<f64>() * mass < px {
             return (Some(c), x);
         }
-        residual[x as usize] = 0.0;
+        rejected.push(x);
         mass -= px;
     }
-    let weights = if residual.iter().any(|&w| w > 0.0) {
-        &residual
-    } else {
-        &p
-    };
-    (None, sample_from(weights, rng))
+    (None, sample_excluding(&p, &rejected, rng))
 }
 
 #[cfg(test)]

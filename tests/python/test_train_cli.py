@@ -58,6 +58,7 @@ def test_the_command_line_documents_its_options(capsys):
         "--responses",
         "--reply-tokens",
         "--eval-fraction",
+        "--skip-prompts",
     ]:
         assert option in text
     args = build_parser().parse_args(["train-mtp"])
@@ -69,6 +70,10 @@ def test_the_command_line_documents_its_options(capsys):
         build_parser().parse_args(["train-mtp", "--batch", "0"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train-mtp", "--max-minutes", "0"])
+    assert args.skip_prompts == 0
+    assert build_parser().parse_args(["train-mtp", "--skip-prompts", "0"]).skip_prompts == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-mtp", "--skip-prompts", "-1"])
 
 
 def test_the_held_out_fraction_reaches_the_run_and_is_bounded(monkeypatch, capsys):
@@ -86,7 +91,9 @@ def test_the_held_out_fraction_reaches_the_run_and_is_bounded(monkeypatch, capsy
     args = build_parser().parse_args(["train", "--method", "eagle3", "--eval-fraction", "0.1"])
     assert run_train(args) == 1
     assert "stopped before any work" in capsys.readouterr().err
-    assert (seen[0].method, seen[0].eval_fraction) == ("eagle3", 0.1)
+    assert (seen[0].method, seen[0].eval_fraction, seen[0].skip_prompts) == ("eagle3", 0.1, 0)
+    args = build_parser().parse_args(["train", "--skip-prompts", "9000"])
+    assert run_train(args) == 1 and seen[1].skip_prompts == 9000
     assert build_parser().parse_args(["train"]).eval_fraction == 0.02
     for bad in ("0", "1", "-0.5", "nan"):
         with pytest.raises(SystemExit):

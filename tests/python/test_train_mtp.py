@@ -431,6 +431,62 @@ def test_runs_of_another_split_never_share_a_cache(run, tmp_path, monkeypatch):
         train(1, cache=root / data.split_tag(0, opts.eval_fraction))
 
 
+def test_skip_prompts_trains_on_the_prompts_after_those_an_earlier_run_took(run, tmp_path):
+    """A run that passes over the first N training prompts of the seed's order caches none of
+    them, starts at the N+1th, and keeps the same held-out prompts; its default cache is a
+    folder of its own, and a skip past every training prompt is refused."""
+    opts, _ = run
+    convs = _conversations(120)
+    order = data.shuffled(data.deduplicated(convs), SETTINGS.seed)
+    train_order = [
+        c.id for c in order if not data.is_held_out(SETTINGS.seed, c, opts.eval_fraction)
+    ]
+    skip = 40
+
+    def cached(folder: Path) -> dict[str, list[str]]:
+        index = json.loads((folder / "index.json").read_text())
+        return {
+            split: [s["id"] for s in index["sequences"] if s["split"] == split]
+            for split in ("train", "eval")
+        }
+
+    def train(skip_prompts: int, cache: Path, tokens: int = 600) -> dict:
+        again = replace(
+            opts,
+            out=tmp_path / f"head{skip_prompts}",
+            cache=cache,
+            tokens=tokens,
+            max_steps=1,
+            skip_prompts=skip_prompts,
+        )
+        return train_mtp(again, conversations=convs)
+
+    train(0, tmp_path / "first")
+    first = cached(tmp_path / "first")
+    later_report = train(skip, tmp_path / "later")
+    later = cached(tmp_path / "later")
+    assert later_report["skip_prompts"] == skip
+    assert first["train"] == train_order[: len(first["train"])]
+    assert later["train"] == train_order[skip : skip + len(later["train"])]
+    assert len(later["train"]) > 5 and not set(later["train"]) & set(train_order[:skip])
+    assert later["eval"] == first["eval"]
+    with pytest.raises(ValueError, match=f"skip_prompts {len(train_order)} passes over every"):
+        train(len(train_order), tmp_path / "none")
+
+
+def test_a_skipping_runs_default_cache_is_its_own(run, tmp_path, monkeypatch):
+    opts, _ = run
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "home"))
+    again = replace(
+        opts, out=tmp_path / "head", cache=None, tokens=600, max_steps=1, skip_prompts=7
+    )
+    train_mtp(again, conversations=_conversations(120))
+    root = tmp_path / "home" / "train-mtp" / Path(opts.target).stem
+    assert [p.name for p in root.iterdir()] == [
+        data.split_tag(SETTINGS.seed, opts.eval_fraction) + "-skip7"
+    ]
+
+
 def test_the_shipped_heads_card_names_the_start_its_report_records():
     from specdraft.heads import draft_head_path
 

@@ -78,6 +78,7 @@ def run_train(args: argparse.Namespace) -> int:
         coverage_tokens=args.coverage_tokens,
         responses=args.responses,
         reply_tokens=args.reply_tokens,
+        skip_prompts=args.skip_prompts,
         settings=settings,
     )
     try:
@@ -98,6 +99,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or a positive integer, not {text}")
     return value
 
 
@@ -157,6 +165,15 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         type=_positive,
         default=256,
         help="with --responses target: the most tokens of a generated reply",
+    )
+    p.add_argument(
+        "--skip-prompts",
+        type=_non_negative,
+        default=0,
+        help=(
+            "pass over the first N training prompts of the seed's order: a later run then "
+            "learns from prompts an earlier one never saw (its cache is a folder of its own)"
+        ),
     )
     p.add_argument("--epochs", type=_positive, default=1, help="passes over the training tokens")
     p.add_argument(

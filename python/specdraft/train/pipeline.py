@@ -92,6 +92,10 @@ class RunOptions:
     responses: str = "corpus"
     #: With ``responses="target"``: the most ids of a generated reply.
     reply_tokens: int = 256
+    #: Training prompts of the seed's order passed over before any is taken, so that a later
+    #: run learns from prompts an earlier one (with the same seed) never saw. Such a run
+    #: caches into a folder of its own (``<split>-skip<N>``).
+    skip_prompts: int = 0
     settings: TrainSettings = field(default_factory=TrainSettings)
 
 
@@ -269,6 +273,8 @@ def train_head(
     # layers: a row of other layers would be read as these.
     split = corpus.split_record(s.seed, opts.eval_fraction)
     tag = corpus.split_tag(s.seed, opts.eval_fraction)
+    if opts.skip_prompts:
+        tag += f"-skip{opts.skip_prompts}"
     folder = opts.cache or default_cache_folder(cache_dir(), method, Path(str(path)), tag)
     cache = HiddenCache(folder, str(path), shape.hidden, split=split, layers=method.cache_layers)
     _log(
@@ -289,6 +295,16 @@ def train_head(
         f"{label}: {len(convs)} conversations, {len(unique)} with distinct prompts: "
         f"{len(train)} training and {len(held)} held-out",
     )
+    if opts.skip_prompts < 0:
+        raise ValueError(f"skip_prompts must not be negative, not {opts.skip_prompts}")
+    if opts.skip_prompts:
+        if opts.skip_prompts >= len(train):
+            raise ValueError(
+                f"skip_prompts {opts.skip_prompts} passes over every one of the "
+                f"{len(train)} training prompts"
+            )
+        train = train[opts.skip_prompts :]
+        _log(log, f"{label}: passing over the first {opts.skip_prompts} training prompts")
     t0 = time.monotonic()
     max_prompt = max(s.seq_len - opts.eval_new_tokens, s.seq_len // 2)
     extract_eval(model, tokenizer, cache, held, opts.eval_prompts, opts.eval_new_tokens, max_prompt)
@@ -434,6 +450,7 @@ def train_head(
         "steps": state.step,
         "init_from": None if opts.init_from is None else str(opts.init_from),
         "responses": opts.responses,
+        "skip_prompts": opts.skip_prompts,
         "total_steps": trainer.total_steps,
         "train_seconds": round(state.seconds, 1),
         "first_losses": first_losses,
