@@ -384,3 +384,63 @@ fn under_a_grammar_trees_emit_only_allowed_tokens_and_greedy_stays_plain() {
         gpu.ledger().live_report()
     );
 }
+
+/// Sampled sequences verified in one forward, their verdicts made side by side on the
+/// host, emit exactly what each emits alone: a verdict reads only its own rows, drafts and
+/// random stream. Trees and chains, three kinds of sampling parameters, all in one batch.
+#[test]
+fn sampled_sequences_stepping_together_emit_what_each_emits_alone() {
+    let gpu = cpu();
+    let base = gpu.ledger().live_count();
+    let target = Arc::new(TableTarget::new(gpu.clone(), VOCAB, 256, 64, 5, 0.3).unwrap());
+    let params = |i: usize| {
+        let s = SamplingParams::sampled(0.7 + 0.1 * (i % 4) as f32, 100 + i as u64);
+        match i % 3 {
+            0 => s,
+            1 => SamplingParams { top_p: 0.8, ..s },
+            _ => SamplingParams { top_k: 3, ..s },
+        }
+    };
+    let prompts: Vec<Vec<u32>> = (0..8)
+        .map(|i| (0..5 + i).map(|t| ((t * 3 + i) % VOCAB) as u32).collect())
+        .collect();
+    let requests = |which: &[usize]| -> Vec<GenerateRequest> {
+        which
+            .iter()
+            .map(|&i| {
+                GenerateRequest::new(prompts[i].clone(), 40)
+                    .ignore_eos()
+                    .with_sampling(params(i))
+            })
+            .collect()
+    };
+    for shape in [DraftShape::Tree, DraftShape::Chain] {
+        let engine = |batch: usize| {
+            SpecEngine::new(
+                target.clone(),
+                Some(Arc::new(RandomTrees::new(VOCAB as u32, false))),
+                4,
+            )
+            .unwrap()
+            .with_draft_policy(DraftPolicyKind::Fixed)
+            .with_draft_shape(shape)
+            .with_max_batch(batch)
+        };
+        let all: Vec<usize> = (0..prompts.len()).collect();
+        let g = engine(prompts.len()).generate(requests(&all));
+        let (accepted, drafted) = (g.metrics.accepted, g.metrics.drafted);
+        let together: Vec<Vec<u32>> = g.results.into_iter().map(|r| r.tokens).collect();
+        let alone: Vec<Vec<u32>> = all
+            .iter()
+            .map(|&i| engine(1).generate(requests(&[i])).results[0].tokens.clone())
+            .collect();
+        assert_eq!(together, alone, "{shape:?}");
+        // The verdicts decided something: drafts were both accepted and rejected.
+        assert!(
+            accepted > 10 && accepted < drafted,
+            "{shape:?}: {accepted} of {drafted}"
+        );
+    }
+    drop(target);
+    assert_eq!(gpu.ledger().live_count(), base);
+}

@@ -25,6 +25,7 @@ mod draw;
 mod error;
 mod grammar;
 mod guard;
+mod host_verify;
 mod metrics;
 mod model_target;
 mod prefill;

@@ -11,7 +11,10 @@
 //!   depend on what was drafted. A greedy sequence without a grammar is verified from its
 //!   rows' argmax, made on the device for the whole forward when the target has room for
 //!   the picks (`TargetOutput::picks`): the same tokens the host's argmax of the downloaded
-//!   logits gives (one definition, `backend::argmax`), for a token a row downloaded. A
+//!   logits gives (one definition, `backend::argmax`), for a token a row downloaded. The
+//!   other sequences without a grammar (sampled ones) get their verdicts side by side on
+//!   the host after one download a run of their rows (`host_verify`), the same verdicts
+//!   one at a time would give. A
 //!   sequence that drafted a branching tree (see `step_tree`) has its nodes as `drafts`,
 //!   verified in the same forward under the tree mask, and keeps its accepted path as if it
 //!   had drafted that chain.
@@ -24,6 +27,7 @@
 //!   state (carried into a conversation's next turn) never runs ahead of the sequence.
 
 use super::error::Stage;
+use super::host_verify::{host_verdicts, HostVerdict};
 use super::sequence::{grammar_of, members_mut, EngineSequence};
 use super::step_drafts::batch_groups;
 use super::{
@@ -220,6 +224,16 @@ impl<T: Target> SpecEngine<T> {
                 return Duration::ZERO;
             }
         };
+        let rows_of: Vec<usize> = inputs.iter().map(Vec::len).collect();
+        let on_host: Vec<bool> = chunk
+            .iter()
+            .map(|&i| {
+                seqs[i].grammar.is_none() && !(picks.is_some() && verifies_from_picks(&seqs[i]))
+            })
+            .collect();
+        let vocab = self.target.config().vocab_size;
+        let gpu = self.target.gpu().as_ref();
+        let mut host = host_verdicts(gpu, &out, vocab, chunk, &rows_of, &on_host, seqs);
         let forward_time = forward_time + t.elapsed();
         let mut proposer_time = Duration::ZERO;
         for (k, &i) in chunk.iter().enumerate() {
@@ -232,10 +246,18 @@ impl<T: Target> SpecEngine<T> {
                 .filter(|_| verifies_from_picks(seq))
                 // Rows the output lacks are refused by the logits path, by name.
                 .and_then(|p| p.get(offset..offset + rows));
-            let verified = if seq.tree.is_some() {
-                self.verify_tree_one(seq, &out, offset, rows, seq_picks)
-            } else {
-                self.verify_one(seq, &out, offset, rows, seq_picks)
+            let verified = match host[k].take() {
+                Some(Err(e)) => Err(e),
+                Some(Ok(HostVerdict::Tree(v))) => {
+                    self.verify_tree_one(seq, &out, offset, rows, seq_picks, Some(v))
+                }
+                Some(Ok(HostVerdict::Chain(v))) => {
+                    self.verify_one(seq, &out, offset, rows, seq_picks, Some(v))
+                }
+                None if seq.tree.is_some() => {
+                    self.verify_tree_one(seq, &out, offset, rows, seq_picks, None)
+                }
+                None => self.verify_one(seq, &out, offset, rows, seq_picks, None),
             };
             match verified {
                 Ok(dt) => proposer_time += dt,
@@ -275,8 +297,9 @@ impl<T: Target> SpecEngine<T> {
     }
 
     /// Verification of `seq`'s chain against its verify rows `offset..offset + rows` of
-    /// `out` (from `picks`, those rows' device picks, when given), then the bookkeeping.
-    /// Returns the time spent in the proposer.
+    /// `out` (the verdict `ready` when the host made it already, else from `picks`, those
+    /// rows' device picks, when given), then the bookkeeping. Returns the time spent in the
+    /// proposer.
     pub(super) fn verify_one(
         &self,
         seq: &mut EngineSequence<T::KvSequence>,
@@ -284,6 +307,7 @@ impl<T: Target> SpecEngine<T> {
         offset: usize,
         rows: usize,
         picks: Option<&[u32]>,
+        ready: Option<Verdict>,
     ) -> Result<Duration> {
         let gpu = self.target.gpu();
         let vocab = self.target.config().vocab_size;
@@ -306,9 +330,10 @@ impl<T: Target> SpecEngine<T> {
             )?;
         }
         let stack_base = self.keep_stack_rows(seq, out, offset, rows)?;
-        let verdict = match picks {
-            Some(picks) => verify_picks(picks, &seq.drafts)?,
-            None => {
+        let verdict = match (ready, picks) {
+            (Some(verdict), _) => verdict,
+            (None, Some(picks)) => verify_picks(picks, &seq.drafts)?,
+            (None, None) => {
                 let logits =
                     gpu.download::<f32>(out.logits.offset(offset * vocab * 4), rows * vocab)?;
                 let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();

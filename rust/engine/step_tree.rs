@@ -210,8 +210,8 @@ impl<T: Target> SpecEngine<T> {
     }
 
     /// Verification of `seq`'s tree against its verify rows `offset..offset + rows` of
-    /// `out`, then the path's compaction and bookkeeping. Returns the time spent in the
-    /// proposer.
+    /// `out` (the verdict `ready` when the host made it already), then the path's compaction
+    /// and bookkeeping. Returns the time spent in the proposer.
     pub(super) fn verify_tree_one(
         &self,
         seq: &mut EngineSequence<T::KvSequence>,
@@ -219,6 +219,7 @@ impl<T: Target> SpecEngine<T> {
         offset: usize,
         rows: usize,
         picks: Option<&[u32]>,
+        ready: Option<TreeVerdict>,
     ) -> Result<Duration> {
         let gpu = self.target.gpu();
         let vocab = self.target.config().vocab_size;
@@ -236,9 +237,10 @@ impl<T: Target> SpecEngine<T> {
             )?;
         }
         let stack_base = self.keep_stack_rows(seq, out, offset, rows)?;
-        let verdict = match picks {
-            Some(picks) => verify_tree_picks(picks, &tree, vocab)?,
-            None => {
+        let verdict = match (ready, picks) {
+            (Some(verdict), _) => verdict,
+            (None, Some(picks)) => verify_tree_picks(picks, &tree, vocab)?,
+            (None, None) => {
                 let logits =
                     gpu.download::<f32>(out.logits.offset(offset * vocab * 4), rows * vocab)?;
                 let row_refs: Vec<&[f32]> = logits.chunks(vocab).collect();
