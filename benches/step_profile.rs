@@ -1,7 +1,7 @@
 //! Where the wall time of a one-row decode step and of an engine step goes, printed as JSON.
 //!
-//! The model runs on a [`TimedBackend`]: the CPU backend behind a wrapper that times each
-//! kernel and copy call and adds it to its part (the linears, the LM head, attention, the
+//! The model runs on a [`TimedBackend`]: the CPU backend observed by a [`Timer`] that times
+//! each kernel and copy call and adds it to its part (the linears, the LM head, attention, the
 //! KV write, each small op, embedding, copies). What a step spends outside every call (the
 //! forward's argument checks and staging, block bookkeeping, the layer loop) is the rest of
 //! its wall time. Pool dispatch is inside each op; the `calls` column with the
@@ -19,15 +19,11 @@
 //! back to its first row after (the engine part always decodes plainly).
 
 use specdraft::backend::{
-    AllocationLedger, ArgmaxArgs, BackendError, CopyRowsArgs, CpuBackend, DevicePtr,
-    ElementwiseArgs, ElementwiseOp, EmbeddingArgs, GpuBackend, GroupedLinearArgs, Kernels,
-    KvCopyArgs, KvWriteArgs, LinearArgs, MlaAttentionArgs, PagedAttentionArgs, PickArgs,
-    RmsNormArgs, RopeArgs, SoftmaxArgs, TopKArgs,
+    BackendError, Call, CpuBackend, ElementwiseOp, GpuBackend, Observed, Observer,
 };
 use specdraft::engine::{GenerateRequest, KvPoolStatus, SpecEngine, Target, TargetOutput};
 use specdraft::memory::BufferArena;
 use specdraft::model::{KvSequence, LoadOptions, LogitRows, ModelConfig, TargetModel};
-use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,9 +36,8 @@ mod default_model;
 #[derive(Default)]
 struct Ledger(BTreeMap<&'static str, (Duration, u64)>);
 
-/// The CPU backend, each call timed into its part (see the module doc).
-struct TimedBackend {
-    inner: CpuBackend,
+/// Times each call of the CPU backend into its part (see the module doc).
+struct Timer {
     /// The LM head is the linear with this many outputs (set once the model is loaded).
     vocab: AtomicUsize,
     parts: Mutex<Ledger>,
@@ -50,23 +45,37 @@ struct TimedBackend {
     in_forward: AtomicBool,
 }
 
-impl TimedBackend {
-    fn timed<R>(&self, part: &'static str, f: impl FnOnce() -> R) -> R {
-        let t = Instant::now();
-        let r = f();
-        let dt = t.elapsed();
-        let part = match (self.in_forward.load(Ordering::Relaxed), part) {
+/// The CPU backend, each call timed into its part.
+type TimedBackend = Observed<CpuBackend, Timer>;
+
+impl Timer {
+    /// The part `call` is timed into.
+    fn part(&self, call: &Call) -> &'static str {
+        let part = match call {
+            Call::Elementwise(a) => match a.op {
+                ElementwiseOp::Add => "residual add",
+                ElementwiseOp::SiluMul => "silu_mul",
+                _ => "elementwise (other)",
+            },
+            Call::Linear(a) if a.out_features == self.vocab.load(Ordering::Relaxed) => "lm head",
+            Call::Linear(_) => "linear o/down",
+            Call::GroupedLinear(a) => match a.parts.iter().flatten().count() {
+                3 => "grouped linear q/k/v",
+                _ => "grouped linear gate/up",
+            },
+            Call::PagedAttention(_) => "attention",
+            Call::CopyRows(_) => "layer capture",
+            Call::KvCopy(_) => "kv compaction",
+            Call::MlaAttention(_) => "latent attention",
+            other => other.name(),
+        };
+        match (self.in_forward.load(Ordering::Relaxed), part) {
             (false, "copy_dtoh") => "engine: download",
             (false, "argmax") => "engine: greedy picks",
             (false, "copy_dtod") => "engine: hidden-row copy",
             (false, "copy_htod") => "engine: upload",
             _ => part,
-        };
-        let mut l = self.parts.lock().unwrap();
-        let e = l.0.entry(part).or_default();
-        e.0 += dt;
-        e.1 += 1;
-        r
+        }
     }
 
     fn take(&self) -> Ledger {
@@ -74,115 +83,25 @@ impl TimedBackend {
     }
 }
 
-impl Kernels for TimedBackend {
-    fn embedding(&self, a: EmbeddingArgs) -> Result<(), BackendError> {
-        self.timed("embedding", || self.inner.embedding(a))
-    }
-    fn rms_norm(&self, a: RmsNormArgs) -> Result<(), BackendError> {
-        self.timed("rms_norm", || self.inner.rms_norm(a))
-    }
-    fn elementwise(&self, a: ElementwiseArgs) -> Result<(), BackendError> {
-        let part = match a.op {
-            ElementwiseOp::Add => "residual add",
-            ElementwiseOp::SiluMul => "silu_mul",
-            _ => "elementwise (other)",
-        };
-        self.timed(part, || self.inner.elementwise(a))
-    }
-    fn linear(&self, a: LinearArgs) -> Result<(), BackendError> {
-        let part = if a.out_features == self.vocab.load(Ordering::Relaxed) {
-            "lm head"
-        } else {
-            "linear o/down"
-        };
-        self.timed(part, || self.inner.linear(a))
-    }
-    fn grouped_linear(&self, a: GroupedLinearArgs) -> Result<(), BackendError> {
-        let part = match a.parts.iter().flatten().count() {
-            3 => "grouped linear q/k/v",
-            _ => "grouped linear gate/up",
-        };
-        self.timed(part, || self.inner.grouped_linear(a))
-    }
-    fn rope(&self, a: RopeArgs) -> Result<(), BackendError> {
-        self.timed("rope", || self.inner.rope(a))
-    }
-    fn kv_write(&self, a: KvWriteArgs) -> Result<(), BackendError> {
-        self.timed("kv_write", || self.inner.kv_write(a))
-    }
-    fn paged_attention(&self, a: PagedAttentionArgs) -> Result<(), BackendError> {
-        self.timed("attention", || self.inner.paged_attention(a))
-    }
-    fn argmax(&self, a: ArgmaxArgs) -> Result<(), BackendError> {
-        self.timed("argmax", || self.inner.argmax(a))
-    }
-    fn softmax(&self, a: SoftmaxArgs) -> Result<(), BackendError> {
-        self.timed("softmax", || self.inner.softmax(a))
-    }
-    fn pick(&self, a: PickArgs) -> Result<(), BackendError> {
-        self.timed("pick", || self.inner.pick(a))
-    }
-    fn top_k(&self, a: TopKArgs) -> Result<(), BackendError> {
-        self.timed("top_k", || self.inner.top_k(a))
-    }
-    fn copy_rows(&self, a: CopyRowsArgs) -> Result<(), BackendError> {
-        self.timed("layer capture", || self.inner.copy_rows(a))
-    }
-    fn kv_copy(&self, a: KvCopyArgs) -> Result<(), BackendError> {
-        self.timed("kv compaction", || self.inner.kv_copy(a))
-    }
-    fn mla_attention(&self, a: MlaAttentionArgs) -> Result<(), BackendError> {
-        self.timed("latent attention", || self.inner.mla_attention(a))
-    }
-}
-
-impl GpuBackend for TimedBackend {
-    fn name(&self) -> String {
-        self.inner.name()
-    }
-    fn ledger(&self) -> &AllocationLedger {
-        self.inner.ledger()
-    }
-    fn alloc(&self, nbytes: usize, tag: &str) -> Result<DevicePtr, BackendError> {
-        self.inner.alloc(nbytes, tag)
-    }
-    fn free(&self, ptr: DevicePtr) -> Result<(), BackendError> {
-        self.inner.free(ptr)
-    }
-    fn copy_htod(&self, dst: DevicePtr, src: &[u8], s: u64) -> Result<(), BackendError> {
-        self.timed("copy_htod", || self.inner.copy_htod(dst, src, s))
-    }
-    fn copy_dtoh(&self, dst: &mut [u8], src: DevicePtr, s: u64) -> Result<(), BackendError> {
-        self.timed("copy_dtoh", || self.inner.copy_dtoh(dst, src, s))
-    }
-    fn copy_dtod(
+impl Observer for Timer {
+    fn observe(
         &self,
-        d: DevicePtr,
-        src: DevicePtr,
-        n: usize,
-        s: u64,
+        call: Call,
+        run: &mut dyn FnMut() -> Result<(), BackendError>,
     ) -> Result<(), BackendError> {
-        self.timed("copy_dtod", || self.inner.copy_dtod(d, src, n, s))
-    }
-    fn memset(&self, d: DevicePtr, v: u8, n: usize, s: u64) -> Result<(), BackendError> {
-        self.timed("memset", || self.inner.memset(d, v, n, s))
-    }
-    fn create_stream(&self) -> Result<u64, BackendError> {
-        self.inner.create_stream()
-    }
-    fn destroy_stream(&self, stream: u64) -> Result<(), BackendError> {
-        self.inner.destroy_stream(stream)
-    }
-    fn synchronize(&self, stream: u64) -> Result<(), BackendError> {
-        self.inner.synchronize(stream)
-    }
-    fn as_any(&self) -> &dyn Any {
-        // The model keeps GGUF block formats on the CPU backend: let it see one.
-        self.inner.as_any()
+        let t = Instant::now();
+        let r = run();
+        let dt = t.elapsed();
+        let part = self.part(&call);
+        let mut l = self.parts.lock().unwrap();
+        let e = l.0.entry(part).or_default();
+        e.0 += dt;
+        e.1 += 1;
+        r
     }
 }
 
-/// The real model, its forwards timed and marked (see [`TimedBackend::in_forward`]).
+/// The real model, its forwards timed and marked (see [`Timer::in_forward`]).
 struct TimedTarget {
     model: TargetModel,
     backend: Arc<TimedBackend>,
@@ -192,11 +111,17 @@ struct TimedTarget {
 
 impl TimedTarget {
     fn mark<R>(&self, prefill: bool, f: impl FnOnce() -> R) -> R {
-        self.backend.in_forward.store(true, Ordering::Relaxed);
+        self.backend
+            .observer
+            .in_forward
+            .store(true, Ordering::Relaxed);
         let t = Instant::now();
         let r = f();
         let dt = t.elapsed();
-        self.backend.in_forward.store(false, Ordering::Relaxed);
+        self.backend
+            .observer
+            .in_forward
+            .store(false, Ordering::Relaxed);
         let mut fw = self.forwards.lock().unwrap();
         if prefill {
             fw.1 += dt;
@@ -282,12 +207,14 @@ fn main() {
     };
     let threads = arg("--threads=");
     let rows = arg("--rows=").unwrap_or(1).clamp(1, 64);
-    let backend = Arc::new(TimedBackend {
-        inner: threads.map_or_else(CpuBackend::new, CpuBackend::with_threads),
-        vocab: AtomicUsize::new(0),
-        parts: Mutex::default(),
-        in_forward: AtomicBool::new(true),
-    });
+    let backend = Arc::new(TimedBackend::new(
+        threads.map_or_else(CpuBackend::new, CpuBackend::with_threads),
+        Timer {
+            vocab: AtomicUsize::new(0),
+            parts: Mutex::default(),
+            in_forward: AtomicBool::new(true),
+        },
+    ));
     let gpu: Arc<dyn GpuBackend> = backend.clone();
     let opts = LoadOptions {
         max_rows: 256,
@@ -296,7 +223,7 @@ fn main() {
     };
     let model = TargetModel::load(&path, gpu.clone(), opts).expect("model loads");
     let vocab = model.config().vocab_size;
-    backend.vocab.store(vocab, Ordering::Relaxed);
+    backend.observer.vocab.store(vocab, Ordering::Relaxed);
     let prompt: Vec<u32> = (0..160u32).map(|i| 260 + (i * 37) % 3000).collect();
 
     // One-row decode steps of the model alone, at a context of 160..224.
@@ -309,7 +236,7 @@ fn main() {
     for _ in 0..4 {
         model.forward(&mut [&mut seq], &[&[tok]]).expect("warm-up");
     }
-    backend.take();
+    backend.observer.take();
     let t = Instant::now();
     for i in 0..steps {
         // A verify-shaped forward of `rows` rows keeps its first row, as when every draft
@@ -323,7 +250,7 @@ fn main() {
         tok = 300 + (i as u32 * 101) % 4000;
     }
     let model_wall = t.elapsed();
-    let model_parts = backend.take();
+    let model_parts = backend.observer.take();
     model.free_sequence(&mut seq).expect("free");
 
     // Engine steps: plain greedy decoding of one sequence.
@@ -332,18 +259,18 @@ fn main() {
         backend: backend.clone(),
         forwards: Mutex::default(),
     });
-    backend.in_forward.store(false, Ordering::Relaxed);
+    backend.observer.in_forward.store(false, Ordering::Relaxed);
     let engine = SpecEngine::new(target.clone(), None, 4).expect("engine");
     let request = |n| vec![GenerateRequest::new(prompt.clone(), n).ignore_eos()];
     engine.generate(request(8)); // warm-up
-    backend.take();
+    backend.observer.take();
     *target.forwards.lock().unwrap() = Default::default();
     let t = Instant::now();
     let g = engine.generate(request(65));
     let wall = t.elapsed();
     let (decode, prefill) = *target.forwards.lock().unwrap();
     let engine_steps = g.metrics.verify_steps;
-    let mut engine_parts = backend.take();
+    let mut engine_parts = backend.observer.take();
     // The forwards' own calls are in the model table; here the forward is one part.
     engine_parts.0.retain(|k, _| k.starts_with("engine"));
     engine_parts

@@ -12,7 +12,7 @@ mod engine_common;
 #[allow(unused_imports)] // the helpers re-export a GGUF writer this test does not use
 mod model_util;
 
-use engine_common::counting::Counting;
+use engine_common::counting::counting;
 use half::bf16;
 use model_util::*;
 use specdraft::backend::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt};
@@ -646,7 +646,7 @@ fn a_step_without_a_propose_adds_its_row_to_the_next_propose() {
 
 #[test]
 fn a_proposer_that_names_no_layer_makes_the_engine_capture_nothing() {
-    let counting = Arc::new(Counting::new());
+    let counting = Arc::new(counting());
     let gpu: Arc<dyn GpuBackend> = counting.clone();
     let model = load(&gpu, "nothing", 64, 64);
     let prompts = prompts();
@@ -668,7 +668,7 @@ fn a_proposer_that_names_no_layer_makes_the_engine_capture_nothing() {
     assert!(log.broken.is_empty(), "{:#?}", log.broken);
     assert!(!log.ks.is_empty());
     drop(log);
-    assert_eq!(counting.copy_rows.load(Ordering::Relaxed), 0);
+    assert_eq!(counting.observer.copy_rows.load(Ordering::Relaxed), 0);
     assert_eq!(gpu.ledger().live_count(), before);
     drop(engine);
     // The same engine with a proposer that names two layers runs the kernel twice a forward.
@@ -677,7 +677,7 @@ fn a_proposer_that_names_no_layer_makes_the_engine_capture_nothing() {
         .unwrap()
         .with_max_batch_tokens(8);
     outputs(&engine.generate(requests(&prompts)));
-    let calls = counting.copy_rows.load(Ordering::Relaxed);
+    let calls = counting.observer.copy_rows.load(Ordering::Relaxed);
     assert!(
         calls > 0 && calls.is_multiple_of(2),
         "{calls} capture copies"

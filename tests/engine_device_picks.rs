@@ -8,7 +8,7 @@
 
 mod engine_common;
 
-use engine_common::counting::Counting;
+use engine_common::counting::{counting, Counting};
 use engine_common::{prompts, requests, tokens_of, Oracle, RandomDrafter};
 use specdraft::backend::GpuBackend;
 use specdraft::engine::testing::TableTarget;
@@ -41,7 +41,7 @@ fn run(
     proposer: Option<Arc<dyn DraftProposer>>,
     shape: DraftShape,
 ) -> (Vec<Vec<u32>>, Metrics, usize, usize) {
-    counting.reset();
+    counting.observer.reset();
     let engine = SpecEngine::new(target.clone(), proposer, 4)
         .unwrap()
         .with_draft_policy(DraftPolicyKind::Fixed)
@@ -52,14 +52,14 @@ fn run(
     (
         tokens_of(g),
         metrics,
-        counting.dtoh_bytes.load(Ordering::Relaxed),
-        counting.argmax.load(Ordering::Relaxed),
+        counting.observer.dtoh_bytes.load(Ordering::Relaxed),
+        counting.observer.argmax.load(Ordering::Relaxed),
     )
 }
 
 #[test]
 fn greedy_picks_download_a_token_a_row_and_decode_as_from_the_logits() {
-    let counting = Arc::new(Counting::new());
+    let counting = Arc::new(counting());
     let gpu: Arc<dyn GpuBackend> = counting.clone();
     let with = Arc::new(target(&gpu));
     let without = Arc::new(target(&gpu).without_picks());
@@ -134,7 +134,7 @@ fn greedy_picks_download_a_token_a_row_and_decode_as_from_the_logits() {
 /// sampled verify row (a forward's picks come down in one piece).
 #[test]
 fn greedy_and_sampled_sequences_share_forwards_each_downloading_what_it_needs() {
-    let counting = Arc::new(Counting::new());
+    let counting = Arc::new(counting());
     let gpu: Arc<dyn GpuBackend> = counting.clone();
     let base = gpu.ledger().live_count();
     let prompts = all_prompts();
@@ -150,7 +150,7 @@ fn greedy_and_sampled_sequences_share_forwards_each_downloading_what_it_needs() 
             .collect::<Vec<_>>()
     };
     let run = |target: TableTarget| {
-        counting.reset();
+        counting.observer.reset();
         let drafter = RandomDrafter {
             seed: 9,
             vocab: VOCAB as u32,
@@ -160,7 +160,7 @@ fn greedy_and_sampled_sequences_share_forwards_each_downloading_what_it_needs() 
             .with_draft_policy(DraftPolicyKind::Fixed)
             .with_max_batch(4);
         let g = engine.generate(reqs());
-        let bytes = counting.dtoh_bytes.load(Ordering::Relaxed);
+        let bytes = counting.observer.dtoh_bytes.load(Ordering::Relaxed);
         // A first token and a verify row a step and a draft, per request.
         let picked: Vec<usize> = g
             .results

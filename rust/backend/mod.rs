@@ -19,6 +19,7 @@ mod dtype;
 mod error;
 pub mod kernels;
 mod ledger;
+mod observed;
 pub mod quant;
 mod simd_builds;
 mod traits;
@@ -39,6 +40,7 @@ pub use kernels::{
     TopKArgs, FP8_BLOCK, MAX_LINEAR_PARTS, NVFP4_BLOCK, TOP_K_MAX,
 };
 pub use ledger::{AllocationLedger, LiveAllocation};
+pub use observed::{Call, Observed, Observer};
 pub use traits::{GpuBackend, GpuBackendExt};
 
 /// The default stream every backend provides.
