@@ -42,11 +42,6 @@ COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 #: rows gives about 15% more tokens a second than one of 8 on a 2-core CPU (model_decode's
 #: verify table: 16 rows 3.3x a one-row forward, 8 rows 1.9x).
 REPLY_BATCH = 16
-#: Prompts handed to the engine in one call when it writes the target's replies. It runs
-#: :data:`REPLY_BATCH` of them at a time and starts a waiting one as soon as a reply ends,
-#: so the batch stays full while a call's longest replies finish; a call of only
-#: :data:`REPLY_BATCH` prompts decoded its last steps a row or two wide.
-REPLY_CALL = 4 * REPLY_BATCH
 #: Steps the progress line's running mean of the loss covers.
 RUNNING_MEAN_STEPS = 50
 
@@ -317,7 +312,7 @@ def train_head(
     t_extract = time.monotonic()
     deadline = None if opts.max_extract_seconds is None else t_extract + opts.max_extract_seconds
     if opts.responses == "target":
-        engine = specdraft.SpecEngine(model, None, max_batch=REPLY_BATCH)
+        engine = specdraft.SpecEngine(model, None)
 
         def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
             out = []
@@ -336,7 +331,7 @@ def train_head(
             s.seq_len,
             opts.reply_tokens,
             opts.tokens,
-            batch=REPLY_CALL,
+            batch=REPLY_BATCH,
             deadline=deadline,
         )
         del engine
