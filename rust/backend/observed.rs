@@ -5,9 +5,10 @@
 //! observer that does not care about it needs no change.
 //!
 //! Invariants:
-//! - Every call reaches the inner backend exactly once, with the arguments it was given,
-//!   unless the observer declines to run it (then the observer's result is the call's);
-//!   the inner backend's result is returned unchanged.
+//! - Every call is handed to the observer once, and reaches the inner backend, with the
+//!   arguments it was given, each time the observer runs it (the default observer: once);
+//!   the call returns what the observer returns (the default: the inner backend's result,
+//!   unchanged).
 //! - Allocation, freeing, streams, the ledger and `as_any` are the inner backend's, not
 //!   observed: a model that downcasts its backend to the CPU backend finds it through the
 //!   wrapper.
