@@ -472,6 +472,9 @@ def test_skip_prompts_trains_on_the_prompts_after_those_an_earlier_run_took(run,
     assert later["eval"] == first["eval"]
     with pytest.raises(ValueError, match=f"skip_prompts {len(train_order)} passes over every"):
         train(len(train_order), tmp_path / "none")
+    with pytest.raises(ValueError, match="skip_prompts must not be negative"):
+        train(-1, tmp_path / "negative")
+    assert not (tmp_path / "negative").exists()
 
 
 def test_a_skipping_runs_default_cache_is_its_own(run, tmp_path, monkeypatch):

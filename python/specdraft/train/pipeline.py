@@ -252,6 +252,8 @@ def train_head(
         )
     if opts.responses not in ("corpus", "target"):
         raise ValueError(f"responses must be 'corpus' or 'target', not {opts.responses!r}")
+    if opts.skip_prompts < 0:
+        raise ValueError(f"skip_prompts must not be negative, not {opts.skip_prompts}")
     start = None if opts.init_from is None else start_weights(opts.init_from)
     path = resolve_model(opts.target)
     model = specdraft.load_model(opts.target, max_seq_len=max(s.seq_len, 1024))
@@ -295,8 +297,6 @@ def train_head(
         f"{label}: {len(convs)} conversations, {len(unique)} with distinct prompts: "
         f"{len(train)} training and {len(held)} held-out",
     )
-    if opts.skip_prompts < 0:
-        raise ValueError(f"skip_prompts must not be negative, not {opts.skip_prompts}")
     if opts.skip_prompts:
         if opts.skip_prompts >= len(train):
             raise ValueError(
