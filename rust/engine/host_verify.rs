@@ -1,7 +1,7 @@
-//! Verdicts of the sequences of a verify forward that read their rows' logits on the host
-//! without a grammar (sampled sequences, and greedy ones where the target makes no device
-//! picks): one download for each run of adjacent such rows, then every verdict computed
-//! side by side on rayon's pool.
+//! Verdicts of the sequences of a forward that read their rows' logits on the host without
+//! a grammar (sampled sequences, and greedy ones where the target makes no device picks),
+//! for a verify step or a prefill's first tokens: one download for each run of adjacent
+//! such rows, then every verdict computed side by side on rayon's pool.
 //!
 //! Why: a sampled verify row costs 0.1-0.3 ms on the host (the target's distribution, then
 //! a draw), for each row up to the first rejection of every sampled sequence. At batch 8-16
@@ -15,8 +15,10 @@
 //!   exactly the verdicts computed one at a time, and each stream advances as it would.
 //! - Sequences with a grammar are not taken: a matcher may be a Python object, and advances
 //!   with each emitted token, so they verify on the engine thread as before.
-//! - Only rows inside the forward's output are read; a sequence whose rows are not is left
-//!   to the one-at-a-time path, which refuses it by name.
+//! - Only the rows each caller names are read. The verify step names a sequence's verify
+//!   rows when they lie inside the forward's output (else the one-at-a-time path refuses
+//!   it by name); a prefill names the last row of each sequence whose first token it picks,
+//!   a chain of no drafts.
 
 use super::sequence::EngineSequence;
 use super::{
@@ -79,33 +81,34 @@ impl Job<'_> {
     }
 }
 
-/// The verdicts of the sequences of `chunk` (`seqs` indices) for which `on_host[k]` holds
-/// (chunk position `k`, whose verify input had `rows[k]` rows) and whose rows `out`
-/// holds, by chunk position; `None` for the others. A failed download is every such
-/// sequence's error.
+/// The verdicts of the sequences of `chunk` (`seqs` indices) that `ranges` gives logits rows
+/// of `out` (position `k`: its first row and row count, the last verified token's row then
+/// one a draft or node; `None`: not verified here), by chunk position, `None` for the
+/// others. A failed download is every such sequence's error. The ranges must lie inside
+/// `out.logits`.
 pub(super) fn host_verdicts<K>(
     gpu: &dyn GpuBackend,
     out: &TargetOutput,
     vocab: usize,
     chunk: &[usize],
-    rows: &[usize],
-    on_host: &[bool],
+    ranges: &[Option<(usize, usize)>],
     seqs: &mut [EngineSequence<K>],
 ) -> Vec<Option<Result<HostVerdict>>> {
     let mut verdicts: Vec<Option<Result<HostVerdict>>> = (0..chunk.len()).map(|_| None).collect();
-    let mut taken: Vec<usize> = (0..chunk.len())
-        .filter(|&k| on_host[k] && out.row_offsets[k] + rows[k] <= out.rows)
+    let mut taken: Vec<(usize, usize, usize)> = ranges
+        .iter()
+        .enumerate()
+        .filter_map(|(k, r)| r.map(|(first, rows)| (k, first, rows)))
         .collect();
-    taken.sort_by_key(|&k| out.row_offsets[k]);
+    taken.sort_by_key(|&(_, first, _)| first);
     // Runs of adjacent rows, one download each: rows of sequences verified from device
     // picks are not downloaded.
     let mut runs: Vec<(usize, usize)> = Vec::new();
     let mut run_of = vec![0; chunk.len()];
-    for &k in &taken {
-        let (start, end) = (out.row_offsets[k], out.row_offsets[k] + rows[k]);
+    for &(k, start, rows) in &taken {
         match runs.last_mut() {
-            Some(run) if run.1 == start => run.1 = end,
-            _ => runs.push((start, end)),
+            Some(run) if run.1 == start => run.1 = start + rows,
+            _ => runs.push((start, start + rows)),
         }
         run_of[k] = runs.len() - 1;
     }
@@ -114,7 +117,7 @@ pub(super) fn host_verdicts<K>(
         match gpu.download::<f32>(out.logits.offset(start * vocab * 4), (end - start) * vocab) {
             Ok(l) => downloaded.push(l),
             Err(e) => {
-                for &k in &taken {
+                for &(k, _, _) in &taken {
                     verdicts[k] = Some(Err(e.clone().into()));
                 }
                 return verdicts;
@@ -122,20 +125,20 @@ pub(super) fn host_verdicts<K>(
         }
     }
     let mut position_of = vec![None; seqs.len()];
-    for &k in &taken {
-        position_of[chunk[k]] = Some(k);
+    for &(k, first, rows) in &taken {
+        position_of[chunk[k]] = Some((k, first, rows));
     }
     let mut jobs: Vec<Job<'_>> = seqs
         .iter_mut()
         .zip(position_of)
         .filter_map(|(s, at)| {
-            let at = at?;
+            let (at, first, rows) = at?;
             Some(Job {
                 at,
                 logits: &downloaded[run_of[at]],
-                first_row: out.row_offsets[at] - runs[run_of[at]].0,
-                rows: rows[at],
-                drafts: &s.drafts,
+                first_row: first - runs[run_of[at]].0,
+                rows,
+                drafts: &s.drafts[..(rows - 1).min(s.drafts.len())],
                 tree: s.tree.as_ref(),
                 sampling: &s.sampling,
                 rng: &mut s.rng,

@@ -26,8 +26,11 @@
 //! - Every failure is returned wrapped with the sequence's request and the stage.
 
 use super::error::Stage;
+use super::host_verify::{host_verdicts, HostVerdict};
 use super::sequence::{grammar_of, members_mut, DrafterPrefill, EngineSequence, PendingPrefill};
-use super::{verify, verify_picks, EngineError, FinishReason, SpecEngine, Target, TargetOutput};
+use super::{
+    verify, verify_picks, EngineError, FinishReason, SpecEngine, Target, TargetOutput, Verdict,
+};
 use crate::backend::{ArgmaxArgs, GpuBackendExt, DEFAULT_STREAM};
 use crate::model::ForwardContext;
 use crate::Result;
@@ -191,12 +194,13 @@ impl<T: Target> SpecEngine<T> {
                 return elapsed;
             }
         };
+        let mut firsts = self.first_verdicts(work, seqs, &out, &picks);
         for (k, &(i, n)) in work.iter().enumerate() {
             let seq = &mut seqs[i];
             seq.metrics.prefill_time += elapsed.mul_f64(n as f64 / rows_total as f64);
             let request = seq.request;
             let landed = self
-                .land_chunk(seq, &out, k, n, picks[k])
+                .land_chunk(seq, &out, k, n, firsts[k].take())
                 .map_err(|e| EngineError::at(request, Stage::TargetPrefill, e));
             match landed {
                 Err(e) => seq.fail(e),
@@ -242,10 +246,7 @@ impl<T: Target> SpecEngine<T> {
         let picking: Vec<usize> = (0..work.len())
             .filter(|&k| {
                 let (seq, n) = (&seqs[work[k].0], work[k].1);
-                seq.live()
-                    && seq.generated() == 0
-                    && seq.prefilled + n == seq.prefill_end
-                    && super::step::verifies_from_picks(seq)
+                seq.first_token_due(n) && super::step::verifies_from_picks(seq)
             })
             .collect();
         if picking.is_empty() {
@@ -271,17 +272,52 @@ impl<T: Target> SpecEngine<T> {
         Ok(picks)
     }
 
+    /// The first-token verdict of each sequence of `work` whose prefill this forward
+    /// completes on a first admission ([`EngineSequence::first_token_due`]): from its
+    /// device pick (`picks`), or, without a grammar, from its last logits row on the host,
+    /// side by side with the others ([`host_verdicts`]). `None` for every other entry.
+    fn first_verdicts(
+        &self,
+        work: &[(usize, usize)],
+        seqs: &mut [EngineSequence<T::KvSequence>],
+        out: &TargetOutput,
+        picks: &[Option<u32>],
+    ) -> Vec<Option<Result<Verdict>>> {
+        let ranges: Vec<Option<(usize, usize)>> = work
+            .iter()
+            .enumerate()
+            .map(|(k, &(i, n))| {
+                let seq = &seqs[i];
+                let host = picks[k].is_none() && seq.grammar.is_none() && seq.first_token_due(n);
+                host.then(|| (Self::last_logits_row(out, k, n), 1))
+            })
+            .collect();
+        let members: Vec<usize> = work.iter().map(|w| w.0).collect();
+        let vocab = self.target.config().vocab_size;
+        let gpu = self.target.gpu().as_ref();
+        let mut host = host_verdicts(gpu, out, vocab, &members, &ranges, seqs);
+        (0..work.len())
+            .map(|k| match (picks[k], host[k].take()) {
+                (Some(pick), _) => Some(verify_picks(&[pick], &[])),
+                (None, Some(Ok(HostVerdict::Chain(v)))) => Some(Ok(v)),
+                (None, Some(Err(e))) => Some(Err(e)),
+                // A sequence on its first admission has no tree: left to `land_chunk`.
+                (None, Some(Ok(HostVerdict::Tree(_)))) | (None, None) => None,
+            })
+            .collect()
+    }
+
     /// Takes in chunk `k` of a prefill forward (`n` rows of `seq`): copies the hiddens the
     /// drafter prefill needs and, when the prefill is complete, the last row's hidden and
-    /// (on a first admission) the first token: `pick` when the device made it, else from
-    /// the downloaded last logits row.
+    /// (on a first admission) the first token: `first` when it was made already
+    /// ([`Self::first_verdicts`]), else from the downloaded last logits row.
     fn land_chunk(
         &self,
         seq: &mut EngineSequence<T::KvSequence>,
         out: &TargetOutput,
         k: usize,
         n: usize,
-        pick: Option<u32>,
+        first: Option<Result<Verdict>>,
     ) -> Result<()> {
         let gpu = self.target.gpu();
         let hb = self.row_bytes();
@@ -332,8 +368,8 @@ impl<T: Target> SpecEngine<T> {
             return Ok(());
         }
         seq.metrics.prompt_tokens = seq.prompt_len as u64;
-        let verdict = match pick {
-            Some(pick) => verify_picks(&[pick], &[])?,
+        let verdict = match first {
+            Some(verdict) => verdict?,
             None => {
                 let vocab = self.target.config().vocab_size;
                 let row = Self::last_logits_row(out, k, n);

@@ -175,6 +175,13 @@ impl<K> EngineSequence<K> {
         self.finish.is_none()
     }
 
+    /// A prefill chunk of `rows` rows completes this sequence's prefill on its first
+    /// admission: that chunk's last row picks its first token (a recomputation after a
+    /// preemption picked it before).
+    pub fn first_token_due(&self, rows: usize) -> bool {
+        self.live() && self.generated() == 0 && self.prefilled + rows == self.prefill_end
+    }
+
     /// Ends the sequence with `error` (the first error wins).
     pub fn fail(&mut self, error: crate::Error) {
         if self.error.is_none() {

@@ -224,16 +224,19 @@ impl<T: Target> SpecEngine<T> {
                 return Duration::ZERO;
             }
         };
-        let rows_of: Vec<usize> = inputs.iter().map(Vec::len).collect();
-        let on_host: Vec<bool> = chunk
+        let ranges: Vec<Option<(usize, usize)>> = chunk
             .iter()
-            .map(|&i| {
-                seqs[i].grammar.is_none() && !(picks.is_some() && verifies_from_picks(&seqs[i]))
+            .enumerate()
+            .map(|(k, &i)| {
+                let (first, rows) = (out.row_offsets[k], inputs[k].len());
+                let on_host = seqs[i].grammar.is_none()
+                    && !(picks.is_some() && verifies_from_picks(&seqs[i]));
+                (on_host && first + rows <= out.rows).then_some((first, rows))
             })
             .collect();
         let vocab = self.target.config().vocab_size;
         let gpu = self.target.gpu().as_ref();
-        let mut host = host_verdicts(gpu, &out, vocab, chunk, &rows_of, &on_host, seqs);
+        let mut host = host_verdicts(gpu, &out, vocab, chunk, &ranges, seqs);
         let forward_time = forward_time + t.elapsed();
         let mut proposer_time = Duration::ZERO;
         for (k, &i) in chunk.iter().enumerate() {
