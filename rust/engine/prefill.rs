@@ -1,8 +1,9 @@
 //! Starting a sequence: admission (proposer state with carried drafter KV installed, the
 //! engine's buffers), the target's prefill in chunks that several sequences share in one
 //! forward, the first token (a greedy sequence without a grammar picks it on the device when
-//! the target has room for picks, as its verify steps do), and the drafter prefill (now, or
-//! at the first propose when deferred).
+//! the target has room for picks, as its verify steps do; the others without a grammar draw
+//! theirs side by side on the host, `host_verify`), and the drafter prefill (now, or at the
+//! first propose when deferred).
 //!
 //! A sequence readmitted after a preemption prefills again every token but its last (its
 //! "prompt" from the target's and the drafter's point of view is then `tokens[..len - 1]`)
