@@ -18,12 +18,11 @@
 //! probability, ties to the lower id, so truncation is deterministic); the result sums to 1
 //! over allowed tokens only; `None` exactly when no allowed logit is above `-inf`.
 
+use super::draw::{positive_sum, LANES};
 use super::{argmax, SamplingParams};
 use crate::backend::exp_nonpositive;
-use crate::speculative::bitmask_allows;
+use crate::speculative::{bitmask_allows, bitmask_words};
 
-/// Lanes of the scans: independent partial results, so that the loops vectorise.
-const LANES: usize = 16;
 /// Ids of the nucleus sorted in the first round of the top-p cut.
 const FIRST_NUCLEUS_CHUNK: usize = 64;
 /// The weights (the heaviest id's is 1) above which ids are tried for the cut, in turn:
@@ -55,7 +54,7 @@ pub fn target_probs(
     if let Some(ids) = kept {
         keep_only(&mut p, &ids);
     }
-    let scale = (1.0 / lane_sum(&p)) as f32;
+    let scale = (1.0 / positive_sum(&p)) as f32;
     for x in p.iter_mut() {
         *x *= scale;
     }
@@ -67,11 +66,21 @@ pub fn target_probs(
 /// mapped afresh from the system on most calls, and its page faults cost about as much as
 /// the whole distribution (`top_p` rows took 0.28 ms where temperature alone took 0.09).
 fn keep_only(p: &mut [f32], ids: &[usize]) {
-    let mut kept = vec![0u64; p.len().div_ceil(64)];
+    let mut kept = vec![0i32; bitmask_words(p.len())];
     for &i in ids {
-        kept[i / 64] |= 1 << (i % 64);
+        kept[i / 32] |= 1 << (i % 32);
     }
-    for (chunk, &bits) in p.chunks_mut(64).zip(&kept) {
+    zero_disallowed(p, &kept);
+}
+
+/// Zeroes every weight of `p` whose id `mask` does not allow (a grammar bitmask: bit
+/// `i % 32` of word `i / 32`, as [`bitmask_allows`] reads it; ids past its end are not
+/// allowed), 64 ids at a time: a span allowing nothing is one fill, one allowing all is
+/// skipped, and only mixed spans are masked id by id.
+fn zero_disallowed(p: &mut [f32], mask: &[i32]) {
+    let word = |w: usize| mask.get(w).map_or(0, |&x| u64::from(x as u32));
+    for (c, chunk) in p.chunks_mut(64).enumerate() {
+        let bits = word(2 * c) | word(2 * c + 1) << 32;
         if bits == 0 {
             chunk.fill(0.0);
         } else if bits != u64::MAX {
@@ -108,11 +117,7 @@ fn weights(logits: &[f32], max: f32, inv_t: f32, mask: Option<&[i32]>) -> Vec<f3
             .collect()
     };
     if let Some(m) = mask {
-        for (i, w) in p.iter_mut().enumerate() {
-            if !bitmask_allows(m, i as u32) {
-                *w = 0.0;
-            }
-        }
+        zero_disallowed(&mut p, m);
     }
     p
 }
@@ -141,19 +146,6 @@ fn allowed_max(logits: &[f32], mask: Option<&[i32]>) -> f32 {
         .fold(f32::NEG_INFINITY, |m, (_, &x)| m.max(x))
 }
 
-/// The sum of `p` in f64 lanes: vectorised, and as accurate as a sequential f64 sum.
-fn lane_sum(p: &[f32]) -> f64 {
-    let mut lanes = [0.0f64; LANES];
-    let mut chunks = p.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (l, &x) in lanes.iter_mut().zip(c) {
-            *l += f64::from(x);
-        }
-    }
-    let tail: f64 = chunks.remainder().iter().map(|&x| f64::from(x)).sum();
-    lanes.iter().sum::<f64>() + tail
-}
-
 /// The ids `top_k` and then `top_p` keep of the weights `p` (not necessarily normalised;
 /// the heaviest is 1), or `None` when the parameters cut nothing. The order is descending by
 /// weight, ties to the lower id; `top_p` keeps the shortest prefix of the `top_k` kept whose
@@ -169,7 +161,7 @@ fn kept_ids(p: &[f32], top_k: usize, top_p: f32) -> Option<Vec<usize>> {
         return None;
     }
     // Without `top_k`, `top_p` is a share of the whole row's weight.
-    let whole = (top_k == 0 || top_k >= p.len()).then(|| lane_sum(p));
+    let whole = (top_k == 0 || top_k >= p.len()).then(|| positive_sum(p));
     // The last floor, the least positive f32, leaves nothing out, so its cut decides.
     let mut kept = None;
     for floor in CANDIDATE_FLOORS.into_iter().chain([f32::from_bits(1)]) {

@@ -38,7 +38,7 @@
 //!   of equal siblings would need the grammar forked per branch); the emitted tokens are
 //!   exactly plain masked greedy decoding, and `rng` is not drawn.
 
-use super::draw::{positive_mass, sample_excluding};
+use super::draw::{positive_sum, sample_excluding};
 use super::verify::grammar_mask;
 use super::verify_tree::check_tree_rows;
 use super::{argmax, target_probs, GrammarMatcher, SamplingParams, TreeVerdict};
@@ -109,7 +109,7 @@ fn walk_children(
     rng: &mut SmallRng,
 ) -> (Option<usize>, u32) {
     let mut rejected: Vec<u32> = Vec::with_capacity(kids.len());
-    let mut mass = positive_mass(&p);
+    let mut mass = positive_sum(&p);
     for &c in kids {
         let x = tree.tokens[c];
         let px = if rejected.contains(&x) {
