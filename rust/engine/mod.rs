@@ -32,6 +32,7 @@ mod prefill;
 pub mod ranks;
 mod request;
 mod scheduler;
+mod seq_lifecycle;
 mod sequence;
 mod spec_engine;
 mod stack;

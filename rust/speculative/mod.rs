@@ -16,6 +16,7 @@
 pub mod conformance;
 mod delegating;
 pub mod dflash;
+mod draft_binding;
 mod draft_tree;
 pub mod eagle3;
 mod error;
@@ -24,10 +25,12 @@ pub mod hybrid;
 pub mod mtp;
 mod prompt_lookup;
 mod protocol;
+mod protocol_methods;
 pub mod suffix;
 
 pub use delegating::DelegatingProposer;
 pub use dflash::{DFlashHead, DFlashState};
+pub use draft_binding::{DraftBinding, DraftRunner, WeightSlot};
 pub use draft_tree::{DraftTree, TreeFault};
 pub use eagle3::{Eagle3Head, Eagle3State};
 pub use error::ProposerError;
@@ -38,8 +41,7 @@ pub use prompt_lookup::{
     match_confidence, PromptLookup, PromptLookupState, CONFIDENCE_MATCH, DEFAULT_MAX_NGRAM,
     DEFAULT_MIN_NGRAM,
 };
-pub(crate) use protocol::with_protocol_methods;
-pub use protocol::{
-    DraftBinding, DraftProposer, DraftRunner, ProposerState, ProtocolMethod, WeightSlot,
-};
+pub use protocol::{DraftProposer, ProposerState};
+pub(crate) use protocol_methods::with_protocol_methods;
+pub use protocol_methods::ProtocolMethod;
 pub use suffix::{SuffixDecoding, SuffixDecodingOptions, SuffixState};

@@ -9,10 +9,8 @@
 //! `u32`; `DevicePtr` has no `Drop`, so whatever `alloc_state` allocates is freed in
 //! `free_state` or leaks.
 //!
-//! [`ProtocolMethod`] is the one list of the protocol's method names: the Python bindings
-//! (the base class, the adapter for Python proposers, `specdraft.PROTOCOL_METHODS`) take
-//! them from it, each name is checked at compile time to be a method of the trait, and a
-//! test checks that the trait has no method the list lacks.
+//! [`ProtocolMethod`](super::ProtocolMethod) (in `protocol_methods.rs`) is the one list of
+//! these methods' names and signatures; a test there keeps it equal to this trait.
 //!
 //! Invariants (the contract between the engine and every proposer):
 //! - A state belongs to one sequence, from `alloc_state`/`alloc_state_for` to `free_state`;
@@ -31,209 +29,14 @@
 //! - `take_drafter_kv` leaves the state as freshly allocated; blocks it hands out are owned
 //!   by the caller until `install_drafter_kv` accepts them or `free_drafter_kv` frees them.
 
-use crate::backend::{DevicePtr, Dtype, GpuBackend};
+use super::{DraftBinding, DraftRunner};
+use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig, ModelLevers};
 use crate::speculative::DraftTree;
 use crate::Result;
 use std::any::Any;
 use std::sync::Arc;
-
-/// Hands the protocol's method list to the macro `$callback`: one entry per method, in the
-/// specification's order (the three required methods first), as
-/// `Variant => fn name(argument: Type, ...) -> Return, answer;`.
-///
-/// `answer` is `fallible` for a method that reports failure through its `Result`, and
-/// `default(VALUE)` for one without an error channel: `VALUE` is what the protocol's default
-/// returns, the answer when the method cannot run. Every place that must name each method
-/// ([`ProtocolMethod`], the engine's panic guard, the adapter for Python proposers) is
-/// written from this list, so a new method is one entry here and one in the trait. A
-/// signature that differs from the trait's does not compile where it implements the trait.
-macro_rules! with_protocol_methods {
-    ($callback:ident) => {
-        $callback! {
-            AllocState => fn alloc_state(
-                gpu: &dyn $crate::backend::GpuBackend,
-            ) -> $crate::Result<Box<dyn $crate::speculative::ProposerState>>, fallible;
-            Propose => fn propose(
-                last_token: u32,
-                target_hidden: $crate::backend::DevicePtr,
-                position: usize,
-                num_drafts: usize,
-                state: &mut dyn $crate::speculative::ProposerState,
-                ctx: &$crate::model::ForwardContext<'_>,
-                stream: u64,
-                draft_embed_target: Option<$crate::backend::DevicePtr>,
-                grammar_bitmask: Option<&[i32]>,
-                target_hidden_stack: Option<$crate::backend::DevicePtr>,
-            ) -> $crate::Result<Vec<u32>>, fallible;
-            AfterVerify => fn after_verify(
-                num_accepted: usize,
-                state: &mut dyn $crate::speculative::ProposerState,
-                stream: u64,
-            ) -> $crate::Result<()>, fallible;
-            AllocStateFor => fn alloc_state_for(
-                gpu: &dyn $crate::backend::GpuBackend,
-                budget_tokens: usize,
-            ) -> $crate::Result<Box<dyn $crate::speculative::ProposerState>>, fallible;
-            BlockGamma => fn block_gamma() -> Option<usize>, default(None);
-            TargetLayerIds => fn target_layer_ids() -> Vec<usize>, default(Vec::new());
-            PrefillHiddenRows => fn prefill_hidden_rows(max_seq_len: usize) -> usize,
-                default(max_seq_len);
-            NeedsComm => fn needs_comm() -> bool, default(false);
-            PrefillUsesSharedBuffers => fn prefill_uses_shared_buffers() -> bool, default(false);
-            DrafterRows => fn drafter_rows(
-                state: &mut dyn $crate::speculative::ProposerState,
-            ) -> usize, default(0);
-            LastPairKey => fn last_pair_key(
-                state: &mut dyn $crate::speculative::ProposerState,
-            ) -> Option<usize>, default(None);
-            TakeDrafterKv => fn take_drafter_kv(
-                state: &mut dyn $crate::speculative::ProposerState,
-            ) -> Option<(Vec<u32>, usize, Option<usize>)>, default(None);
-            InstallDrafterKv => fn install_drafter_kv(
-                state: &mut dyn $crate::speculative::ProposerState,
-                blocks: Vec<u32>,
-                rows: usize,
-                last_pair_key: Option<usize>,
-            ) -> bool, default(false);
-            FreeDrafterKv => fn free_drafter_kv(blocks: &[u32]) -> (), default(());
-            CatchupDrafter => fn catchup_drafter(
-                tokens: &[u32],
-                hiddens: $crate::backend::DevicePtr,
-                row_base: usize,
-                pos_base: usize,
-                state: &mut dyn $crate::speculative::ProposerState,
-                ctx: &$crate::model::ForwardContext<'_>,
-                stream: u64,
-            ) -> $crate::Result<usize>, fallible;
-            ProposeBatch => fn propose_batch(
-                last_tokens: &[u32],
-                target_hiddens: &[$crate::backend::DevicePtr],
-                positions: &[usize],
-                num_drafts: usize,
-                states: &mut [&mut dyn $crate::speculative::ProposerState],
-                ctx: &$crate::model::ForwardContext<'_>,
-                stream: u64,
-                out_conf: Option<&mut Vec<Vec<f32>>>,
-            ) -> $crate::Result<Option<Vec<Vec<u32>>>>, fallible;
-            ProposeBatchMax => fn propose_batch_max(
-                buffers: &$crate::memory::BufferArena,
-                config: &$crate::model::ModelConfig,
-            ) -> usize, default(1);
-            ProposeTree => fn propose_tree(
-                last_token: u32,
-                target_hidden: $crate::backend::DevicePtr,
-                position: usize,
-                budget: usize,
-                state: &mut dyn $crate::speculative::ProposerState,
-                ctx: &$crate::model::ForwardContext<'_>,
-                stream: u64,
-                draft_embed_target: Option<$crate::backend::DevicePtr>,
-                grammar_bitmask: Option<&[i32]>,
-                target_hidden_stack: Option<$crate::backend::DevicePtr>,
-            ) -> $crate::Result<$crate::speculative::DraftTree>, fallible;
-            ProposeTreeBatch => fn propose_tree_batch(
-                last_tokens: &[u32],
-                target_hiddens: &[$crate::backend::DevicePtr],
-                positions: &[usize],
-                budget: usize,
-                states: &mut [&mut dyn $crate::speculative::ProposerState],
-                ctx: &$crate::model::ForwardContext<'_>,
-                stream: u64,
-            ) -> $crate::Result<Option<Vec<$crate::speculative::DraftTree>>>, fallible;
-            GrowsTrees => fn grows_trees() -> bool, default(false);
-            AfterVerifyTree => fn after_verify_tree(
-                path: &[usize],
-                state: &mut dyn $crate::speculative::ProposerState,
-                stream: u64,
-            ) -> $crate::Result<()>, fallible;
-            CatchupBatch => fn catchup_batch(
-                tokens: &[Vec<u32>],
-                hiddens: &[Vec<$crate::backend::DevicePtr>],
-                first_pos: &[usize],
-                states: &mut [&mut dyn $crate::speculative::ProposerState],
-                ctx: &$crate::model::ForwardContext<'_>,
-                stream: u64,
-            ) -> $crate::Result<usize>, fallible;
-            PrefillDrafter => fn prefill_drafter(
-                prompt_tokens: &[u32],
-                hiddens: $crate::backend::DevicePtr,
-                state: &mut dyn $crate::speculative::ProposerState,
-                ctx: &$crate::model::ForwardContext<'_>,
-                stream: u64,
-            ) -> $crate::Result<usize>, fallible;
-            ReadDeferredDraftToken => fn read_deferred_draft_token(
-                gpu: &dyn $crate::backend::GpuBackend,
-            ) -> $crate::Result<u32>, fallible;
-            FreeState => fn free_state(
-                gpu: &dyn $crate::backend::GpuBackend,
-                state: &mut dyn $crate::speculative::ProposerState,
-            ) -> $crate::Result<()>, fallible;
-            CircuitDraft => fn circuit_draft(
-                config: &$crate::model::ModelConfig,
-                levers: &$crate::model::ModelLevers,
-            ) -> Option<$crate::speculative::DraftBinding>, default(None);
-            SetCircuitDraft => fn set_circuit_draft(
-                runner: Option<std::sync::Arc<dyn $crate::speculative::DraftRunner>>,
-            ) -> (), default(());
-        }
-    };
-}
-pub(crate) use with_protocol_methods;
-
-/// Declares [`ProtocolMethod`] from the method list.
-macro_rules! declare_protocol_method {
-    ($($variant:ident => fn $name:ident ($($args:tt)*) -> $ret:ty, $answer:ident $(($default:expr))?;)+) => {
-        /// One method of the [`DraftProposer`] protocol.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub enum ProtocolMethod {
-            $(
-                #[doc = concat!("`", stringify!($name), "`")]
-                $variant,
-            )+
-        }
-
-        impl ProtocolMethod {
-            /// How many methods the protocol has.
-            pub const COUNT: usize = [$(stringify!($name)),+].len();
-            /// Every method, in the specification's order.
-            pub const ALL: [ProtocolMethod; ProtocolMethod::COUNT] = [$(ProtocolMethod::$variant),+];
-            /// Every method's name, in the same order.
-            pub const NAMES: [&'static str; ProtocolMethod::COUNT] = [$(stringify!($name)),+];
-        }
-
-        // Each name must be a method of the trait: a typo does not compile.
-        const _: () = {
-            #[allow(dead_code)]
-            fn every_name_is_a_trait_method() {
-                $(let _ = <dyn DraftProposer as DraftProposer>::$name;)+
-            }
-        };
-    };
-}
-
-with_protocol_methods!(declare_protocol_method);
-
-impl ProtocolMethod {
-    /// How many of the methods (the first ones) a proposer must implement.
-    pub const REQUIRED: usize = 3;
-
-    /// The method's name, as in the trait and in Python.
-    pub fn name(self) -> &'static str {
-        Self::NAMES[self as usize]
-    }
-
-    /// Its position in [`ProtocolMethod::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    /// Whether every proposer must implement it (it has no default).
-    pub fn is_required(self) -> bool {
-        self.index() < Self::REQUIRED
-    }
-}
 
 /// Per-sequence proposer state; proposers downcast it through `as_any` / `as_any_mut`.
 ///
@@ -254,80 +57,6 @@ macro_rules! impl_proposer_state {
             fn as_any_mut(&mut self) -> &mut dyn ::std::any::Any { self }
         }
     )+};
-}
-
-/// One weight of a draft head as the circuit executor binds it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct WeightSlot {
-    /// The slot's name (`"eh_proj"`, `"layer.self_attn.q_proj"`, ...).
-    pub name: String,
-    /// Where the weight lives.
-    pub ptr: DevicePtr,
-    /// Element type of `ptr` (`U8` for packed NVFP4 codes).
-    pub dtype: Dtype,
-    /// Logical shape, outermost first.
-    pub shape: Vec<usize>,
-    /// Per-block scales (NVFP4's FP8 `weight_scale`), when quantized.
-    pub block_scale: Option<DevicePtr>,
-    /// The tensor-wide scale (NVFP4's `weight_scale_2`), when quantized.
-    pub global_scale: Option<f32>,
-}
-
-/// A draft head described completely enough for a [`DraftRunner`] to run its forward.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DraftBinding {
-    /// What kind of head this is (`"mtp:deepseek_v3"`, ...).
-    pub kind: String,
-    /// Every weight, by slot.
-    pub weights: Vec<WeightSlot>,
-    /// Model width.
-    pub hidden_size: usize,
-    /// Query heads of the head's attention.
-    pub num_attention_heads: usize,
-    /// Key/value heads.
-    pub num_key_value_heads: usize,
-    /// Width of one head.
-    pub head_dim: usize,
-    /// RoPE base.
-    pub rope_theta: f32,
-    /// RMSNorm epsilon.
-    pub rms_norm_eps: f32,
-    /// Full vocabulary.
-    pub vocab_size: usize,
-    /// Rows of the LM head the drafts are chosen from (0: all).
-    pub draft_vocab_size: usize,
-    /// Rows per drafter KV block.
-    pub kv_block_size: usize,
-    /// Blocks in the drafter's KV pool.
-    pub kv_num_blocks: usize,
-    /// The key cache, `[kv_num_blocks, kv_block_size, num_key_value_heads, head_dim]` BF16.
-    pub k_cache: DevicePtr,
-    /// The value cache, same shape.
-    pub v_cache: DevicePtr,
-}
-
-/// Runs a draft head's forward in place of the head's own (see
-/// [`DraftProposer::set_circuit_draft`]).
-pub trait DraftRunner: Send + Sync {
-    /// Drafts `num_drafts` tokens for one sequence from the binding's weights, with the same
-    /// meaning of every argument as [`DraftProposer::propose`], writing the drafter KV row of
-    /// each step it runs. With a `grammar_bitmask`, every draft is a token whose bit is set,
-    /// and the run ends at the first step whose mask allows no token of the draft
-    /// vocabulary: that step's row is written, but no token drafted for it (so a run returns
-    /// fewer than `num_drafts` tokens only when it ended that way).
-    #[allow(clippy::too_many_arguments)]
-    fn run(
-        &self,
-        binding: &DraftBinding,
-        last_token: u32,
-        target_hidden: DevicePtr,
-        position: usize,
-        num_drafts: usize,
-        state: &mut dyn ProposerState,
-        ctx: &ForwardContext<'_>,
-        stream: u64,
-        grammar_bitmask: Option<&[i32]>,
-    ) -> Result<Vec<u32>>;
 }
 
 /// A draft-token proposer. The model calls `propose` for draft tokens, verifies them with
@@ -643,42 +372,4 @@ pub trait DraftProposer: Send + Sync {
     /// Runs `runner` in place of the draft head's own forward from now on, or its own
     /// forward again with `None`. A proposer without a circuit binding ignores it.
     fn set_circuit_draft(&self, _runner: Option<Arc<dyn DraftRunner>>) {}
-}
-
-#[cfg(test)]
-mod tests {
-    use super::ProtocolMethod;
-
-    /// The method names of `trait DraftProposer` in this file, in order.
-    fn trait_methods() -> Vec<String> {
-        let source = include_str!("protocol.rs");
-        let start = source
-            .find("pub trait DraftProposer")
-            .expect("the trait is defined here");
-        let body = &source[start..];
-        let end = body.find("\n}\n").expect("the trait ends");
-        body[..end]
-            .lines()
-            .filter_map(|line| line.trim_start().strip_prefix("fn "))
-            .map(|rest| rest.split(['(', '<']).next().unwrap_or("").to_string())
-            .collect()
-    }
-
-    #[test]
-    fn the_method_list_is_the_trait_in_order() {
-        let names: Vec<&str> = ProtocolMethod::NAMES.to_vec();
-        assert_eq!(trait_methods(), names);
-        assert_eq!(ProtocolMethod::COUNT, 27);
-        assert_eq!(
-            ProtocolMethod::ALL[..ProtocolMethod::REQUIRED]
-                .iter()
-                .map(|m| m.name())
-                .collect::<Vec<_>>(),
-            ["alloc_state", "propose", "after_verify"]
-        );
-        for (i, m) in ProtocolMethod::ALL.iter().enumerate() {
-            assert_eq!(m.index(), i);
-            assert_eq!(m.is_required(), i < 3);
-        }
-    }
 }

@@ -3,8 +3,10 @@
 //! proposer that names target layers gets each twin's captured rows, those its `propose`
 //! would get, in `ctx.target_hidden_stacks`, as the engine passes them.
 
-use super::driver::{guarded, Checker, Sequence};
+use super::driver::Checker;
+use super::guard::guarded;
 use super::report::ConformanceReport;
+use super::synthetic::Sequence;
 use crate::backend::DevicePtr;
 use crate::model::ForwardContext;
 use crate::speculative::ProposerState;

@@ -1,120 +1,20 @@
 //! The lifecycle the checker drives: setup, twin sequences, grammar probe, trees, KV carry,
-//! leaks.
+//! leaks (the synthetic sequences are `synthetic`'s, the guard around each call `guard`'s).
 
 use super::batch::{batch_step, lone_step};
+use super::guard::{guarded, guarded_value};
 use super::kv_carry::check_kv_carry;
+use super::synthetic::{options_problem, synthetic_config, synthetic_tokens, Sequence};
 use super::tree::{check_tree_batch, check_trees};
 use super::{CheckOptions, ConformanceReport};
 use crate::backend::{DevicePtr, GpuBackend, GpuBackendExt};
 use crate::memory::BufferArena;
-use crate::model::{ForwardContext, ModelConfig, ModelLevers};
-use crate::speculative::{bitmask_allows, bitmask_words, DraftProposer, ProposerState};
+use crate::model::{ForwardContext, ModelLevers};
+use crate::speculative::{bitmask_allows, bitmask_words, DraftProposer};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashSet;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
-
-const FIX_ERROR: &str = "return Ok on valid input; an error here ends the sequence in the engine";
-const FIX_PANIC: &str =
-    "return an error instead of panicking; a panic would cross the FFI boundary";
-
-/// Runs `f`, turning an error or a panic into a violation of `check`.
-pub(super) fn guarded<T>(
-    report: &mut ConformanceReport,
-    check: &str,
-    f: impl FnOnce() -> crate::Result<T>,
-) -> Option<T> {
-    report.ran(check);
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Some(v),
-        Ok(Err(e)) => {
-            report.violate(check, format!("returned an error: {e}"), FIX_ERROR);
-            None
-        }
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-string payload".into());
-            report.violate(check, format!("panicked: {what}"), FIX_PANIC);
-            None
-        }
-    }
-}
-
-/// Runs an infallible provided method, turning a panic into a violation.
-pub(super) fn guarded_value<T>(
-    report: &mut ConformanceReport,
-    check: &str,
-    f: impl FnOnce() -> T,
-) -> Option<T> {
-    guarded(report, check, || Ok(f()))
-}
-
-/// One synthetic sequence: the prompt and the continuation the "target" will verify against.
-pub(super) struct Sequence {
-    pub(super) truth: Vec<u32>,
-    pub(super) prompt_len: usize,
-    pub(super) hiddens: DevicePtr,
-    /// The captured rows `[total, n * hidden]`, paired row for row with `hiddens`, when the
-    /// proposer names `target_layer_ids`.
-    pub(super) stack: Option<DevicePtr>,
-    pub(super) state: Option<Box<dyn ProposerState>>,
-    /// Position of the last verified token.
-    pub(super) pos: usize,
-    /// Position of the last token whose captured row an earlier call delivered: the next
-    /// propose's stack holds the rows of the tokens after it, up to `pos`.
-    pub(super) delivered: usize,
-}
-
-fn synthetic_tokens(rng: &mut SmallRng, vocab: usize, prompt_len: usize, total: usize) -> Vec<u32> {
-    let motif_len = rng.random_range(3..=6);
-    let motif: Vec<u32> = (0..motif_len)
-        .map(|_| rng.random_range(0..vocab as u32))
-        .collect();
-    let mut tokens = Vec::with_capacity(total);
-    for i in 0..total {
-        // Mostly a repeating motif (so history-based proposers find matches), with a
-        // mutation every so often (so some drafts are rejected).
-        if i >= prompt_len / 2 && rng.random_range(0..7) == 0 {
-            tokens.push(rng.random_range(0..vocab as u32));
-        } else {
-            tokens.push(motif[i % motif_len]);
-        }
-    }
-    tokens
-}
-
-fn synthetic_config(options: &CheckOptions) -> ModelConfig {
-    let mut config = ModelConfig::tiny(options.vocab_size);
-    config.hidden_size = options.hidden_size;
-    config.head_dim = 16;
-    config.num_attention_heads = options.hidden_size / 16;
-    config.num_key_value_heads = 1;
-    config.intermediate_size = options.hidden_size * 2;
-    config
-}
-
-fn options_problem(options: &CheckOptions) -> Option<String> {
-    if options.vocab_size < 8 || options.vocab_size > 1 << 20 {
-        return Some(format!(
-            "vocab_size must be in 8..=1048576, got {}",
-            options.vocab_size
-        ));
-    }
-    if options.hidden_size == 0 || !options.hidden_size.is_multiple_of(16) {
-        return Some(format!(
-            "hidden_size must be a positive multiple of 16, got {}",
-            options.hidden_size
-        ));
-    }
-    if options.num_sequences == 0 || options.num_drafts == 0 || options.steps == 0 {
-        return Some("num_sequences, num_drafts and steps must be at least 1".into());
-    }
-    None
-}
 
 pub(super) struct Checker<'p> {
     pub(super) proposer: &'p dyn DraftProposer,

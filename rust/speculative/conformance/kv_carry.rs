@@ -1,7 +1,9 @@
 //! The KV carry check: after `take_drafter_kv` a state behaves as freshly allocated, and
 //! `install_drafter_kv` restores exactly what was taken.
 
-use super::driver::{guarded, guarded_value, Checker, Sequence};
+use super::driver::Checker;
+use super::guard::{guarded, guarded_value};
+use super::synthetic::Sequence;
 
 /// `take_drafter_kv` leaves a fresh state, and `install_drafter_kv` restores what was taken.
 pub(super) fn check_kv_carry(checker: &mut Checker<'_>, seq: &mut Sequence) {

@@ -18,8 +18,10 @@
 
 mod batch;
 mod driver;
+mod guard;
 mod kv_carry;
 mod report;
+mod synthetic;
 mod tree;
 
 pub use report::{ConformanceReport, Violation};

@@ -7,7 +7,9 @@
 //! the originals at the same point.
 
 use super::batch::call_group;
-use super::driver::{guarded, Checker, Sequence};
+use super::driver::Checker;
+use super::guard::guarded;
+use super::synthetic::Sequence;
 use crate::speculative::{bitmask_allows, DraftTree};
 use rand::rngs::SmallRng;
 

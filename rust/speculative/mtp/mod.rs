@@ -27,6 +27,7 @@ mod draft;
 mod forward;
 pub mod fp8;
 mod head;
+mod head_memory;
 mod inspect;
 pub mod nvfp4;
 mod proposer;
