@@ -20,8 +20,9 @@
 //! binding that leaves anything out fails to draft, and one that is complete drafts exactly
 //! what the head does.
 
-use super::forward::{Depth, HeadSpec, HiddenKind, Row, Scratch};
+use super::forward::{Depth, HeadSpec, HiddenKind, Row};
 use super::head::MtpHead;
+use super::scratch::Scratch;
 use super::state::MtpState;
 use super::weight_checks::first_rows;
 use super::weights::{MtpLayout, MtpWeights};

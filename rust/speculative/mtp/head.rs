@@ -6,9 +6,10 @@
 //! [`MtpHead::new`] stay the caller's.
 
 use super::bad;
-use super::forward::{Eagle3Parts, HeadSpec, Scratch};
+use super::forward::{Eagle3Parts, HeadSpec};
 use super::head_memory::{requantize, Owned};
 use super::quantization::MtpQuantization;
+use super::scratch::Scratch;
 use super::state::{DrafterKv, DRAFTER_BLOCK_SIZE};
 use super::weight_checks::{check_weights, first_rows};
 use super::weights::{MtpLayout, MtpWeights};

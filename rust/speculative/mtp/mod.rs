@@ -23,6 +23,7 @@
 
 mod checkpoint;
 mod circuit;
+mod deferred;
 mod draft;
 mod forward;
 pub mod fp8;
@@ -32,6 +33,7 @@ mod inspect;
 pub mod nvfp4;
 mod proposer;
 mod quantization;
+mod scratch;
 mod shared;
 mod state;
 mod tree;

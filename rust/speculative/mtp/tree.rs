@@ -19,8 +19,9 @@
 //!   pay for a verify row, and a node's probability lies in (0, 1].
 
 use super::draft::DraftSeq;
-use super::forward::{Depth, HiddenKind, Row, Scratch};
+use super::forward::{Depth, HiddenKind, Row};
 use super::head::MtpHead;
+use super::scratch::Scratch;
 use super::state::{MtpState, DRAFTER_BLOCK_SIZE};
 use super::tree_kv::PendingTree;
 use crate::backend::{DevicePtr, Dtype, GpuBackend, GpuBackendExt, TopKArgs};

@@ -26,6 +26,7 @@ mod draft;
 mod options;
 mod proposer;
 mod shared;
+mod state;
 mod tree;
 mod trie;
 
@@ -33,5 +34,6 @@ pub use options::{
     SuffixDecodingOptions, DEFAULT_MAX_DEPTH, DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MAX_TREE_NODES,
     DEFAULT_MIN_TOKEN_PROB,
 };
-pub use proposer::{SuffixDecoding, SuffixState};
+pub use proposer::SuffixDecoding;
 pub use shared::SharedTreeStats;
+pub use state::SuffixState;

@@ -1,10 +1,12 @@
-//! `SuffixDecoding` and its per-sequence state: the `DraftProposer` methods.
+//! `SuffixDecoding`: its options, its shared outputs and the `DraftProposer` methods (the
+//! per-sequence state is `state`'s).
 
 use super::draft::{best_chain, Chain, ChainLimits};
 use super::options::{invalid, SuffixDecodingOptions};
 use super::shared::{SharedOutputs, SharedTreeStats};
+use super::state::{state_of, SuffixState};
 use super::tree::{best_tree, TreeDraft};
-use super::trie::{Cursor, SuffixTrie, MAX_NODES};
+use super::trie::{SuffixTrie, MAX_NODES};
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
 use crate::model::{ForwardContext, ModelConfig};
@@ -33,92 +35,6 @@ impl Default for SuffixDecoding {
             trees: false,
         }
     }
-}
-
-/// Per-sequence state of [`SuffixDecoding`]: the history and its own suffix tree.
-#[derive(Debug, Clone)]
-pub struct SuffixState {
-    tokens: Vec<u32>,
-    /// Tokens of `tokens` that came with the prompt; the rest is the sequence's output.
-    prompt_len: usize,
-    trie: SuffixTrie,
-    /// `cursors[i]`: the cursor of the first `i` tokens, so taking a token back needs no
-    /// search.
-    cursors: Vec<Cursor>,
-    pending: Vec<u32>,
-    /// The parents of the last propose's tree; empty when it drafted a chain.
-    pending_parents: Vec<Option<usize>>,
-}
-
-crate::impl_proposer_state!(SuffixState);
-
-impl SuffixState {
-    /// Prompt and verified tokens, in sequence order.
-    pub fn history(&self) -> &[u32] {
-        &self.tokens
-    }
-
-    /// Nodes of this sequence's own suffix tree.
-    pub fn tree_nodes(&self) -> usize {
-        self.trie.live_nodes()
-    }
-
-    /// Bytes held by this sequence's tree and history (capacities).
-    pub fn tree_bytes(&self) -> usize {
-        self.trie.memory_bytes()
-            + self.tokens.capacity() * 4
-            + self.cursors.capacity() * std::mem::size_of::<Cursor>()
-    }
-
-    /// The drafts of the last propose, until `after_verify` says how many were kept.
-    pub fn pending(&self) -> &[u32] {
-        &self.pending
-    }
-
-    fn cursor(&self) -> Cursor {
-        self.cursors.last().copied().unwrap_or(Cursor::START)
-    }
-
-    fn push(&mut self, token: u32) {
-        let next = self.trie.append(self.cursor(), token);
-        self.cursors.push(next);
-        self.tokens.push(token);
-    }
-
-    fn truncate(&mut self, len: usize) {
-        while self.tokens.len() > len {
-            let (Some(t), Some(_)) = (self.tokens.pop(), self.cursors.pop()) else {
-                break;
-            };
-            self.trie.pop(self.cursor(), t);
-        }
-        self.prompt_len = self.prompt_len.min(len);
-    }
-
-    fn clear(&mut self) {
-        self.tokens.clear();
-        self.prompt_len = 0;
-        self.trie.clear();
-        self.cursors.clear();
-        self.pending.clear();
-        self.pending_parents.clear();
-    }
-}
-
-fn state_of<'s>(
-    state: &'s mut dyn ProposerState,
-    method: &'static str,
-) -> Result<&'s mut SuffixState> {
-    state
-        .as_any_mut()
-        .downcast_mut::<SuffixState>()
-        .ok_or_else(|| {
-            ProposerError::WrongState {
-                method,
-                expected: "SuffixState",
-            }
-            .into()
-        })
 }
 
 impl SuffixDecoding {
