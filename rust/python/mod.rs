@@ -45,6 +45,7 @@ mod hybrid;
 mod model;
 mod mtp;
 mod proposer;
+mod proposer_support;
 mod ranks;
 mod rust_proposers;
 mod serving;

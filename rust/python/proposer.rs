@@ -4,78 +4,29 @@
 //! Python proposer, ...) or none, for a pure Python subclass. Each protocol method (the
 //! names are [`ProtocolMethod`](crate::speculative::ProtocolMethod)'s; `specdraft`'s tests
 //! check that the class defines every one) is defined once here and runs the Rust
-//! implementation: the held proposer's, or the protocol's default when there is none. So `super().method(...)` in a Python subclass runs
-//! Rust, and a Python subclass overrides exactly the methods it defines.
+//! implementation: the held proposer's, or the protocol's default when there is none. So
+//! `super().method(...)` in a Python subclass runs Rust, and a Python subclass overrides
+//! exactly the methods it defines. What the class stands on is `proposer_support`'s.
 //!
 //! Rust work runs with the interpreter released: the held proposer may be a wrapped Python
 //! proposer that needs to attach again.
 
 use super::adapter::overridden;
-use super::backend::{backend_arg, PyBackend};
 use super::convert::{binding_to_dict, bitmask_arg, ret_tokens};
 use super::device_ptr::{PtrArg, PyDevicePtr};
 use super::draft_tree::tree_to_py;
 use super::errors::{IntoPyResult, ProposerError as PyProposerError};
 use super::model::{PyBufferArena, PyForwardContext, PyModelConfig, PyModelLevers};
+use super::proposer_support::{states_arg, with_gpu, with_states};
+pub(crate) use super::proposer_support::{PyDraftRunner, ABSTRACT};
 use super::state::{PyProposerState, StateSrc};
 use crate::backend::{DevicePtr, GpuBackend};
 use crate::memory::BufferArena;
-use crate::model::{ForwardContext, ModelConfig};
-use crate::speculative::{
-    DraftProposer, DraftRunner, DraftTree, ProposerError, ProposerState, ProtocolMethod as M,
-};
-use crate::Result;
+use crate::model::ModelConfig;
+use crate::speculative::{DraftProposer, DraftTree, ProposerState, ProtocolMethod as M};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use std::sync::Arc;
-
-/// The protocol's defaults, for a class that holds no Rust proposer. Its required methods
-/// say that a Python proposer must define them.
-pub(crate) struct Abstract;
-
-fn abstract_method(method: &'static str) -> crate::Error {
-    ProposerError::InvalidArgument {
-        method,
-        message: "DraftProposer does not implement it: a proposer must define alloc_state, propose and after_verify".into(),
-    }
-    .into()
-}
-
-impl DraftProposer for Abstract {
-    fn alloc_state(&self, _gpu: &dyn GpuBackend) -> Result<Box<dyn ProposerState>> {
-        Err(abstract_method("alloc_state"))
-    }
-
-    fn propose(
-        &self,
-        _last_token: u32,
-        _target_hidden: DevicePtr,
-        _position: usize,
-        _num_drafts: usize,
-        _state: &mut dyn ProposerState,
-        _ctx: &ForwardContext<'_>,
-        _stream: u64,
-        _draft_embed_target: Option<DevicePtr>,
-        _grammar_bitmask: Option<&[i32]>,
-        _target_hidden_stack: Option<DevicePtr>,
-    ) -> Result<Vec<u32>> {
-        Err(abstract_method("propose"))
-    }
-
-    fn after_verify(&self, _n: usize, _state: &mut dyn ProposerState, _stream: u64) -> Result<()> {
-        Err(abstract_method("after_verify"))
-    }
-}
-
-/// The protocol's defaults, shared by every object that holds no Rust proposer.
-pub(crate) static ABSTRACT: Abstract = Abstract;
-
-/// A draft runner: what `set_circuit_draft` runs in place of a draft head's own forward.
-/// Made by specdraft (see `ReferenceDraftRunner`); opaque to Python.
-#[pyclass(name = "DraftRunner", module = "specdraft", subclass, frozen)]
-pub struct PyDraftRunner {
-    pub inner: Arc<dyn DraftRunner>,
-}
 
 /// Base class of every draft proposer.
 ///
@@ -134,35 +85,6 @@ impl PyDraftProposer {
             .into_any()
             .unbind())
     }
-}
-
-fn states_arg(states: &Bound<'_, PyAny>) -> PyResult<Vec<StateSrc>> {
-    states
-        .try_iter()?
-        .map(|s| Ok(StateSrc::from_py(&s?)))
-        .collect()
-}
-
-/// Locks every state of `srcs` for `method`, then runs `f` on them together.
-fn with_states<R>(
-    srcs: &mut [StateSrc],
-    method: M,
-    f: impl FnOnce(&mut [&mut dyn ProposerState]) -> Result<R>,
-) -> Result<R> {
-    let mut guards = srcs
-        .iter_mut()
-        .map(|s| s.lock(method.name()))
-        .collect::<Result<Vec<_>>>()?;
-    let mut refs: Vec<&mut dyn ProposerState> = guards.iter_mut().map(|g| g.as_state()).collect();
-    f(&mut refs)
-}
-
-fn with_gpu<R>(
-    gpu: &Bound<'_, PyAny>,
-    f: impl FnOnce(&dyn GpuBackend) -> PyResult<R>,
-) -> PyResult<R> {
-    let b: Bound<'_, PyBackend> = backend_arg(gpu)?;
-    b.get().with(f)
 }
 
 #[pymethods]
