@@ -1,8 +1,10 @@
 //! A draft head described for a circuit executor ([`DraftBinding`], one [`WeightSlot`] a
 //! weight) and the runner that executes it in the head's place ([`DraftRunner`]; see
 //! [`DraftProposer::set_circuit_draft`](super::DraftProposer::set_circuit_draft)).
-//! Nothing here runs a forward: the head builds its binding, and the engine hands a runner
-//! to the head, which then drafts through it (the runner's contract is [`DraftRunner::run`]).
+//!
+//! Nothing here runs a forward: the head builds its binding (`circuit_draft`), and a caller
+//! hands the head a runner (`set_circuit_draft`), which the head then drafts through (the
+//! runner's contract is [`DraftRunner::run`]).
 
 use super::ProposerState;
 use crate::backend::{DevicePtr, Dtype};
