@@ -46,3 +46,30 @@ pub enum Error {
 
 /// `Result` with [`Error`], as the protocol's signatures use it.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// The message a caught panic carried: `panic!`'s text, whether a literal or formatted.
+/// `None` for any other payload (`std::panic::panic_any` takes any type). Every place that
+/// turns a caught panic into an error or a report reads the message here.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<&str> {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::panic_message;
+    use std::panic::catch_unwind;
+
+    #[test]
+    fn a_panics_message_is_its_text_literal_or_formatted_and_none_otherwise() {
+        let literal = catch_unwind(|| panic!("a literal")).unwrap_err();
+        assert_eq!(panic_message(literal.as_ref()), Some("a literal"));
+        let n = 7;
+        let formatted = catch_unwind(|| panic!("formatted {n}")).unwrap_err();
+        assert_eq!(panic_message(formatted.as_ref()), Some("formatted 7"));
+        let other = catch_unwind(|| std::panic::panic_any(5u32)).unwrap_err();
+        assert_eq!(panic_message(other.as_ref()), None);
+    }
+}

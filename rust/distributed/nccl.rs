@@ -96,11 +96,9 @@ fn nccl_message(r: ncclsys::ncclResult_t) -> String {
 }
 
 fn panic_text(panic: Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown reason".to_string())
+    crate::error::panic_message(panic.as_ref())
+        .unwrap_or("unknown reason")
+        .to_string()
 }
 
 impl NcclCommunicator {

@@ -13,6 +13,7 @@
 //! The proposer's own data may be left half-updated by a panic; the engine never calls it
 //! again for the failed sequence except to free its state, which is guarded the same way.
 
+use crate::error::panic_message;
 use crate::speculative::{DraftProposer, ProposerError};
 use crate::Result;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -21,24 +22,16 @@ use std::sync::Arc;
 /// A proposer whose panics become errors (see the module documentation).
 pub(super) struct PanicGuard(pub Arc<dyn DraftProposer>);
 
-/// The panic's message, when it carried a string.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_string()
-    }
-}
-
 /// Runs `f`, turning a panic into the error of `method`.
 fn guarded<R>(method: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(payload) => Err(ProposerError::Failed {
             method: method.to_string(),
-            message: format!("panicked: {}", panic_message(payload.as_ref())),
+            message: format!(
+                "panicked: {}",
+                panic_message(payload.as_ref()).unwrap_or("a panic without a message")
+            ),
         }
         .into()),
     }

@@ -14,6 +14,7 @@
 
 use super::launch::{Arg, DeviceRange, KernelLauncher, Shape, KERNEL_NAMES};
 use crate::backend::{AllocationLedger, BackendError, DevicePtr, GpuBackend, DEFAULT_STREAM};
+use crate::error::panic_message;
 use cudarc::driver::{
     result, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
 };
@@ -55,11 +56,7 @@ impl CudaBackend {
             ));
         }
         catch_unwind(AssertUnwindSafe(|| Self::open(device))).unwrap_or_else(|panic| {
-            let why = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown reason".to_string());
+            let why = panic_message(panic.as_ref()).unwrap_or("unknown reason");
             Err(BackendError::CudaUnavailable(format!(
                 "the CUDA driver failed to start: {why}"
             )))

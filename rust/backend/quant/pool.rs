@@ -93,11 +93,9 @@ unsafe impl Send for Shared {}
 /// Recording a panic therefore never unwinds: a worker that unwound here would never leave its
 /// job, and its caller would wait for it forever.
 fn panic_message(p: Box<dyn Any + Send>) -> String {
-    let message = p
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
+    let message = crate::error::panic_message(p.as_ref())
+        .unwrap_or("unknown panic")
+        .to_string();
     let mut p = p;
     for _ in 0..4 {
         match catch_unwind(AssertUnwindSafe(move || drop(p))) {

@@ -3,6 +3,7 @@
 //! of ending the check.
 
 use super::ConformanceReport;
+use crate::error::panic_message;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 const FIX_ERROR: &str = "return Ok on valid input; an error here ends the sequence in the engine";
@@ -23,11 +24,7 @@ pub(super) fn guarded<T>(
             None
         }
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-string payload".into());
+            let what = panic_message(panic.as_ref()).unwrap_or("a non-string payload");
             report.violate(check, format!("panicked: {what}"), FIX_PANIC);
             None
         }
