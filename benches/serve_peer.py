@@ -33,13 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from pinning import pin
 from serve_process import ServerProcess, free_port, specdraft_serve
 from specdraft.bench_serve import run as drive
 from specdraft.measure import per_second, ratio_stats, turn_order
@@ -51,15 +51,6 @@ CONTENDERS = ("specdraft", "llama-server", "offline")
 CLIENTS = (1, 16)
 #: The name both servers answer to, so the clients send the same body to either.
 NAME = "bench"
-
-
-def pin(threads: int) -> list[int]:
-    """Restricts this process (and what it starts) to its first ``threads`` CPUs."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < threads:
-        raise SystemExit(f"--threads {threads}: this process may run on {len(cpus)} CPUs only")
-    os.sched_setaffinity(0, cpus[:threads])
-    return cpus[:threads]
 
 
 def server_command(args: argparse.Namespace, who: str, clients: int, port: int) -> list[str]:
