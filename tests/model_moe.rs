@@ -19,7 +19,9 @@ mod model_util;
 
 use default_model::python;
 use hybrid_common::Scripted;
-use model_util::{greedy_fixed, rows, run_reference, temp_dir};
+use model_util::{
+    check_refusal, edit_config, edit_header, greedy_fixed, rows, run_reference, temp_dir,
+};
 use specdraft::backend::{CpuBackend, GpuBackend, GpuBackendExt};
 use specdraft::model::{GgufFile, Linear, LoadOptions, TargetModel, TensorSource};
 use specdraft::speculative::{DraftProposer, PromptLookup};
@@ -246,47 +248,6 @@ fn speculative_greedy_equals_plain_greedy_on_moe_targets() {
     }
 }
 
-/// Rewrites the safetensors header of `dir/model.safetensors` (the data stays in place, so
-/// an edit must keep every tensor's byte length).
-fn edit_header(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
-    let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let mut header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    edit(&mut header);
-    let text = serde_json::to_vec(&header).unwrap();
-    let mut out = (text.len() as u64).to_le_bytes().to_vec();
-    out.extend(text);
-    out.extend(&bytes[8 + n..]);
-    std::fs::write(&path, out).unwrap();
-}
-
-fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
-    let path = dir.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut config);
-    std::fs::write(&path, config.to_string()).unwrap();
-}
-
-/// Loads `dir`; `Err` unless it is refused with every one of `needles` in the message and
-/// nothing left allocated.
-fn check_refusal(dir: &Path, what: &str, needles: &[&str]) -> Result<(), String> {
-    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let err = match TargetModel::load(dir, gpu.clone(), opts()) {
-        Ok(_) => return Err(format!("{what}: {} loaded", dir.display())),
-        Err(e) => e.to_string(),
-    };
-    if gpu.ledger().live_count() != 0 {
-        return Err(format!("{what}: allocations left after refusing ({err})"));
-    }
-    match needles.iter().find(|n| !err.contains(*n)) {
-        Some(n) => Err(format!("{what}: {err:?} does not name {n:?}")),
-        None => Ok(()),
-    }
-}
-
 /// A broken checkpoint: its family, what is broken, the edit that breaks it, and what the
 /// refusal must name.
 type Case<T> = (
@@ -359,7 +320,7 @@ fn broken_moe_checkpoints_are_refused_by_name() {
         let dir = temp_dir(&format!("moe_broken_tensor_{i}"));
         reference(family, &dir, 3);
         edit_header(&dir, |h| edit(h));
-        failures.extend(check_refusal(&dir, what, needles).err());
+        failures.extend(check_refusal(&dir, what, needles, opts()).err());
     }
     let config_cases: Vec<Case<Config>> = vec![
         (
@@ -429,7 +390,7 @@ fn broken_moe_checkpoints_are_refused_by_name() {
         let dir = temp_dir(&format!("moe_broken_config_{i}"));
         reference(family, &dir, 3);
         edit_config(&dir, |c| edit(c));
-        failures.extend(check_refusal(&dir, what, needles).err());
+        failures.extend(check_refusal(&dir, what, needles, opts()).err());
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -543,7 +504,7 @@ fn broken_moe_gguf_files_are_refused_by_name() {
         let dir = temp_dir(&format!("moe_broken_gguf_{variant}"));
         let gguf = dir.join("model.gguf");
         reference_with_gguf("glm4_moe", &dir.join("hf"), 3, Some((&gguf, variant)));
-        failures.extend(check_refusal(&gguf, what, needles).err());
+        failures.extend(check_refusal(&gguf, what, needles, opts()).err());
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 mod batch;
+mod checkpoint_edits;
 mod gguf_writer;
 mod greedy;
 mod reference;
@@ -12,6 +13,9 @@ mod twins;
 // Used by the tests whose spies propose in batches only.
 #[allow(unused_imports)]
 pub use batch::propose_each;
+// Used by the refusal tests of the MoE and latent attention loaders only.
+#[allow(unused_imports)]
+pub use checkpoint_edits::{check_refusal, edit_config, edit_header};
 // Used by the batch tests of the heads that read captured rows only.
 pub use gguf_writer::*;
 #[allow(unused_imports)]
