@@ -3,9 +3,9 @@
 //! not have, asks the engine for the target hiddens of chosen layers).
 //!
 //! The engine drives a proposer in this order: `alloc_state_for` → `prefill_drafter` →
-//! (`propose` | `propose_batch` | `propose_tree` | `propose_tree_batch`) → verify → `after_verify` (+ `catchup_batch` under
-//! `ModelLevers::mtp_kv_exact`) → `take_drafter_kv` / `install_drafter_kv` between turns →
-//! `free_state`. Hidden states at these seams are BF16 `[rows, hidden_size]`; token ids are
+//! (`propose` | `propose_batch` | `propose_tree` | `propose_tree_batch`) → verify →
+//! `after_verify` (+ `catchup_batch` under `ModelLevers::mtp_kv_exact`) → `take_drafter_kv` /
+//! `install_drafter_kv` between turns → `free_state`. Hidden states at these seams are BF16 `[rows, hidden_size]`; token ids are
 //! `u32`; `DevicePtr` has no `Drop`, so whatever `alloc_state` allocates is freed in
 //! `free_state` or leaks.
 //!
