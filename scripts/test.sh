@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Installs everything the tests need and runs every test: lints, Rust unit and integration
-# tests, the CUDA build and its kernels under CPU emulation, the real SmolLM2 checks, the unsafe
-# kernels under valgrind and Miri (a pinned nightly toolchain, installed through rustup), the
-# examples, and the Python suite against the installed package. Exits non-zero on the
-# first failure. This is what CI runs.
+# Installs everything the tests need and runs every test: lints, the API docs' links, Rust unit
+# and integration tests, the CUDA build and its kernels under CPU emulation, the real SmolLM2
+# checks, the unsafe kernels under valgrind and Miri (a pinned nightly toolchain, installed
+# through rustup), the examples, and the Python suite against the installed package. Exits
+# non-zero on the first failure. This is what CI runs.
 #
 # Environment: PYTHON (default python3) is the interpreter to install into.
 set -euo pipefail
@@ -31,6 +31,10 @@ cargo fmt --check
 cargo clippy --all-targets --all-features -- -D warnings
 "$PY" -m ruff check python tests examples benches scripts
 "$PY" -m ruff format --check python tests examples benches scripts
+
+step "API docs: every intra-doc link resolves, with every feature and with none"
+RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --document-private-items --all-features
+RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps
 
 step "type stub: signatures and docstrings against the built module"
 # Run outside the source tree so the installed package (with its compiled _core) is imported.

@@ -1,7 +1,7 @@
 //! [`Observed`]: a backend that passes every call on to an inner backend, each one handed to
 //! an [`Observer`] on the way, to time it, count it or log it. Profilers and tests that
 //! assert what an engine asks of the device wrap a backend in one instead of forwarding
-//! every method themselves; a new kernel is one line of [`observed_calls!`] here, and an
+//! every method themselves; a new kernel is one line of `observed_calls!` here, and an
 //! observer that does not care about it needs no change.
 //!
 //! Invariants:

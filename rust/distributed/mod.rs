@@ -3,7 +3,7 @@
 //!
 //! Implementations: [`LocalCommunicator`] (rank 0 of 1, every collective the identity);
 //! with feature `python`, an MPI communicator that calls mpi4py under the interpreter lock
-//! (`specdraft.distributed.init()`); with feature `cuda`, [`NcclCommunicator`] over NCCL
+//! (`specdraft.distributed.init()`); with feature `cuda`, `NcclCommunicator` over NCCL
 //! through cudarc (`specdraft.distributed.init(backend="nccl")`, whose NCCL unique id
 //! travels over MPI). MPI is reached through mpi4py rather than the Rust
 //! `mpi` crate because that crate needs bindgen, libclang and an MPI installation when the

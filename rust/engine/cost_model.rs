@@ -87,7 +87,7 @@ impl CostCurve {
     }
 
     /// Folds a measurement into the mean at `x`, weighing one against the aged weight of
-    /// the earlier ones there (at most [`FIT_WEIGHT_CAP`]).
+    /// the earlier ones there (at most `FIT_WEIGHT_CAP`).
     pub fn record(&mut self, x: usize, seconds: f64) {
         if !seconds.is_finite() || seconds < 0.0 {
             return;

@@ -10,8 +10,8 @@
 //! [`verify_tree_picks`] (the longest accepted path, from each row's argmax made on the
 //! device when the target has room for it, else [`verify_tree_greedy`] on the downloaded
 //! logits); sampled ones, and greedy ones under a grammar, walk it with
-//! [`verify_tree_sampled`] (lossless recursive rejection sampling, the sequence's own
-//! random stream, the grammar advanced along the walked path).
+//! [`verify_tree_sampled`](fn@super::verify_tree_sampled) (lossless recursive rejection
+//! sampling, the sequence's own random stream, the grammar advanced along the walked path).
 //!
 //! Under the adaptive policy a tree whose nodes carry probabilities is cut before its
 //! verify, as a chain's doubted tail is: nodes whose calibrated chance of being reached and

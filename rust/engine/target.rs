@@ -2,7 +2,7 @@
 //!
 //! The trait mirrors the target model's own API one to one, so the adapter for the real
 //! model is a thin forwarding impl and the engine can be tested against small deterministic
-//! targets (see [`TableTarget`](super::TableTarget)).
+//! targets (see [`TableTarget`](super::testing::TableTarget)).
 //!
 //! Contract the engine relies on:
 //! - `forward` appends `tokens[i]` to `seqs[i]` (positions continue from the sequence's

@@ -5,8 +5,8 @@
 //! for the last verified token, row `1 + i` for node `i`.
 //!
 //! The walk starts at the last verified token. At a node, `p` is the target's distribution
-//! of its row ([`target_probs`]: temperature, top-k, top-p, masked by the grammar state
-//! after the walked path). Its children are tried in node order, each as a one-hot draft:
+//! of its row ([`target_probs`](fn@super::target_probs): temperature, top-k, top-p, masked
+//! by the grammar state after the walked path). Its children are tried in node order, each as a one-hot draft:
 //! child `x` is accepted with probability `p(x) / sum(p)`; on rejection `p(x) := 0` (the
 //! residual `norm(max(0, p - q))` of a one-hot `q`) and the next child is tried. An
 //! accepted child's token is emitted and the walk goes on from it; when every child is

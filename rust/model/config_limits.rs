@@ -15,7 +15,7 @@ const REQUIRED_SIZES: usize = 7;
 /// The largest value accepted for each size of a configuration. Real models are far below
 /// them (hidden 16,384, FFN 53,248, 128 heads, 512 experts, 262,144-token vocabularies); the
 /// limits keep every product of sizes far from overflowing `usize`. The first
-/// [`REQUIRED_SIZES`] are sizes every model has, which must also be non-zero.
+/// `REQUIRED_SIZES` are sizes every model has, which must also be non-zero.
 pub const LIMITS: [(&str, usize); 11] = [
     ("hidden_size", 1 << 20),
     ("intermediate_size", 1 << 22),

@@ -15,7 +15,7 @@
 //! at parsing, while this crate needs the parse, exact errors naming the tensor, and the
 //! block dequantization in [`super::tensors`] on top of one memory map.
 //!
-//! A GGUF file is untrusted input: the header is read by [`super::gguf_reader`], which checks
+//! A GGUF file is untrusted input: the header is read by `gguf_reader`, which checks
 //! every count and length before allocating and bounds the memory the header takes.
 //!
 //! Invariants: every tensor's byte range is checked (aligned, computed without overflow,

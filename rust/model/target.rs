@@ -16,7 +16,7 @@
 //!   sequence's next cache rows in node order, each at its depth's position; `compact` then
 //!   moves the accepted path's rows down after the prefix (in order, never reading a row it
 //!   wrote) and drops the rest, leaving the cache a plain forward of the path would.
-//! - A forward that names capture layers (see [`super::capture`]) also returns the hidden
+//! - A forward that names capture layers (see the `capture` module) also returns the hidden
 //!   after each of them for every row; one that names none reads and writes nothing more
 //!   than a forward without capture, and allocates nothing for it.
 
@@ -176,7 +176,7 @@ impl TargetModel {
     }
 
     /// [`TargetModel::forward_with`] that also captures the hidden after each decoder layer
-    /// in `layers` (ids below `num_hidden_layers`, distinct; see [`super::capture`]) for
+    /// in `layers` (ids below `num_hidden_layers`, distinct; see the `capture` module) for
     /// every row, into the output's `hidden_stack`: BF16 `[rows, layers.len() * hidden]`,
     /// the layers side by side in the order given. With no layers it is `forward_with`.
     pub fn forward_capturing(

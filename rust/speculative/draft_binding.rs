@@ -62,12 +62,13 @@ pub struct DraftBinding {
 }
 
 /// Runs a draft head's forward in place of the head's own (see
-/// [`DraftProposer::set_circuit_draft`]).
+/// [`DraftProposer::set_circuit_draft`](super::DraftProposer::set_circuit_draft)).
 pub trait DraftRunner: Send + Sync {
     /// Drafts `num_drafts` tokens for one sequence from the binding's weights, with the same
-    /// meaning of every argument as [`DraftProposer::propose`], writing the drafter KV row of
-    /// each step it runs. With a `grammar_bitmask`, every draft is a token whose bit is set,
-    /// and the run ends at the first step whose mask allows no token of the draft
+    /// meaning of every argument as
+    /// [`DraftProposer::propose`](super::DraftProposer::propose), writing the drafter KV row
+    /// of each step it runs. With a `grammar_bitmask`, every draft is a token whose bit is
+    /// set, and the run ends at the first step whose mask allows no token of the draft
     /// vocabulary: that step's row is written, but no token drafted for it (so a run returns
     /// fewer than `num_drafts` tokens only when it ended that way).
     #[allow(clippy::too_many_arguments)]

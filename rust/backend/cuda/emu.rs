@@ -3,7 +3,7 @@
 //!
 //! It exists to test the kernels and their host side without a GPU: memory, copies and
 //! streams are a [`CpuBackend`]'s (so every range is ledger-checked), and each kernel op goes
-//! through the same host code as [`super::CudaBackend`] and then runs the real kernel
+//! through the same host code as `CudaBackend` and then runs the real kernel
 //! source with one host thread per CUDA thread. It is slow by design; use it only to check.
 //!
 //! Blocks do not run in launch order: each launch takes them in an order shuffled from the

@@ -1,6 +1,6 @@
 //! Backends that run the kernels in `cuda/`: on a GPU through the CUDA driver
-//! ([`CudaBackend`], feature `cuda`), or on the CPU through the emulation of the CUDA
-//! device model ([`EmuBackend`], feature `cuda-emu`, for tests).
+//! (`CudaBackend`, feature `cuda`), or on the CPU through the emulation of the CUDA
+//! device model (`EmuBackend`, feature `cuda-emu`, for tests).
 //!
 //! Both share one host side (`ops`): each op's shared `validate` (the code the CPU
 //! reference runs too), launch shapes and argument lists. A backend only supplies how a

@@ -24,8 +24,9 @@ use crate::backend::{BackendError, DevicePtr, Dtype};
 /// (`[c_kv_j | k_rope_j]`, read from `lo_cache` / `hi_cache` through `block_table`):
 /// - `q_lat[c] = sum_d q_nope[d] * kv_b[h * (nope_dim + v_dim) + d, c]`;
 /// - `score_j = (q_lat . c_kv_j + q_rope . k_rope_j) * scale`, softmax over the attended `j`;
-/// - `lat = sum_j p_j c_kv_j`, `out[r, h, e] = sum_c kv_b[h * (nope_dim + v_dim) + nope_dim
-///   + e, c] * lat[c]`, rounded to BF16 (zero for a row attending to nothing).
+/// - `lat = sum_j p_j c_kv_j`, and
+///   `out[r, h, e] = sum_c kv_b[h * (nope_dim + v_dim) + nope_dim + e, c] * lat[c]`, rounded
+///   to BF16 (zero for a row attending to nothing).
 ///
 /// `kv_b` is BF16 `[heads * (nope_dim + v_dim), kv_lora_rank]` (Hugging Face's
 /// `kv_b_proj.weight`). Sums are f32. `out` BF16 `[rows, heads, v_dim]` is apart from every

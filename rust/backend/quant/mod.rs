@@ -6,13 +6,13 @@
 //!   Q6_K (GGUF's layouts and type ids), with checked size arithmetic.
 //! - [`dequantize`] / [`dequantize_bf16`]: file blocks to f32 (bit-identical to ggml's and the
 //!   `gguf` package's dequantizers) or to BF16 (for a GPU upload).
-//! - [`quantize`]: f32 to Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (ggml's reference quantizers, byte for
-//!   byte), Q4_K, Q5_K, Q6_K (a simple scheme with stated error bounds, `quantize_k.rs`) and
-//!   the float formats; Q2_K and Q3_K are read but not produced.
+//! - [`quantize`](fn@quantize): f32 to Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (ggml's reference
+//!   quantizers, byte for byte), Q4_K, Q5_K, Q6_K (a simple scheme with stated error bounds,
+//!   `quantize_k.rs`) and the float formats; Q2_K and Q3_K are read but not produced.
 //! - [`PackedWeight`]: one `[out_features, in_features]` weight matrix, repacked at load into
 //!   eight-row interleaved records of exactly the file's size (`packed.rs`).
-//! - [`linear`] on a [`KernelPool`]: `out[r, o] = sum_i W[o, i] x[r, i] (+ bias[o])` for f32
-//!   or BF16 input rows; [`linear_group`]: several weights over the same rows (q/k/v,
+//! - [`linear`](fn@linear) on a [`KernelPool`]: `out[r, o] = sum_i W[o, i] x[r, i] (+ bias[o])`
+//!   for f32 or BF16 input rows; [`linear_group`]: several weights over the same rows (q/k/v,
 //!   gate/up) with one input quantization and one pool job, f32 or BF16 outputs, each part
 //!   bit-identical to its own `linear`.
 //!

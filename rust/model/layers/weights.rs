@@ -167,7 +167,7 @@ pub struct LayerWeights {
     pub mlp: Mlp,
     /// Multi-head latent attention's other weights, when attention is MLA; `q`, `k`, `v`
     /// and `o` are then `q_b_proj` (or `q_proj`), `kv_a_proj_with_mqa`, `kv_b_proj` and
-    /// `o_proj` (see [`super::mla`]).
+    /// `o_proj` (see the `mla` module).
     pub mla: Option<Box<MlaParts>>,
 }
 

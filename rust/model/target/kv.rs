@@ -70,7 +70,7 @@ impl TargetModel {
     /// The keys and values `seq` holds at decoder layer `layer`: BF16 bits `[len, kv_heads *
     /// head_dim]` each, cache row `j` at row `j` (read through the block table), for tests
     /// and debugging. Under MLA, the two halves of each token's latent row `[c_kv | k_rope]`
-    /// (see [`ModelConfig::kv_cache_row`]).
+    /// (see [`ModelConfig::kv_cache_row`](crate::model::ModelConfig::kv_cache_row)).
     pub fn read_kv(&self, seq: &KvSequence, layer: usize) -> crate::Result<(Vec<u16>, Vec<u16>)> {
         const OP: &str = "TargetModel::read_kv";
         self.check_owner(seq, OP)?;

@@ -11,7 +11,7 @@
 //! vocabulary is non-empty and no larger than the target's; the target hidden size is
 //! within the crate's limits; the variants this crate does not run (`norm_before_fc`,
 //! `fc_norm`, `norm_output`) are refused naming the key, never ignored. Layer ids are as
-//! written (EAGLE-3's "hidden entering layer `k`"); [`Eagle3Config::capture_layers`] checks
+//! written (EAGLE-3's "hidden entering layer `k`"); [`Eagle3Config::aux_layers`] checks
 //! them against a target.
 
 use crate::model::{ConfigError, ModelConfig, LIMITS};

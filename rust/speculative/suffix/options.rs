@@ -19,7 +19,7 @@ pub const DEFAULT_MAX_SPEC_FACTOR: f32 = 1.0;
 /// repeats little.
 pub const DEFAULT_MAX_TREE_NODES: usize = 1 << 20;
 
-/// The knobs of [`SuffixDecoding`].
+/// The knobs of [`SuffixDecoding`](super::SuffixDecoding).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SuffixDecodingOptions {
     /// Longest string the trees keep (2..=4096): the matched suffix plus its drafts.

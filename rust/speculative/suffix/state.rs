@@ -9,7 +9,7 @@ use super::trie::{Cursor, SuffixTrie};
 use crate::speculative::{ProposerError, ProposerState};
 use crate::Result;
 
-/// Per-sequence state of [`SuffixDecoding`]: the history and its own suffix tree.
+/// Per-sequence state of [`SuffixDecoding`](super::SuffixDecoding): the history and its own suffix tree.
 #[derive(Debug, Clone)]
 pub struct SuffixState {
     pub(super) tokens: Vec<u32>,

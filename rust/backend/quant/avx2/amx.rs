@@ -19,7 +19,7 @@
 //! cache, short calls lose outright (see [`AMX_MIN_ROWS`]).
 //!
 //! Invariants: the i32 sums are the same integers as every other path's, and each output
-//! lane runs the same f32 operations in the same order as [`super::dot_portable`], so
+//! lane runs the same f32 operations in the same order as [`super::super::dot_portable`], so
 //! results are bit-identical to the portable path. A task's odd last group goes to the
 //! 256-bit VNNI build. The tiles are configured at the start of a task and released at its
 //! end, on the thread that runs it.

@@ -10,7 +10,7 @@
 //! chunks of [`ROW_TILE`], so a chunk's activations stay in cache while every pair passes.
 //!
 //! Invariants: the i32 sums are the same integers as every other path's, and each output
-//! lane runs the same f32 operations in the same order as [`super::dot_portable`], so
+//! lane runs the same f32 operations in the same order as [`super::super::dot_portable`], so
 //! results are bit-identical to the portable path whatever the instruction set. A task's odd
 //! last group goes to the 256-bit VNNI build.
 
