@@ -389,8 +389,9 @@ mod tests {
 
     #[test]
     fn a_peaked_row_keeps_its_top_k_from_below_every_floor() {
-        // One id holds the row; the others lie below both floors in seven tied levels (about
-        // 650 ids each), so no floor holds `top_k` ids and ties straddle the k-th place.
+        // One id holds the row; the others lie below both floors in seven tied levels
+        // (hundreds of ids each), so no floor holds `top_k` ids and ties straddle the k-th
+        // place.
         let mut p: Vec<f32> = (0..5000)
             .map(|i| match i % 11 {
                 0 => 0.0,
