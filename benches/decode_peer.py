@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from pinning import pin
-from specdraft.measure import ratio_stats
+from serve_process import SPECDRAFT
+from specdraft.measure import BASELINE, ratio_stats
 
 #: Where llama.cpp's tools are usually built for these benchmarks.
 LLAMA_BENCH = Path.home() / ".cache/specdraft-peer/llama.cpp-0.3.36/build/bin/llama-bench"
@@ -93,10 +94,9 @@ def run_specdraft_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     A ``RuntimeError`` carries its error output when it fails or prints no report.
     """
-    command = [sys.executable, "-c", "import sys; from specdraft.cli import main; "]
-    command[-1] += "sys.exit(main(sys.argv[1:]))"
-    command += ["bench", "--json", "--batch", "1", "--device", "cpu", "--model", str(args.model)]
-    command += ["--max-tokens", str(args.max_tokens), *args.bench_args]
+    command = [*SPECDRAFT, "bench", "--json", "--batch", "1", "--device", "cpu"]
+    command += ["--model", str(args.model), "--max-tokens", str(args.max_tokens)]
+    command += args.bench_args
     if args.proposer:
         command += ["--proposer", args.proposer]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -137,7 +137,7 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """
     summary: dict[str, Any] = {}
     for r in rounds:
-        plain = next((x["tokens_per_s"] for x in r["rows"] if x["row"] == "baseline"), None)
+        plain = next((x["tokens_per_s"] for x in r["rows"] if x["row"] == BASELINE), None)
         for x in r["rows"]:
             s = summary.setdefault(
                 x["row"], {"tokens_per_s": [], "vs_llama_bench": [], "vs_plain": []}
