@@ -177,16 +177,16 @@ fn kept_ids(p: &[f32], top_k: usize, top_p: f32) -> Option<Vec<usize>> {
                 left_out |= w > 0.0;
             }
         }
-        if whole.is_none() && few.len() < top_k && left_out {
-            // Too few ids above the floor for `top_k`: one bounded pass finds the `top_k`
-            // heaviest, where another floor might hold too few again and a pass over every
-            // id would select among tens of thousands.
-            let (heaviest, left_out) = heaviest(p, top_k);
-            return cut(p, heaviest, top_k, top_p, None, left_out);
-        }
         kept = cut(p, few, top_k, top_p, whole, left_out);
         if kept.is_some() {
             break;
+        }
+        if whole.is_none() {
+            // With `top_k`, `cut` declines only a floor holding fewer than `top_k` ids: one
+            // bounded pass finds the `top_k` heaviest, where another floor might hold too
+            // few again and a pass over every id would select among tens of thousands.
+            let (heaviest, left_out) = heaviest(p, top_k);
+            return cut(p, heaviest, top_k, top_p, None, left_out);
         }
     }
     kept
